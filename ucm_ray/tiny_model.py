@@ -1,0 +1,382 @@
+"""A tiny, deterministic Llama model that vLLM can load, built entirely offline.
+
+Why this exists: tests and benchmarks need a *real* vLLM engine (real
+scheduler, real KV cache tensors, real layer hooks) but development and CI
+machines have no GPU and no model-hub access. A Llama with random weights and
+a tokenizer trained locally on synthetic text is enough: the KV-cache tier
+only cares that prefills are deterministic and that bytes it restores give
+the same tokens as a recompute. Everything here is reproducible from the
+parameters alone, so two machines (or two test runs) build byte-identical
+models and agree on every generated token.
+
+The builder is idempotent and atomic: a marker JSON records the parameters,
+a matching directory is returned untouched, and a new build is assembled in a
+temporary sibling directory and renamed into place, so an interrupted build
+never leaves a half-written model that vLLM would then fail to load.
+
+Floor 1: imports nothing else of ucm_ray, nor Ray, nor vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import itertools
+import json
+import logging
+import os
+import random
+import shutil
+import string
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = "ucm_tiny_model.json"
+"""Written last into a finished build; its contents are the build parameters."""
+
+FORMAT_VERSION = 1
+"""Bump when the build recipe changes, so stale directories are rebuilt."""
+
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+"""Ids 0, 1, 2 in this order (the BPE trainer assigns special tokens first)."""
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _build_params(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    seed: int,
+    dtype: str,
+) -> dict[str, Any]:
+    """Validate the shape parameters and return them as the marker's content.
+
+    Validation happens before anything touches the disk so that a bad value
+    fails with a message naming it, not deep inside transformers or vLLM.
+    """
+    positive = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+    }
+    for key, value in positive.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{key}: expected a positive int, got {value!r}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if (hidden_size // num_heads) % 2:
+        raise ValueError(f"head size hidden_size/num_heads ({hidden_size // num_heads}) must be even (RoPE)")
+    if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+        # A byte-level BPE needs all 256 byte symbols plus the special tokens.
+        raise ValueError(f"vocab_size: must be at least {256 + len(SPECIAL_TOKENS) + 1}, got {vocab_size}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed: expected an int, got {seed!r}")
+    return {"format_version": FORMAT_VERSION, "architecture": "LlamaForCausalLM", **positive,
+            "seed": seed, "dtype": dtype}
+
+
+def _read_marker(model_dir: Path) -> dict[str, Any] | None:
+    """The parameters of a finished build in ``model_dir``, or None if there is none."""
+    try:
+        return json.loads((model_dir / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_complete(model_dir: Path, params: dict[str, Any]) -> bool:
+    """True when ``model_dir`` holds a finished build with exactly these parameters.
+
+    The marker is written last, but files are checked too: someone may have
+    deleted a weight file by hand, and vLLM's error for that is obscure.
+    """
+    return _read_marker(model_dir) == params and all((model_dir / f).is_file() for f in REQUIRED_FILES)
+
+
+@contextlib.contextmanager
+def _build_lock(lock_path: Path) -> Iterator[None]:
+    """Serialize builders of the same directory (pytest-xdist workers, parallel scripts).
+
+    Without it two processes would both build and the loser's rename would
+    hit a non-empty directory.
+    """
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _synthetic_corpus(rng: random.Random, vocab_size: int) -> Iterator[str]:
+    """Deterministic pseudo-text with enough distinct words for ``vocab_size`` merges.
+
+    Words are random letter strings drawn with a skewed (Zipf-like)
+    distribution, so frequent pairs exist for BPE to merge and the trained
+    vocabulary fills up. Some digits, punctuation and capitals keep the byte
+    alphabet exercised. The amount of text scales with the target vocabulary.
+    """
+    letters = string.ascii_lowercase
+    num_words = max(4000, 4 * vocab_size)
+    lexicon = []
+    for _ in range(num_words):
+        length = rng.randint(2, 10)
+        lexicon.append("".join(rng.choice(letters) for _ in range(length)))
+    # Cumulative weights computed once: passing plain weights to choices()
+    # would re-sum them on every call (quadratic in the corpus size).
+    cum_weights = list(itertools.accumulate(1.0 / (rank + 1) ** 0.8 for rank in range(num_words)))
+    punctuation = [".", ",", ";", ":", "!", "?"]
+    num_lines = max(4000, 6 * vocab_size)
+    for _ in range(num_lines):
+        words = rng.choices(lexicon, cum_weights=cum_weights, k=rng.randint(6, 18))
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words) + 1), str(rng.randrange(100000)))
+        line = " ".join(words)
+        yield line[:1].upper() + line[1:] + rng.choice(punctuation)
+
+
+def _train_tokenizer(vocab_size: int, seed: int, max_len: int) -> Any:
+    """Train a byte-level BPE tokenizer whose vocabulary has exactly ``vocab_size`` entries.
+
+    Exactness matters: vLLM detokenizes every sampled id, and a random model
+    samples ids from its full embedding table, so every id the model can emit
+    must exist in the tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(random.Random(seed), vocab_size), trainer)
+    got = tok.get_vocab_size()
+    if got < vocab_size:
+        # Not expected with the corpus above; fill deterministically rather than fail.
+        logger.warning("BPE reached %d of %d tokens; padding with filler tokens", got, vocab_size)
+        tok.add_tokens([f"<extra_{i}>" for i in range(vocab_size - got)])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    # Prepend BOS like Llama tokenizers do, so text prompts look like real ones.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=max_len,
+    )
+
+
+def _write_model(tmp_dir: Path, params: dict[str, Any], tokenizer: Any) -> None:
+    """Write config, weights and tokenizer files of the model into ``tmp_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch_dtype = getattr(torch, params["dtype"])
+    config = LlamaConfig(
+        vocab_size=params["vocab_size"],
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        num_key_value_heads=params["num_kv_heads"],
+        max_position_embeddings=params["max_position_embeddings"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    # Which attribute transformers writes as the checkpoint dtype changed in 5.x
+    # (torch_dtype -> dtype); set the one this version has.
+    if hasattr(config, "dtype"):
+        config.dtype = torch_dtype
+    else:  # pragma: no cover - transformers 4.x
+        config.torch_dtype = torch_dtype
+    # Seed right before construction: weight init is the only consumer of the
+    # RNG, so equal parameters give byte-identical weights.
+    torch.manual_seed(params["seed"])
+    model = LlamaForCausalLM(config).to(torch_dtype).eval()
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_dir)
+    # Pin the tokenizer class: otherwise AutoTokenizer (and vLLM) may pick
+    # LlamaTokenizer from the model type and rebuild it from a sentencepiece
+    # model that does not exist.
+    cfg_path = tmp_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True))
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 8,
+    hidden_size: int = 512,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 1024,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 8192,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Build (or reuse) a tiny random-weight Llama model in ``out_dir`` and return its path.
+
+    The result loads with ``vllm.LLM(model=str(path))`` and with transformers'
+    ``AutoModelForCausalLM`` / ``AutoTokenizer``. Defaults give a model small
+    enough to build in seconds yet large enough that a ~4k-token prefill on a
+    2-core CPU is dominated by compute, not by fixed per-step overhead, which
+    is what KV-cache hits are meant to save.
+
+    Idempotent: if ``out_dir`` already holds a finished build with the same
+    parameters it is returned untouched (no file is rewritten). A finished
+    build with *different* parameters is replaced. A non-empty directory that
+    is not one of our builds is never deleted: that raises FileExistsError.
+    """
+    out_dir = Path(out_dir).expanduser().resolve()
+    params = _build_params(
+        num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, seed=seed, dtype=dtype,
+    )
+    if _is_complete(out_dir, params):
+        logger.debug("tiny model already present at %s", out_dir)
+        return out_dir
+
+    parent = out_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(parent / f".{out_dir.name}.lock"):
+        # Another process may have finished the same build while we waited.
+        if _is_complete(out_dir, params):
+            logger.debug("tiny model built concurrently at %s", out_dir)
+            return out_dir
+        if out_dir.exists():
+            if not out_dir.is_dir():
+                raise FileExistsError(f"{out_dir} exists and is not a directory")
+            if any(out_dir.iterdir()) and _read_marker(out_dir) is None:
+                raise FileExistsError(
+                    f"{out_dir} is a non-empty directory without {MARKER_NAME}; "
+                    "refusing to replace something make_tiny_model did not build"
+                )
+        # We hold the lock, so any temporary sibling is debris of an interrupted build.
+        for stale in parent.glob(f".{out_dir.name}.tmp-*"):
+            logger.info("removing debris of an interrupted build: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+        t0 = time.monotonic()
+        logger.info("building tiny model at %s: %s", out_dir, params)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        try:
+            tokenizer = _train_tokenizer(vocab_size, seed, max_position_embeddings)
+            logger.info("tokenizer trained (%d tokens) in %.1f s", len(tokenizer), time.monotonic() - t0)
+            _write_model(tmp_dir, params, tokenizer)
+            # The marker goes in last: its presence means every other file is complete.
+            (tmp_dir / MARKER_NAME).write_text(json.dumps(params, indent=2, sort_keys=True))
+            _finalize_tree(tmp_dir)
+            _swap_into_place(tmp_dir, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        logger.info("tiny model ready at %s in %.1f s", out_dir, time.monotonic() - t0)
+        return out_dir
+
+
+def _finalize_tree(root: Path) -> None:
+    """Give the build ordinary permissions and flush it to disk before publishing it.
+
+    mkdtemp creates the directory 0700 and some writers create files 0600;
+    other users (a container running as another uid, a shared model cache)
+    must be able to read the model, so apply the umask-derived defaults.
+    Flushing first means a crash right after the rename cannot publish empty files.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for path in root.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def _swap_into_place(tmp_dir: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp_dir`` to ``out_dir``, retiring any old build first.
+
+    A directory cannot be atomically replaced by rename(2) unless the target
+    is empty, so an old build is first renamed aside (readers then see either
+    nothing or a complete model, never a mix) and deleted afterwards.
+    """
+    retired: Path | None = None
+    if out_dir.exists():
+        retired = out_dir.with_name(f".{out_dir.name}.tmp-old-{os.getpid()}-{time.monotonic_ns()}")
+        os.rename(out_dir, retired)
+    os.rename(tmp_dir, out_dir)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _usable_token_ids(tokenizer_file: str, mtime_ns: int) -> tuple[int, ...]:
+    """All ids of the tokenizer except special/added ones (cached per file version)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    special = set(tok.get_added_tokens_decoder())
+    return tuple(i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special)
+
+
+def synthetic_prompt(tokenizer_dir: str | Path, num_tokens: int, seed: int = 0) -> list[int]:
+    """Deterministic random token ids, exactly ``num_tokens`` long, for tests and benchmarks.
+
+    Ids are drawn uniformly from the tokenizer's vocabulary minus its special
+    tokens (a BOS/EOS in the middle of a prompt would be unlike real input,
+    and an EOS could end a request early). Pass the result to vLLM as
+    ``{"prompt_token_ids": ids}`` so no re-tokenization changes its length.
+
+    Prefix-stable: ``synthetic_prompt(d, n, s) == synthetic_prompt(d, m, s)[:n]``
+    for ``n <= m``, so prompts sharing a prefix (the KV-cache hit case) are
+    made by taking one long prompt and cutting it, or by appending a
+    differently seeded suffix.
+    """
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        raise ValueError(f"num_tokens: expected a non-negative int, got {num_tokens!r}")
+    tokenizer_file = Path(tokenizer_dir) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{tokenizer_file} not found (build the model with make_tiny_model first)")
+    ids = _usable_token_ids(str(tokenizer_file.resolve()), tokenizer_file.stat().st_mtime_ns)
+    rng = random.Random(seed)
+    # One randrange per token keeps the prefix-stable property explicit.
+    return [ids[rng.randrange(len(ids))] for _ in range(num_tokens)]

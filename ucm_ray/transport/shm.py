@@ -1,0 +1,136 @@
+"""Same-node data path: the shard's pool is a file in /dev/shm that clients map.
+
+On one host, NIXL/UCX between GPU memory and another process's pinned host
+memory fell back to TCP (0.5-0.8 GB/s measured), while a mapped, host-registered
+segment copies at PCIe speed. So same-node clients copy straight from/to the
+mapping: plain copies on CPU, side-stream async copies on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ucm_ray.transport.base import (
+    CompletedTransfer,
+    CopyOp,
+    PoolDescriptor,
+    PoolTransport,
+    Transfer,
+    TransferError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SharedPool:
+    """A /dev/shm file mapped as a flat uint8 tensor (owner creates, others attach)."""
+
+    def __init__(self, path: str, size: int, *, create: bool) -> None:
+        self.path = path
+        self.size = size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise TransferError(f"shared pool {path} is smaller than its descriptor says")
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._owner = create
+
+    def close(self) -> None:
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            log.warning("pool %s still has live views; leaving the mapping to the GC", self.path)
+        if self._owner:
+            Path(self.path).unlink(missing_ok=True)
+
+
+class _CudaEventTransfer(Transfer):
+    def __init__(self, event: "torch.cuda.Event") -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        try:
+            self._event.synchronize()
+        except RuntimeError as e:  # a CUDA error surfaces here
+            raise TransferError(str(e)) from e
+
+
+class ShmPoolTransport(PoolTransport):
+    """Copies between local tensors and a same-node shard's mapped pool."""
+
+    name = "shm"
+
+    def __init__(self, desc: PoolDescriptor) -> None:
+        if not desc.shm_path or not os.path.exists(desc.shm_path):
+            raise TransferError(f"shard {desc.shard_id} pool {desc.shm_path!r} is not mapped on this node")
+        self._desc = desc
+        self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False)
+        self._host_registered = False
+        self._stream: torch.cuda.Stream | None = None
+
+    def register_local(self, tensor: torch.Tensor) -> None:
+        if tensor.is_cuda:
+            self._pin_for_cuda()
+
+    def read(self, ops: Sequence[CopyOp]) -> Transfer:
+        return self._copy(ops, to_pool=False)
+
+    def write(self, ops: Sequence[CopyOp]) -> Transfer:
+        return self._copy(ops, to_pool=True)
+
+    def close(self) -> None:
+        if self._host_registered:
+            torch.cuda.cudart().cudaHostUnregister(self._pool.tensor.data_ptr())
+            self._host_registered = False
+        self._pool.close()
+
+    def _copy(self, ops: Sequence[CopyOp], *, to_pool: bool) -> Transfer:
+        pool = self._pool.tensor
+        for op in ops:
+            if op.pool_offset < 0 or op.pool_offset + op.nbytes > self._desc.pool_bytes:
+                raise ValueError(f"copy [{op.pool_offset}, +{op.nbytes}) is outside shard "
+                                 f"{self._desc.shard_id}'s pool of {self._desc.pool_bytes} bytes")
+        if not any(op.local.is_cuda for op in ops):
+            try:
+                for op in ops:
+                    view = pool[op.pool_offset: op.pool_offset + op.nbytes]
+                    (view if to_pool else op.local).copy_(op.local if to_pool else view)
+            except RuntimeError as e:
+                return CompletedTransfer(e)
+            return CompletedTransfer()
+        self._pin_for_cuda()
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for op in ops:
+                view = pool[op.pool_offset: op.pool_offset + op.nbytes]
+                (view if to_pool else op.local).copy_(op.local if to_pool else view, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return _CudaEventTransfer(event)
+
+    def _pin_for_cuda(self) -> None:
+        """Page-lock the mapping once so CUDA copies run at PCIe speed, asynchronously."""
+        if self._host_registered:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(self._pool.tensor.data_ptr(), self._desc.pool_bytes, 0)
+        if int(rc) != 0:
+            raise TransferError(f"cudaHostRegister of shard pool {self._desc.shm_path} failed: {rc}")
+        self._host_registered = True
+        self._stream = torch.cuda.Stream()
