@@ -38,10 +38,14 @@ class CacheShard:
         self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s,
                                  reserve_timeout_s=cfg.reserve_timeout_s)
         self._nixl = None
-        if cfg.transport != "shm":
-            from ucm_ray.transport.nixl import NixlPoolExporter
+        try:
+            if cfg.transport != "shm":
+                from ucm_ray.transport.nixl import NixlPoolExporter
 
-            self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}")
+                self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}")
+        except BaseException:
+            self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
+            raise
         self._metrics = ShardMetrics(shard_id)
         self._forever = asyncio.Event()
         self._publisher: asyncio.Task | None = None

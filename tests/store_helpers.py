@@ -1,0 +1,50 @@
+"""Deterministic block contents and a client that runs in another process (a Ray actor)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import ray
+import torch
+
+SIZES = (4096, 12288, 65536, 1000, 131072, 777)
+
+
+def key(i: int, tag: str = "k") -> bytes:
+    return hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest()
+
+
+def block(i: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+    return torch.randint(0, 256, (SIZES[i % len(SIZES)],), dtype=torch.uint8, generator=g)
+
+
+def arena(n: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One registered buffer holding blocks 0..n-1 back to back, plus views of each."""
+    sizes = [SIZES[i % len(SIZES)] for i in range(n)]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    views, off = [], 0
+    for i, s in enumerate(sizes):
+        views.append(buf[off: off + s])
+        views[-1].copy_(block(i, seed))
+        off += s
+    return buf, views
+
+
+@ray.remote(num_cpus=0)
+class ClientProcess:
+    """A StoreClient living in its own worker process."""
+
+    def __init__(self, config: dict) -> None:
+        from ucm_ray.config import UcmRayConfig
+        from ucm_ray.store.client import StoreClient
+
+        self.client = StoreClient(UcmRayConfig.from_dict(config))
+
+    def write(self, n: int, seed: int = 0, tag: str = "k") -> list[bool]:
+        buf, views = arena(n, seed)
+        self.client.register_local(buf)
+        return self.client.put([key(i, tag) for i in range(n)], views)
+
+    def transports(self) -> list[str]:
+        return sorted({self.client.transport_kind(s) for s in self.client.membership.shard_ids})

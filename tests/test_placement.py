@@ -1,0 +1,49 @@
+import hashlib
+
+import numpy as np
+
+from ucm_ray.store.placement import owners
+
+
+def keys(n, seed=0):
+    return [hashlib.blake2b(f"{seed}-{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def test_top_r_are_distinct_and_deterministic():
+    ks = keys(1000)
+    shards = [f"s{i}" for i in range(5)]
+    a = owners(ks, shards, 3)
+    assert a.shape == (1000, 3)
+    assert all(len(set(row)) == 3 for row in a.tolist())
+    assert np.array_equal(a, owners(ks, shards, 3))
+
+
+def test_adding_a_shard_moves_about_one_over_n():
+    ks = keys(20000)
+    before = owners(ks, [f"s{i}" for i in range(4)], 1)[:, 0]
+    after = owners(ks, [f"s{i}" for i in range(5)], 1)[:, 0]
+    moved = np.mean(before != after)
+    assert 0.15 < moved < 0.25  # ideal 1/5 = 0.2
+    # every moved key moved to the new shard, none between old shards
+    assert set(after[before != after].tolist()) == {4}
+
+
+def test_balance():
+    counts = np.bincount(owners(keys(40000), [f"s{i}" for i in range(4)], 1)[:, 0], minlength=4)
+    assert counts.min() > 0.9 * 10000 and counts.max() < 1.1 * 10000
+
+
+def test_removing_a_shard_promotes_the_next_replica():
+    ks = keys(2000)
+    shards = [f"s{i}" for i in range(4)]
+    full = owners(ks, shards, 2)
+    without = owners(ks, shards[1:], 1)[:, 0] + 1  # indices shift by one
+    lost_primary = full[:, 0] == 0
+    assert np.array_equal(without[lost_primary], full[lost_primary, 1])
+
+
+def test_short_keys_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="digest"):
+        owners([b"abc"], ["s0"], 1)

@@ -1,0 +1,132 @@
+"""The store on a real local Ray cluster with 3 shards, clients in other processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from ucm_ray.store.client import StoreClient
+from ucm_ray.store.fleet import fleet_status, shard_name
+from tests.store_helpers import SIZES, ClientProcess, arena, block, key
+
+
+def read_back(client: StoreClient, n: int, tag: str = "k"):
+    sizes = [SIZES[i % len(SIZES)] for i in range(n)]
+    buf = torch.zeros(sum(sizes), dtype=torch.uint8)
+    client.register_local(buf)
+    views, off = [], 0
+    for s in sizes:
+        views.append(buf[off: off + s])
+        off += s
+    ok = client.get([key(i, tag) for i in range(n)], views)
+    return ok, views
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_500_mixed_blocks_round_trip_byte_exact(fleet, transport):
+    cfg = fleet(transport=transport)
+    writer = ClientProcess.remote(cfg.to_dict())
+    stored = ray.get(writer.write.remote(500))
+    assert all(stored)
+    assert ray.get(writer.transports.remote()) == [transport]
+    client = StoreClient(cfg)
+    ok, views = read_back(client, 500)
+    assert all(ok)
+    for i, v in enumerate(views):
+        assert torch.equal(v, block(i)), f"block {i} differs"
+    assert {client.transport_kind(s) for s in client.membership.shard_ids} == {transport}
+    assert sum(s["entries"] for s in fleet_status(cfg)["shards"]) == 500
+    client.close()
+
+
+def _kill_shard(cfg, i: int) -> None:
+    ray.kill(ray.get_actor(shard_name(i), namespace=cfg.ray_namespace), no_restart=True)
+
+
+def _wait_for_membership(client: StoreClient, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        client.refresh(force=True)
+        if len(client.membership.shards) == n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"directory still lists {len(client.membership.shards)} shards")
+
+
+def test_replication_2_survives_a_killed_shard(fleet):
+    cfg = fleet(replication=2)
+    assert all(ray.get(ClientProcess.remote(cfg.to_dict()).write.remote(300)))
+    client = StoreClient(cfg)
+    _kill_shard(cfg, 1)
+    # Immediately after the kill (membership not yet updated) and after it: all hits, all exact.
+    for _ in range(2):
+        ok, views = read_back(client, 300)
+        assert all(ok)
+        assert all(torch.equal(v, block(i)) for i, v in enumerate(views))
+        _wait_for_membership(client, 2)
+    client.close()
+
+
+def test_replication_1_killed_shard_means_misses_never_wrong_bytes(fleet):
+    cfg = fleet(replication=1)
+    assert all(ray.get(ClientProcess.remote(cfg.to_dict()).write.remote(300)))
+    client = StoreClient(cfg)
+    _kill_shard(cfg, 0)
+    for _ in range(2):
+        ok, views = read_back(client, 300)
+        assert 0 < sum(ok) < 300  # the dead shard's keys are misses, the rest hit
+        for i, v in enumerate(views):
+            if ok[i]:
+                assert torch.equal(v, block(i))
+        assert client.lookup([key(i) for i in range(300)]) == ok
+        _wait_for_membership(client, 2)
+    client.close()
+
+
+def test_pool_at_ten_percent_of_working_set_evicts_lru(fleet):
+    n = 600
+    working_set = sum(SIZES[i % len(SIZES)] for i in range(n))
+    cfg = fleet(pool_bytes=max(4096, working_set // 10 // 3))
+    writer = ClientProcess.remote(cfg.to_dict())
+    for start in range(0, n, 100):  # in batches, as an engine would
+        ray.get(writer.write.remote(n))  # rewrites are no-ops for present keys, refills evicted ones
+    stats = fleet_status(cfg)["shards"]
+    assert sum(s["evictions"] for s in stats) > 0
+    assert all(s["used_bytes"] <= s["capacity_bytes"] for s in stats)
+    client = StoreClient(cfg)
+    ok, views = read_back(client, n)
+    assert 0 < sum(ok) < n
+    assert all(torch.equal(v, block(i)) for i, v in enumerate(views) if ok[i])
+    client.close()
+
+
+def test_concurrent_writers_of_the_same_keys_never_tear(fleet):
+    cfg = fleet()
+    a, b = ClientProcess.remote(cfg.to_dict()), ClientProcess.remote(cfg.to_dict())
+    ra, rb = a.write.remote(200, seed=1), b.write.remote(200, seed=2)
+    assert all(ray.get(ra)) and all(ray.get(rb))
+    client = StoreClient(cfg)
+    ok, views = read_back(client, 200)
+    assert all(ok)
+    for i, v in enumerate(views):
+        assert torch.equal(v, block(i, 1)) or torch.equal(v, block(i, 2)), f"block {i} is torn"
+    client.close()
+
+
+def test_lookup_is_batched_and_async(fleet):
+    cfg = fleet()
+    client = StoreClient(cfg)
+    buf, views = arena(50)
+    client.register_local(buf)
+    assert all(client.put([key(i) for i in range(50)], views))
+    fut = client.lookup_async([key(i) for i in range(100)])
+    assert len(fut._calls) <= 3  # one call per shard, whatever the number of keys
+    deadline = time.monotonic() + 20
+    while not fut.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert fut.result() == [True] * 50 + [False] * 50
+    client.close()

@@ -1,0 +1,122 @@
+"""The ``ucm-ray`` command: run the shard fleet, inspect it, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from ucm_ray.config import ConfigError, UcmRayConfig
+
+log = logging.getLogger("ucm_ray")
+
+
+def _connect(args: argparse.Namespace, cfg: UcmRayConfig) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.local:
+        ray.init(namespace=cfg.ray_namespace, include_dashboard=False, logging_level="WARNING")
+        return
+    try:
+        ray.init(address=args.address or "auto", namespace=cfg.ray_namespace, logging_level="WARNING")
+    except ConnectionError as e:
+        raise SystemExit(f"ucm-ray: no Ray cluster at {args.address or 'auto'} ({e}); start one with "
+                         "`ray start --head`, pass --address, or use --local") from None
+
+
+def cmd_up(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
+    from ucm_ray.store.fleet import fleet_status, start_fleet, stop_fleet
+
+    _connect(args, cfg)
+    start_fleet(cfg)
+    print(json.dumps(fleet_status(cfg), indent=2))
+    if args.local:  # the cluster lives in this process: serve until interrupted
+        log.info("local fleet running; Ctrl-C stops it")
+        try:
+            while True:
+                time.sleep(30)
+                log.info("status: %s", _summary(fleet_status(cfg)))
+        except KeyboardInterrupt:
+            stop_fleet(cfg)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
+    from ucm_ray.store.fleet import fleet_status
+
+    _connect(args, cfg)
+    try:
+        st = fleet_status(cfg)
+    except ValueError:
+        print(f"no ucm-ray fleet in Ray namespace {cfg.ray_namespace!r}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2) if args.json else _summary(st))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
+    from ucm_ray.store.fleet import stop_fleet
+
+    _connect(args, cfg)
+    print(f"stopped {stop_fleet(cfg)} shard(s)")
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
+    from ucm_ray.tiny_model import make_tiny_model
+
+    print(make_tiny_model(args.dir))
+    return 0
+
+
+def _summary(st: dict) -> str:
+    lines = [f"membership v{st['version']}, {len(st['shards'])} shard(s)"]
+    for s in st["shards"]:
+        if "error" in s:
+            lines.append(f"  {s['shard_id']}: {s['error']}")
+            continue
+        hit = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        lines.append(f"  {s['shard_id']}: {s['used_bytes'] / 2**20:.1f}/{s['capacity_bytes'] / 2**20:.0f} MiB, "
+                     f"{s['entries']} entries, hit rate {hit:.2f}, {s['evictions']} evictions, "
+                     f"{s['dropped_saves']} dropped saves")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ucm-ray", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, helptext in [
+        ("up", cmd_up, "start the directory and shards (idempotent)"),
+        ("status", cmd_status, "show shards, capacity and hit counts"),
+        ("down", cmd_down, "stop the shards and unlink their pools"),
+    ]:
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument("--address", help="Ray cluster address (default: auto)")
+        sp.add_argument("--local", action="store_true", help="start a private local Ray cluster")
+        if name == "status":
+            sp.add_argument("--json", action="store_true")
+        UcmRayConfig.add_cli_arguments(sp)
+        sp.set_defaults(func=fn)
+    sp = sub.add_parser("make-tiny-model", help="build the tiny local test model into DIR")
+    sp.add_argument("dir")
+    sp.set_defaults(func=cmd_make_tiny_model, config=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = UcmRayConfig.from_cli(args) if hasattr(args, "num_shards") else UcmRayConfig()
+    except ConfigError as e:
+        print(f"ucm-ray: bad configuration: {e}", file=sys.stderr)
+        return 2
+    return args.func(args, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
