@@ -26,7 +26,11 @@ NUM_LAYERS = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", **PARAMS)
+    parent = tmp_path_factory.mktemp("tiny")
+    # Debris of an "interrupted" earlier build: the builder must clear it.
+    (parent / ".llama.tmp-stale").mkdir()
+    (parent / ".llama.tmp-stale" / "config.json").write_text("{}")
+    return make_tiny_model(parent / "llama", **PARAMS)
 
 
 def _snapshot(path: Path) -> dict[str, int]:
@@ -48,6 +52,19 @@ def test_second_call_is_noop(model_dir: Path) -> None:
     before = _snapshot(model_dir)
     assert make_tiny_model(model_dir, **PARAMS) == model_dir
     assert _snapshot(model_dir) == before
+
+
+def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ucm_ray.tiny_model as tm
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-build
+
+    monkeypatch.setattr(tm, "_train_tokenizer", boom)
+    with pytest.raises(KeyboardInterrupt):
+        make_tiny_model(tmp_path / "m", **PARAMS)
+    assert not (tmp_path / "m").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 def test_refuses_foreign_directory(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@ class UcmRayConfig:
     """Label mixed into every key; engines share blocks only within one namespace."""
     ray_namespace: str = "ucm_ray"
     """Ray namespace holding the named directory and shard actors."""
+    ray_address: str = "auto"
+    """Where engines find the Ray cluster when their process is not connected yet."""
     num_shards: int = 2
     pool_bytes: int = 1 << 30
     """Size of each shard's preallocated pool (accepts '1GiB')."""
@@ -74,8 +76,8 @@ class UcmRayConfig:
                 raise ConfigError(f"{key}: {getattr(self, key)!r} is not allowed; expected {allowed}")
 
         need(bool(self.namespace) and isinstance(self.namespace, str), "namespace", "a non-empty string")
-        need(bool(self.ray_namespace) and isinstance(self.ray_namespace, str), "ray_namespace",
-             "a non-empty string")
+        for key in ("ray_namespace", "ray_address"):
+            need(bool(getattr(self, key)) and isinstance(getattr(self, key), str), key, "a non-empty string")
         need(self.num_shards >= 1, "num_shards", "an integer >= 1")
         need(self.pool_bytes >= 4096, "pool_bytes", "a size >= 4096 bytes")
         need(1 <= self.replication <= self.num_shards, "replication",

@@ -93,6 +93,97 @@ class LookupFuture:
         return present.tolist()
 
 
+class AcquireFuture:
+    """Pins keys on their primary owner; keys whose shard *failed* move on to the next replica.
+
+    A plain miss on a live primary is final (asking every replica for every miss
+    would double the control traffic of cold prompts). ``poll`` never blocks, so
+    the scheduler can check it once per step.
+    """
+
+    def __init__(self, client: "StoreClient", keys: list[bytes]) -> None:
+        self._client = client
+        self._keys = keys
+        self.lease = ReadLease(locations=[None] * len(keys))
+        self._live, self._own = client._owners(keys) if keys else ([], np.zeros((0, 0), dtype=np.int64))
+        self._started = time.monotonic()
+        self._calls: list[tuple[ShardRecord, list[int], ray.ObjectRef]] = []
+        self._rank = 0
+        self._post(list(range(len(keys))))
+
+    def _post(self, idx: list[int]) -> None:
+        if not idx or self._rank >= self._own.shape[1]:
+            return
+        by_shard: dict[int, list[int]] = defaultdict(list)
+        for i in idx:
+            by_shard[int(self._own[i, self._rank])].append(i)
+        self._calls = [(self._live[j], ix, self._live[j].handle.acquire.remote([self._keys[i] for i in ix]))
+                       for j, ix in by_shard.items()]
+
+    def _collect(self, timeout_s: float) -> None:
+        failed: list[int] = []
+        for shard, idx, ref in self._calls:
+            got = self._client._get(shard.shard_id, ref, timeout_s)
+            if got is None:
+                failed.extend(idx)
+                continue
+            lease_id, slots = got
+            self.lease.leases.setdefault(shard.shard_id, []).append(lease_id)
+            for i, slot in zip(idx, slots):
+                if slot is not None:
+                    self.lease.locations[i] = Location(shard.shard_id, slot.offset, slot.size, slot.checksum)
+        self._calls = []
+        self._rank += 1
+        self._post(failed)
+
+    def poll(self) -> bool:
+        """True once every key is resolved (pinned or a miss)."""
+        while self._calls:
+            refs = [ref for _, _, ref in self._calls]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            overdue = time.monotonic() - self._started > self._client.config.lookup_timeout_s
+            if len(ready) < len(refs) and not overdue:
+                return False
+            self._collect(0.0 if not overdue else 0.001)
+        return True
+
+    def result(self) -> ReadLease:
+        while self._calls:
+            left = self._client.config.lookup_timeout_s - (time.monotonic() - self._started)
+            self._collect(max(0.001, left))
+        return self.lease
+
+
+class ReserveFuture:
+    """Posted ``reserve`` calls (one per owning shard); ``result`` collects the slots."""
+
+    def __init__(self, client: "StoreClient", keys: list[bytes], sizes: list[int]) -> None:
+        self._client = client
+        self._sizes = sizes
+        self._res = WriteReservation(keys=keys, locations=[[] for _ in keys])
+        self._calls: list[tuple[ShardRecord, np.ndarray, ray.ObjectRef]] = []
+        if keys:
+            live, own = client._owners(keys)
+            for j, shard in enumerate(live):
+                idx = np.nonzero((own == j).any(axis=1))[0]
+                if len(idx):
+                    items = [(keys[i], sizes[i]) for i in idx]
+                    self._calls.append((shard, idx, shard.handle.reserve.remote(items)))
+
+    def result(self) -> WriteReservation:
+        for shard, idx, ref in self._calls:
+            got = self._client._get(shard.shard_id, ref, self._client.config.lookup_timeout_s)
+            if got is None:
+                continue
+            token, offsets = got
+            self._res.tokens[shard.shard_id] = token
+            for i, off in zip(idx, offsets):
+                if off is not None:
+                    self._res.locations[i].append(Location(shard.shard_id, off, self._sizes[i]))
+        self._calls = []
+        return self._res
+
+
 class StoreClient:
     def __init__(self, config: UcmRayConfig, *, directory: ray.actor.ActorHandle | None = None) -> None:
         self.config = config
@@ -171,33 +262,13 @@ class StoreClient:
 
     # --- reads ---------------------------------------------------------------------------
 
-    def acquire(self, keys: Sequence[bytes]) -> ReadLease:
-        """Pin each key on the first live replica that holds it (replica by replica)."""
+    def acquire_async(self, keys: Sequence[bytes]) -> "AcquireFuture":
+        """Pin ``keys`` where they live, without blocking: see ``AcquireFuture``."""
         self.refresh()
-        keys = list(keys)
-        lease = ReadLease(locations=[None] * len(keys))
-        if not keys:
-            return lease
-        live, own = self._owners(keys)
-        for rank in range(own.shape[1]):
-            pending = [i for i in range(len(keys)) if lease.locations[i] is None]
-            if not pending:
-                break
-            by_shard: dict[int, list[int]] = defaultdict(list)
-            for i in pending:
-                by_shard[int(own[i, rank])].append(i)
-            calls = [(live[j], idx, live[j].handle.acquire.remote([keys[i] for i in idx]))
-                     for j, idx in by_shard.items()]
-            for shard, idx, ref in calls:
-                got = self._get(shard.shard_id, ref, self.config.lookup_timeout_s)
-                if got is None:
-                    continue
-                lease_id, slots = got
-                lease.leases.setdefault(shard.shard_id, []).append(lease_id)
-                for i, slot in zip(idx, slots):
-                    if slot is not None:
-                        lease.locations[i] = Location(shard.shard_id, slot.offset, slot.size, slot.checksum)
-        return lease
+        return AcquireFuture(self, list(keys))
+
+    def acquire(self, keys: Sequence[bytes]) -> ReadLease:
+        return self.acquire_async(keys).result()
 
     def release(self, lease: ReadLease) -> set[str]:
         """Unpin; returns the shards whose lease expired (their copies are untrusted)."""
@@ -212,32 +283,26 @@ class StoreClient:
         lease.leases.clear()
         return stale
 
+    def release_async(self, leases: dict[str, list[int]] | ReadLease) -> None:
+        """Unpin without waiting (the engine's hot path): a lost release only delays
+        eviction of those entries until their lease expires."""
+        ids = leases.leases if isinstance(leases, ReadLease) else leases
+        records = {s.shard_id: s for s in self._membership.shards}
+        for sid, lease_ids in ids.items():
+            if sid in records and lease_ids:
+                records[sid].handle.release.remote(lease_ids)
+        if isinstance(leases, ReadLease):
+            leases.leases = {}
+
     # --- writes --------------------------------------------------------------------------
 
-    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int]) -> WriteReservation:
-        """Fresh slots on every live owner (r replicas) of each key not stored yet."""
+    def reserve_async(self, keys: Sequence[bytes], sizes: Sequence[int]) -> "ReserveFuture":
+        """Ask every live owner (r replicas) of each key for a fresh slot; never blocks."""
         self.refresh()
-        keys = list(keys)
-        res = WriteReservation(keys=keys, locations=[[] for _ in keys])
-        if not keys:
-            return res
-        live, own = self._owners(keys)
-        calls = []
-        for j, shard in enumerate(live):
-            idx = np.nonzero((own == j).any(axis=1))[0]
-            if len(idx):
-                items = [(keys[i], int(sizes[i])) for i in idx]
-                calls.append((shard, idx, shard.handle.reserve.remote(items)))
-        for shard, idx, ref in calls:
-            got = self._get(shard.shard_id, ref, self.config.lookup_timeout_s)
-            if got is None:
-                continue
-            token, offsets = got
-            res.tokens[shard.shard_id] = token
-            for i, off in zip(idx, offsets):
-                if off is not None:
-                    res.locations[i].append(Location(shard.shard_id, off, int(sizes[i])))
-        return res
+        return ReserveFuture(self, list(keys), [int(x) for x in sizes])
+
+    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int]) -> WriteReservation:
+        return self.reserve_async(keys, sizes).result()
 
     def commit(self, res: WriteReservation, landed: Sequence[bool],
                checksums: Sequence[int | None] | None = None) -> list[bool]:

@@ -1,0 +1,161 @@
+"""UcmRayConnector: the one class vLLM loads (``kv_connector_module_path: ucm_ray.vllm.connector``).
+
+A thin adapter: the scheduler role delegates to ``SchedulerPart``, the worker
+role to ``WorkerPart``. Both reach the store through a ``StoreClient``,
+connecting the process to the Ray cluster first when vLLM runs it outside Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import ray
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+try:  # vLLM 0.32 reports async load failures through this; older/other versions lack it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.client import StoreClient
+from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
+from ucm_ray.vllm.scheduler import SchedulerPart
+from ucm_ray.vllm.stats import UcmRayStats
+from ucm_ray.vllm.worker import WorkerPart
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def connect_store(config: UcmRayConfig) -> StoreClient:
+    """A StoreClient for this process; joins the Ray cluster if vLLM started us outside it."""
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, namespace=config.ray_namespace, log_to_driver=False,
+                 logging_level="WARNING")
+    return StoreClient(config)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError, ImportError):
+        return 0
+
+
+class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.ucm_config = UcmRayConfig.from_dict(extra)
+        client = connect_store(self.ucm_config)
+        self._scheduler: SchedulerPart | None = None
+        self._worker: WorkerPart | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerPart(vllm_config, kv_cache_config, self.ucm_config, client)
+        else:
+            self._worker = WorkerPart(kv_cache_config, self.ucm_config, client, _tp_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss, nothing more
+
+    @property
+    def scheduler_part(self) -> SchedulerPart:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker_part(self) -> WorkerPart:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    # --- scheduler role ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_part.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.scheduler_part.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler_part.build_connector_meta(scheduler_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        self.scheduler_part.bind_kv_cache_manager(kv_cache_manager)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        return None  # loads and saves complete within the step; nothing to reconcile
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_part.request_finished(request)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_part.request_finished(request)
+
+    def get_kv_connector_stats(self) -> UcmRayStats | None:
+        part = self._scheduler or self._worker
+        return part.stats.take() if part is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UcmRayStats:
+        return UcmRayStats(data=dict(data or {}))
+
+    # --- worker role ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_part.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, UcmRayConnectorMetadata)
+        self.worker_part.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self.worker_part.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_part.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker_part.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker_part.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, _ = self.worker_part.transfer_results()
+        return None, done or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+            done, failed = self.worker_part.transfer_results()
+            return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_part.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

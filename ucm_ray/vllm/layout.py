@@ -1,0 +1,76 @@
+"""Where one stored entry's bytes live in vLLM's KV cache tensors, derived, never assumed.
+
+An entry is one block of one kv-cache group for one rank: for every layer of the
+group (in group order) the block's bytes, layer-major, so a layer of many blocks
+is a set of contiguous ranges (what layerwise loads and saves move). The layout
+of a layer's tensor differs by backend: on CPU ``[num_blocks, heads, block, 2*head]``
+(K and V side by side), on GPU often ``[2, num_blocks, ...]`` (K and V apart), for
+mamba states int8 ``[num_blocks, 1, 1, state_bytes]``. We find the block dimension
+by its size and split a block into the contiguous pieces that remain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ucm_ray.transport.base import as_bytes
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+    block_bytes: int
+
+    def segments(self, block_id: int) -> list[torch.Tensor]:
+        """The block's bytes in this layer as flat uint8 views (one, or one per K/V half)."""
+        view = self.tensor.select(self.block_dim, block_id)
+        pieces = [view]
+        while not all(p.is_contiguous() for p in pieces):
+            pieces = [q for p in pieces for q in (p.unbind(0) if not p.is_contiguous() else [p])]
+        return [as_bytes(p) for p in pieces]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    group: int
+    layers: tuple[LayerLayout, ...]
+
+    @property
+    def entry_bytes(self) -> int:
+        return sum(layer.block_bytes for layer in self.layers)
+
+    def layer_offset(self, index: int) -> int:
+        return sum(layer.block_bytes for layer in self.layers[:index])
+
+
+def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayout:
+    dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
+    if not dims:
+        raise ValueError(f"KV cache tensor of layer {name} has shape {tuple(tensor.shape)}; "
+                         f"no dimension matches num_blocks={num_blocks}")
+    dim = dims[0]
+    block_bytes = tensor.select(dim, 0).numel() * tensor.element_size()
+    return LayerLayout(name, tensor, dim, block_bytes)
+
+
+def build_layouts(kv_caches: dict[str, torch.Tensor], group_layers: list[list[str]],
+                  num_blocks: int) -> list[GroupLayout]:
+    """Per kv-cache group, its layers present on this worker (pipeline stages hold a subset)."""
+    return [GroupLayout(g, tuple(layer_layout(n, kv_caches[n], num_blocks) for n in names if n in kv_caches))
+            for g, names in enumerate(group_layers)]
+
+
+def base_buffers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct allocations behind the layer views, each as one flat uint8 tensor:
+    transports register these once instead of one region per layer."""
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    for t in kv_caches.values():
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        if key not in seen:
+            seen[key] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+    return list(seen.values())
