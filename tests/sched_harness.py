@@ -54,6 +54,7 @@ class Engine:
     first: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (computed, scheduled)
     loaded_blocks: dict[str, int] = field(default_factory=dict)  # req -> blocks the plan loads
     prefill_computed: dict[str, int] = field(default_factory=dict)  # req -> prompt tokens computed
+    resumed_at: dict[str, list[int]] = field(default_factory=dict)  # req -> computed tokens at each resume
 
     @property
     def connector(self):
@@ -75,6 +76,10 @@ class Engine:
                 self.deferred[r.request_id] = self.deferred.get(r.request_id, 0) + 1
         for new in out.scheduled_new_reqs:
             self.first.setdefault(new.req_id, (new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
+        cached = out.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if rid in cached.resumed_req_ids:
+                self.resumed_at.setdefault(rid, []).append(computed)
         for rid, n in out.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             before = req.num_computed_tokens - n  # the scheduler already advanced it

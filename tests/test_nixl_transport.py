@@ -266,6 +266,27 @@ def test_wait_after_shard_death_raises(cluster):
             os.unlink(path)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_buffers_round_trip(shard):
+    """GPU memory registers as VRAM and moves to/from the host pool (not run on CPU boxes)."""
+    actor, desc = shard
+    transport = nixl.NixlPoolTransport(desc)
+    try:
+        src = _random_bytes(3 << 20, seed=5).cuda()
+        dst = torch.zeros_like(src)
+        transport.register_local(src)
+        transport.register_local(dst)
+        ops = [CopyOp(30 << 20, src[:1 << 20]), CopyOp((32 << 20) + 3, src[1 << 20:])]
+        transport.write(ops).wait(WAIT_S)
+        assert ray_get(actor.digests.remote([(30 << 20, 1 << 20), ((32 << 20) + 3, 2 << 20)])) == [
+            _sha(op.local.cpu()) for op in ops]
+        transport.read([CopyOp(30 << 20, dst[:1 << 20]), CopyOp((32 << 20) + 3, dst[1 << 20:])]).wait(WAIT_S)
+        assert torch.equal(src, dst)
+    finally:
+        transport.close()
+
+
 def test_module_imports_without_nixl():
     code = (
         "import sys\n"

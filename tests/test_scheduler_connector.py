@@ -99,3 +99,46 @@ def test_hybrid_different_prompt_no_hit(store, model_dir):
     a.serve("A", prompt(8192, seed=11))
     b = make_engine(store, model_dir, block_size=2048, hybrid=True, num_spec=3)
     assert b.serve("B", prompt(8192, seed=12)) == (0, 8192)
+
+
+def test_lookup_in_flight_for_several_steps(store, model_dir):
+    """A shard that does not answer (its process stopped) defers the request, never blocks
+    the scheduler; when it answers, the hit is taken."""
+    import os
+    import signal
+
+    from ucm_ray.store.fleet import fleet_status
+
+    a = make_engine(store, model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    b = make_engine(store, model_dir)
+    pids = [s["pid"] for s in fleet_status(store)["shards"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        req = b.add("B", p + [5] * 10)
+        for _ in range(5):
+            b.step()  # returns at once each time: the request waits, nothing is scheduled
+        assert b.deferred["B"] == 5 and "B" not in b.first
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    b.run(req)
+    assert b.first["B"] == (2048, 10)
+
+
+def test_preempted_request_resumes_with_a_store_hit(store, model_dir):
+    """Out of KV blocks, vLLM preempts a request; when it comes back its prefix is loaded
+    from the store instead of recomputed."""
+    eng = make_engine(store, model_dir, num_blocks=24)
+    x = eng.add("X", prompt(1280, seed=3), max_tokens=400)
+    y = eng.add("Y", prompt(1280, seed=4), max_tokens=400)
+    eng.run(x, y, max_steps=2000)
+    preempted = [r for r in (x, y) if r.num_preemptions > 0]
+    assert preempted, "the scenario must preempt a request"
+    for r in preempted:
+        # On resume the whole prompt (10 blocks) is back without recompute: what vLLM's own
+        # cache lost to the other request came from the store.
+        assert min(eng.resumed_at[r.request_id]) >= 1280
+        assert eng.loaded_blocks.get(r.request_id, 0) > 0

@@ -90,7 +90,7 @@ class CacheShard:
     async def stats(self) -> dict[str, Any]:
         s = self._index.stats()
         self._metrics.publish(s)
-        return {"shard_id": self._id, "node_id": self._node_id, **asdict(s)}
+        return {"shard_id": self._id, "node_id": self._node_id, "pid": os.getpid(), **asdict(s)}
 
     async def _publish_metrics(self, period_s: float = 5.0) -> None:
         while True:

@@ -455,23 +455,32 @@ class _NixlTransfer(Transfer):
             return self._poll()
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every request finished; ``None`` means the transport's default timeout.
+
+        Raises TransferError on failure or timeout. On timeout the requests are
+        released, which makes NIXL drain them (up to NIXL_UCX_REQUEST_DRAIN_TIMEOUT,
+        10 s) so that no late completion touches deregistered memory; the
+        destination bytes are garbage either way.
+        """
         if timeout_s is None:
             timeout_s = self._default_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         spins = 0
-        with self._lock:
-            while not self._poll():
+        while True:
+            with self._lock:  # held per poll only, so done() from another thread stays cheap
+                if self._poll():
+                    break
                 if deadline is not None and time.monotonic() >= deadline:
                     for h in self._pending:
                         self._release(h)
                     self._pending = []
                     self._fail(f"timed out after {timeout_s} s")
                     break
-                spins += 1
-                # Spin briefly (completions are usually near), then back off to <= 1 ms.
-                time.sleep(0 if spins < 64 else min(1e-3, 1e-5 * (spins - 63)))
-            if self._error is not None:
-                raise TransferError(self._error)
+            spins += 1
+            # Spin briefly (completions are usually near), then back off to <= 1 ms.
+            time.sleep(0 if spins < 64 else min(1e-3, 1e-5 * (spins - 63)))
+        if self._error is not None:
+            raise TransferError(self._error)
 
 
 class NixlPoolTransport(PoolTransport):
