@@ -38,7 +38,13 @@ class SharedPool:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                # Reserve the pages now: on tmpfs a plain ftruncate reserves nothing, and a full
+                # /dev/shm would surface later as SIGBUS mid-copy instead of a clear error here.
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    os.unlink(path)
+                    raise OSError(e.errno, f"cannot reserve {size} bytes for shard pool {path}: {e.strerror}") from e
             elif os.fstat(fd).st_size < size:
                 raise TransferError(f"shared pool {path} is smaller than its descriptor says")
             self._mmap = mmap.mmap(fd, size)

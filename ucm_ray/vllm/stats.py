@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -12,9 +12,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 class UcmRayStats(KVConnectorStats):
     """Monotonic counters for one interval: every value is a number, aggregation sums."""
 
+    totals: dict = field(default_factory=dict)
+    """Since start-up (never reset): what ``ucm-ray status``-style tools and tests read."""
+
     def add(self, **counts: int | float) -> None:
         for k, v in counts.items():
             self.data[k] = self.data.get(k, 0) + v
+            self.totals[k] = self.totals.get(k, 0) + v
 
     def reset(self) -> None:
         self.data = {}

@@ -202,6 +202,12 @@ class WorkerPart:
 
     def _move(self, ops: _LayerOps, write: bool) -> set[_Tag]:
         """Run one batch per shard (all posted, then waited); returns the tags that failed."""
+        with torch.inference_mode():  # vLLM's KV caches are inference tensors; the copy thread is ours
+            failed = self._move_batches(ops, write)
+        self.stats.add(**{("saved" if write else "loaded") + "_copy_bytes": ops.nbytes})
+        return failed
+
+    def _move_batches(self, ops: _LayerOps, write: bool) -> set[_Tag]:
         posted, failed = [], set()
         for sid, batch in ops.by_shard.items():
             try:
@@ -216,7 +222,6 @@ class WorkerPart:
             except TransferError as e:
                 log.warning("ucm-ray: %s with shard %s failed: %s", "save" if write else "load", sid, e)
                 failed |= ops.tags[sid]
-        self.stats.add(**{("saved" if write else "loaded") + "_copy_bytes": ops.nbytes})
         return failed
 
     def _finish_loads(self) -> None:
