@@ -53,13 +53,40 @@ class EngineProcess:
         return {"scheduler": dict(core.scheduler.connector.scheduler_part.stats.totals),
                 "worker": dict(get_kv_transfer_group().worker_part.stats.totals)}
 
-    def kv_block_bytes(self, layer: int, block_ids: list[int]) -> list[bytes]:
-        """Raw bytes of KV blocks of one attention layer, for byte-level comparisons."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+    def _core(self):
+        return self.llm.llm_engine.engine_core.engine_core
 
-        layouts = get_kv_transfer_group().worker_part._layouts
-        lay = layouts[0].layers[layer]
-        return [b"".join(bytes(s.numpy()) for s in lay.segments(b)) for b in block_ids]
+    def _hashes(self, prompt_ids: list[int]) -> list[bytes]:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        req = Request(request_id="probe", prompt_token_ids=prompt_ids, pooling_params=None,
+                      sampling_params=SamplingParams(max_tokens=1),
+                      block_hasher=self._core().request_block_hasher)
+        return list(req.block_hashes)
+
+    def block_keys(self, prompt_ids: list[int]) -> list[bytes]:
+        """The store keys this engine uses for the prompt's full blocks (rank 0, group 0)."""
+        from ucm_ray.keys import block_key
+
+        ns = self._core().scheduler.connector.scheduler_part._ns[0]
+        return [block_key(ns, h, 0) for h in self._hashes(prompt_ids)]
+
+    def cached_kv(self, prompt_ids: list[int], layer: int) -> list[bytes | None]:
+        """Bytes of one attention layer of the prompt's blocks in this engine's own prefix cache."""
+        from ucm_ray.vllm.layout import layer_layout
+
+        core = self._core()
+        pool = core.scheduler.kv_cache_manager.block_pool
+        runner = core.model_executor.driver_worker.worker.model_runner
+        tensor = runner.kv_caches[layer]
+        lay = layer_layout(f"layer{layer}", tensor, core.scheduler.kv_cache_config.num_blocks)
+        out: list[bytes | None] = []
+        for h in self._hashes(prompt_ids):
+            blocks = pool.get_cached_block(h, [0])
+            out.append(None if blocks is None else
+                       b"".join(bytes(seg.numpy()) for seg in lay.segments(blocks[0].block_id)))
+        return out
 
     def pid(self) -> int:
         return os.getpid()

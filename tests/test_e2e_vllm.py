@@ -1,0 +1,110 @@
+"""Two real vLLM engines (CPU, separate processes) share one shard fleet."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from ucm_ray import policy
+from ucm_ray.store.client import StoreClient
+from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+from tests.e2e_helpers import EngineProcess, kv_transfer
+
+pytestmark = pytest.mark.e2e
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster):
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.fleet import start_fleet, stop_fleet
+
+    cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_vllm")
+    start_fleet(cfg)
+    yield cfg
+    stop_fleet(cfg)
+
+
+def connector(cfg, **kw):
+    return kv_transfer({"ray_namespace": cfg.ray_namespace, **kw})
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return {seed: synthetic_prompt(tiny, 2600, seed=seed) for seed in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny, prompts):
+    """Greedy outputs with the connector disabled, and that engine's own KV for prompt 1."""
+    eng = EngineProcess.remote(tiny, None)
+    out = {}
+    for seed, p in prompts.items():
+        out[(seed, "P")] = ray.get(eng.generate.remote(p[:2560]))["tokens"]
+        out[(seed, "P+s")] = ray.get(eng.generate.remote(p))["tokens"]
+    out["kv1"] = ray.get(eng.cached_kv.remote(prompts[1][:2560], 3))
+    ray.kill(eng)
+    return out
+
+
+@pytest.mark.parametrize("layerwise, seed", [(True, 1), (False, 2)])
+def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, prompts, baseline, layerwise, seed):
+    p = prompts[seed]
+    recompute = policy.recompute_tokens(layerwise)
+    a = EngineProcess.remote(tiny, connector(shared, layerwise=layerwise))
+    assert ray.get(a.generate.remote(p[:2560]))["tokens"] == baseline[(seed, "P")]
+    assert ray.get(a.connector_totals.remote())["worker"]["saved_blocks"] == 20
+    ray.kill(a)
+
+    b = EngineProcess.remote(tiny, connector(shared, layerwise=layerwise))
+    out = ray.get(b.generate.remote(p))  # P plus a 40-token suffix
+    totals = ray.get(b.connector_totals.remote())
+    assert totals["scheduler"]["hit_tokens"] == policy.dense_external_hit(2600, 0, 2560, recompute) == 2560
+    assert totals["worker"]["loaded_blocks"] == 20 and totals["worker"].get("load_failures", 0) == 0
+    assert out["tokens"] == baseline[(seed, "P+s")]
+
+    # B re-serves P itself: 19 blocks from its own cache, the last from the store minus the recompute
+    again = ray.get(b.generate.remote(p[:2560]))
+    totals2 = ray.get(b.connector_totals.remote())
+    assert totals2["scheduler"]["hit_tokens"] - totals["scheduler"]["hit_tokens"] == \
+        policy.dense_external_hit(2560, 2432, 2560, recompute) == 128 - recompute
+    assert again["tokens"] == baseline[(seed, "P")]
+    ray.kill(b)
+
+
+def test_no_hits_across_prompts_or_dtypes(shared, tiny, prompts):
+    a = EngineProcess.remote(tiny, connector(shared))
+    ray.get(a.generate.remote(prompts[3][:2560]))
+    ray.kill(a)
+    other = EngineProcess.remote(tiny, connector(shared), dtype="bfloat16")
+    ray.get(other.generate.remote(prompts[3][:2560]))  # same tokens, other dtype: other namespace
+    fresh = synthetic_prompt(tiny, 1500, seed=99)
+    ray.get(other.generate.remote(fresh))  # nothing shared at all
+    assert ray.get(other.connector_totals.remote())["scheduler"]["hit_tokens"] == 0
+    ray.kill(other)
+
+
+def test_stored_bytes_equal_the_kv_a_plain_engine_computes(shared, tiny, prompts, baseline):
+    """Prompt 1 was saved by the first test's engine A; compare layer 3 of each block with the
+    KV cache of an engine that ran without the connector."""
+    a = EngineProcess.remote(tiny, connector(shared))
+    keys = ray.get(a.block_keys.remote(prompts[1][:2560]))
+    ray.kill(a)
+    client = StoreClient(shared)
+    entry = 8 * BLOCK * 2 * 2 * 64 * 4  # layers x tokens x (K,V) x kv heads x head size x fp32
+    bufs = [torch.zeros(entry, dtype=torch.uint8) for _ in keys]
+    for b in bufs:
+        client.register_local(b)
+    assert all(client.get(keys, bufs))
+    layer_bytes = entry // 8
+    ref = baseline["kv1"]
+    assert len(ref) == len(keys) == 20 and all(r is not None for r in ref)
+    for i, (b, r) in enumerate(zip(bufs, ref)):
+        assert bytes(b[3 * layer_bytes: 4 * layer_bytes].numpy()) == r, f"block {i} differs"
+    client.close()
