@@ -73,6 +73,13 @@ def cmd_make_tiny_model(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
+    from ucm_ray.demo import run_demo
+
+    summary = run_demo(args.model_dir, num_requests=args.requests, prefix_tokens=args.prefix_tokens)
+    return 0 if summary["outputs_identical"] and summary["hit_tokens"] > 0 else 1
+
+
 def _summary(st: dict) -> str:
     lines = [f"membership v{st['version']}, {len(st['shards'])} shard(s)"]
     for s in st["shards"]:
@@ -101,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true")
         UcmRayConfig.add_cli_arguments(sp)
         sp.set_defaults(func=fn)
+    sp = sub.add_parser("demo", help="two local engines share a fleet: cold vs warm TTFT")
+    sp.add_argument("--model-dir", default=None, help="tiny model directory (built if missing)")
+    sp.add_argument("--requests", type=int, default=3)
+    sp.add_argument("--prefix-tokens", type=int, default=3072)
+    sp.set_defaults(func=cmd_demo)
     sp = sub.add_parser("make-tiny-model", help="build the tiny local test model into DIR")
     sp.add_argument("dir")
     sp.set_defaults(func=cmd_make_tiny_model, config=None)

@@ -1,0 +1,128 @@
+"""The main job on an embedded default: two vLLM engines sharing one shard fleet.
+
+A local Ray cluster, a 2-shard fleet, the tiny local model (built if missing),
+and two engines in their own processes. Engine A serves each document
+cold; engine B then gets the same document with another question and serves
+its prefix warm from the store. Prints, per request,
+cold and warm time-to-first-token, the external hit and the bytes moved, then
+``demo: outputs_identical=<bool> warm_ttft_vs_cold=<ratio> hit_tokens=<n>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ucm_ray.demo")
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # scheduler + worker in the engine's process: fast start
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
+def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """What a user passes as vLLM's ``--kv-transfer-config`` to turn the tier on."""
+    return {"kv_connector": "UcmRayConnector", "kv_connector_module_path": "ucm_ray.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+class Engine:
+    """One vLLM engine (CPU) with or without the connector; run it as a Ray actor."""
+
+    def __init__(self, model_dir: str, kv: dict[str, Any] | None, dtype: str = "float32") -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kwargs: dict[str, Any] = dict(model=model_dir, enforce_eager=True, block_size=128, dtype=dtype,
+                                      max_model_len=8192, max_num_batched_tokens=8192, seed=0,
+                                      enable_prefix_caching=True)
+        if kv is not None:
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        t = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": prompt_ids}],
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
+        return {"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t,
+                "cached": out.num_cached_tokens}
+
+    def connector_totals(self) -> dict[str, dict[str, Any]]:
+        """The connector's counters since start-up (scheduler and worker parts)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        core = self.llm.llm_engine.engine_core.engine_core
+        return {"scheduler": dict(core.scheduler.connector.scheduler_part.stats.totals),
+                "worker": dict(get_kv_transfer_group().worker_part.stats.totals)}
+
+
+def _delta(after: dict, before: dict, part: str, key: str) -> int:
+    return after[part].get(key, 0) - before[part].get(key, 0)
+
+
+def run_demo(model_dir: str | None = None, *, num_requests: int = 3, prefix_tokens: int = 3072,
+             suffix_tokens: int = 64) -> dict[str, Any]:
+    import ray
+
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.fleet import start_fleet, stop_fleet
+    from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    model = str(make_tiny_model(model_dir or Path(".models") / "tiny"))
+    log.info("[1/5] starting a local Ray cluster and a 2-shard fleet")
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ucmd-", dir="/tmp"), log_to_driver=False)
+    cfg = UcmRayConfig(num_shards=2, pool_bytes=512 << 20, ray_namespace="ucm_ray_demo")
+    start_fleet(cfg)
+    kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace})
+    remote_engine = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(Engine)
+    try:
+        log.info("[2/5] loading engine A (its own process)")
+        a = remote_engine.remote(model, kv)
+        ray.get(a.connector_totals.remote())
+        log.info("[3/5] loading engine B (its own process)")
+        b = remote_engine.remote(model, kv)
+        ray.get(b.connector_totals.remote())
+        rows = []
+        log.info("[4/5] serving %d requests, each a %d-token document plus a question: cold on A, "
+                 "then the same document with another question warm on B", num_requests, prefix_tokens)
+        for i in range(num_requests):
+            document = synthetic_prompt(model, prefix_tokens, seed=7 + i)
+            prompt = document + synthetic_prompt(model, suffix_tokens, seed=100 + i)
+            cold = ray.get(a.generate.remote(prompt, 1))
+            prompt = document + synthetic_prompt(model, suffix_tokens, seed=200 + i)
+            before = ray.get(b.connector_totals.remote())
+            warm = ray.get(b.generate.remote(prompt, 1))
+            after = ray.get(b.connector_totals.remote())
+            out_a = ray.get(a.generate.remote(prompt, 16))["tokens"]
+            out_b = ray.get(b.generate.remote(prompt, 16))["tokens"]
+            rows.append({"cold_ttft": cold["seconds"], "warm_ttft": warm["seconds"],
+                         "hit_tokens": _delta(after, before, "scheduler", "hit_tokens"),
+                         "bytes": _delta(after, before, "worker", "loaded_copy_bytes"),
+                         "identical": out_a == out_b})
+            r = rows[-1]
+            print(f"request {i}: cold TTFT {r['cold_ttft'] * 1e3:8.1f} ms  warm TTFT {r['warm_ttft'] * 1e3:8.1f} ms  "
+                  f"external hit {r['hit_tokens']:5d} tokens  moved {r['bytes'] / 2**20:6.1f} MiB  "
+                  f"identical={r['identical']}", flush=True)
+    finally:
+        log.info("[5/5] cleaning up")
+        stop_fleet(cfg)
+        ray.shutdown()
+    ratio = statistics.median(r["warm_ttft"] for r in rows) / statistics.median(r["cold_ttft"] for r in rows)
+    summary = {"outputs_identical": all(r["identical"] for r in rows), "warm_ttft_vs_cold": round(ratio, 3),
+               "hit_tokens": sum(r["hit_tokens"] for r in rows)}
+    print("demo: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+    return summary
