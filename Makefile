@@ -29,6 +29,7 @@ test: venv
 
 bench: venv
 	$(PY) benchmarks/data_plane.py
+	$(PY) benchmarks/ttft.py
 
 clean:
 	rm -rf $(VENV)

@@ -108,3 +108,29 @@ def test_stored_bytes_equal_the_kv_a_plain_engine_computes(shared, tiny, prompts
     for i, (b, r) in enumerate(zip(bufs, ref)):
         assert bytes(b[3 * layer_bytes: 4 * layer_bytes].numpy()) == r, f"block {i} differs"
     client.close()
+
+
+def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, tiny, tmp_path, ray_cluster):
+    """vLLM's own multiprocess engine (engine core and worker are separate processes, neither a
+    Ray worker) joins the cluster by address and reuses what an engine in another process saved."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    p = synthetic_prompt(tiny, 2600, seed=4)
+    a = EngineProcess.remote(tiny, connector(shared))
+    ray.get(a.generate.remote(p[:2560]))
+    expected = ray.get(a.generate.remote(p))["tokens"]
+    ray.kill(a)
+    req = tmp_path / "request.json"
+    req.write_text(json.dumps({"prompt": p, "kv": connector(
+        shared, ray_address=ray.get_runtime_context().gcs_address)}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.mp_engine_main", tiny, str(req)], env=env,
+                          capture_output=True, text=True, timeout=480, cwd=os.path.dirname(os.path.dirname(__file__)))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["cached"] == 2560  # nothing local: all of it came from the store
+    assert result["tokens"] == expected

@@ -27,6 +27,8 @@ class RequestLoad:
     complete_in_start: bool = False
     """Load everything in ``start_load_kv``: this step runs fewer tokens than the FULL-CUDA-graph
     threshold (2 + k), so it may replay a graph in which no layer hook runs."""
+    failed: bool = False
+    """The plan could not place every entry: report the whole load as failed (vLLM recomputes)."""
     is_async: bool = False
     """Reported through ``finished_recving`` / ``failed_recving`` (hybrid caches: vLLM cannot
     take back a failed synchronous load of a multi-group cache)."""

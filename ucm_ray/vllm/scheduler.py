@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NULL_BLOCK_ID = 0
+"""vLLM's placeholder block (never holds data): loading into it would corrupt shared state."""
+
 LOOKUP_GRACE_S = 0.002
 """How long a lookup may take before the scheduler is told to ask again: most land within
 one actor round trip, and answering on the first call saves the request a scheduler step."""
@@ -220,13 +223,21 @@ class SchedulerPart:
                 group_locs = [next(locs) for _ in keys]
                 first, last = start // self._bs[g], -(-end // self._bs[g])  # the tail block is loaded whole
                 out.extend(BlockLoad(g, block_ids[g][i], group_locs[i]) for i in range(first, last))
+            usable = True
             if self.hybrid:
                 b = t.hit_tokens // self._lcm  # the state at the hit's end boundary
                 for g, keys in zip(self._states, t.lookup.state_keys[rank]):
                     group_locs = [next(locs) for _ in keys]
-                    out.append(BlockLoad(g, block_ids[g][t.hit_tokens // self._bs[g] - 1], group_locs[b - 1]))
-            loads.append(RequestLoad(request.request_id, out, lease.leases,
-                                     complete_in_start=self.hybrid, is_async=self.hybrid))
+                    # vLLM keeps the running state of a request that computed N tokens in the
+                    # group's block N // block_size - 1; a null block there means no room for it.
+                    target = block_ids[g][t.hit_tokens // self._bs[g] - 1]
+                    usable = usable and target != NULL_BLOCK_ID
+                    out.append(BlockLoad(g, target, group_locs[b - 1]))
+            if not usable:
+                log.error("ucm-ray: no state block allocated for %s at %d tokens; the load is failed so "
+                          "vLLM recomputes", request.request_id, t.hit_tokens)
+            loads.append(RequestLoad(request.request_id, out if usable else [], lease.leases,
+                                     complete_in_start=self.hybrid, is_async=self.hybrid, failed=not usable))
         t.load = loads
         t.lookup = None  # the pins now belong to the worker
         for g in self._attn:  # blocks that came from the store need no save

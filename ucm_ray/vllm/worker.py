@@ -122,6 +122,7 @@ class WorkerPart:
             st.load_futures[name] = self._copier.submit(self._move, ops, False)
         if immediate.by_shard:
             st.failed |= self._move(immediate, False)
+        self.stats.add(loaded_copy_bytes=immediate.nbytes + sum(ops.nbytes for ops in layered.values()))
         if not st.load_futures:
             self._finish_loads()
 
@@ -140,6 +141,7 @@ class WorkerPart:
         ops = self._save_ops(layer_name)
         if ops.by_shard:
             st.save_futures.append(self._copier.submit(self._move, ops, True))
+            self.stats.add(saved_copy_bytes=ops.nbytes)
 
     def wait_for_save(self) -> None:
         st = self._step
@@ -203,9 +205,7 @@ class WorkerPart:
     def _move(self, ops: _LayerOps, write: bool) -> set[_Tag]:
         """Run one batch per shard (all posted, then waited); returns the tags that failed."""
         with torch.inference_mode():  # vLLM's KV caches are inference tensors; the copy thread is ours
-            failed = self._move_batches(ops, write)
-        self.stats.add(**{("saved" if write else "loaded") + "_copy_bytes": ops.nbytes})
-        return failed
+            return self._move_batches(ops, write)
 
     def _move_batches(self, ops: _LayerOps, write: bool) -> set[_Tag]:
         posted, failed = [], set()
@@ -234,7 +234,7 @@ class WorkerPart:
             self._client.release_async(ld.leases)
             bad = [b.block_id for b in ld.blocks if (ld.req_id, b.block_id) in st.failed]
             if ld.is_async:
-                (self._failed_recving if bad else self._finished_recving).add(ld.req_id)
+                (self._failed_recving if bad or ld.failed else self._finished_recving).add(ld.req_id)
             else:
                 self._load_errors.update(bad)
             self.stats.add(loaded_blocks=len(ld.blocks) - len(bad), load_failures=len(bad))

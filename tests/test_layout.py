@@ -1,0 +1,42 @@
+"""Layout derivation from real tensors of the shapes vLLM hands over (CPU tensors, same shapes)."""
+
+import pytest
+import torch
+
+from ucm_ray.vllm.layout import base_buffers, build_layouts, layer_layout
+
+N = 6
+
+
+def test_cpu_layout_one_range_per_block():
+    t = torch.arange(N * 2 * 4 * 8, dtype=torch.float32).reshape(N, 2, 4, 8)  # [blocks, heads, bs, 2*hd]
+    lay = layer_layout("l0", t, N)
+    assert lay.block_dim == 0 and lay.block_bytes == 2 * 4 * 8 * 4
+    (seg,) = lay.segments(3)
+    assert torch.equal(seg, t[3].contiguous().view(torch.uint8).view(-1))
+
+
+def test_gpu_layout_k_and_v_apart_is_two_ranges():
+    t = torch.randn(2, N, 4, 2, 8)  # [K/V, blocks, bs, heads, hd]
+    lay = layer_layout("l0", t, N)
+    assert lay.block_dim == 1
+    k, v = lay.segments(4)
+    assert torch.equal(k, t[0, 4].contiguous().view(torch.uint8).view(-1))
+    assert torch.equal(v, t[1, 4].contiguous().view(torch.uint8).view(-1))
+    assert k.numel() + v.numel() == lay.block_bytes
+    # the views write through: a load lands in the cache itself
+    k.fill_(0)
+    assert t[0, 4].abs().sum() == 0 and t[1, 4].abs().sum() > 0
+
+
+def test_mamba_state_views_and_group_offsets():
+    base = torch.zeros(N * 100 * 2, dtype=torch.int8)
+    a, b = base[: N * 100].view(N, 1, 1, 100), base[N * 100:].view(N, 1, 1, 100)
+    layouts = build_layouts({"m0": a, "m1": b}, [["m0", "m1"]], N)
+    assert layouts[0].entry_bytes == 200 and layouts[0].layer_offset(1) == 100
+    assert len(base_buffers({"m0": a, "m1": b})) == 1  # one allocation behind both views
+
+
+def test_no_block_dimension_names_the_layer():
+    with pytest.raises(ValueError, match="layer weird"):
+        layer_layout("weird", torch.zeros(3, 5), N)
