@@ -24,9 +24,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-nixl = pytest.importorskip("ucm_ray.transport.nixl")
-if not nixl.nixl_available():
-    pytest.skip("NIXL is not installed", allow_module_level=True)
+import ucm_ray.transport.nixl as nixl  # noqa: E402  (a dependency: missing NIXL fails, never skips)
+
+assert nixl.nixl_available(), "NIXL is a dependency of ucm-ray; `make test` installs it"
 
 POOL = 64 << 20
 LOCAL = 16 << 20
@@ -42,19 +42,15 @@ def _pool_actor_class():
         """A stand-in shard: a /dev/shm pool, exported once with NIXL."""
 
         def __init__(self, nbytes: int) -> None:
-            import mmap
             import uuid
 
             from ucm_ray.transport.nixl import NixlPoolExporter
+            from ucm_ray.transport.shm import SharedPool
 
-            self.path = f"/dev/shm/ucmr-nixltest-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                self.mm = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            self.pool = torch.frombuffer(self.mm, dtype=torch.uint8)
+            self.shm = SharedPool(f"/dev/shm/ucmr-nixltest-{os.getpid()}-{uuid.uuid4().hex[:6]}", nbytes,
+                                  create=True)
+            self.path = self.shm.path
+            self.pool = self.shm.tensor
             self.pool.zero_()  # fault the pages in now, not during the first transfer
             self.exporter = NixlPoolExporter(self.pool, f"ucmr-test-{uuid.uuid4().hex[:8]}")
 
@@ -62,7 +58,7 @@ def _pool_actor_class():
             return self.exporter.descriptor("s0", ray.get_runtime_context().get_node_id(), self.path)
 
         def digests(self, ranges: list[tuple[int, int]]) -> list[str]:
-            return [hashlib.sha256(self.mm[o:o + n]).hexdigest() for o, n in ranges]
+            return [hashlib.sha256(self.pool[o:o + n].numpy().tobytes()).hexdigest() for o, n in ranges]
 
         def fill(self, offset: int, nbytes: int, seed: int) -> None:
             g = torch.Generator().manual_seed(seed)  # same bytes as _random_bytes(nbytes, seed)
@@ -73,8 +69,7 @@ def _pool_actor_class():
             self.exporter.close()
             self.exporter = None
             self.pool = None
-            self.mm.close()
-            os.unlink(self.path)
+            self.shm.close()
 
     return PoolActor
 
