@@ -15,7 +15,8 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+import threading
+from typing import Mapping, Sequence
 
 import numpy as np
 import ray
@@ -162,13 +163,9 @@ class ReserveFuture:
         self._sizes = sizes
         self._res = WriteReservation(keys=keys, locations=[[] for _ in keys])
         self._calls: list[tuple[ShardRecord, np.ndarray, ray.ObjectRef]] = []
-        if keys:
-            live, own = client._owners(keys)
-            for j, shard in enumerate(live):
-                idx = np.nonzero((own == j).any(axis=1))[0]
-                if len(idx):
-                    items = [(keys[i], sizes[i]) for i in idx]
-                    self._calls.append((shard, idx, shard.handle.reserve.remote(items)))
+        for shard, idx in client._fan_out(keys) if keys else ():
+            items = [(keys[i], sizes[i]) for i in idx]
+            self._calls.append((shard, idx, shard.handle.reserve.remote(items)))
 
     def result(self) -> WriteReservation:
         for shard, idx, ref in self._calls:
@@ -190,6 +187,7 @@ class StoreClient:
         self._directory = directory or ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._transports: dict[str, PoolTransport] = {}
+        self._transport_lock = threading.Lock()
         self._local_buffers: list[torch.Tensor] = []
         self._suspect: set[str] = set()
         self._membership: Membership = ray.get(self._directory.membership.remote(),
@@ -227,6 +225,16 @@ class StoreClient:
         live = self._live()
         return live, owners(keys, [s.shard_id for s in live], self.config.replication)
 
+    def _fan_out(self, keys: Sequence[bytes]) -> list[tuple[ShardRecord, np.ndarray]]:
+        """Per live shard, the indices of the keys it holds a replica of."""
+        live, own = self._owners(keys)
+        out = []
+        for j, shard in enumerate(live):
+            idx = np.nonzero((own == j).any(axis=1))[0]
+            if len(idx):
+                out.append((shard, idx))
+        return out
+
     def _mark_failed(self, shard_id: str, err: BaseException) -> None:
         if shard_id not in self._suspect:
             log.warning("shard %s failed (%s): its keys are misses until membership changes",
@@ -249,12 +257,8 @@ class StoreClient:
         keys = list(keys)
         if not keys:
             return LookupFuture(self, 0, [])
-        live, own = self._owners(keys)
-        calls = []
-        for j, shard in enumerate(live):
-            idx = np.nonzero((own == j).any(axis=1))[0]
-            if len(idx):
-                calls.append((shard.shard_id, shard.handle.contains.remote([keys[i] for i in idx]), idx))
+        calls = [(shard.shard_id, shard.handle.contains.remote([keys[i] for i in idx]), idx)
+                 for shard, idx in self._fan_out(keys)]
         return LookupFuture(self, len(keys), calls)
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
@@ -337,6 +341,10 @@ class StoreClient:
             t.register_local(tensor)
 
     def transport(self, shard_id: str) -> PoolTransport:
+        with self._transport_lock:  # the connector's copy thread and its caller both get here
+            return self._transport_locked(shard_id)
+
+    def _transport_locked(self, shard_id: str) -> PoolTransport:
         t = self._transports.get(shard_id)
         if t is None:
             record = next(s for s in self._membership.shards if s.shard_id == shard_id)
@@ -408,25 +416,31 @@ class StoreClient:
                     ok[i] = False
         return ok
 
-    def _run(self, by_shard: dict[str, list[tuple[int, CopyOp]]], ok: list[bool], *, write: bool) -> None:
-        """Post every shard's batch, then wait; a failed batch clears ``ok`` for its keys."""
-        posted = []
-        for sid, items in by_shard.items():
+    def transfer(self, by_shard: Mapping[str, Sequence[CopyOp]], *, write: bool) -> set[str]:
+        """Post every shard's batch, then wait for all; returns the shards whose batch failed.
+        (The batches are posted before any is waited on so that shards' copies overlap.)"""
+        posted, failed = [], set()
+        for sid, ops in by_shard.items():
             try:
                 t = self.transport(sid)
-                ops = [op for _, op in items]
-                posted.append((sid, items, t.write(ops) if write else t.read(ops)))
-            except (TransferError, OSError, StopIteration) as e:
-                self._mark_failed(sid, e)
-                for i, _ in items:
-                    ok[i] = False
-        for sid, items, transfer in posted:
+                posted.append((sid, t.write(ops) if write else t.read(ops)))
+            except (TransferError, OSError, StopIteration, ValueError) as e:
+                log.warning("%s with shard %s failed to start: %s", "save" if write else "load", sid, e)
+                failed.add(sid)
+        for sid, transfer in posted:
             try:
                 transfer.wait(self.config.transfer_timeout_s)
             except TransferError as e:
-                log.warning("transfer with shard %s failed: %s", sid, e)
-                for i, _ in items:
-                    ok[i] = False
+                log.warning("%s with shard %s failed: %s", "save" if write else "load", sid, e)
+                failed.add(sid)
+        return failed
+
+    def _run(self, by_shard: dict[str, list[tuple[int, CopyOp]]], ok: list[bool], *, write: bool) -> None:
+        """Copy, then clear ``ok`` for the keys of every shard whose batch failed."""
+        failed = self.transfer({sid: [op for _, op in items] for sid, items in by_shard.items()}, write=write)
+        for sid in failed:
+            for i, _ in by_shard[sid]:
+                ok[i] = False
 
     def close(self) -> None:
         for t in self._transports.values():

@@ -146,6 +146,7 @@ class SchedulerPart:
                                             self.recompute)
         self.stats.add(lookups=1, query_tokens=request.num_tokens, hit_tokens=ext,
                        local_hit_tokens=num_computed_tokens,
+                       miss_tokens=request.num_tokens - num_computed_tokens - ext,
                        recompute_trimmed_tokens=max(0, t.hit_tokens - num_computed_tokens - ext)
                        if t.hit_tokens > num_computed_tokens else 0)
         # Hybrid loads are asynchronous: vLLM can only take back a failed load of a

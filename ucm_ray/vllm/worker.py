@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.client import Location, ReserveFuture, StoreClient, WriteReservation
-from ucm_ray.transport.base import CopyOp, TransferError
+from ucm_ray.transport.base import CopyOp
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts
 from ucm_ray.vllm.metadata import BlockSave, RequestLoad, UcmRayConnectorMetadata
 from ucm_ray.vllm.stats import UcmRayStats
@@ -208,20 +208,9 @@ class WorkerPart:
             return self._move_batches(ops, write)
 
     def _move_batches(self, ops: _LayerOps, write: bool) -> set[_Tag]:
-        posted, failed = [], set()
-        for sid, batch in ops.by_shard.items():
-            try:
-                t = self._client.transport(sid)
-                posted.append((sid, t.write(batch) if write else t.read(batch)))
-            except (TransferError, OSError, StopIteration, ValueError) as e:
-                log.warning("ucm-ray: %s with shard %s failed to start: %s", "save" if write else "load", sid, e)
-                failed |= ops.tags[sid]
-        for sid, transfer in posted:
-            try:
-                transfer.wait(self._config.transfer_timeout_s)
-            except TransferError as e:
-                log.warning("ucm-ray: %s with shard %s failed: %s", "save" if write else "load", sid, e)
-                failed |= ops.tags[sid]
+        failed: set[_Tag] = set()
+        for sid in self._client.transfer(ops.by_shard, write=write):
+            failed |= ops.tags[sid]
         return failed
 
     def _finish_loads(self) -> None:
