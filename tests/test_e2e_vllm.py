@@ -134,3 +134,33 @@ def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, 
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["cached"] == 2560  # nothing local: all of it came from the store
     assert result["tokens"] == expected
+
+
+def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
+    """Paranoid mode: bytes flipped in a shard's pool (real corruption, in the /dev/shm file)
+    are caught by the checksum on load; vLLM recomputes those blocks and the output is right."""
+    p = synthetic_prompt(tiny, 2600, seed=5)
+    a = EngineProcess.remote(tiny, connector(shared, checksum=True))
+    ray.get(a.generate.remote(p[:2560]))
+    expected = ray.get(a.generate.remote(p))["tokens"]  # from A's own cache: no store involved
+    keys = ray.get(a.block_keys.remote(p[:2560]))
+    ray.kill(a)
+
+    client = StoreClient(shared)
+    lease = client.acquire([keys[5], keys[12]])
+    pools = {s.shard_id: s.pool.shm_path for s in client.membership.shards}
+    for loc in lease.locations:
+        with open(pools[loc.shard_id], "r+b") as f:
+            f.seek(loc.offset + 4096)
+            good = f.read(64)
+            f.seek(loc.offset + 4096)
+            f.write(bytes(b ^ 0xFF for b in good))
+    client.release(lease)
+    client.close()
+
+    b = EngineProcess.remote(tiny, connector(shared, checksum=True))
+    out = ray.get(b.generate.remote(p))
+    worker = ray.get(b.connector_totals.remote())["worker"]
+    assert worker["checksum_mismatches"] == 2 and worker["load_failures"] >= 2
+    assert out["tokens"] == expected
+    ray.kill(b)

@@ -23,6 +23,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.checksum import checksum
 from ucm_ray.store.client import Location, ReserveFuture, StoreClient, WriteReservation
 from ucm_ray.transport.base import CopyOp
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts
@@ -40,12 +41,12 @@ class _LayerOps:
     """Copies of one layer (or one batch), per shard, with the blocks they serve."""
 
     by_shard: dict[str, list[CopyOp]] = field(default_factory=lambda: defaultdict(list))
-    tags: dict[str, set[_Tag]] = field(default_factory=lambda: defaultdict(set))
+    tags: dict[str, list[_Tag]] = field(default_factory=lambda: defaultdict(list))  # one per op
     nbytes: int = 0
 
     def add(self, loc: Location, offset: int, local: torch.Tensor, tag: _Tag) -> None:
         self.by_shard[loc.shard_id].append(CopyOp(loc.offset + offset, local))
-        self.tags[loc.shard_id].add(tag)
+        self.tags[loc.shard_id].append(tag)
         self.nbytes += local.numel()
 
 
@@ -60,6 +61,9 @@ class _StepState:
     reservation: WriteReservation | None = None
     saved_layers: set[str] = field(default_factory=set)
     save_futures: list[Future] = field(default_factory=list)
+    crc: dict[_Tag, int] = field(default_factory=dict)
+    """Paranoid mode: running CRC32 of each loaded block, taken right after each of its layers
+    landed (layer order), before the forward pass can write into the block's tail."""
 
 
 class WorkerPart:
@@ -157,7 +161,9 @@ class WorkerPart:
             failed |= fut.result()
         res = self._reservation()
         landed = [bool(locs) and ("", i) not in failed for i, locs in enumerate(res.locations)]
-        visible = self._client.commit(res, landed)
+        sums = [self._entry_checksum(s) if landed[i] else None for i, s in enumerate(st.saves)] \
+            if self._config.checksum else None
+        visible = self._client.commit(res, landed, sums)
         self.stats.add(saved_blocks=sum(visible), save_failures=sum(1 for i, locs in enumerate(res.locations)
                                                                   if locs and not landed[i]),
                        saved_bytes=sum(res.locations[i][0].size for i, v in enumerate(visible) if v))
@@ -184,6 +190,14 @@ class WorkerPart:
             ops.add(loc, offset, seg, tag)
             offset += seg.numel()
 
+    def _entry_checksum(self, save: BlockSave) -> int:
+        """CRC32 of an entry as its bytes lie in the pool: layers in order, segments in order."""
+        value = 0
+        for layer in self._layouts[save.group].layers:
+            for seg in layer.segments(save.block_id):
+                value = checksum(seg, value)
+        return value
+
     def _reservation(self) -> WriteReservation:
         st = self._step
         if st.reservation is None:
@@ -208,10 +222,14 @@ class WorkerPart:
             return self._move_batches(ops, write)
 
     def _move_batches(self, ops: _LayerOps, write: bool) -> set[_Tag]:
-        failed: set[_Tag] = set()
-        for sid in self._client.transfer(ops.by_shard, write=write):
-            failed |= ops.tags[sid]
-        return failed
+        failed_shards = self._client.transfer(ops.by_shard, write=write)
+        if self._config.checksum and not write:
+            crc = self._step.crc
+            for sid, batch in ops.by_shard.items():
+                if sid not in failed_shards:
+                    for op, tag in zip(batch, ops.tags[sid]):
+                        crc[tag] = checksum(op.local, crc.get(tag, 0))
+        return {tag for sid in failed_shards for tag in ops.tags[sid]}
 
     def _finish_loads(self) -> None:
         """All copies of the step are in: judge them, unpin, and report what vLLM must redo."""
@@ -219,6 +237,16 @@ class WorkerPart:
         if time.monotonic() - st.load_started > self._config.lease_s / 2:
             log.warning("ucm-ray: loads took longer than half the read lease; treated as failed")
             st.failed |= {(ld.req_id, b.block_id) for ld in st.loads for b in ld.blocks}
+        if self._config.checksum:
+            for ld in st.loads:
+                for b in ld.blocks:
+                    tag = (ld.req_id, b.block_id)
+                    if b.location.checksum is not None and tag not in st.failed \
+                            and st.crc.get(tag) != b.location.checksum:
+                        log.error("ucm-ray: checksum mismatch for block %d of %s (shard %s): recomputed",
+                                  b.block_id, ld.req_id, b.location.shard_id)
+                        self.stats.add(checksum_mismatches=1)
+                        st.failed.add(tag)
         for ld in st.loads:
             self._client.release_async(ld.leases)
             bad = [b.block_id for b in ld.blocks if (ld.req_id, b.block_id) in st.failed]
