@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import ray
 import torch
 
 from ucm_ray.store.client import StoreClient
-from ucm_ray.store.fleet import fleet_status, shard_name
+from ucm_ray.store.fleet import fleet_status, shard_name, stop_fleet
 from tests.store_helpers import SIZES, ClientProcess, arena, block, key
 
 
@@ -84,6 +85,8 @@ def test_replication_1_killed_shard_means_misses_never_wrong_bytes(fleet):
         assert client.lookup([key(i) for i in range(300)]) == ok
         _wait_for_membership(client, 2)
     client.close()
+    stop_fleet(cfg)  # the killed shard never unlinked its pool: down frees it
+    assert not glob.glob(f"{cfg.shm_dir}/ucmray-{cfg.ray_namespace}-*")
 
 
 def test_pool_at_ten_percent_of_working_set_evicts_lru(fleet):

@@ -37,13 +37,17 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
 class Engine:
     """One vLLM engine (CPU) with or without the connector; run it as a Ray actor."""
 
-    def __init__(self, model_dir: str, kv: dict[str, Any] | None, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, kv: dict[str, Any] | None, dtype: str = "float32",
+                 **engine_kwargs: Any) -> None:
+        """``engine_kwargs`` go to ``vllm.LLM`` on top of the defaults below (e.g. a hybrid
+        model's ``mamba_cache_mode="align"``, another ``block_size``)."""
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
         kwargs: dict[str, Any] = dict(model=model_dir, enforce_eager=True, block_size=128, dtype=dtype,
                                       max_model_len=8192, max_num_batched_tokens=8192, seed=0,
                                       enable_prefix_caching=True)
+        kwargs.update(engine_kwargs)
         if kv is not None:
             kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
         self.llm = LLM(**kwargs)

@@ -1,4 +1,4 @@
-"""A tiny, deterministic Llama model that vLLM can load, built entirely offline.
+"""A tiny, deterministic Llama (or hybrid LFM2) model that vLLM can load, built entirely offline.
 
 Why this exists: tests and benchmarks need a *real* vLLM engine (real
 scheduler, real KV cache tensors, real layer hooks) but development and CI
@@ -8,6 +8,12 @@ only cares that prefills are deterministic and that bytes it restores give
 the same tokens as a recompute. Everything here is reproducible from the
 parameters alone, so two machines (or two test runs) build byte-identical
 models and agree on every generated token.
+
+``arch="lfm2"`` (or ``make_tiny_hybrid_model``) builds a *hybrid* model
+instead: LFM2, whose layers are either full attention or a short causal
+convolution with a per-request state. vLLM serves it with two kv-cache groups
+(attention blocks and a ``MambaSpec`` state group), which is what the tier's
+hybrid path (LCM-aligned hits, state save/load) needs to be tested against.
 
 The builder is idempotent and atomic: a marker JSON records the parameters,
 a matching directory is returned untouched, and a new build is assembled in a
@@ -52,6 +58,9 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+_ARCHS = {"llama": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+"""``arch`` argument -> the HF architecture written into config.json."""
+
 
 def _build_params(
     *,
@@ -64,6 +73,9 @@ def _build_params(
     max_position_embeddings: int,
     seed: int,
     dtype: str,
+    arch: str = "llama",
+    attention_layers: tuple[int, ...] | list[int] | None = None,
+    conv_kernel: int = 3,
 ) -> dict[str, Any]:
     """Validate the shape parameters and return them as the marker's content.
 
@@ -95,8 +107,24 @@ def _build_params(
         raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed: expected an int, got {seed!r}")
-    return {"format_version": FORMAT_VERSION, "architecture": "LlamaForCausalLM", **positive,
-            "seed": seed, "dtype": dtype}
+    if arch not in _ARCHS:
+        raise ValueError(f"arch: expected one of {', '.join(_ARCHS)}, got {arch!r}")
+    params = {"format_version": FORMAT_VERSION, "architecture": _ARCHS[arch], **positive,
+              "seed": seed, "dtype": dtype}
+    if arch == "llama":
+        if attention_layers is not None:
+            raise ValueError("attention_layers: only for arch='lfm2' (every Llama layer is attention)")
+        return params  # unchanged from before arch existed, so existing builds stay valid
+    if attention_layers is None:
+        raise ValueError("attention_layers: arch='lfm2' needs the indices of its attention layers")
+    layers = list(attention_layers)
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers for i in layers) \
+            or len(set(layers)) != len(layers) or not layers or len(layers) == num_layers:
+        raise ValueError(f"attention_layers: expected distinct layer indices in [0, {num_layers}), at least "
+                         f"one attention and one conv layer, got {attention_layers!r}")
+    if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 2:
+        raise ValueError(f"conv_kernel: expected an int >= 2, got {conv_kernel!r}")
+    return {**params, "attention_layers": sorted(layers), "conv_kernel": conv_kernel}
 
 
 def _read_marker(model_dir: Path) -> dict[str, Any] | None:
@@ -200,13 +228,81 @@ def _train_tokenizer(vocab_size: int, seed: int, max_len: int) -> Any:
     )
 
 
+def _lfm2_model(params: dict[str, Any], tokenizer: Any) -> tuple[Any, Any]:
+    """An LFM2 config and its model class (transformers' own implementation)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    attention = set(params["attention_layers"])
+    config = Lfm2Config(
+        vocab_size=params["vocab_size"],
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        num_key_value_heads=params["num_kv_heads"],
+        max_position_embeddings=params["max_position_embeddings"],
+        layer_types=["full_attention" if i in attention else "conv" for i in range(params["num_layers"])],
+        conv_L_cache=params["conv_kernel"],
+        # The MLP width is intermediate_size as given (no 2/3 and rounding-up games).
+        block_auto_adjust_ff_dim=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,  # vLLM's Lfm2ForCausalLM always ties lm_head to the embedding
+    )
+    # vLLM's LFM2 reads these two (the released checkpoints' configs carry them; transformers'
+    # Lfm2Config does not): the short-conv width and the feed-forward block's input width.
+    config.conv_dim = params["hidden_size"]
+    config.block_dim = params["hidden_size"]
+    return config, Lfm2ForCausalLM
+
+
 def _write_model(tmp_dir: Path, params: dict[str, Any], tokenizer: Any) -> None:
     """Write config, weights and tokenizer files of the model into ``tmp_dir``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch_dtype = getattr(torch, params["dtype"])
-    config = LlamaConfig(
+    if params["architecture"] == "Lfm2ForCausalLM":
+        config, model_cls = _lfm2_model(params, tokenizer)
+    else:
+        config, model_cls = _llama_config(params, tokenizer), LlamaForCausalLM
+    # Which attribute transformers writes as the checkpoint dtype changed in 5.x
+    # (torch_dtype -> dtype); set the one this version has.
+    if hasattr(config, "dtype"):
+        config.dtype = torch_dtype
+    else:  # pragma: no cover - transformers 4.x
+        config.torch_dtype = torch_dtype
+    # Seed right before construction: weight init is the only consumer of the
+    # RNG, so equal parameters give byte-identical weights.
+    torch.manual_seed(params["seed"])
+    model = model_cls(config).to(torch_dtype).eval()
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    if params["architecture"] == "Lfm2ForCausalLM":
+        _check_config_keys(tmp_dir / "config.json", ("conv_dim", "block_dim", "layer_types"))
+    tokenizer.save_pretrained(tmp_dir)
+    # Pin the tokenizer class: otherwise AutoTokenizer (and vLLM) may pick
+    # LlamaTokenizer from the model type and rebuild it from a sentencepiece
+    # model that does not exist.
+    cfg_path = tmp_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True))
+
+
+def _check_config_keys(path: Path, keys: tuple[str, ...]) -> None:
+    """Make sure ``keys`` made it into config.json (a transformers version may drop unknown
+    attributes on save); fail loudly rather than build a model vLLM rejects."""
+    cfg = json.loads(path.read_text())
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise RuntimeError(f"{path}: transformers did not write {missing}; vLLM cannot load the model")
+
+
+def _llama_config(params: dict[str, Any], tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=params["vocab_size"],
         hidden_size=params["hidden_size"],
         intermediate_size=params["intermediate_size"],
@@ -219,25 +315,6 @@ def _write_model(tmp_dir: Path, params: dict[str, Any], tokenizer: Any) -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    # Which attribute transformers writes as the checkpoint dtype changed in 5.x
-    # (torch_dtype -> dtype); set the one this version has.
-    if hasattr(config, "dtype"):
-        config.dtype = torch_dtype
-    else:  # pragma: no cover - transformers 4.x
-        config.torch_dtype = torch_dtype
-    # Seed right before construction: weight init is the only consumer of the
-    # RNG, so equal parameters give byte-identical weights.
-    torch.manual_seed(params["seed"])
-    model = LlamaForCausalLM(config).to(torch_dtype).eval()
-    model.save_pretrained(tmp_dir, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_dir)
-    # Pin the tokenizer class: otherwise AutoTokenizer (and vLLM) may pick
-    # LlamaTokenizer from the model type and rebuild it from a sentencepiece
-    # model that does not exist.
-    cfg_path = tmp_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True))
 
 
 def make_tiny_model(
@@ -252,8 +329,15 @@ def make_tiny_model(
     max_position_embeddings: int = 8192,
     seed: int = 0,
     dtype: str = "float32",
+    arch: str = "llama",
+    attention_layers: tuple[int, ...] | list[int] | None = None,
+    conv_kernel: int = 3,
 ) -> Path:
     """Build (or reuse) a tiny random-weight Llama model in ``out_dir`` and return its path.
+
+    ``arch="lfm2"`` builds a hybrid LFM2 instead: ``attention_layers`` are the
+    indices of its full-attention layers, every other layer is a short
+    convolution of width ``conv_kernel`` (see ``make_tiny_hybrid_model``).
 
     The result loads with ``vllm.LLM(model=str(path))`` and with transformers'
     ``AutoModelForCausalLM`` / ``AutoTokenizer``. Defaults give a model small
@@ -270,7 +354,8 @@ def make_tiny_model(
     params = _build_params(
         num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings, seed=seed, dtype=dtype,
+        max_position_embeddings=max_position_embeddings, seed=seed, dtype=dtype, arch=arch,
+        attention_layers=attention_layers, conv_kernel=conv_kernel,
     )
     if _is_complete(out_dir, params):
         logger.debug("tiny model already present at %s", out_dir)
@@ -312,6 +397,31 @@ def make_tiny_model(
             raise
         logger.info("tiny model ready at %s in %.1f s", out_dir, time.monotonic() - t0)
         return out_dir
+
+
+def make_tiny_hybrid_model(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 6,
+    attention_layers: tuple[int, ...] | list[int] = (2, 5),
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 8192,
+    conv_kernel: int = 3,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """A tiny random-weight LFM2 (attention + short-conv layers): ``make_tiny_model(arch="lfm2")``
+    with a small default shape. vLLM serves it with an attention group and a mamba-state group."""
+    return make_tiny_model(
+        out_dir, arch="lfm2", num_layers=num_layers, attention_layers=attention_layers,
+        hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, conv_kernel=conv_kernel, seed=seed, dtype=dtype,
+    )
 
 
 def _finalize_tree(root: Path) -> None:

@@ -15,6 +15,7 @@ import ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.directory import DIRECTORY_NAME, ShardDirectory
 from ucm_ray.store.shard import CacheShard
+from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
 
@@ -78,4 +79,6 @@ def stop_fleet(config: UcmRayConfig, *, timeout_s: float = 30.0) -> int:
         stopped += 1
     if directory is not None:
         ray.kill(directory)
+    # Shards killed earlier (crashes, kill -9) never unlinked their pools; free this node's.
+    remove_stale_pools(pool_prefix(config.shm_dir, ns, "ucm_ray_shard_"))
     return stopped

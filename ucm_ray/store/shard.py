@@ -27,7 +27,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
 from ucm_ray.store.index import BlockIndex, Key, Slot
 from ucm_ray.transport.base import PoolDescriptor
-from ucm_ray.transport.shm import SharedPool
+from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ class CacheShard:
         cfg = UcmRayConfig.from_dict(config)
         self._id = shard_id
         self._node_id = ray.get_runtime_context().get_node_id()
-        path = os.path.join(cfg.shm_dir, f"ucmray-{cfg.ray_namespace}-{shard_id}-{uuid.uuid4().hex[:8]}")
+        prefix = pool_prefix(cfg.shm_dir, cfg.ray_namespace, shard_id) + "-"
+        remove_stale_pools(prefix)  # a predecessor of this (uniquely named) shard that crashed here
+        path = prefix + uuid.uuid4().hex[:8]
         self._pool = SharedPool(path, cfg.pool_bytes, create=True)
         self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s,
                                  reserve_timeout_s=cfg.reserve_timeout_s)

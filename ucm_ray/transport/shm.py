@@ -8,6 +8,7 @@ mapping: plain copies on CPU, side-stream async copies on CUDA.
 
 from __future__ import annotations
 
+import glob
 import logging
 import mmap
 import os
@@ -61,6 +62,23 @@ class SharedPool:
             log.warning("pool %s still has live views; leaving the mapping to the GC", self.path)
         if self._owner:
             Path(self.path).unlink(missing_ok=True)
+
+
+def pool_prefix(shm_dir: str, ray_namespace: str, shard_id: str = "") -> str:
+    """Pool files are named ``ucmray-<ray namespace>-<shard id>-<random>``."""
+    return os.path.join(shm_dir, f"ucmray-{ray_namespace}-{shard_id}")
+
+
+def remove_stale_pools(prefix: str) -> int:
+    """Unlink pool files left by shards that died without shutting down (kill -9, OOM):
+    nothing else would ever free that memory. Callers pass a prefix no live shard uses."""
+    removed = 0
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        Path(path).unlink(missing_ok=True)
+        removed += 1
+    if removed:
+        log.info("removed %d stale shard pool(s) matching %s*", removed, prefix)
+    return removed
 
 
 class _CudaEventTransfer(Transfer):
