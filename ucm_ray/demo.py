@@ -52,14 +52,19 @@ class Engine:
             kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
         self.llm = LLM(**kwargs)
 
-    def generate(self, prompt_ids: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    def generate(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: bool = False) -> dict[str, Any]:
+        """Greedy tokens; with ``logprobs`` also each sampled token's logprob (a finer check than
+        the tokens: a slightly wrong state or KV block often leaves the argmax unchanged)."""
         from vllm import SamplingParams
 
         t = time.perf_counter()
-        out = self.llm.generate([{"prompt_token_ids": prompt_ids}],
-                                SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
-        return {"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t,
-                "cached": out.num_cached_tokens}
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if logprobs else None)
+        out = self.llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+        result = {"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t,
+                  "cached": out.num_cached_tokens}
+        if logprobs:
+            result["logprobs"] = [step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, result["tokens"])]
+        return result
 
     def connector_totals(self) -> dict[str, dict[str, Any]]:
         """The connector's counters since start-up (scheduler and worker parts)."""

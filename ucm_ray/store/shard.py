@@ -122,4 +122,3 @@ class CacheShard:
             self._nixl.close()
             self._nixl = None
         self._pool.close()
-        self._forever.set()

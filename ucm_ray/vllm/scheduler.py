@@ -69,6 +69,7 @@ class _Lookup:
     attn_keys: list[list[list[bytes]]]  # [rank][attention group][block]
     state_keys: list[list[list[bytes]]]  # [rank][state group][lcm boundary - 1]
     leases: list[ReadLease] | None = None
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -122,6 +123,8 @@ class SchedulerPart:
         t = self._tracked.get(request.request_id)
         if t is None or t.request is not request:
             t = self._tracked[request.request_id] = _Tracked(request)
+        if t.lookup is not None and time.monotonic() - t.lookup.started > self._config.lease_s / 2:
+            self._release(t)  # waited so long in the queue that its pins may lapse: look again
         if t.lookup is None:
             t.lookup = self._post_lookup(request)
             if t.lookup is None:
@@ -147,8 +150,7 @@ class SchedulerPart:
         self.stats.add(lookups=1, query_tokens=request.num_tokens, hit_tokens=ext,
                        local_hit_tokens=num_computed_tokens,
                        miss_tokens=request.num_tokens - num_computed_tokens - ext,
-                       recompute_trimmed_tokens=max(0, t.hit_tokens - num_computed_tokens - ext)
-                       if t.hit_tokens > num_computed_tokens else 0)
+                       recompute_trimmed_tokens=max(0, t.hit_tokens - num_computed_tokens - ext))
         # Hybrid loads are asynchronous: vLLM can only take back a failed load of a
         # multi-group (hybrid) cache through ``failed_recving``, which exists for async loads.
         return ext, self.hybrid and ext > 0
