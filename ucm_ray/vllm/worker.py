@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class WorkerPart:
                                if isinstance(g.kv_cache_spec, AttentionSpec)}
         self._num_blocks = kv_cache_config.num_blocks
         self._layouts: list[GroupLayout] = []
+        self._device = torch.device("cpu")
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, index in group)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self._step = _StepState()
@@ -86,6 +88,7 @@ class WorkerPart:
         self.stats = UcmRayStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._device = next(iter(kv_caches.values())).device
         self._layouts = build_layouts(kv_caches, self._group_layers, self._num_blocks)
         self._layer_of = {layer.name: (gl.group, i) for gl in self._layouts for i, layer in enumerate(gl.layers)}
         for buf in base_buffers(kv_caches):
@@ -122,10 +125,11 @@ class WorkerPart:
                 for i, layer in enumerate(gl.layers):
                     target = layered[layer.name] if hooks and b.group in self._hooked_groups else immediate
                     self._add_block_ops(target, b.location, gl, i, b.block_id, tag)
+        ready = self._compute_ready()  # e.g. vLLM zeroing fresh blocks, queued before us
         for name, ops in layered.items():
-            st.load_futures[name] = self._copier.submit(self._move, ops, False)
+            st.load_futures[name] = self._copier.submit(self._move, ops, False, ready)
         if immediate.by_shard:
-            st.failed |= self._move(immediate, False)
+            st.failed |= self._move(immediate, False, ready)
         self.stats.add(loaded_copy_bytes=immediate.nbytes + sum(ops.nbytes for ops in layered.values()))
         if not st.load_futures:
             self._finish_loads()
@@ -144,7 +148,7 @@ class WorkerPart:
         st.saved_layers.add(layer_name)
         ops = self._save_ops(layer_name)
         if ops.by_shard:
-            st.save_futures.append(self._copier.submit(self._move, ops, True))
+            st.save_futures.append(self._copier.submit(self._move, ops, True, self._compute_ready()))
             self.stats.add(saved_copy_bytes=ops.nbytes)
 
     def wait_for_save(self) -> None:
@@ -216,9 +220,23 @@ class WorkerPart:
                 self._add_block_ops(ops, loc, self._layouts[group], index, save.block_id, ("", i))
         return ops
 
-    def _move(self, ops: _LayerOps, write: bool) -> set[_Tag]:
+    def _compute_ready(self) -> "torch.cuda.Event | None":
+        """On CUDA, an event after the work queued so far on the compute stream: a side-stream
+        copy must not read a layer's KV before its attention wrote it, nor load into a block
+        before vLLM's zeroing of fresh blocks ran."""
+        if self._device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _move(self, ops: _LayerOps, write: bool, ready: "torch.cuda.Event | None" = None) -> set[_Tag]:
         """Run one batch per shard (all posted, then waited); returns the tags that failed."""
-        with torch.inference_mode():  # vLLM's KV caches are inference tensors; the copy thread is ours
+        # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
+        device = torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
+        with torch.inference_mode(), device:
+            if ready is not None:
+                ready.synchronize()
             return self._move_batches(ops, write)
 
     def _move_batches(self, ops: _LayerOps, write: bool) -> set[_Tag]:
