@@ -125,18 +125,19 @@ class Engine:
 
 def make_engine(cfg: UcmRayConfig, model_dir: str, *, block_size: int = 128, num_spec: int = 0,
                 hybrid: bool = False, max_batched: int = 8192, num_blocks: int = 256,
-                layerwise: bool = True) -> Engine:
+                layerwise: bool = True, hash_algo: str = "sha256", extra: dict | None = None) -> Engine:
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
     spec = None
     if num_spec:
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec, prompt_lookup_max=3,
                                  prompt_lookup_min=1, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
-    extra = {**cfg.to_dict(), "layerwise": layerwise}
+    extra = {**cfg.to_dict(), "layerwise": layerwise, **(extra or {})}
     vcfg = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
-                                 mamba_cache_mode="align" if hybrid else "none"),
+                                 mamba_cache_mode="align" if hybrid else "none",
+                                 prefix_caching_hash_algo=hash_algo),
         scheduler_config=SchedulerConfig(max_model_len=MAX_LEN, is_encoder_decoder=False,
                                          max_num_batched_tokens=max_batched, max_num_seqs=8,
                                          enable_chunked_prefill=True),

@@ -142,3 +142,18 @@ def test_preempted_request_resumes_with_a_store_hit(store, model_dir):
         # cache lost to the other request came from the store.
         assert min(eng.resumed_at[r.request_id]) >= 1280
         assert eng.loaded_blocks.get(r.request_id, 0) > 0
+
+
+def test_per_process_block_hashes_are_refused_at_start_up(store, model_dir, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo='xxhash'.*PYTHONHASHSEED"):
+        make_engine(store, model_dir, hash_algo="xxhash")
+
+
+def test_bad_connector_config_is_named_at_start_up(store, model_dir):
+    from ucm_ray.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown key.*lookup_timout_s.*allowed keys"):
+        make_engine(store, model_dir, extra={"lookup_timout_s": 1})
+    with pytest.raises(ConfigError, match="replication"):
+        make_engine(store, model_dir, extra={"replication": 5})

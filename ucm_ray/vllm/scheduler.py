@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,11 @@ class SchedulerPart:
                  client: StoreClient) -> None:
         self._config = config
         self._client = client
+        algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+        if algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
+            raise ValueError(f"ucm-ray: prefix_caching_hash_algo={algo!r} seeds block hashes randomly per "
+                             "process, so no engine could reuse another's blocks; use 'sha256' / "
+                             "'sha256_cbor', or set PYTHONHASHSEED to one value on every engine")
         self._groups = kv_cache_config.kv_cache_groups
         self._attn = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, AttentionSpec)]
         self._states = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, MambaSpec)]
