@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from ucm_ray.config import UcmRayConfig, parse_size  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
-from ucm_ray.store.fleet import start_fleet, stop_fleet  # noqa: E402
+from ucm_ray.store.fleet import running_fleet  # noqa: E402
 from ucm_ray.transport.base import CopyOp  # noqa: E402
 
 log = logging.getLogger("bench")
@@ -124,17 +124,16 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmb-", dir="/tmp"))
     cfg = UcmRayConfig(num_shards=4, pool_bytes=pool, ray_namespace="ucm_ray_bench")
-    start_fleet(cfg)
     try:
-        clients = {t: StoreClient(UcmRayConfig.from_dict({**cfg.to_dict(), "transport": t}))
-                   for t in ("shm", "nixl")}
-        rows = {}
-        for size in sizes:
-            log.info("measuring %d x %d KiB blocks", BATCH, size >> 10)
-            rows[size] = measure_size(size, clients, args.repeat)
-        lookups = {n: lookup_latency(clients["shm"], n, args.lookup_iters) for n in (1000, 10000)}
+        with running_fleet(cfg):
+            clients = {t: StoreClient(UcmRayConfig.from_dict({**cfg.to_dict(), "transport": t}))
+                       for t in ("shm", "nixl")}
+            rows = {}
+            for size in sizes:
+                log.info("measuring %d x %d KiB blocks", BATCH, size >> 10)
+                rows[size] = measure_size(size, clients, args.repeat)
+            lookups = {n: lookup_latency(clients["shm"], n, args.lookup_iters) for n in (1000, 10000)}
     finally:
-        stop_fleet(cfg)
         ray.shutdown()
 
     cols = list(next(iter(rows.values())))

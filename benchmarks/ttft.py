@@ -19,7 +19,7 @@ import ray
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
-from ucm_ray.store.fleet import start_fleet, stop_fleet
+from ucm_ray.store.fleet import running_fleet
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 log = logging.getLogger("bench.ttft")
@@ -51,9 +51,8 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmt-", dir="/tmp"), log_to_driver=False)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=512 << 20, ray_namespace="ucm_ray_ttft")
-    start_fleet(cfg)
     try:
-        with tempfile.TemporaryDirectory(prefix="example-connector-") as shared:
+        with running_fleet(cfg), tempfile.TemporaryDirectory(prefix="example-connector-") as shared:
             results = {
                 "none": run_system("none", model, None, prompts),
                 "example": run_system("example", model, {
@@ -63,7 +62,6 @@ def main() -> None:
                                       prompts),
             }
     finally:
-        stop_fleet(cfg)
         ray.shutdown()
     print(f"\n{'system':>10} {'A cold p50 ms':>14} {'B p50 ms':>10} {'B / A':>7}")
     for name, r in results.items():

@@ -43,12 +43,10 @@ def lfm2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(ray_cluster):
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import start_fleet, stop_fleet
+    from ucm_ray.store.fleet import running_fleet
 
-    cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_hybrid")
-    start_fleet(cfg)
-    yield cfg
-    stop_fleet(cfg)
+    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_hybrid")) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")

@@ -95,10 +95,10 @@ def run_demo(model_dir: str | None = None, *, num_requests: int = 3, prefix_toke
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmd-", dir="/tmp"), log_to_driver=False)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=512 << 20, ray_namespace="ucm_ray_demo")
-    start_fleet(cfg)
     kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace})
     remote_engine = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(Engine)
     try:
+        start_fleet(cfg)
         log.info("[2/5] loading engine A (its own process)")
         a = remote_engine.remote(model, kv)
         ray.get(a.connector_totals.remote())

@@ -234,20 +234,11 @@ def _lfm2_model(params: dict[str, Any], tokenizer: Any) -> tuple[Any, Any]:
 
     attention = set(params["attention_layers"])
     config = Lfm2Config(
-        vocab_size=params["vocab_size"],
-        hidden_size=params["hidden_size"],
-        intermediate_size=params["intermediate_size"],
-        num_hidden_layers=params["num_layers"],
-        num_attention_heads=params["num_heads"],
-        num_key_value_heads=params["num_kv_heads"],
-        max_position_embeddings=params["max_position_embeddings"],
+        **_common_config(params, tokenizer),
         layer_types=["full_attention" if i in attention else "conv" for i in range(params["num_layers"])],
         conv_L_cache=params["conv_kernel"],
         # The MLP width is intermediate_size as given (no 2/3 and rounding-up games).
         block_auto_adjust_ff_dim=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,  # vLLM's Lfm2ForCausalLM always ties lm_head to the embedding
     )
     # vLLM's LFM2 reads these two (the released checkpoints' configs carry them; transformers'
@@ -299,10 +290,9 @@ def _check_config_keys(path: Path, keys: tuple[str, ...]) -> None:
         raise RuntimeError(f"{path}: transformers did not write {missing}; vLLM cannot load the model")
 
 
-def _llama_config(params: dict[str, Any], tokenizer: Any) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _common_config(params: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Config fields every architecture here shares."""
+    return dict(
         vocab_size=params["vocab_size"],
         hidden_size=params["hidden_size"],
         intermediate_size=params["intermediate_size"],
@@ -313,8 +303,13 @@ def _llama_config(params: dict[str, Any], tokenizer: Any) -> Any:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
     )
+
+
+def _llama_config(params: dict[str, Any], tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common_config(params, tokenizer), tie_word_embeddings=False)
 
 
 def make_tiny_model(

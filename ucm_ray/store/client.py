@@ -384,10 +384,9 @@ class StoreClient:
                 by_shard[loc.shard_id].append((i, CopyOp(loc.offset, views[i])))
         self._run(by_shard, landed, write=True)
         sums = [checksum(v) for v in views] if self.config.checksum else None
-        already = [not locs for locs in res.locations]
         visible = self.commit(res, landed, sums)
-        # A key another writer (or an earlier put) stored is present too.
-        missing = [i for i, a in enumerate(already) if a]
+        # A key another writer stored (earlier, or first in a race) is present too.
+        missing = [i for i, v in enumerate(visible) if not v]
         if missing:
             found = self.lookup([keys[i] for i in missing])
             for i, f in zip(missing, found):

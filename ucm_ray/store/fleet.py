@@ -7,8 +7,9 @@ process that started them (a CLI call, a Serve app) and can be found again by
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 
@@ -39,6 +40,16 @@ def start_fleet(config: UcmRayConfig, *, timeout_s: float = 120.0) -> ray.actor.
     log.info("ucm-ray fleet up: %d shards x %d bytes in Ray namespace %r",
              config.num_shards, config.pool_bytes, ns)
     return directory
+
+
+@contextlib.contextmanager
+def running_fleet(config: UcmRayConfig) -> Iterator[UcmRayConfig]:
+    """A fleet for the duration of a block (demo, benchmarks, tests), stopped however it ends."""
+    start_fleet(config)
+    try:
+        yield config
+    finally:
+        stop_fleet(config)
 
 
 def fleet_status(config: UcmRayConfig, *, timeout_s: float = 10.0) -> dict[str, Any]:
