@@ -114,7 +114,7 @@ def _same(out, expected):
 @pytest.fixture(scope="module")
 def engine_a(shared, lfm2, prompts, ref):
     """Engine A (its own process) serves P, E and W cold, saving what it computes; then it exits."""
-    a = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace}), **ENGINE_KW)
+    a = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60}), **ENGINE_KW)
     saved = {}
     for name, n in (("P", 8), ("E", 8), ("W", DECODE)):
         out, delta = _serve(a, prompts[name], n)
@@ -128,7 +128,7 @@ def engine_a(shared, lfm2, prompts, ref):
 @pytest.fixture(scope="module")
 def engine_b(shared, lfm2, engine_a):
     """Engine B: a fresh process with the connector, started after A is gone."""
-    b = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace}), **ENGINE_KW)
+    b = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60}), **ENGINE_KW)
     yield b
     ray.kill(b)
 

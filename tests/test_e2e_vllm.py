@@ -30,7 +30,9 @@ def shared(ray_cluster):
 
 
 def connector(cfg, **kw):
-    return kv_transfer({"ray_namespace": cfg.ray_namespace, **kw})
+    # Generous timeouts: a shard slower than the timeout is a miss, and a busy CI host must not
+    # turn an expected hit into one.
+    return kv_transfer({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, **kw})
 
 
 @pytest.fixture(scope="module")
