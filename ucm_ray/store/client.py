@@ -192,6 +192,7 @@ class StoreClient:
         self._suspect: set[str] = set()
         self._membership: Membership = ray.get(self._directory.membership.remote(),
                                                timeout=config.lookup_timeout_s)
+        self._pending_membership: ray.ObjectRef | None = None
         self._last_refresh = time.monotonic()
 
     # --- membership ----------------------------------------------------------------------
@@ -201,22 +202,36 @@ class StoreClient:
         return self._membership
 
     def refresh(self, *, force: bool = False, period_s: float = 1.0) -> None:
-        """Pick up joins and deaths; cheap to call often (rate-limited)."""
-        if not force and time.monotonic() - self._last_refresh < period_s:
+        """Pick up joins and deaths without blocking the caller (the scheduler calls this on its
+        hot path): at most once per ``period_s`` the membership is requested, and it is applied
+        by a later call once it has arrived. ``force`` fetches and waits."""
+        if force or (self._pending_membership is None
+                     and time.monotonic() - self._last_refresh >= period_s):
+            self._last_refresh = time.monotonic()
+            self._pending_membership = self._directory.membership.remote()
+        ref = self._pending_membership
+        if ref is None:
             return
-        self._last_refresh = time.monotonic()
+        ready, _ = ray.wait([ref], timeout=self.config.lookup_timeout_s if force else 0)
+        if not ready:
+            if time.monotonic() - self._last_refresh > self.config.lookup_timeout_s:
+                log.warning("shard directory slow to answer; keeping membership v%d", self._membership.version)
+                self._pending_membership = None
+            return
+        self._pending_membership = None
         try:
-            version = ray.get(self._directory.version.remote(), timeout=self.config.lookup_timeout_s)
-            if version != self._membership.version:
-                self._membership = ray.get(self._directory.membership.remote(),
-                                           timeout=self.config.lookup_timeout_s)
-                live = set(self._membership.shard_ids)
-                for sid in [s for s in self._transports if s not in live]:
-                    self._transports.pop(sid).close()
-                self._suspect &= live
+            membership = ray.get(ref)
         except _SHARD_ERRORS as e:
             log.warning("shard directory unreachable (%s); keeping membership v%d",
                         type(e).__name__, self._membership.version)
+            return
+        if membership.version != self._membership.version:
+            self._membership = membership
+            live = set(membership.shard_ids)
+            with self._transport_lock:
+                for sid in [s for s in self._transports if s not in live]:
+                    self._transports.pop(sid).close()
+            self._suspect &= live
 
     def _live(self) -> list[ShardRecord]:
         return [s for s in self._membership.shards if s.shard_id not in self._suspect]

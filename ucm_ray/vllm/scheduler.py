@@ -188,28 +188,23 @@ class SchedulerPart:
         return hashes[end_token // self._hash_bs - 1]
 
     def _hit_tokens(self, lk: _Lookup) -> int:
-        """Stage 1 (longest attention prefix, all ranks and groups), then for hybrid
-        models stage 2 (furthest LCM boundary whose state every state group has)."""
+        """Stage 1 (longest attention prefix over all ranks and groups), then for hybrid
+        models stage 2 (furthest LCM boundary whose state every rank and state group has)."""
         assert lk.leases is not None
-        prefix = None
+        prefix: int | None = None
+        boundaries = len(lk.state_keys[0][0]) if self.hybrid and lk.state_keys[0] else 0
+        states = [True] * boundaries
         for rank, lease in enumerate(lk.leases):
-            found = iter(loc is not None for loc in lease.locations)
+            found = iter(loc is not None for loc in lease.locations)  # attention keys, then states
             for g, keys in zip(self._attn, lk.attn_keys[rank]):
                 present = [next(found) for _ in keys]
-                n = present.index(False) if False in present else len(present)
-                tokens = n * self._bs[g]
+                tokens = (present.index(False) if False in present else len(present)) * self._bs[g]
                 prefix = tokens if prefix is None else min(prefix, tokens)
-            if self.hybrid:
-                boundaries = len(lk.state_keys[rank][0]) if lk.state_keys[rank] else 0
-                avail = [True] * boundaries
-                for keys in lk.state_keys[rank]:
-                    for b in range(len(keys)):
-                        avail[b] = next(found) and avail[b]
-                lk_avail = avail if rank == 0 else [a and b for a, b in zip(lk_avail, avail)]
-        prefix = prefix or 0
+            for keys in lk.state_keys[rank]:
+                states = [next(found) and ok for ok in states[:len(keys)]]
         if not self.hybrid:
-            return prefix
-        return policy.hybrid_hit_blocks(prefix // self._lcm, lk_avail) * self._lcm
+            return prefix or 0
+        return policy.hybrid_hit_blocks((prefix or 0) // self._lcm, states) * self._lcm
 
     # --- allocation and the step plan ----------------------------------------------------
 

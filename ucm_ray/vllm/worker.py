@@ -265,8 +265,12 @@ class WorkerPart:
                                   b.block_id, ld.req_id, b.location.shard_id)
                         self.stats.add(checksum_mismatches=1)
                         st.failed.add(tag)
+        pins: dict[str, list[int]] = defaultdict(list)
         for ld in st.loads:
-            self._client.release_async(ld.leases)
+            for sid, ids in ld.leases.items():
+                pins[sid].extend(ids)
+        self._client.release_async(pins)  # one call per shard for the whole step
+        for ld in st.loads:
             bad = [b.block_id for b in ld.blocks if (ld.req_id, b.block_id) in st.failed]
             if ld.is_async:
                 (self._failed_recving if bad or ld.failed else self._finished_recving).add(ld.req_id)
