@@ -25,10 +25,13 @@ def make(capacity=1024, lease_s=10.0, reserve_s=10.0):
     return BlockIndex(capacity, lease_s=lease_s, reserve_timeout_s=reserve_s, align=64, clock=clock), clock
 
 
-def put(idx, key, size):
-    token, offs = idx.reserve([(key, size)])
-    assert offs[0] is not None
-    assert idx.commit(token, [key]) == [True]
+OWNER, OTHER = 11, 22
+
+
+def put(idx, key, size, owner=OWNER):
+    token, offs = idx.reserve(owner, size, 1)
+    assert len(offs) == 1
+    assert idx.commit(owner, token, [(key, offs[0], None)]) == [True]
     return offs[0]
 
 
@@ -57,22 +60,29 @@ def test_allocator_coalesces_and_never_overlaps():
 
 def test_reserved_is_invisible_until_commit():
     idx, _ = make()
-    token, offs = idx.reserve([(k(1), 100)])
-    assert offs[0] is not None
+    token, offs = idx.reserve(OWNER, 100, 1)
+    assert len(offs) == 1
     assert idx.contains([k(1)]) == [False]
-    assert idx.acquire([k(1)])[1] == [None]
-    assert idx.commit(token, [k(1)]) == [True]
+    assert idx.acquire(OWNER, [k(1)])[1] == [None]
+    assert idx.commit(OWNER, token, [(k(1), offs[0], 7)]) == [True]
     assert idx.contains([k(1)]) == [True]
+    assert idx.acquire(OWNER, [k(1)])[1][0].checksum == 7  # the checksum belongs to the entry
 
 
-def test_abort_frees_and_never_publishes():
-    idx, _ = make(capacity=128)
-    token, offs = idx.reserve([(k(1), 128)])
-    idx.abort(token, [k(1)])
-    assert idx.commit(token, [k(1)]) == [False]
-    assert idx.contains([k(1)]) == [False]
-    assert idx.stats().used_bytes == 0
-    assert idx.reserve([(k(2), 128)])[1][0] is not None  # the space came back
+def test_anonymous_reserve_commit_and_free():
+    idx, _ = make(capacity=64 * 4)
+    token, offs = idx.reserve(OWNER, 64, 3)
+    assert len(set(offs)) == 3 and idx.stats().pending_bytes == 192
+    # one slot published, one freed, one left reserved
+    assert idx.commit(OWNER, token, [(k(1), offs[0], None)], free_offsets=[offs[1]]) == [True]
+    assert idx.stats().pending_bytes == 64 and idx.stats().used_bytes == 64
+    # a freed or committed slot cannot be committed (again)
+    assert idx.commit(OWNER, token, [(k(2), offs[1], None), (k(3), offs[0], None)]) == [False, False]
+    assert idx.commit(OWNER, token, [(k(2), offs[2], None)]) == [True]
+    assert idx.stats().pending_bytes == 0
+    idx.acquire(OWNER, [k(1), k(2)])  # pinned: not evictable
+    assert len(idx.reserve(OWNER, 64, 3)[1]) == 2  # room for two more, the third is dropped
+    assert idx.stats().dropped_saves == 1
 
 
 def test_lru_eviction_is_byte_accurate():
@@ -88,57 +98,125 @@ def test_lru_eviction_is_byte_accurate():
     assert s.evictions == 2 and s.evicted_bytes == 128
 
 
+def test_acquire_counts_lookups_and_hits():
+    idx, _ = make()
+    put(idx, k(1), 64)
+    idx.acquire(OWNER, [k(1), k(2), k(3)])
+    s = idx.stats()
+    assert (s.lookups, s.hits) == (3, 1)
+
+
 def test_pinned_entries_survive_eviction_until_lease_expires():
     idx, clock = make(capacity=64 * 2, lease_s=5.0)
     put(idx, k(1), 64)
     put(idx, k(2), 64)
-    lease, slots = idx.acquire([k(1), k(2)])
+    lease, slots = idx.acquire(OWNER, [k(1), k(2)])
     assert all(slots)
-    token, offs = idx.reserve([(k(3), 64)])
-    assert offs == [None] and idx.stats().dropped_saves == 1  # no room: dropped, counted
+    assert idx.reserve(OWNER, 64, 1)[1] == [] and idx.stats().dropped_saves == 1  # no room: dropped
     clock.t = 6.0  # the reader vanished: its pins lapse
-    token, offs = idx.reserve([(k(3), 64)])
-    assert offs[0] is not None
-    assert idx.release(lease) is False  # the reader must distrust what it copied
+    assert len(idx.reserve(OWNER, 64, 1)[1]) == 1
+    assert idx.release(OWNER, [lease]) == [False]  # the reader must distrust what it copied
 
 
-def test_release_in_time_reports_valid():
+def test_release_in_time_reports_valid_and_only_once():
     idx, _ = make()
     put(idx, k(1), 64)
-    lease, _ = idx.acquire([k(1)])
-    assert idx.release(lease) is True
-    assert idx.release(lease) is False  # unknown lease
+    lease, _ = idx.acquire(OWNER, [k(1)])
+    assert idx.release(OWNER, [lease]) == [True]
+    assert idx.release(OWNER, [lease]) == [False]  # no longer held
+
+
+def test_ids_are_random_63_bit():
+    idx, _ = make(capacity=64 * 64)
+    put(idx, k(1), 64)
+    leases = [idx.acquire(OWNER, [k(1)])[0] for _ in range(20)]
+    tokens = [idx.reserve(OWNER, 64, 1)[0] for _ in range(20)]
+    ids = leases + tokens
+    assert len(set(ids)) == 40 and all(0 < i < 2 ** 63 for i in ids)
+    assert sorted(leases) != leases or sorted(tokens) != tokens  # not counters
+    other, _ = make()
+    put(other, k(1), 64)
+    assert other.acquire(OWNER, [k(1)])[0] not in leases  # a new index (shard start) never repeats ids
+
+
+def test_release_by_another_owner_does_not_unpin():
+    idx, clock = make(capacity=64, lease_s=5.0)
+    put(idx, k(1), 64)
+    lease, _ = idx.acquire(OWNER, [k(1)])
+    assert idx.release(OTHER, [lease]) == [False]  # someone else's lease: no effect
+    assert idx.reserve(OWNER, 64, 1)[1] == []  # still pinned: not evicted
+    assert idx.release(OWNER, [lease]) == [True]  # the owner still holds it
+    assert len(idx.reserve(OWNER, 64, 1)[1]) == 1
+
+
+def test_commit_and_renew_by_another_owner_have_no_effect():
+    idx, clock = make(reserve_s=2.0)
+    token, offs = idx.reserve(OWNER, 64, 1)
+    assert idx.renew(OTHER, [token]) == [False]
+    assert idx.commit(OTHER, token, [(k(1), offs[0], None)]) == [False]
+    assert idx.contains([k(1)]) == [False]
+    clock.t = 1.5
+    assert idx.renew(OWNER, [token]) == [True]  # extends to t=3.5
+    clock.t = 3.0
+    assert idx.commit(OWNER, token, [(k(1), offs[0], None)]) == [True]
 
 
 def test_concurrent_writers_first_commit_wins_and_no_slot_leaks():
     idx, _ = make(capacity=64 * 4)
-    t1, o1 = idx.reserve([(k(1), 64)])
-    t2, o2 = idx.reserve([(k(1), 64)])
+    t1, o1 = idx.reserve(OWNER, 64, 1)
+    t2, o2 = idx.reserve(OTHER, 64, 1)
     assert o1[0] != o2[0]  # each writer has its own slot: no torn block is possible
-    assert idx.commit(t2, [k(1)]) == [True]
-    assert idx.commit(t1, [k(1)]) == [False]
-    lease, slots = idx.acquire([k(1)])
+    assert idx.commit(OTHER, t2, [(k(1), o2[0], None)]) == [True]
+    assert idx.commit(OWNER, t1, [(k(1), o1[0], None)]) == [False]
+    lease, slots = idx.acquire(OWNER, [k(1)])
     assert slots[0].offset == o2[0]
     assert idx.stats().used_bytes == 64 and idx.stats().duplicate_commits == 1
+    assert idx.stats().pending_bytes == 0
 
 
-def test_stale_reservation_is_reclaimed():
+def test_expired_reservation_is_quarantined_before_its_slots_are_reused():
     idx, clock = make(capacity=64, reserve_s=2.0)
-    token, offs = idx.reserve([(k(1), 64)])
-    clock.t = 3.0
-    assert idx.reserve([(k(2), 64)])[1][0] is not None  # space reclaimed from the dead writer
-    assert idx.commit(token, [k(1)]) == [False]  # the late writer's commit is refused
-    assert idx.stats().expired_reservations == 1
+    token, offs = idx.reserve(OWNER, 64, 1)
+    clock.t = 3.0  # expired: the slow writer may still be copying into the slot
+    assert idx.reserve(OTHER, 64, 1)[1] == []  # so nobody else gets it yet
+    assert idx.stats().quarantined_bytes == 64 and idx.stats().expired_reservations == 1
+    assert idx.renew(OWNER, [token]) == [False]  # too late to renew
+    assert idx.commit(OWNER, token, [(k(1), offs[0], None)]) == [False]  # nor to commit
+    clock.t = 4.5  # quarantine ends at 2 + 2 = 4
+    t2, o2 = idx.reserve(OTHER, 64, 1)
+    assert o2 == offs  # only now is the space reused
+    assert idx.commit(OWNER, token, [(k(1), offs[0], None)]) == [False]
+    assert idx.commit(OTHER, t2, [(k(1), o2[0], None)]) == [True]
+    assert idx.stats().quarantined_bytes == 0
+
+
+def test_remove_unpinned_frees_at_once():
+    idx, _ = make(capacity=64)
+    off = put(idx, k(1), 64)
+    assert idx.remove([(k(1), off + 64)]) == 0  # not that entry's slot: kept
+    assert idx.remove([(k(1), off)]) == 1
+    assert idx.contains([k(1)]) == [False]
+    assert idx.stats().used_bytes == 0 and idx.stats().removals == 1
+    assert len(idx.reserve(OWNER, 64, 1)[1]) == 1
+
+
+def test_remove_while_pinned_unlists_now_frees_on_last_release():
+    idx, _ = make(capacity=64)
+    off = put(idx, k(1), 64)
+    l1, _ = idx.acquire(OWNER, [k(1), k(1)])
+    l2, _ = idx.acquire(OTHER, [k(1)])
+    assert idx.remove([(k(1), off)]) == 1
+    assert idx.acquire(OWNER, [k(1)])[1] == [None]  # invisible at once
+    assert idx.reserve(OWNER, 64, 1)[1] == []  # but its slot is still being read
+    assert idx.release(OWNER, [l1]) == [True]
+    assert idx.reserve(OWNER, 64, 1)[1] == []
+    assert idx.release(OTHER, [l2]) == [True]  # last pin gone: freed (exactly once)
+    assert len(idx.reserve(OWNER, 64, 1)[1]) == 1
+    assert idx.stats().used_bytes == 0
 
 
 def test_oversized_and_bad_sizes():
     idx, _ = make(capacity=128)
-    assert idx.reserve([(k(1), 1000)])[1] == [None]
+    assert idx.reserve(OWNER, 1000, 1)[1] == []
     with pytest.raises(ValueError):
-        idx.reserve([(k(1), 0)])
-
-
-def test_existing_key_is_not_rewritten():
-    idx, _ = make()
-    put(idx, k(1), 64)
-    assert idx.reserve([(k(1), 64)])[1] == [None]
+        idx.reserve(OWNER, 0, 1)

@@ -1,22 +1,34 @@
 """What one shard knows: key -> slot, LRU order, read pins and pending writes.
 
 Plain Python, no Ray: the shard actor only holds an instance and forwards
-calls, so every rule here (visibility, eviction, leases) is unit-testable.
+calls, so every rule here (visibility, eviction, leases, fencing of writers)
+is unit-testable.
 
 Rules that keep readers from ever seeing wrong bytes:
-- A write is two-phase. ``reserve`` hands out a fresh slot that nobody else
-  can see; the client copies bytes into it; ``commit`` publishes it. Two
-  writers of one key get two slots: the first commit wins, the other slot is
-  freed. A published slot is never overwritten, so no reader sees a torn block.
+- A write is two-phase. ``reserve`` hands out fresh, anonymous slots nobody
+  else can see; the writer copies bytes into them; ``commit`` binds each slot
+  to a key and publishes it. Two writers of one key write two slots: the first
+  commit wins, the other slot is freed. A published slot is never overwritten.
+- A reservation that outlives ``reserve_timeout_s`` (its writer is slow or
+  gone) is *quarantined* for a further ``reserve_timeout_s``: its slots stay
+  allocated but can no longer be committed. Only then are they freed, so a
+  writer that is still copying never lands bytes in a slot someone else got.
+  A writer that needs longer calls ``renew``.
 - ``acquire`` pins entries under a lease; eviction skips pinned entries. A
   lease that outlives ``lease_s`` (its reader died) stops protecting the entry,
-  and ``release`` then reports the lease as expired so the reader discards
+  and ``release`` then reports the lease as not held so the reader discards
   what it copied.
+- Lease ids and grant tokens are random 63-bit values recorded with the
+  ``owner`` (a client's random id) that asked: a release, renew or commit by
+  anyone else has no effect, so a stale or foreign id can never unpin another
+  reader's entry or publish into another writer's slot.
+- ``remove`` (a reader found the entry corrupt) unlists the entry at once; a
+  pinned entry's slot is freed only when its last pin goes.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,6 +37,11 @@ from typing import Callable, Sequence
 from ucm_ray.store.allocator import ExtentAllocator
 
 Key = bytes
+
+
+def random_id() -> int:
+    """A fresh random 63-bit id (never 0): guessing or reusing one across restarts is hopeless."""
+    return secrets.randbits(63) or 1
 
 
 @dataclass(frozen=True)
@@ -36,16 +53,30 @@ class Slot:
     checksum: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
     slot: Slot
     pinned_by: set[int] = field(default_factory=set)
+    listed: bool = True
+    """False once removed: invisible, its slot freed when the last pin goes."""
 
 
 @dataclass
-class _Pending:
+class _Lease:
+    owner: int
     deadline: float
-    slots: dict[Key, Slot]
+    entries: list[_Entry]
+    """The pinned entries (emptied once the lease lapsed and stopped pinning)."""
+
+
+@dataclass
+class _Grant:
+    owner: int
+    deadline: float
+    size: int
+    offsets: set[int]
+    """Reserved slots not yet committed or freed."""
+    quarantined: bool = False
 
 
 @dataclass
@@ -54,6 +85,7 @@ class IndexStats:
     used_bytes: int
     entries: int
     pending_bytes: int
+    quarantined_bytes: int = 0
     lookups: int = 0
     hits: int = 0
     evictions: int = 0
@@ -61,6 +93,8 @@ class IndexStats:
     dropped_saves: int = 0
     commits: int = 0
     duplicate_commits: int = 0
+    refused_commits: int = 0
+    removals: int = 0
     expired_leases: int = 0
     expired_reservations: int = 0
 
@@ -75,9 +109,8 @@ class BlockIndex:
         self._reserve_timeout_s = reserve_timeout_s
         self._clock = clock
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()  # LRU first, MRU last
-        self._pending: dict[int, _Pending] = {}
-        self._leases: dict[int, tuple[float, list[Key]]] = {}
-        self._ids = itertools.count(1)
+        self._grants: dict[int, _Grant] = {}
+        self._leases: dict[int, _Lease] = {}
         self._used = 0
         self._counters = IndexStats(capacity_bytes=self._alloc.capacity, used_bytes=0,
                                     entries=0, pending_bytes=0)
@@ -85,7 +118,8 @@ class BlockIndex:
     # --- reads ---------------------------------------------------------------------------
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
-        """Which keys are committed. Touches hits so a looked-up prefix stays warm."""
+        """Which keys are committed, without pinning (tests, benchmarks, ``put``'s skip of
+        present keys). Touches hits so a looked-up prefix stays warm."""
         out = []
         for k in keys:
             hit = k in self._entries
@@ -96,117 +130,150 @@ class BlockIndex:
         self._counters.hits += sum(out)
         return out
 
-    def acquire(self, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
-        """Pin the committed ones among ``keys``; returns (lease id, slot or None per key)."""
+    def acquire(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+        """Pin the committed ones among ``keys``; returns (lease id, slot or None per key).
+        Counts lookups and hits: this is the engine's lookup."""
         self._expire()
-        lease = next(self._ids)
+        lease = self._fresh_id(self._leases)
         slots: list[Slot | None] = []
-        pinned: list[Key] = []
+        pinned: list[_Entry] = []
         for k in keys:
             e = self._entries.get(k)
             if e is None:
                 slots.append(None)
                 continue
             self._entries.move_to_end(k)
-            e.pinned_by.add(lease)
-            pinned.append(k)
+            if lease not in e.pinned_by:
+                e.pinned_by.add(lease)
+                pinned.append(e)
             slots.append(e.slot)
+        self._counters.lookups += len(keys)
+        self._counters.hits += sum(s is not None for s in slots)
         if pinned:
-            self._leases[lease] = (self._clock() + self._lease_s, pinned)
+            self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, pinned)
         return lease, slots
 
-    def release(self, lease: int) -> bool:
-        """Unpin; False when the lease had expired (the copied bytes may be stale)."""
-        held = self._leases.pop(lease, None)
-        if held is None:
-            return False
-        deadline, keys = held
-        for k in keys:
-            e = self._entries.get(k)
-            if e is not None:
-                e.pinned_by.discard(lease)
-        return self._clock() <= deadline
+    def release(self, owner: int, lease_ids: Sequence[int]) -> list[bool]:
+        """Unpin; per lease, False when it was not held by ``owner`` (unknown, someone
+        else's: then nothing changes) or had expired (the copied bytes may be stale)."""
+        out = []
+        now = self._clock()
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.owner != owner:
+                out.append(False)
+                continue
+            del self._leases[lease_id]
+            self._unpin(lease_id, lease)
+            out.append(now <= lease.deadline)
+        return out
 
     # --- writes --------------------------------------------------------------------------
 
-    def reserve(self, items: Sequence[tuple[Key, int]]) -> tuple[int, list[int | None]]:
-        """Slots for new keys: offset per item, None when present already or no room."""
+    def reserve(self, owner: int, size: int, count: int) -> tuple[int, list[int]]:
+        """Up to ``count`` fresh slots of ``size`` bytes, not bound to keys (evicting LRU
+        unpinned entries for room); fewer when the pool has no room (each missing one is a
+        dropped save)."""
+        if size <= 0:
+            raise ValueError(f"entry size must be > 0, got {size}")
         self._expire()
-        token = next(self._ids)
-        pending = _Pending(deadline=self._clock() + self._reserve_timeout_s, slots={})
-        offsets: list[int | None] = []
-        for key, size in items:
-            if size <= 0:
-                raise ValueError(f"entry size must be > 0, got {size}")
-            if key in self._entries or key in pending.slots:
-                offsets.append(None)
-                continue
+        token = self._fresh_id(self._grants)
+        offsets: list[int] = []
+        for _ in range(count):
             off = self._allocate(size)
             if off is None:
-                self._counters.dropped_saves += 1
-                offsets.append(None)
-                continue
-            pending.slots[key] = Slot(off, size)
+                self._counters.dropped_saves += count - len(offsets)
+                break
             offsets.append(off)
-        if pending.slots:
-            self._pending[token] = pending
+        if offsets:
+            self._grants[token] = _Grant(owner, self._clock() + self._reserve_timeout_s, size, set(offsets))
         return token, offsets
 
-    def commit(self, token: int, keys: Sequence[Key],
-               checksums: Sequence[int | None] | None = None) -> list[bool]:
-        """Publish reserved keys whose bytes landed; per key, whether it is now visible
-        from this write (False: the reservation expired or another writer won)."""
-        pending = self._pending.get(token)
+    def renew(self, owner: int, tokens: Sequence[int]) -> list[bool]:
+        """Extend ``owner``'s reservations by ``reserve_timeout_s``; False for one that had
+        expired (quarantined or gone) or is not ``owner``'s."""
+        self._expire()
         out = []
-        for i, k in enumerate(keys):
-            slot = pending.slots.pop(k, None) if pending else None
-            if slot is None:
+        for token in tokens:
+            g = self._grants.get(token)
+            ok = g is not None and g.owner == owner and not g.quarantined
+            if ok:
+                g.deadline = self._clock() + self._reserve_timeout_s
+            out.append(ok)
+        return out
+
+    def commit(self, owner: int, token: int, items: Sequence[tuple[Key, int, int | None]],
+               free_offsets: Sequence[int] = ()) -> list[bool]:
+        """Bind slots of grant ``token`` to keys and publish them (items: key, offset,
+        checksum or None), and free ``free_offsets`` (slots whose bytes did not land).
+        Per item, whether the key is now visible from this write: False when the grant is
+        not ``owner``'s, has expired, the offset is not an uncommitted slot of it, or the
+        key is present already (then the slot is freed)."""
+        self._expire()
+        g = self._grants.get(token)
+        if g is None or g.owner != owner or g.quarantined:
+            self._counters.refused_commits += len(items)
+            return [False] * len(items)
+        out = []
+        for key, offset, csum in items:
+            if offset not in g.offsets:
+                self._counters.refused_commits += 1
                 out.append(False)
                 continue
-            if k in self._entries:
-                self._alloc.free(slot.offset, slot.size)
+            g.offsets.discard(offset)
+            if key in self._entries:
+                self._alloc.free(offset, g.size)
                 self._counters.duplicate_commits += 1
                 out.append(False)
                 continue
-            csum = checksums[i] if checksums is not None else None
-            self._entries[k] = _Entry(Slot(slot.offset, slot.size, csum))
-            self._used += slot.size
+            self._entries[key] = _Entry(Slot(offset, g.size, csum))
+            self._used += g.size
             self._counters.commits += 1
             out.append(True)
-        if pending is not None and not pending.slots:
-            del self._pending[token]
+        for offset in free_offsets:
+            if offset in g.offsets:
+                g.offsets.discard(offset)
+                self._alloc.free(offset, g.size)
+        if not g.offsets:
+            del self._grants[token]
         return out
 
-    def abort(self, token: int, keys: Sequence[Key] | None = None) -> None:
-        """Free reserved slots whose bytes did not land (all of the token's when keys is None)."""
-        pending = self._pending.get(token)
-        if pending is None:
-            return
-        for k in list(pending.slots) if keys is None else keys:
-            slot = pending.slots.pop(k, None)
-            if slot is not None:
-                self._alloc.free(slot.offset, slot.size)
-        if not pending.slots:
-            del self._pending[token]
-
-    def remove(self, keys: Sequence[Key]) -> int:
-        """Drop unpinned entries (e.g. a checksum mismatch seen by a reader)."""
+    def remove(self, items: Sequence[tuple[Key, int]]) -> int:
+        """Drop each key whose entry is still at that offset (a reader found it corrupt).
+        Unlisted at once; a pinned entry's slot is freed when its last pin goes."""
         n = 0
-        for k in keys:
-            e = self._entries.get(k)
-            if e is not None and not e.pinned_by:
-                self._drop(k)
-                n += 1
+        for key, offset in items:
+            e = self._entries.get(key)
+            if e is None or e.slot.offset != offset:
+                continue
+            del self._entries[key]
+            e.listed = False
+            self._used -= e.slot.size
+            if not e.pinned_by:
+                self._alloc.free(e.slot.offset, e.slot.size)
+            self._counters.removals += 1
+            n += 1
         return n
 
     # --- accounting ----------------------------------------------------------------------
 
     def stats(self) -> IndexStats:
+        self._expire()
         s = self._counters
         s.used_bytes = self._used
         s.entries = len(self._entries)
-        s.pending_bytes = sum(sl.size for p in self._pending.values() for sl in p.slots.values())
+        s.pending_bytes = sum(len(g.offsets) * g.size for g in self._grants.values() if not g.quarantined)
+        s.quarantined_bytes = sum(len(g.offsets) * g.size for g in self._grants.values() if g.quarantined)
         return IndexStats(**vars(s))
+
+    # --- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _fresh_id(taken: dict[int, object]) -> int:
+        while True:
+            i = random_id()
+            if i not in taken:
+                return i
 
     def _allocate(self, size: int) -> int | None:
         off = self._alloc.alloc(size)
@@ -218,32 +285,44 @@ class BlockIndex:
             victim = next((k for k, e in self._entries.items() if not e.pinned_by), None)
             if victim is None:
                 return None
-            self._drop(victim)
+            e = self._entries.pop(victim)
+            self._alloc.free(e.slot.offset, e.slot.size)
+            self._used -= e.slot.size
             self._counters.evictions += 1
+            self._counters.evicted_bytes += e.slot.size
             off = self._alloc.alloc(size)
             if off is not None:
                 return off
 
-    def _drop(self, key: Key) -> None:
-        e = self._entries.pop(key)
-        self._alloc.free(e.slot.offset, e.slot.size)
-        self._used -= e.slot.size
-        self._counters.evicted_bytes += e.slot.size
+    def _unpin(self, lease_id: int, lease: _Lease) -> None:
+        for e in lease.entries:
+            if lease_id not in e.pinned_by:
+                continue
+            e.pinned_by.discard(lease_id)
+            if not e.listed and not e.pinned_by:  # removed while pinned: its last pin went
+                self._alloc.free(e.slot.offset, e.slot.size)
+        lease.entries = []
 
     def _expire(self) -> None:
         now = self._clock()
-        for lease, (deadline, keys) in list(self._leases.items()):
-            if deadline + self._lease_s < now:
-                del self._leases[lease]  # its reader is long gone
-            elif deadline < now and keys:
-                # Keep the lease id so release() can report expiry, but stop pinning.
-                for k in keys:
-                    e = self._entries.get(k)
-                    if e is not None:
-                        e.pinned_by.discard(lease)
-                self._leases[lease] = (deadline, [])
+        for lease_id, lease in list(self._leases.items()):
+            if lease.deadline + self._lease_s < now:
+                del self._leases[lease_id]  # its reader is long gone; forget the id too
+                self._unpin(lease_id, lease)
+            elif lease.deadline < now and lease.entries:
+                # Keep the id so release() can report expiry, but stop pinning.
+                self._unpin(lease_id, lease)
                 self._counters.expired_leases += 1
-        for token, p in list(self._pending.items()):
-            if p.deadline < now:
+        for token, g in list(self._grants.items()):
+            if g.deadline >= now:
+                continue
+            if not g.quarantined:
+                # Its writer may still be copying: keep the slots allocated but uncommittable.
+                g.quarantined = True
+                g.deadline += self._reserve_timeout_s
                 self._counters.expired_reservations += 1
-                self.abort(token)
+                if g.deadline >= now:
+                    continue
+            for off in g.offsets:
+                self._alloc.free(off, g.size)
+            del self._grants[token]
