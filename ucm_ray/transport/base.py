@@ -14,6 +14,10 @@ from typing import Sequence
 import torch
 
 
+PoolKey = tuple[str, int]
+"""(shard id, incarnation): one start of one shard's pool (the same alias as ``store.blockstore``)."""
+
+
 class TransferError(RuntimeError):
     """A transfer failed or timed out; its destination bytes must not be trusted."""
 
@@ -40,6 +44,9 @@ class PoolDescriptor:
 
     ``shm_path`` is set when the pool is a shared-memory file on the shard's node;
     ``nixl_metadata`` when the shard registered the pool with a NIXL agent.
+    ``incarnation`` is random per shard start: a shard restarted under the same id has
+    a new, empty pool, and ``(shard_id, incarnation)`` tells the two apart so no client
+    keeps using the old mapping (0 only for stand-alone pools outside a fleet).
     """
 
     shard_id: str
@@ -49,6 +56,11 @@ class PoolDescriptor:
     nixl_agent: str | None
     nixl_metadata: bytes | None
     pool_base_addr: int
+    incarnation: int = 0
+
+    @property
+    def key(self) -> PoolKey:
+        return (self.shard_id, self.incarnation)
 
 
 class Transfer(ABC):

@@ -192,11 +192,13 @@ class NixlPoolExporter:
             raise RuntimeError(f"NixlPoolExporter {self.agent_name} is closed")
         return self._metadata
 
-    def descriptor(self, shard_id: str, node_id: str, shm_path: str | None = None) -> PoolDescriptor:
+    def descriptor(self, shard_id: str, node_id: str, shm_path: str | None = None, *,
+                   incarnation: int = 0) -> PoolDescriptor:
         """The PoolDescriptor clients need to reach this pool."""
         return PoolDescriptor(shard_id=shard_id, node_id=node_id, pool_bytes=self.pool_bytes,
                               shm_path=shm_path, nixl_agent=self.agent_name,
-                              nixl_metadata=self.metadata(), pool_base_addr=self.base_addr)
+                              nixl_metadata=self.metadata(), pool_base_addr=self.base_addr,
+                              incarnation=incarnation)
 
     def close(self) -> None:
         """Deregister the pool and drop the agent and our reference to the pool tensor.

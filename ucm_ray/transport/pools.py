@@ -1,0 +1,127 @@
+"""PoolConnections: one process's transports to the shard pools, keyed by (shard id, incarnation).
+
+The data plane both the store client and the connector's workers use; it makes
+no Ray calls. Transports are keyed by ``PoolKey`` rather than by shard id so a
+restarted shard (same id, new incarnation, new pool file) can never be reached
+through the mapping of its predecessor: ``sync`` closes every transport whose
+pool is no longer current before anything else uses this object.
+
+Transfers never raise: a pool whose batch cannot be posted or fails is reported
+back, and the caller treats its keys as misses (loads) or dropped saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from ucm_ray.transport.base import CopyOp, PoolDescriptor, PoolKey, PoolTransport, Transfer
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "shm", "nixl")
+
+
+class PoolConnections:
+    """Transports to shard pools keyed by (shard id, incarnation). Thread-safe."""
+
+    def __init__(self, mode: str = "auto", node_id: str | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"transport mode {mode!r} is not one of {' | '.join(MODES)}")
+        self._mode = mode
+        self._node_id = node_id
+        self._descriptors: dict[PoolKey, PoolDescriptor] = {}
+        self._open: dict[PoolKey, PoolTransport] = {}
+        self._local: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def sync(self, descriptors: Mapping[PoolKey, PoolDescriptor]) -> None:
+        """Make ``descriptors`` the current pools; close every transport of a pool that is
+        gone (a dead shard, or an old incarnation of a restarted one)."""
+        with self._lock:
+            self._descriptors = dict(descriptors)
+            stale = [k for k in self._open if k not in self._descriptors]
+            closing = [self._open.pop(k) for k in stale]
+        for key, t in zip(stale, closing):
+            log.info("closing transport to %s incarnation %x: no longer current", key[0], key[1])
+            t.close()
+
+    def register_local(self, tensor: torch.Tensor) -> None:
+        """A buffer ``CopyOp.local`` views point into (also registered with transports opened later)."""
+        with self._lock:
+            self._local.append(tensor)
+            transports = list(self._open.values())
+        for t in transports:
+            t.register_local(tensor)
+
+    def transfer(self, by_pool: Mapping[PoolKey, Sequence[CopyOp]], *, write: bool,
+                 timeout_s: float) -> set[PoolKey]:
+        """Post every pool's batch, then wait for all within one overall ``timeout_s``;
+        returns the pools whose batch failed. Never raises. (All batches are posted before
+        any is waited on, so pools' copies overlap.)"""
+        what = "save" if write else "load"
+        posted: list[tuple[PoolKey, Transfer]] = []
+        failed: set[PoolKey] = set()
+        for pool, ops in by_pool.items():
+            if not ops:
+                continue
+            try:
+                t = self._transport(pool)
+                posted.append((pool, t.write(ops) if write else t.read(ops)))
+            except Exception as e:
+                log.warning("%s with shard %s failed to start: %s: %s", what, pool[0], type(e).__name__, e)
+                failed.add(pool)
+        deadline = time.monotonic() + timeout_s
+        for pool, transfer in posted:
+            try:
+                transfer.wait(max(0.0, deadline - time.monotonic()))
+            except Exception as e:
+                log.warning("%s with shard %s failed: %s: %s", what, pool[0], type(e).__name__, e)
+                failed.add(pool)
+        return failed
+
+    def kind(self, pool: PoolKey) -> str:
+        """``shm`` or ``nixl``: the transport this process uses for ``pool`` (opens it)."""
+        return self._transport(pool).name
+
+    def close(self) -> None:
+        with self._lock:
+            closing, self._open = list(self._open.values()), {}
+        for t in closing:
+            t.close()
+
+    def _transport(self, pool: PoolKey) -> PoolTransport:
+        with self._lock:  # a copy thread and a control thread may both get here
+            t = self._open.get(pool)
+            if t is not None:
+                return t
+            desc = self._descriptors.get(pool)
+            if desc is None:
+                raise KeyError(f"shard {pool[0]} incarnation {pool[1]:x} is not a current pool")
+            t = self._connect(desc)
+            try:
+                for buf in self._local:
+                    t.register_local(buf)
+            except BaseException:
+                t.close()
+                raise
+            self._open[pool] = t
+            return t
+
+    def _connect(self, desc: PoolDescriptor) -> PoolTransport:
+        mode = self._mode
+        if mode == "auto":
+            same_node = desc.node_id == self._node_id and desc.shm_path and os.path.exists(desc.shm_path)
+            mode = "shm" if same_node else "nixl"
+        if mode == "shm":
+            from ucm_ray.transport.shm import ShmPoolTransport
+
+            return ShmPoolTransport(desc)
+        from ucm_ray.transport.nixl import NixlPoolTransport
+
+        return NixlPoolTransport(desc)
