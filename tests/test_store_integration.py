@@ -128,7 +128,7 @@ def test_lookup_is_batched_and_async(fleet):
     fut = client.lookup_async([key(i) for i in range(100)])
     assert len(fut._calls) <= 3  # one call per shard, whatever the number of keys
     deadline = time.monotonic() + 20
-    while not fut.done():
+    while not fut.poll():
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert fut.result() == [True] * 50 + [False] * 50

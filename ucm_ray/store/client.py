@@ -1,12 +1,22 @@
-"""StoreClient: what engines (and benchmarks) use to reach the sharded store.
+"""StoreClient: the Ray implementation of ``BlockStore``, plus whole-tensor put/get.
 
 Control calls are batched: one Ray call per shard per operation, whatever the
-number of keys. Bytes never travel through Ray: the client asks for slots
-(acquire / reserve), copies through a ``PoolTransport`` (shared memory for
-same-node shards, NIXL otherwise), then releases / commits.
+number of keys. Bytes never travel through Ray: the client pins or reserves
+slots, copies through ``PoolConnections`` (shared memory for same-node shards,
+NIXL otherwise), then releases or commits.
 
-Failure rule: a shard that errors or times out is a miss, never an error the
-engine sees, and never a source of bytes that were not verified as landed.
+Failure rules:
+- A shard that errors, times out, or refuses an incarnation is a miss, never an
+  error the caller sees, and never a source of bytes that were not verified as
+  landed.
+- Such a shard is *suspect*, not dead: it is skipped (its keys go to the next
+  replica or are misses) for a backoff of 0.5 s doubling to 10 s, after which
+  one cheap ``ping`` is posted; its answer clears the suspicion. Placement stays
+  over the full membership, so a hiccup never moves keys. Only the directory
+  (Ray's death signal) or a new incarnation removes a shard.
+- Pools are keyed by (shard id, incarnation): a restarted shard is a new pool,
+  and the mapping of its predecessor is closed when the membership that shows
+  it arrives.
 """
 
 from __future__ import annotations
@@ -14,184 +24,191 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-import threading
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
-
-try:  # Ray >= 2.10
-    from ray.exceptions import ActorUnavailableError
-except ImportError:  # pragma: no cover
-    ActorUnavailableError = RayActorError  # type: ignore[misc,assignment]
+from ray.exceptions import RayError, RayTaskError
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import (
+    BlockStore,
+    Done,
+    Location,
+    Pending,
+    PoolKey,
+    Pools,
+    Publish,
+    ReadLease,
+    Removal,
+    SlotGrant,
+)
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.directory import DIRECTORY_NAME, Membership, ShardRecord
-from ucm_ray.store.placement import owners
-from ucm_ray.transport.base import CopyOp, PoolTransport, TransferError, as_bytes
+from ucm_ray.store.index import random_id
+from ucm_ray.store.placement import owners as place
+from ucm_ray.store.shard import WrongIncarnation
+from ucm_ray.transport.base import CopyOp, as_bytes
+from ucm_ray.transport.pools import PoolConnections
 
 log = logging.getLogger(__name__)
 
-_SHARD_ERRORS = (RayActorError, ActorUnavailableError, GetTimeoutError)
+T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class Location:
-    """A slot of one key on one shard."""
-
-    shard_id: str
-    offset: int
-    size: int
-    checksum: int | None = None
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 10.0
 
 
 @dataclass
-class ReadLease:
-    """Pinned locations of the keys to read; release it when the copies are done."""
-
-    locations: list[Location | None]
-    leases: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class WriteReservation:
-    """Fresh slots (one per granted replica) per key; commit or abort them."""
-
-    keys: list[bytes]
-    locations: list[list[Location]]
-    tokens: dict[str, int] = field(default_factory=dict)
+class _Suspicion:
+    backoff_s: float
+    until: float
+    probe: ray.ObjectRef | None = None
 
 
-class LookupFuture:
-    """In-flight lookup; ``result`` gives, per key, whether any live replica holds it."""
+class Suspects:
+    """Pools in backoff after a failure; a ``ping`` once the backoff ends clears them."""
 
-    def __init__(self, client: "StoreClient", n: int, calls: list[tuple[str, ray.ObjectRef, np.ndarray]]):
+    def __init__(self) -> None:
+        self._by_pool: dict[PoolKey, _Suspicion] = {}
+
+    def failed(self, pool: PoolKey) -> bool:
+        """Start or lengthen ``pool``'s backoff; True when it was not suspect before."""
+        s = self._by_pool.get(pool)
+        backoff = BACKOFF_START_S if s is None else min(BACKOFF_MAX_S, 2 * s.backoff_s)
+        self._by_pool[pool] = _Suspicion(backoff, time.monotonic() + backoff)
+        return s is None
+
+    def suspect(self, record: ShardRecord) -> bool:
+        """Whether to skip ``record`` now. Never blocks: posts the probe when the backoff
+        ended and reads its answer once it came."""
+        s = self._by_pool.get(record.key)
+        if s is None:
+            return False
+        if s.probe is None:
+            if time.monotonic() >= s.until:
+                s.probe = record.handle.ping.remote(record.pool.incarnation)
+            return True
+        ready, _ = ray.wait([s.probe], timeout=0)
+        if not ready:
+            return True
+        try:
+            ray.get(s.probe)
+        except RayError:
+            self.failed(record.key)
+            return True
+        del self._by_pool[record.key]
+        log.info("shard %s answers again: no longer suspect", record.shard_id)
+        return False
+
+    def retain(self, pools: set[PoolKey]) -> None:
+        """Forget pools that left the membership (dead, or an old incarnation)."""
+        for p in [p for p in self._by_pool if p not in pools]:
+            del self._by_pool[p]
+
+
+class _Fanout(Pending[T]):
+    """One posted call per shard; ``finish`` merges the answers (None: that shard failed)."""
+
+    def __init__(self, client: "StoreClient", calls: list[tuple[ShardRecord, ray.ObjectRef]],
+                 finish: Callable[[list[Any]], T]) -> None:
         self._client = client
-        self._n = n
         self._calls = calls
-        self._started = time.monotonic()
+        self._finish = finish
+        self._deadline = time.monotonic() + client.config.lookup_timeout_s
+        self._value: T | None = None
+        self._done = False
 
-    def done(self) -> bool:
-        refs = [ref for _, ref, _ in self._calls]
-        if not refs:
+    def poll(self) -> bool:
+        if self._done or not self._calls:
             return True
+        refs = [ref for _, ref in self._calls]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        if len(ready) == len(refs):
-            return True
-        return time.monotonic() - self._started > self._client.config.lookup_timeout_s
+        return len(ready) == len(refs) or time.monotonic() > self._deadline
 
-    def result(self, timeout_s: float | None = None) -> list[bool]:
-        deadline = self._started + (timeout_s if timeout_s is not None else self._client.config.lookup_timeout_s)
-        present = np.zeros(self._n, dtype=bool)
-        for shard_id, ref, idx in self._calls:
-            hits = self._client._get(shard_id, ref, max(0.0, deadline - time.monotonic()))
-            if hits is not None:
-                present[idx] |= np.asarray(hits, dtype=bool)
-        return present.tolist()
+    def result(self) -> T:
+        if not self._done:
+            answers = [self._client._get(rec, ref, self._deadline) for rec, ref in self._calls]
+            self._value = self._finish(answers)
+            self._done = True
+        return self._value  # type: ignore[return-value]
 
 
-class AcquireFuture:
-    """Pins keys on their primary owner; keys whose shard *failed* move on to the next replica.
-
-    A plain miss on a live primary is final (asking every replica for every miss
-    would double the control traffic of cold prompts). ``poll`` never blocks, so
-    the scheduler can check it once per step.
-    """
+class _Acquire(Pending[ReadLease]):
+    """Pins each key on its first owner that is not suspect; keys whose shard *fails* move on
+    to the next replica. A plain miss on a live owner is final (asking every replica for
+    every miss would double the control traffic of cold prompts)."""
 
     def __init__(self, client: "StoreClient", keys: list[bytes]) -> None:
         self._client = client
         self._keys = keys
-        self.lease = ReadLease(locations=[None] * len(keys))
-        self._live, self._own = client._owners(keys) if keys else ([], np.zeros((0, 0), dtype=np.int64))
-        self._started = time.monotonic()
+        self._lease = ReadLease(locations=[None] * len(keys))
+        self._owners = client._owner_records(keys)
+        self._rank = [0] * len(keys)
+        self._deadline = time.monotonic() + client.config.lookup_timeout_s
         self._calls: list[tuple[ShardRecord, list[int], ray.ObjectRef]] = []
-        self._rank = 0
         self._post(list(range(len(keys))))
 
     def _post(self, idx: list[int]) -> None:
-        if not idx or self._rank >= self._own.shape[1]:
-            return
-        by_shard: dict[int, list[int]] = defaultdict(list)
+        by_pool: dict[PoolKey, tuple[ShardRecord, list[int]]] = {}
         for i in idx:
-            by_shard[int(self._own[i, self._rank])].append(i)
-        self._calls = [(self._live[j], ix, self._live[j].handle.acquire.remote([self._keys[i] for i in ix]))
-                       for j, ix in by_shard.items()]
+            own, r = self._owners[i], self._rank[i]
+            while r < len(own) and self._client._suspects.suspect(own[r]):
+                r += 1
+            self._rank[i] = r
+            if r < len(own):
+                by_pool.setdefault(own[r].key, (own[r], []))[1].append(i)
+        c = self._client
+        self._calls = [(rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, c.owner,
+                                                            [self._keys[i] for i in ix]))
+                       for rec, ix in by_pool.values()]
 
-    def _collect(self, timeout_s: float) -> None:
+    def _collect(self) -> None:
         failed: list[int] = []
-        for shard, idx, ref in self._calls:
-            got = self._client._get(shard.shard_id, ref, timeout_s)
+        for rec, idx, ref in self._calls:
+            got = self._client._get(rec, ref, self._deadline)
             if got is None:
                 failed.extend(idx)
                 continue
             lease_id, slots = got
-            self.lease.leases.setdefault(shard.shard_id, []).append(lease_id)
+            if any(s is not None for s in slots):
+                self._lease.lease_ids.setdefault(rec.key, []).append(lease_id)
             for i, slot in zip(idx, slots):
                 if slot is not None:
-                    self.lease.locations[i] = Location(shard.shard_id, slot.offset, slot.size, slot.checksum)
+                    self._lease.locations[i] = Location(rec.shard_id, rec.pool.incarnation, slot.offset,
+                                                        slot.size, slot.checksum)
         self._calls = []
-        self._rank += 1
+        for i in failed:
+            self._rank[i] += 1
         self._post(failed)
 
     def poll(self) -> bool:
-        """True once every key is resolved (pinned or a miss)."""
         while self._calls:
             refs = [ref for _, _, ref in self._calls]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            overdue = time.monotonic() - self._started > self._client.config.lookup_timeout_s
-            if len(ready) < len(refs) and not overdue:
+            if len(ready) < len(refs) and time.monotonic() <= self._deadline:
                 return False
-            self._collect(0.0 if not overdue else 0.001)
+            self._collect()
         return True
 
     def result(self) -> ReadLease:
         while self._calls:
-            left = self._client.config.lookup_timeout_s - (time.monotonic() - self._started)
-            self._collect(max(0.001, left))
-        return self.lease
+            self._collect()
+        return self._lease
 
 
-class ReserveFuture:
-    """Posted ``reserve`` calls (one per owning shard); ``result`` collects the slots."""
-
-    def __init__(self, client: "StoreClient", keys: list[bytes], sizes: list[int]) -> None:
-        self._client = client
-        self._sizes = sizes
-        self._res = WriteReservation(keys=keys, locations=[[] for _ in keys])
-        self._calls: list[tuple[ShardRecord, np.ndarray, ray.ObjectRef]] = []
-        for shard, idx in client._fan_out(keys) if keys else ():
-            items = [(keys[i], sizes[i]) for i in idx]
-            self._calls.append((shard, idx, shard.handle.reserve.remote(items)))
-
-    def result(self) -> WriteReservation:
-        for shard, idx, ref in self._calls:
-            got = self._client._get(shard.shard_id, ref, self._client.config.lookup_timeout_s)
-            if got is None:
-                continue
-            token, offsets = got
-            self._res.tokens[shard.shard_id] = token
-            for i, off in zip(idx, offsets):
-                if off is not None:
-                    self._res.locations[i].append(Location(shard.shard_id, off, self._sizes[i]))
-        self._calls = []
-        return self._res
-
-
-class StoreClient:
+class StoreClient(BlockStore):
     def __init__(self, config: UcmRayConfig, *, directory: ray.actor.ActorHandle | None = None) -> None:
         self.config = config
+        self.owner = random_id()
         self._directory = directory or ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
-        self._node_id = ray.get_runtime_context().get_node_id()
-        self._transports: dict[str, PoolTransport] = {}
-        self._transport_lock = threading.Lock()
-        self._local_buffers: list[torch.Tensor] = []
-        self._suspect: set[str] = set()
-        self._membership: Membership = ray.get(self._directory.membership.remote(),
-                                               timeout=config.lookup_timeout_s)
+        self.connections = PoolConnections(config.transport, ray.get_runtime_context().get_node_id())
+        """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
+        self._suspects = Suspects()
+        self._records: dict[PoolKey, ShardRecord] = {}
+        self._membership = Membership(0, ())
+        self._apply(ray.get(self._directory.membership.remote(), timeout=config.lookup_timeout_s))
         self._pending_membership: ray.ObjectRef | None = None
         self._last_refresh = time.monotonic()
 
@@ -202,9 +219,9 @@ class StoreClient:
         return self._membership
 
     def refresh(self, *, force: bool = False, period_s: float = 1.0) -> None:
-        """Pick up joins and deaths without blocking the caller (the scheduler calls this on its
-        hot path): at most once per ``period_s`` the membership is requested, and it is applied
-        by a later call once it has arrived. ``force`` fetches and waits."""
+        """Pick up joins, deaths and restarts without blocking the caller (the scheduler calls
+        this on its hot path): at most once per ``period_s`` the membership is requested, and
+        it is applied by a later call once it has arrived. ``force`` fetches and waits."""
         if force or (self._pending_membership is None
                      and time.monotonic() - self._last_refresh >= period_s):
             self._last_refresh = time.monotonic()
@@ -221,242 +238,253 @@ class StoreClient:
         self._pending_membership = None
         try:
             membership = ray.get(ref)
-        except _SHARD_ERRORS as e:
+        except RayError as e:
             log.warning("shard directory unreachable (%s); keeping membership v%d",
                         type(e).__name__, self._membership.version)
             return
         if membership.version != self._membership.version:
-            self._membership = membership
-            live = set(membership.shard_ids)
-            with self._transport_lock:
-                for sid in [s for s in self._transports if s not in live]:
-                    self._transports.pop(sid).close()
-            self._suspect &= live
+            self._apply(membership)
 
-    def _live(self) -> list[ShardRecord]:
-        return [s for s in self._membership.shards if s.shard_id not in self._suspect]
+    def _apply(self, membership: Membership) -> None:
+        """Adopt a membership; old incarnations' mappings are closed before any later use."""
+        self._membership = membership
+        self._records = {s.key: s for s in membership.shards}
+        self.connections.sync(membership.descriptors)
+        self._suspects.retain(set(self._records))
 
-    def _owners(self, keys: Sequence[bytes]) -> tuple[list[ShardRecord], np.ndarray]:
-        live = self._live()
-        return live, owners(keys, [s.shard_id for s in live], self.config.replication)
+    def _owner_records(self, keys: Sequence[bytes]) -> list[list[ShardRecord]]:
+        """Per key, its owners over the FULL membership, best first (suspects included:
+        a shard's hiccup must not move keys to other shards)."""
+        shards = self._membership.shards
+        if not keys:
+            return []
+        own = place(keys, [s.shard_id for s in shards], self.config.replication)
+        return [[shards[j] for j in row] for row in own.tolist()]
 
-    def _fan_out(self, keys: Sequence[bytes]) -> list[tuple[ShardRecord, np.ndarray]]:
-        """Per live shard, the indices of the keys it holds a replica of."""
-        live, own = self._owners(keys)
-        out = []
-        for j, shard in enumerate(live):
-            idx = np.nonzero((own == j).any(axis=1))[0]
-            if len(idx):
-                out.append((shard, idx))
-        return out
-
-    def _mark_failed(self, shard_id: str, err: BaseException) -> None:
-        if shard_id not in self._suspect:
-            log.warning("shard %s failed (%s): its keys are misses until membership changes",
-                        shard_id, type(err).__name__)
-        self._suspect.add(shard_id)
-        self._last_refresh = 0.0
-
-    def _get(self, shard_id: str, ref: ray.ObjectRef, timeout_s: float):
+    def _get(self, record: ShardRecord, ref: ray.ObjectRef, deadline: float) -> Any:
+        """The answer of a shard call, or None (the shard is then suspect) when it failed, timed
+        out by ``deadline``, or refused our incarnation (then the membership is refetched)."""
         try:
-            return ray.get(ref, timeout=timeout_s)
-        except _SHARD_ERRORS as e:
-            self._mark_failed(shard_id, e)
+            return ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+        except RayError as e:
+            refused = isinstance(e, RayTaskError) and isinstance(e.cause, WrongIncarnation)
+            self._failed(record.key, "refused a stale incarnation" if refused else type(e).__name__)
             return None
 
-    # --- lookups -------------------------------------------------------------------------
+    def _failed(self, pool: PoolKey, why: str) -> None:
+        if self._suspects.failed(pool):
+            log.warning("shard %s failed (%s): suspect, its keys go to replicas or miss", pool[0], why)
+        self._last_refresh = 0.0  # a restart or a death may explain it: look at the membership soon
 
-    def lookup_async(self, keys: Sequence[bytes]) -> LookupFuture:
-        """Fire one ``contains`` call per shard owning any of ``keys``; never blocks."""
+    # --- BlockStore ----------------------------------------------------------------------
+
+    def pools(self) -> Pools:
+        self.refresh()
+        return Pools(self._membership.version, self._membership.descriptors, self.config.replication)
+
+    def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
+        return [[r.key for r in row] for row in self._owner_records(keys)]
+
+    def acquire(self, keys: Sequence[bytes]) -> Pending[ReadLease]:
+        return _Acquire(self, list(keys))
+
+    def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
+        gone: set[PoolKey] = set()
+        calls = []
+        for pool, ids in lease_ids.items():
+            rec = self._records.get(pool)
+            if rec is None:
+                gone.add(pool)  # dead, or an old incarnation: its pins went with it
+            elif ids:
+                calls.append((rec, rec.handle.release.remote(pool[1], self.owner, list(ids))))
+
+        def finish(answers: list[Any]) -> set[PoolKey]:
+            return gone | {rec.key for (rec, _), a in zip(calls, answers) if a is None or not all(a)}
+
+        return _Fanout(self, calls, finish)
+
+    def reserve(self, pool: PoolKey, size: int, count: int) -> Pending[SlotGrant | None]:
+        rec = self._records.get(pool)
+        if rec is None or count <= 0 or self._suspects.suspect(rec):
+            return Done(None)
+        ref = rec.handle.reserve.remote(pool[1], self.owner, [(size, count)])
+
+        def finish(answers: list[Any]) -> SlotGrant | None:
+            if answers[0] is None or not answers[0][0][1]:
+                return None
+            token, offsets = answers[0][0]
+            return SlotGrant(pool, token, size, offsets)
+
+        return _Fanout(self, [(rec, ref)], finish)
+
+    def renew(self, grants: Mapping[PoolKey, Sequence[int]]) -> Pending[set[tuple[PoolKey, int]]]:
+        expired: set[tuple[PoolKey, int]] = set()
+        calls, asked = [], []
+        for pool, tokens in grants.items():
+            rec = self._records.get(pool)
+            if rec is None:
+                expired.update((pool, t) for t in tokens)
+            elif tokens:
+                calls.append((rec, rec.handle.renew.remote(pool[1], self.owner, list(tokens))))
+                asked.append(list(tokens))
+
+        def finish(answers: list[Any]) -> set[tuple[PoolKey, int]]:
+            out = set(expired)
+            for (rec, _), tokens, ok in zip(calls, asked, answers):
+                out.update((rec.key, t) for i, t in enumerate(tokens) if ok is None or not ok[i])
+            return out
+
+        return _Fanout(self, calls, finish)
+
+    def commit(self, publish: Sequence[Publish],
+               free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
+        # per pool, per token: (items, free offsets, index of each item in ``publish``)
+        batches: dict[PoolKey, dict[int, tuple[list, list[int], list[int]]]] = defaultdict(dict)
+        for n, p in enumerate(publish):
+            b = batches[p.location.pool].setdefault(p.token, ([], [], []))
+            b[0].append((p.key, p.location.offset, p.location.checksum))
+            b[2].append(n)
+        for (pool, token), offsets in free.items():
+            batches[pool].setdefault(token, ([], [], []))[1].extend(offsets)
+        calls, order = [], []
+        for pool, by_token in batches.items():
+            rec = self._records.get(pool)
+            if rec is None:
+                continue  # gone: its slots went with it; its publishes stay False
+            calls.append((rec, rec.handle.commit.remote(
+                pool[1], self.owner, [(t, items, offs) for t, (items, offs, _) in by_token.items()])))
+            order.append([idx for _, _, idx in by_token.values()])
+
+        def finish(answers: list[Any]) -> list[bool]:
+            visible = [False] * len(publish)
+            for per_token_idx, got in zip(order, answers):
+                for idx, oks in zip(per_token_idx, got or []):
+                    for n, ok in zip(idx, oks):
+                        visible[n] = ok
+            return visible
+
+        return _Fanout(self, calls, finish)
+
+    def remove(self, removals: Sequence[Removal]) -> Pending[int]:
+        items: dict[PoolKey, list[tuple[bytes, int]]] = defaultdict(list)
+        for r in removals:
+            items[r.location.pool].append((r.key, r.location.offset))
+        calls = [(self._records[p], self._records[p].handle.remove.remote(p[1], its))
+                 for p, its in items.items() if p in self._records]
+        return _Fanout(self, calls, lambda answers: sum(a or 0 for a in answers))
+
+    def close(self) -> None:
+        self.connections.close()
+
+    # --- whole tensors: tests, benchmarks, engines without a connector -------------------
+
+    def lookup_async(self, keys: Sequence[bytes]) -> Pending[list[bool]]:
+        """Per key, whether any owner that is not suspect holds it (no pinning); one call per shard."""
         self.refresh()
         keys = list(keys)
-        if not keys:
-            return LookupFuture(self, 0, [])
-        calls = [(shard.shard_id, shard.handle.contains.remote([keys[i] for i in idx]), idx)
-                 for shard, idx in self._fan_out(keys)]
-        return LookupFuture(self, len(keys), calls)
+        idx: dict[PoolKey, tuple[ShardRecord, list[int]]] = {}
+        for i, row in enumerate(self._owner_records(keys)):
+            for rec in row:
+                if not self._suspects.suspect(rec):
+                    idx.setdefault(rec.key, (rec, []))[1].append(i)
+        calls = [(rec, rec.handle.contains.remote(rec.pool.incarnation, [keys[i] for i in ix]))
+                 for rec, ix in idx.values()]
+        asked = [ix for _, ix in idx.values()]
+
+        def finish(answers: list[Any]) -> list[bool]:
+            present = [False] * len(keys)
+            for ix, hits in zip(asked, answers):
+                for i, hit in zip(ix, hits or []):
+                    present[i] = present[i] or hit
+            return present
+
+        return _Fanout(self, calls, finish)
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         return self.lookup_async(keys).result()
 
-    # --- reads ---------------------------------------------------------------------------
-
-    def acquire_async(self, keys: Sequence[bytes]) -> "AcquireFuture":
-        """Pin ``keys`` where they live, without blocking: see ``AcquireFuture``."""
-        self.refresh()
-        return AcquireFuture(self, list(keys))
-
-    def acquire(self, keys: Sequence[bytes]) -> ReadLease:
-        return self.acquire_async(keys).result()
-
-    def release(self, lease: ReadLease) -> set[str]:
-        """Unpin; returns the shards whose lease expired (their copies are untrusted)."""
-        records = {s.shard_id: s for s in self._membership.shards}
-        calls = [(sid, records[sid].handle.release.remote(ids))
-                 for sid, ids in lease.leases.items() if sid in records]
-        stale = {sid for sid in lease.leases if sid not in records}
-        for sid, ref in calls:
-            ok = self._get(sid, ref, self.config.lookup_timeout_s)
-            if ok is None or not all(ok):
-                stale.add(sid)
-        lease.leases.clear()
-        return stale
-
-    def release_async(self, leases: dict[str, list[int]] | ReadLease) -> None:
-        """Unpin without waiting (the engine's hot path): a lost release only delays
-        eviction of those entries until their lease expires."""
-        ids = leases.leases if isinstance(leases, ReadLease) else leases
-        records = {s.shard_id: s for s in self._membership.shards}
-        for sid, lease_ids in ids.items():
-            if sid in records and lease_ids:
-                records[sid].handle.release.remote(lease_ids)
-        if isinstance(leases, ReadLease):
-            leases.leases = {}
-
-    # --- writes --------------------------------------------------------------------------
-
-    def reserve_async(self, keys: Sequence[bytes], sizes: Sequence[int]) -> "ReserveFuture":
-        """Ask every live owner (r replicas) of each key for a fresh slot; never blocks."""
-        self.refresh()
-        return ReserveFuture(self, list(keys), [int(x) for x in sizes])
-
-    def reserve(self, keys: Sequence[bytes], sizes: Sequence[int]) -> WriteReservation:
-        return self.reserve_async(keys, sizes).result()
-
-    def commit(self, res: WriteReservation, landed: Sequence[bool],
-               checksums: Sequence[int | None] | None = None) -> list[bool]:
-        """Publish keys whose bytes landed, free the rest; per key, visible on any replica."""
-        by_shard: dict[str, tuple[list[int], list[bytes]]] = defaultdict(lambda: ([], []))
-        for i, locs in enumerate(res.locations):
-            for loc in locs:
-                ok_idx, failed = by_shard[loc.shard_id]
-                (ok_idx.append(i) if landed[i] else failed.append(res.keys[i]))
-        records = {s.shard_id: s for s in self._membership.shards}
-        calls = []
-        for sid, (ok_idx, failed) in by_shard.items():
-            if sid not in records or sid not in res.tokens:
-                continue
-            sums = [checksums[i] for i in ok_idx] if checksums is not None else None
-            ref = records[sid].handle.commit.remote(res.tokens[sid], [res.keys[i] for i in ok_idx],
-                                                    failed, sums)
-            calls.append((sid, ok_idx, ref))
-        visible = [False] * len(res.keys)
-        for sid, ok_idx, ref in calls:
-            got = self._get(sid, ref, self.config.lookup_timeout_s)
-            for i, v in zip(ok_idx, got or []):
-                visible[i] = visible[i] or v
-        return visible
-
-    # --- data plane ----------------------------------------------------------------------
-
     def register_local(self, tensor: torch.Tensor) -> None:
         """Register a buffer that ``CopyOp.local`` views will point into (once, at start-up)."""
-        self._local_buffers.append(tensor)
-        for t in self._transports.values():
-            t.register_local(tensor)
-
-    def transport(self, shard_id: str) -> PoolTransport:
-        with self._transport_lock:  # the connector's copy thread and its caller both get here
-            return self._transport_locked(shard_id)
-
-    def _transport_locked(self, shard_id: str) -> PoolTransport:
-        t = self._transports.get(shard_id)
-        if t is None:
-            record = next(s for s in self._membership.shards if s.shard_id == shard_id)
-            t = self._make_transport(record)
-            for buf in self._local_buffers:
-                t.register_local(buf)
-            self._transports[shard_id] = t
-        return t
+        self.connections.register_local(tensor)
 
     def transport_kind(self, shard_id: str) -> str:
-        return self.transport(shard_id).name
-
-    def _make_transport(self, record: ShardRecord) -> PoolTransport:
-        pool = record.pool
-        mode = self.config.transport
-        if mode == "auto":
-            mode = "shm" if pool.node_id == self._node_id and pool.shm_path else "nixl"
-        if mode == "shm":
-            from ucm_ray.transport.shm import ShmPoolTransport
-
-            return ShmPoolTransport(pool)
-        from ucm_ray.transport.nixl import NixlPoolTransport
-
-        return NixlPoolTransport(pool)
+        return self.connections.kind(next(s.key for s in self._membership.shards if s.shard_id == shard_id))
 
     def put(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
-        """Store whole tensors under ``keys``; per key, whether it is now visible.
-        Tensors must lie in buffers registered with ``register_local``."""
+        """Store whole tensors under ``keys`` on each key's owners (reserve anonymous slots,
+        copy, commit); per key, whether it is now visible. Keys already present are not
+        rewritten. Tensors must lie in buffers registered with ``register_local``."""
         if len(keys) != len(tensors):
             raise ValueError(f"put: {len(keys)} keys but {len(tensors)} tensors")
         views = [as_bytes(t) for t in tensors]
-        res = self.reserve(keys, [v.numel() for v in views])
-        landed = [bool(locs) for locs in res.locations]
-        by_shard: dict[str, list[tuple[int, CopyOp]]] = defaultdict(list)
-        for i, locs in enumerate(res.locations):
-            for loc in locs:
-                by_shard[loc.shard_id].append((i, CopyOp(loc.offset, views[i])))
-        self._run(by_shard, landed, write=True)
-        sums = [checksum(v) for v in views] if self.config.checksum else None
-        visible = self.commit(res, landed, sums)
-        # A key another writer stored (earlier, or first in a race) is present too.
+        visible = self.lookup(keys)
+        todo = [i for i, v in enumerate(visible) if not v]
+        wanted: dict[PoolKey, tuple[ShardRecord, dict[int, list[int]]]] = {}
+        for i, row in zip(todo, self._owner_records([keys[i] for i in todo])):
+            for rec in row:
+                if not self._suspects.suspect(rec):
+                    wanted.setdefault(rec.key, (rec, defaultdict(list)))[1][views[i].numel()].append(i)
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        calls = [(rec, by_size, rec.handle.reserve.remote(
+            rec.pool.incarnation, self.owner, [(size, len(ix)) for size, ix in by_size.items()]))
+            for rec, by_size in wanted.values()]
+        ops: dict[PoolKey, list[CopyOp]] = defaultdict(list)
+        placed: list[tuple[int, PoolKey, int, int]] = []  # key index, pool, token, offset
+        for rec, by_size, ref in calls:
+            for ix, (token, offsets) in zip(by_size.values(), self._get(rec, ref, deadline) or []):
+                for i, off in zip(ix, offsets):
+                    ops[rec.key].append(CopyOp(off, views[i]))
+                    placed.append((i, rec.key, token, off))
+        failed = self.connections.transfer(ops, write=True, timeout_s=self.config.transfer_timeout_s)
+        for pool in failed:
+            self._failed(pool, "save failed")
+        sums = {i: checksum(views[i]) for i, _, _, _ in placed} if self.config.checksum else {}
+        publish, landed, free = [], [], defaultdict(list)
+        for i, pool, token, off in placed:
+            if pool in failed:
+                free[(pool, token)].append(off)
+                continue
+            loc = Location(pool[0], pool[1], off, views[i].numel(), sums.get(i))
+            publish.append(Publish(keys[i], loc, token))
+            landed.append(i)
+        for i, ok in zip(landed, self.commit(publish, free).result()):
+            visible[i] = visible[i] or ok
+        # A key another writer stored first (a race) is present too.
         missing = [i for i, v in enumerate(visible) if not v]
         if missing:
-            found = self.lookup([keys[i] for i in missing])
-            for i, f in zip(missing, found):
-                visible[i] = f
+            for i, found in zip(missing, self.lookup([keys[i] for i in missing])):
+                visible[i] = found
         return visible
 
     def get(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
-        """Fill ``tensors`` from the store; per key, whether its bytes are valid."""
+        """Fill ``tensors`` from the store; per key, whether its bytes are valid. An entry with a
+        checksum is verified whatever this client's ``checksum`` setting (the writer chose);
+        a mismatch is a miss and removes the entry."""
         if len(keys) != len(tensors):
             raise ValueError(f"get: {len(keys)} keys but {len(tensors)} tensors")
+        self.refresh()
         views = [as_bytes(t) for t in tensors]
-        lease = self.acquire(keys)
-        ok = [loc is not None and loc.size == views[i].numel() for i, loc in enumerate(lease.locations)]
-        by_shard: dict[str, list[tuple[int, CopyOp]]] = defaultdict(list)
-        for i, loc in enumerate(lease.locations):
+        lease = self.acquire(keys).result()
+        locs = lease.locations
+        ok = [loc is not None and loc.size == views[i].numel() for i, loc in enumerate(locs)]
+        ops: dict[PoolKey, list[CopyOp]] = defaultdict(list)
+        for i, loc in enumerate(locs):
             if ok[i]:
-                by_shard[loc.shard_id].append((i, CopyOp(loc.offset, views[i])))
-        self._run(by_shard, ok, write=False)
-        for sid in self.release(lease):
-            for i, _ in by_shard.get(sid, []):
+                ops[loc.pool].append(CopyOp(loc.offset, views[i]))
+        failed = self.connections.transfer(ops, write=False, timeout_s=self.config.transfer_timeout_s)
+        for pool in failed:
+            self._failed(pool, "load failed")
+        untrusted = failed | self.release(lease.lease_ids).result()
+        corrupt = []
+        for i, loc in enumerate(locs):
+            if not ok[i]:
+                continue
+            if loc.pool in untrusted:
                 ok[i] = False
-        if self.config.checksum:
-            for i, loc in enumerate(lease.locations):
-                if ok[i] and loc.checksum is not None and checksum(views[i]) != loc.checksum:
-                    log.error("checksum mismatch for a key on shard %s: treated as a miss", loc.shard_id)
-                    ok[i] = False
+            elif loc.checksum is not None and checksum(views[i]) != loc.checksum:
+                log.error("checksum mismatch for a key on shard %s: a miss; removing the entry", loc.shard_id)
+                ok[i] = False
+                corrupt.append(Removal(keys[i], loc))
+        if corrupt:
+            self.remove(corrupt).result()
         return ok
-
-    def transfer(self, by_shard: Mapping[str, Sequence[CopyOp]], *, write: bool) -> set[str]:
-        """Post every shard's batch, then wait for all; returns the shards whose batch failed.
-        (The batches are posted before any is waited on so that shards' copies overlap.)"""
-        posted, failed = [], set()
-        for sid, ops in by_shard.items():
-            try:
-                t = self.transport(sid)
-                posted.append((sid, t.write(ops) if write else t.read(ops)))
-            except (TransferError, OSError, StopIteration, ValueError) as e:
-                log.warning("%s with shard %s failed to start: %s", "save" if write else "load", sid, e)
-                failed.add(sid)
-        for sid, transfer in posted:
-            try:
-                transfer.wait(self.config.transfer_timeout_s)
-            except TransferError as e:
-                log.warning("%s with shard %s failed: %s", "save" if write else "load", sid, e)
-                failed.add(sid)
-        return failed
-
-    def _run(self, by_shard: dict[str, list[tuple[int, CopyOp]]], ok: list[bool], *, write: bool) -> None:
-        """Copy, then clear ``ok`` for the keys of every shard whose batch failed."""
-        failed = self.transfer({sid: [op for _, op in items] for sid, items in by_shard.items()}, write=write)
-        for sid in failed:
-            for i, _ in by_shard[sid]:
-                ok[i] = False
-
-    def close(self) -> None:
-        for t in self._transports.values():
-            t.close()
-        self._transports.clear()

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,11 @@ class ShardRecord:
     shard_id: str
     handle: ActorHandle
     pool: PoolDescriptor
+    """Carries the shard's incarnation: a restarted shard is a new record."""
+
+    @property
+    def key(self) -> PoolKey:
+        return self.pool.key
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,10 @@ class Membership:
     @property
     def shard_ids(self) -> list[str]:
         return [s.shard_id for s in self.shards]
+
+    @property
+    def descriptors(self) -> dict[PoolKey, PoolDescriptor]:
+        return {s.key: s.pool for s in self.shards}
 
 
 @ray.remote

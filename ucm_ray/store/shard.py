@@ -25,11 +25,15 @@ import ray
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
-from ucm_ray.store.index import BlockIndex, Key, Slot
+from ucm_ray.store.index import BlockIndex, Key, Slot, random_id
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
+
+
+class WrongIncarnation(RuntimeError):
+    """A call meant for another start of this shard (the client's membership is stale)."""
 
 
 @ray.remote(concurrency_groups={"watch": 1})
@@ -37,6 +41,7 @@ class CacheShard:
     def __init__(self, shard_id: str, config: dict[str, Any]) -> None:
         cfg = UcmRayConfig.from_dict(config)
         self._id = shard_id
+        self._incarnation = random_id()
         self._node_id = ray.get_runtime_context().get_node_id()
         prefix = pool_prefix(cfg.shm_dir, cfg.ray_namespace, shard_id) + "-"
         remove_stale_pools(prefix)  # a predecessor of this (uniquely named) shard that crashed here
@@ -57,8 +62,8 @@ class CacheShard:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         threading.Thread(target=self._publish_metrics, name="ucm-ray-metrics", daemon=True).start()
-        log.info("shard %s: %d-byte pool at %s on node %s", shard_id, cfg.pool_bytes, path,
-                 self._node_id[:8])
+        log.info("shard %s incarnation %x: %d-byte pool at %s on node %s", shard_id, self._incarnation,
+                 cfg.pool_bytes, path, self._node_id[:8])
 
     def describe(self) -> PoolDescriptor:
         return PoolDescriptor(
@@ -69,41 +74,69 @@ class CacheShard:
             nixl_agent=self._nixl.agent_name if self._nixl else None,
             nixl_metadata=self._nixl.metadata() if self._nixl else None,
             pool_base_addr=self._pool.tensor.data_ptr(),
+            incarnation=self._incarnation,
         )
 
-    def contains(self, keys: Sequence[Key]) -> list[bool]:
+    # Every control call names the incarnation it was meant for: a client that still
+    # knows a predecessor of this shard is refused instead of pinning, publishing or
+    # releasing anything here.
+
+    def ping(self, incarnation: int) -> int:
+        """The cheap probe a client sends to a suspect shard."""
+        self._check(incarnation)
+        return incarnation
+
+    def contains(self, incarnation: int, keys: Sequence[Key]) -> list[bool]:
+        self._check(incarnation)
         with self._lock:
             return self._index.contains(keys)
 
-    def acquire(self, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+    def acquire(self, incarnation: int, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+        self._check(incarnation)
         with self._lock:
-            return self._index.acquire(keys)
+            return self._index.acquire(owner, keys)
 
-    def release(self, leases: Sequence[int]) -> list[bool]:
+    def release(self, incarnation: int, owner: int, lease_ids: Sequence[int]) -> list[bool]:
+        self._check(incarnation)
         with self._lock:
-            return [self._index.release(lease) for lease in leases]
+            return self._index.release(owner, lease_ids)
 
-    def reserve(self, items: Sequence[tuple[Key, int]]) -> tuple[int, list[int | None]]:
+    def reserve(self, incarnation: int, owner: int,
+                requests: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """Per (size, count) request, a grant (token, offsets): one call for all sizes."""
+        self._check(incarnation)
         with self._lock:
-            return self._index.reserve(items)
+            return [self._index.reserve(owner, size, count) for size, count in requests]
 
-    def commit(self, token: int, keys: Sequence[Key], abort: Sequence[Key] = (),
-                     checksums: Sequence[int | None] | None = None) -> list[bool]:
-        """Publish ``keys`` and free ``abort`` (their bytes did not land) in one call."""
+    def renew(self, incarnation: int, owner: int, tokens: Sequence[int]) -> list[bool]:
+        self._check(incarnation)
         with self._lock:
-            if abort:
-                self._index.abort(token, abort)
-            return self._index.commit(token, keys, checksums)
+            return self._index.renew(owner, tokens)
 
-    def remove(self, keys: Sequence[Key]) -> int:
+    def commit(self, incarnation: int, owner: int,
+               batches: Sequence[tuple[int, Sequence[tuple[Key, int, int | None]], Sequence[int]]],
+               ) -> list[list[bool]]:
+        """Per (token, items, free offsets) batch, ``BlockIndex.commit``: one call for all grants."""
+        self._check(incarnation)
         with self._lock:
-            return self._index.remove(keys)
+            return [self._index.commit(owner, token, items, free) for token, items, free in batches]
+
+    def remove(self, incarnation: int, items: Sequence[tuple[Key, int]]) -> int:
+        self._check(incarnation)
+        with self._lock:
+            return self._index.remove(items)
+
+    def _check(self, incarnation: int) -> None:
+        if incarnation != self._incarnation:
+            raise WrongIncarnation(f"shard {self._id} is incarnation {self._incarnation:x}, "
+                                   f"not {incarnation:x}")
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             s = self._index.stats()
         self._metrics.publish(s)
-        return {"shard_id": self._id, "node_id": self._node_id, "pid": os.getpid(), **asdict(s)}
+        return {"shard_id": self._id, "node_id": self._node_id, "pid": os.getpid(),
+                "incarnation": self._incarnation, **asdict(s)}
 
     def _publish_metrics(self, period_s: float = 5.0) -> None:
         while not self._stopped.wait(period_s):
