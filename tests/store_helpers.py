@@ -19,6 +19,19 @@ def block(i: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (SIZES[i % len(SIZES)],), dtype=torch.uint8, generator=g)
 
 
+def read_back(client, n: int, tag: str = "k") -> tuple[list[bool], list[torch.Tensor]]:
+    """``client.get`` of blocks 0..n-1 of ``tag`` into a fresh, zeroed, registered buffer."""
+    sizes = [SIZES[i % len(SIZES)] for i in range(n)]
+    buf = torch.zeros(sum(sizes), dtype=torch.uint8)
+    client.register_local(buf)
+    views, off = [], 0
+    for s in sizes:
+        views.append(buf[off: off + s])
+        off += s
+    ok = client.get([key(i, tag) for i in range(n)], views)
+    return ok, views
+
+
 def arena(n: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One registered buffer holding blocks 0..n-1 back to back, plus views of each."""
     sizes = [SIZES[i % len(SIZES)] for i in range(n)]

@@ -11,19 +11,7 @@ import torch
 
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.fleet import fleet_status, shard_name, stop_fleet
-from tests.store_helpers import SIZES, ClientProcess, arena, block, key
-
-
-def read_back(client: StoreClient, n: int, tag: str = "k"):
-    sizes = [SIZES[i % len(SIZES)] for i in range(n)]
-    buf = torch.zeros(sum(sizes), dtype=torch.uint8)
-    client.register_local(buf)
-    views, off = [], 0
-    for s in sizes:
-        views.append(buf[off: off + s])
-        off += s
-    ok = client.get([key(i, tag) for i in range(n)], views)
-    return ok, views
+from tests.store_helpers import SIZES, ClientProcess, arena, block, key, read_back
 
 
 @pytest.mark.parametrize("transport", ["shm", "nixl"])
