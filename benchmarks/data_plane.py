@@ -27,6 +27,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from ucm_ray.config import UcmRayConfig, parse_size  # noqa: E402
+from ucm_ray.store.blockstore import PoolKey  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
 from ucm_ray.transport.base import CopyOp  # noqa: E402
@@ -77,27 +78,27 @@ def measure_size(block: int, clients: dict[str, StoreClient], repeat: int) -> di
         t = time.perf_counter()
         assert all(client.put(ks, blocks)), "benchmark pool too small"
         res[f"{name}_save_e2e"] = total / (time.perf_counter() - t)
-        res[f"{name}_load_e2e"] = total / best(lambda: client.get(ks, outs), repeat)
+        res[f"{name}_load_e2e"] = total / best(lambda c=client, ks=ks: c.get(ks, outs), repeat)
         assert torch.equal(src, dst), f"{name}: bytes differ"
         # data plane only: copies out of / into slots already held (pinned, committed).
         # Rewriting a slot with the bytes it already holds changes nothing a reader could see.
-        lease = client.acquire(ks)
-        res[f"{name}_load"] = total / best(lambda: move(client, lease.locations, outs, write=False), repeat)
-        res[f"{name}_save"] = total / best(lambda: move(client, lease.locations, blocks, write=True), repeat)
-        client.release(lease)
+        lease = client.acquire(ks).result()
+        res[f"{name}_load"] = total / best(lambda c=client, ls=lease: move(c, ls.locations, outs, write=False),
+                                           repeat)
+        res[f"{name}_save"] = total / best(lambda c=client, ls=lease: move(c, ls.locations, blocks, write=True),
+                                           repeat)
+        client.release(lease.lease_ids).result()
         dst.zero_()
     return res
 
 
 def move(client: StoreClient, locations, tensors, *, write: bool) -> None:
-    """One batch per shard, all posted before any is waited on (as the connector does)."""
-    by_shard: dict[str, list[CopyOp]] = {}
+    """One batch per pool, all posted before any is waited on (as the connector's worker does)."""
+    by_pool: dict[PoolKey, list[CopyOp]] = {}
     for loc, t in zip(locations, tensors):
-        by_shard.setdefault(loc.shard_id, []).append(CopyOp(loc.offset, t))
-    posted = [client.transport(s).write(ops) if write else client.transport(s).read(ops)
-              for s, ops in by_shard.items()]
-    for p in posted:
-        p.wait()
+        by_pool.setdefault(loc.pool, []).append(CopyOp(loc.offset, t))
+    failed = client.connections.transfer(by_pool, write=write, timeout_s=client.config.transfer_timeout_s)
+    assert not failed, f"transfer with {sorted(failed)} failed"
 
 
 def lookup_latency(client: StoreClient, n: int, iters: int) -> tuple[float, float]:

@@ -1,5 +1,6 @@
 """Unit tests of the shard's bookkeeping: allocator, LRU, capacity, leases, two-phase writes."""
 
+import itertools
 import random
 
 import pytest
@@ -49,7 +50,7 @@ def test_allocator_coalesces_and_never_overlaps():
             if off is not None:
                 live[off] = size
         spans = sorted((o, o + a.rounded(s)) for o, s in live.items())
-        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        assert all(e1 <= s2 for (_, e1), (s2, _) in itertools.pairwise(spans))
         assert a.free_bytes == a.capacity - sum(a.rounded(s) for s in live.values())
     for off, size in list(live.items()):
         a.free(off, size)
@@ -140,7 +141,7 @@ def test_ids_are_random_63_bit():
 
 
 def test_release_by_another_owner_does_not_unpin():
-    idx, clock = make(capacity=64, lease_s=5.0)
+    idx, _ = make(capacity=64, lease_s=5.0)
     put(idx, k(1), 64)
     lease, _ = idx.acquire(OWNER, [k(1)])
     assert idx.release(OTHER, [lease]) == [False]  # someone else's lease: no effect
@@ -168,7 +169,7 @@ def test_concurrent_writers_first_commit_wins_and_no_slot_leaks():
     assert o1[0] != o2[0]  # each writer has its own slot: no torn block is possible
     assert idx.commit(OTHER, t2, [(k(1), o2[0], None)]) == [True]
     assert idx.commit(OWNER, t1, [(k(1), o1[0], None)]) == [False]
-    lease, slots = idx.acquire(OWNER, [k(1)])
+    _, slots = idx.acquire(OWNER, [k(1)])
     assert slots[0].offset == o2[0]
     assert idx.stats().used_bytes == 64 and idx.stats().duplicate_commits == 1
     assert idx.stats().pending_bytes == 0

@@ -12,10 +12,10 @@ import time
 import ray
 import torch
 
+from tests.store_helpers import arena, block, key, read_back
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.directory import DIRECTORY_NAME
 from ucm_ray.store.fleet import fleet_status, shard_name, start_fleet
-from tests.store_helpers import arena, block, key, read_back
 
 
 def shard_pid(cfg, i: int) -> int:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -111,7 +112,7 @@ class Suspects:
 class _Fanout(Pending[T]):
     """One posted call per shard; ``finish`` merges the answers (None: that shard failed)."""
 
-    def __init__(self, client: "StoreClient", calls: list[tuple[ShardRecord, ray.ObjectRef]],
+    def __init__(self, client: StoreClient, calls: list[tuple[ShardRecord, ray.ObjectRef]],
                  finish: Callable[[list[Any]], T]) -> None:
         self._client = client
         self._calls = calls
@@ -140,7 +141,7 @@ class _Acquire(Pending[ReadLease]):
     to the next replica. A plain miss on a live owner is final (asking every replica for
     every miss would double the control traffic of cold prompts)."""
 
-    def __init__(self, client: "StoreClient", keys: list[bytes]) -> None:
+    def __init__(self, client: StoreClient, keys: list[bytes]) -> None:
         self._client = client
         self._keys = keys
         self._lease = ReadLease(locations=[None] * len(keys))

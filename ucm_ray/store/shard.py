@@ -18,8 +18,9 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 

@@ -8,11 +8,10 @@ bytes: the control plane hands out pool offsets, the transport copies.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
-
 
 PoolKey = tuple[str, int]
 """(shard id, incarnation): one start of one shard's pool (the same alias as ``store.blockstore``)."""

@@ -16,11 +16,17 @@ import logging
 import os
 import threading
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from ucm_ray.transport.base import CopyOp, PoolDescriptor, PoolKey, PoolTransport, Transfer
+from ucm_ray.transport.base import (
+    CopyOp,
+    PoolDescriptor,
+    PoolKey,
+    PoolTransport,
+    Transfer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +79,14 @@ class PoolConnections:
             try:
                 t = self._transport(pool)
                 posted.append((pool, t.write(ops) if write else t.read(ops)))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- whatever it is, that pool's keys are misses
                 log.warning("%s with shard %s failed to start: %s: %s", what, pool[0], type(e).__name__, e)
                 failed.add(pool)
         deadline = time.monotonic() + timeout_s
         for pool, transfer in posted:
             try:
                 transfer.wait(max(0.0, deadline - time.monotonic()))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- as above: never raise into a copy thread
                 log.warning("%s with shard %s failed: %s: %s", what, pool[0], type(e).__name__, e)
                 failed.add(pool)
         return failed
