@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 import ray
 import torch
 
@@ -16,6 +17,7 @@ from tests.store_helpers import arena, block, key, read_back
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.directory import DIRECTORY_NAME
 from ucm_ray.store.fleet import fleet_status, shard_name, start_fleet
+from ucm_ray.store.shard import WrongIncarnation
 
 
 def shard_pid(cfg, i: int) -> int:
@@ -78,7 +80,10 @@ def test_stale_release_after_restart_does_not_unpin_anothers_entry(fleet):
     assert all(b.put([key(i) for i in range(8)], views))
     pinned = b.acquire([key(i) for i in range(8)]).result()
     assert all(pinned.locations) and old_pool not in pinned.lease_ids
-    assert a.release(old.lease_ids).result() == {old_pool}  # refused: another incarnation
+    assert a.release(old.lease_ids).result() == {old_pool}  # the old incarnation is gone
+    new_shard = ray.get_actor(shard_name(0), namespace=cfg.ray_namespace)
+    with pytest.raises(WrongIncarnation):  # and the new one refuses its ids
+        ray.get(new_shard.release.remote(old_pool[1], a.owner, old.lease_ids[old_pool]), timeout=30)
     a.refresh(force=True)
     assert a.release(old.lease_ids).result() == {old_pool}  # and gone from a's view
     assert a.release(pinned.lease_ids).result() == set(pinned.lease_ids)  # not a's leases: no effect
