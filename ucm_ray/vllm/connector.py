@@ -1,8 +1,10 @@
 """UcmRayConnector: the one class vLLM loads (``kv_connector_module_path: ucm_ray.vllm.connector``).
 
-A thin adapter: the scheduler role delegates to ``SchedulerPart``, the worker
-role to ``WorkerPart``. Both reach the store through a ``StoreClient``,
-connecting the process to the Ray cluster first when vLLM runs it outside Ray.
+A thin adapter: the scheduler role delegates to ``SchedulerPart`` (which owns the
+block lifecycle through a ``StoreClient``), the worker role to ``WorkerPart``
+(which only moves bytes). Each process joins the Ray cluster first when vLLM
+runs it outside Ray: the scheduler to reach the shards, the worker to know its
+node (same-node pools are mapped, others reached over NIXL).
 """
 
 from __future__ import annotations
@@ -19,13 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-try:  # vLLM 0.32 reports async load failures through this; older/other versions lack it
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
-
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.client import StoreClient
+from ucm_ray.vllm.compat import KVConnectorTransferResults, KVConnectorWorkerMetadata
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler import SchedulerPart
 from ucm_ray.vllm.stats import UcmRayStats
@@ -34,7 +33,7 @@ from ucm_ray.vllm.worker import WorkerPart
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -43,12 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def connect_store(config: UcmRayConfig) -> StoreClient:
-    """A StoreClient for this process; joins the Ray cluster if vLLM started us outside it."""
+def join_ray(config: UcmRayConfig) -> str:
+    """Connect this process to the Ray cluster if vLLM started it outside Ray; its node id."""
     if not ray.is_initialized():
         ray.init(address=config.ray_address, namespace=config.ray_namespace, log_to_driver=False,
                  logging_level="WARNING")
-    return StoreClient(config)
+    return ray.get_runtime_context().get_node_id()
 
 
 def _tp_rank() -> int:
@@ -66,13 +65,23 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.ucm_config = UcmRayConfig.from_dict(extra)
-        client = connect_store(self.ucm_config)
         self._scheduler: SchedulerPart | None = None
         self._worker: WorkerPart | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerPart(vllm_config, kv_cache_config, self.ucm_config, client)
+            self._scheduler = SchedulerPart(vllm_config, kv_cache_config, self.ucm_config,
+                                            self.open_store(self.ucm_config))
         else:
-            self._worker = WorkerPart(kv_cache_config, self.ucm_config, client, _tp_rank())
+            self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(),
+                                      self.node_id(self.ucm_config))
+
+    def open_store(self, config: UcmRayConfig) -> BlockStore:
+        """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
+        join_ray(config)
+        return StoreClient(config)
+
+    def node_id(self, config: UcmRayConfig) -> str:
+        """The node this worker runs on: pools on it are mapped, others reached over NIXL."""
+        return join_ray(config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -100,11 +109,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler_part.build_connector_meta(scheduler_output)
 
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
-        self.scheduler_part.bind_kv_cache_manager(kv_cache_manager)
-
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        return None  # loads and saves complete within the step; nothing to reconcile
+        self.scheduler_part.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_part.request_finished(request)
@@ -143,6 +149,9 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self.worker_part.wait_for_save()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_part.build_worker_meta()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, _ = self.worker_part.transfer_results()
         return None, done or None
@@ -159,3 +168,5 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -74,3 +74,11 @@ def base_buffers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         if key not in seen:
             seen[key] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
     return list(seen.values())
+
+
+def entry_bytes(kv_cache_config, group: int) -> int:
+    """Bytes of one stored entry of ``group`` (every layer's block), from the kv-cache spec:
+    the scheduler plans slots with it before any worker exists; workers check their real
+    layout against it at start-up."""
+    spec_group = kv_cache_config.kv_cache_groups[group]
+    return spec_group.kv_cache_spec.page_size_bytes * len(spec_group.layer_names)

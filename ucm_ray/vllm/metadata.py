@@ -1,12 +1,23 @@
-"""What the scheduler part hands to the worker part each step (pickled by vLLM)."""
+"""What the two halves of the connector tell each other each step (pickled by vLLM).
+
+Scheduler -> worker (``UcmRayConnectorMetadata``): byte-moving jobs with every
+location already decided (pins taken, slots granted), plus the pool
+descriptors whenever membership changed. Worker -> scheduler
+(``UcmRayWorkerMetadata``, through vLLM's ``kv_connector_worker_meta``): per-job
+results, from which the scheduler commits, frees and releases. The worker
+never makes a control call.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ucm_ray.store.client import Location
+from ucm_ray.store.blockstore import Location, PoolKey
+from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.vllm.compat import KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -19,11 +30,12 @@ class BlockLoad:
 
 
 @dataclass
-class RequestLoad:
+class LoadJob:
+    """One request's loads for one tp rank."""
+
+    job_id: int
     req_id: str
     blocks: list[BlockLoad]
-    leases: dict[str, list[int]]
-    """Pins the worker releases (one batched call per shard) once its copies are done."""
     complete_in_start: bool = False
     """Load everything in ``start_load_kv``: this step runs fewer tokens than the FULL-CUDA-graph
     threshold (2 + k), so it may replay a graph in which no layer hook runs."""
@@ -35,18 +47,56 @@ class RequestLoad:
 
 
 @dataclass
-class BlockSave:
-    """Store vLLM block ``block_id`` of ``group`` under ``key``."""
+class SaveJob:
+    """Copy vLLM block ``block_id`` of ``group`` into every slot of ``locations`` (replicas)."""
 
+    job_id: int
     group: int
     block_id: int
-    key: bytes
+    locations: list[Location]
 
 
 @dataclass
 class UcmRayConnectorMetadata(KVConnectorMetadata):
     step: int = 0
-    loads: dict[int, list[RequestLoad]] = field(default_factory=dict)
+    loads: dict[int, list[LoadJob]] = field(default_factory=dict)
     """tp rank -> loads for that rank."""
-    saves: dict[int, list[BlockSave]] = field(default_factory=dict)
+    saves: dict[int, list[SaveJob]] = field(default_factory=dict)
     """tp rank -> blocks (attention) and states (mamba groups) to save this step."""
+    pools: Mapping[PoolKey, PoolDescriptor] | None = None
+    """Every live pool, sent when membership changed since the last step (None: unchanged).
+    A worker closes the mapping of any pool not listed (a dead shard, an old incarnation)."""
+
+
+@dataclass
+class SaveResult:
+    landed: list[bool]
+    """Per location of the job, whether every byte of the entry landed there."""
+    checksum: int | None = None
+    """CRC32 of the entry, when the writer runs in paranoid mode."""
+    uncertain: bool = False
+    """A copy timed out and may still land: the slots must never be reused."""
+
+
+@dataclass
+class UcmRayWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-job results of one step, merged across tp ranks (job ids are unique per engine)."""
+
+    saves: dict[int, SaveResult] = field(default_factory=dict)
+    loads_done: set[int] = field(default_factory=set)
+    """Load jobs whose copies are over (landed or failed): their pins can go."""
+    load_failures: dict[int, list[int]] = field(default_factory=dict)
+    """Per load job, the vLLM block ids that did not load: vLLM recomputes them, and the
+    scheduler saves them again (the store evidently lost them)."""
+    corrupt: list[Location] = field(default_factory=list)
+    """Loaded entries whose bytes did not match their checksum: the scheduler removes them."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "UcmRayWorkerMetadata":
+        assert isinstance(other, UcmRayWorkerMetadata)
+        return UcmRayWorkerMetadata(saves={**self.saves, **other.saves},
+                                    loads_done=self.loads_done | other.loads_done,
+                                    load_failures={**self.load_failures, **other.load_failures},
+                                    corrupt=self.corrupt + other.corrupt)
+
+    def is_empty(self) -> bool:
+        return not (self.saves or self.loads_done or self.corrupt)

@@ -1,18 +1,25 @@
-"""The scheduler half of the connector: lookups, the hit policy, and the step plan.
+"""The scheduler half of the connector: owner of the block lifecycle.
 
-It never blocks the scheduler on the network: a lookup is posted once per
-request (one Ray call per shard per tp rank) and ``get_num_new_matched_tokens``
-answers ``None`` ("ask again") until it lands. Lookups *pin* what they find,
-so nothing vLLM was promised can be evicted before the worker copies it; the
-worker releases the pins when its copies are done.
+Every control call of the tier is made here, through a ``BlockStore``, and
+never waited on: a lookup is posted once per request (one call per shard per
+tp rank) and ``get_num_new_matched_tokens`` answers ``None`` ("ask again")
+until it lands. Lookups *pin* what they find, so nothing vLLM was promised can
+be evicted before the worker copies it. Saves are planned into slots granted
+ahead of time (``SlotSupply``), so the worker copies each layer's new blocks
+in the step that computes them. The worker reports per-job results through
+vLLM's worker-to-scheduler metadata; from them this side commits the entries
+that landed, frees the slots that did not, releases pins and removes entries
+that failed their checksum. The worker makes no control call at all.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,15 +29,19 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_key, state_key
-from ucm_ray.store.client import AcquireFuture, ReadLease, StoreClient
-from ucm_ray.vllm.metadata import BlockLoad, BlockSave, RequestLoad, UcmRayConnectorMetadata
+from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
+from ucm_ray.store.slots import SlotSupply, slots_per_pool
+from ucm_ray.vllm.layout import entry_bytes
+from ucm_ray.vllm.metadata import (BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata,
+                                   UcmRayWorkerMetadata)
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -66,7 +77,7 @@ def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
 class _Lookup:
     """One request's lookup: per tp rank, the keys asked for and the pins that came back."""
 
-    futures: list[AcquireFuture]
+    futures: list[Pending[ReadLease]]
     attn_keys: list[list[list[bytes]]]  # [rank][attention group][block]
     state_keys: list[list[list[bytes]]]  # [rank][state group][lcm boundary - 1]
     leases: list[ReadLease] | None = None
@@ -79,21 +90,45 @@ class _Tracked:
     lookup: _Lookup | None = None
     hit_tokens: int = 0  # LCM/block-aligned prefix found in the store
     local_tokens: int = 0  # vLLM's block-aligned local hit at lookup time
-    load: list[RequestLoad] | None = None  # per rank, set after allocation, consumed by the next plan
+    loads: list[LoadJob] | None = None  # per rank, set after allocation, dispatched by the next plan
+    block_ids: list[list[int]] = field(default_factory=list)  # per group, as the scheduler output says
     saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
     last_state_pos: int = 0
+    expected_until: int = 0  # saves of tokens below this were announced to the slot supply
+
+
+@dataclass
+class _LoadInFlight:
+    """Pins a dispatched load holds until the worker reports its copies over."""
+
+    req_id: str
+    lease_ids: dict[PoolKey, list[int]]
+    keys: dict[Location, bytes]
+
+
+@dataclass
+class _SaveInFlight:
+    key: bytes
+    locations: list[Location]
+    tokens: list[int]  # the grant of each location's slot
+    dispatched: float = field(default_factory=time.monotonic)
 
 
 class SchedulerPart:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: UcmRayConfig,
-                 client: StoreClient) -> None:
+                 store: BlockStore) -> None:
         self._config = config
-        self._client = client
+        self._store = store
         algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         if algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
             raise ValueError(f"ucm-ray: prefix_caching_hash_algo={algo!r} seeds block hashes randomly per "
                              "process, so no engine could reuse another's blocks; use 'sha256' / "
                              "'sha256_cbor', or set PYTHONHASHSEED to one value on every engine")
+        policy_name = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy_name != "recompute":
+            raise ValueError(f"ucm-ray: kv_load_failure_policy={policy_name!r} turns a cache load that fails "
+                             "(a shard died mid-copy) into a failed user request; set "
+                             "kv_load_failure_policy='recompute' in the kv-transfer config")
         self._groups = kv_cache_config.kv_cache_groups
         self._attn = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, AttentionSpec)]
         self._states = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, MambaSpec)]
@@ -109,19 +144,66 @@ class SchedulerPart:
         k = spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 0
         self.recompute = policy.recompute_tokens(config.layerwise, k)
         self._ns = engine_namespaces(vllm_config, kv_cache_config, config.namespace)
+        self._entry_bytes = [entry_bytes(kv_cache_config, g) for g in range(len(self._groups))]
         self._tracked: dict[str, _Tracked] = {}
-        self._kv_manager: KVCacheManager | None = None
         self._step = 0
+        self._job_ids = itertools.count(1)
+        self._loads: dict[int, _LoadInFlight] = {}
+        self._saves: dict[int, _SaveInFlight] = {}
+        self._answers: list[tuple[str, Pending[Any]]] = []  # commits, releases, removals in flight
+        self._pools_sent: int | None = None
+        self._chunk = vllm_config.scheduler_config.max_num_batched_tokens
+        self._slots = SlotSupply(store, self._slot_baseline(vllm_config), renew_after_s=config.reserve_timeout_s / 3,
+                                 idle_s=config.reserve_timeout_s / 3)
+        self._slots.want(*self._entry_bytes)
         self.stats = UcmRayStats()
         log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
                  self._attn, self._states, self._bs, self._lcm, self._hash_bs, self.recompute)
 
+    def _slot_baseline(self, vllm_config: "VllmConfig"):
+        """Free slots of each entry size to keep per pool for decode: in a decode step each running
+        request fills at most one block per group. (Prefill saves are expected per request.)"""
+        seqs = vllm_config.scheduler_config.max_num_seqs
+        per_size: dict[int, int] = defaultdict(int)
+        for g in self._attn + self._states:
+            per_size[self._entry_bytes[g]] += seqs * len(self._ns)
+        replication = self._store.pools().replication
+        return lambda size, num_pools: slots_per_pool(per_size.get(size, 0), replication, num_pools)
+
+    def _expect_saves(self, t: _Tracked, until: int, start: int | None = None) -> list[Pending[Any]]:
+        """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
+        (``start``: where the last announcement ended, unless blocks must be saved again)."""
+        hashes = t.request.block_hashes
+        until = min(until, len(hashes) * self._hash_bs)
+        if start is None:
+            start = t.expected_until
+        t.expected_until = max(t.expected_until, until)
+        if until <= start:
+            return []
+        keys, sizes = [], []
+        for ns in self._ns:
+            for g in self._attn:
+                for i in range(start // self._bs[g], until // self._bs[g]):
+                    keys.append(block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g))
+                    sizes.append(self._entry_bytes[g])
+            for g in self._states:
+                for pos in range((start // self._lcm + 1) * self._lcm, until + 1, self._lcm):
+                    keys.append(state_key(ns, self._hash_at(hashes, pos), g, pos))
+                    sizes.append(self._entry_bytes[g])
+        counts: dict[tuple[PoolKey, int], int] = defaultdict(int)
+        for size, pools in zip(sizes, self._store.owners(keys) if keys else []):
+            for pool in pools:
+                counts[(pool, size)] += 1
+        return self._slots.expect(counts)
+
+    @property
+    def namespaces(self) -> list[bytes]:
+        """Per tp rank, the namespace digest mixed into this engine's keys."""
+        return list(self._ns)
+
     @property
     def hybrid(self) -> bool:
         return bool(self._states)
-
-    def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
-        self._kv_manager = manager
 
     # --- lookups -------------------------------------------------------------------------
 
@@ -130,16 +212,19 @@ class SchedulerPart:
         if t is None or t.request is not request:
             t = self._tracked[request.request_id] = _Tracked(request)
         if t.lookup is not None and time.monotonic() - t.lookup.started > self._config.lease_s / 2:
-            self._release(t)  # waited so long in the queue that its pins may lapse: look again
+            self._release_lookup(t)  # waited so long in the queue that its pins may lapse: look again
         if t.lookup is None:
             t.lookup = self._post_lookup(request)
             if t.lookup is None:
                 return 0, False
+            slot_asks = self._expect_saves(t, 2 * self._chunk)
             deadline = time.monotonic() + LOOKUP_GRACE_S
             while not all(f.poll() for f in t.lookup.futures):
                 if time.monotonic() > deadline:
                     self.stats.add(lookups_deferred=1)
                     return None, False
+            while not all(ask.poll() for ask in slot_asks) and time.monotonic() < deadline:
+                pass  # the rest of the grace for the first chunk's slots; never a deferral
         elif not all(f.poll() for f in t.lookup.futures):
             return None, False
         if t.lookup.leases is None:
@@ -179,28 +264,28 @@ class SchedulerPart:
                           for b in range(1, max_tokens // self._lcm + 1)] for g in self._states]
             attn_keys.append(per_group)
             state_keys.append(per_state)
-            flat = [k for keys in per_group + per_state for k in keys]
-            futures.append(self._client.acquire_async(flat))
+            flat = [key for keys in per_group + per_state for key in keys]
+            futures.append(self._store.acquire(flat))
         return _Lookup(futures, attn_keys, state_keys)
 
     def _hash_at(self, hashes: list, end_token: int) -> bytes:
         """The chained hash identifying the prefix ``[0, end_token)``."""
         return hashes[end_token // self._hash_bs - 1]
 
-    def _hit_tokens(self, lk: _Lookup) -> int:
+    def _hit_tokens(self, lookup: _Lookup) -> int:
         """Stage 1 (longest attention prefix over all ranks and groups), then for hybrid
         models stage 2 (furthest LCM boundary whose state every rank and state group has)."""
-        assert lk.leases is not None
+        assert lookup.leases is not None
         prefix: int | None = None
-        boundaries = len(lk.state_keys[0][0]) if self.hybrid and lk.state_keys[0] else 0
+        boundaries = len(lookup.state_keys[0][0]) if self.hybrid and lookup.state_keys[0] else 0
         states = [True] * boundaries
-        for rank, lease in enumerate(lk.leases):
+        for rank, lease in enumerate(lookup.leases):
             found = iter(loc is not None for loc in lease.locations)  # attention keys, then states
-            for g, keys in zip(self._attn, lk.attn_keys[rank]):
+            for g, keys in zip(self._attn, lookup.attn_keys[rank]):
                 present = [next(found) for _ in keys]
                 tokens = (present.index(False) if False in present else len(present)) * self._bs[g]
                 prefix = tokens if prefix is None else min(prefix, tokens)
-            for keys in lk.state_keys[rank]:
+            for keys in lookup.state_keys[rank]:
                 states = [next(found) and ok for ok in states[:len(keys)]]
         if not self.hybrid:
             return prefix or 0
@@ -214,7 +299,7 @@ class SchedulerPart:
         if t is None or t.lookup is None or t.lookup.leases is None:
             return  # no lookup, or the second call of an async load (already planned)
         if num_external_tokens <= 0:
-            self._release(t)
+            self._release_lookup(t)
             return
         block_ids = blocks.get_block_ids()
         start = t.local_tokens
@@ -222,51 +307,92 @@ class SchedulerPart:
         loads = []
         for rank, lease in enumerate(t.lookup.leases):
             out: list[BlockLoad] = []
-            locs = iter(lease.locations)
-            for g, keys in zip(self._attn, t.lookup.attn_keys[rank]):
-                group_locs = [next(locs) for _ in keys]
+            keys: dict[Location, bytes] = {}
+            located = iter(zip(lease.locations, self._flat_keys(t.lookup, rank)))
+            for g, group_keys in zip(self._attn, t.lookup.attn_keys[rank]):
+                group_locs = [next(located) for _ in group_keys]
                 first, last = start // self._bs[g], -(-end // self._bs[g])  # the tail block is loaded whole
-                out.extend(BlockLoad(g, block_ids[g][i], group_locs[i]) for i in range(first, last))
+                for i in range(first, last):
+                    loc, key = group_locs[i]
+                    assert loc is not None
+                    out.append(BlockLoad(g, block_ids[g][i], loc))
+                    keys[loc] = key
             usable = True
             if self.hybrid:
                 b = t.hit_tokens // self._lcm  # the state at the hit's end boundary
-                for g, keys in zip(self._states, t.lookup.state_keys[rank]):
-                    group_locs = [next(locs) for _ in keys]
+                for g, group_keys in zip(self._states, t.lookup.state_keys[rank]):
+                    group_locs = [next(located) for _ in group_keys]
+                    loc, key = group_locs[b - 1]
+                    assert loc is not None
                     # vLLM keeps the running state of a request that computed N tokens in the
                     # group's block N // block_size - 1; a null block there means no room for it.
                     target = block_ids[g][t.hit_tokens // self._bs[g] - 1]
                     usable = usable and target != NULL_BLOCK_ID
-                    out.append(BlockLoad(g, target, group_locs[b - 1]))
+                    out.append(BlockLoad(g, target, loc))
+                    keys[loc] = key
             if not usable:
                 log.error("ucm-ray: no state block allocated for %s at %d tokens; the load is failed so "
                           "vLLM recomputes", request.request_id, t.hit_tokens)
-            loads.append(RequestLoad(request.request_id, out if usable else [], lease.leases,
-                                     complete_in_start=self.hybrid, is_async=self.hybrid, failed=not usable))
-        t.load = loads
-        t.lookup = None  # the pins now belong to the worker
+            job = LoadJob(next(self._job_ids), request.request_id, out if usable else [],
+                          complete_in_start=self.hybrid, is_async=self.hybrid, failed=not usable)
+            self._loads[job.job_id] = _LoadInFlight(request.request_id, lease.lease_ids, keys)
+            loads.append(job)
+        t.loads = loads
+        t.lookup = None  # the pins now belong to the load jobs
         for g in self._attn:  # blocks that came from the store need no save
             t.saved_blocks[g] = max(t.saved_blocks.get(g, 0), -(-end // self._bs[g]))
         t.last_state_pos = max(t.last_state_pos, t.hit_tokens if self.hybrid else 0)
         self.stats.add(load_blocks=len(loads[0].blocks))
 
+    @staticmethod
+    def _flat_keys(lookup: _Lookup, rank: int) -> list[bytes]:
+        """The keys of one rank's acquire, in the order they were asked for."""
+        return [key for keys in lookup.attn_keys[rank] + lookup.state_keys[rank] for key in keys]
+
     def build_connector_meta(self, out: "SchedulerOutput") -> UcmRayConnectorMetadata:
         self._step += 1
+        self._collect_answers()
+        self._slots.tick()
         meta = UcmRayConnectorMetadata(step=self._step,
                                        loads={r: [] for r in range(len(self._ns))},
                                        saves={r: [] for r in range(len(self._ns))})
+        pools = self._store.pools()
+        if pools.version != self._pools_sent:
+            meta.pools = dict(pools.descriptors)
+            self._pools_sent = pools.version
+        self._track_blocks(out)
         for req_id, t in self._tracked.items():
-            if t.load is None:
+            if t.loads is None:
                 continue
             n_sched = out.num_scheduled_tokens.get(req_id, 0)
-            for rank, ld in enumerate(t.load):
-                ld.complete_in_start = ld.complete_in_start or n_sched < self.recompute
-                meta.loads[rank].append(ld)
-            t.load = None
+            for rank, job in enumerate(t.loads):
+                job.complete_in_start = job.complete_in_start or n_sched < self.recompute
+                meta.loads[rank].append(job)
+            t.loads = None
         for req_id, n_sched in out.num_scheduled_tokens.items():
             t = self._tracked.get(req_id)
-            if t is not None:
+            if t is not None and t.block_ids:
                 self._plan_saves(t, n_sched, meta)
         return meta
+
+    def _track_blocks(self, out: "SchedulerOutput") -> None:
+        """Each running request's block ids, from the scheduler output alone (vLLM 0.26 never
+        binds its cache manager to a connector): new requests list all, cached ones append,
+        resumed ones start over."""
+        for new in out.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = [list(ids) for ids in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
+            elif new_ids is not None:
+                for group, ids in enumerate(new_ids):
+                    t.block_ids[group].extend(ids)
 
     def _plan_saves(self, t: _Tracked, n_sched: int, meta: UcmRayConnectorMetadata) -> None:
         """Blocks that are full (and hashed) once this step ran, and the state at the chunk end."""
@@ -274,45 +400,147 @@ class SchedulerPart:
         start = req.num_computed_tokens  # before this step: vLLM advances it after planning
         end = start + n_sched
         hashes = req.block_hashes
-        if self._kv_manager is None:
-            return
-        block_ids = None
         for g in self._attn:
             full = min(end, len(hashes) * self._hash_bs) // self._bs[g]
             first = t.saved_blocks.get(g, 0)
             if full <= first:
                 continue
-            block_ids = block_ids or self._kv_manager.get_block_ids(req.request_id)
             for rank, ns in enumerate(self._ns):
-                meta.saves[rank].extend(BlockSave(g, block_ids[g][i],
-                                                  block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g))
-                                        for i in range(first, full))
+                for i in range(first, full):
+                    key = block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g)
+                    self._add_save(meta, rank, g, t.block_ids[g][i], key)
             t.saved_blocks[g] = full
         for pos in policy.state_dump_positions(start, end, self._lcm) if self.hybrid else ():
             if pos > len(hashes) * self._hash_bs or pos <= t.last_state_pos:
                 continue
-            block_ids = block_ids or self._kv_manager.get_block_ids(req.request_id)
             for rank, ns in enumerate(self._ns):
-                meta.saves[rank].extend(BlockSave(g, block_ids[g][pos // self._bs[g] - 1],
-                                                  state_key(ns, self._hash_at(hashes, pos), g, pos))
-                                        for g in self._states)
+                for g in self._states:
+                    key = state_key(ns, self._hash_at(hashes, pos), g, pos)
+                    self._add_save(meta, rank, g, t.block_ids[g][pos // self._bs[g] - 1], key)
             t.last_state_pos = pos
+        if end < req.num_prompt_tokens:
+            self._expect_saves(t, end + 2 * self._chunk)  # slots for the next chunk while this one runs
+
+    def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes) -> None:
+        """Bind granted slots on the key's owners to it; without any, the save is skipped."""
+        size = self._entry_bytes[group]
+        locations, tokens = [], []
+        for pool in self._store.owners([key])[0]:
+            slot = self._slots.take(pool, size)
+            if slot is not None:
+                tokens.append(slot[0])
+                locations.append(Location(pool[0], pool[1], slot[1], size))
+        if not locations:
+            self.stats.add(saves_skipped=1)
+            return
+        job = SaveJob(next(self._job_ids), group, block_id, locations)
+        self._saves[job.job_id] = _SaveInFlight(key, locations, tokens)
+        meta.saves[rank].append(job)
+
+    # --- results from the workers --------------------------------------------------------
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        results = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(results, UcmRayWorkerMetadata):
+            return
+        publish: list[Publish] = []
+        free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
+        for job_id, result in results.saves.items():
+            job = self._saves.pop(job_id, None)
+            if job is None:
+                continue
+            for loc, token, landed in zip(job.locations, job.tokens, result.landed):
+                if not landed and result.uncertain:
+                    self._slots.abandon(loc.pool, token)  # a late copy may land: quarantine, never reuse
+                elif landed:
+                    publish.append(Publish(job.key, Location(loc.shard_id, loc.incarnation, loc.offset,
+                                                             loc.size, result.checksum), token))
+                else:
+                    free[(loc.pool, token)].append(loc.offset)
+            self.stats.add(save_failures=sum(1 for ok in result.landed if not ok))
+        if publish or free:
+            self._answers.append(("commit", self._store.commit(publish, dict(free))))
+            for item in publish:
+                self._slots.settled(item.location.pool, item.token)
+            for (pool, token), offsets in free.items():
+                self._slots.settled(pool, token, len(offsets))
+        pins: dict[PoolKey, list[int]] = defaultdict(list)
+        removals: list[Removal] = []
+        for job_id in results.loads_done:
+            load = self._loads.pop(job_id, None)
+            if load is None:
+                continue
+            for pool, ids in load.lease_ids.items():
+                pins[pool].extend(ids)
+            removals.extend(Removal(load.keys[loc], loc) for loc in results.corrupt if loc in load.keys)
+            self._save_again(load.req_id, results.load_failures.get(job_id, []))
+        if pins:
+            self._answers.append(("release", self._store.release(dict(pins))))
+        if removals:
+            log.error("ucm-ray: removing %d stored entries that failed their checksum", len(removals))
+            self._answers.append(("remove", self._store.remove(removals)))
+
+    def _save_again(self, req_id: str, failed_block_ids: list[int]) -> None:
+        """Blocks that failed to load are recomputed by vLLM: plan their saves again."""
+        t = self._tracked.get(req_id)
+        if t is None or not failed_block_ids:
+            return
+        for g in self._attn:
+            ids = t.block_ids[g] if g < len(t.block_ids) else []
+            failed = [ids.index(b) for b in failed_block_ids if b in ids]
+            if failed:
+                t.saved_blocks[g] = min(t.saved_blocks.get(g, 0), min(failed))
+                self._expect_saves(t, max(failed) * self._bs[g] + self._bs[g], min(failed) * self._bs[g])
+
+    def _collect_answers(self) -> None:
+        """Check what the shards said to our commits, releases and removals (never waits)."""
+        still = []
+        for kind, answer in self._answers:
+            if not answer.poll():
+                still.append((kind, answer))
+                continue
+            result = answer.result()
+            if kind == "commit":
+                self.stats.add(saved_blocks=sum(1 for visible in result if visible))
+            elif kind == "release" and result:
+                # Cannot happen while lease_s > 2 x transfer_timeout_s (checked in the config):
+                # the copies were bounded by the step deadline, well inside the lease.
+                log.error("ucm-ray: read pins on %s had lapsed before their release", sorted(result))
+                self.stats.add(lapsed_leases=len(result))
+        self._answers = still
+        overdue = time.monotonic() - self._config.reserve_timeout_s / 2
+        for job_id in [j for j, job in self._saves.items() if job.dispatched < overdue]:
+            job = self._saves.pop(job_id)  # its worker never reported: a copy may still land
+            for loc, token in zip(job.locations, job.tokens):
+                self._slots.abandon(loc.pool, token)
 
     # --- endings -------------------------------------------------------------------------
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        """Blocks can be freed at once: this step's copies are done when its output arrives."""
         t = self._tracked.pop(request.request_id, None)
         if t is not None:
-            self._release(t)
+            self._release_lookup(t)
         return False, None
 
-    def _release(self, t: _Tracked) -> None:
-        """Unpin a lookup whose pins no worker will release (no load, or never scheduled)."""
+    def _release_lookup(self, t: _Tracked) -> None:
+        """Unpin a lookup no load job took over (no hit used, or never scheduled)."""
         if t.lookup is not None and t.lookup.leases is not None:
+            pins: dict[PoolKey, list[int]] = defaultdict(list)
             for lease in t.lookup.leases:
-                self._client.release_async(lease)
+                for pool, ids in lease.lease_ids.items():
+                    pins[pool].extend(ids)
+            if pins:
+                self._answers.append(("release", self._store.release(dict(pins))))
         t.lookup = None
-        t.load = None
+        t.loads = None
+
+    def shutdown(self) -> None:
+        """Hand unused slots back (best effort: a lapsed grant frees them anyway)."""
+        unused = self._slots.close()
+        if unused:
+            self._store.commit([], unused).result()
+        self._store.close()
 
     def take_stats(self) -> UcmRayStats | None:
         return self.stats.take()

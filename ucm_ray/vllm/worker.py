@@ -1,77 +1,88 @@
-"""The worker half of the connector: copies between the store and vLLM's KV cache.
+"""The worker half of the connector: moves bytes, reports what happened, decides nothing.
 
-Per step: ``bind`` posts the slot reservations for this step's saves (no wait);
-``start_load_kv`` posts every load — one copy task per attention layer on a
-copy thread, so layer L's bytes land while layers < L compute — and finishes
-at once the loads that cannot wait for layer hooks (mamba states, async hybrid
-loads, chunks shorter than the FULL-CUDA-graph threshold, non-layerwise mode).
-``save_kv_layer`` queues a layer's copies as soon as its KV is written;
-``wait_for_save`` saves what no hook covered, waits, and commits only entries
-whose every layer landed. Control traffic is a few batched calls per step:
-reserve and commit per shard, and a fire-and-forget release of read pins.
+Every location comes decided in the step's metadata (pins and slots are the
+scheduler's). Per step: ``start_load_kv`` posts every load — one copy task per
+attention layer on a copy thread, so layer L's bytes land while layers < L
+compute — and finishes at once the loads that cannot wait for layer hooks
+(mamba states, async hybrid loads, chunks shorter than the FULL-CUDA-graph
+threshold, non-layerwise mode). ``save_kv_layer`` queues a layer's copies into
+the granted slots as soon as its KV is written; ``wait_for_save`` saves what no
+hook covered and waits. Results go back per job through
+``build_worker_meta``; the scheduler commits, frees and releases from them.
+
+No control call (no Ray call) is made here, and the whole step is bounded by
+one deadline (``transfer_timeout_s``): a hung pool can delay a forward pass by
+at most that much, and whatever has not landed by then is a failed load
+(vLLM recomputes) or a save that never becomes visible.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import Location, PoolKey
 from ucm_ray.store.checksum import checksum
-from ucm_ray.store.client import Location, ReserveFuture, StoreClient, WriteReservation
 from ucm_ray.transport.base import CopyOp
-from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts
-from ucm_ray.vllm.metadata import BlockSave, RequestLoad, UcmRayConnectorMetadata
+from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
+from ucm_ray.vllm.metadata import LoadJob, SaveJob, SaveResult, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
 
 log = logging.getLogger(__name__)
 
-# (request id, vLLM block id) of a copy, so a failure maps back to what vLLM must recompute
-_Tag = tuple[str, int]
+_Tag = tuple[int, int]
+"""Which job a copy serves: (load job id, vLLM block id) or (save job id, replica index)."""
 
 
 @dataclass
 class _LayerOps:
-    """Copies of one layer (or one batch), per shard, with the blocks they serve."""
+    """Copies of one layer (or one batch), per pool, with the job each serves."""
 
-    by_shard: dict[str, list[CopyOp]] = field(default_factory=lambda: defaultdict(list))
-    tags: dict[str, list[_Tag]] = field(default_factory=lambda: defaultdict(list))  # one per op
+    by_pool: dict[PoolKey, list[CopyOp]] = field(default_factory=lambda: defaultdict(list))
+    tags: dict[PoolKey, list[_Tag]] = field(default_factory=lambda: defaultdict(list))  # one per op
     nbytes: int = 0
 
     def add(self, loc: Location, offset: int, local: torch.Tensor, tag: _Tag) -> None:
-        self.by_shard[loc.shard_id].append(CopyOp(loc.offset + offset, local))
-        self.tags[loc.shard_id].append(tag)
+        self.by_pool[loc.pool].append(CopyOp(loc.offset + offset, local))
+        self.tags[loc.pool].append(tag)
         self.nbytes += local.numel()
+
+    def all_tags(self) -> set[_Tag]:
+        return {tag for tags in self.tags.values() for tag in tags}
 
 
 @dataclass
 class _StepState:
-    loads: list[RequestLoad] = field(default_factory=list)
-    load_futures: dict[str, Future] = field(default_factory=dict)  # layer -> failed tags
-    load_started: float = 0.0
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    deadline: float = 0.0
+    load_futures: dict[str, tuple[Future, set[_Tag]]] = field(default_factory=dict)  # layer -> copies
     failed: set[_Tag] = field(default_factory=set)
-    saves: list[BlockSave] = field(default_factory=list)
-    reserve: ReserveFuture | None = None
-    reservation: WriteReservation | None = None
+    uncertain: bool = False
+    """A copy timed out: it may still land, so its slots must never be reused."""
     saved_layers: set[str] = field(default_factory=set)
-    save_futures: list[Future] = field(default_factory=list)
+    save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
     crc: dict[_Tag, int] = field(default_factory=dict)
-    """Paranoid mode: running CRC32 of each loaded block, taken right after each of its layers
+    """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
 
 
 class WorkerPart:
-    def __init__(self, kv_cache_config, config: UcmRayConfig, client: StoreClient, tp_rank: int) -> None:
+    def __init__(self, kv_cache_config, config: UcmRayConfig, tp_rank: int, node_id: str | None = None) -> None:
         self._config = config
-        self._client = client
+        self._kv_cache_config = kv_cache_config
         self._rank = tp_rank
+        self._pools = PoolConnections(config.transport, node_id)
         self._group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         # Mamba / linear-attention layers get no per-layer hooks from vLLM.
         self._hooked_groups = {i for i, g in enumerate(kv_cache_config.kv_cache_groups)
@@ -82,6 +93,7 @@ class WorkerPart:
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, index in group)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self._step = _StepState()
+        self._results = UcmRayWorkerMetadata()
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -90,9 +102,14 @@ class WorkerPart:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._device = next(iter(kv_caches.values())).device
         self._layouts = build_layouts(kv_caches, self._group_layers, self._num_blocks)
+        for gl in self._layouts:
+            planned = entry_bytes(self._kv_cache_config, gl.group)
+            if gl.layers and gl.entry_bytes != planned:
+                raise ValueError(f"ucm-ray: kv-cache group {gl.group} holds {gl.entry_bytes} bytes per block "
+                                 f"here but its spec says {planned}; this layout is not supported")
         self._layer_of = {layer.name: (gl.group, i) for gl in self._layouts for i, layer in enumerate(gl.layers)}
         for buf in base_buffers(kv_caches):
-            self._client.register_local(buf)
+            self._pools.register_local(buf)
         log.info("ucm-ray worker rank %d: %s", self._rank,
                  ", ".join(f"group {gl.group}: {len(gl.layers)} layers x {gl.layers[0].block_bytes if gl.layers else 0}"
                            f" B/block" for gl in self._layouts))
@@ -100,77 +117,80 @@ class WorkerPart:
     # --- per step ------------------------------------------------------------------------
 
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
-        self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=meta.saves.get(self._rank, []))
-        if self._step.saves:
-            sizes = [self._layouts[s.group].entry_bytes for s in self._step.saves]
-            self._step.reserve = self._client.reserve_async([s.key for s in self._step.saves], sizes)
+        if meta.pools is not None:
+            self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
+        self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=meta.saves.get(self._rank, []),
+                                deadline=time.monotonic() + self._config.transfer_timeout_s)
 
     def start_load_kv(self) -> None:
-        st = self._step
-        if not st.loads:
+        step = self._step
+        if not step.loads:
             return
-        st.load_started = time.monotonic()
         layered: dict[str, _LayerOps] = defaultdict(_LayerOps)
         immediate = _LayerOps()
-        for ld in st.loads:
-            hooks = self._config.layerwise and not ld.complete_in_start and not ld.is_async
-            for b in ld.blocks:
+        for job in step.loads:
+            hooks = self._config.layerwise and not job.complete_in_start and not job.is_async
+            for b in job.blocks:
                 gl = self._layouts[b.group]
-                tag = (ld.req_id, b.block_id)
+                tag = (job.job_id, b.block_id)
                 if b.location.size != gl.entry_bytes:
                     log.error("entry for block %d has %d bytes, layout expects %d: not loaded",
                               b.block_id, b.location.size, gl.entry_bytes)
-                    st.failed.add(tag)
+                    step.failed.add(tag)
                     continue
+                if b.location.checksum is not None:
+                    step.crc[tag] = 0
                 for i, layer in enumerate(gl.layers):
                     target = layered[layer.name] if hooks and b.group in self._hooked_groups else immediate
                     self._add_block_ops(target, b.location, gl, i, b.block_id, tag)
         ready = self._compute_ready()  # e.g. vLLM zeroing fresh blocks, queued before us
         for name, ops in layered.items():
-            st.load_futures[name] = self._copier.submit(self._move, ops, False, ready)
-        if immediate.by_shard:
-            st.failed |= self._move(immediate, False, ready)
+            step.load_futures[name] = (self._copier.submit(self._move, step, ops, False, ready), ops.all_tags())
+        if immediate.by_pool:
+            self._wait(self._copier.submit(self._move, step, immediate, False, ready), immediate.all_tags())
         self.stats.add(loaded_copy_bytes=immediate.nbytes + sum(ops.nbytes for ops in layered.values()))
-        if not st.load_futures:
+        if not step.load_futures:
             self._finish_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        fut = self._step.load_futures.pop(layer_name, None)
-        if fut is not None:
-            self._step.failed |= fut.result()
+        posted = self._step.load_futures.pop(layer_name, None)
+        if posted is not None:
+            self._wait(*posted)
             if not self._step.load_futures:
                 self._finish_loads()
 
     def save_kv_layer(self, layer_name: str) -> None:
-        st = self._step
-        if not st.saves or layer_name in st.saved_layers or layer_name not in self._layer_of:
+        step = self._step
+        if not step.saves or layer_name in step.saved_layers or layer_name not in self._layer_of:
             return
-        st.saved_layers.add(layer_name)
+        step.saved_layers.add(layer_name)
         ops = self._save_ops(layer_name)
-        if ops.by_shard:
-            st.save_futures.append(self._copier.submit(self._move, ops, True, self._compute_ready()))
+        if ops.by_pool:
+            step.save_futures.append((self._copier.submit(self._move, step, ops, True, self._compute_ready()),
+                                      ops.all_tags()))
             self.stats.add(saved_copy_bytes=ops.nbytes)
 
     def wait_for_save(self) -> None:
-        st = self._step
-        for layer_name in list(st.load_futures):  # loads whose hook never ran
+        step = self._step
+        for layer_name in list(step.load_futures):  # loads whose hook never ran
             self.wait_for_layer_load(layer_name)
-        if not st.saves:
+        if not step.saves:
             return
         for gl in self._layouts:  # layers no hook saved: mamba states, FULL-graph replays
             for layer in gl.layers:
                 self.save_kv_layer(layer.name)
-        failed: set[_Tag] = set()
-        for fut in st.save_futures:
-            failed |= fut.result()
-        res = self._reservation()
-        landed = [bool(locs) and ("", i) not in failed for i, locs in enumerate(res.locations)]
-        sums = [self._entry_checksum(s) if landed[i] else None for i, s in enumerate(st.saves)] \
-            if self._config.checksum else None
-        visible = self._client.commit(res, landed, sums)
-        self.stats.add(saved_blocks=sum(visible), save_failures=sum(1 for i, locs in enumerate(res.locations)
-                                                                  if locs and not landed[i]),
-                       saved_bytes=sum(res.locations[i][0].size for i, v in enumerate(visible) if v))
+        for future, tags in step.save_futures:
+            self._wait(future, tags)
+        for job in step.saves:
+            landed = [(job.job_id, i) not in step.failed for i in range(len(job.locations))]
+            sums = self._entry_checksum(job) if self._config.checksum and any(landed) else None
+            self._results.saves[job.job_id] = SaveResult(landed, sums, uncertain=step.uncertain)
+            self.stats.add(save_failures=sum(1 for ok in landed if not ok))
+        step.saves = []
+
+    def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
+        out, self._results = self._results, UcmRayWorkerMetadata()
+        return None if out.is_empty() else out
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         done, failed = self._finished_recving, self._failed_recving
@@ -183,9 +203,22 @@ class WorkerPart:
 
     def shutdown(self) -> None:
         self._copier.shutdown(wait=True)
-        self._client.close()
+        self._pools.close()
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _wait(self, future: Future, tags: set[_Tag]) -> None:
+        """Take a copy task's failures, within what is left of the step's deadline."""
+        step = self._step
+        try:
+            step.failed |= future.result(timeout=max(0.0, step.deadline - time.monotonic()))
+        except FutureTimeout:
+            if not future.cancel():  # running: it may still land later
+                step.uncertain = True
+            log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed",
+                      self._config.transfer_timeout_s)
+            self.stats.add(deadline_misses=1)
+            step.failed |= tags
 
     def _add_block_ops(self, ops: _LayerOps, loc: Location, gl: GroupLayout, layer_index: int,
                        block_id: int, tag: _Tag) -> None:
@@ -194,7 +227,7 @@ class WorkerPart:
             ops.add(loc, offset, seg, tag)
             offset += seg.numel()
 
-    def _entry_checksum(self, save: BlockSave) -> int:
+    def _entry_checksum(self, save: SaveJob) -> int:
         """CRC32 of an entry as its bytes lie in the pool: layers in order, segments in order."""
         value = 0
         for layer in self._layouts[save.group].layers:
@@ -202,22 +235,14 @@ class WorkerPart:
                 value = checksum(seg, value)
         return value
 
-    def _reservation(self) -> WriteReservation:
-        st = self._step
-        if st.reservation is None:
-            assert st.reserve is not None
-            st.reservation = st.reserve.result()
-        return st.reservation
-
     def _save_ops(self, layer_name: str) -> _LayerOps:
         group, index = self._layer_of[layer_name]
-        res = self._reservation()
         ops = _LayerOps()
-        for i, (save, locs) in enumerate(zip(self._step.saves, res.locations)):
-            if save.group != group:
+        for job in self._step.saves:
+            if job.group != group:
                 continue
-            for loc in locs:  # every replica
-                self._add_block_ops(ops, loc, self._layouts[group], index, save.block_id, ("", i))
+            for replica, loc in enumerate(job.locations):
+                self._add_block_ops(ops, loc, self._layouts[group], index, job.block_id, (job.job_id, replica))
         return ops
 
     def _compute_ready(self) -> "torch.cuda.Event | None":
@@ -230,52 +255,56 @@ class WorkerPart:
         event.record()
         return event
 
-    def _move(self, ops: _LayerOps, write: bool, ready: "torch.cuda.Event | None" = None) -> set[_Tag]:
-        """Run one batch per shard (all posted, then waited); returns the tags that failed."""
-        # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
-        device = torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
-        with torch.inference_mode(), device:
-            if ready is not None:
-                ready.synchronize()
-            return self._move_batches(ops, write)
+    def _move(self, step: _StepState, ops: _LayerOps, write: bool,
+              ready: "torch.cuda.Event | None" = None) -> set[_Tag]:
+        """Copy-thread task: run one batch per pool (all posted, then waited); returns the tags
+        that failed. Any exception fails the whole batch instead of reaching vLLM, and nothing
+        starts once the step's deadline passed (its loads were reported failed by then)."""
+        try:
+            # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
+            device = torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
+            with torch.inference_mode(), device:
+                if ready is not None:
+                    ready.synchronize()
+                if time.monotonic() >= step.deadline:
+                    return ops.all_tags()
+                return self._move_batches(step, ops, write)
+        except Exception:
+            log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
+            return ops.all_tags()
 
-    def _move_batches(self, ops: _LayerOps, write: bool) -> set[_Tag]:
-        failed_shards = self._client.transfer(ops.by_shard, write=write)
-        if self._config.checksum and not write:
-            crc = self._step.crc
-            for sid, batch in ops.by_shard.items():
-                if sid not in failed_shards:
-                    for op, tag in zip(batch, ops.tags[sid]):
-                        crc[tag] = checksum(op.local, crc.get(tag, 0))
-        return {tag for sid in failed_shards for tag in ops.tags[sid]}
+    def _move_batches(self, step: _StepState, ops: _LayerOps, write: bool) -> set[_Tag]:
+        failed_pools = self._pools.transfer(ops.by_pool, write=write,
+                                            timeout_s=max(0.0, step.deadline - time.monotonic()))
+        if not write and step.crc:
+            for pool, batch in ops.by_pool.items():
+                if pool not in failed_pools:
+                    for op, tag in zip(batch, ops.tags[pool]):
+                        if tag in step.crc:
+                            step.crc[tag] = checksum(op.local, step.crc[tag])
+        return {tag for pool in failed_pools for tag in ops.tags[pool]}
 
     def _finish_loads(self) -> None:
-        """All copies of the step are in: judge them, unpin, and report what vLLM must redo."""
-        st = self._step
-        if time.monotonic() - st.load_started > self._config.lease_s / 2:
-            log.warning("ucm-ray: loads took longer than half the read lease; treated as failed")
-            st.failed |= {(ld.req_id, b.block_id) for ld in st.loads for b in ld.blocks}
-        if self._config.checksum:
-            for ld in st.loads:
-                for b in ld.blocks:
-                    tag = (ld.req_id, b.block_id)
-                    if b.location.checksum is not None and tag not in st.failed \
-                            and st.crc.get(tag) != b.location.checksum:
-                        log.error("ucm-ray: checksum mismatch for block %d of %s (shard %s): recomputed",
-                                  b.block_id, ld.req_id, b.location.shard_id)
-                        self.stats.add(checksum_mismatches=1)
-                        st.failed.add(tag)
-        pins: dict[str, list[int]] = defaultdict(list)
-        for ld in st.loads:
-            for sid, ids in ld.leases.items():
-                pins[sid].extend(ids)
-        self._client.release_async(pins)  # one call per shard for the whole step
-        for ld in st.loads:
-            bad = [b.block_id for b in ld.blocks if (ld.req_id, b.block_id) in st.failed]
-            if ld.is_async:
-                (self._failed_recving if bad or ld.failed else self._finished_recving).add(ld.req_id)
+        """All copies of the step are in: verify checksums and report what vLLM must redo."""
+        step = self._step
+        for job in step.loads:
+            for b in job.blocks:
+                tag = (job.job_id, b.block_id)
+                if b.location.checksum is not None and tag not in step.failed \
+                        and step.crc.get(tag) != b.location.checksum:
+                    log.error("ucm-ray: checksum mismatch for block %d of %s (shard %s): recomputed",
+                              b.block_id, job.req_id, b.location.shard_id)
+                    self.stats.add(checksum_mismatches=1)
+                    step.failed.add(tag)
+                    self._results.corrupt.append(b.location)
+        for job in step.loads:
+            bad = [b.block_id for b in job.blocks if (job.job_id, b.block_id) in step.failed]
+            if job.is_async:
+                (self._failed_recving if bad or job.failed else self._finished_recving).add(job.req_id)
             else:
                 self._load_errors.update(bad)
-            self.stats.add(loaded_blocks=len(ld.blocks) - len(bad), load_failures=len(bad))
-        st.loads = []
-
+            self._results.loads_done.add(job.job_id)
+            if bad:
+                self._results.load_failures[job.job_id] = bad
+            self.stats.add(loaded_blocks=len(job.blocks) - len(bad), load_failures=len(bad))
+        step.loads = []

@@ -1,0 +1,276 @@
+"""Both connector halves in one process (vLLM's real Scheduler, our WorkerPart on fake KV, an
+in-process store): the seed's tables, byte-checked, and the faults the connector must survive.
+
+``Engine.wrong_blocks`` counts loaded blocks whose bytes differ from what computing them
+writes and that were NOT reported to vLLM as failed: the promise is that it stays 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(str(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def store():
+    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20)
+    yield local
+    local.shutdown()
+
+
+# Seed table 1: QwQ-32B-like, block 128, k = 3, layerwise (recompute 5), 8192 tokens cached.
+# (request B length, external hit tokens returned, tokens vLLM computes)
+DENSE_ROWS = [
+    (8192, 8187, 5),
+    (8193, 8188, 5),
+    (8196, 8191, 5),
+    (8197, 8192, 5),
+    (8200, 8192, 8),
+]
+
+
+def test_dense_seed_table(store, model_dir):
+    a = make_engine(store.client(), model_dir, num_spec=3)
+    assert a.connector.scheduler_part.recompute == 5
+    p = prompt(8200)
+    assert a.serve("A", p[:8192]) == (0, 8192)  # cold: everything computed, then saved
+    a.settle()
+    assert a.stats()["saved_blocks"] == 64
+    for n, ext, computed in DENSE_ROWS:
+        b = make_engine(store.client(), model_dir, num_spec=3)  # a fresh engine: no local prefix cache
+        got = b.serve(f"B{n}", p[:n])
+        assert got == (ext, computed), f"request of {n} tokens: got {got}, seed says {(ext, computed)}"
+        assert b.loaded_blocks[f"B{n}"] == 64 and b.wrong_blocks == 0 and b.failed_loads == 0
+    b = make_engine(store.client(), model_dir, num_spec=3)
+    assert b.serve("other", prompt(8192, seed=1)) == (0, 8192)  # different prompt: no hit
+
+
+def test_non_layerwise_recomputes_one_token(store, model_dir):
+    a = make_engine(store.client(), model_dir, layerwise=False)
+    p = prompt(1024)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir, layerwise=False)
+    assert b.connector.scheduler_part.recompute == 1
+    assert b.serve("B", p) == (1023, 1)
+    assert b.wrong_blocks == 0
+
+
+def test_local_hit_combined_with_external_hit(store, model_dir):
+    a = make_engine(store.client(), model_dir)
+    p = prompt(4096 + 300)
+    a.serve("A", p[:4096])
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    b.serve("warm", p[:1024 + 50])  # B's own prefix cache now holds 8 blocks (1024 tokens)
+    req = b.add("B", p)
+    b.run(req)
+    assert b.first["B"] == (4096, 300)
+    assert b.loaded_blocks["B"] == (4096 - 1024) // 128  # the first 8 blocks came from B's own cache
+    assert b.wrong_blocks == 0
+
+
+# Seed tables 2 and 3: hybrid, LCM block 2048, truncate before lookup, states only at chunk ends.
+# vLLM 0.32 itself ends a prefill chunk at the last cacheable boundary before the prompt's end
+# (an 8192-token prompt runs as 6144 + 2048), so the seed's single-chunk store state (only the
+# chunk-end state at 8192) is made by an 8193-token request A, whose first chunk is [0, 8192).
+# (A's length, A's max_num_batched_tokens, k, request B length, external tokens, tokens computed)
+HYBRID_ROWS = [
+    # table 2, with MTP (k = 3): states at 6144 and 8192
+    (8192, 8192, 3, 8192, 6144, 2048),
+    (8192, 8192, 3, 8193, 6144, 2049),
+    (8192, 8192, 3, 8196, 6144, 2052),
+    (8192, 8192, 3, 8197, 8192, 5),
+    (8192, 8192, 3, 8200, 8192, 8),
+    # table 3, without MTP (k = 0): only the chunk-end state at 8192
+    (8193, 8192, 0, 8192, 0, 8192),  # graceful degradation to 0
+    (8193, 8192, 0, 8194, 8192, 2),
+    (8193, 8192, 0, 8200, 8192, 8),
+    # max_num_batched_tokens == lcm: a state at every boundary, so truncation keeps 3 blocks
+    (8192, 2048, 0, 8192, 6144, 2048),
+]
+
+
+@pytest.mark.parametrize("a_len, a_chunk, k, n, ext, computed", HYBRID_ROWS)
+def test_hybrid_seed_tables(store, model_dir, a_len, a_chunk, k, n, ext, computed):
+    p = prompt(8200, seed=a_len + a_chunk + k)
+    a = make_engine(store.client(), model_dir, block_size=2048, hybrid=True, num_spec=k, max_batched=a_chunk)
+    assert a.connector.scheduler_part.recompute == 2 + k
+    a.serve("A", p[:a_len])
+    a.settle()
+    b = make_engine(store.client(), model_dir, block_size=2048, hybrid=True, num_spec=k, max_batched=8192)
+    got = b.serve("B", p[:n])
+    assert got == (ext, computed), f"A={a_len}/{a_chunk}, k={k}, B={n}: got {got}, seed says {(ext, computed)}"
+    assert b.wrong_blocks == 0 and b.failed_loads == 0
+
+
+def test_preempted_request_resumes_with_a_store_hit(store, model_dir):
+    """Out of KV blocks, vLLM preempts a request; when it comes back its prefix is loaded
+    from the store instead of recomputed."""
+    eng = make_engine(store.client(), model_dir, num_blocks=24)
+    x = eng.add("X", prompt(1280, seed=3), max_tokens=400)
+    y = eng.add("Y", prompt(1280, seed=4), max_tokens=400)
+    eng.run(x, y)
+    preempted = [r for r in (x, y) if r.num_preemptions > 0]
+    assert preempted, "the scenario must preempt a request"
+    for r in preempted:
+        assert min(eng.resumed_at[r.request_id]) >= 1280
+        assert eng.loaded_blocks.get(r.request_id, 0) > 0
+    assert eng.wrong_blocks == 0
+
+
+# --- faults -------------------------------------------------------------------------------
+
+
+def _corrupt_stored_blocks(store: LocalBlockStore, engine, tokens: list[int]) -> int:
+    """Flip the first byte of every stored block of ``tokens`` (a bad DIMM, a stray writer)."""
+    reader = store.client()
+    lease = reader.acquire(engine.block_keys(tokens)).result()
+    for loc in lease.locations:
+        if loc is not None:
+            store.pool_of(loc).tensor[loc.offset] ^= 0xFF
+    reader.release(lease.lease_ids).result()
+    return sum(loc is not None for loc in lease.locations)
+
+
+def test_the_harness_sees_wrong_bytes_when_nothing_catches_them(store, model_dir):
+    """The check can fail: corrupted entries without checksums are loaded and counted wrong."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    assert _corrupt_stored_blocks(store, a, p) == 16
+    b = make_engine(store.client(), model_dir)
+    b.serve("B", p)
+    assert b.wrong_blocks > 0
+
+
+def test_checksum_is_a_property_of_the_entry_and_a_mismatch_removes_it(store, model_dir):
+    """Writer in paranoid mode, reader not: the reader still verifies, recomputes, and the
+    corrupt entries are gone from the store afterwards."""
+    a = make_engine(store.client(), model_dir, extra={"checksum": True})
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    assert _corrupt_stored_blocks(store, a, p) == 16
+    b = make_engine(store.client(), model_dir, extra={"checksum": False})
+    b.serve("B", p)
+    b.settle()
+    assert b.wrong_blocks == 0
+    assert b.failed_loads == 16 and b.stats()["checksum_mismatches"] == 16
+    removed = sum(store.index(s).stats().removals for s in ("local_shard_0", "local_shard_1"))
+    assert removed == 16, "corrupt entries must be removed, not left to fail every reader"
+    # B recomputed the blocks and saved them again: the next reader gets good bytes.
+    c = make_engine(store.client(), model_dir)
+    assert c.serve("C", p) == (2046, 2)
+    assert c.wrong_blocks == 0 and c.failed_loads == 0
+
+
+def test_shard_restarted_while_an_engine_loads_from_it(store, model_dir):
+    """The shard dies (and comes back empty) after the lookup pinned its entries, before the
+    worker copies: its pool file is gone, the loads from it fail and are reported, vLLM
+    recomputes, and the engine saves the recomputed blocks into the new pool."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    restarted: list[str] = []
+
+    def restart_before_first_load(engine, meta):
+        if meta.loads.get(0) and not restarted:
+            restarted.append(store.restart("local_shard_0")[0])
+
+    b.before_worker = restart_before_first_load
+    b.serve("B", p + [3] * 300)
+    b.settle()
+    assert restarted and b.wrong_blocks == 0 and b.failed_loads > 0
+    c = make_engine(store.client(), model_dir)
+    # B saved the blocks it recomputed again (saves it had planned into the old pool are lost).
+    assert c.serve("C", p + [3] * 300)[0] >= 2048
+    assert c.wrong_blocks == 0 and c.failed_loads == 0
+
+
+def test_restarted_shard_never_serves_bytes_through_the_old_mapping(store, model_dir):
+    """Engine A's worker mapped shard 0's pool; the shard restarts and another engine fills the
+    new pool; A's loads from it must be the new pool's bytes (old code read the old mapping)."""
+    a = make_engine(store.client(), model_dir)
+    a.serve("A1", prompt(2048, seed=1))
+    a.settle()
+    store.restart("local_shard_0")
+    c = make_engine(store.client(), model_dir)
+    p2 = prompt(2048, seed=2)
+    c.serve("C", p2)
+    c.settle()
+    got = a.serve("A2", p2 + [9] * 40)
+    assert got[0] == 2048 and a.wrong_blocks == 0 and a.failed_loads == 0
+    assert store.index("local_shard_0").stats().entries > 0  # the restarted shard did serve
+
+
+def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+
+    def broken_transfer(by_pool, *, write, timeout_s):
+        raise ZeroDivisionError("a bug nobody listed")
+
+    b.worker.worker_part._pools.transfer = broken_transfer
+    assert b.serve("B", p)[0] == 2048 - 5 + 3  # hit claimed (2048 - recompute 2) ...
+    assert b.wrong_blocks == 0 and b.failed_loads == 16  # ... then every block failed and recomputed
+
+
+def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, model_dir):
+    cfg = UcmRayConfig(transfer_timeout_s=0.5)
+    a = make_engine(store.client(), model_dir, config=cfg)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir, config=cfg)
+
+    real_transfer = b.worker.worker_part._pools.transfer
+
+    def hung_transfer(by_pool, *, write, timeout_s):
+        if write:
+            return real_transfer(by_pool, write=write, timeout_s=timeout_s)
+        time.sleep(timeout_s)  # what a read from a pool that never answers does: time out
+        return set(by_pool)
+
+    b.worker.worker_part._pools.transfer = hung_transfer
+    started = time.monotonic()
+    b.serve("B", p)
+    took = time.monotonic() - started
+    assert b.wrong_blocks == 0 and b.failed_loads == 16
+    # Two layers each waiting the whole timeout would take >= 1.0 s in the loading step alone.
+    assert took < 0.9, f"the loading step took {took:.2f} s"
+
+
+def test_load_failure_policy_fail_is_refused_at_start_up(store, model_dir):
+    with pytest.raises(ValueError, match="kv_load_failure_policy='fail'.*recompute"):
+        make_engine(store.client(), model_dir, failure_policy="fail")
+
+
+def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(store, model_dir):
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    store.set_answering("local_shard_0", False)
+    b = make_engine(store.client(), model_dir)
+    ext, computed = b.serve("B", p)
+    assert ext < 2048 - 2 and b.wrong_blocks == 0  # shard 0's blocks are misses
+    store.set_answering("local_shard_0", True)
+    c = make_engine(store.client(), model_dir)
+    assert c.serve("C", p)[0] == 2046

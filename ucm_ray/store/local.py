@@ -1,0 +1,208 @@
+"""LocalBlockStore: the BlockStore rules in one process, without Ray.
+
+Shards here are plain objects: a real shared-memory pool file (so workers reach
+it through the same ``PoolConnections`` as a Ray shard's) and the same
+``BlockIndex``. Calls answer at once. It exists so that both halves of the
+connector can be driven together in a fast test (``ucm_ray.testing.harness``),
+and it can play the faults the Ray store must survive: a shard that stops
+answering, or one that restarts empty under a new incarnation.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ucm_ray.store.blockstore import (BlockStore, Done, Location, Pending, PoolKey, Pools, Publish,
+                                      ReadLease, Removal, SlotGrant)
+from ucm_ray.store.index import BlockIndex, random_id
+from ucm_ray.store.placement import owners
+from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.shm import SharedPool
+
+LOCAL_NODE = "local"
+"""The node id of every local pool: give it to the worker's ``PoolConnections``."""
+
+
+@dataclass
+class _LocalShard:
+    shard_id: str
+    incarnation: int
+    pool: SharedPool
+    index: BlockIndex
+    answering: bool = True
+
+    @property
+    def key(self) -> PoolKey:
+        return (self.shard_id, self.incarnation)
+
+    def descriptor(self) -> PoolDescriptor:
+        return PoolDescriptor(shard_id=self.shard_id, node_id=LOCAL_NODE, pool_bytes=self.pool.size,
+                              shm_path=self.pool.path, nixl_agent=None, nixl_metadata=None,
+                              pool_base_addr=self.pool.tensor.data_ptr(), incarnation=self.incarnation)
+
+
+class LocalBlockStore(BlockStore):
+    """``num_shards`` in-process shards of ``pool_bytes`` each, shared by every client made
+    with ``client()`` (each client has its own owner id, as separate engines do)."""
+
+    def __init__(self, num_shards: int = 2, pool_bytes: int = 64 << 20, *, replication: int = 1,
+                 lease_s: float = 60.0, reserve_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
+                 _shared: "LocalBlockStore | None" = None) -> None:
+        self.owner = random_id()
+        if _shared is not None:
+            self._world = _shared._world
+            return
+        self._world = _World(pool_bytes, replication, lease_s, reserve_timeout_s, shm_dir)
+        for i in range(num_shards):
+            self._world.start(f"local_shard_{i}")
+
+    def client(self) -> "LocalBlockStore":
+        """Another client of the same shards (another engine)."""
+        return LocalBlockStore(_shared=self)
+
+    # --- faults --------------------------------------------------------------------------
+
+    def restart(self, shard_id: str) -> PoolKey:
+        """The shard dies and starts again empty, under a new incarnation and a new pool."""
+        return self._world.start(shard_id)
+
+    def set_answering(self, shard_id: str, answering: bool) -> None:
+        """A shard that does not answer: every call to it is a miss, as a timed-out one is."""
+        self._world.shards[shard_id].answering = answering
+
+    def index(self, shard_id: str) -> BlockIndex:
+        return self._world.shards[shard_id].index
+
+    def pool_of(self, location: Location) -> SharedPool:
+        """The pool a location points into (to corrupt bytes on purpose)."""
+        shard = self._world.shards[location.shard_id]
+        assert shard.incarnation == location.incarnation
+        return shard.pool
+
+    # --- BlockStore ----------------------------------------------------------------------
+
+    def pools(self) -> Pools:
+        world = self._world
+        return Pools(world.version, {s.key: s.descriptor() for s in world.shards.values()}, world.replication)
+
+    def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
+        shards = sorted(self._world.shards.values(), key=lambda s: s.shard_id)
+        placed = owners(keys, [s.shard_id for s in shards], self._world.replication)
+        return [[shards[j].key for j in row] for row in placed.tolist()]
+
+    def acquire(self, keys: Sequence[bytes]) -> Pending[ReadLease]:
+        lease = ReadLease(locations=[None] * len(keys))
+        todo = list(range(len(keys)))
+        for rank in range(self._world.replication):
+            by_shard: dict[PoolKey, list[int]] = defaultdict(list)
+            placed = self.owners([keys[i] for i in todo]) if todo else []
+            for i, row in zip(todo, placed):
+                if rank < len(row):
+                    by_shard[row[rank]].append(i)
+            failed: list[int] = []
+            for pool, idx in by_shard.items():
+                shard = self._live(pool)
+                if shard is None:
+                    failed.extend(idx)
+                    continue
+                lease_id, slots = shard.index.acquire(self.owner, [keys[i] for i in idx])
+                if any(slot is not None for slot in slots):
+                    lease.lease_ids.setdefault(pool, []).append(lease_id)
+                for i, slot in zip(idx, slots):
+                    if slot is not None:
+                        lease.locations[i] = Location(pool[0], pool[1], slot.offset, slot.size, slot.checksum)
+            todo = failed
+        return Done(lease)
+
+    def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
+        lapsed = set()
+        for pool, ids in lease_ids.items():
+            shard = self._live(pool)
+            if shard is not None and not all(shard.index.release(self.owner, list(ids))):
+                lapsed.add(pool)
+        return Done(lapsed)
+
+    def reserve(self, pool: PoolKey, size: int, count: int) -> Pending[SlotGrant | None]:
+        shard = self._live(pool)
+        if shard is None:
+            return Done(None)
+        token, offsets = shard.index.reserve(self.owner, size, count)
+        return Done(SlotGrant(pool, token, size, offsets) if offsets else None)
+
+    def renew(self, grants: Mapping[PoolKey, Sequence[int]]) -> Pending[set[tuple[PoolKey, int]]]:
+        lapsed = set()
+        for pool, tokens in grants.items():
+            shard = self._live(pool)
+            held = shard.index.renew(self.owner, list(tokens)) if shard is not None else [False] * len(tokens)
+            lapsed |= {(pool, token) for token, ok in zip(tokens, held) if not ok}
+        return Done(lapsed)
+
+    def commit(self, publish: Sequence[Publish],
+               free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
+        by_grant: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
+        for i, item in enumerate(publish):
+            by_grant[(item.location.pool, item.token)].append(i)
+        visible = [False] * len(publish)
+        for grant in set(by_grant) | set(free):
+            shard = self._live(grant[0])
+            if shard is None:
+                continue
+            idx = by_grant.get(grant, [])
+            items = [(publish[i].key, publish[i].location.offset, publish[i].location.checksum) for i in idx]
+            for i, ok in zip(idx, shard.index.commit(self.owner, grant[1], items, list(free.get(grant, ())))):
+                visible[i] = ok
+        return Done(visible)
+
+    def remove(self, removals: Sequence[Removal]) -> Pending[int]:
+        removed = 0
+        for item in removals:
+            shard = self._live(item.location.pool)
+            if shard is not None:
+                removed += shard.index.remove([(item.key, item.location.offset)])
+        return Done(removed)
+
+    def close(self) -> None:
+        """Clients share the shards; ``shutdown`` frees them."""
+
+    def shutdown(self) -> None:
+        for shard in self._world.shards.values():
+            shard.pool.close()
+        self._world.shards.clear()
+
+    def _live(self, pool: PoolKey) -> _LocalShard | None:
+        """The shard a call is for, if it is that incarnation and answering (else: a miss)."""
+        shard = self._world.shards.get(pool[0])
+        if shard is None or shard.incarnation != pool[1] or not shard.answering:
+            return None
+        return shard
+
+
+@dataclass
+class _World:
+    """What every client of one LocalBlockStore shares."""
+
+    pool_bytes: int
+    replication: int
+    lease_s: float
+    reserve_timeout_s: float
+    shm_dir: str
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self.shards: dict[str, _LocalShard] = {}
+
+    def start(self, shard_id: str) -> PoolKey:
+        old = self.shards.pop(shard_id, None)
+        if old is not None:
+            old.pool.close()
+        path = os.path.join(self.shm_dir, f"ucmray-local-{shard_id}-{uuid.uuid4().hex[:8]}")
+        shard = _LocalShard(shard_id, random_id(), SharedPool(path, self.pool_bytes, create=True),
+                            BlockIndex(self.pool_bytes, lease_s=self.lease_s,
+                                       reserve_timeout_s=self.reserve_timeout_s))
+        self.shards[shard_id] = shard
+        self.version += 1
+        return shard.key

@@ -1,0 +1,205 @@
+"""SlotSupply: write slots reserved ahead of need, so a save is planned without a round trip.
+
+The scheduler decides in ``build_connector_meta`` which blocks a step fills,
+and the worker copies them layer by layer *during* that step. Asking the
+shards for slots at that point would put a network round trip either on the
+scheduler or inside the forward pass. Instead the scheduler asks ahead:
+when it looks a prompt up it also *expects* the saves of the prompt's first
+chunks (and, as chunks run, of the next one), and it keeps a small baseline
+of free slots per (pool, entry size) for decode-time blocks. Slots are bound
+to keys only at commit, once the worker reported the bytes landed. Free slots
+nobody used for a while go back to the shard, so an idle engine holds little.
+
+Grants are renewed while this engine holds any of their slots, so a slow step
+never loses its slots; a grant that lapses anyway (this engine stalled) is
+quarantined by the shard, never handed to another writer while we might copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, SlotGrant
+
+log = logging.getLogger(__name__)
+
+SlotClass = tuple[PoolKey, int]
+"""(pool, entry size): slots of one size on one pool are interchangeable."""
+
+
+@dataclass
+class _Grant:
+    """One reservation: its free slots here and how many are out in jobs."""
+
+    pool: PoolKey
+    size: int
+    token: int
+    renewed: float
+    free: deque[int] = field(default_factory=deque)
+    in_use: int = 0
+
+
+@dataclass
+class _Ask:
+    slot_class: SlotClass
+    count: int
+    answer: Pending[SlotGrant | None]
+
+
+class SlotSupply:
+    """Free slots per (pool, entry size): a baseline, plus what lookups said is coming."""
+
+    def __init__(self, store: BlockStore, baseline: Callable[[int, int], int], *, renew_after_s: float,
+                 idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """``baseline(size, num_pools)``: free slots of ``size`` always kept per pool."""
+        self._store = store
+        self._baseline = baseline
+        self._renew_after_s = renew_after_s
+        self._idle_s = idle_s
+        self._clock = clock
+        self._grants: dict[tuple[PoolKey, int], _Grant] = {}  # (pool, token)
+        self._free: dict[SlotClass, deque[_Grant]] = defaultdict(deque)
+        self._asks: list[_Ask] = []
+        self._last_take: dict[SlotClass, float] = {}
+        self._renewing: Pending[set[tuple[PoolKey, int]]] | None = None
+        self._returning: list[Pending[list[bool]]] = []
+        self._sizes: set[int] = set()
+        self.shortfalls = 0
+
+    def want(self, *sizes: int) -> None:
+        """Entry sizes to keep a baseline of."""
+        self._sizes.update(sizes)
+
+    def free_slots(self, slot_class: SlotClass) -> int:
+        return sum(len(g.free) for g in self._free[slot_class])
+
+    def expect(self, counts: Mapping[SlotClass, int]) -> list[Pending[SlotGrant | None]]:
+        """Saves that are coming (a prompt's next chunk): ask for that many more slots now (the
+        baseline stays for decode; what ends up unused goes back once idle). Returns the asks
+        posted, for a caller that may wait a moment."""
+        return [self._ask(slot_class, count) for slot_class, count in counts.items() if count > 0]
+
+    # --- per step ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Collect grants that arrived, keep baselines, renew what we hold, give back what
+        sat idle. Never blocks."""
+        live = set(self._store.pools().descriptors)
+        arrived = [ask for ask in self._asks if ask.answer.poll()]
+        self._asks = [ask for ask in self._asks if ask not in arrived]
+        for ask in arrived:
+            grant = ask.answer.result()
+            if grant is not None and grant.offsets and grant.pool in live:
+                self._add(grant)
+        for key in [k for k in self._grants if k[0] not in live]:
+            self._drop(self._grants[key])  # a dead shard or an old incarnation
+        now = self._clock()
+        for pool in live:
+            for size in self._sizes:
+                slot_class = (pool, size)
+                base = self._baseline(size, len(live))
+                have = self.free_slots(slot_class) + self._asked(slot_class)
+                if have < base:
+                    self._ask(slot_class, base - have)
+                elif have > base and now - self._last_take.get(slot_class, now) > self._idle_s:
+                    self._give_back(slot_class, self.free_slots(slot_class) - base)
+        self._renew(now)
+        self._returning = [answer for answer in self._returning if not answer.poll()]
+
+    def take(self, pool: PoolKey, size: int) -> tuple[int, int] | None:
+        """A free slot (token, offset) of ``size`` on ``pool``, or None (the save is skipped)."""
+        slot_class = (pool, size)
+        self._last_take[slot_class] = self._clock()
+        queue = self._free[slot_class]
+        while queue and not queue[0].free:
+            queue.popleft()
+        if not queue:
+            self.shortfalls += 1
+            return None
+        grant = queue[0]
+        grant.in_use += 1
+        return grant.token, grant.free.popleft()
+
+    def settled(self, pool: PoolKey, token: int, count: int = 1) -> None:
+        """``count`` slots of a grant were published or freed at the shard: no longer ours."""
+        grant = self._grants.get((pool, token))
+        if grant is not None:
+            grant.in_use -= count
+            self._forget_if_empty(grant)
+
+    def abandon(self, pool: PoolKey, token: int) -> None:
+        """A copy into one of this grant's slots may still land (it timed out): stop renewing the
+        grant and use none of its slots again, so the shard quarantines all of them on expiry."""
+        grant = self._grants.get((pool, token))
+        if grant is not None:
+            self._drop(grant)
+
+    def close(self) -> dict[tuple[PoolKey, int], list[int]]:
+        """Free slots to hand back at shutdown, per (pool, token)."""
+        out = {key: list(g.free) for key, g in self._grants.items() if g.free}
+        self._grants.clear()
+        self._free.clear()
+        return out
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _asked(self, slot_class: SlotClass) -> int:
+        return sum(ask.count for ask in self._asks if ask.slot_class == slot_class)
+
+    def _ask(self, slot_class: SlotClass, count: int) -> Pending[SlotGrant | None]:
+        answer = self._store.reserve(slot_class[0], slot_class[1], count)
+        self._asks.append(_Ask(slot_class, count, answer))
+        return answer
+
+    def _add(self, grant: SlotGrant) -> None:
+        entry = _Grant(grant.pool, grant.size, grant.token, self._clock(), deque(grant.offsets))
+        self._grants[(grant.pool, grant.token)] = entry
+        self._free[(grant.pool, grant.size)].append(entry)
+
+    def _drop(self, grant: _Grant) -> None:
+        self._grants.pop((grant.pool, grant.token), None)
+        grant.free.clear()
+
+    def _forget_if_empty(self, grant: _Grant) -> None:
+        if not grant.free and grant.in_use <= 0:
+            self._grants.pop((grant.pool, grant.token), None)
+
+    def _give_back(self, slot_class: SlotClass, count: int) -> None:
+        """Return ``count`` idle free slots to the shard (newest grants first)."""
+        back: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
+        for grant in reversed(self._free[slot_class]):
+            while grant.free and count > 0:
+                back[(grant.pool, grant.token)].append(grant.free.pop())
+                count -= 1
+            self._forget_if_empty(grant)
+        if back:
+            self._returning.append(self._store.commit([], dict(back)))
+
+    def _renew(self, now: float) -> None:
+        if self._renewing is not None:
+            if not self._renewing.poll():
+                return
+            for key in self._renewing.result():
+                grant = self._grants.get(key)
+                if grant is not None:
+                    log.warning("slot grant on shard %s lapsed; its slots are no longer used", key[0][0])
+                    self._drop(grant)
+            self._renewing = None
+        due: dict[PoolKey, list[int]] = defaultdict(list)
+        for grant in self._grants.values():
+            if now - grant.renewed >= self._renew_after_s:
+                grant.renewed = now
+                due[grant.pool].append(grant.token)
+        if due:
+            self._renewing = self._store.renew(due)
+
+
+def slots_per_pool(entries_per_step: int, replication: int, num_pools: int) -> int:
+    """Free slots of one size to keep on each pool for ``entries_per_step`` saves spread over
+    the pools (rendezvous hashing spreads keys evenly), with half again as margin."""
+    return max(1, math.ceil(1.5 * entries_per_step * replication / max(1, num_pools)))

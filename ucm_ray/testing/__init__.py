@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package: the two-halves harness, fault tools."""

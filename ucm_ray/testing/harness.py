@@ -1,0 +1,305 @@
+"""Both halves of the connector in one process, driven by vLLM's real Scheduler, without a model.
+
+The scheduler half runs inside vLLM's own ``Scheduler`` (hashing, allocation,
+chunking, preemption: all vLLM's). The worker half is our real ``WorkerPart``
+on KV-cache tensors shaped as vLLM's CPU backend shapes them, and a stand-in
+forward pass that writes, into each block a step computes, a value derived
+from the block's hash and the layer. A block that the connector *loaded*
+must therefore hold exactly what computing it would have written: the
+harness checks every loaded block, layer by layer, right before the
+"forward" touches that layer, and counts as ``wrong_blocks`` any that differ
+without having been reported to vLLM as a failed load. That is the promise
+("never a wrong byte") as a number a test can assert.
+
+The store is any ``BlockStore``: the in-process ``LocalBlockStore`` (fast,
+and it plays faults) or a Ray ``StoreClient``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                        MambaSpec)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.local import LOCAL_NODE
+from ucm_ray.vllm.connector import UcmRayConnector
+from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
+
+MAX_LEN = 16384
+PARTIAL = -1.0
+"""What the stand-in forward writes into a block it filled only partly."""
+
+_next_store: list[BlockStore] = []
+
+
+class HarnessConnector(UcmRayConnector):
+    """The real connector, handed the store the harness chose instead of joining Ray."""
+
+    def open_store(self, config: UcmRayConfig) -> BlockStore:
+        return _next_store.pop()
+
+    def node_id(self, config: UcmRayConfig) -> str:
+        return LOCAL_NODE
+
+
+def write_model_dir(path: str) -> str:
+    """The smallest model config vLLM's ModelConfig accepts (no weights: nothing runs it)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+                   "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": MAX_LEN,
+                   "rms_norm_eps": 1e-6, "torch_dtype": "float32"}, f)
+    return path
+
+
+def block_value(block_hash: bytes, layer: int) -> float:
+    """What computing a full block writes into ``layer`` (exact in float32)."""
+    return float(int.from_bytes(bytes(block_hash)[:2], "little") * 8 + layer % 8)
+
+
+@dataclass
+class Engine:
+    """One engine: vLLM's scheduler with our connector, and our worker part on fake KV."""
+
+    sched: Scheduler
+    worker: UcmRayConnector
+    kv: dict[str, torch.Tensor]
+    layer_groups: list[tuple[str, int, bool]]  # (layer name, group, attention?) in forward order
+    block_size: int
+    hasher: object
+    steps: int = 0
+    deferred: dict[str, int] = field(default_factory=dict)  # steps a request waited on its lookup
+    first: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (computed, scheduled)
+    loaded_blocks: dict[str, int] = field(default_factory=dict)  # req -> blocks the plan loads
+    prefill_computed: dict[str, int] = field(default_factory=dict)  # req -> prompt tokens computed
+    resumed_at: dict[str, list[int]] = field(default_factory=dict)  # req -> computed tokens at each resume
+    wrong_blocks: int = 0
+    """Loaded blocks whose bytes differed from what computing them writes, NOT reported as failed."""
+    failed_loads: int = 0
+    """Loaded blocks (or async loads) reported to vLLM as failed: it recomputes them."""
+    before_worker: Callable[["Engine", UcmRayConnectorMetadata], None] | None = None
+    """A fault to play between the scheduler's plan (pins taken, slots granted) and the
+    worker's copies."""
+
+    @property
+    def connector(self) -> UcmRayConnector:
+        return self.sched.connector
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
+        req = Request(request_id=req_id, prompt_token_ids=tokens, pooling_params=None,
+                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                      block_hasher=self.hasher)
+        self.sched.add_request(req)
+        return req
+
+    def step(self) -> None:
+        self.steps += 1
+        out = self.sched.schedule()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, UcmRayConnectorMetadata)
+        self._count(out)
+        loads = meta.loads.get(0, [])
+        for job in loads:
+            self.loaded_blocks[job.req_id] = self.loaded_blocks.get(job.req_id, 0) + len(job.blocks)
+        if self.before_worker is not None:
+            self.before_worker(self, meta)
+        worker = self.worker
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        mismatched: dict[str, set[int]] = {}
+        for index, (name, group, attention) in enumerate(self.layer_groups):
+            if attention:
+                worker.wait_for_layer_load(name)
+            self._check_loaded(loads, name, group, index, mismatched)
+            self._compute(out, name, group, index, attention)
+            if attention:
+                worker.save_kv_layer(name, self.kv[name], None)
+        worker.wait_for_save()
+        errors = worker.get_block_ids_with_load_errors()
+        results = worker.get_transfer_results(out.finished_req_ids)
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        for req_id, blocks in mismatched.items():
+            if req_id not in results.failed_recving:
+                self.wrong_blocks += len(blocks - errors)
+        self.failed_loads += len(errors) + len(results.failed_recving)
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = self.sched.requests[rid]
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        self.sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=results.finished_recving or None, failed_recving=results.failed_recving,
+                invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)))
+
+    def run(self, *reqs: Request, timeout_s: float = 120.0) -> None:
+        """Step until the requests finish. Bounded by time, not steps: while a lookup is in
+        flight a step schedules nothing and returns at once, however slow a busy host is."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.is_finished() for r in reqs):
+            assert time.monotonic() < deadline, "requests did not finish"
+            self.step()
+
+    def serve(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> tuple[int, int]:
+        """Run one request to completion; returns (prompt tokens vLLM got without computing them
+        when it first scheduled the request, prompt tokens it computed in all)."""
+        self.run(self.add(req_id, tokens, max_tokens))
+        return self.first[req_id][0], self.prefill_computed[req_id]
+
+    def settle(self) -> None:
+        """Step once more with nothing to run, so the last step's results reach the scheduler
+        half and its commits are answered (vLLM's engine loop does this on its own)."""
+        self.step()
+
+    def block_keys(self, tokens: list[int]) -> list[bytes]:
+        """The store keys of the full blocks of ``tokens`` (rank 0, first attention group)."""
+        from ucm_ray.keys import block_key
+
+        probe = Request(request_id="probe", prompt_token_ids=tokens, pooling_params=None,
+                        sampling_params=SamplingParams(max_tokens=1), block_hasher=self.hasher)
+        namespace = self.connector.scheduler_part.namespaces[0]
+        return [block_key(namespace, h, 0) for h in probe.block_hashes]
+
+    def stats(self) -> dict[str, int]:
+        """Both halves' counters since start-up."""
+        return {**self.connector.scheduler_part.stats.totals, **self.worker.worker_part.stats.totals}
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+    # --- the stand-in forward pass --------------------------------------------------------
+
+    def _count(self, out) -> None:
+        for r in self.sched.waiting:
+            if r.request_id not in self.first:
+                self.deferred[r.request_id] = self.deferred.get(r.request_id, 0) + 1
+        for new in out.scheduled_new_reqs:
+            self.first.setdefault(new.req_id, (new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
+        cached = out.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if rid in cached.resumed_req_ids:
+                self.resumed_at.setdefault(rid, []).append(computed)
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            before = req.num_computed_tokens - n  # the scheduler already advanced it
+            if before < req.num_prompt_tokens:
+                self.prefill_computed[rid] = self.prefill_computed.get(rid, 0) + min(n, req.num_prompt_tokens - before)
+
+    def _compute(self, out, name: str, group: int, layer: int, attention: bool) -> None:
+        """Write what a forward pass over this step's tokens would leave in ``name``."""
+        bs, tensor = self.block_size, self.kv[name]
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens
+            start = end - n
+            table = self.sched.kv_cache_manager.get_block_ids(rid)[group]
+            hashes = req.block_hashes
+            if attention:
+                for i in range(start // bs, -(-end // bs)):
+                    full = (i + 1) * bs <= end and i < len(hashes)
+                    tensor[table[i]].fill_(block_value(hashes[i], layer) if full else PARTIAL)
+            else:  # the running state of [0, end) lives in block ceil(end / bs) - 1
+                i = -(-end // bs) - 1
+                if table[i] != 0:
+                    exact = end % bs == 0 and i < len(hashes)
+                    tensor[table[i]].fill_(block_value(hashes[i], layer) if exact else PARTIAL)
+
+    def _check_loaded(self, loads: list[LoadJob], name: str, group: int, layer: int,
+                      mismatched: dict[str, set[int]]) -> None:
+        for job in loads:
+            req = self.sched.requests.get(job.req_id)
+            if req is None:
+                continue
+            table = self.sched.kv_cache_manager.get_block_ids(job.req_id)[group]
+            for b in job.blocks:
+                if b.group != group:
+                    continue
+                expected = block_value(req.block_hashes[table.index(b.block_id)], layer)
+                if not bool(torch.all(self.kv[name][b.block_id] == expected)):
+                    mismatched.setdefault(job.req_id, set()).add(b.block_id)
+
+
+def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num_spec: int = 0,
+                hybrid: bool = False, max_batched: int = 8192, num_blocks: int = 96,
+                layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
+                extra: dict | None = None, failure_policy: str = "recompute") -> Engine:
+    """An engine whose connector uses ``store`` (give each engine its own client of it)."""
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
+    spec = None
+    if num_spec:
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec, prompt_lookup_max=3,
+                                 prompt_lookup_min=1, target_model_config=model,
+                                 target_parallel_config=ParallelConfig())
+    extra = {**(config or UcmRayConfig()).to_dict(), "layerwise": layerwise, **(extra or {})}
+    vcfg = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
+                                 mamba_cache_mode="align" if hybrid else "none",
+                                 prefix_caching_hash_algo=hash_algo),
+        scheduler_config=SchedulerConfig(max_model_len=MAX_LEN, is_encoder_decoder=False,
+                                         max_num_batched_tokens=max_batched, max_num_seqs=8,
+                                         enable_chunked_prefill=True),
+        device_config=DeviceConfig("cpu"), speculative_config=spec,
+        kv_transfer_config=KVTransferConfig(kv_connector="HarnessConnector",
+                                            kv_connector_module_path="ucm_ray.testing.harness",
+                                            kv_role="kv_both", kv_load_failure_policy=failure_policy,
+                                            kv_connector_extra_config=extra))
+    vcfg.cache_config.num_gpu_blocks = num_blocks
+    # Small heads keep the fake KV cheap; the scheduler never checks them against the model.
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    groups = [KVCacheGroupSpec(layers, attn)]
+    if hybrid:
+        mamba = MambaSpec(block_size=block_size, shapes=((3, 512), (8, 64, 16)),
+                          dtypes=(torch.float32, torch.float32), mamba_cache_mode="align",
+                          page_size_padded=attn.page_size_bytes)
+        groups.append(KVCacheGroupSpec(["model.layers.2.mixer"], mamba))
+    page = attn.page_size_bytes
+    tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
+               for g in groups for n in g.layer_names]
+    kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    kcfg.hash_block_size = block_size
+    kcfg.cache_hit_alignment_tokens = block_size
+    _next_store.append(store)
+    try:
+        sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg,
+                          structured_output_manager=StructuredOutputManager(vcfg),
+                          block_size=block_size, hash_block_size=block_size, log_stats=True)
+    finally:
+        _next_store.clear()
+    worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    kv = {n: torch.zeros(num_blocks, 1, block_size, 2 * 16, dtype=torch.float32) for n in layers}
+    layer_groups = [(n, 0, True) for n in layers]
+    if hybrid:
+        kv["model.layers.2.mixer"] = torch.zeros(num_blocks, page // 4, dtype=torch.float32)
+        layer_groups.append(("model.layers.2.mixer", 1, False))
+    worker.register_kv_caches(kv)
+    init_none_hash(sha256)
+    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256))
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 4000, (n,), generator=g).tolist()
