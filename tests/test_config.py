@@ -12,9 +12,15 @@ def test_defaults_are_valid():
 
 def test_from_dict_coerces_strings_and_sizes():
     cfg = UcmRayConfig.from_dict({"num_shards": "4", "pool_bytes": "2GiB", "layerwise": "false",
-                                  "replication": 2, "lease_s": "1.5"})
+                                  "replication": 2, "lease_s": "1.5",
+                                  "transfer_timeout_s": "0.75"})
     assert cfg.num_shards == 4 and cfg.pool_bytes == 2 << 30 and cfg.layerwise is False
     assert cfg.replication == 2 and cfg.lease_s == 1.5
+
+
+def test_a_lease_shorter_than_two_step_deadlines_is_refused():
+    with pytest.raises(ConfigError, match=r"lease_s: 15 is not allowed; expected at least 2 x transfer_timeout_s \(20\)"):
+        UcmRayConfig(lease_s=15, transfer_timeout_s=10)
 
 
 @pytest.mark.parametrize("data, names", [

@@ -253,6 +253,7 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
     b.serve("B", p)
     took = time.monotonic() - started
     assert b.wrong_blocks == 0 and b.failed_loads == 16
+    assert store.suspected, "a pool whose transfers fail is reported to the store as suspect"
     # Two layers each waiting the whole timeout would take >= 1.0 s in the loading step alone.
     assert took < 0.9, f"the loading step took {took:.2f} s"
 

@@ -60,7 +60,10 @@ class UcmRayConfig:
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
     lookup_timeout_s: float = 5.0
-    transfer_timeout_s: float = 30.0
+    """A shard slower than this to answer a control call is a miss (and suspect for a while)."""
+    transfer_timeout_s: float = 10.0
+    """Deadline of one step's copies: the most a hung pool can stall a forward pass; what has
+    not landed by then is a failed load (vLLM recomputes) or a save that never shows."""
     lease_s: float = 60.0
     """How long a read pin protects an entry from eviction if its reader vanishes."""
     reserve_timeout_s: float = 60.0
@@ -85,6 +88,10 @@ class UcmRayConfig:
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
         for key in ("lookup_timeout_s", "transfer_timeout_s", "lease_s", "reserve_timeout_s"):
             need(getattr(self, key) > 0, key, "a number of seconds > 0")
+        # A pin must outlive the copies it protects: lookups older than lease_s / 2 are redone
+        # before their loads are dispatched, and a step's copies end by transfer_timeout_s.
+        need(self.lease_s >= 2 * self.transfer_timeout_s, "lease_s",
+             f"at least 2 x transfer_timeout_s ({2 * self.transfer_timeout_s:g})")
         need(self.shard_cpus >= 0, "shard_cpus", "a number >= 0")
 
     # --- loading -------------------------------------------------------------------------

@@ -161,4 +161,8 @@ class BlockStore(ABC):
         is freed when the last pin goes."""
 
     @abstractmethod
+    def suspect(self, pool: PoolKey) -> None:
+        """A worker's copies with ``pool`` failed: back off from it until a probe answers."""
+
+    @abstractmethod
     def close(self) -> None: ...

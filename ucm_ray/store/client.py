@@ -374,6 +374,9 @@ class StoreClient(BlockStore):
                  for p, its in items.items() if p in self._records]
         return _Fanout(self, calls, lambda answers: sum(a or 0 for a in answers))
 
+    def suspect(self, pool: PoolKey) -> None:
+        self._failed(pool, "a worker's transfer failed")
+
     def close(self) -> None:
         self.connections.close()
 

@@ -165,6 +165,15 @@ class LocalBlockStore(BlockStore):
                 removed += shard.index.remove([(item.key, item.location.offset)])
         return Done(removed)
 
+    def suspect(self, pool: PoolKey) -> None:
+        """Recorded only (``suspected``): an in-process shard has no backoff to enter."""
+        self._world.suspected.add(pool)
+
+    @property
+    def suspected(self) -> set[PoolKey]:
+        """Pools any client was told to suspect."""
+        return self._world.suspected
+
     def close(self) -> None:
         """Clients share the shards; ``shutdown`` frees them."""
 
@@ -194,6 +203,7 @@ class _World:
 
     def __post_init__(self) -> None:
         self.shards: dict[str, _LocalShard] = {}
+        self.suspected: set[PoolKey] = set()
 
     def start(self, shard_id: str) -> PoolKey:
         old = self.shards.pop(shard_id, None)

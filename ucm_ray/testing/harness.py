@@ -167,10 +167,15 @@ class Engine:
         self.run(self.add(req_id, tokens, max_tokens))
         return self.first[req_id][0], self.prefill_computed[req_id]
 
-    def settle(self) -> None:
-        """Step once more with nothing to run, so the last step's results reach the scheduler
-        half and its commits are answered (vLLM's engine loop does this on its own)."""
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Step with nothing to run until every commit, release and removal was answered, so
+        another engine sees this one's saves (vLLM's engine loop keeps stepping on its own)."""
+        deadline = time.monotonic() + timeout_s
         self.step()
+        while not self.connector.scheduler_part.settled():
+            assert time.monotonic() < deadline, "the store did not answer"
+            time.sleep(0.001)
+            self.step()
 
     def block_keys(self, tokens: list[int]) -> list[bytes]:
         """The store keys of the full blocks of ``tokens`` (rank 0, first attention group)."""

@@ -90,13 +90,16 @@ class UcmRayWorkerMetadata(KVConnectorWorkerMetadata):
     scheduler saves them again (the store evidently lost them)."""
     corrupt: list[Location] = field(default_factory=list)
     """Loaded entries whose bytes did not match their checksum: the scheduler removes them."""
+    failed_pools: set[PoolKey] = field(default_factory=set)
+    """Pools a copy failed with: the scheduler's store backs off from them."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "UcmRayWorkerMetadata":
         assert isinstance(other, UcmRayWorkerMetadata)
         return UcmRayWorkerMetadata(saves={**self.saves, **other.saves},
                                     loads_done=self.loads_done | other.loads_done,
                                     load_failures={**self.load_failures, **other.load_failures},
-                                    corrupt=self.corrupt + other.corrupt)
+                                    corrupt=self.corrupt + other.corrupt,
+                                    failed_pools=self.failed_pools | other.failed_pools)
 
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads_done or self.corrupt)
+        return not (self.saves or self.loads_done or self.corrupt or self.failed_pools)

@@ -50,6 +50,9 @@ NULL_BLOCK_ID = 0
 """vLLM's placeholder block (never holds data): loading into it would corrupt shared state."""
 
 LOOKUP_GRACE_S = 0.002
+SLOT_WAIT_S = 0.05
+"""How long a request may wait for the slots of its first chunks' saves, posted together with its
+lookup (they land in the same round trip): longer, and the request runs without saving them."""
 """How long a lookup may take before the scheduler is told to ask again: most land within
 one actor round trip, and answering on the first call saves the request a scheduler step."""
 
@@ -82,6 +85,15 @@ class _Lookup:
     state_keys: list[list[list[bytes]]]  # [rank][state group][lcm boundary - 1]
     leases: list[ReadLease] | None = None
     started: float = field(default_factory=time.monotonic)
+    slot_asks: list[Pending[Any]] = field(default_factory=list)
+    """Slots asked for the first chunks' saves, posted with the lookup."""
+
+    def ready(self) -> bool:
+        """The pins are in, and so are the first chunks' slots (or they are too slow to wait for:
+        then those saves are skipped rather than the request delayed)."""
+        if not all(f.poll() for f in self.futures):
+            return False
+        return all(ask.poll() for ask in self.slot_asks) or time.monotonic() - self.started > SLOT_WAIT_S
 
 
 @dataclass
@@ -217,15 +229,13 @@ class SchedulerPart:
             t.lookup = self._post_lookup(request)
             if t.lookup is None:
                 return 0, False
-            slot_asks = self._expect_saves(t, 2 * self._chunk)
+            t.lookup.slot_asks = self._expect_saves(t, 2 * self._chunk)
             deadline = time.monotonic() + LOOKUP_GRACE_S
-            while not all(f.poll() for f in t.lookup.futures):
+            while not t.lookup.ready():
                 if time.monotonic() > deadline:
                     self.stats.add(lookups_deferred=1)
                     return None, False
-            while not all(ask.poll() for ask in slot_asks) and time.monotonic() < deadline:
-                pass  # the rest of the grace for the first chunk's slots; never a deferral
-        elif not all(f.poll() for f in t.lookup.futures):
+        elif not t.lookup.ready():
             return None, False
         if t.lookup.leases is None:
             t.lookup.leases = [f.result() for f in t.lookup.futures]
@@ -443,6 +453,8 @@ class SchedulerPart:
         results = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(results, UcmRayWorkerMetadata):
             return
+        for pool in results.failed_pools:
+            self._store.suspect(pool)
         publish: list[Publish] = []
         free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
         for job_id, result in results.saves.items():
@@ -502,17 +514,23 @@ class SchedulerPart:
             result = answer.result()
             if kind == "commit":
                 self.stats.add(saved_blocks=sum(1 for visible in result if visible))
-            elif kind == "release" and result:
+            elif kind == "release" and result & set(self._store.pools().descriptors):
                 # Cannot happen while lease_s > 2 x transfer_timeout_s (checked in the config):
-                # the copies were bounded by the step deadline, well inside the lease.
-                log.error("ucm-ray: read pins on %s had lapsed before their release", sorted(result))
-                self.stats.add(lapsed_leases=len(result))
+                # the copies were bounded by the step deadline, well inside the lease. (A pool
+                # that is gone took its pins with it: nothing lapsed there.)
+                lapsed = result & set(self._store.pools().descriptors)
+                log.error("ucm-ray: read pins on %s had lapsed before their release", sorted(lapsed))
+                self.stats.add(lapsed_leases=len(lapsed))
         self._answers = still
         overdue = time.monotonic() - self._config.reserve_timeout_s / 2
         for job_id in [j for j, job in self._saves.items() if job.dispatched < overdue]:
             job = self._saves.pop(job_id)  # its worker never reported: a copy may still land
             for loc, token in zip(job.locations, job.tokens):
                 self._slots.abandon(loc.pool, token)
+
+    def settled(self) -> bool:
+        """No job waits for a worker's result and no control call for the store's answer."""
+        return not (self._loads or self._saves or self._answers)
 
     # --- endings -------------------------------------------------------------------------
 

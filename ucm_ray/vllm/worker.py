@@ -276,6 +276,7 @@ class WorkerPart:
     def _move_batches(self, step: _StepState, ops: _LayerOps, write: bool) -> set[_Tag]:
         failed_pools = self._pools.transfer(ops.by_pool, write=write,
                                             timeout_s=max(0.0, step.deadline - time.monotonic()))
+        self._results.failed_pools |= failed_pools
         if not write and step.crc:
             for pool, batch in ops.by_pool.items():
                 if pool not in failed_pools:
