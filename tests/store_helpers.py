@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import time
 
 import ray
 import torch
+
+from ucm_ray.store.directory import DIRECTORY_NAME
+from ucm_ray.store.fleet import shard_name, start_fleet
 
 SIZES = (4096, 12288, 65536, 1000, 131072, 777)
 
@@ -61,3 +67,18 @@ class ClientProcess:
 
     def transports(self) -> list[str]:
         return sorted({self.client.transport_kind(s) for s in self.client.membership.shard_ids})
+
+
+def shard_pid(cfg, i: int) -> int:
+    return ray.get(ray.get_actor(shard_name(i), namespace=cfg.ray_namespace).stats.remote(), timeout=30)["pid"]
+
+
+def restart_shard(cfg, i: int) -> None:
+    """kill -9 shard ``i``, wait until the directory saw it die, start the fleet again."""
+    os.kill(shard_pid(cfg, i), signal.SIGKILL)
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=cfg.ray_namespace)
+    deadline = time.monotonic() + 30
+    while shard_name(i) in ray.get(directory.membership.remote(), timeout=10).shard_ids:
+        assert time.monotonic() < deadline, "the directory never noticed the kill"
+        time.sleep(0.1)
+    start_fleet(cfg)

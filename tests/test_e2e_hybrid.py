@@ -120,7 +120,7 @@ def engine_a(shared, lfm2, prompts, ref):
         out, delta = _serve(a, prompts[name], n)
         assert _same(out, ref[name]), name
         assert delta["worker"].get("save_failures", 0) == 0
-        saved[name] = delta["worker"]["saved_blocks"]
+        saved[name] = delta["scheduler"]["saved_blocks"]
     ray.kill(a)
     return saved
 

@@ -10,6 +10,7 @@ from ucm_ray import policy
 from ucm_ray.store.client import StoreClient
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 from tests.e2e_helpers import EngineProcess, kv_transfer
+from tests.store_helpers import restart_shard
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128
@@ -37,7 +38,7 @@ def connector(cfg, **kw):
 
 @pytest.fixture(scope="module")
 def prompts(tiny):
-    return {seed: synthetic_prompt(tiny, 2600, seed=seed) for seed in (1, 2, 3)}
+    return {seed: synthetic_prompt(tiny, 2600, seed=seed) for seed in (1, 2, 3, 6, 7)}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, pro
     recompute = policy.recompute_tokens(layerwise)
     a = EngineProcess.remote(tiny, connector(shared, layerwise=layerwise))
     assert ray.get(a.generate.remote(p[:2560]))["tokens"] == baseline[(seed, "P")]
-    assert ray.get(a.connector_totals.remote())["worker"]["saved_blocks"] == 20
+    assert ray.get(a.connector_totals.remote())["scheduler"]["saved_blocks"] == 20
     ray.kill(a)
 
     b = EngineProcess.remote(tiny, connector(shared, layerwise=layerwise))
@@ -142,8 +143,10 @@ def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, 
 
 
 def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
-    """Paranoid mode: bytes flipped in a shard's pool (real corruption, in the /dev/shm file)
-    are caught by the checksum on load; vLLM recomputes those blocks and the output is right."""
+    """Paranoid mode on the writer: bytes flipped in a shard's pool (real corruption, in the
+    /dev/shm file) are caught by the checksum on load, by a reader that did not ask for
+    checksums (they are a property of the entry); vLLM recomputes those blocks, the output is
+    right, the corrupt entries are removed and the recomputed blocks saved again."""
     p = synthetic_prompt(tiny, 2600, seed=5)
     a = EngineProcess.remote(tiny, connector(shared, checksum=True))
     ray.get(a.generate.remote(p[:2560]))
@@ -152,7 +155,7 @@ def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
     ray.kill(a)
 
     client = StoreClient(shared)
-    lease = client.acquire([keys[5], keys[12]])
+    lease = client.acquire([keys[5], keys[12]]).result()
     pools = {s.shard_id: s.pool.shm_path for s in client.membership.shards}
     for loc in lease.locations:
         with open(pools[loc.shard_id], "r+b") as f:
@@ -160,12 +163,42 @@ def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
             good = f.read(64)
             f.seek(loc.offset + 4096)
             f.write(bytes(b ^ 0xFF for b in good))
-    client.release(lease)
-    client.close()
+    client.release(lease.lease_ids).result()
 
-    b = EngineProcess.remote(tiny, connector(shared, checksum=True))
+    b = EngineProcess.remote(tiny, connector(shared, checksum=False))
     out = ray.get(b.generate.remote(p))
     worker = ray.get(b.connector_totals.remote())["worker"]
     assert worker["checksum_mismatches"] == 2 and worker["load_failures"] >= 2
     assert out["tokens"] == expected
     ray.kill(b)
+    assert client.lookup(keys) == [True] * 20  # removed, then saved again by B
+    client.close()
+    c = EngineProcess.remote(tiny, connector(shared))
+    out = ray.get(c.generate.remote(p))
+    totals = ray.get(c.connector_totals.remote())
+    assert out["tokens"] == expected and totals["worker"].get("load_failures", 0) == 0
+    assert totals["scheduler"]["hit_tokens"] == 2560
+    ray.kill(c)
+
+
+def test_shard_restarted_under_the_same_name_never_changes_an_output(ray_cluster, tiny, prompts, baseline):
+    """Engine A mapped both pools; shard 0 is kill -9'ed and started again (``ucm-ray up``
+    again); engine C fills the new pool. A's loads from it must be the new pool's bytes: the
+    old code read them through A's mapping of the dead pool and changed A's output."""
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.fleet import running_fleet
+
+    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_restart")) as cfg:
+        a = EngineProcess.remote(tiny, connector(cfg))
+        ray.get(a.generate.remote(prompts[6][:2560]))  # A's worker maps both pools now
+        restart_shard(cfg, 0)
+        c = EngineProcess.remote(tiny, connector(cfg))
+        ray.get(c.generate.remote(prompts[7][:2560]))  # saved into the new shard 0 and shard 1
+        ray.kill(c)
+        out = ray.get(a.generate.remote(prompts[7], 8, True))
+        totals = ray.get(a.connector_totals.remote())
+        assert totals["scheduler"]["hit_tokens"] == 2560  # all of it from the store
+        assert out["tokens"] == baseline[(7, "P+s")]
+        drift = max(abs(x - y) for x, y in zip(out["logprobs"], baseline[(7, "P+s", "logprobs")]))
+        assert drift < 1e-4, f"logprobs drift {drift}"
+        ray.kill(a)

@@ -13,26 +13,11 @@ import pytest
 import ray
 import torch
 
-from tests.store_helpers import arena, block, key, read_back
+from tests.store_helpers import restart_shard, shard_pid, arena, block, key, read_back
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.directory import DIRECTORY_NAME
 from ucm_ray.store.fleet import fleet_status, shard_name, start_fleet
 from ucm_ray.store.shard import WrongIncarnation
-
-
-def shard_pid(cfg, i: int) -> int:
-    return ray.get(ray.get_actor(shard_name(i), namespace=cfg.ray_namespace).stats.remote(), timeout=30)["pid"]
-
-
-def restart_shard(cfg, i: int) -> None:
-    """kill -9 shard ``i``, wait until the directory saw it die, start the fleet again."""
-    os.kill(shard_pid(cfg, i), signal.SIGKILL)
-    directory = ray.get_actor(DIRECTORY_NAME, namespace=cfg.ray_namespace)
-    deadline = time.monotonic() + 30
-    while shard_name(i) in ray.get(directory.membership.remote(), timeout=10).shard_ids:
-        assert time.monotonic() < deadline, "the directory never noticed the kill"
-        time.sleep(0.1)
-    start_fleet(cfg)
 
 
 def test_restarted_shard_never_serves_wrong_bytes(fleet):
