@@ -24,8 +24,12 @@ $(STAMP): requirements/cpu.txt pyproject.toml Makefile
 demo: venv
 	$(PY) -m ucm_ray.cli demo
 
-test: venv
+test: venv lint
 	$(PY) -m pytest tests
+
+lint: venv
+	$(PY) -m ruff check ucm_ray tests benchmarks
+	$(PY) -m mypy ucm_ray
 
 bench: venv
 	$(PY) benchmarks/data_plane.py

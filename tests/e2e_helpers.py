@@ -6,7 +6,10 @@ import os
 
 import ray
 
-from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config as kv_transfer  # noqa: F401
+from ucm_ray.demo import ENGINE_ENV, Engine
+from ucm_ray.demo import kv_transfer_config as kv_transfer
+
+__all__ = ["ENGINE_ENV", "EngineProcess", "kv_transfer"]
 
 
 class _ProbedEngine(Engine):

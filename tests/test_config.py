@@ -19,7 +19,8 @@ def test_from_dict_coerces_strings_and_sizes():
 
 
 def test_a_lease_shorter_than_two_step_deadlines_is_refused():
-    with pytest.raises(ConfigError, match=r"lease_s: 15 is not allowed; expected at least 2 x transfer_timeout_s \(20\)"):
+    with pytest.raises(ConfigError,
+                       match=r"lease_s: 15 is not allowed; expected at least 2 x transfer_timeout_s \(20\)"):
         UcmRayConfig(lease_s=15, transfer_timeout_s=10)
 
 

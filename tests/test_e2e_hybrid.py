@@ -23,9 +23,9 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.e2e_helpers import EngineProcess, kv_transfer
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_hybrid_model, synthetic_prompt
-from tests.e2e_helpers import EngineProcess, kv_transfer
 
 pytestmark = pytest.mark.e2e
 
@@ -114,7 +114,8 @@ def _same(out, expected):
 @pytest.fixture(scope="module")
 def engine_a(shared, lfm2, prompts, ref):
     """Engine A (its own process) serves P, E and W cold, saving what it computes; then it exits."""
-    a = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60}), **ENGINE_KW)
+    a = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60}),
+                              **ENGINE_KW)
     saved = {}
     for name, n in (("P", 8), ("E", 8), ("W", DECODE)):
         out, delta = _serve(a, prompts[name], n)
@@ -128,7 +129,8 @@ def engine_a(shared, lfm2, prompts, ref):
 @pytest.fixture(scope="module")
 def engine_b(shared, lfm2, engine_a):
     """Engine B: a fresh process with the connector, started after A is gone."""
-    b = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60}), **ENGINE_KW)
+    b = EngineProcess.remote(lfm2, kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60}),
+                              **ENGINE_KW)
     yield b
     ray.kill(b)
 

@@ -13,10 +13,9 @@ import pytest
 import ray
 import torch
 
-from tests.store_helpers import restart_shard, shard_pid, arena, block, key, read_back
+from tests.store_helpers import arena, block, key, read_back, restart_shard, shard_pid
 from ucm_ray.store.client import StoreClient
-from ucm_ray.store.directory import DIRECTORY_NAME
-from ucm_ray.store.fleet import fleet_status, shard_name, start_fleet
+from ucm_ray.store.fleet import fleet_status, shard_name
 from ucm_ray.store.shard import WrongIncarnation
 
 

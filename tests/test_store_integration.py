@@ -82,7 +82,7 @@ def test_pool_at_ten_percent_of_working_set_evicts_lru(fleet):
     working_set = sum(SIZES[i % len(SIZES)] for i in range(n))
     cfg = fleet(pool_bytes=max(4096, working_set // 10 // 3))
     writer = ClientProcess.remote(cfg.to_dict())
-    for start in range(0, n, 100):  # in batches, as an engine would
+    for _ in range(0, n, 100):  # in batches, as an engine would
         ray.get(writer.write.remote(n))  # rewrites are no-ops for present keys, refills evicted ones
     stats = fleet_status(cfg)["shards"]
     assert sum(s["evictions"] for s in stats) > 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

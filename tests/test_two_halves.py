@@ -275,3 +275,33 @@ def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(sto
     store.set_answering("local_shard_0", True)
     c = make_engine(store.client(), model_dir)
     assert c.serve("C", p)[0] == 2046
+
+
+# --- write slots --------------------------------------------------------------------------
+
+
+def _held_slot_bytes(store: LocalBlockStore) -> int:
+    return sum(store.index(s).stats().pending_bytes for s in ("local_shard_0", "local_shard_1"))
+
+
+def test_an_idle_engine_gives_its_unused_slots_back(store, model_dir):
+    """Slots are asked for per prompt chunk; what was not used goes back once the engine idles,
+    so an idle engine holds about one entry per pool, not a step's worth of pool memory."""
+    cfg = UcmRayConfig(reserve_timeout_s=3.0, transfer_timeout_s=1.0, lease_s=10.0)  # idle after 1 s
+    a = make_engine(store.client(), model_dir, config=cfg)
+    a.serve("A", prompt(4096, seed=5), max_tokens=1)  # 32 blocks; slots for 2 chunks were asked
+    a.settle()
+    entry = 2 * 128 * 2 * 16 * 4 * 2  # K+V x tokens x heads x head size x fp32 x layers
+    time.sleep(1.2)
+    for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
+        a.step()
+    a.settle()
+    assert _held_slot_bytes(store) <= 2 * 2 * entry
+
+
+def test_blocks_filled_while_decoding_are_saved_too(store, model_dir):
+    a = make_engine(store.client(), model_dir)
+    p = prompt(1000, seed=6)
+    a.serve("A", p, max_tokens=300)  # 1300 tokens: 10 full blocks, 2 of them filled by decoding
+    a.settle()
+    assert a.stats()["saved_blocks"] == 10 and a.stats().get("saves_skipped", 0) == 0

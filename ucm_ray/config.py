@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -101,7 +102,7 @@ class UcmRayConfig:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, *, ignore: tuple[str, ...] = ()) -> "UcmRayConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None, *, ignore: tuple[str, ...] = ()) -> UcmRayConfig:
         """Build from a mapping; ``ignore`` lists foreign keys that may share the mapping."""
         data = dict(data or {})
         for k in ignore:
@@ -117,7 +118,7 @@ class UcmRayConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "UcmRayConfig":
+    def from_yaml(cls, path: str | Path) -> UcmRayConfig:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
@@ -141,7 +142,7 @@ class UcmRayConfig:
                 parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper())
 
     @classmethod
-    def from_cli(cls, args: argparse.Namespace) -> "UcmRayConfig":
+    def from_cli(cls, args: argparse.Namespace) -> UcmRayConfig:
         base = cls.from_yaml(args.config) if getattr(args, "config", None) else cls()
         overrides = {f.name: getattr(args, f.name) for f in fields(cls)
                      if getattr(args, f.name, None) is not None}

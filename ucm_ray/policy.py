@@ -19,7 +19,7 @@ state groups' block sizes: a state exists only at LCM-aligned positions.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "recompute_tokens",

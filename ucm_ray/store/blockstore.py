@@ -23,8 +23,9 @@ random 63-bit values checked against the ``owner`` that asked for them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Mapping, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 from ucm_ray.transport.base import PoolDescriptor
 

@@ -473,7 +473,7 @@ class StoreClient(BlockStore):
         ok = [loc is not None and loc.size == views[i].numel() for i, loc in enumerate(locs)]
         ops: dict[PoolKey, list[CopyOp]] = defaultdict(list)
         for i, loc in enumerate(locs):
-            if ok[i]:
+            if loc is not None and ok[i]:
                 ops[loc.pool].append(CopyOp(loc.offset, views[i]))
         failed = self.connections.transfer(ops, write=False, timeout_s=self.config.transfer_timeout_s)
         for pool in failed:
@@ -481,7 +481,7 @@ class StoreClient(BlockStore):
         untrusted = failed | self.release(lease.lease_ids).result()
         corrupt = []
         for i, loc in enumerate(locs):
-            if not ok[i]:
+            if loc is None or not ok[i]:
                 continue
             if loc.pool in untrusted:
                 ok[i] = False

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import ray
 
@@ -28,11 +29,11 @@ def shard_name(i: int) -> str:
 def start_fleet(config: UcmRayConfig, *, timeout_s: float = 120.0) -> ray.actor.ActorHandle:
     """Create the directory and ``num_shards`` shards (reusing any that exist); idempotent."""
     ns = config.ray_namespace
-    directory = ShardDirectory.options(name=DIRECTORY_NAME, namespace=ns, lifetime="detached",
-                                       get_if_exists=True, num_cpus=0).remote()
+    directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
+        name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0).remote()
     shards = []
     for i in range(config.num_shards):
-        shards.append((shard_name(i), CacheShard.options(
+        shards.append((shard_name(i), CacheShard.options(  # type: ignore[attr-defined]
             name=shard_name(i), namespace=ns, lifetime="detached", get_if_exists=True,
             num_cpus=config.shard_cpus, scheduling_strategy="SPREAD",
         ).remote(shard_name(i), config.to_dict())))

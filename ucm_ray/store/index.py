@@ -31,7 +31,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucm_ray.store.allocator import ExtentAllocator
@@ -197,7 +197,7 @@ class BlockIndex:
         for token in tokens:
             g = self._grants.get(token)
             ok = g is not None and g.owner == owner and not g.quarantined
-            if ok:
+            if g is not None and ok:
                 g.deadline = self._clock() + self._reserve_timeout_s
             out.append(ok)
         return out
@@ -269,7 +269,7 @@ class BlockIndex:
     # --- internals -----------------------------------------------------------------------
 
     @staticmethod
-    def _fresh_id(taken: dict[int, object]) -> int:
+    def _fresh_id(taken: Mapping[int, object]) -> int:
         while True:
             i = random_id()
             if i not in taken:

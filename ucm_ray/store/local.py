@@ -13,11 +13,21 @@ from __future__ import annotations
 import os
 import uuid
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
-from ucm_ray.store.blockstore import (BlockStore, Done, Location, Pending, PoolKey, Pools, Publish,
-                                      ReadLease, Removal, SlotGrant)
+from ucm_ray.store.blockstore import (
+    BlockStore,
+    Done,
+    Location,
+    Pending,
+    PoolKey,
+    Pools,
+    Publish,
+    ReadLease,
+    Removal,
+    SlotGrant,
+)
 from ucm_ray.store.index import BlockIndex, random_id
 from ucm_ray.store.placement import owners
 from ucm_ray.transport.base import PoolDescriptor
@@ -51,16 +61,16 @@ class LocalBlockStore(BlockStore):
 
     def __init__(self, num_shards: int = 2, pool_bytes: int = 64 << 20, *, replication: int = 1,
                  lease_s: float = 60.0, reserve_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
-                 _shared: "LocalBlockStore | None" = None) -> None:
+                 _shared: LocalBlockStore | None = None) -> None:
         self.owner = random_id()
+        self._world: _World = _shared._world if _shared is not None else \
+            _World(pool_bytes, replication, lease_s, reserve_timeout_s, shm_dir)
         if _shared is not None:
-            self._world = _shared._world
             return
-        self._world = _World(pool_bytes, replication, lease_s, reserve_timeout_s, shm_dir)
         for i in range(num_shards):
             self._world.start(f"local_shard_{i}")
 
-    def client(self) -> "LocalBlockStore":
+    def client(self) -> LocalBlockStore:
         """Another client of the same shards (another engine)."""
         return LocalBlockStore(_shared=self)
 

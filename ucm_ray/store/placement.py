@@ -11,7 +11,7 @@ millisecond rather than one Python hash call per key and shard.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -5,10 +5,13 @@ and the worker copies them layer by layer *during* that step. Asking the
 shards for slots at that point would put a network round trip either on the
 scheduler or inside the forward pass. Instead the scheduler asks ahead:
 when it looks a prompt up it also *expects* the saves of the prompt's first
-chunks (and, as chunks run, of the next one), and it keeps a small baseline
-of free slots per (pool, entry size) for decode-time blocks. Slots are bound
-to keys only at commit, once the worker reported the bytes landed. Free slots
-nobody used for a while go back to the shard, so an idle engine holds little.
+chunks (and, as chunks run, of the next one), and it keeps a few free slots
+per (pool, entry size) for decode-time blocks, as many as recent steps used
+(a worst case — every running request filling a block in the same step —
+would hold hundreds of entries' worth of pool per engine, evicting cached
+data for nothing). Slots are bound to keys only at commit, once the worker
+reported the bytes landed. Free slots nobody used for a while go back to the
+shard, so an idle engine holds little.
 
 Grants are renewed while this engine holds any of their slots, so a slow step
 never loses its slots; a grant that lapses anyway (this engine stalled) is
@@ -21,8 +24,8 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, SlotGrant
 
@@ -51,14 +54,20 @@ class _Ask:
     answer: Pending[SlotGrant | None]
 
 
-class SlotSupply:
-    """Free slots per (pool, entry size): a baseline, plus what lookups said is coming."""
+DEMAND_DECAY = 0.9
+"""Per step: how fast the remembered demand of a slot class fades once saves slow down."""
 
-    def __init__(self, store: BlockStore, baseline: Callable[[int, int], int], *, renew_after_s: float,
-                 idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        """``baseline(size, num_pools)``: free slots of ``size`` always kept per pool."""
+
+class SlotSupply:
+    """Free slots per (pool, entry size): what recent steps used, plus what lookups said is coming."""
+
+    def __init__(self, store: BlockStore, *, max_free: int, renew_after_s: float, idle_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_free``: the most free slots of one class kept for demand alone."""
         self._store = store
-        self._baseline = baseline
+        self._max_free = max_free
+        self._demand: dict[SlotClass, float] = {}
+        self._used: dict[SlotClass, int] = defaultdict(int)  # takes and shortfalls since the last tick
         self._renew_after_s = renew_after_s
         self._idle_s = idle_s
         self._clock = clock
@@ -72,7 +81,7 @@ class SlotSupply:
         self.shortfalls = 0
 
     def want(self, *sizes: int) -> None:
-        """Entry sizes to keep a baseline of."""
+        """Entry sizes to keep free slots of."""
         self._sizes.update(sizes)
 
     def free_slots(self, slot_class: SlotClass) -> int:
@@ -102,7 +111,9 @@ class SlotSupply:
         for pool in live:
             for size in self._sizes:
                 slot_class = (pool, size)
-                base = self._baseline(size, len(live))
+                demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * DEMAND_DECAY)
+                self._demand[slot_class] = demand
+                base = min(self._max_free, math.ceil(1.5 * demand) + 1)
                 have = self.free_slots(slot_class) + self._asked(slot_class)
                 if have < base:
                     self._ask(slot_class, base - have)
@@ -115,6 +126,7 @@ class SlotSupply:
         """A free slot (token, offset) of ``size`` on ``pool``, or None (the save is skipped)."""
         slot_class = (pool, size)
         self._last_take[slot_class] = self._clock()
+        self._used[slot_class] += 1
         queue = self._free[slot_class]
         while queue and not queue[0].free:
             queue.popleft()
@@ -198,8 +210,3 @@ class SlotSupply:
         if due:
             self._renewing = self._store.renew(due)
 
-
-def slots_per_pool(entries_per_step: int, replication: int, num_pools: int) -> int:
-    """Free slots of one size to keep on each pool for ``entries_per_step`` saves spread over
-    the pools (rendezvous hashing spreads keys evenly), with half again as margin."""
-    return max(1, math.ceil(1.5 * entries_per_step * replication / max(1, num_pools)))

@@ -20,19 +20,26 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
-                                        MambaSpec)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -96,7 +103,7 @@ class Engine:
     """Loaded blocks whose bytes differed from what computing them writes, NOT reported as failed."""
     failed_loads: int = 0
     """Loaded blocks (or async loads) reported to vLLM as failed: it recomputes them."""
-    before_worker: Callable[["Engine", UcmRayConnectorMetadata], None] | None = None
+    before_worker: Callable[[Engine, UcmRayConnectorMetadata], None] | None = None
     """A fault to play between the scheduler's plan (pins taken, slots granted) and the
     worker's copies."""
 
@@ -124,7 +131,7 @@ class Engine:
             self.before_worker(self, meta)
         worker = self.worker
         worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.start_load_kv(None)
         mismatched: dict[str, set[int]] = {}
         for index, (name, group, attention) in enumerate(self.layer_groups):
             if attention:
@@ -277,9 +284,10 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     groups = [KVCacheGroupSpec(layers, attn)]
     if hybrid:
-        mamba = MambaSpec(block_size=block_size, shapes=((3, 512), (8, 64, 16)),
-                          dtypes=(torch.float32, torch.float32), mamba_cache_mode="align",
-                          page_size_padded=attn.page_size_bytes)
+        # One state per layer, as LFM2's short convolutions have; its page is padded to the
+        # attention page size, and the layer's tensor is a view of the state part of each page.
+        mamba = MambaSpec(block_size=block_size, shapes=((3, 512),), dtypes=(torch.float32,),
+                          mamba_cache_mode="align", page_size_padded=attn.page_size_bytes)
         groups.append(KVCacheGroupSpec(["model.layers.2.mixer"], mamba))
     page = attn.page_size_bytes
     tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
@@ -298,7 +306,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     kv = {n: torch.zeros(num_blocks, 1, block_size, 2 * 16, dtype=torch.float32) for n in layers}
     layer_groups = [(n, 0, True) for n in layers]
     if hybrid:
-        kv["model.layers.2.mixer"] = torch.zeros(num_blocks, page // 4, dtype=torch.float32)
+        pages = torch.zeros(num_blocks, page // 4, dtype=torch.float32)
+        kv["model.layers.2.mixer"] = pages[:, :3 * 512].view(num_blocks, 3, 512)
         layer_groups.append(("model.layers.2.mixer", 1, False))
     worker.register_kv_caches(kv)
     init_none_hash(sha256)

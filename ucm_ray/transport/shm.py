@@ -12,8 +12,8 @@ import glob
 import logging
 import mmap
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ class SharedPool:
         self._owner = create
 
     def close(self) -> None:
-        self.tensor = None  # type: ignore[assignment]
+        self.tensor = None
         try:
             self._mmap.close()
         except BufferError:
@@ -82,7 +82,7 @@ def remove_stale_pools(prefix: str) -> int:
 
 
 class _CudaEventTransfer(Transfer):
-    def __init__(self, event: "torch.cuda.Event") -> None:
+    def __init__(self, event: torch.cuda.Event) -> None:
         self._event = event
 
     def done(self) -> bool:

@@ -11,6 +11,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 try:  # vLLM >= 0.32 reports async load failures per request through this
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover - vLLM 0.26
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+    KVConnectorTransferResults = None
 
 __all__ = ["KVConnectorTransferResults", "KVConnectorWorkerMetadata"]

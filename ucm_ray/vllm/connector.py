@@ -60,8 +60,8 @@ def _tp_rank() -> int:
 
 
 class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.ucm_config = UcmRayConfig.from_dict(extra)
@@ -99,23 +99,23 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --- scheduler role ------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler_part.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.scheduler_part.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_part.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_part.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_part.request_finished(request)
 
-    def request_finished_all_groups(self, request: "Request",
+    def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_part.request_finished(request)
 
@@ -137,7 +137,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, UcmRayConnectorMetadata)
         self.worker_part.bind(connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_part.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -158,7 +158,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     if KVConnectorTransferResults is not None:
 
-        def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+        def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
             done, failed = self.worker_part.transfer_results()
             return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 

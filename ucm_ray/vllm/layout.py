@@ -11,6 +11,7 @@ by its size and split a block into the contiguous pieces that remain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,13 @@ def base_buffers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 def entry_bytes(kv_cache_config, group: int) -> int:
     """Bytes of one stored entry of ``group`` (every layer's block), from the kv-cache spec:
     the scheduler plans slots with it before any worker exists; workers check their real
-    layout against it at start-up."""
+    layout against it at start-up. A state (mamba) page is padded to the attention page size;
+    only the state itself is stored."""
     spec_group = kv_cache_config.kv_cache_groups[group]
-    return spec_group.kv_cache_spec.page_size_bytes * len(spec_group.layer_names)
+    spec = spec_group.kv_cache_spec
+    shapes = getattr(spec, "shapes", None)
+    if shapes is not None:  # MambaSpec
+        per_layer = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, spec.dtypes))
+    else:
+        per_layer = spec.page_size_bytes
+    return per_layer * len(spec_group.layer_names)

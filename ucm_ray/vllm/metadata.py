@@ -10,8 +10,8 @@ never makes a control call.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -93,7 +93,7 @@ class UcmRayWorkerMetadata(KVConnectorWorkerMetadata):
     failed_pools: set[PoolKey] = field(default_factory=set)
     """Pools a copy failed with: the scheduler's store backs off from them."""
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "UcmRayWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> UcmRayWorkerMetadata:
         assert isinstance(other, UcmRayWorkerMetadata)
         return UcmRayWorkerMetadata(saves={**self.saves, **other.saves},
                                     loads_done=self.loads_done | other.loads_done,

@@ -30,10 +30,9 @@ from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_key, state_key
 from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
-from ucm_ray.store.slots import SlotSupply, slots_per_pool
+from ucm_ray.store.slots import SlotSupply
 from ucm_ray.vllm.layout import entry_bytes
-from ucm_ray.vllm.metadata import (BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata,
-                                   UcmRayWorkerMetadata)
+from ucm_ray.vllm.metadata import BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
@@ -57,7 +56,7 @@ lookup (they land in the same round trip): longer, and the request runs without 
 one actor round trip, and answering on the first call saves the request a scheduler step."""
 
 
-def engine_namespaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", label: str) -> list[bytes]:
+def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, label: str) -> list[bytes]:
     """One namespace digest per tensor-parallel rank: everything that shapes a block's bytes."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     specs = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec!r}:{len(g.layer_names)}"
@@ -98,7 +97,7 @@ class _Lookup:
 
 @dataclass
 class _Tracked:
-    request: "Request"
+    request: Request
     lookup: _Lookup | None = None
     hit_tokens: int = 0  # LCM/block-aligned prefix found in the store
     local_tokens: int = 0  # vLLM's block-aligned local hit at lookup time
@@ -127,7 +126,7 @@ class _SaveInFlight:
 
 
 class SchedulerPart:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", config: UcmRayConfig,
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: UcmRayConfig,
                  store: BlockStore) -> None:
         self._config = config
         self._store = store
@@ -165,22 +164,12 @@ class SchedulerPart:
         self._answers: list[tuple[str, Pending[Any]]] = []  # commits, releases, removals in flight
         self._pools_sent: int | None = None
         self._chunk = vllm_config.scheduler_config.max_num_batched_tokens
-        self._slots = SlotSupply(store, self._slot_baseline(vllm_config), renew_after_s=config.reserve_timeout_s / 3,
-                                 idle_s=config.reserve_timeout_s / 3)
+        self._slots = SlotSupply(store, max_free=vllm_config.scheduler_config.max_num_seqs,
+                                 renew_after_s=config.reserve_timeout_s / 3, idle_s=config.reserve_timeout_s / 3)
         self._slots.want(*self._entry_bytes)
         self.stats = UcmRayStats()
         log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
                  self._attn, self._states, self._bs, self._lcm, self._hash_bs, self.recompute)
-
-    def _slot_baseline(self, vllm_config: "VllmConfig"):
-        """Free slots of each entry size to keep per pool for decode: in a decode step each running
-        request fills at most one block per group. (Prefill saves are expected per request.)"""
-        seqs = vllm_config.scheduler_config.max_num_seqs
-        per_size: dict[int, int] = defaultdict(int)
-        for g in self._attn + self._states:
-            per_size[self._entry_bytes[g]] += seqs * len(self._ns)
-        replication = self._store.pools().replication
-        return lambda size, num_pools: slots_per_pool(per_size.get(size, 0), replication, num_pools)
 
     def _expect_saves(self, t: _Tracked, until: int, start: int | None = None) -> list[Pending[Any]]:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
@@ -219,7 +208,7 @@ class SchedulerPart:
 
     # --- lookups -------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         t = self._tracked.get(request.request_id)
         if t is None or t.request is not request:
             t = self._tracked[request.request_id] = _Tracked(request)
@@ -256,7 +245,7 @@ class SchedulerPart:
         # multi-group (hybrid) cache through ``failed_recving``, which exists for async loads.
         return ext, self.hybrid and ext > 0
 
-    def _post_lookup(self, request: "Request") -> _Lookup | None:
+    def _post_lookup(self, request: Request) -> _Lookup | None:
         hashes = request.block_hashes
         if self.hybrid:
             max_lcm = policy.hybrid_max_hit_blocks(request.num_tokens, self.recompute, self._lcm)
@@ -303,7 +292,7 @@ class SchedulerPart:
 
     # --- allocation and the step plan ----------------------------------------------------
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         t = self._tracked.get(request.request_id)
         if t is None or t.lookup is None or t.lookup.leases is None:
@@ -359,7 +348,7 @@ class SchedulerPart:
         """The keys of one rank's acquire, in the order they were asked for."""
         return [key for keys in lookup.attn_keys[rank] + lookup.state_keys[rank] for key in keys]
 
-    def build_connector_meta(self, out: "SchedulerOutput") -> UcmRayConnectorMetadata:
+    def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
         self._step += 1
         self._collect_answers()
         self._slots.tick()
@@ -380,12 +369,12 @@ class SchedulerPart:
                 meta.loads[rank].append(job)
             t.loads = None
         for req_id, n_sched in out.num_scheduled_tokens.items():
-            t = self._tracked.get(req_id)
-            if t is not None and t.block_ids:
-                self._plan_saves(t, n_sched, meta)
+            scheduled = self._tracked.get(req_id)
+            if scheduled is not None and scheduled.block_ids:
+                self._plan_saves(scheduled, n_sched, meta)
         return meta
 
-    def _track_blocks(self, out: "SchedulerOutput") -> None:
+    def _track_blocks(self, out: SchedulerOutput) -> None:
         """Each running request's block ids, from the scheduler output alone (vLLM 0.26 never
         binds its cache manager to a connector): new requests list all, cached ones append,
         resumed ones start over."""
@@ -449,7 +438,7 @@ class SchedulerPart:
 
     # --- results from the workers --------------------------------------------------------
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         results = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(results, UcmRayWorkerMetadata):
             return
@@ -544,7 +533,7 @@ class SchedulerPart:
 
     # --- endings -------------------------------------------------------------------------
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Blocks can be freed at once: this step's copies are done when its output arrives."""
         t = self._tracked.pop(request.request_id, None)
         if t is not None:

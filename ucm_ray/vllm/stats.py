@@ -21,9 +21,9 @@ class UcmRayStats(KVConnectorStats):
             self.totals[k] = self.totals.get(k, 0) + v
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int | float] = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "UcmRayStats":
+    def aggregate(self, other: KVConnectorStats) -> UcmRayStats:
         merged = Counter(self.data)
         merged.update(other.data)
         self.data = dict(merged)
@@ -35,7 +35,7 @@ class UcmRayStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
-    def take(self) -> "UcmRayStats | None":
+    def take(self) -> UcmRayStats | None:
         """This interval's counters (or None), leaving an empty object behind."""
         if self.is_empty():
             return None

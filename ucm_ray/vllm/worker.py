@@ -245,7 +245,7 @@ class WorkerPart:
                 self._add_block_ops(ops, loc, self._layouts[group], index, job.block_id, (job.job_id, replica))
         return ops
 
-    def _compute_ready(self) -> "torch.cuda.Event | None":
+    def _compute_ready(self) -> torch.cuda.Event | None:
         """On CUDA, an event after the work queued so far on the compute stream: a side-stream
         copy must not read a layer's KV before its attention wrote it, nor load into a block
         before vLLM's zeroing of fresh blocks ran."""
@@ -256,7 +256,7 @@ class WorkerPart:
         return event
 
     def _move(self, step: _StepState, ops: _LayerOps, write: bool,
-              ready: "torch.cuda.Event | None" = None) -> set[_Tag]:
+              ready: torch.cuda.Event | None = None) -> set[_Tag]:
         """Copy-thread task: run one batch per pool (all posted, then waited); returns the tags
         that failed. Any exception fails the whole batch instead of reaching vLLM, and nothing
         starts once the step's deadline passed (its loads were reported failed by then)."""
