@@ -73,8 +73,10 @@ class Engine:
     def _flush(self) -> None:
         """Let the store answer this request's commits before the caller hands its prefix to
         another engine (an engine that keeps serving never waits for them)."""
+        from ucm_ray.vllm.connector import UcmRayConnector
+
         connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
-        if connector is not None:
+        if isinstance(connector, UcmRayConnector):  # the benchmark also runs vLLM's own connectors
             connector.scheduler_part.flush(timeout_s=10.0)
 
     def connector_totals(self) -> dict[str, dict[str, Any]]:
