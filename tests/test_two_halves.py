@@ -305,3 +305,28 @@ def test_blocks_filled_while_decoding_are_saved_too(store, model_dir):
     a.serve("A", p, max_tokens=300)  # 1300 tokens: 10 full blocks, 2 of them filled by decoding
     a.settle()
     assert a.stats()["saved_blocks"] == 10 and a.stats().get("saves_skipped", 0) == 0
+
+
+# --- the FULL-CUDA-graph hazard (the seed's reason to exist) ------------------------------
+
+
+def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir):
+    """The counterfactual of the seed's rule: with the recompute count forced to 1, a hit leaves a
+    1-token step, which a GPU replays as a FULL CUDA graph where no layer hook runs, so the forward
+    pass never waits for the layerwise loads. The connector notices (loads posted, never waited
+    for) and fails them: vLLM drops that step's token and recomputes. Never a wrong block."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    b.graph_replay_below = 2  # what vLLM's FULL graphs do with a 1-token step
+    b.connector.scheduler_part.recompute = 1  # test-only: the rule the seed fixed
+    ext, computed = b.serve("B", p)
+    assert ext == 2047  # the hit was claimed with 1 token left ...
+    assert b.failed_loads == 16 and b.wrong_blocks == 0  # ... and every block was failed, then recomputed
+    assert b.stats()["unwaited_layer_loads"] == 2
+    c = make_engine(store.client(), model_dir)
+    c.graph_replay_below = 2
+    assert c.serve("C", p) == (2046, 2)  # the seed's rule: 2 tokens left, a PIECEWISE step with hooks
+    assert c.failed_loads == 0 and c.wrong_blocks == 0

@@ -53,9 +53,17 @@ class CacheShard:
         self._nixl = None
         try:
             if cfg.transport != "shm":
-                from ucm_ray.transport.nixl import NixlPoolExporter
+                from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 
-                self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}")
+                try:
+                    self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}")
+                except NixlUnavailableError as e:
+                    if cfg.transport == "nixl":
+                        raise
+                    # auto: same-node clients need only shared memory; clients on other nodes
+                    # get failed transfers (misses), never wrong bytes.
+                    log.warning("shard %s: NIXL unavailable (%s); serving same-node clients over "
+                                "shared memory only", shard_id, e)
         except BaseException:
             self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
             raise

@@ -103,6 +103,9 @@ class Engine:
     """Loaded blocks whose bytes differed from what computing them writes, NOT reported as failed."""
     failed_loads: int = 0
     """Loaded blocks (or async loads) reported to vLLM as failed: it recomputes them."""
+    graph_replay_below: int = 0
+    """Steps scheduling fewer tokens than this run like a FULL CUDA graph replay: no layer hook
+    (``wait_for_layer_load`` / ``save_kv_layer``) is called, as on a GPU."""
     before_worker: Callable[[Engine, UcmRayConnectorMetadata], None] | None = None
     """A fault to play between the scheduler's plan (pins taken, slots granted) and the
     worker's copies."""
@@ -133,12 +136,13 @@ class Engine:
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         mismatched: dict[str, set[int]] = {}
+        hooks = out.total_num_scheduled_tokens >= self.graph_replay_below
         for index, (name, group, attention) in enumerate(self.layer_groups):
-            if attention:
+            if attention and hooks:
                 worker.wait_for_layer_load(name)
             self._check_loaded(loads, name, group, index, mismatched)
             self._compute(out, name, group, index, attention)
-            if attention:
+            if attention and hooks:
                 worker.save_kv_layer(name, self.kv[name], None)
         worker.wait_for_save()
         errors = worker.get_block_ids_with_load_errors()

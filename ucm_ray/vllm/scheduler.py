@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_key, state_key
 from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
 from ucm_ray.store.slots import SlotSupply
+from ucm_ray.vllm.compat import block_hashes_vary_per_process
 from ucm_ray.vllm.layout import entry_bytes
 from ucm_ray.vllm.metadata import BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
@@ -131,10 +131,11 @@ class SchedulerPart:
         self._config = config
         self._store = store
         algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-        if algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
-            raise ValueError(f"ucm-ray: prefix_caching_hash_algo={algo!r} seeds block hashes randomly per "
-                             "process, so no engine could reuse another's blocks; use 'sha256' / "
-                             "'sha256_cbor', or set PYTHONHASHSEED to one value on every engine")
+        if block_hashes_vary_per_process(algo):
+            raise ValueError(f"ucm-ray: with prefix_caching_hash_algo={algo!r} this vLLM seeds block hashes "
+                             "randomly per process, so no engine could reuse another's blocks; set "
+                             "PYTHONHASHSEED to one value on every engine (or use 'sha256' where vLLM "
+                             "seeds it deterministically)")
         policy_name = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy_name != "recompute":
             raise ValueError(f"ucm-ray: kv_load_failure_policy={policy_name!r} turns a cache load that fails "

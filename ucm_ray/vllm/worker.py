@@ -172,11 +172,23 @@ class WorkerPart:
 
     def wait_for_save(self) -> None:
         step = self._step
-        for layer_name in list(step.load_futures):  # loads whose hook never ran
-            self.wait_for_layer_load(layer_name)
+        if step.load_futures:
+            # Layer loads whose hook never ran: the forward pass did not wait for their bytes (a
+            # FULL CUDA graph replay runs no Python). Its output cannot be trusted, so the loads
+            # are failed and vLLM drops this step's tokens and recomputes: wrong tokens stay
+            # impossible even if the hit policy let such a step through.
+            log.warning("ucm-ray: %d layer load(s) were never waited for by the forward pass; "
+                        "failing them so vLLM recomputes", len(step.load_futures))
+            self.stats.add(unwaited_layer_loads=len(step.load_futures))
+            for future, tags in list(step.load_futures.values()):
+                self._wait(future, tags)  # the copies must be over before the blocks are reused
+                step.failed |= tags
+            step.load_futures.clear()
+            self._finish_loads()
         if not step.saves:
             return
-        for gl in self._layouts:  # layers no hook saved: mamba states, FULL-graph replays
+        for gl in self._layouts:  # layers no hook saved: mamba states, FULL-graph replays (their KV
+            # was written by the graph, so saving it after the forward is right)
             for layer in gl.layers:
                 self.save_kv_layer(layer.name)
         for future, tags in step.save_futures:
