@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: venv demo test bench lint clean
+.PHONY: venv demo test bench lint gpu-test clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ test: venv lint
 lint: venv
 	$(PY) -m ruff check ucm_ray tests benchmarks
 	$(PY) -m mypy ucm_ray
+
+# On a GPU machine whose Python already has vLLM (0.26-0.33) and Ray 2.60 (e.g. the bundle in
+# ../shared/gpu): no venv, the CPU profile does not apply there.
+gpu-test:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 -m pytest -q -p no:cacheprovider tests/gpu
 
 bench: venv
 	$(PY) benchmarks/data_plane.py

@@ -183,12 +183,25 @@ def test_expired_reservation_is_quarantined_before_its_slots_are_reused():
     assert idx.stats().quarantined_bytes == 64 and idx.stats().expired_reservations == 1
     assert idx.renew(OWNER, [token]) == [False]  # too late to renew
     assert idx.commit(OWNER, token, [(k(1), offs[0], None)]) == [False]  # nor to commit
-    clock.t = 4.5  # quarantine ends at 2 + 2 = 4
+    clock.t = 5.5  # quarantine ends 2 s after the expiry was noticed (at 3)
     t2, o2 = idx.reserve(OTHER, 64, 1)
     assert o2 == offs  # only now is the space reused
     assert idx.commit(OWNER, token, [(k(1), offs[0], None)]) == [False]
     assert idx.commit(OTHER, t2, [(k(1), o2[0], None)]) == [True]
     assert idx.stats().quarantined_bytes == 0
+
+
+def test_quarantine_counts_from_when_the_expiry_is_noticed():
+    """A shard paused far past a grant's deadline must still hold the slots a full timeout after it
+    wakes: the paused writer's copy may land right then."""
+    idx, clock = make(capacity=64, reserve_s=2.0)
+    idx.reserve(OWNER, 64, 1)
+    clock.t = 100.0  # the shard was stopped for a long time
+    assert idx.reserve(OTHER, 64, 1)[1] == []
+    clock.t = 101.9
+    assert idx.reserve(OTHER, 64, 1)[1] == []
+    clock.t = 102.1
+    assert idx.reserve(OTHER, 64, 1)[1] != []
 
 
 def test_remove_unpinned_frees_at_once():

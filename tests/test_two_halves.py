@@ -330,3 +330,74 @@ def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir):
     c.graph_replay_below = 2
     assert c.serve("C", p) == (2046, 2)  # the seed's rule: 2 tokens left, a PIECEWISE step with hooks
     assert c.failed_loads == 0 and c.wrong_blocks == 0
+
+
+def test_an_idle_engine_never_writes_into_slots_that_may_have_lapsed(model_dir):
+    """vLLM runs no step while an engine has no request, so nothing renews its free slots; they
+    lapse, are quarantined, then handed to another engine. When the idle engine wakes, it must
+    not write into them (found by review: it overwrote another engine's entries)."""
+    store = LocalBlockStore(num_shards=2, pool_bytes=4 << 20, reserve_timeout_s=1.0, lease_s=1.0)
+    try:
+        cfg = UcmRayConfig(reserve_timeout_s=1.0, transfer_timeout_s=0.4, lease_s=1.0)
+        b = make_engine(store.client(), model_dir, config=cfg)
+        b.serve("B0", prompt(2048, seed=1), max_tokens=1)  # B keeps a few free slots
+        b.settle()
+        c = make_engine(store.client(), model_dir, config=cfg)
+        for i in range(6):  # B idles for 3 s while C keeps the shards busy
+            time.sleep(0.5)
+            c.serve(f"Cx{i}", prompt(200, seed=40 + i), max_tokens=1)
+        pc = prompt(3072, seed=2)
+        c.serve("C", pc, max_tokens=1)  # C's slots may be B's lapsed ones
+        c.settle()
+        b.serve("B1", prompt(3072, seed=3), max_tokens=1)
+        b.settle()
+        assert b.stats().get("commits_not_visible", 0) == 0
+        d = make_engine(store.client(), model_dir, config=cfg)
+        d.serve("D", pc, max_tokens=1)
+        assert d.wrong_blocks == 0
+    finally:
+        store.shutdown()
+
+
+def test_a_local_hit_on_blocks_another_request_is_loading_is_never_saved(store, model_dir):
+    """R1 loads a prefix while its shard restarts (the loads fail); R2, scheduled in the same
+    step, hits R1's just-allocated blocks in vLLM's own cache. R2 must not save them: they may
+    hold garbage (found by review: a later reader got 9 wrong blocks)."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    client = store.client()
+    pin = client.acquire
+    restarted: list[str] = []
+
+    def pin_then_restart(keys):  # shard 0 dies right after R1's lookup pinned its entries
+        lease = pin(keys)
+        if not restarted:
+            restarted.append(store.restart("local_shard_0")[0])
+        return lease
+
+    client.acquire = pin_then_restart  # type: ignore[method-assign]
+    b = make_engine(client, model_dir)
+    r1, r2 = b.add("R1", p + [3] * 300), b.add("R2", p + [4] * 300)
+    b.run(r1, r2)
+    b.settle()
+    assert restarted and b.wrong_blocks == 0
+    c = make_engine(store.client(), model_dir)
+    c.serve("C", p)
+    assert c.wrong_blocks == 0
+
+
+def test_a_local_prefix_hit_saves_only_what_was_computed(store, model_dir):
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    for i in range(5):  # local hits on the 16-block prefix, 2 new blocks each
+        a.serve(f"A{i}", p + prompt(256, seed=10 + i))
+    a.settle()
+    assert a.stats()["saved_blocks"] == 16 + 5 * 2
+
+
+def test_sliding_window_groups_are_refused_at_start_up(store, model_dir):
+    with pytest.raises(ValueError, match="unsupported kv-cache group spec.*SlidingWindowSpec"):
+        make_engine(store.client(), model_dir, sliding_window=256)

@@ -93,6 +93,9 @@ class UcmRayConfig:
         # before their loads are dispatched, and a step's copies end by transfer_timeout_s.
         need(self.lease_s >= 2 * self.transfer_timeout_s, "lease_s",
              f"at least 2 x transfer_timeout_s ({2 * self.transfer_timeout_s:g})")
+        # Likewise a write slot must outlive the copies into it.
+        need(self.reserve_timeout_s >= 2 * self.transfer_timeout_s, "reserve_timeout_s",
+             f"at least 2 x transfer_timeout_s ({2 * self.transfer_timeout_s:g})")
         need(self.shard_cpus >= 0, "shard_cpus", "a number >= 0")
 
     # --- loading -------------------------------------------------------------------------

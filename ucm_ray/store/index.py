@@ -317,12 +317,13 @@ class BlockIndex:
             if g.deadline >= now:
                 continue
             if not g.quarantined:
-                # Its writer may still be copying: keep the slots allocated but uncommittable.
+                # Its writer may still be copying: keep the slots allocated but uncommittable, for
+                # a full timeout from now (not from the old deadline: after a long pause of this
+                # shard, a late write may be about to land).
                 g.quarantined = True
-                g.deadline += self._reserve_timeout_s
+                g.deadline = now + self._reserve_timeout_s
                 self._counters.expired_reservations += 1
-                if g.deadline >= now:
-                    continue
+                continue
             for off in g.offsets:
                 self._alloc.free(off, g.size)
             del self._grants[token]

@@ -14,8 +14,12 @@ reported the bytes landed. Free slots nobody used for a while go back to the
 shard, so an idle engine holds little.
 
 Grants are renewed while this engine holds any of their slots, so a slow step
-never loses its slots; a grant that lapses anyway (this engine stalled) is
-quarantined by the shard, never handed to another writer while we might copy.
+never loses its slots. A slot is only handed out while its grant is known to
+outlive the step's copies (``usable_s`` since the call that last confirmed it
+was posted): an engine that sat idle (vLLM runs no step without requests, so
+nothing renewed its grants) never writes into a slot whose grant may have
+lapsed and been handed to another writer. A grant that lapses is quarantined
+by the shard, never reused while a late copy might land.
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ class _Grant:
     pool: PoolKey
     size: int
     token: int
+    confirmed: float
+    """When the reserve or renew call that last extended the grant was posted: the shard's
+    deadline is at least ``reserve_timeout_s`` after it."""
     renewed: float
+    """When a renew was last posted."""
     free: deque[int] = field(default_factory=deque)
     in_use: int = 0
 
@@ -52,6 +60,14 @@ class _Ask:
     slot_class: SlotClass
     count: int
     answer: Pending[SlotGrant | None]
+    posted: float
+
+
+@dataclass
+class _Renewal:
+    posted: float
+    tokens: set[tuple[PoolKey, int]]
+    answer: Pending[set[tuple[PoolKey, int]]]
 
 
 DEMAND_DECAY = 0.9
@@ -62,10 +78,14 @@ class SlotSupply:
     """Free slots per (pool, entry size): what recent steps used, plus what lookups said is coming."""
 
     def __init__(self, store: BlockStore, *, max_free: int, renew_after_s: float, idle_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``max_free``: the most free slots of one class kept for demand alone."""
+                 usable_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_free``: the most free slots of one class kept for demand alone; ``usable_s``: how
+        long after its last confirmation a grant's slots may still be written (the reservation
+        timeout minus the longest a step's copies may take)."""
         self._store = store
         self._max_free = max_free
+        self._usable_s = usable_s
+        self._excess: dict[SlotClass, int] = defaultdict(int)  # expected slots that will not be used
         self._demand: dict[SlotClass, float] = {}
         self._used: dict[SlotClass, int] = defaultdict(int)  # takes and shortfalls since the last tick
         self._renew_after_s = renew_after_s
@@ -75,10 +95,9 @@ class SlotSupply:
         self._free: dict[SlotClass, deque[_Grant]] = defaultdict(deque)
         self._asks: list[_Ask] = []
         self._last_take: dict[SlotClass, float] = {}
-        self._renewing: Pending[set[tuple[PoolKey, int]]] | None = None
+        self._renewing: _Renewal | None = None
         self._returning: list[Pending[list[bool]]] = []
         self._sizes: set[int] = set()
-        self.shortfalls = 0
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -93,6 +112,17 @@ class SlotSupply:
         posted, for a caller that may wait a moment."""
         return [self._ask(slot_class, count) for slot_class, count in counts.items() if count > 0]
 
+    def unexpect(self, counts: Mapping[SlotClass, int]) -> None:
+        """Expected saves that will not happen after all (those blocks were hits): their slots go
+        back as soon as they are here."""
+        for slot_class, count in counts.items():
+            self._excess[slot_class] += count
+
+    def abandon_pool(self, pool: PoolKey) -> None:
+        """Transfers with ``pool`` failed: write nothing more into it; its grants lapse."""
+        for grant in [g for g in self._grants.values() if g.pool == pool]:
+            self._drop(grant)
+
     # --- per step ------------------------------------------------------------------------
 
     def tick(self) -> None:
@@ -104,9 +134,17 @@ class SlotSupply:
         for ask in arrived:
             grant = ask.answer.result()
             if grant is not None and grant.offsets and grant.pool in live:
-                self._add(grant)
+                self._add(grant, ask.posted)
         for key in [k for k in self._grants if k[0] not in live]:
             self._drop(self._grants[key])  # a dead shard or an old incarnation
+        for slot_class, count in list(self._excess.items()):
+            back = min(count, self.free_slots(slot_class))
+            if back:
+                self._give_back(slot_class, back)
+            if count - back <= 0 or not self._asked(slot_class):
+                del self._excess[slot_class]  # nothing more of it is on its way
+            else:
+                self._excess[slot_class] = count - back
         now = self._clock()
         for pool in live:
             for size in self._sizes:
@@ -128,10 +166,12 @@ class SlotSupply:
         self._last_take[slot_class] = self._clock()
         self._used[slot_class] += 1
         queue = self._free[slot_class]
-        while queue and not queue[0].free:
+        oldest = self._clock() - self._usable_s
+        while queue and (not queue[0].free or queue[0].confirmed < oldest):
+            if queue[0].confirmed < oldest:
+                self._drop(queue[0])  # may have lapsed: never write into it
             queue.popleft()
         if not queue:
-            self.shortfalls += 1
             return None
         grant = queue[0]
         grant.in_use += 1
@@ -164,12 +204,13 @@ class SlotSupply:
         return sum(ask.count for ask in self._asks if ask.slot_class == slot_class)
 
     def _ask(self, slot_class: SlotClass, count: int) -> Pending[SlotGrant | None]:
+        posted = self._clock()
         answer = self._store.reserve(slot_class[0], slot_class[1], count)
-        self._asks.append(_Ask(slot_class, count, answer))
+        self._asks.append(_Ask(slot_class, count, answer, posted))
         return answer
 
-    def _add(self, grant: SlotGrant) -> None:
-        entry = _Grant(grant.pool, grant.size, grant.token, self._clock(), deque(grant.offsets))
+    def _add(self, grant: SlotGrant, posted: float) -> None:
+        entry = _Grant(grant.pool, grant.size, grant.token, posted, posted, deque(grant.offsets))
         self._grants[(grant.pool, grant.token)] = entry
         self._free[(grant.pool, grant.size)].append(entry)
 
@@ -193,14 +234,20 @@ class SlotSupply:
             self._returning.append(self._store.commit([], dict(back)))
 
     def _renew(self, now: float) -> None:
-        if self._renewing is not None:
-            if not self._renewing.poll():
+        renewal = self._renewing
+        if renewal is not None:
+            if not renewal.answer.poll():
                 return
-            for key in self._renewing.result():
+            lapsed = renewal.answer.result()
+            for key in renewal.tokens:
                 grant = self._grants.get(key)
-                if grant is not None:
+                if grant is None:
+                    continue
+                if key in lapsed:
                     log.warning("slot grant on shard %s lapsed; its slots are no longer used", key[0][0])
                     self._drop(grant)
+                else:
+                    grant.confirmed = max(grant.confirmed, renewal.posted)
             self._renewing = None
         due: dict[PoolKey, list[int]] = defaultdict(list)
         for grant in self._grants.values():
@@ -208,5 +255,5 @@ class SlotSupply:
                 grant.renewed = now
                 due[grant.pool].append(grant.token)
         if due:
-            self._renewing = self._store.renew(due)
-
+            tokens = {(pool, token) for pool, ids in due.items() for token in ids}
+            self._renewing = _Renewal(now, tokens, self._store.renew(due))

@@ -39,7 +39,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                        MambaSpec, SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -260,7 +261,8 @@ class Engine:
 def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num_spec: int = 0,
                 hybrid: bool = False, max_batched: int = 8192, num_blocks: int = 96,
                 layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
-                extra: dict | None = None, failure_policy: str = "recompute") -> Engine:
+                extra: dict | None = None, failure_policy: str = "recompute",
+                sliding_window: int | None = None) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it)."""
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
     spec = None
@@ -287,6 +289,10 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     attn = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     groups = [KVCacheGroupSpec(layers, attn)]
+    if sliding_window is not None:  # layer 1 in a sliding-window group, as Gemma-3 has
+        window = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32,
+                                   sliding_window=sliding_window)
+        groups = [KVCacheGroupSpec(layers[:1], attn), KVCacheGroupSpec(layers[1:], window)]
     if hybrid:
         # One state per layer, as LFM2's short convolutions have; its page is padded to the
         # attention page size, and the layer's tensor is a view of the state part of each page.

@@ -58,7 +58,6 @@ class SaveJob:
 
 @dataclass
 class UcmRayConnectorMetadata(KVConnectorMetadata):
-    step: int = 0
     loads: dict[int, list[LoadJob]] = field(default_factory=dict)
     """tp rank -> loads for that rank."""
     saves: dict[int, list[SaveJob]] = field(default_factory=dict)

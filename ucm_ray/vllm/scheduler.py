@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
@@ -106,6 +106,7 @@ class _Tracked:
     saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
     last_state_pos: int = 0
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
+    unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class _LoadInFlight:
     req_id: str
     lease_ids: dict[PoolKey, list[int]]
     keys: dict[Location, bytes]
+    dispatched: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -142,12 +144,18 @@ class SchedulerPart:
                              "(a shard died mid-copy) into a failed user request; set "
                              "kv_load_failure_policy='recompute' in the kv-transfer config")
         self._groups = kv_cache_config.kv_cache_groups
-        self._attn = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, AttentionSpec)]
+        # Full attention and mamba states only: a sliding-window group's out-of-window blocks are
+        # vLLM's shared null block, which must never be loaded into nor stored.
+        self._attn = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)]
         self._states = [i for i, g in enumerate(self._groups) if isinstance(g.kv_cache_spec, MambaSpec)]
         other = set(range(len(self._groups))) - set(self._attn) - set(self._states)
         if other:
             raise ValueError(f"ucm-ray: unsupported kv-cache group spec(s) "
-                             f"{[type(self._groups[i].kv_cache_spec).__name__ for i in other]}")
+                             f"{sorted(type(self._groups[i].kv_cache_spec).__name__ for i in other)}; "
+                             "ucm-ray stores full-attention and mamba-state groups only")
+        # vLLM can only take back a failed synchronous load of a single-group cache (it raises for
+        # several groups), so loads into a multi-group cache are asynchronous (``failed_recving``).
+        self._async_loads = len(self._groups) > 1
         self._bs = [g.kv_cache_spec.block_size for g in self._groups]
         self._lcm = math.lcm(*self._bs) if self._bs else 1
         self._hash_bs = (getattr(kv_cache_config, "hash_block_size", None)
@@ -158,15 +166,16 @@ class SchedulerPart:
         self._ns = engine_namespaces(vllm_config, kv_cache_config, config.namespace)
         self._entry_bytes = [entry_bytes(kv_cache_config, g) for g in range(len(self._groups))]
         self._tracked: dict[str, _Tracked] = {}
-        self._step = 0
         self._job_ids = itertools.count(1)
         self._loads: dict[int, _LoadInFlight] = {}
         self._saves: dict[int, _SaveInFlight] = {}
         self._answers: list[tuple[str, Pending[Any]]] = []  # commits, releases, removals in flight
+        self._orphans: list[Pending[ReadLease]] = []  # lookups of aborted requests, released on arrival
         self._pools_sent: int | None = None
         self._chunk = vllm_config.scheduler_config.max_num_batched_tokens
         self._slots = SlotSupply(store, max_free=vllm_config.scheduler_config.max_num_seqs,
-                                 renew_after_s=config.reserve_timeout_s / 3, idle_s=config.reserve_timeout_s / 3)
+                                 renew_after_s=config.reserve_timeout_s / 3, idle_s=config.reserve_timeout_s / 3,
+                                 usable_s=config.reserve_timeout_s - config.transfer_timeout_s)
         self._slots.want(*self._entry_bytes)
         self.stats = UcmRayStats()
         log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
@@ -180,8 +189,14 @@ class SchedulerPart:
         if start is None:
             start = t.expected_until
         t.expected_until = max(t.expected_until, until)
+        return self._slots.expect(self._save_counts(t, start, until))
+
+    def _save_counts(self, t: _Tracked, start: int, until: int) -> dict[tuple[PoolKey, int], int]:
+        """Per (pool, entry size), how many entries saving the prompt's ``[start, until)`` writes."""
+        hashes = t.request.block_hashes
+        until = min(until, len(hashes) * self._hash_bs)
         if until <= start:
-            return []
+            return {}
         keys, sizes = [], []
         for ns in self._ns:
             for g in self._attn:
@@ -196,7 +211,7 @@ class SchedulerPart:
         for size, pools in zip(sizes, self._store.owners(keys) if keys else []):
             for pool in pools:
                 counts[(pool, size)] += 1
-        return self._slots.expect(counts)
+        return counts
 
     @property
     def namespaces(self) -> list[bytes]:
@@ -213,6 +228,7 @@ class SchedulerPart:
         t = self._tracked.get(request.request_id)
         if t is None or t.request is not request:
             t = self._tracked[request.request_id] = _Tracked(request)
+        t.local_tokens = num_computed_tokens
         if t.lookup is not None and time.monotonic() - t.lookup.started > self._config.lease_s / 2:
             self._release_lookup(t)  # waited so long in the queue that its pins may lapse: look again
         if t.lookup is None:
@@ -230,7 +246,6 @@ class SchedulerPart:
         if t.lookup.leases is None:
             t.lookup.leases = [f.result() for f in t.lookup.futures]
             t.hit_tokens = self._hit_tokens(t.lookup)
-        t.local_tokens = num_computed_tokens
         if t.hit_tokens <= num_computed_tokens:
             ext = 0
         elif self.hybrid:
@@ -242,9 +257,7 @@ class SchedulerPart:
                        local_hit_tokens=num_computed_tokens,
                        miss_tokens=request.num_tokens - num_computed_tokens - ext,
                        recompute_trimmed_tokens=max(0, t.hit_tokens - num_computed_tokens - ext))
-        # Hybrid loads are asynchronous: vLLM can only take back a failed load of a
-        # multi-group (hybrid) cache through ``failed_recving``, which exists for async loads.
-        return ext, self.hybrid and ext > 0
+        return ext, self._async_loads and ext > 0
 
     def _post_lookup(self, request: Request) -> _Lookup | None:
         hashes = request.block_hashes
@@ -296,10 +309,14 @@ class SchedulerPart:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         t = self._tracked.get(request.request_id)
-        if t is None or t.lookup is None or t.lookup.leases is None:
-            return  # no lookup, or the second call of an async load (already planned)
+        if t is None:
+            return
+        if t.lookup is None or t.lookup.leases is None:
+            self._skip_saves(t, t.local_tokens)  # no lookup, or the second call of an async load
+            return
         if num_external_tokens <= 0:
             self._release_lookup(t)
+            self._skip_saves(t, t.local_tokens)
             return
         block_ids = blocks.get_block_ids()
         start = t.local_tokens
@@ -312,12 +329,13 @@ class SchedulerPart:
             for g, group_keys in zip(self._attn, t.lookup.attn_keys[rank]):
                 group_locs = [next(located) for _ in group_keys]
                 first, last = start // self._bs[g], -(-end // self._bs[g])  # the tail block is loaded whole
+                usable = True
                 for i in range(first, last):
                     loc, key = group_locs[i]
                     assert loc is not None
+                    usable = usable and block_ids[g][i] != NULL_BLOCK_ID
                     out.append(BlockLoad(g, block_ids[g][i], loc))
                     keys[loc] = key
-            usable = True
             if self.hybrid:
                 b = t.hit_tokens // self._lcm  # the state at the hit's end boundary
                 for g, group_keys in zip(self._states, t.lookup.state_keys[rank]):
@@ -331,18 +349,30 @@ class SchedulerPart:
                     out.append(BlockLoad(g, target, loc))
                     keys[loc] = key
             if not usable:
-                log.error("ucm-ray: no state block allocated for %s at %d tokens; the load is failed so "
-                          "vLLM recomputes", request.request_id, t.hit_tokens)
+                log.error("ucm-ray: vLLM's null block is a target of %s's load at %d tokens; the load is "
+                          "failed so vLLM recomputes", request.request_id, t.hit_tokens)
             job = LoadJob(next(self._job_ids), request.request_id, out if usable else [],
-                          complete_in_start=self.hybrid, is_async=self.hybrid, failed=not usable)
+                          complete_in_start=self._async_loads, is_async=self._async_loads,
+                          failed=not usable)
             self._loads[job.job_id] = _LoadInFlight(request.request_id, lease.lease_ids, keys)
             loads.append(job)
         t.loads = loads
         t.lookup = None  # the pins now belong to the load jobs
-        for g in self._attn:  # blocks that came from the store need no save
-            t.saved_blocks[g] = max(t.saved_blocks.get(g, 0), -(-end // self._bs[g]))
+        self._skip_saves(t, end)
         t.last_state_pos = max(t.last_state_pos, t.hit_tokens if self.hybrid else 0)
         self.stats.add(load_blocks=len(loads[0].blocks))
+
+    def _skip_saves(self, t: _Tracked, until: int) -> None:
+        """Blocks up to token ``until`` came from vLLM's own cache or the store (a loaded tail
+        block whole): no save, and the slots expected for them go back. (A block vLLM's cache
+        shares with a request loading it this very step may yet fail to load: saving it here
+        could publish garbage.)"""
+        for g in self._attn:
+            t.saved_blocks[g] = max(t.saved_blocks.get(g, 0), -(-until // self._bs[g]))
+        skipped = min(until, t.expected_until)
+        if skipped > t.unexpected_until:
+            self._slots.unexpect(self._save_counts(t, t.unexpected_until, skipped))
+            t.unexpected_until = skipped
 
     @staticmethod
     def _flat_keys(lookup: _Lookup, rank: int) -> list[bytes]:
@@ -350,11 +380,9 @@ class SchedulerPart:
         return [key for keys in lookup.attn_keys[rank] + lookup.state_keys[rank] for key in keys]
 
     def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
-        self._step += 1
         self._collect_answers()
         self._slots.tick()
-        meta = UcmRayConnectorMetadata(step=self._step,
-                                       loads={r: [] for r in range(len(self._ns))},
+        meta = UcmRayConnectorMetadata(loads={r: [] for r in range(len(self._ns))},
                                        saves={r: [] for r in range(len(self._ns))})
         pools = self._store.pools()
         if pools.version != self._pools_sent:
@@ -423,6 +451,8 @@ class SchedulerPart:
 
     def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes) -> None:
         """Bind granted slots on the key's owners to it; without any, the save is skipped."""
+        if block_id == NULL_BLOCK_ID:
+            return  # vLLM's placeholder: it holds no data of this request
         size = self._entry_bytes[group]
         locations, tokens = [], []
         for pool in self._store.owners([key])[0]:
@@ -445,6 +475,7 @@ class SchedulerPart:
             return
         for pool in results.failed_pools:
             self._store.suspect(pool)
+            self._slots.abandon_pool(pool)
         publish: list[Publish] = []
         free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
         for job_id, result in results.saves.items():
@@ -466,18 +497,16 @@ class SchedulerPart:
                 self._slots.settled(item.location.pool, item.token)
             for (pool, token), offsets in free.items():
                 self._slots.settled(pool, token, len(offsets))
-        pins: dict[PoolKey, list[int]] = defaultdict(list)
+        pins: list[tuple[PoolKey, list[int]]] = []
         removals: list[Removal] = []
         for job_id in results.loads_done:
             load = self._loads.pop(job_id, None)
             if load is None:
                 continue
-            for pool, ids in load.lease_ids.items():
-                pins[pool].extend(ids)
+            pins.extend(load.lease_ids.items())
             removals.extend(Removal(load.keys[loc], loc) for loc in results.corrupt if loc in load.keys)
             self._save_again(load.req_id, results.load_failures.get(job_id, []))
-        if pins:
-            self._answers.append(("release", self._store.release(dict(pins))))
+        self._release(pins)
         if removals:
             log.error("ucm-ray: removing %d stored entries that failed their checksum", len(removals))
             self._answers.append(("remove", self._store.remove(removals)))
@@ -514,11 +543,16 @@ class SchedulerPart:
                 log.error("ucm-ray: read pins on %s had lapsed before their release", sorted(lapsed))
                 self.stats.add(lapsed_leases=len(lapsed))
         self._answers = still
+        arrived = [lookup for lookup in self._orphans if lookup.poll()]
+        self._orphans = [lookup for lookup in self._orphans if lookup not in arrived]
+        self._release([pin for lookup in arrived for pin in lookup.result().lease_ids.items()])
         overdue = time.monotonic() - self._config.reserve_timeout_s / 2
         for job_id in [j for j, job in self._saves.items() if job.dispatched < overdue]:
             job = self._saves.pop(job_id)  # its worker never reported: a copy may still land
             for loc, token in zip(job.locations, job.tokens):
                 self._slots.abandon(loc.pool, token)
+        for job_id in [j for j, load in self._loads.items() if load.dispatched < overdue]:
+            self._release(list(self._loads.pop(job_id).lease_ids.items()))  # its worker never reported
 
     def flush(self, timeout_s: float) -> None:
         """Wait until the store answered every commit, release and removal posted so far (tools
@@ -530,7 +564,7 @@ class SchedulerPart:
 
     def settled(self) -> bool:
         """No job waits for a worker's result and no control call for the store's answer."""
-        return not (self._loads or self._saves or self._answers)
+        return not (self._loads or self._saves or self._answers or self._orphans)
 
     # --- endings -------------------------------------------------------------------------
 
@@ -542,16 +576,22 @@ class SchedulerPart:
         return False, None
 
     def _release_lookup(self, t: _Tracked) -> None:
-        """Unpin a lookup no load job took over (no hit used, or never scheduled)."""
-        if t.lookup is not None and t.lookup.leases is not None:
-            pins: dict[PoolKey, list[int]] = defaultdict(list)
-            for lease in t.lookup.leases:
-                for pool, ids in lease.lease_ids.items():
-                    pins[pool].extend(ids)
-            if pins:
-                self._answers.append(("release", self._store.release(dict(pins))))
+        """Unpin a lookup no load job took over (no hit used, or never scheduled); one still in
+        flight (an abort) is released once its pins are in."""
+        if t.lookup is not None:
+            if t.lookup.leases is None:
+                self._orphans.extend(t.lookup.futures)
+            else:
+                self._release([pin for lease in t.lookup.leases for pin in lease.lease_ids.items()])
         t.lookup = None
         t.loads = None
+
+    def _release(self, pins: list[tuple[PoolKey, list[int]]]) -> None:
+        by_pool: dict[PoolKey, list[int]] = defaultdict(list)
+        for pool, ids in pins:
+            by_pool[pool].extend(ids)
+        if by_pool:
+            self._answers.append(("release", self._store.release(dict(by_pool))))
 
     def shutdown(self) -> None:
         """Hand unused slots back (best effort: a lapsed grant frees them anyway)."""

@@ -1,0 +1,142 @@
+"""The connector on real vLLM with FULL CUDA graphs (vLLM 0.26 on the H200, FA3, bf16).
+
+The seed's reason to exist: a layerwise connector's hooks do not run when vLLM replays a FULL
+CUDA graph, which it does for a step of 1 token. So a partial hit must leave ``2 + k`` tokens to
+compute (a PIECEWISE step, hooks run). These tests run the seed's cases across engine processes
+and compare every output with an engine without the connector, then force the recompute count
+to 1 (the counterfactual) and require the connector to catch the hook-less step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from ucm_ray import policy
+
+pytestmark = pytest.mark.gpu
+BLOCK = 16
+GRAPHS = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+       "RAY_AUTH_MODE": "disabled"}
+
+
+class GpuEngine:
+    """One vLLM engine on a share of the GPU, in its own process (a Ray actor)."""
+
+    def __init__(self, model: str, kv: dict | None, recompute: int | None = None) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kwargs = dict(model=model, dtype="bfloat16", block_size=BLOCK, max_model_len=4096, seed=0,
+                      gpu_memory_utilization=0.15, enable_prefix_caching=True, compilation_config=GRAPHS,
+                      disable_log_stats=False)
+        if kv is not None:
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
+        self.llm = LLM(**kwargs)
+        if recompute is not None:  # test-only: the counterfactual of the seed's rule
+            self._scheduler_part().recompute = recompute
+
+    def _scheduler_part(self):
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict:
+        from vllm import SamplingParams
+
+        out = self.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=max_tokens, temperature=0),
+                                use_tqdm=False)[0]
+        connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        if connector is not None:
+            connector.scheduler_part.flush(timeout_s=10.0)
+        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+
+    def totals(self) -> dict:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return {**self._scheduler_part().stats.totals, **get_kv_transfer_group().worker_part.stats.totals}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.update(ENV)
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, namespace="ucm_gpu_tests", logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from ucm_ray.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=4, hidden_size=256,
+                               num_heads=4, num_kv_heads=2, dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.fleet import running_fleet
+
+    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=1 << 30, transport="shm",
+                                    ray_namespace="ucm_gpu")) as cfg:
+        yield cfg
+
+
+def engine(model: str, kv: dict | None, recompute: int | None = None):
+    remote = ray.remote(num_gpus=0.2, runtime_env={"env_vars": ENV})(GpuEngine)
+    return remote.remote(model, kv, recompute)
+
+
+def kv_config(fleet, **extra) -> dict:
+    return {"kv_connector": "UcmRayConnector", "kv_connector_module_path": "ucm_ray.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"ray_namespace": fleet.ray_namespace, "lookup_timeout_s": 60,
+                                          "layerwise": True, **extra}}
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    return synthetic_prompt(model, 1024 + 5, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompt, cluster):
+    ref = engine(model, None)
+    out = {n: ray.get(ref.generate.remote(prompt[:n]))["tokens"] for n in (1024, 1024 + 5)}
+    ray.kill(ref)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stored(model, prompt, fleet):
+    a = engine(model, kv_config(fleet))
+    ray.get(a.generate.remote(prompt[:1024]))
+    assert ray.get(a.totals.remote())["saved_blocks"] == 1024 // BLOCK
+    ray.kill(a)
+    return True
+
+
+@pytest.mark.parametrize("n", [1024, 1024 + 5])
+def test_seed_rule_hits_and_outputs_equal_an_engine_without_the_connector(model, prompt, fleet, reference,
+                                                                          stored, n):
+    b = engine(model, kv_config(fleet))
+    out = ray.get(b.generate.remote(prompt[:n]))
+    totals = ray.get(b.totals.remote())
+    ray.kill(b)
+    assert totals["hit_tokens"] == policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True))
+    assert totals.get("load_failures", 0) == 0 and totals.get("unwaited_layer_loads", 0) == 0
+    assert out["tokens"] == reference[n]
+
+
+def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(model, prompt, fleet, reference, stored):
+    b = engine(model, kv_config(fleet), recompute=1)
+    out = ray.get(b.generate.remote(prompt[:1024]))
+    totals = ray.get(b.totals.remote())
+    ray.kill(b)
+    assert totals["hit_tokens"] == 1023  # the hit left 1 token: vLLM replays a FULL graph, no hook runs
+    assert totals["unwaited_layer_loads"] > 0 and totals["load_failures"] > 0  # caught and recomputed
+    assert out["tokens"] == reference[1024]
