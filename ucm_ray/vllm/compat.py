@@ -16,7 +16,12 @@ try:  # vLLM >= 0.32 reports async load failures per request through this
 except ImportError:  # pragma: no cover - vLLM 0.26
     KVConnectorTransferResults = None
 
-__all__ = ["KVConnectorTransferResults", "KVConnectorWorkerMetadata", "block_hashes_vary_per_process"]
+ASYNC_LOAD_FAILURES_REPORTABLE = KVConnectorTransferResults is not None
+"""vLLM 0.26 has no ``failed_recving``: an asynchronous load can only be reported done, so a
+failed one would hand wrong bytes to the model; connectors must not load asynchronously there."""
+
+__all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "KVConnectorTransferResults", "KVConnectorWorkerMetadata",
+           "block_hashes_vary_per_process"]
 
 
 def block_hashes_vary_per_process(hash_algo: str) -> bool:

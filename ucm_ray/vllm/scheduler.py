@@ -30,7 +30,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_key, state_key
 from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
 from ucm_ray.store.slots import SlotSupply
-from ucm_ray.vllm.compat import block_hashes_vary_per_process
+from ucm_ray.vllm.compat import ASYNC_LOAD_FAILURES_REPORTABLE, block_hashes_vary_per_process
 from ucm_ray.vllm.layout import entry_bytes
 from ucm_ray.vllm.metadata import BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
@@ -49,11 +49,11 @@ NULL_BLOCK_ID = 0
 """vLLM's placeholder block (never holds data): loading into it would corrupt shared state."""
 
 LOOKUP_GRACE_S = 0.002
+"""How long a new request's lookup may take before the scheduler is told to ask again: most land
+within one actor round trip, and answering on the first call saves the request a scheduler step."""
 SLOT_WAIT_S = 0.05
 """How long a request may wait for the slots of its first chunks' saves, posted together with its
 lookup (they land in the same round trip): longer, and the request runs without saving them."""
-"""How long a lookup may take before the scheduler is told to ask again: most land within
-one actor round trip, and answering on the first call saves the request a scheduler step."""
 
 
 def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, label: str) -> list[bytes]:
@@ -156,6 +156,10 @@ class SchedulerPart:
         # vLLM can only take back a failed synchronous load of a single-group cache (it raises for
         # several groups), so loads into a multi-group cache are asynchronous (``failed_recving``).
         self._async_loads = len(self._groups) > 1
+        if self._async_loads and not ASYNC_LOAD_FAILURES_REPORTABLE:
+            raise ValueError("ucm-ray: this vLLM cannot be told that an asynchronous load failed, which a "
+                             "cache of several kv-cache groups (a hybrid model) needs; use vLLM >= 0.32 "
+                             "for such models")
         self._bs = [g.kv_cache_spec.block_size for g in self._groups]
         self._lcm = math.lcm(*self._bs) if self._bs else 1
         self._hash_bs = (getattr(kv_cache_config, "hash_block_size", None)
@@ -241,6 +245,7 @@ class SchedulerPart:
                 if time.monotonic() > deadline:
                     self.stats.add(lookups_deferred=1)
                     return None, False
+                time.sleep(0.0001)  # leave the core to the shard and Ray's threads
         elif not t.lookup.ready():
             return None, False
         if t.lookup.leases is None:
