@@ -23,41 +23,6 @@ ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_ENABLE
        "RAY_AUTH_MODE": "disabled"}
 
 
-class GpuEngine:
-    """One vLLM engine on a share of the GPU, in its own process (a Ray actor)."""
-
-    def __init__(self, model: str, kv: dict | None, recompute: int | None = None) -> None:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        kwargs = dict(model=model, dtype="bfloat16", block_size=BLOCK, max_model_len=4096, seed=0,
-                      gpu_memory_utilization=0.15, enable_prefix_caching=True, compilation_config=GRAPHS,
-                      disable_log_stats=False)
-        if kv is not None:
-            kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
-        self.llm = LLM(**kwargs)
-        if recompute is not None:  # test-only: the counterfactual of the seed's rule
-            self._scheduler_part().recompute = recompute
-
-    def _scheduler_part(self):
-        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part
-
-    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict:
-        from vllm import SamplingParams
-
-        out = self.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=max_tokens, temperature=0),
-                                use_tqdm=False)[0]
-        connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
-        if connector is not None:
-            connector.scheduler_part.flush(timeout_s=10.0)
-        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
-
-    def totals(self) -> dict:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        return {**self._scheduler_part().stats.totals, **get_kv_transfer_group().worker_part.stats.totals}
-
-
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.update(ENV)
@@ -84,9 +49,17 @@ def fleet(cluster):
         yield cfg
 
 
-def engine(model: str, kv: dict | None, recompute: int | None = None):
-    remote = ray.remote(num_gpus=0.2, runtime_env={"env_vars": ENV})(GpuEngine)
-    return remote.remote(model, kv, recompute)
+def engine(model: str, kv: dict | None, recompute: int | None = None, env: dict | None = None, **kwargs):
+    from ucm_ray.testing.engines import ProbedEngine
+
+    remote = ray.remote(num_gpus=0.2, runtime_env={"env_vars": {**ENV, **(env or {})}})(ProbedEngine)
+    return remote.remote(model, kv, recompute, dtype="bfloat16", block_size=BLOCK, max_model_len=4096,
+                         enforce_eager=False, compilation_config=GRAPHS, gpu_memory_utilization=0.15, **kwargs)
+
+
+def totals(handle) -> dict:
+    parts = ray.get(handle.connector_totals.remote())
+    return {**parts["scheduler"], **parts["worker"]}
 
 
 def kv_config(fleet, **extra) -> dict:
@@ -115,7 +88,7 @@ def reference(model, prompt, cluster):
 def stored(model, prompt, fleet):
     a = engine(model, kv_config(fleet))
     ray.get(a.generate.remote(prompt[:1024]))
-    assert ray.get(a.totals.remote())["saved_blocks"] == 1024 // BLOCK
+    assert totals(a)["saved_blocks"] == 1024 // BLOCK
     ray.kill(a)
     return True
 
@@ -125,18 +98,28 @@ def test_seed_rule_hits_and_outputs_equal_an_engine_without_the_connector(model,
                                                                           stored, n):
     b = engine(model, kv_config(fleet))
     out = ray.get(b.generate.remote(prompt[:n]))
-    totals = ray.get(b.totals.remote())
+    got = totals(b)
     ray.kill(b)
-    assert totals["hit_tokens"] == policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True))
-    assert totals.get("load_failures", 0) == 0 and totals.get("unwaited_layer_loads", 0) == 0
+    assert got["hit_tokens"] == policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True))
+    assert got.get("load_failures", 0) == 0 and got.get("unwaited_layer_loads", 0) == 0
     assert out["tokens"] == reference[n]
 
 
-def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(model, prompt, fleet, reference, stored):
-    b = engine(model, kv_config(fleet), recompute=1)
+V2_RUNNER_RECOVERY = ("vLLM 0.26's V2 model runner: after the connector fails the hook-less step's loads, vLLM "
+                      "logs 'Recovered from KV load failure' yet the first token still differs from the "
+                      "reference (919 and 820 against 2038 in two runs, async scheduling on and off); with "
+                      "the V1 runner the same test passes")
+
+
+@pytest.mark.parametrize("runner", ["0", pytest.param("1", marks=pytest.mark.xfail(strict=True,
+                                                                                   reason=V2_RUNNER_RECOVERY))])
+def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(model, prompt, fleet, reference, stored,
+                                                                     runner):
+    b = engine(model, kv_config(fleet), recompute=1, env={"VLLM_USE_V2_MODEL_RUNNER": runner},
+               async_scheduling=False)
     out = ray.get(b.generate.remote(prompt[:1024]))
-    totals = ray.get(b.totals.remote())
+    got = totals(b)
     ray.kill(b)
-    assert totals["hit_tokens"] == 1023  # the hit left 1 token: vLLM replays a FULL graph, no hook runs
-    assert totals["unwaited_layer_loads"] > 0 and totals["load_failures"] > 0  # caught and recomputed
+    assert got["hit_tokens"] == 1023  # the hit left 1 token: vLLM replays a FULL graph, no hook runs
+    assert got["unwaited_layer_loads"] > 0 and got["load_failures"] > 0  # caught and recomputed
     assert out["tokens"] == reference[1024]
