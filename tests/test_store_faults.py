@@ -80,7 +80,7 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
     from ucm_ray.store.blockstore import Location, Publish
     from ucm_ray.transport.base import CopyOp
 
-    cfg = fleet(num_shards=1, reserve_timeout_s=1.0)
+    cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
     slow, fast, reader = StoreClient(cfg), StoreClient(cfg), StoreClient(cfg)
     size = 4096
     mine, theirs = block(0, seed=1)[:size].clone(), block(0, seed=2)[:size].clone()
@@ -114,7 +114,7 @@ def test_renewed_reservation_outlives_its_timeout(fleet):
     from ucm_ray.store.blockstore import Location, Publish
     from ucm_ray.transport.base import CopyOp
 
-    cfg = fleet(num_shards=1, reserve_timeout_s=1.0)
+    cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
     w = StoreClient(cfg)
     data = block(1).clone()
     w.register_local(data)

@@ -27,12 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 T = TypeVar("T")
-
-PoolKey = tuple[str, int]
-"""(shard id, incarnation): one start of one shard's pool."""
 
 
 @dataclass(frozen=True)
