@@ -105,6 +105,9 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)  # per group, as the scheduler output says
     saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
     last_state_pos: int = 0
+    pending: dict[tuple[int, int, int], bool] = field(default_factory=dict)
+    """(group, rank, block index) of attention blocks still to save, and whether their bytes are
+    valid yet (a block whose load failed is not, until a step recomputes it)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
 
@@ -114,6 +117,7 @@ class _LoadInFlight:
     """Pins a dispatched load holds until the worker reports its copies over."""
 
     req_id: str
+    rank: int
     lease_ids: dict[PoolKey, list[int]]
     keys: dict[Location, bytes]
     dispatched: float = field(default_factory=time.monotonic)
@@ -359,7 +363,7 @@ class SchedulerPart:
             job = LoadJob(next(self._job_ids), request.request_id, out if usable else [],
                           complete_in_start=self._async_loads, is_async=self._async_loads,
                           failed=not usable)
-            self._loads[job.job_id] = _LoadInFlight(request.request_id, lease.lease_ids, keys)
+            self._loads[job.job_id] = _LoadInFlight(request.request_id, rank, lease.lease_ids, keys)
             loads.append(job)
         t.loads = loads
         t.lookup = None  # the pins now belong to the load jobs
@@ -436,13 +440,17 @@ class SchedulerPart:
         for g in self._attn:
             full = min(end, len(hashes) * self._hash_bs) // self._bs[g]
             first = t.saved_blocks.get(g, 0)
-            if full <= first:
-                continue
+            computed_now = range(start // self._bs[g], full)
             for rank, ns in enumerate(self._ns):
-                for i in range(first, full):
+                retry = sorted(i for (pg, pr, i), ready in t.pending.items()
+                               if pg == g and pr == rank and i < full and (ready or i in computed_now))
+                for i in dict.fromkeys(retry + list(range(first, full))):
                     key = block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g)
-                    self._add_save(meta, rank, g, t.block_ids[g][i], key)
-            t.saved_blocks[g] = full
+                    if self._add_save(meta, rank, g, t.block_ids[g][i], key):
+                        t.pending.pop((g, rank, i), None)
+                    else:  # no slot yet: the block stays resident while the request runs, retry
+                        t.pending[(g, rank, i)] = True
+            t.saved_blocks[g] = max(first, full)
         for pos in policy.state_dump_positions(start, end, self._lcm) if self.hybrid else ():
             if pos > len(hashes) * self._hash_bs or pos <= t.last_state_pos:
                 continue
@@ -454,10 +462,10 @@ class SchedulerPart:
         if end < req.num_prompt_tokens:
             self._expect_saves(t, end + 2 * self._chunk)  # slots for the next chunk while this one runs
 
-    def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes) -> None:
-        """Bind granted slots on the key's owners to it; without any, the save is skipped."""
+    def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes) -> bool:
+        """Bind granted slots on the key's owners to it; False when there is none yet."""
         if block_id == NULL_BLOCK_ID:
-            return  # vLLM's placeholder: it holds no data of this request
+            return True  # vLLM's placeholder: it holds no data of this request
         size = self._entry_bytes[group]
         locations, tokens = [], []
         for pool in self._store.owners([key])[0]:
@@ -467,10 +475,11 @@ class SchedulerPart:
                 locations.append(Location(pool[0], pool[1], slot[1], size))
         if not locations:
             self.stats.add(saves_skipped=1)
-            return
+            return False
         job = SaveJob(next(self._job_ids), group, block_id, locations)
         self._saves[job.job_id] = _SaveInFlight(key, locations, tokens)
         meta.saves[rank].append(job)
+        return True
 
     # --- results from the workers --------------------------------------------------------
 
@@ -510,23 +519,25 @@ class SchedulerPart:
                 continue
             pins.extend(load.lease_ids.items())
             removals.extend(Removal(load.keys[loc], loc) for loc in results.corrupt if loc in load.keys)
-            self._save_again(load.req_id, results.load_failures.get(job_id, []))
+            self._save_again(load, results.load_failures.get(job_id, []))
         self._release(pins)
         if removals:
             log.error("ucm-ray: removing %d stored entries that failed their checksum", len(removals))
             self._answers.append(("remove", self._store.remove(removals)))
 
-    def _save_again(self, req_id: str, failed_block_ids: list[int]) -> None:
-        """Blocks that failed to load are recomputed by vLLM: plan their saves again."""
-        t = self._tracked.get(req_id)
+    def _save_again(self, load: _LoadInFlight, failed_block_ids: list[int]) -> None:
+        """Blocks that failed to load (the store evidently lost them) are saved again once vLLM
+        recomputed them; only those, not the rest of the prefix."""
+        t = self._tracked.get(load.req_id)
         if t is None or not failed_block_ids:
             return
         for g in self._attn:
             ids = t.block_ids[g] if g < len(t.block_ids) else []
             failed = [ids.index(b) for b in failed_block_ids if b in ids]
-            if failed:
-                t.saved_blocks[g] = min(t.saved_blocks.get(g, 0), min(failed))
-                self._expect_saves(t, max(failed) * self._bs[g] + self._bs[g], min(failed) * self._bs[g])
+            for i in failed:
+                t.pending[(g, load.rank, i)] = False  # garbage until a step recomputes it
+            for i in failed:
+                self._expect_saves(t, (i + 1) * self._bs[g], i * self._bs[g])
 
     def _collect_answers(self) -> None:
         """Check what the shards said to our commits, releases and removals (never waits)."""
