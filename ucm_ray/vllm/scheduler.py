@@ -427,6 +427,7 @@ class SchedulerPart:
                 continue
             if req_id in cached.resumed_req_ids:
                 t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
+                t.pending.clear()  # new blocks: what was pending may not be in them yet
             elif new_ids is not None:
                 for group, ids in enumerate(new_ids):
                     t.block_ids[group].extend(ids)
