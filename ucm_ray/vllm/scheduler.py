@@ -433,11 +433,14 @@ class SchedulerPart:
                     t.block_ids[group].extend(ids)
 
     def _plan_saves(self, t: _Tracked, n_sched: int, meta: UcmRayConnectorMetadata) -> None:
-        """Blocks that are full (and hashed) once this step ran, and the state at the chunk end."""
+        """Blocks that are full (and hashed) once this step ran, and the state at the chunk end.
+        Their owners are placed in one call for the whole request (not one per block)."""
         req = t.request
         start = req.num_computed_tokens  # before this step: vLLM advances it after planning
         end = start + n_sched
         hashes = req.block_hashes
+        # (rank, group, vLLM block id, key, the pending key of an attention block or None)
+        wanted: list[tuple[int, int, int, bytes, tuple[int, int, int] | None]] = []
         for g in self._attn:
             full = min(end, len(hashes) * self._hash_bs) // self._bs[g]
             first = t.saved_blocks.get(g, 0)
@@ -447,10 +450,7 @@ class SchedulerPart:
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
                 for i in dict.fromkeys(retry + list(range(first, full))):
                     key = block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g)
-                    if self._add_save(meta, rank, g, t.block_ids[g][i], key):
-                        t.pending.pop((g, rank, i), None)
-                    else:  # no slot yet: the block stays resident while the request runs, retry
-                        t.pending[(g, rank, i)] = True
+                    wanted.append((rank, g, t.block_ids[g][i], key, (g, rank, i)))
             t.saved_blocks[g] = max(first, full)
         for pos in policy.state_dump_positions(start, end, self._lcm) if self.hybrid else ():
             if pos > len(hashes) * self._hash_bs or pos <= t.last_state_pos:
@@ -458,18 +458,26 @@ class SchedulerPart:
             for rank, ns in enumerate(self._ns):
                 for g in self._states:
                     key = state_key(ns, self._hash_at(hashes, pos), g, pos)
-                    self._add_save(meta, rank, g, t.block_ids[g][pos // self._bs[g] - 1], key)
+                    wanted.append((rank, g, t.block_ids[g][pos // self._bs[g] - 1], key, None))
             t.last_state_pos = pos
+        owners = self._store.owners([key for _, _, _, key, _ in wanted]) if wanted else []
+        for (rank, g, block_id, key, pending), pools in zip(wanted, owners):
+            saved = self._add_save(meta, rank, g, block_id, key, pools)
+            if pending is not None and saved:
+                t.pending.pop(pending, None)
+            elif pending is not None:  # no slot yet: the block stays resident while the request runs
+                t.pending[pending] = True
         if end < req.num_prompt_tokens:
             self._expect_saves(t, end + 2 * self._chunk)  # slots for the next chunk while this one runs
 
-    def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes) -> bool:
+    def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes,
+                  pools: list[PoolKey]) -> bool:
         """Bind granted slots on the key's owners to it; False when there is none yet."""
         if block_id == NULL_BLOCK_ID:
             return True  # vLLM's placeholder: it holds no data of this request
         size = self._entry_bytes[group]
         locations, tokens = [], []
-        for pool in self._store.owners([key])[0]:
+        for pool in pools:
             slot = self._slots.take(pool, size)
             if slot is not None:
                 tokens.append(slot[0])
