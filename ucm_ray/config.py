@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +25,67 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names which and why."""
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 TRANSPORTS = ("auto", "shm", "nixl")
 
+# Names that end up in Ray actor namespaces, shared-memory file names and block keys: a safe
+# character set, not starting with '.' or '-' (so never '..', a hidden file or a CLI flag).
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", re.ASCII)
+NAME_CHARS = "letters, digits, '_', '.', '-', not starting with '.' or '-'"
+
+# Limits: every one a value that is surely a mistake beyond it, never a tuning choice.
+MAX_NUM_SHARDS = 1024
+MIN_POOL_BYTES = 4096
+MAX_POOL_BYTES = 16 << 40
+"""16 TiB per shard: more than any host's memory today; a larger value is a typo (2**70)."""
+TIMEOUT_LIMITS: dict[str, tuple[float, float]] = {
+    # A Ray actor call costs ~1 ms (p99 ~6 ms): below 10 ms every lookup or copy would fail.
+    "lookup_timeout_s": (0.01, 3600.0),
+    "transfer_timeout_s": (0.01, 3600.0),
+    # Pins and grants are renewed/redone on the scheduler's step clock; below 0.1 s they would
+    # lapse between two steps. Above a day they no longer protect anything from a dead reader.
+    "lease_s": (0.1, 86400.0),
+    "reserve_timeout_s": (0.1, 86400.0),
+}
+MAX_SHARD_CPUS = 1024.0
+MIN_FRACTIONAL_CPUS = 0.0001
+"""Ray refuses a non-zero resource quantity below 0.0001."""
+
 
 def parse_size(value: Any, key: str) -> int:
-    """Bytes from an int or a string such as ``"512MiB"`` / ``"2GB"``."""
+    """Whole bytes from an int or a string such as ``"512MiB"`` / ``"2GB"`` / ``"1.5GiB"``.
+    A size that is not a whole number of bytes (``"1.9"``, ``"0.3KiB"``) is refused, never
+    truncated."""
+    expected = f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}"
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}")
+        raise ConfigError(expected)
     if isinstance(value, int):
         return value
-    m = _SIZE_RE.match(str(value))
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+        return int(value)
+    if not isinstance(value, str):
+        raise ConfigError(expected)
+    m = _SIZE_RE.match(value)
     if not m:
-        raise ConfigError(f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}")
+        raise ConfigError(expected)
     unit = (m.group(2) or "").upper().rstrip("B") if (m.group(2) or "").upper() != "B" else "B"
-    return int(float(m.group(1)) * _UNITS[unit])
+    try:
+        size = Fraction(m.group(1)) * _UNITS[unit]
+    except ValueError:  # more digits than Python converts
+        raise ConfigError(expected) from None
+    if size.denominator != 1:
+        raise ConfigError(f"{key}: {value!r} is not a whole number of bytes")
+    return int(size)
+
+
+def _show(key: object) -> str:
+    """A key as it can be printed on one line."""
+    return key if isinstance(key, str) and key.isidentifier() else repr(key)
 
 
 @dataclass(frozen=True)
@@ -79,16 +124,40 @@ class UcmRayConfig:
             if not cond:
                 raise ConfigError(f"{key}: {getattr(self, key)!r} is not allowed; expected {allowed}")
 
-        need(bool(self.namespace) and isinstance(self.namespace, str), "namespace", "a non-empty string")
-        for key in ("ray_namespace", "ray_address"):
-            need(bool(getattr(self, key)) and isinstance(getattr(self, key), str), key, "a non-empty string")
-        need(self.num_shards >= 1, "num_shards", "an integer >= 1")
-        need(self.pool_bytes >= 4096, "pool_bytes", "a size >= 4096 bytes")
-        need(1 <= self.replication <= self.num_shards, "replication",
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for key, max_len in (("namespace", 128), ("ray_namespace", 64)):
+            v = getattr(self, key)
+            need(isinstance(v, str) and len(v) <= max_len and _NAME_RE.fullmatch(v) is not None, key,
+                 f"1 to {max_len} of {NAME_CHARS}")
+        need(isinstance(self.ray_address, str) and 0 < len(self.ray_address) <= 1024
+             and self.ray_address.isprintable() and not any(c.isspace() for c in self.ray_address),
+             "ray_address", "'auto' or a Ray address such as 127.0.0.1:6379 (no spaces)")
+        need(is_int(self.num_shards) and 1 <= self.num_shards <= MAX_NUM_SHARDS, "num_shards",
+             f"an integer between 1 and {MAX_NUM_SHARDS}")
+        need(is_int(self.pool_bytes) and MIN_POOL_BYTES <= self.pool_bytes <= MAX_POOL_BYTES, "pool_bytes",
+             f"a whole number of bytes between {MIN_POOL_BYTES} and {MAX_POOL_BYTES} (16 TiB)")
+        need(is_int(self.replication) and 1 <= self.replication <= self.num_shards, "replication",
              f"an integer between 1 and num_shards ({self.num_shards})")
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
-        for key in ("lookup_timeout_s", "transfer_timeout_s", "lease_s", "reserve_timeout_s"):
-            need(getattr(self, key) > 0, key, "a number of seconds > 0")
+        for key in ("layerwise", "checksum"):
+            need(isinstance(getattr(self, key), bool), key, "true or false")
+        for key, (lo, hi) in TIMEOUT_LIMITS.items():
+            v = getattr(self, key)
+            need(is_num(v) and lo <= v <= hi, key, f"a number of seconds between {lo:g} and {hi:g}")
+        need(is_num(self.shard_cpus) and (self.shard_cpus == 0 or MIN_FRACTIONAL_CPUS <= self.shard_cpus
+                                          <= MAX_SHARD_CPUS),
+             "shard_cpus", f"0 or a number of CPUs between {MIN_FRACTIONAL_CPUS:g} and {MAX_SHARD_CPUS:g}")
+        # Checked where the config is built: on the node running `ucm-ray up` (before anything
+        # starts) and again on each shard's node (the shard rebuilds it); engines only map the
+        # paths that shards publish, but a config naming a missing directory is wrong anywhere.
+        need(isinstance(self.shm_dir, str) and "\0" not in self.shm_dir and os.path.isabs(self.shm_dir)
+             and os.path.isdir(self.shm_dir), "shm_dir", "an existing directory, as an absolute path")
+        # Relations, after every value is valid on its own (so an error names the key at fault).
         # A pin must outlive the copies it protects: lookups older than lease_s / 2 are redone
         # before their loads are dispatched, and a step's copies end by transfer_timeout_s.
         need(self.lease_s >= 2 * self.transfer_timeout_s, "lease_s",
@@ -96,7 +165,6 @@ class UcmRayConfig:
         # Likewise a write slot must outlive the copies into it.
         need(self.reserve_timeout_s >= 2 * self.transfer_timeout_s, "reserve_timeout_s",
              f"at least 2 x transfer_timeout_s ({2 * self.transfer_timeout_s:g})")
-        need(self.shard_cpus >= 0, "shard_cpus", "a number >= 0")
 
     # --- loading -------------------------------------------------------------------------
 
@@ -107,13 +175,16 @@ class UcmRayConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, ignore: tuple[str, ...] = ()) -> UcmRayConfig:
         """Build from a mapping; ``ignore`` lists foreign keys that may share the mapping."""
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"ucm-ray settings must be a mapping of keys to values, got {type(data).__name__}")
         data = dict(data or {})
         for k in ignore:
             data.pop(k, None)
         allowed = cls.keys()
-        unknown = sorted(set(data) - set(allowed))
+        unknown = sorted((k for k in data if k not in allowed), key=str)
         if unknown:
-            raise ConfigError(f"unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(allowed)}")
+            raise ConfigError(f"unknown key(s) {', '.join(map(_show, unknown))}; "
+                              f"allowed keys: {', '.join(allowed)}")
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name in data:
@@ -167,21 +238,28 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if typ in ("int", int):
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        try:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
             return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:  # not an integer, or more digits than Python converts
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if typ in ("float", float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{key}: {value!r} is out of range") from None
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
     if typ in ("str", str):
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
