@@ -36,6 +36,12 @@ lint: venv
 gpu-test:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 -m pytest -q -p no:cacheprovider tests/gpu
 
+# Same machine, same Python: the worker's copy path into 8B-shaped paged KV against a pinned copy,
+# layer waits under compute, then TTFT cold / prefix hit / store-warm (4k, 16k).
+.PHONY: gpu-bench
+gpu-bench:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_data_plane.py --ttft
+
 bench: venv
 	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/ttft.py

@@ -1,0 +1,550 @@
+"""GPU data-plane benchmark: the connector worker's real copy path into vLLM-shaped paged KV.
+
+Part 1 (always): an 8B-class KV cache (32 layers, 8 KV heads, head 128, block 16, bf16: one
+layer's block is 64 KiB, one stored entry 2 MiB) laid out as vLLM 0.26 hands it to a connector
+(FLASH_ATTN: logical ``[num_blocks, kv_heads, block, 2 * head]``, stored NHD, i.e. a permuted
+view of ``[num_blocks, block, kv_heads, 2 * head]``; see ``kv_caches`` below). A shard fleet
+serves a shared-memory pool; ``WorkerPart`` (``ucm_ray.vllm.worker``, the connector's worker
+half) saves layer by layer into granted slots and loads layer by layer from pinned entries,
+exactly as in an engine step: ``bind`` -> ``save_kv_layer`` x layers -> ``wait_for_save``, and
+``bind`` -> ``start_load_kv`` -> ``wait_for_layer_load`` x layers. Bytes are verified. In the
+same run the same number of bytes is copied once between a pinned host buffer and the GPU
+(the link's speed). Then one load runs while a per-layer compute runs: a matmul with the
+FLOPs of one layer of an 8B model (Llama-3-8B: hidden 4096, q/k/v/o 4096+1024+1024+4096 wide,
+MLP 3 x 14336) over the chunk being prefilled, launched after each ``wait_for_layer_load`` as
+vLLM's forward would. The stall per layer is (overlapped time - compute-only time) / layers.
+The same figures are also taken with the HND layout (one contiguous range per layer-block),
+to tell the layout's cost from the transport's.
+
+Part 2 (``--ttft``): TTFT of a 4k and a 16k prompt on a ~1.2B random-weight Llama (Llama-3.2-1B
+shape, bf16, FULL_AND_PIECEWISE CUDA graphs), engines as Ray actors in their own processes:
+cold (engine A, connector on, store empty), the engine's own prefix-cache hit (A again), and
+store-warm (a fresh engine B with the connector). Prompts are 8 tokens past a block boundary
+so that A's repeat is a pure local hit (the store holds nothing beyond it).
+
+Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
+(goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
+``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` and the 16k ones.
+
+Run: ``make gpu-bench`` (both parts) on a GPU machine, or ``python benchmarks/gpu_data_plane.py
+--device cpu --quick [--ttft]`` anywhere as a smoke check (small shapes, plain copies).
+It starts and stops its own Ray cluster and fleets and leaves nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
+from ucm_ray.store.client import StoreClient  # noqa: E402
+from ucm_ray.store.fleet import running_fleet  # noqa: E402
+from ucm_ray.transport.shm import pool_prefix  # noqa: E402
+
+log = logging.getLogger("bench.gpu")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class KVShape:
+    layers: int = 32
+    kv_heads: int = 8
+    head: int = 128
+    block: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def page_bytes(self) -> int:
+        """One layer's block (K and V): 2 * 16 * 8 * 128 * 2 = 64 KiB for the 8B shape."""
+        return 2 * self.block * self.kv_heads * self.head * self.dtype.itemsize
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.layers * self.page_bytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one run measures: the H200 figures, or a small smoke check."""
+
+    kv: KVShape
+    blocks: int  # blocks loaded/saved per pass (the prefix hit: 256 x 16 = 4096 tokens)
+    chunk_tokens: int  # tokens of the chunk whose compute overlaps the loads
+    hidden: int  # compute: x[chunk, hidden] @ w[hidden, width]
+    width: int
+    repeat: int
+
+
+FULL = Profile(KVShape(), blocks=256, chunk_tokens=2048, hidden=4096,
+               width=4096 + 1024 + 1024 + 4096 + 3 * 14336, repeat=3)
+QUICK = Profile(KVShape(layers=4), blocks=8, chunk_tokens=64, hidden=256, width=1024, repeat=2)
+
+# vLLM 0.26 FLASH_ATTN: get_kv_cache_shape -> (num_blocks, kv_heads, block, 2 * head) ("K and V are
+# packed into the content dim"); get_kv_cache_stride_order() with the NHD layout every connector
+# that names no layout gets -> (0, 2, 1, 3); _reshape_attention_kv_cache views the raw per-layer
+# allocation in that permuted order and hands ``.permute(inv_order)`` to register_kv_caches.
+STRIDE_ORDER = {"nhd": (0, 2, 1, 3), "hnd": (0, 1, 2, 3)}
+
+
+def kv_caches(shape: KVShape, num_blocks: int, device: torch.device, layout: str) -> dict[str, torch.Tensor]:
+    logical = (num_blocks, shape.kv_heads, shape.block, 2 * shape.head)
+    order = STRIDE_ORDER[layout]
+    physical = tuple(logical[i] for i in order)
+    inv = [order.index(i) for i in range(len(order))]
+    caches = {}
+    for i in range(shape.layers):  # one allocation per layer, zeroed, as vLLM allocates them
+        raw = torch.zeros(num_blocks * shape.page_bytes, dtype=torch.int8, device=device)
+        caches[f"model.layers.{i}.self_attn.attn"] = raw.view(shape.dtype).view(physical).permute(*inv)
+    return caches
+
+
+def check_vllm_shape(shape: KVShape) -> None:
+    """Compare the logical shape above with what this vLLM's FLASH_ATTN backend says."""
+    try:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        got = tuple(FlashAttentionBackend.get_kv_cache_shape(7, shape.block, shape.kv_heads, shape.head))
+    except Exception as e:  # noqa: BLE001 -- e.g. a CPU build without the backend
+        log.info("vLLM's FLASH_ATTN backend not available here (%s: %s); using vLLM 0.26's shape",
+                 type(e).__name__, e)
+        return
+    want = (7, shape.kv_heads, shape.block, 2 * shape.head)
+    if got != want:
+        log.warning("this vLLM's FLASH_ATTN KV shape is %s, the benchmark mirrors vLLM 0.26's %s", got, want)
+
+
+def kv_cache_config(shape: KVShape, layer_names: list[str], num_blocks: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=shape.block, num_kv_heads=shape.kv_heads, head_size=shape.head,
+                             dtype=shape.dtype)
+    assert spec.page_size_bytes == shape.page_bytes, (spec.page_size_bytes, shape.page_bytes)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=layer_names, kv_cache_spec=spec)])
+
+
+def keys_for(tag: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+class WorkerBench:
+    """One WorkerPart over vLLM-shaped KV caches: blocks [0, n) are the source of saves,
+    [n, 2n) the target of loads; every location comes from a real StoreClient."""
+
+    def __init__(self, prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
+                 layout: str) -> None:
+        from ucm_ray.vllm.worker import WorkerPart
+
+        self.prof, self.client, self.device, self.layout = prof, client, device, layout
+        n = prof.blocks
+        self.caches = kv_caches(prof.kv, 2 * n, device, layout)
+        self.names = list(self.caches)
+        self.worker = WorkerPart(kv_cache_config(prof.kv, self.names, 2 * n), cfg, 0,
+                                 ray.get_runtime_context().get_node_id())
+        self.worker.register_kv_caches(self.caches)
+        g = torch.Generator(device=device).manual_seed(1)
+        for t in self.caches.values():  # random bytes in the source blocks, zeros in the targets
+            t[:n].view(torch.int16).copy_(torch.randint(-2**15, 2**15, t[:n].shape, dtype=torch.int16,
+                                                        device=device, generator=g))
+        self.keys = keys_for(f"{layout}-{os.getpid()}", n)
+        self.save_locations = self._reserve()
+        self._job = 0
+        self.lease = None
+
+    def segments_per_layer_block(self) -> int:
+        from ucm_ray.vllm.layout import layer_layout
+
+        return len(layer_layout("probe", self.caches[self.names[0]], 2 * self.prof.blocks).segments(0))
+
+    def _reserve(self) -> list[tuple[Location, int]]:
+        by_pool: dict[Any, list[int]] = {}
+        for i, owners in enumerate(self.client.owners(self.keys)):
+            by_pool.setdefault(owners[0], []).append(i)
+        out: list[Any] = [None] * len(self.keys)
+        size = self.prof.kv.entry_bytes
+        for pool, ix in by_pool.items():
+            grant = self.client.reserve(pool, size, len(ix)).result()
+            assert grant is not None and len(grant.offsets) == len(ix), f"pool {pool[0]} has no room"
+            for i, off in zip(ix, grant.offsets):
+                out[i] = (Location(pool[0], pool[1], off, size), grant.token)
+        return out
+
+    def _next(self) -> int:
+        self._job += 1
+        return self._job
+
+    def _meta(self, **kw):
+        from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
+
+        return UcmRayConnectorMetadata(pools=self.client.pools().descriptors, **kw)
+
+    def save(self) -> None:
+        """One step's layerwise save of blocks [0, n) into the granted slots."""
+        from ucm_ray.vllm.metadata import SaveJob
+
+        jobs = [SaveJob(self._next(), 0, i, [loc]) for i, (loc, _) in enumerate(self.save_locations)]
+        self.worker.bind(self._meta(saves={0: jobs}))
+        for name in self.names:
+            self.worker.save_kv_layer(name)
+        self.worker.wait_for_save()
+        results = self.worker.build_worker_meta()
+        assert results is not None and all(all(r.landed) for r in results.saves.values()), "a save failed"
+
+    def commit(self) -> None:
+        publish = [Publish(k, loc, token) for k, (loc, token) in zip(self.keys, self.save_locations)]
+        assert all(self.client.commit(publish).result()), "commit refused"
+        self.lease = self.client.acquire(self.keys).result()
+        assert all(loc is not None for loc in self.lease.locations), "a committed entry is missing"
+
+    def start_load(self) -> None:
+        from ucm_ray.vllm.metadata import BlockLoad, LoadJob
+
+        assert self.lease is not None
+        n = self.prof.blocks
+        job = LoadJob(self._next(), "bench", [BlockLoad(0, n + i, loc) for i, loc in enumerate(self.lease.locations)])
+        self.worker.bind(self._meta(loads={0: [job]}))
+        self.worker.start_load_kv()
+
+    def finish_load(self) -> None:
+        results = self.worker.build_worker_meta()
+        assert results is not None and not results.load_failures, f"loads failed: {results}"
+
+    def load(self) -> None:
+        """One step's layerwise load of the n entries into blocks [n, 2n)."""
+        self.start_load()
+        for name in self.names:
+            self.worker.wait_for_layer_load(name)
+        self.finish_load()
+
+    def clear_targets(self) -> None:
+        n = self.prof.blocks
+        for t in self.caches.values():
+            t[n:].zero_()
+        sync(self.device)
+
+    def verify(self) -> None:
+        n = self.prof.blocks
+        sync(self.device)
+        for name, t in self.caches.items():
+            # as int16: the random bf16 bit patterns include NaNs, which never compare equal
+            assert torch.equal(t[:n].view(torch.int16), t[n:].view(torch.int16)), \
+                f"{self.layout}: loaded bytes of {name} differ from the saved ones"
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.client.release(self.lease.lease_ids).result()
+        self.worker.shutdown()
+        self.caches.clear()
+
+
+def pinned_copy(nbytes: int, device: torch.device, repeat: int) -> tuple[float, float]:
+    """GB/s of one plain host->device and device->host copy of ``nbytes`` (pinned host buffer)."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host.random_(0, 256)
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    copy(dev, host)  # warm-up
+    h2d = nbytes / best(lambda: copy(dev, host), repeat)
+    d2h = nbytes / best(lambda: copy(host, dev), repeat)
+    return h2d / 1e9, d2h / 1e9
+
+
+def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
+                   layout: str, overlap: bool) -> dict[str, float]:
+    bench = WorkerBench(prof, cfg, client, device, layout)
+    res: dict[str, float] = {"segments": bench.segments_per_layer_block()}
+    nbytes = prof.blocks * prof.kv.entry_bytes
+    try:
+        log.info("%s: %d segment(s) per layer-block; first save (maps and pins the pool)", layout, res["segments"])
+        t = time.perf_counter()
+        bench.save()
+        bench.commit()
+        # A layout that needs many small copies can take seconds a pass: then one pass each.
+        reps = prof.repeat if time.perf_counter() - t < 2.0 else 1
+        res["save_gbps"] = nbytes / best(bench.save, reps) / 1e9
+        loads = []
+        for _ in range(reps):
+            bench.clear_targets()
+            t = time.perf_counter()
+            bench.load()
+            loads.append(time.perf_counter() - t)
+            bench.verify()
+        res["load_gbps"] = nbytes / min(loads) / 1e9
+        log.info("%s: load %.2f GB/s, save %.2f GB/s (%d x %d KiB entries, bytes verified)", layout,
+                 res["load_gbps"], res["save_gbps"], prof.blocks, prof.kv.entry_bytes >> 10)
+        if overlap:
+            res.update(measure_overlap(prof, bench, device, min(loads), reps))
+    finally:
+        bench.close()
+    return res
+
+
+def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, load_s: float,
+                    reps: int) -> dict[str, float]:
+    """A load while each layer's compute runs, launched after its wait_for_layer_load."""
+    g = torch.Generator(device=device).manual_seed(2)
+    dtype = prof.kv.dtype
+    x = torch.randn(prof.chunk_tokens, prof.hidden, device=device, dtype=dtype, generator=g)
+    w = torch.randn(prof.hidden, prof.width, device=device, dtype=dtype, generator=g) / prof.hidden ** 0.5
+    out = torch.empty(prof.chunk_tokens, prof.width, device=device, dtype=dtype)
+    layers = len(bench.names)
+
+    def compute_only() -> None:
+        for _ in range(layers):
+            torch.matmul(x, w, out=out)
+        sync(device)
+
+    compute_only()  # warm-up (cuBLAS handles, clocks)
+    t_compute = best(compute_only, prof.repeat)
+    runs = []
+    for _ in range(reps):
+        bench.clear_targets()
+        sync(device)
+        t0 = time.perf_counter()
+        bench.start_load()
+        t_start = time.perf_counter() - t0
+        cpu_wait = 0.0
+        for name in bench.names:
+            tw = time.perf_counter()
+            bench.worker.wait_for_layer_load(name)
+            cpu_wait += time.perf_counter() - tw
+            torch.matmul(x, w, out=out)  # this layer's compute, queued behind its loaded KV
+        sync(device)
+        total = time.perf_counter() - t0
+        bench.finish_load()
+        bench.verify()
+        runs.append((total, cpu_wait, t_start))
+    total, cpu_wait, t_start = min(runs)
+    flops = 2 * prof.chunk_tokens * prof.hidden * prof.width
+    log.info("overlap: %d layers, compute %.2f ms/layer (%.0f TFLOP/s), load alone %.2f ms/layer, "
+             "overlapped step %.2f ms vs compute alone %.2f ms (start_load_kv %.2f ms)", layers,
+             t_compute / layers * 1e3, flops * layers / t_compute / 1e12, load_s / layers * 1e3, total * 1e3,
+             t_compute * 1e3, t_start * 1e3)
+    return {"layer_compute_ms": t_compute / layers * 1e3, "layer_load_ms": load_s / layers * 1e3,
+            "layer_wait_overlapped_ms": max(0.0, total - t_compute) / layers * 1e3,
+            "layer_wait_cpu_ms": cpu_wait / layers * 1e3, "start_load_kv_ms": t_start * 1e3}
+
+
+def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, float]:
+    check_vllm_shape(prof.kv)
+    entries = 2 * prof.blocks  # both layouts' entries stay stored until the fleet stops
+    pool = max(entries * prof.kv.entry_bytes // shards + (64 << 20), 64 << 20)
+    cfg = UcmRayConfig(num_shards=shards, pool_bytes=pool, ray_namespace="ucm_ray_gpu_bench", transport="shm",
+                       transfer_timeout_s=60, lease_s=600, reserve_timeout_s=600, lookup_timeout_s=60)
+    nbytes = prof.blocks * prof.kv.entry_bytes
+    out: dict[str, float] = {}
+    with running_fleet(cfg):
+        client = StoreClient(cfg)
+        try:
+            h2d, d2h = pinned_copy(nbytes, device, prof.repeat)
+            log.info("plain pinned copy of %d MiB: host->device %.2f GB/s, device->host %.2f GB/s",
+                     nbytes >> 20, h2d, d2h)
+            vllm = measure_layout(prof, cfg, client, device, "nhd", overlap=True)
+            hnd = measure_layout(prof, cfg, client, device, "hnd", overlap=False)
+        finally:
+            client.close()
+    out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
+               gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
+               gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
+               hnd_load_vs_pinned_copy=hnd["load_gbps"] / h2d, hnd_save_vs_pinned_copy=hnd["save_gbps"] / d2h)
+    for k in ("layer_compute_ms", "layer_load_ms", "layer_wait_overlapped_ms", "layer_wait_cpu_ms",
+              "start_load_kv_ms"):
+        out[k] = vllm[k]
+    return out
+
+
+# --- part 2: TTFT ------------------------------------------------------------------------
+
+GPU_ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
+                  "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+@dataclass(frozen=True)
+class TtftProfile:
+    model: dict[str, Any]
+    sizes: dict[str, int]
+    engine: dict[str, Any]
+    env: dict[str, str]
+    num_gpus: float
+    kv_bytes_per_token: int
+
+
+def ttft_profile(device: torch.device, quick: bool) -> TtftProfile:
+    if device.type == "cuda":
+        # Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads, 8 KV heads of 64) with a small
+        # vocabulary: ~1.0B parameters, built in well under a minute; 32 KiB of KV per token.
+        model = dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                     vocab_size=2048, max_position_embeddings=32768, dtype="bfloat16")
+        sizes = {"4k": 4096 + 8, "16k": 16384 + 8}
+        engine = dict(dtype="bfloat16", block_size=16, max_model_len=16384 + 256, enforce_eager=False,
+                      compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}, gpu_memory_utilization=0.2)
+        if quick:
+            sizes = {"4k": 4096 + 8}
+        return TtftProfile(model, sizes, engine, GPU_ENGINE_ENV, 0.2, 16 * 2 * 8 * 64 * 2)
+    from ucm_ray.demo import ENGINE_ENV
+
+    model = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    # vLLM on CPU: blocks are multiples of 32 (the Engine's default is 128)
+    return TtftProfile(model, {"4k": 512 + 8, "16k": 1024 + 8}, {}, {**ENGINE_ENV, "PYTHONHASHSEED": "0"}, 0,
+                       4 * 2 * 2 * 64 * 4)
+
+
+def ttft_of(result: dict[str, Any]) -> float:
+    return result["ttft"] if result.get("ttft") else result["seconds"]
+
+
+def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None) -> dict[str, Any]:
+    from ucm_ray.demo import Engine, kv_transfer_config
+    from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+
+    prof = ttft_profile(device, quick)
+    name = "bench-1b" if device.type == "cuda" else "bench-tiny"
+    t = time.perf_counter()
+    model = str(make_tiny_model(model_dir or REPO / ".models" / name, **prof.model))
+    log.info("model %s ready in %.1f s", model, time.perf_counter() - t)
+    prompts = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + i) for i in range(prompts_per_size)]
+               for j, (size, n) in enumerate(prof.sizes.items())}
+    warmup = synthetic_prompt(model, 64, seed=9999)
+    tokens = sum(len(p) for ps in prompts.values() for p in ps)
+    shards = 2
+    cfg = UcmRayConfig(num_shards=shards, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
+                       pool_bytes=int(tokens * prof.kv_bytes_per_token * 1.5) // shards + (64 << 20))
+    kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, "layerwise": True})
+    remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(Engine)
+
+    def start(label: str):
+        t0 = time.perf_counter()
+        engine = remote.remote(model, kv, **prof.engine)
+        ray.get(engine.generate.remote(warmup, 1))
+        log.info("engine %s up in %.1f s", label, time.perf_counter() - t0)
+        return engine
+
+    def hits(engine) -> int:
+        return ray.get(engine.connector_totals.remote())["scheduler"].get("hit_tokens", 0)
+
+    res: dict[str, Any] = {}
+    with running_fleet(cfg):
+        a = start("A (connector, store empty)")
+        cold = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        before = hits(a)
+        local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
+        ray.kill(a)
+        b = start("B (connector, fresh process)")
+        warm, store_hits = {}, {}
+        for s, ps in prompts.items():
+            before = hits(b)
+            warm[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
+            store_hits[s] = hits(b) - before
+        ray.kill(b)
+    identical = all(w["tokens"] == c["tokens"] for s in prompts for w, c in zip(warm[s], cold[s]))
+    for s in prompts:
+        c, h, w = (statistics.median(ttft_of(r) for r in rs[s]) for rs in (cold, local, warm))
+        log.info("%s (%d tokens): cold %.1f ms, prefix-cache hit %.1f ms (cached %s), store-warm %.1f ms "
+                 "(store hit %d tokens over %d prompts)", s, prof.sizes[s], c * 1e3, h * 1e3,
+                 [r["cached"] for r in local[s]], w * 1e3, store_hits[s], len(prompts[s]))
+        res.update({f"ttft_cold_{s}_ms": c * 1e3, f"ttft_prefix_hit_{s}_ms": h * 1e3,
+                    f"ttft_store_warm_{s}_ms": w * 1e3, f"store_hit_tokens_{s}": store_hits[s],
+                    f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_prefix_hit_{s}": w / h})
+    res["ttft_first_tokens_identical"] = identical
+    return res
+
+
+# --- driver --------------------------------------------------------------------------------
+
+def leftover_pools() -> list[str]:
+    return [p for ns in ("ucm_ray_gpu_bench", "ucm_ray_gpu_bench_ttft")
+            for p in glob.glob(pool_prefix("/dev/shm", ns) + "*")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (a smoke check)")
+    ap.add_argument("--quick", action="store_true", help="small shapes: a smoke check, not a measurement")
+    ap.add_argument("--ttft", action="store_true", help="also measure TTFT cold / prefix hit / store-warm")
+    ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
+    ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
+    ap.add_argument("--model-dir", default=None, help="where the TTFT model is built (default .models/)")
+    ap.add_argument("--shards", type=int, default=1, help="shards of the data-plane fleet")
+    ap.add_argument("--blocks", type=int, default=None, help="entries moved per pass (default 256; quick 8)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; run with --device cpu --quick for a smoke check")
+    prof = QUICK if args.quick else FULL
+    if args.blocks:
+        prof = Profile(prof.kv, args.blocks, prof.chunk_tokens, prof.hidden, prof.width, prof.repeat)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    results: dict[str, Any] = {}
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    ray.init(num_cpus=8, num_gpus=gpus, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False,
+             namespace="ucm_ray_gpu_bench")
+    try:
+        if not args.ttft_only:
+            t = time.perf_counter()
+            results.update(data_plane(prof, device, args.shards))
+            log.info("data plane measured in %.1f s", time.perf_counter() - t)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # leave the engines the memory
+        if args.ttft or args.ttft_only:
+            t = time.perf_counter()
+            results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir))
+            log.info("TTFT measured in %.1f s", time.perf_counter() - t)
+    finally:
+        ray.shutdown()
+        left = leftover_pools()
+        if left:
+            log.error("pools left in /dev/shm: %s", left)
+    print(f"device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
+          f"quick={args.quick}")
+    for k, v in results.items():
+        print(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
+
+
+if __name__ == "__main__":
+    main()
