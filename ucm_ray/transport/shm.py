@@ -9,9 +9,11 @@ mapping: plain copies on CPU, side-stream async copies on CUDA.
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import mmap
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,17 +66,57 @@ class SharedPool:
             Path(self.path).unlink(missing_ok=True)
 
 
-def pool_prefix(shm_dir: str, ray_namespace: str, shard_id: str = "") -> str:
-    """Pool files are named ``ucmray-<ray namespace>-<shard id>-<random>``."""
-    return os.path.join(shm_dir, f"ucmray-{ray_namespace}-{shard_id}")
+def cluster_tag(session_name: str | None = None) -> str:
+    """12 hex digits naming one start of one Ray cluster: a hash of its session name, which every
+    node and worker of the cluster shares and no other cluster (or a restart) has. Without a
+    ``session_name``, that of the Ray cluster this process is connected to."""
+    if session_name is None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("pool file names carry the Ray cluster's id: connect to Ray first")
+        session_name = ray.get_runtime_context().get_session_name()
+    return hashlib.sha256(session_name.encode()).hexdigest()[:12]
 
 
-def remove_stale_pools(prefix: str) -> int:
+def pool_prefix(shm_dir: str, ray_namespace: str, shard_id: str = "", *, cluster: str | None = None) -> str:
+    """Pool files are named ``ucmray-<ray namespace>-<cluster tag>-<shard id>-<random>``: two Ray
+    clusters on one host (same Ray namespace or not) never match each other's prefixes, so neither
+    removes the other's live pools. ``cluster`` defaults to this process's cluster
+    (``cluster_tag()``)."""
+    tag = cluster_tag() if cluster is None else cluster
+    return os.path.join(shm_dir, f"ucmray-{ray_namespace}-{tag}-{shard_id}")
+
+
+def is_own_file(st: os.stat_result, uid: int | None = None) -> bool:
+    """Whether an ``lstat`` result is a regular file of user ``uid`` (default: this process's
+    effective user): the only entries stale-pool cleanup may remove."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == (os.geteuid() if uid is None else uid)
+
+
+def remove_stale_pools(prefix: str, *, uid: int | None = None) -> int:
     """Unlink pool files left by shards that died without shutting down (kill -9, OOM):
-    nothing else would ever free that memory. Callers pass a prefix no live shard uses."""
+    nothing else would ever free that memory. Callers pass a prefix no live shard uses.
+
+    Only regular files of this user (``uid``) are touched: in a shared, sticky ``/dev/shm``
+    another user's file (or a directory, or a link) that happens to match is left alone and
+    logged, never a reason for a shard not to start. Returns how many files were removed."""
     removed = 0
     for path in glob.glob(glob.escape(prefix) + "*"):
-        Path(path).unlink(missing_ok=True)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not is_own_file(st, uid):
+            log.warning("leaving %s: not a pool file of this user (owner uid %d)", path, st.st_uid)
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("cannot remove stale shard pool %s: %s", path, e)
+            continue
         removed += 1
     if removed:
         log.info("removed %d stale shard pool(s) matching %s*", removed, prefix)
