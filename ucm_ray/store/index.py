@@ -87,7 +87,9 @@ class IndexStats:
     pending_bytes: int
     quarantined_bytes: int = 0
     lookups: int = 0
+    """Keys readers asked for (``acquire``: the connector's lookups), per shard asked."""
     hits: int = 0
+    """Of those, the keys found: ``hits / lookups`` is the hit rate ``ucm-ray status`` shows."""
     evictions: int = 0
     evicted_bytes: int = 0
     dropped_saves: int = 0
@@ -119,15 +121,14 @@ class BlockIndex:
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         """Which keys are committed, without pinning (tests, benchmarks, ``put``'s skip of
-        present keys). Touches hits so a looked-up prefix stays warm."""
+        present keys). Touches hits so a looked-up prefix stays warm. A presence probe, not a
+        read: it counts no lookup (``put`` probes every replica of every key it writes)."""
         out = []
         for k in keys:
             hit = k in self._entries
             if hit:
                 self._entries.move_to_end(k)
             out.append(hit)
-        self._counters.lookups += len(keys)
-        self._counters.hits += sum(out)
         return out
 
     def acquire(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:

@@ -1,0 +1,39 @@
+"""What ``ucm-ray status`` shows: lookups are the blocks readers ask for, hits those found.
+
+The connector reads through ``acquire``; ``contains`` is a presence probe (``put`` skips keys
+already stored, on every replica) and must not count as a lookup, or a fleet that only ever
+serves hits shows a hit rate far below 1.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from tests.store_helpers import ClientProcess, key, read_back
+from ucm_ray.cli import _summary
+from ucm_ray.store.client import StoreClient
+from ucm_ray.store.fleet import fleet_status
+
+
+def _totals(cfg) -> tuple[int, int]:
+    shards = fleet_status(cfg)["shards"]
+    return sum(s["lookups"] for s in shards), sum(s["hits"] for s in shards)
+
+
+def test_status_counts_the_blocks_readers_ask_for_and_find(fleet):
+    cfg = fleet(num_shards=2, replication=2, transport="shm", pool_bytes=8 << 20)
+    assert all(ray.get(ClientProcess.remote(cfg.to_dict()).write.remote(20), timeout=120))
+    assert _totals(cfg) == (0, 0), "writes asked no reader's question"
+    client = StoreClient(cfg)
+    ok, _ = read_back(client, 20)  # acquire + copy + release: the connector's read path
+    assert all(ok)
+    assert _totals(cfg) == (20, 20)
+    lease = client.acquire([key(i, "absent") for i in range(5)] + [key(0)]).result()
+    assert [loc is not None for loc in lease.locations] == [False] * 5 + [True]
+    client.release(lease.lease_ids).result()
+    assert _totals(cfg) == (26, 21)
+    assert client.lookup([key(i) for i in range(20)]) == [True] * 20  # a probe, not a read
+    assert _totals(cfg) == (26, 21)
+    lines = _summary(fleet_status(cfg)).splitlines()[1:]
+    assert len(lines) == 2 and all("hit rate" in line for line in lines)
+    client.close()
