@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -19,7 +20,9 @@ def _connect(args: argparse.Namespace, cfg: UcmRayConfig) -> None:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.local:
-        ray.init(namespace=cfg.ray_namespace, include_dashboard=False, logging_level="WARNING")
+        # A private cluster: on loopback, never reachable from other hosts.
+        ray.init(namespace=cfg.ray_namespace, include_dashboard=False, logging_level="WARNING",
+                 _node_ip_address="127.0.0.1")
         return
     try:
         ray.init(address=args.address or "auto", namespace=cfg.ray_namespace, logging_level="WARNING")
@@ -28,20 +31,49 @@ def _connect(args: argparse.Namespace, cfg: UcmRayConfig) -> None:
                          "`ray start --head`, pass --address, or use --local") from None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def cmd_up(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
-    from ucm_ray.store.fleet import fleet_status, start_fleet, stop_fleet
+    from ucm_ray.store.fleet import fleet_status, start_fleet
 
     _connect(args, cfg)
+    if args.local:
+        return _serve_local(cfg)
     start_fleet(cfg)
     print(json.dumps(fleet_status(cfg), indent=2))
-    if args.local:  # the cluster lives in this process: serve until interrupted
-        log.info("local fleet running; Ctrl-C stops it")
+    return 0
+
+
+def _serve_local(cfg: UcmRayConfig) -> int:
+    """The cluster lives in this process: serve until Ctrl-C or SIGTERM (what Kubernetes and
+    systemd send), then stop the fleet, unlinking its pools, and the cluster; exit 0 either way.
+    SIGTERM replaces Ray's own handler, which exited 1 (or died of the signal) leaving the pools
+    in /dev/shm. A signal during start-up stops what had started."""
+    import ray
+
+    from ucm_ray.store.fleet import fleet_status, start_fleet, stop_fleet
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        start_fleet(cfg)
+        print(json.dumps(fleet_status(cfg), indent=2), flush=True)
+        log.info("local fleet running; Ctrl-C or SIGTERM stops it")
+        while True:
+            time.sleep(30)
+            log.info("status: %s", _summary(fleet_status(cfg)))
+    except KeyboardInterrupt as e:
+        log.info("%s: stopping the local fleet", e.args[0] if e.args else "SIGINT")
+    finally:
+        # A second signal must not cut the clean-up short (SIGKILL still can).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            while True:
-                time.sleep(30)
-                log.info("status: %s", _summary(fleet_status(cfg)))
-        except KeyboardInterrupt:
             stop_fleet(cfg)
+        except Exception as e:  # never hide why we are stopping
+            log.warning("the local fleet did not stop cleanly: %s", e)
+        ray.shutdown()
     return 0
 
 
