@@ -28,6 +28,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
 from ucm_ray.store.index import BlockIndex, Key, Slot, random_id
 from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class CacheShard:
         remove_stale_pools(prefix)  # a predecessor of this (uniquely named) shard that crashed here
         path = prefix + uuid.uuid4().hex[:8]
         self._pool = SharedPool(path, cfg.pool_bytes, create=True)
+        self._reaper = PoolReaper(path)  # unlinks the pool however this process ends
         self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s,
                                  reserve_timeout_s=cfg.reserve_timeout_s)
         self._nixl = None
@@ -66,6 +68,7 @@ class CacheShard:
                                 "shared memory only", shard_id, e)
         except BaseException:
             self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
+            self._reaper.close()
             raise
         self._metrics = ShardMetrics(shard_id)
         self._lock = threading.Lock()
@@ -164,3 +167,4 @@ class CacheShard:
             self._nixl.close()
             self._nixl = None
         self._pool.close()
+        self._reaper.close()

@@ -1,0 +1,39 @@
+"""Unlink a shard's pool file when its process ends, however it ends.
+
+A shard unlinks its pool on ``shutdown``, but a process can also end without running any
+Python: ``kill -9``, an OOM kill, or the end of the Ray cluster it lives in (``ray.shutdown()``
+of a local cluster, ``serve run`` interrupted with Ctrl-C) — and /dev/shm is memory that stays
+taken until the file is gone. So each pool gets a watcher: a tiny ``sh`` in a session of its own
+(signals to the shard's process group do not reach it) that blocks reading a pipe only the shard
+holds open; the kernel closes that pipe when the shard ends, and the watcher removes the file.
+Clients that mapped the pool keep their mapping; new ones get ENOENT, a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+_WATCH = 'cat >/dev/null; rm -f -- "$0"'
+
+
+class PoolReaper:
+    """Holds the pipe end whose closing (this process's end) makes the watcher unlink ``path``."""
+
+    def __init__(self, path: str) -> None:
+        read_end, self._write_end = os.pipe()  # both close-on-exec: no other child inherits them
+        try:
+            self._watcher = subprocess.Popen(["sh", "-c", _WATCH, path], stdin=read_end, start_new_session=True,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except BaseException:
+            os.close(self._write_end)
+            raise
+        finally:
+            os.close(read_end)
+
+    def close(self) -> None:
+        """The pool was unlinked cleanly: let the watcher go (its ``rm -f`` finds nothing)."""
+        if self._write_end >= 0:
+            os.close(self._write_end)
+            self._write_end = -1
+            self._watcher.wait(timeout=5)
