@@ -1,18 +1,29 @@
 """Start, inspect and stop the shard fleet on a running Ray cluster.
 
-Shards are named, detached actors spread across nodes, so they outlive the
-process that started them (a CLI call, a Serve app) and can be found again by
-``status`` and ``down``.
+Shards are named, detached actors, so they outlive the process that started
+them (a CLI call, a Serve app) and are found again by name: a second start
+(another app, a restarted app, ``ucm-ray up`` again) reuses them, and
+``status`` / ``down`` find them through the directory or, if it is gone, by
+listing the named actors of the fleet's Ray namespace.
+
+Two placements: ``num_shards`` spread over the cluster (``start_fleet``), or
+``shards_per_node`` on every node that can host one now (``start_fleet_per_node``,
+what the Serve app builder uses: same-node engines then read their shard through
+shared memory). A node that joins later gets its shards the next time the fleet
+is started (e.g. the Serve app is redeployed); until then its engines use other
+nodes' shards over NIXL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.directory import DIRECTORY_NAME, ShardDirectory
@@ -21,26 +32,96 @@ from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
 
+SHARD_PREFIX = "ucm_ray_shard_"
+
+
+class FleetStartError(RuntimeError):
+    """A shard could not start (the message says which and why); nothing was left running."""
+
 
 def shard_name(i: int) -> str:
-    return f"ucm_ray_shard_{i}"
+    return f"{SHARD_PREFIX}{i}"
+
+
+def node_shard_name(node_id: str, k: int) -> str:
+    """Shards placed per node are named after their node, so a restart finds the same ones."""
+    return f"{SHARD_PREFIX}{node_id[:12]}_{k}"
+
+
+def shard_nodes(shard_cpus: float) -> list[str]:
+    """Alive nodes that can host a shard now: they have CPUs at all (a node started with
+    ``--num-cpus 0``, like KubeRay's head, is kept free of work) and at least ``shard_cpus``."""
+    return sorted(n["NodeID"] for n in ray.nodes()
+                  if n["Alive"] and n["Resources"].get("CPU", 0) > 0
+                  and n["Resources"].get("CPU", 0) >= shard_cpus)
 
 
 def start_fleet(config: UcmRayConfig, *, timeout_s: float = 120.0) -> ray.actor.ActorHandle:
-    """Create the directory and ``num_shards`` shards (reusing any that exist); idempotent."""
+    """The directory and ``num_shards`` shards spread over the cluster (reusing any that exist)."""
+    return _start(config, [(shard_name(i), "SPREAD") for i in range(config.num_shards)], timeout_s)
+
+
+def start_fleet_per_node(config: UcmRayConfig, shards_per_node: int, *,
+                         timeout_s: float = 120.0) -> UcmRayConfig:
+    """``shards_per_node`` shards on every node that can host one; returns ``config`` with
+    ``num_shards`` set to the fleet's size (a ``ConfigError`` if, e.g., replication exceeds it)."""
+    nodes = shard_nodes(config.shard_cpus)
+    if not nodes:
+        raise FleetStartError(f"no alive Ray node has {config.shard_cpus:g} CPU for a shard "
+                              "(shard_cpus); lower it or add nodes")
+    sized = dataclasses.replace(config, num_shards=len(nodes) * shards_per_node)
+    placement = [(node_shard_name(node, k), NodeAffinitySchedulingStrategy(node, soft=False))
+                 for node in nodes for k in range(shards_per_node)]
+    _start(sized, placement, timeout_s)
+    return sized
+
+
+def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any]], timeout_s: float) -> ray.actor.ActorHandle:
+    """Create what is missing; if any new shard fails to start, stop every actor this call
+    created (nothing half-started is left) and raise one line naming the shard and cause."""
     ns = config.ray_namespace
+    existing = set(fleet_actor_names(ns))
     directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
         name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0).remote()
-    shards = []
-    for i in range(config.num_shards):
-        shards.append((shard_name(i), CacheShard.options(  # type: ignore[attr-defined]
-            name=shard_name(i), namespace=ns, lifetime="detached", get_if_exists=True,
-            num_cpus=config.shard_cpus, scheduling_strategy="SPREAD",
-        ).remote(shard_name(i), config.to_dict())))
-    ray.get([directory.register.remote(sid, h) for sid, h in shards], timeout=timeout_s)
+    shards = [(name, CacheShard.options(  # type: ignore[attr-defined]
+        name=name, namespace=ns, lifetime="detached", get_if_exists=True,
+        num_cpus=config.shard_cpus, scheduling_strategy=strategy,
+    ).remote(name, config.to_dict())) for name, strategy in placement]
+    try:
+        for name, handle in shards:
+            try:
+                ray.get(directory.register.remote(name, handle), timeout=timeout_s)
+            except Exception as e:
+                raise FleetStartError(f"shard {name} did not start: {_root_cause(e)}") from None
+    except FleetStartError:
+        created = [(n, h) for n, h in shards if n not in existing]
+        for name, handle in created:
+            with contextlib.suppress(Exception):
+                ray.get(directory.deregister.remote(name), timeout=timeout_s)
+            _shutdown(name, handle, timeout_s)
+        if DIRECTORY_NAME not in existing:
+            ray.kill(directory)
+        raise
     log.info("ucm-ray fleet up: %d shards x %d bytes in Ray namespace %r",
-             config.num_shards, config.pool_bytes, ns)
+             len(shards), config.pool_bytes, ns)
     return directory
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's one line, not Ray's wrapped traceback."""
+    cause = getattr(error, "cause", None) or error.__cause__
+    while cause is not None and (getattr(cause, "cause", None) or cause.__cause__) is not None:
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    inner = cause or error
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[-1] if text else ''}"
+
+
+def fleet_actor_names(ray_namespace: str) -> list[str]:
+    """Names of the directory and every shard actor Ray knows in this namespace."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == ray_namespace
+                  and (a["name"] == DIRECTORY_NAME or a["name"].startswith(SHARD_PREFIX)))
 
 
 @contextlib.contextmanager
@@ -66,31 +147,34 @@ def fleet_status(config: UcmRayConfig, *, timeout_s: float = 10.0) -> dict[str, 
 
 
 def stop_fleet(config: UcmRayConfig, *, timeout_s: float = 30.0) -> int:
-    """Shut shards down cleanly (unlinking their pools), then kill the actors."""
+    """Shut every shard down cleanly (unlinking its pool), then kill the actors: those the
+    directory lists and those Ray lists by name (the directory may be gone)."""
     ns = config.ray_namespace
-    stopped = 0
     try:
         directory = ray.get_actor(DIRECTORY_NAME, namespace=ns)
         membership = ray.get(directory.membership.remote(), timeout=timeout_s)
         handles = {s.shard_id: s.handle for s in membership.shards}
-    except ValueError:
+    except (ValueError, ray.exceptions.RayError):
         directory, handles = None, {}
-    for i in range(config.num_shards):
-        try:
-            handles.setdefault(shard_name(i), ray.get_actor(shard_name(i), namespace=ns))
-        except ValueError:
-            pass
-    for sid, h in handles.items():
-        try:
-            if directory is not None:
+    for name in fleet_actor_names(ns):
+        if name != DIRECTORY_NAME:
+            with contextlib.suppress(ValueError):
+                handles.setdefault(name, ray.get_actor(name, namespace=ns))
+    for sid, handle in handles.items():
+        if directory is not None:
+            with contextlib.suppress(Exception):
                 ray.get(directory.deregister.remote(sid), timeout=timeout_s)
-            ray.get(h.shutdown.remote(), timeout=timeout_s)
-        except Exception as e:
-            log.warning("shard %s did not shut down cleanly: %s", sid, type(e).__name__)
-        ray.kill(h)
-        stopped += 1
+        _shutdown(sid, handle, timeout_s)
     if directory is not None:
         ray.kill(directory)
     # Shards killed earlier (crashes, kill -9) never unlinked their pools; free this node's.
-    remove_stale_pools(pool_prefix(config.shm_dir, ns, "ucm_ray_shard_"))
-    return stopped
+    remove_stale_pools(pool_prefix(config.shm_dir, ns, SHARD_PREFIX))
+    return len(handles)
+
+
+def _shutdown(name: str, handle: ray.actor.ActorHandle, timeout_s: float) -> None:
+    try:
+        ray.get(handle.shutdown.remote(), timeout=timeout_s)
+    except Exception as e:
+        log.warning("shard %s did not shut down cleanly: %s", name, type(e).__name__)
+    ray.kill(handle)

@@ -1,0 +1,136 @@
+"""The Serve launch as a user runs it: ``ucm-ray serve deploy/serve/tiny-cpu.yaml`` (which
+checks the file, then hands it to ``serve run``) against a private Ray cluster, queried with
+the ``openai`` client on 127.0.0.1. A document with question 1 goes to the first model, the
+same document with question 2 to the second: the second's external hit, read from vLLM's
+own Prometheus counter as Ray exports it, is the policy's prediction, and its greedy tokens
+equal an engine without the connector (a second app built by Ray Serve LLM's own builder).
+Ctrl-C then stops it and no pool file is left once the cluster is gone."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from tests.private_cluster import PrivateCluster, cluster_env, free_port
+from ucm_ray import policy
+from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 128
+DOCUMENT, QUESTION = 2000, 40
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def serve_config(model: str, port: int, ray_namespace: str) -> dict:
+    """deploy/serve/tiny-cpu.yaml with this test's port, namespace and model, plus a
+    reference app (no connector) on /ref."""
+    config = yaml.safe_load((ROOT / "deploy/serve/tiny-cpu.yaml").read_text())
+    config["http_options"]["port"] = port
+    app = config["applications"][0]
+    app["args"]["tier"]["ray_namespace"] = ray_namespace
+    for entry in app["args"]["llm_configs"]:
+        entry["model_loading_config"]["model_source"] = model
+    reference = copy.deepcopy(app["args"]["llm_configs"][0])
+    reference["model_loading_config"]["model_id"] = "tiny-ref"
+    config["applications"].append({
+        "name": "reference", "route_prefix": "/ref", "import_path": "ray.serve.llm:build_openai_app",
+        "args": {"llm_configs": [reference], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}})
+    return config
+
+
+def wait_ready(base_url: str, models: set[str], serve: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert serve.poll() is None, f"ucm-ray serve exited {serve.returncode}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"app not up after {timeout_s} s:\n{log.read_text()[-4000:]}"
+        try:
+            listed = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=5).models.list()
+            if models <= {m.id for m in listed.data}:
+                return
+        except Exception:  # noqa: BLE001 -- not up yet: connection refused, 404, 503
+            pass
+        time.sleep(2)
+
+
+def complete(base_url: str, model: str, prompt: list[int]) -> list[int]:
+    client = OpenAI(base_url=base_url, api_key="none", timeout=120)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    return list(out.choices[0].token_ids)
+
+
+def scrape(port: int, metric: str, model: str) -> float:
+    """Sum of ``metric``'s series for ``model`` on Ray's metrics export port."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if re.match(rf"{metric}(_total)?{{", line) and f'model_name="{model}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_metric(port: int, metric: str, model: str, expected: float, timeout_s: float = 30.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    value = scrape(port, metric, model)
+    while value != expected and time.monotonic() < deadline:
+        time.sleep(1)
+        value = scrape(port, metric, model)
+    return value
+
+
+def test_serve_app_shares_one_tier_between_two_models(model, tmp_path):
+    cluster = PrivateCluster([{"num_cpus": 3}])
+    port, namespace = free_port(), f"srv{uuid.uuid4().hex[:6]}"
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump(serve_config(model, port, namespace)))
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    serve = subprocess.Popen([sys.executable, "-m", "ucm_ray.cli", "serve", str(config_file),
+                              "--address", cluster.address], cwd=ROOT, env=cluster_env(), stdin=subprocess.DEVNULL,
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{base}/v1", {"tiny-a", "tiny-b"}, serve, log, timeout_s=420)
+        wait_ready(f"{base}/ref/v1", {"tiny-ref"}, serve, log, timeout_s=120)
+        document = synthetic_prompt(model, DOCUMENT, seed=11)
+        first = document + synthetic_prompt(model, QUESTION, seed=12)
+        second = document + synthetic_prompt(model, QUESTION, seed=13)
+        complete(f"{base}/v1", "tiny-a", first)
+        print(f"serve: first answer {time.monotonic() - started:.0f} s after `ucm-ray serve`", flush=True)
+        time.sleep(1.0)  # A's commits reach the shards right after its steps; users' requests are this far apart
+        tokens = complete(f"{base}/v1", "tiny-b", second)
+        metrics = cluster.info["metrics_ports"][0]
+        stored = DOCUMENT // BLOCK * BLOCK  # A saved the document's full blocks
+        expected = policy.dense_external_hit(len(second), 0, stored, policy.recompute_tokens(True))
+        assert expected == stored
+        hits = wait_metric(metrics, "ray_vllm_external_prefix_cache_hits", "tiny-b", expected)
+        assert hits == expected, f"tiny-b's external prefix-cache hits {hits}, policy says {expected}"
+        assert scrape(metrics, "ray_vllm_external_prefix_cache_hits", "tiny-a") == 0
+        assert tokens == complete(f"{base}/ref/v1", "tiny-ref", second)
+    finally:
+        serve.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        cluster.close()
+    deadline = time.monotonic() + 15
+    while glob.glob(f"/dev/shm/ucmray-{namespace}-*") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert glob.glob(f"/dev/shm/ucmray-{namespace}-*") == [], "shard pools outlived the app and its cluster"
