@@ -26,6 +26,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.capacity import check_pool_fits
 from ucm_ray.store.directory import DIRECTORY_NAME, ShardDirectory
 from ucm_ray.store.shard import CacheShard
 from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
@@ -58,7 +59,7 @@ def shard_nodes(shard_cpus: float) -> list[str]:
 
 def start_fleet(config: UcmRayConfig, *, timeout_s: float = 120.0) -> ray.actor.ActorHandle:
     """The directory and ``num_shards`` shards spread over the cluster (reusing any that exist)."""
-    return _start(config, [(shard_name(i), "SPREAD") for i in range(config.num_shards)], timeout_s)
+    return _start(config, [(shard_name(i), "SPREAD", None) for i in range(config.num_shards)], timeout_s)
 
 
 def start_fleet_per_node(config: UcmRayConfig, shards_per_node: int, *,
@@ -70,23 +71,31 @@ def start_fleet_per_node(config: UcmRayConfig, shards_per_node: int, *,
         raise FleetStartError(f"no alive Ray node has {config.shard_cpus:g} CPU for a shard "
                               "(shard_cpus); lower it or add nodes")
     sized = dataclasses.replace(config, num_shards=len(nodes) * shards_per_node)
-    placement = [(node_shard_name(node, k), NodeAffinitySchedulingStrategy(node, soft=False))
+    placement = [(node_shard_name(node, k), NodeAffinitySchedulingStrategy(node, soft=False), node)
                  for node in nodes for k in range(shards_per_node)]
     _start(sized, placement, timeout_s)
     return sized
 
 
-def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any]], timeout_s: float) -> ray.actor.ActorHandle:
-    """Create what is missing; if any new shard fails to start, stop every actor this call
-    created (nothing half-started is left) and raise one line naming the shard and cause."""
+def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]],
+           timeout_s: float) -> ray.actor.ActorHandle:
+    """Create what is missing (``placement``: name, scheduling strategy, node if pinned).
+    Pools that will land on this node are checked against its free shared memory first (one
+    line, nothing started); if a new shard still fails to start, every actor this call created
+    is stopped (nothing half-started is left) and one line names the shard and the cause."""
     ns = config.ray_namespace
     existing = set(fleet_actor_names(ns))
+    here = ray.get_runtime_context().get_node_id()
+    single_node = len([n for n in ray.nodes() if n["Alive"]]) == 1
+    check_pool_fits(config.shm_dir, config.pool_bytes,
+                    sum(1 for name, _, node in placement
+                        if name not in existing and (node == here or (node is None and single_node))))
     directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
         name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0).remote()
     shards = [(name, CacheShard.options(  # type: ignore[attr-defined]
         name=name, namespace=ns, lifetime="detached", get_if_exists=True,
         num_cpus=config.shard_cpus, scheduling_strategy=strategy,
-    ).remote(name, config.to_dict())) for name, strategy in placement]
+    ).remote(name, config.to_dict())) for name, strategy, _ in placement]
     try:
         for name, handle in shards:
             try:
