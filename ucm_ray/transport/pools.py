@@ -43,6 +43,7 @@ class PoolConnections:
         self._node_id = node_id
         self._descriptors: dict[PoolKey, PoolDescriptor] = {}
         self._open: dict[PoolKey, PoolTransport] = {}
+        self._kinds: dict[PoolKey, str] = {}
         self._local: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -51,6 +52,7 @@ class PoolConnections:
         gone (a dead shard, or an old incarnation of a restarted one)."""
         with self._lock:
             self._descriptors = dict(descriptors)
+            self._kinds = {k: v for k, v in self._kinds.items() if k in self._descriptors}
             stale = [k for k in self._open if k not in self._descriptors]
             closing = [self._open.pop(k) for k in stale]
         for key, t in zip(stale, closing):
@@ -92,8 +94,14 @@ class PoolConnections:
         return failed
 
     def kind(self, pool: PoolKey) -> str:
-        """``shm`` or ``nixl``: the transport this process uses for ``pool`` (opens it)."""
-        return self._transport(pool).name
+        """``shm`` or ``nixl``: the transport this process uses (or will use) for ``pool``,
+        without opening it; ``none`` for a pool that is not current."""
+        with self._lock:
+            kind = self._kinds.get(pool)
+            desc = self._descriptors.get(pool)
+        if kind is None and desc is not None:
+            kind = self._kinds[pool] = self._kind(desc)
+        return kind or "none"
 
     def close(self) -> None:
         with self._lock:
@@ -119,12 +127,14 @@ class PoolConnections:
             self._open[pool] = t
             return t
 
+    def _kind(self, desc: PoolDescriptor) -> str:
+        if self._mode != "auto":
+            return self._mode
+        same_node = desc.node_id == self._node_id and desc.shm_path and os.path.exists(desc.shm_path)
+        return "shm" if same_node else "nixl"
+
     def _connect(self, desc: PoolDescriptor) -> PoolTransport:
-        mode = self._mode
-        if mode == "auto":
-            same_node = desc.node_id == self._node_id and desc.shm_path and os.path.exists(desc.shm_path)
-            mode = "shm" if same_node else "nixl"
-        if mode == "shm":
+        if self._kind(desc) == "shm":
             from ucm_ray.transport.shm import ShmPoolTransport
 
             return ShmPoolTransport(desc)

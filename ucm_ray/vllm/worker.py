@@ -50,12 +50,16 @@ class _LayerOps:
 
     by_pool: dict[PoolKey, list[CopyOp]] = field(default_factory=lambda: defaultdict(list))
     tags: dict[PoolKey, list[_Tag]] = field(default_factory=lambda: defaultdict(list))  # one per op
-    nbytes: int = 0
+    nbytes_by_pool: dict[PoolKey, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_by_pool.values())
 
     def add(self, loc: Location, offset: int, local: torch.Tensor, tag: _Tag) -> None:
         self.by_pool[loc.pool].append(CopyOp(loc.offset + offset, local))
         self.tags[loc.pool].append(tag)
-        self.nbytes += local.numel()
+        self.nbytes_by_pool[loc.pool] += local.numel()
 
     def all_tags(self) -> set[_Tag]:
         return {tag for tags in self.tags.values() for tag in tags}
@@ -149,6 +153,8 @@ class WorkerPart:
         if immediate.by_pool:
             self._wait(self._copier.submit(self._move, step, immediate, False, ready), immediate.all_tags())
         self.stats.add(loaded_copy_bytes=immediate.nbytes + sum(ops.nbytes for ops in layered.values()))
+        for ops in (immediate, *layered.values()):
+            self._count_by_transport(ops, "loaded")
         if not step.load_futures:
             self._finish_loads()
 
@@ -169,6 +175,7 @@ class WorkerPart:
             step.save_futures.append((self._copier.submit(self._move, step, ops, True, self._compute_ready()),
                                       ops.all_tags()))
             self.stats.add(saved_copy_bytes=ops.nbytes)
+            self._count_by_transport(ops, "saved")
 
     def wait_for_save(self) -> None:
         step = self._step
@@ -231,6 +238,11 @@ class WorkerPart:
                       self._config.transfer_timeout_s)
             self.stats.add(deadline_misses=1)
             step.failed |= tags
+
+    def _count_by_transport(self, ops: _LayerOps, what: str) -> None:
+        """``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: which path the bytes took."""
+        for pool, nbytes in ops.nbytes_by_pool.items():
+            self.stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})
 
     def _add_block_ops(self, ops: _LayerOps, loc: Location, gl: GroupLayout, layer_index: int,
                        block_id: int, tag: _Tag) -> None:

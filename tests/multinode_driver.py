@@ -1,0 +1,50 @@
+"""Driver of the multi-node test, run in a process of its own against a ``PrivateCluster``
+of three nodes: a fleet with one shard per node, engine A (the connector on) on node 2 serves
+a document, engine B on node 1 serves the same document with another question, and a
+reference engine without the connector serves B's prompt. Prints one JSON line of results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import ray
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
+from ucm_ray.store.fleet import fleet_status, start_fleet_per_node, stop_fleet
+from ucm_ray.tiny_model import synthetic_prompt
+
+
+def engine_on(resource: str, model: str, kv: dict[str, Any] | None) -> Any:
+    remote = ray.remote(num_cpus=0, resources={resource: 0.01}, runtime_env={"env_vars": ENGINE_ENV})(Engine)
+    return remote.remote(model, kv)
+
+
+def main(address: str, model: str, document_tokens: int) -> None:
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace="multinode", pool_bytes=128 << 20, shard_cpus=0,
+                                               lookup_timeout_s=60, lease_s=120), 1)
+    try:
+        kv = kv_transfer_config({"ray_namespace": config.ray_namespace, "lookup_timeout_s": 60, "lease_s": 120})
+        writer, reader, reference = (engine_on("node_2", model, kv), engine_on("node_1", model, kv),
+                                     engine_on("node_0", model, None))
+        document = synthetic_prompt(model, document_tokens, seed=21)
+        first = document + synthetic_prompt(model, 40, seed=22)
+        second = document + synthetic_prompt(model, 40, seed=23)
+        ray.get(writer.generate.remote(first, 8))  # its commits are flushed before it returns
+        answer = ray.get(reader.generate.remote(second, 8))
+        expected = ray.get(reference.generate.remote(second, 8))
+        totals = ray.get(reader.connector_totals.remote())
+        shards = {s["shard_id"]: s["node_id"] for s in fleet_status(config)["shards"]}
+        print(json.dumps({"shard_nodes": shards, "num_tokens": len(second), "tokens": answer["tokens"],
+                          "reference": expected["tokens"], "hit_tokens": totals["scheduler"].get("hit_tokens", 0),
+                          "worker": totals["worker"]}), flush=True)
+    finally:
+        stop_fleet(config)
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,49 @@
+"""Multi-node on one machine: a three-raylet cluster (``ray.cluster_utils.Cluster``), one
+shard per node. Engine B on node 1 reads the blocks its node's shard owns through shared
+memory and the others' through NIXL (what ``transport: auto`` picks for another node's
+shard); its hit is the policy's and its greedy tokens equal an engine without the connector,
+as on one node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.private_cluster import PrivateCluster, cluster_env
+from ucm_ray import policy
+from ucm_ray.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK, DOCUMENT = 128, 3072
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def test_engine_reads_its_node_over_shm_and_other_nodes_over_nixl(model):
+    cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "tests/multinode_driver.py"), cluster.address, model,
+                               str(DOCUMENT)], capture_output=True, text=True, timeout=600, env=cluster_env(), cwd=ROOT)
+    finally:
+        cluster.close()
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(result["shard_nodes"].values()) == sorted(cluster.info["node_ids"])  # one shard per node
+    expected = policy.dense_external_hit(result["num_tokens"], 0, DOCUMENT // BLOCK * BLOCK,
+                                         policy.recompute_tokens(True))
+    assert result["hit_tokens"] == expected == DOCUMENT
+    assert result["tokens"] == result["reference"]
+    worker = result["worker"]
+    print(f"multinode: hit_tokens={result['hit_tokens']} loaded_shm_bytes={worker.get('loaded_shm_bytes', 0)} "
+          f"loaded_nixl_bytes={worker.get('loaded_nixl_bytes', 0)} failures={worker.get('load_failures', 0)}")
+    assert worker.get("loaded_shm_bytes", 0) > 0 and worker.get("loaded_nixl_bytes", 0) > 0
+    assert worker["loaded_shm_bytes"] + worker["loaded_nixl_bytes"] == worker["loaded_copy_bytes"]
+    assert worker.get("load_failures", 0) == 0
