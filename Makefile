@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: venv demo test bench lint gpu-test clean
+.PHONY: venv demo serve test bench lint gpu-test clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): requirements/cpu.txt pyproject.toml Makefile
 
 demo: venv
 	$(PY) -m ucm_ray.cli demo
+
+# The OpenAI app of deploy/serve/tiny-cpu.yaml on 127.0.0.1:8000 (two engines, one tier); Ctrl-C stops it.
+serve: venv
+	$(PY) -m ucm_ray.cli make-tiny-model .models/tiny >/dev/null
+	$(PY) -m ucm_ray.cli serve deploy/serve/tiny-cpu.yaml
 
 test: venv lint
 	$(PY) -m pytest tests
