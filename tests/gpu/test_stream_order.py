@@ -1,0 +1,208 @@
+"""Stream ordering of the worker's copies on CUDA: a test that fails if the ordering were missing.
+
+What orders the worker's side-stream copies against the forward pass (``ucm_ray.vllm.worker``,
+``ucm_ray.transport.shm``):
+1. ``WorkerPart._compute_ready``: an event recorded on the *calling thread's current stream*
+   in ``start_load_kv`` (after work already queued, e.g. vLLM zeroing fresh blocks) and in
+   ``save_kv_layer`` (after the layer's attention wrote its KV). The copy thread waits for it
+   (``ready.synchronize()``) before it posts a single copy.
+2. ``ShmPoolTransport._copy``: the transport's stream ``wait_stream``s the copy thread's own
+   current stream — the device's default stream, whatever stream the forward runs on.
+3. ``_CudaEventTransfer.wait``: the copy thread waits for an event recorded after the copies;
+   ``wait_for_layer_load`` returns only then, so the layer's compute queued after it reads
+   landed bytes.
+
+How the tests would catch a missing piece. A long kernel (``torch.cuda._sleep``, ~0.3 s) is
+queued on the compute stream before the write that matters, so that write runs ~0.3 s after it
+is queued, while an unordered copy (64 MiB a layer, ~1 ms) would run at once:
+- load after zeroing: the compute stream runs [long kernel, zero the target blocks], then the
+  worker loads into those blocks. Unordered, the load lands first and the zeroing wipes it:
+  the blocks end up zero instead of the stored bytes.
+- save after the attention write: [long kernel, write the layer's new KV], then
+  ``save_kv_layer``. Unordered, the save copies the stale bytes that were there before.
+- load then compute: right after ``wait_for_layer_load`` the compute stream snapshots the
+  layer's blocks. Had the wait returned before the copies landed (no 3), the snapshot would
+  hold zeros or a partial copy.
+Each ordering test runs with the forward on a stream of its own (as a runner that forwards on a
+non-default stream does) and on the default stream. On its own stream only (1) orders the
+copies — (2) waits on the idle default stream — so removing the event of (1) fails those
+cases; on the default stream (2) alone would still order them, so those cases fail only with
+both removed. No Ray and no fleet: a stand-alone shared-memory pool, described the way a shard
+describes its own, is all the worker needs.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+# 256-token blocks: each copy is a 1 MiB range (~20 us on the link) and a layer's 64 of them keep
+# the GPU busy well after the copy thread posted them (~5 us each), so a compute kernel queued
+# without waiting for them would still find the copies running.
+LAYERS, HEADS, HEAD, BLOCK = 2, 8, 128, 256
+PAGE = 2 * BLOCK * HEADS * HEAD * 2  # one layer's block in bf16: 1 MiB
+ENTRY = LAYERS * PAGE
+N = 64  # blocks moved: 64 MiB per layer
+DELAY_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def cycles_for_delay() -> int:
+    """``torch.cuda._sleep`` cycles that keep the GPU busy for about DELAY_S."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * DELAY_S * 1000 / max(start.elapsed_time(end), 1e-3))
+
+
+@pytest.fixture
+def pool():
+    from ucm_ray.transport.shm import SharedPool
+
+    p = SharedPool(os.path.join("/dev/shm", f"ucmray-streamtest-{os.getpid()}-{uuid.uuid4().hex[:8]}"),
+                   N * ENTRY, create=True)
+    yield p
+    p.close()  # the owner unlinks the file
+
+
+def kv_caches() -> dict[str, torch.Tensor]:
+    """vLLM 0.26 FLASH_ATTN caches, logical [blocks, heads, block, 2 * head], one allocation per layer
+    (HND order, where a layer's block is one contiguous range: big copies, so a copy that is
+    not waited for is still running when the compute stream looks)."""
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.zeros(N * PAGE, dtype=torch.int8, device="cuda").view(torch.bfloat16).view(N, HEADS, BLOCK, 2 * HEAD)
+            for i in range(LAYERS)}
+
+
+@pytest.fixture
+def worker(pool):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.transport.base import PoolDescriptor
+    from ucm_ray.vllm.worker import WorkerPart
+
+    caches = kv_caches()
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(layer_names=list(caches), kv_cache_spec=spec)])
+    w = WorkerPart(config, UcmRayConfig(transport="shm"), 0, "this-node")
+    w.register_kv_caches(caches)
+    desc = PoolDescriptor("shard-0", "this-node", pool.size, pool.path, None, None, pool.tensor.data_ptr(),
+                          incarnation=7)
+    yield w, caches, desc
+    w.shutdown()
+
+
+def location(desc, i: int):
+    from ucm_ray.store.blockstore import Location
+
+    return Location(desc.shard_id, desc.incarnation, i * ENTRY, ENTRY)
+
+
+def meta(desc, **kw):
+    from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
+
+    return UcmRayConnectorMetadata(pools={desc.key: desc}, **kw)
+
+
+def entry_bytes(caches: dict[str, torch.Tensor], block: int) -> torch.Tensor:
+    """Block ``block`` as a stored entry lays it out: every layer's block in layer order."""
+    return torch.cat([t[block].contiguous().view(torch.uint8).flatten() for t in caches.values()]).cpu()
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(1, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def compute_stream(kind: str) -> torch.cuda.Stream:
+    return torch.cuda.Stream() if kind == "own" else torch.cuda.default_stream()
+
+
+def load_job(desc):
+    from ucm_ray.vllm.metadata import BlockLoad, LoadJob
+
+    return LoadJob(1, "req", [BlockLoad(0, i, location(desc, i)) for i in range(N)])
+
+
+@pytest.mark.parametrize("stream", ["own", "default"])
+def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_delay, stream):
+    w, caches, desc = worker
+    stored = random_bytes(N * ENTRY, seed=1)
+    pool.tensor.copy_(stored)
+    for t in caches.values():
+        t.view(torch.uint8).fill_(0x5A)  # whatever a previous request left in the blocks
+    torch.cuda.synchronize()
+    compute = compute_stream(stream)
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(cycles_for_delay)  # a long kernel queued before ...
+        for t in caches.values():
+            t.zero_()  # ... vLLM zeroing the fresh blocks the load is for
+        w.bind(meta(desc, loads={0: [load_job(desc)]}))
+        w.start_load_kv()
+        for name in caches:
+            w.wait_for_layer_load(name)
+    torch.cuda.synchronize()
+    assert not w.build_worker_meta().load_failures
+    for i in (0, N // 2, N - 1):
+        got = entry_bytes(caches, i)
+        assert got.any(), f"block {i} is zero: the load landed before the zeroing queued ahead of it"
+        assert torch.equal(got, stored[i * ENTRY:(i + 1) * ENTRY]), f"block {i} differs from the stored entry"
+
+
+@pytest.mark.parametrize("stream", ["own", "default"])
+def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, stream):
+    w, caches, desc = worker
+    stored = random_bytes(N * ENTRY, seed=2)
+    pool.tensor.copy_(stored)
+    torch.cuda.synchronize()
+    snapshots = {}
+    compute = compute_stream(stream)
+    with torch.cuda.stream(compute):
+        w.bind(meta(desc, loads={0: [load_job(desc)]}))
+        w.start_load_kv()
+        for name, t in caches.items():
+            w.wait_for_layer_load(name)
+            snapshots[name] = t.view(torch.uint8).clone()  # the layer's attention reading its KV, at once
+    torch.cuda.synchronize()
+    assert not w.build_worker_meta().load_failures
+    for name, snap in snapshots.items():
+        # as bytes: random bf16 bit patterns include NaNs, which never compare equal
+        assert torch.equal(snap, caches[name].view(torch.uint8)), \
+            f"{name}: the compute stream read blocks before the load landed"
+    assert torch.equal(torch.cat([entry_bytes(caches, i) for i in range(N)]), stored)
+
+
+@pytest.mark.parametrize("stream", ["own", "default"])
+def test_save_reads_the_layer_after_its_attention_wrote_it(pool, worker, cycles_for_delay, stream):
+    from ucm_ray.vllm.metadata import SaveJob
+
+    w, caches, desc = worker
+    fresh = {name: random_bytes(N * PAGE, seed=10 + i).cuda() for i, name in enumerate(caches)}
+    for t in caches.values():
+        t.view(torch.uint8).fill_(0x5A)  # stale bytes: what the blocks held before this step
+    pool.tensor.zero_()
+    torch.cuda.synchronize()
+    compute = compute_stream(stream)
+    with torch.cuda.stream(compute):
+        w.bind(meta(desc, saves={0: [SaveJob(100 + i, 0, i, [location(desc, i)]) for i in range(N)]}))
+        for name, t in caches.items():
+            torch.cuda._sleep(cycles_for_delay)  # the layer's attention, still running ...
+            t.view(torch.uint8).view(-1).copy_(fresh[name])  # ... then writing the layer's KV
+            w.save_kv_layer(name)  # called right after, as vLLM does
+        w.wait_for_save()
+    torch.cuda.synchronize()
+    results = w.build_worker_meta()
+    assert results is not None and all(r.landed == [True] for r in results.saves.values())
+    for i in (0, N // 2, N - 1):
+        saved = pool.tensor[i * ENTRY:(i + 1) * ENTRY]
+        assert not torch.all(saved[:PAGE] == 0x5A), f"block {i}: the save copied the stale bytes"
+        assert torch.equal(saved, entry_bytes(caches, i)), f"block {i}: the saved entry differs from the KV"
