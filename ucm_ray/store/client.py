@@ -46,7 +46,8 @@ from ucm_ray.store.blockstore import (
     SlotGrant,
 )
 from ucm_ray.store.checksum import checksum
-from ucm_ray.store.directory import DIRECTORY_NAME, Membership, ShardRecord
+from ucm_ray.store.directory import Membership, ShardRecord
+from ucm_ray.store.feed import MembershipFeed
 from ucm_ray.store.index import random_id
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.shard import WrongIncarnation
@@ -203,15 +204,15 @@ class StoreClient(BlockStore):
     def __init__(self, config: UcmRayConfig, *, directory: ray.actor.ActorHandle | None = None) -> None:
         self.config = config
         self.owner = random_id()
-        self._directory = directory or ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
         self.connections = PoolConnections(config.transport, ray.get_runtime_context().get_node_id())
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
-        self._apply(ray.get(self._directory.membership.remote(), timeout=config.lookup_timeout_s))
-        self._pending_membership: ray.ObjectRef | None = None
-        self._last_refresh = time.monotonic()
+        self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
+        first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
+        if first is not None:
+            self._apply(first)
 
     # --- membership ----------------------------------------------------------------------
 
@@ -219,31 +220,11 @@ class StoreClient(BlockStore):
     def membership(self) -> Membership:
         return self._membership
 
-    def refresh(self, *, force: bool = False, period_s: float = 1.0) -> None:
-        """Pick up joins, deaths and restarts without blocking the caller (the scheduler calls
-        this on its hot path): at most once per ``period_s`` the membership is requested, and
-        it is applied by a later call once it has arrived. ``force`` fetches and waits."""
-        if force or (self._pending_membership is None
-                     and time.monotonic() - self._last_refresh >= period_s):
-            self._last_refresh = time.monotonic()
-            self._pending_membership = self._directory.membership.remote()
-        ref = self._pending_membership
-        if ref is None:
-            return
-        ready, _ = ray.wait([ref], timeout=self.config.lookup_timeout_s if force else 0)
-        if not ready:
-            if time.monotonic() - self._last_refresh > self.config.lookup_timeout_s:
-                log.warning("shard directory slow to answer; keeping membership v%d", self._membership.version)
-                self._pending_membership = None
-            return
-        self._pending_membership = None
-        try:
-            membership = ray.get(ref)
-        except RayError as e:
-            log.warning("shard directory unreachable (%s); keeping membership v%d",
-                        type(e).__name__, self._membership.version)
-            return
-        if membership.version != self._membership.version:
+    def refresh(self, *, force: bool = False) -> None:
+        """Adopt a membership change if one was pushed (never blocks: the scheduler calls this
+        on its hot path); ``force`` asks the directory now and waits for the answer."""
+        membership = self._feed.fetch() if force else self._feed.poll(self._membership.version)
+        if membership is not None and membership.version != self._membership.version:
             self._apply(membership)
 
     def _apply(self, membership: Membership) -> None:
@@ -275,7 +256,6 @@ class StoreClient(BlockStore):
     def _failed(self, pool: PoolKey, why: str) -> None:
         if self._suspects.failed(pool):
             log.warning("shard %s failed (%s): suspect, its keys go to replicas or miss", pool[0], why)
-        self._last_refresh = 0.0  # a restart or a death may explain it: look at the membership soon
 
     # --- BlockStore ----------------------------------------------------------------------
 

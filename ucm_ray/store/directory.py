@@ -1,26 +1,37 @@
 """ShardDirectory: the named, detached actor that knows which shards are alive.
 
-Membership changes bump a version; clients compare versions and re-place keys
-(rendezvous hashing, ``placement.py``) only when it moved. Death detection uses
-Ray itself: the directory awaits each shard's never-returning
-``wait_until_death`` call, which raises as soon as Ray declares the actor dead.
+Membership changes bump a version; clients hold one long-poll call (``wait_for_change``)
+that returns as soon as the version moves (or after a while, to be re-posted), so changes are
+pushed, not polled for. Death detection uses Ray itself: the directory awaits each shard's
+never-returning ``wait_until_death`` call, which raises as soon as Ray declares the actor dead.
+
+The directory holds no state that cannot be rebuilt: Ray restarts it when its process dies
+(``max_restarts``), and a new start finds the shards by listing the named actors of its Ray
+namespace. Its version starts at a random value, so the membership of one directory start is
+never mistaken for another's (a client that saw version 7 of a dead directory must not take
+version 7 of its successor as "unchanged").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
+from ucm_ray.store.index import random_id
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
 
 DIRECTORY_NAME = "ucm_ray_directory"
+SHARD_PREFIX = "ucm_ray_shard_"
+LONG_POLL_S = 30.0
+"""How long a ``wait_for_change`` call waits when nothing changes (then it is re-posted)."""
 
 
 @dataclass(frozen=True)
@@ -51,37 +62,93 @@ class Membership:
 
 @ray.remote
 class ShardDirectory:
-    def __init__(self) -> None:
+    def __init__(self, ray_namespace: str) -> None:
+        self._namespace = ray_namespace  # where its shards are named (not always the creator's job's)
         self._shards: dict[str, ShardRecord] = {}
         self._watchers: dict[str, asyncio.Task] = {}
-        self._version = 0
+        self._version = random_id() >> 16  # room to count up, and unlike any other start's
+        self._changed = asyncio.Event()
+        self._found: asyncio.Task | None = None
+        self._served = {"membership": 0, "wait_for_change": 0}
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
         """Add (or replace) a shard; returns the new membership version."""
-        pool: PoolDescriptor = await handle.describe.remote()
-        self._shards[shard_id] = ShardRecord(shard_id, handle, pool)
-        old = self._watchers.pop(shard_id, None)
-        if old is not None:
-            old.cancel()
-        self._watchers[shard_id] = asyncio.create_task(self._watch(shard_id, handle))
-        self._version += 1
-        log.info("shard %s joined (version %d)", shard_id, self._version)
+        await self._rediscovered()
+        await self._add(shard_id, handle)
         return self._version
 
     async def deregister(self, shard_id: str) -> int:
+        await self._rediscovered()
         if self._shards.pop(shard_id, None) is not None:
             task = self._watchers.pop(shard_id, None)
             if task is not None:
                 task.cancel()
-            self._version += 1
-            log.info("shard %s left (version %d)", shard_id, self._version)
+            self._bump(f"shard {shard_id} left")
         return self._version
 
     async def version(self) -> int:
         return self._version
 
     async def membership(self) -> Membership:
+        await self._rediscovered()
+        self._served["membership"] += 1
+        return self._snapshot()
+
+    async def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S) -> Membership:
+        """The membership as soon as it differs from ``known_version`` (at once if it does
+        already), else after ``timeout_s``: the caller re-posts the call either way."""
+        await self._rediscovered()
+        self._served["wait_for_change"] += 1
+        if self._version == known_version:
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._snapshot()
+
+    async def ping(self) -> dict[str, Any]:
+        await self._rediscovered()
+        return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
+                "served": dict(self._served)}
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _snapshot(self) -> Membership:
         return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)))
+
+    def _bump(self, why: str) -> None:
+        self._version += 1
+        self._changed.set()  # wakes every waiting long poll
+        self._changed = asyncio.Event()
+        log.info("%s (version %d)", why, self._version)
+
+    async def _add(self, shard_id: str, handle: ActorHandle) -> None:
+        pool: PoolDescriptor = await handle.describe.remote()
+        self._shards[shard_id] = ShardRecord(shard_id, handle, pool)
+        old = self._watchers.pop(shard_id, None)
+        if old is not None:
+            old.cancel()
+        self._watchers[shard_id] = asyncio.create_task(self._watch(shard_id, handle))
+        self._bump(f"shard {shard_id} joined")
+
+    async def _rediscovered(self) -> None:
+        """On this start's first call: adopt the shards already running in our namespace (a
+        restarted directory, or one created again by ``ucm-ray up``)."""
+        if self._found is None:
+            self._found = asyncio.create_task(self._find_shards())
+        await asyncio.shield(self._found)
+
+    async def _find_shards(self) -> None:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == self._namespace and a["name"].startswith(SHARD_PREFIX)]
+        for name in names:
+            try:
+                await asyncio.wait_for(self._add(name, ray.get_actor(name, namespace=self._namespace)), timeout=10)
+            except Exception as e:  # noqa: BLE001 -- dead or unresponsive: it re-registers when it starts
+                log.warning("shard %s not adopted: %s", name, type(e).__name__)
+        if names:
+            log.info("directory started with %d running shard(s)", len(self._shards))
 
     async def _watch(self, shard_id: str, handle: ActorHandle) -> None:
         try:
@@ -94,6 +161,3 @@ class ShardDirectory:
         if record is not None and record.handle._actor_id == handle._actor_id:
             self._watchers.pop(shard_id, None)
             await self.deregister(shard_id)
-
-    async def ping(self) -> dict[str, Any]:
-        return {"version": self._version, "shards": sorted(self._shards)}

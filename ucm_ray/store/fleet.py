@@ -27,13 +27,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.capacity import check_pool_fits
-from ucm_ray.store.directory import DIRECTORY_NAME, ShardDirectory
+from ucm_ray.store.directory import DIRECTORY_NAME, SHARD_PREFIX, ShardDirectory
 from ucm_ray.store.shard import CacheShard
 from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
-
-SHARD_PREFIX = "ucm_ray_shard_"
 
 
 class FleetStartError(RuntimeError):
@@ -91,7 +89,8 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
                     sum(1 for name, _, node in placement
                         if name not in existing and (node == here or (node is None and single_node))))
     directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
-        name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0).remote()
+        name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_restarts=-1).remote(ns)  # stateless: a restart finds the shards again
     shards = [(name, CacheShard.options(  # type: ignore[attr-defined]
         name=name, namespace=ns, lifetime="detached", get_if_exists=True,
         num_cpus=config.shard_cpus, scheduling_strategy=strategy,

@@ -1,0 +1,98 @@
+"""The directory can die: Ray restarts it and it finds its shards again; one created again by
+``ucm-ray up`` is found by running clients; a client that starts with no directory runs with
+the cache off and joins when it appears; membership changes are pushed (a long poll), not
+polled for."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import ray
+import torch
+
+from tests.store_helpers import arena, key, read_back, shard_pid
+from ucm_ray.store.client import StoreClient
+from ucm_ray.store.directory import DIRECTORY_NAME
+from ucm_ray.store.fleet import start_fleet, stop_fleet
+
+
+def directory(cfg):
+    return ray.get_actor(DIRECTORY_NAME, namespace=cfg.ray_namespace)
+
+
+def until(condition, timeout_s: float = 30.0, step_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step_s)
+    return True
+
+
+def write(client: StoreClient, n: int) -> list[bool]:
+    buf, views = arena(n)
+    client.register_local(buf)
+    return client.put([key(i) for i in range(n)], views)
+
+
+def test_killed_directory_is_restarted_and_finds_its_shards(fleet):
+    cfg = fleet(num_shards=2, transport="shm")
+    client = StoreClient(cfg)
+    assert all(write(client, 8))
+    before = ray.get(directory(cfg).ping.remote(), timeout=30)
+    os.kill(before["pid"], signal.SIGKILL)
+    assert until(lambda: _answer(cfg) is not None and _answer(cfg)["pid"] != before["pid"]), "not restarted"
+    after = _answer(cfg)
+    assert after["shards"] == before["shards"] and after["version"] != before["version"]
+    assert until(lambda: (client.refresh(), client.membership.version == after["version"])[1]), \
+        "the client never saw the restarted directory's membership"
+    ok, views = read_back(client, 8)
+    assert all(ok) and all(torch.equal(v, b) for v, b in zip(views, arena(8)[1]))
+
+
+def _answer(cfg) -> dict | None:
+    try:
+        return ray.get(directory(cfg).ping.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 -- restarting
+        return None
+
+
+def test_directory_created_again_is_found_by_running_clients(fleet):
+    cfg = fleet(num_shards=2, transport="shm")
+    client = StoreClient(cfg)
+    ray.kill(directory(cfg), no_restart=True)  # gone for good
+    start_fleet(cfg)  # `ucm-ray up` again: a new directory adopts the running shards
+    fresh = ray.get(directory(cfg).ping.remote(), timeout=30)
+    assert len(fresh["shards"]) == 2
+    assert until(lambda: (client.refresh(), client.membership.version == fresh["version"])[1])
+    assert all(write(client, 4))
+
+
+def test_client_without_directory_runs_cache_off_then_joins(fleet_config):
+    cfg = fleet_config(num_shards=2, transport="shm")
+    client = StoreClient(cfg)  # no directory in this namespace yet: must not raise
+    assert client.membership.shards == ()
+    assert not any(write(client, 4)) and not any(read_back(client, 4)[0])
+    start_fleet(cfg)
+    try:
+        assert until(lambda: (client.refresh(), len(client.membership.shards) == 2)[1], timeout_s=20)
+        assert all(write(client, 4)) and all(read_back(client, 4)[0])
+    finally:
+        stop_fleet(cfg)
+
+
+def test_membership_changes_are_pushed_not_polled(fleet):
+    cfg = fleet(num_shards=3, transport="shm")
+    client = StoreClient(cfg)
+    served = ray.get(directory(cfg).ping.remote())["served"]
+    started = time.monotonic()
+    while time.monotonic() - started < 4.0:  # a busy scheduler: refresh on every step
+        client.refresh()
+        time.sleep(0.01)
+    calls = ray.get(directory(cfg).ping.remote())["served"]
+    assert calls["membership"] == served["membership"] and calls["wait_for_change"] - served["wait_for_change"] <= 1
+    os.kill(shard_pid(cfg, 1), signal.SIGKILL)
+    assert until(lambda: (client.refresh(), len(client.membership.shards) == 2)[1], timeout_s=10), \
+        "the shard's death never reached the client"

@@ -1,0 +1,92 @@
+"""The directory's membership as it changes, pushed to a client by a long poll.
+
+One ``wait_for_change`` call is outstanding at a time; it returns as soon as the directory's
+version moves, and is re-posted. Nothing blocks the caller (the scheduler checks for an answer
+on its hot path) except an explicit ``fetch``. When the directory is missing (never started,
+or killed for good) or its call fails (restarting), the client keeps the membership it has (or
+none: the cache is off) and looks the directory up again by name every ``RETRY_S``, so a
+directory restarted by Ray or created again by ``ucm-ray up`` is found without a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from ucm_ray.store.directory import DIRECTORY_NAME, Membership
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0
+
+
+class MembershipFeed:
+    def __init__(self, ray_namespace: str, timeout_s: float, directory: ray.actor.ActorHandle | None = None) -> None:
+        self._namespace = ray_namespace
+        self._timeout_s = timeout_s
+        self._directory = directory
+        self._pending: ray.ObjectRef | None = None
+        self._next_try = 0.0
+        self._missing_logged = False
+
+    @property
+    def connected(self) -> bool:
+        return self._directory is not None
+
+    def fetch(self) -> Membership | None:
+        """The membership now (waits up to ``timeout_s``); None when no directory answers. A long
+        poll still outstanding is dropped: its answer may be older than this one."""
+        self._pending = None
+        if not self._find():
+            return None
+        try:
+            return ray.get(self._directory.membership.remote(), timeout=self._timeout_s)  # type: ignore[union-attr]
+        except (RayError, GetTimeoutError) as e:
+            self._lost(e)
+            return None
+
+    def poll(self, known_version: int) -> Membership | None:
+        """A membership with another version than ``known_version`` if one arrived; never waits."""
+        if self._pending is None:
+            if not self._find():
+                return None
+            self._pending = self._directory.wait_for_change.remote(known_version)  # type: ignore[union-attr]
+        ready, _ = ray.wait([self._pending], timeout=0)
+        if not ready:
+            return None
+        ref, self._pending = self._pending, None
+        try:
+            membership: Membership = ray.get(ref)
+        except RayError as e:
+            self._lost(e)
+            return None
+        return membership if membership.version != known_version else None
+
+    def _find(self) -> bool:
+        if self._directory is not None:
+            return True
+        if time.monotonic() < self._next_try:
+            return False
+        self._next_try = time.monotonic() + RETRY_S
+        try:
+            self._directory = ray.get_actor(DIRECTORY_NAME, namespace=self._namespace)
+        except ValueError:
+            if not self._missing_logged:
+                log.warning("no ucm-ray directory in Ray namespace %r: the cache is off until one starts",
+                            self._namespace)
+                self._missing_logged = True
+            return False
+        if self._missing_logged:
+            log.info("found the ucm-ray directory in Ray namespace %r", self._namespace)
+            self._missing_logged = False
+        return True
+
+    def _lost(self, error: Exception) -> None:
+        log.warning("shard directory unreachable (%s); keeping the membership we have, looking again in %.0f s",
+                    type(error).__name__, RETRY_S)
+        self._directory = None
+        self._pending = None
+        self._next_try = time.monotonic() + RETRY_S
