@@ -40,3 +40,18 @@ def test_mamba_state_views_and_group_offsets():
 def test_no_block_dimension_names_the_layer():
     with pytest.raises(ValueError, match="layer weird"):
         layer_layout("weird", torch.zeros(3, 5), N)
+
+
+def test_permuted_view_of_a_dense_block_is_one_raw_range():
+    """vLLM 0.26's FlashAttention hands the connector ``[blocks, heads, bs, 2*hd]`` as a
+    permutation of ``[blocks, bs, heads, 2*hd]`` memory: a block is one dense range, moved in
+    one copy (in memory order), not one copy per (head, K/V) piece."""
+    physical = torch.randn(N, 16, 4, 2 * 8)  # [blocks, bs, heads, 2*hd] as allocated
+    t = physical.permute(0, 2, 1, 3)  # the view the connector gets
+    lay = layer_layout("l0", t, N)
+    (seg,) = lay.segments(2)
+    assert seg.numel() == lay.block_bytes == 16 * 4 * 16 * 4
+    assert seg.data_ptr() == physical[2].data_ptr()
+    assert torch.equal(seg, physical[2].contiguous().view(torch.uint8).view(-1))
+    seg.fill_(0)  # writes through into the cache
+    assert physical[2].abs().sum() == 0 and physical[1].abs().sum() > 0

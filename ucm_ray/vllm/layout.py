@@ -25,10 +25,17 @@ class LayerLayout:
     tensor: torch.Tensor
     block_dim: int
     block_bytes: int
+    dense: bool = False
+    """A block fills one range of memory, whatever order the view walks it in (vLLM 0.26's
+    FlashAttention hands a permuted view): it is moved as that one range, in memory order.
+    Engines share bytes only within one device type and attention config (the key namespace),
+    so the order is the same for every reader."""
 
     def segments(self, block_id: int) -> list[torch.Tensor]:
         """The block's bytes in this layer as flat uint8 views (one, or one per K/V half)."""
         view = self.tensor.select(self.block_dim, block_id)
+        if self.dense:
+            return [as_bytes(view.as_strided((view.numel(),), (1,)))]
         pieces = [view]
         while not all(p.is_contiguous() for p in pieces):
             pieces = [q for p in pieces for q in (p.unbind(0) if not p.is_contiguous() else [p])]
@@ -54,8 +61,20 @@ def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayou
         raise ValueError(f"KV cache tensor of layer {name} has shape {tuple(tensor.shape)}; "
                          f"no dimension matches num_blocks={num_blocks}")
     dim = dims[0]
-    block_bytes = tensor.select(dim, 0).numel() * tensor.element_size()
-    return LayerLayout(name, tensor, dim, block_bytes)
+    block = tensor.select(dim, 0)
+    return LayerLayout(name, tensor, dim, block.numel() * tensor.element_size(), _fills_one_range(block))
+
+
+def _fills_one_range(view: torch.Tensor) -> bool:
+    """Whether ``view``'s elements are exactly ``numel`` consecutive ones of its storage: its
+    strides, smallest first, are the running products of the sizes (a permuted contiguous
+    tensor)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(view.shape, view.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def build_layouts(kv_caches: dict[str, torch.Tensor], group_layers: list[list[str]],

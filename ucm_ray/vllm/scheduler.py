@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -62,6 +63,7 @@ def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, l
     specs = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec!r}:{len(g.layer_names)}"
                      for g in kv_cache_config.kv_cache_groups)
     extra = "|".join([
+        f"vllm={vllm.__version__}",  # backends' memory layouts (moved in memory order) follow the version
         f"pp={pc.pipeline_parallel_size}",
         f"dcp={getattr(pc, 'decode_context_parallel_size', 1)}",
         f"device={vllm_config.device_config.device_type}",
