@@ -54,12 +54,14 @@ app.kubernetes.io/part-of: ucm-ray
 {{/*
 Sizes. "ucm-ray.bytes" (dict "value" V "key" "where.it.is") prints V as whole bytes: V is an
 integer, or a string such as 64Gi, 512Mi, 1.5Gi, 100G, 64GiB (k/K M G T P E = 1000^n, Ki Mi Gi
-Ti Pi Ei = 1024^n, an optional trailing B). Anything else, a fraction of a byte or more than
-2^62 bytes fails naming the key. Callers turn the result into a number with `int64`.
+Ti Pi Ei = 1024^n, an optional trailing B). Decimals are exact (integer arithmetic, no floats):
+a fraction of a byte, more than 18 digits or more than 2^62 bytes fails naming the key. Callers
+turn the result into a number with `int64`.
 */}}
 {{- define "ucm-ray.bytes" -}}
 {{- $v := .value -}}
-{{- $units := dict "" 1 "k" 1000 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "E" 1000000000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 -}}
+{{- $exp10 := dict "" 0 "k" 3 "K" 3 "M" 6 "G" 9 "T" 12 "P" 15 "E" 18 -}}
+{{- $exp2 := dict "Ki" 10 "Mi" 20 "Gi" 30 "Ti" 40 "Pi" 50 "Ei" 60 -}}
 {{- if or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v) -}}
   {{- if or (lt (float64 $v) 0.0) (ne (float64 $v) (floor $v)) (gt (float64 $v) 4.6e18) -}}
     {{- fail (printf "%s: %v is not a byte count; expected whole bytes such as 68719476736 or '64Gi'" .key $v) -}}
@@ -67,22 +69,51 @@ Ti Pi Ei = 1024^n, an optional trailing B). Anything else, a fraction of a byte 
   {{- int64 $v -}}
 {{- else if and (kindIs "string" $v) (regexMatch "^[0-9]+(\\.[0-9]+)?([kKMGTPE]|[KMGTPE]i)?B?$" $v) -}}
   {{- $num := regexReplaceAll "^([0-9.]+).*$" $v "${1}" -}}
-  {{- $mult := get $units (regexReplaceAll "^[0-9.]+([kKMGTPE]|[KMGTPE]i|)B?$" $v "${1}") | int64 -}}
-  {{- $approx := mulf (float64 $num) $mult -}}
-  {{- if gt $approx 4.6e18 -}}
-    {{- fail (printf "%s: %q is more bytes than anything can hold (%g)" .key $v $approx) -}}
-  {{- else if contains "." $num -}}
-    {{- if ne (floor $approx) $approx -}}
-      {{- fail (printf "%s: %q is not a whole number of bytes" .key $v) -}}
-    {{- end -}}
-    {{- int64 $approx -}}
-  {{- else -}}
-    {{- /* integer arithmetic; leading zeros dropped (a leading 0 would read as octal) */ -}}
-    {{- mul (regexReplaceAll "^0+([0-9])" $num "${1}" | int64) $mult -}}
+  {{- $unit := regexReplaceAll "^[0-9.]+([kKMGTPE]|[KMGTPE]i|)B?$" $v "${1}" -}}
+  {{- $frac := "" -}}
+  {{- if contains "." $num -}}{{- $frac = regexReplaceAll "^[0-9]+\\." $num "" -}}{{- end -}}
+  {{- $digits := regexReplaceAll "^0+([0-9])" (replace "." "" $num) "${1}" -}}
+  {{- $mults := dict "" 1 "k" 1000 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "E" 1000000000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 -}}
+  {{- $approx := mulf (float64 $num) (get $mults $unit) -}}
+  {{- if or (gt (len $digits) 18) (gt $approx 4.6e18) -}}
+    {{- fail (printf "%s: %q is beyond 2^62 bytes; a typo?" .key $v) -}}
   {{- end -}}
+  {{- /* $digits (a leading 0 would read as octal: dropped) x unit / 10^len($frac), exactly */ -}}
+  {{- $a := int64 $digits -}}
+  {{- $n := len $frac -}}
+  {{- $whole := true -}}
+  {{- $bytes := 0 -}}
+  {{- if hasKey $exp2 $unit -}}
+    {{- $e := int (get $exp2 $unit) -}}
+    {{- $p := min $e $n -}}
+    {{- $den := mul (include "ucm-ray.ipow" (list 5 $n) | int64) (include "ucm-ray.ipow" (list 2 (sub $n $p)) | int64) -}}
+    {{- $whole = eq (mod $a $den) 0 -}}
+    {{- $bytes = mul (div $a $den) (include "ucm-ray.ipow" (list 2 (sub $e $p)) | int64) -}}
+  {{- else -}}
+    {{- $e := int (get $exp10 $unit) -}}
+    {{- if ge $e $n -}}
+      {{- $bytes = mul $a (include "ucm-ray.ipow" (list 10 (sub $e $n)) | int64) -}}
+    {{- else -}}
+      {{- $den := include "ucm-ray.ipow" (list 10 (sub $n $e)) | int64 -}}
+      {{- $whole = eq (mod $a $den) 0 -}}
+      {{- $bytes = div $a $den -}}
+    {{- end -}}
+  {{- end -}}
+  {{- if not $whole -}}
+    {{- fail (printf "%s: %q is not a whole number of bytes" .key $v) -}}
+  {{- end -}}
+  {{- $bytes -}}
 {{- else -}}
   {{- fail (printf "%s: %v is not a size; expected bytes (an integer) or a string such as '64Gi', '512Mi', '100G'" .key $v) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* (list BASE EXP): BASE^EXP as an integer (EXP >= 0). */}}
+{{- define "ucm-ray.ipow" -}}
+{{- $base := index . 0 -}}
+{{- $r := 1 -}}
+{{- range until (int (index . 1)) -}}{{- $r = mul $r $base -}}{{- end -}}
+{{- $r -}}
 {{- end -}}
 
 {{/* Whole bytes as a short quantity: 76Gi, 640Mi, or bytes. */}}
