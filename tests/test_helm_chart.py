@@ -81,6 +81,9 @@ def test_every_rendered_object_is_valid(rendered):
         elif obj["kind"] == "RayService":
             assert obj["apiVersion"] == "ray.io/v1"
             jsonschema.validate(obj, crd_schema("rayservices"))
+            cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "c"},
+                       "spec": obj["spec"]["rayClusterConfig"]}
+            jsonschema.validate(cluster, crd_schema("rayclusters"))  # KubeRay builds a RayCluster from it
             # The CRD's pod templates accept unknown fields; the Kubernetes schema of a PodTemplate does not.
             for group, tmpl in pod_templates(obj).items():
                 wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": tmpl}
@@ -184,6 +187,9 @@ def test_sizes_are_read_as_the_builder_reads_them(spelling):
     ({"sets": ["tier.pool_size=1"]}, "at '/tier': additional properties 'pool_size' not allowed"),
     ({"sets": ["worker.replica=3"]}, "at '/worker': additional properties 'replica' not allowed"),
     ({"sets": ["extra=1"]}, "at '': additional properties 'extra' not allowed"),
+    ({"sets": ["model.autoscaling.min=1"]}, "at '/model/autoscaling': additional properties 'min' not allowed"),
+    ({"sets": ["monitoring.podMonitor.port=9090"]},
+     "at '/monitoring/podMonitor': additional properties 'port' not allowed"),
     # more relations the schema cannot state
     ({"set_strings": ["tier.pool_bytes=1Ki"]}, "tier.pool_bytes: 1Ki is 1024 bytes; expected between 4096"),
     ({"set_strings": ["tier.pool_bytes=0.5"]}, "tier.pool_bytes: \"0.5\" is not a whole number of bytes"),
