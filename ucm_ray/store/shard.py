@@ -70,7 +70,8 @@ class CacheShard:
             self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
             self._reaper.close()
             raise
-        self._metrics = ShardMetrics(shard_id)
+        self._metrics = ShardMetrics(shard_id, self._node_id)
+        self._node_ip = ray.util.get_node_ip_address()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         threading.Thread(target=self._publish_metrics, name="ucm-ray-metrics", daemon=True).start()
@@ -147,7 +148,7 @@ class CacheShard:
         with self._lock:
             s = self._index.stats()
         self._metrics.publish(s)
-        return {"shard_id": self._id, "node_id": self._node_id, "pid": os.getpid(),
+        return {"shard_id": self._id, "node_id": self._node_id, "node_ip": self._node_ip, "pid": os.getpid(),
                 "incarnation": self._incarnation, **asdict(s)}
 
     def _publish_metrics(self, period_s: float = 5.0) -> None:

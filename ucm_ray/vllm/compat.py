@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorWorkerMetadata
 from vllm.v1.core import kv_cache_utils
 
 try:  # vLLM >= 0.32 reports async load failures per request through this
@@ -16,12 +16,24 @@ try:  # vLLM >= 0.32 reports async load failures per request through this
 except ImportError:  # pragma: no cover - vLLM 0.26
     KVConnectorTransferResults = None
 
+try:  # vLLM >= 0.26: connectors export their own Prometheus metrics (``build_prom_metrics``)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    PROM_METRICS_HOOK = hasattr(KVConnectorBase_V1, "build_prom_metrics")
+except ImportError:  # pragma: no cover - a vLLM without the hook: the stats reach only its log line
+    KVConnectorPromMetrics = object
+    PROM_METRICS_HOOK = False
+"""Whether this vLLM asks the connector class for Prometheus metrics. vLLM 0.26 and 0.32 both
+do, with the same signature, and hand ``observe`` the stats' ``data`` (0.26 reads ``.data``,
+0.32 ``to_dict()``, which returns ``data``); without the hook the connector exports nothing and
+vLLM still logs ``UcmRayStats.reduce()`` in its periodic "KV Transfer metrics" line."""
+
 ASYNC_LOAD_FAILURES_REPORTABLE = KVConnectorTransferResults is not None
 """vLLM 0.26 has no ``failed_recving``: an asynchronous load can only be reported done, so a
 failed one would hand wrong bytes to the model; connectors must not load asynchronously there."""
 
-__all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "KVConnectorTransferResults", "KVConnectorWorkerMetadata",
-           "block_hashes_vary_per_process"]
+__all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "PROM_METRICS_HOOK", "KVConnectorPromMetrics",
+           "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "block_hashes_vary_per_process"]
 
 
 def block_hashes_vary_per_process(hash_algo: str) -> bool:

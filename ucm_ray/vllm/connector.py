@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.client import StoreClient
-from ucm_ray.vllm.compat import KVConnectorTransferResults, KVConnectorWorkerMetadata
+from ucm_ray.vllm.compat import PROM_METRICS_HOOK, KVConnectorTransferResults, KVConnectorWorkerMetadata
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler import SchedulerPart
 from ucm_ray.vllm.stats import UcmRayStats
@@ -126,6 +126,16 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UcmRayStats:
         return UcmRayStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """The stats on vLLM's /metrics as ``vllm:ucm_ray_*`` (Ray's: ``ray_vllm_ucm_ray_*``)."""
+        if not PROM_METRICS_HOOK:
+            return None
+        from ucm_ray.vllm.prom import UcmRayPromMetrics
+
+        return UcmRayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- worker role ---------------------------------------------------------------------
 

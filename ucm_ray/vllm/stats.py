@@ -1,36 +1,117 @@
-"""Connector counters, in vLLM's ``KVConnectorStats`` shape (summed across workers)."""
+"""Connector counters, in vLLM's ``KVConnectorStats`` shape (summed across workers).
+
+Two kinds of values travel in ``data`` (worker -> scheduler -> vLLM's stat loggers):
+- counters, ``name -> number``: summed when intervals or workers are aggregated;
+- durations, ``name -> [seconds, ...]`` for names ending in ``_seconds`` (``observe``): one
+  observation per worker step, concatenated on aggregation; Prometheus gets them as histograms.
+
+``COUNTERS`` and ``DURATIONS`` document every name the scheduler and worker parts record;
+``ucm_ray.vllm.prom`` exports each as ``vllm:ucm_ray_<name>`` (bytes per transport, the
+``<loaded|saved>_<transport>_bytes`` family, as ``vllm:ucm_ray_<loaded|saved>_bytes`` with a
+``transport`` label). A name missing from the tables is still exported, with a generic help text.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS: dict[str, str] = {
+    # scheduler side: lookups and the hit policy
+    "lookups": "Requests whose tier lookup was answered (the scheduler asked every owning shard once).",
+    "lookups_deferred": "Times a request was put back in the queue because its lookup was still in flight.",
+    "query_tokens": "Prompt tokens of the requests looked up.",
+    "hit_tokens": "Prompt tokens the tier provides (external hit after the hit policy): loaded, not computed.",
+    "local_hit_tokens": "Prompt tokens vLLM's own prefix cache already had when the tier was asked.",
+    "miss_tokens": "Prompt tokens neither vLLM's prefix cache nor the tier had: computed.",
+    "recompute_trimmed_tokens": "Tokens the tier had but the hit policy left to recompute (last block tail, "
+                                "FULL CUDA graph threshold).",
+    "load_blocks": "Blocks scheduled to load from the tier.",
+    "saved_blocks": "Blocks saved into the tier and sent to their shards to commit.",
+    "saves_skipped": "Blocks not saved because no write slot was granted in time.",
+    "commits_not_visible": "Saved blocks that did not become visible (another engine stored the key first, "
+                           "or the grant had lapsed).",
+    "lapsed_leases": "Read pins found lapsed at release (should stay 0).",
+    # worker side: bytes and outcomes
+    "loaded_copy_bytes": "Bytes copied from shard pools into vLLM's KV cache (all transports).",
+    "saved_copy_bytes": "Bytes copied from vLLM's KV cache into shard pools (all transports).",
+    "loaded_blocks": "Blocks whose load completed.",
+    "load_failures": "Blocks whose load failed (vLLM recomputes them): dead or hung shard, deadline, checksum.",
+    "save_failures": "Block copies into a shard that did not land (never committed).",
+    "deadline_misses": "Worker steps whose copies missed transfer_timeout_s.",
+    "unwaited_layer_loads": "Layer loads the forward pass never waited for (failed so vLLM recomputes).",
+    "checksum_mismatches": "Loaded blocks whose CRC32 did not match (paranoid mode): removed, recomputed.",
+}
+"""Every counter the connector records, with its Prometheus help text."""
+
+TRANSPORT_BYTES = re.compile(r"^(loaded|saved)_(?!copy_)([a-z0-9]+)_bytes$")
+"""``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: bytes per transport (``copy`` is the total)."""
+
+TRANSPORT_BYTES_DOC = {
+    "loaded": "Bytes loaded from the tier into vLLM's KV cache, by transport (shm: same node, nixl: other nodes).",
+    "saved": "Bytes saved from vLLM's KV cache into the tier, by transport (shm: same node, nixl: other nodes).",
+}
+
+DURATIONS: dict[str, str] = {
+    "load_seconds": "Per worker step with loads: from posting the step's loads to the last of them landing.",
+    "save_seconds": "Per worker step with saves: from posting the step's first save to the last one landing.",
+}
+"""Every duration the connector may record (``observe``), exported as histograms."""
+
+
+def is_duration(name: str) -> bool:
+    return name.endswith("_seconds")
 
 
 @dataclass
 class UcmRayStats(KVConnectorStats):
-    """Monotonic counters for one interval: every value is a number, aggregation sums."""
+    """One interval's counters and durations; aggregation sums counters, concatenates durations."""
 
     totals: dict = field(default_factory=dict)
-    """Since start-up (never reset): what ``ucm-ray status``-style tools and tests read."""
+    """Since start-up (never reset): what ``ucm-ray status``-style tools and tests read. A duration
+    appears here as its running sum (``<name>``) and count (``<name>_count``)."""
 
     def add(self, **counts: int | float) -> None:
         for k, v in counts.items():
             self.data[k] = self.data.get(k, 0) + v
             self.totals[k] = self.totals.get(k, 0) + v
 
+    def observe(self, name: str, seconds: float) -> None:
+        """One duration observation (``name`` ends in ``_seconds``), e.g. a step's load time."""
+        assert is_duration(name), f"duration names end in _seconds: {name}"
+        self.data.setdefault(name, []).append(float(seconds))
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+        self.totals[f"{name}_count"] = self.totals.get(f"{name}_count", 0) + 1
+
     def reset(self) -> None:
-        self.data: dict[str, int | float] = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> UcmRayStats:
-        merged = Counter(self.data)
-        merged.update(other.data)
-        self.data = dict(merged)
+        merged: dict[str, Any] = dict(self.data)
+        for k, v in other.data.items():
+            if isinstance(v, list):
+                merged[k] = [*merged.get(k, []), *v]  # copies: never extend a list another payload holds
+            else:
+                merged[k] = merged.get(k, 0) + v
+        self.data = merged
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """For vLLM's periodic log line: counters as they are, durations as count, mean, p99."""
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            if isinstance(v, list):
+                if v:
+                    ordered = sorted(v)
+                    out[f"{k}_count"] = len(v)
+                    out[f"{k[:-len('_seconds')]}_avg_ms"] = round(1e3 * sum(v) / len(v), 3)
+                    out[f"{k[:-len('_seconds')]}_p99_ms"] = round(1e3 * ordered[min(len(v) - 1, int(0.99 * len(v)))], 3)
+            else:
+                out[k] = v
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

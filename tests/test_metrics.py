@@ -1,0 +1,495 @@
+"""Metrics as an operator sees them: one private Ray cluster with a metrics export port, a
+2-shard fleet started with ``ucm-ray up``, engine A as vLLM's own OpenAI server (its
+``/metrics`` on loopback: ``vllm:ucm_ray_*``) and engine B as a Ray actor whose stat logger is
+Ray Serve LLM's (``RayPrometheusStatLogger``: Ray exports ``ray_vllm_ucm_ray_*``). A document
+goes cold to A, then warm to B; another cold to B, then warm to A; a third, larger one overflows
+the pools. Then, scraped on loopback: each engine's hit tokens are the policy's, loaded bytes
+are those blocks' bytes over shared memory, vLLM's own external-hit counter agrees, the shards'
+``ray_ucm_ray_shard_*`` (tagged with their node) equal ``ucm-ray status --json``, and every
+metric the Grafana dashboard charts is one of those scraped.
+
+Run as a script, this file is the driver of engine B (a process of its own, since the test
+session may already be connected to another Ray cluster): JSON commands on stdin, one JSON
+answer per line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # as a script: the tests package and ucm_ray from this checkout
+
+from tests.private_cluster import PrivateCluster, cluster_env, free_port  # noqa: E402
+from ucm_ray import policy  # noqa: E402
+from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+BLOCK, DOCUMENT, QUESTION, OVERFLOW = 128, 2000, 40, 7000
+POOL_MIB = 40
+"""Per shard: ~40 blocks of the tiny model (1 MiB each); two documents fit, the overflow does not."""
+MAX_NUM_SEQS = 4
+"""Each engine keeps up to this many free write slots per pool for decode-time saves: small, so
+the small pools hold data rather than slots."""
+SHARD_COUNTERS = ("lookups", "hits", "evictions", "commits")
+DASHBOARD = ROOT / "deploy/grafana/ucm-ray.json"
+
+
+# --- Prometheus text and PromQL ------------------------------------------------------------
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of every sample of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def as_ray_name(vllm_name: str) -> str:
+    """What Ray exports for a metric vLLM's Ray stat logger records (``vllm:x`` -> ``ray_vllm_x``)."""
+    return "ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", vllm_name)
+
+
+_PROMQL_WORDS = {
+    "sum", "avg", "min", "max", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values",
+    "group", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+    "offset", "inf", "nan", "le",
+}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects: identifiers left once strings, label matchers, ranges,
+    grouping clauses, function calls, Grafana variables and keywords are taken out."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', " ", expr)
+    s = re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", " ", s)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    s = re.sub(r"(?<![A-Za-z0-9_:])\d+(\.\d*)?([eE][+-]?\d+)?", " ", s)  # numbers: 0.99, 1e-9
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        rest = s[m.end():].lstrip()
+        word = m.group()
+        if rest.startswith("(") or word.lower() in _PROMQL_WORDS or re.fullmatch(r"\d+[smhdwy]", word):
+            continue
+        names.add(word)
+    return names
+
+
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
+    exprs = []
+    for panel in dashboard["panels"]:
+        for inner in [panel, *panel.get("panels", [])]:
+            exprs += [t["expr"] for t in inner.get("targets", []) if t.get("expr")]
+    for var in dashboard.get("templating", {}).get("list", []):
+        query = var.get("query")
+        if var.get("type") == "query" and query:
+            text = query.get("query", "") if isinstance(query, dict) else query
+            m = re.match(r"label_values\((.*),\s*[A-Za-z_]+\)$", text.strip())
+            if m:
+                exprs.append(m.group(1))
+    return exprs
+
+
+def test_promql_name_extraction():
+    expr = ('histogram_quantile(0.99, sum by (le, model_name) (rate(ray_vllm_ucm_ray_load_seconds_bucket'
+            '{model_name=~"$model"}[$__rate_interval]))) / on(shard) group_left sum without (WorkerId) '
+            '(ray_ucm_ray_shard_capacity_bytes{shard="a:b"}) * 100 > bool 1e-9')
+    assert promql_metric_names(expr) == {"ray_vllm_ucm_ray_load_seconds_bucket", "ray_ucm_ray_shard_capacity_bytes"}
+
+
+def test_dashboard_is_grafana_json_with_the_panels_the_issue_asks_for():
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
+    for wanted in ("hit rate", "hit tokens", "load gb/s", "load latency", "pool use", "evictions",
+                   "failed loads", "ttft"):
+        assert wanted in titles, f"no panel about {wanted!r} in {titles}"
+    assert all(promql_metric_names(e) for e in dashboard_exprs(dashboard))
+    assert dashboard["uid"] == "ucm-ray" and dashboard["schemaVersion"] >= 30
+
+
+def test_every_recorded_counter_is_documented():
+    """The Prometheus help texts (``stats.COUNTERS``) cover every name the two connector halves
+    record, so no counter reaches /metrics without saying what it counts."""
+    import ast
+
+    from ucm_ray.vllm.stats import COUNTERS, DURATIONS, TRANSPORT_BYTES
+
+    recorded = set()
+    for part in ("scheduler", "worker"):
+        tree = ast.parse((ROOT / f"ucm_ray/vllm/{part}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("add", "observe") and "stats" in ast.unparse(node.func.value):
+                recorded |= {kw.arg for kw in node.keywords if kw.arg}
+                recorded |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    assert recorded, "no stats.add(...) found: the parts moved?"
+    undocumented = {n for n in recorded if n not in COUNTERS and n not in DURATIONS and not TRANSPORT_BYTES.match(n)}
+    assert not undocumented, f"add these to ucm_ray.vllm.stats.COUNTERS: {sorted(undocumented)}"
+
+
+def test_stats_aggregate_and_prometheus_observe():
+    """Counters sum and durations concatenate across workers; observe() turns one interval into
+    counters, per-transport bytes and histogram observations (a real prometheus_client registry)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from ucm_ray.vllm.prom import UcmRayPromMetrics
+    from ucm_ray.vllm.stats import UcmRayStats
+
+    worker0, worker1 = UcmRayStats(), UcmRayStats()
+    worker0.add(loaded_shm_bytes=100, loaded_copy_bytes=100, loaded_blocks=2)
+    worker0.observe("load_seconds", 0.004)
+    worker1.add(loaded_nixl_bytes=50, loaded_copy_bytes=50, loaded_blocks=1, load_failures=1)
+    worker1.observe("load_seconds", 0.2)
+    merged = worker0.take().aggregate(worker1.take())
+    assert merged.data == {"loaded_shm_bytes": 100, "loaded_nixl_bytes": 50, "loaded_copy_bytes": 150,
+                           "loaded_blocks": 3, "load_failures": 1, "load_seconds": [0.004, 0.2]}
+    assert worker0.totals["load_seconds_count"] == 1 and worker0.is_empty()
+    reduced = merged.reduce()
+    assert reduced["load_seconds_count"] == 2 and reduced["load_p99_ms"] == 200.0
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, registry=registry, **kw)
+        return Bound
+
+    types = {cls: bound(cls) for cls in (Counter, Gauge, Histogram)}
+
+    class _Config:
+        kv_transfer_config = None
+
+    prom = UcmRayPromMetrics(_Config(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(merged.data, 0)
+    samples = parse_samples(generate_latest(registry).decode())
+
+    def value(name: str, **labels: str) -> float:
+        [v] = [v for n, lab, v in samples if n == name and lab == {"model_name": "m", "engine": "0", **labels}]
+        return v
+
+    assert value("vllm:ucm_ray_loaded_bytes_total", transport="shm") == 100
+    assert value("vllm:ucm_ray_loaded_bytes_total", transport="nixl") == 50
+    assert value("vllm:ucm_ray_loaded_blocks_total") == 3
+    assert value("vllm:ucm_ray_load_failures_total") == 1
+    assert value("vllm:ucm_ray_hit_tokens_total") == 0  # exists before it moves
+    assert value("vllm:ucm_ray_load_seconds_count") == 2
+    assert value("vllm:ucm_ray_load_seconds_bucket", le="0.005") == 1
+    assert value("vllm:ucm_ray_save_seconds_count") == 0
+    assert not any(n.startswith("vllm:ucm_ray_loaded_copy_bytes") for n, _, _ in samples)  # = sum of transports
+
+
+# --- engine B: a Ray actor with Ray Serve LLM's stat logger ---------------------------------
+
+class RayLoggedEngine:
+    """A vLLM engine (CPU, the connector on) whose metrics go through ``RayPrometheusStatLogger``,
+    the stat logger Ray Serve LLM gives its engines: Ray exports them as ``ray_vllm_*``."""
+
+    def __init__(self, model: str, name: str, kv: dict[str, Any]) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        args = EngineArgs(model=model, served_model_name=name, enforce_eager=True, block_size=BLOCK,
+                          dtype="float32", max_model_len=8192, max_num_batched_tokens=8192, seed=0,
+                          max_num_seqs=MAX_NUM_SEQS,
+                          enable_prefix_caching=True, disable_log_stats=False,
+                          kv_transfer_config=KVTransferConfig(**kv))
+        self.engine = LLMEngine.from_engine_args(args, stat_loggers=[RayPrometheusStatLogger])
+        self.requests = 0
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        self.requests += 1
+        self.engine.add_request(f"r{self.requests}", {"prompt_token_ids": prompt},
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        tokens: list[int] = []
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    tokens = list(out.outputs[0].token_ids)
+        core = self.engine.engine_core.engine_core  # type: ignore[attr-defined]
+        core.scheduler.connector.scheduler_part.flush(timeout_s=10.0)  # commits answered
+        self.engine.step()  # one more (empty) step: the last interval's stats reach the logger
+        return {"tokens": tokens}
+
+
+def _driver(address: str, model: str, kv: dict[str, Any]) -> None:
+    import ray
+
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.demo import ENGINE_ENV
+    from ucm_ray.store.fleet import fleet_status
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    config = UcmRayConfig.from_dict(kv["kv_connector_extra_config"])
+    engine = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(RayLoggedEngine).remote(model, "tiny-b", kv)
+    ray.get(engine.__ray_ready__.remote())
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "generate":
+            answer: Any = ray.get(engine.generate.remote(cmd["prompt"]))
+        elif cmd["op"] == "status":
+            answer = fleet_status(config)
+        elif cmd["op"] == "wait_entries":  # until the store holds what another engine saved
+            deadline = time.monotonic() + 30
+            while True:
+                answer = fleet_status(config)
+                if sum(s.get("entries", 0) for s in answer["shards"]) >= cmd["entries"] \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        print(json.dumps(answer), flush=True)
+    ray.kill(engine)
+    ray.shutdown()
+
+
+class Driver:
+    def __init__(self, address: str, model: str, kv: dict[str, Any], log: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, address, model, json.dumps(kv)], cwd=ROOT,
+                                     env=cluster_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), text=True, start_new_session=True)
+        self.log = log
+
+    def read(self) -> Any:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        assert line, f"engine B's driver ended:\n{self.log.read_text()[-4000:]}"
+        return json.loads(line)
+
+    def call(self, **cmd: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode() or "null")
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return parse_samples(r.read().decode())
+
+
+def total(samples, name: str, **labels: str) -> float:
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Ctrl-C to vLLM's server, then end whatever of its family is left (only PIDs we started)."""
+    import psutil
+
+    family = psutil.Process(server.pid).children(recursive=True)
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    for p in family:
+        try:
+            p.wait(timeout=10)
+        except psutil.TimeoutExpired:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ucm_ray.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=cluster_env(), cwd=ROOT)
+
+
+def wait_until(check, what: str, timeout_s: float = 30.0):
+    """``check()`` returns (done, value); polls until done, or fails naming ``what`` and the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, value = check()
+        if done:
+            return value
+        assert time.monotonic() < deadline, f"{what}: still {value} after {timeout_s} s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def test_workload_moves_the_counters_on_both_endpoints(model, tmp_path):
+    started = time.monotonic()
+    cluster = PrivateCluster([{"num_cpus": 3}])
+    ray_port, vllm_port = cluster.info["metrics_ports"][0], free_port()
+    namespace = f"met{uuid.uuid4().hex[:6]}"
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(f"num_shards: 2\npool_bytes: {POOL_MIB}MiB\nray_namespace: {namespace}\ntransport: shm\n"
+                          "shard_cpus: 0\n")
+    tier = {"ray_namespace": namespace, "ray_address": cluster.address, "transport": "shm",
+            "lookup_timeout_s": 60, "lease_s": 120}
+    kv = {"kv_connector": "UcmRayConnector", "kv_connector_module_path": "ucm_ray.vllm.connector",
+          "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": tier}
+    server = driver = None
+    try:
+        up = cli("up", "--address", cluster.address, "--config", str(fleet_file))
+        assert up.returncode == 0, up.stderr[-3000:]
+        server_log = tmp_path / "api_server.log"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+             "--port", str(vllm_port), "--model", model, "--served-model-name", "tiny-a", "--dtype", "float32",
+             "--block-size", str(BLOCK), "--max-model-len", "8192", "--max-num-batched-tokens", "8192",
+             "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
+             "--kv-transfer-config", json.dumps(kv)],
+            cwd=ROOT, env={**cluster_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}, stdin=subprocess.DEVNULL,
+            stdout=open(server_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        driver = Driver(cluster.address, model, kv, tmp_path / "driver.log")
+        assert driver.read() == {"ready": True}
+
+        def server_up():
+            assert server.poll() is None, f"api_server exited:\n{server_log.read_text()[-4000:]}"
+            try:
+                return True, http_json(f"http://127.0.0.1:{vllm_port}/v1/models")
+            except OSError as e:
+                return False, e
+        wait_until(server_up, "vLLM's OpenAI server on loopback", timeout_s=180)
+        print(f"metrics: both engines up {time.monotonic() - started:.0f} s after the cluster started", flush=True)
+
+        def on_a(prompt: list[int]) -> None:
+            http_json(f"http://127.0.0.1:{vllm_port}/v1/completions",
+                      {"model": "tiny-a", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+
+        doc1, doc2, doc3 = (synthetic_prompt(model, n, seed=s) for n, s in ((DOCUMENT, 31), (DOCUMENT, 32),
+                                                                             (OVERFLOW, 33)))
+        ask = [synthetic_prompt(model, QUESTION, seed=40 + i) for i in range(4)]
+        blocks = DOCUMENT // BLOCK  # full blocks of a document (+ question): what its cold engine saves
+        hit = policy.dense_external_hit(DOCUMENT + QUESTION, 0, blocks * BLOCK, policy.recompute_tokens(True))
+        on_a(doc1 + ask[0])                                    # cold on A: saves doc1
+        driver.call(op="wait_entries", entries=blocks)          # A's commits are in
+        driver.call(op="generate", prompt=doc1 + ask[1])        # warm on B (it flushes its commits)
+        driver.call(op="generate", prompt=doc2 + ask[2])        # cold on B: saves doc2
+        on_a(doc2 + ask[3])                                    # warm on A
+        on_a(doc3)                                             # cold on A, more than the pools hold: evictions
+        saved = {"tiny-a": blocks + OVERFLOW // BLOCK, "tiny-b": blocks}
+
+        # vLLM's /metrics (engine A, prometheus_client): vllm:ucm_ray_*, settled once two scrapes agree
+        vllm_url = f"http://127.0.0.1:{vllm_port}/metrics"
+        last: dict[str, Any] = {}
+
+        def a_settled():
+            s = scrape(vllm_url)
+            mine = {(n, tuple(sorted(lab.items()))): v for n, lab, v in s if n.startswith("vllm:ucm_ray")}
+            done = total(s, "vllm:ucm_ray_lookups_total") == 3 and mine == last.get("a")
+            last["a"] = mine
+            return done, s
+        a = wait_until(a_settled, "engine A's series on vLLM's /metrics")
+        (tmp_path / "vllm_metrics.txt").write_text("\n".join(f"{n} {lab} {v}" for n, lab, v in a))
+        entry = total(a, "vllm:ucm_ray_loaded_bytes_total", transport="shm") / blocks  # bytes of one block
+        assert entry > 0 and entry == int(entry), entry
+        assert total(a, "vllm:ucm_ray_hit_tokens_total", model_name="tiny-a") == hit
+        assert total(a, "vllm:external_prefix_cache_hits_total", model_name="tiny-a") == hit  # vLLM's own count
+        assert total(a, "vllm:ucm_ray_loaded_blocks_total") == total(a, "vllm:ucm_ray_load_blocks_total") == blocks
+        assert total(a, "vllm:ucm_ray_load_failures_total") == 0
+        assert total(a, "vllm:ucm_ray_loaded_bytes_total", transport="nixl") == 0
+        assert total(a, "vllm:ucm_ray_query_tokens_total") == 2 * (DOCUMENT + QUESTION) + OVERFLOW
+        assert total(a, "vllm:ucm_ray_saves_skipped_total") == 0
+        assert total(a, "vllm:ucm_ray_saved_blocks_total") == saved["tiny-a"]
+        assert total(a, "vllm:ucm_ray_saved_bytes_total", transport="shm") == saved["tiny-a"] * entry
+
+        # Ray's metrics export port: engine B's ray_vllm_ucm_ray_*, the shards' ray_ucm_ray_shard_*
+        ray_url = f"http://127.0.0.1:{ray_port}/metrics"
+
+        def ray_settled():
+            s = scrape(ray_url)
+            shards = driver.call(op="status")["shards"]
+            figures = {(lab.get("shard"), n): v for n, lab, v in s if n.startswith("ray_ucm_ray_shard_")}
+            done = (total(s, "ray_vllm_ucm_ray_lookups_total", model_name="tiny-b") == 2
+                    and all(figures.get((sh["shard_id"], f"ray_ucm_ray_shard_{f}_total"), 0) == sh[f]
+                            and figures.get((sh["shard_id"], "ray_ucm_ray_shard_entries")) == sh["entries"]
+                            for sh in shards for f in SHARD_COUNTERS))
+            return done, s
+        b = wait_until(ray_settled, "engine B's and the shards' series on Ray's metrics port")
+        (tmp_path / "ray_metrics.txt").write_text("\n".join(f"{n} {lab} {v}" for n, lab, v in b))
+        assert total(b, "ray_vllm_ucm_ray_hit_tokens_total", model_name="tiny-b") == hit
+        assert total(b, "ray_vllm_external_prefix_cache_hits_total", model_name="tiny-b") == hit
+        assert total(b, "ray_vllm_ucm_ray_loaded_blocks_total", model_name="tiny-b") == blocks
+        assert total(b, "ray_vllm_ucm_ray_loaded_bytes_total", model_name="tiny-b", transport="shm") == blocks * entry
+        assert total(b, "ray_vllm_ucm_ray_saved_blocks_total", model_name="tiny-b") == saved["tiny-b"]
+        assert total(b, "ray_vllm_ucm_ray_saved_bytes_total", model_name="tiny-b", transport="shm") \
+            == saved["tiny-b"] * entry
+        assert total(b, "ray_vllm_time_to_first_token_seconds_count", model_name="tiny-b") == 2
+
+        # the shards, as Ray exports them and as `ucm-ray status --json` shows them
+        status = cli("status", "--address", cluster.address, "--config", str(fleet_file), "--json")
+        assert status.returncode == 0, status.stderr[-3000:]
+        shards = json.loads(status.stdout)["shards"]
+        node = cluster.info["node_ids"][0]
+        assert len(shards) == 2 and all(sh["node_id"] == node for sh in shards)
+        for sh in shards:
+            tags = {"shard": sh["shard_id"], "node": node}
+            for figure in ("capacity_bytes", "used_bytes", "entries"):
+                assert total(b, f"ray_ucm_ray_shard_{figure}", **tags) == sh[figure], figure
+            for figure in SHARD_COUNTERS:
+                assert total(b, f"ray_ucm_ray_shard_{figure}_total", **tags) == sh[figure], figure
+        assert sum(sh["capacity_bytes"] for sh in shards) == 2 * POOL_MIB << 20
+        assert sum(sh["hits"] for sh in shards) == 2 * blocks  # each warm engine's blocks; cold ones found none
+        assert sum(sh["commits"] for sh in shards) == sum(saved.values())
+        evictions = sum(sh["evictions"] for sh in shards)
+        assert evictions > 0, "the pools never overflowed"
+        assert sum(sh["entries"] for sh in shards) == sum(saved.values()) - evictions
+        assert sum(sh["used_bytes"] for sh in shards) == (sum(saved.values()) - evictions) * entry
+
+        # the dashboard charts only what these scrapes saw
+        seen = {n for n, _, _ in b} | {as_ray_name(n) for n, _, _ in a}
+        assert as_ray_name("vllm:ucm_ray_hit_tokens_total") in {n for n, _, _ in b}  # the mapping is Ray's
+        dashboard = json.loads(DASHBOARD.read_text())
+        charted = set().union(*(promql_metric_names(e) for e in dashboard_exprs(dashboard)))
+        assert charted and charted <= seen, f"the dashboard charts metrics nobody exports: {sorted(charted - seen)}"
+        print("metrics: scrape excerpt\n  " + "\n  ".join(excerpt(b + a)), flush=True)
+        print(f"metrics: done {time.monotonic() - started:.0f} s after the cluster started", flush=True)
+    finally:
+        if driver is not None:
+            driver.close()
+        if server is not None:
+            stop_server(server)
+        cli("down", "--address", cluster.address, "--config", str(fleet_file))
+        cluster.close()
+
+
+def excerpt(samples) -> list[str]:
+    shown = ("model_name", "transport", "shard")
+    return sorted({f"{n}{{{','.join(f'{k}={x!r}' for k, x in sorted(lab.items()) if k in shown)}}} {v:.0f}"
+                   for n, lab, v in samples
+                   if n.startswith(("ray_ucm_ray_shard_", "ray_vllm_ucm_ray", "vllm:ucm_ray")) and v
+                   and not n.endswith(("_bucket", "_created"))})
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    _driver(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
