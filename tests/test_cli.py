@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import ray
+
+from tests.store_helpers import ClientProcess, key, read_back
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.client import StoreClient
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -26,6 +31,43 @@ def test_up_status_down(ray_cluster, tmp_path):
     assert st.returncode == 0, st.stderr[-2000:]
     status = json.loads(st.stdout)
     assert [s["capacity_bytes"] for s in status["shards"]] == [32 << 20] * 2
+    assert all(s["hit_rate"] is None for s in status["shards"])  # nobody asked yet
+
+    # 20 blocks written, then read back with 5 absent keys: 25 lookups, 20 hits over the two shards
+    fleet = UcmRayConfig.from_dict({"num_shards": 2, "pool_bytes": 32 << 20, "ray_namespace": "cli_test",
+                                    "transport": "shm"})
+    assert all(ray.get(ClientProcess.remote(fleet.to_dict()).write.remote(20), timeout=120))
+    client = StoreClient(fleet)
+    assert all(read_back(client, 20)[0])
+    client.release(client.acquire([key(i, "absent") for i in range(5)]).result().lease_ids).result()
+    client.close()
+    st = cli("status", "--address", address, "--config", str(conf), "--json")
+    shards = json.loads(st.stdout)["shards"]
+    assert (sum(s["lookups"] for s in shards), sum(s["hits"] for s in shards)) == (25, 20)
+    assert sum(s["entries"] for s in shards) == 20
+    for s in shards:
+        assert s["hit_rate"] == (s["hits"] / s["lookups"] if s["lookups"] else None)
+        assert s["node_id"] == ray.get_runtime_context().get_node_id() and s["node_ip"] == "127.0.0.1"
+        for figure in ("entries", "used_bytes", "capacity_bytes", "evictions", "dropped_saves"):
+            assert isinstance(s[figure], int), figure
+
+    # the table: per shard node, entries, used/capacity, hit rate, evictions (same figures)
+    table = cli("status", "--address", address, "--config", str(conf))
+    assert table.returncode == 0, table.stderr[-2000:]
+    print(table.stdout)
+    lines = table.stdout.splitlines()
+    assert re.fullmatch(r"membership v\d+, 2 shard\(s\)", lines[0])
+    header = re.split(r"\s{2,}", lines[1])
+    assert header == ["SHARD", "NODE", "ENTRIES", "USED / CAPACITY", "USE", "HIT RATE", "LOOKUPS", "EVICTIONS",
+                      "DROPPED SAVES"]
+    rows = {row[0]: dict(zip(header, row)) for row in (re.split(r"\s{2,}", line) for line in lines[2:])}
+    assert len(lines) == 4 and set(rows) == {s["shard_id"] for s in shards}
+    for s in shards:
+        row = rows[s["shard_id"]]
+        assert row["NODE"] == f"127.0.0.1 {s['node_id'][:8]}"
+        assert row["ENTRIES"] == str(s["entries"]) and row["EVICTIONS"] == "0" and row["DROPPED SAVES"] == "0"
+        assert row["USED / CAPACITY"].endswith(" / 32.0 MiB") and row["LOOKUPS"] == str(s["lookups"])
+        assert row["HIT RATE"] == (f"{s['hits'] / s['lookups']:.2f}" if s["lookups"] else "-")
     down = cli("down", "--address", address, "--config", str(conf))
     assert down.returncode == 0 and "stopped 2 shard(s)" in down.stdout
     gone = cli("status", "--address", address, "--config", str(conf))

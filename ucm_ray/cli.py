@@ -86,7 +86,10 @@ def cmd_status(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
     except ValueError:
         print(f"no ucm-ray fleet in Ray namespace {cfg.ray_namespace!r}", file=sys.stderr)
         return 1
-    print(json.dumps(st, indent=2) if args.json else _summary(st))
+    for shard in st["shards"]:
+        if "error" not in shard:
+            shard["hit_rate"] = shard["hits"] / shard["lookups"] if shard["lookups"] else None
+    print(json.dumps(st, indent=2) if args.json else status_table(st))
     return 0
 
 
@@ -145,6 +148,39 @@ def _summary(st: dict) -> str:
     return "\n".join(lines)
 
 
+def _bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+STATUS_COLUMNS = ("SHARD", "NODE", "ENTRIES", "USED / CAPACITY", "USE", "HIT RATE", "LOOKUPS", "EVICTIONS",
+                  "DROPPED SAVES")
+
+
+def status_table(st: dict) -> str:
+    """``ucm-ray status``: one row per shard. NODE is the node's IP and the start of its Ray node
+    id; HIT RATE is keys found / keys readers asked for (since the shard started)."""
+    rows = []
+    for s in st["shards"]:
+        if "error" in s:
+            rows.append((s["shard_id"], "?", "-", f"unreachable: {s['error']}", "", "", "", "", ""))
+            continue
+        node = f"{s.get('node_ip', '?')} {s['node_id'][:8]}"
+        use = s["used_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else 0.0
+        hit = f"{s['hits'] / s['lookups']:.2f}" if s["lookups"] else "-"
+        rows.append((s["shard_id"], node, str(s["entries"]),
+                     f"{_bytes(s['used_bytes'])} / {_bytes(s['capacity_bytes'])}", f"{use:.0%}", hit,
+                     str(s["lookups"]), str(s["evictions"]), str(s["dropped_saves"])))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(STATUS_COLUMNS)]
+    lines = [f"membership v{st['version']}, {len(st['shards'])} shard(s)",
+             "  ".join(c.ljust(w) for c, w in zip(STATUS_COLUMNS, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ucm-ray", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -157,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--address", help="Ray cluster address (default: auto)")
         sp.add_argument("--local", action="store_true", help="start a private local Ray cluster")
         if name == "status":
-            sp.add_argument("--json", action="store_true")
+            sp.add_argument("--json", action="store_true",
+                            help="every figure per shard as JSON (plus hit_rate), for scripts")
         UcmRayConfig.add_cli_arguments(sp)
         sp.set_defaults(func=fn)
     sp = sub.add_parser("serve", help="check a Serve config file, then `serve run` it")
