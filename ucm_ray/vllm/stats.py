@@ -56,8 +56,8 @@ TRANSPORT_BYTES_DOC = {
 }
 
 DURATIONS: dict[str, str] = {
-    "load_seconds": "Per worker step with loads: from posting the step's loads to the last of them landing.",
-    "save_seconds": "Per worker step with saves: from posting the step's first save to the last one landing.",
+    "load_seconds": "Per worker step with loads: time its copy thread spent loading (all layers, all pools).",
+    "save_seconds": "Per worker step with saves: time its copy thread spent saving (all layers, all pools).",
 }
 """Every duration the connector may record (``observe``), exported as histograms."""
 
