@@ -32,8 +32,19 @@ ASYNC_LOAD_FAILURES_REPORTABLE = KVConnectorTransferResults is not None
 """vLLM 0.26 has no ``failed_recving``: an asynchronous load can only be reported done, so a
 failed one would hand wrong bytes to the model; connectors must not load asynchronously there."""
 
+
+def check_async_loads_reportable(num_groups: int) -> None:
+    """Refuse a cache of several kv-cache groups (a hybrid model: loads are asynchronous) where
+    a failed asynchronous load cannot be reported. Both connector halves call it: vLLM builds
+    the workers' caches before the scheduler, so the worker must refuse first and as clearly."""
+    if num_groups > 1 and not ASYNC_LOAD_FAILURES_REPORTABLE:
+        raise ValueError("ucm-ray: this vLLM cannot be told that an asynchronous load failed, which a "
+                         "cache of several kv-cache groups (a hybrid model) needs; use vLLM >= 0.32 "
+                         "for such models")
+
 __all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "PROM_METRICS_HOOK", "KVConnectorPromMetrics",
-           "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "block_hashes_vary_per_process"]
+           "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "block_hashes_vary_per_process",
+           "check_async_loads_reportable"]
 
 
 def block_hashes_vary_per_process(hash_algo: str) -> bool:

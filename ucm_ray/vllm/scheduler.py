@@ -31,7 +31,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_key, state_key
 from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
 from ucm_ray.store.slots import SlotSupply
-from ucm_ray.vllm.compat import ASYNC_LOAD_FAILURES_REPORTABLE, block_hashes_vary_per_process
+from ucm_ray.vllm.compat import block_hashes_vary_per_process, check_async_loads_reportable
 from ucm_ray.vllm.layout import entry_bytes
 from ucm_ray.vllm.metadata import BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
@@ -162,10 +162,7 @@ class SchedulerPart:
         # vLLM can only take back a failed synchronous load of a single-group cache (it raises for
         # several groups), so loads into a multi-group cache are asynchronous (``failed_recving``).
         self._async_loads = len(self._groups) > 1
-        if self._async_loads and not ASYNC_LOAD_FAILURES_REPORTABLE:
-            raise ValueError("ucm-ray: this vLLM cannot be told that an asynchronous load failed, which a "
-                             "cache of several kv-cache groups (a hybrid model) needs; use vLLM >= 0.32 "
-                             "for such models")
+        check_async_loads_reportable(len(self._groups))
         self._bs = [g.kv_cache_spec.block_size for g in self._groups]
         self._lcm = math.lcm(*self._bs) if self._bs else 1
         self._hash_bs = (getattr(kv_cache_config, "hash_block_size", None)

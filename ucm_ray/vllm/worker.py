@@ -34,6 +34,7 @@ from ucm_ray.store.blockstore import Location, PoolKey
 from ucm_ray.store.checksum import checksum
 from ucm_ray.transport.base import CopyOp
 from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
 from ucm_ray.vllm.metadata import LoadJob, SaveJob, SaveResult, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
@@ -87,6 +88,7 @@ class WorkerPart:
         self._kv_cache_config = kv_cache_config
         self._rank = tp_rank
         self._pools = PoolConnections(config.transport, node_id)
+        check_async_loads_reportable(len(kv_cache_config.kv_cache_groups))
         self._group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         # Mamba / linear-attention layers get no per-layer hooks from vLLM.
         self._hooked_groups = {i for i, g in enumerate(kv_cache_config.kv_cache_groups)
