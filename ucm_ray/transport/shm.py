@@ -27,8 +27,13 @@ from ucm_ray.transport.base import (
     Transfer,
     TransferError,
 )
+from ucm_ray.transport.gather import UvaView, copy_ranges
 
 log = logging.getLogger(__name__)
+
+HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
+GATHER_BYTES = 64 << 20
+"""Bytes moved per gather: the kernel stages them in GPU memory."""
 
 
 class SharedPool:
@@ -149,10 +154,13 @@ class ShmPoolTransport(PoolTransport):
         self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False)
         self._host_registered = False
         self._stream: torch.cuda.Stream | None = None
+        self._uva: torch.Tensor | None = None
+        self._bases: list[torch.Tensor] = []  # registered CUDA buffers the ops' views lie in
 
     def register_local(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:
             self._pin_for_cuda()
+            self._bases.append(tensor.view(torch.uint8).view(-1))
 
     def read(self, ops: Sequence[CopyOp]) -> Transfer:
         return self._copy(ops, to_pool=False)
@@ -161,6 +169,8 @@ class ShmPoolTransport(PoolTransport):
         return self._copy(ops, to_pool=True)
 
     def close(self) -> None:
+        self._uva = None
+        self._bases = []
         if self._host_registered:
             torch.cuda.cudart().cudaHostUnregister(self._pool.tensor.data_ptr())
             self._host_registered = False
@@ -184,19 +194,68 @@ class ShmPoolTransport(PoolTransport):
         assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for op in ops:
+            for op in self._gathered(ops, to_pool=to_pool):  # what the gather path left
                 view = pool[op.pool_offset: op.pool_offset + op.nbytes]
                 (view if to_pool else op.local).copy_(op.local if to_pool else view, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         return _CudaEventTransfer(event)
 
+    def _gathered(self, ops: Sequence[CopyOp], *, to_pool: bool) -> list[CopyOp]:
+        """Move what the gather path can (ops grouped by the registered buffer they lie in,
+        ``GATHER_BYTES`` at a time: the gather stages that much in GPU memory); return the
+        rest, to be copied one by one."""
+        if self._uva is None:
+            return list(ops)
+        by_base: dict[int, list[CopyOp]] = {}
+        rest: list[CopyOp] = []
+        for op in ops:
+            address = op.local.data_ptr()
+            home = next((i for i, b in enumerate(self._bases)
+                         if b.data_ptr() <= address and address + op.nbytes <= b.data_ptr() + b.numel()), None)
+            if home is None:
+                rest.append(op)
+            else:
+                by_base.setdefault(home, []).append(op)
+        for home, group in by_base.items():
+            start = 0
+            while start < len(group):
+                end, size = start, 0
+                while end < len(group) and (end == start or size + group[end].nbytes <= GATHER_BYTES):
+                    size += group[end].nbytes
+                    end += 1
+                if not copy_ranges(self._uva, self._bases[home], group[start:end], to_pool=to_pool):
+                    rest.extend(group[start:end])
+                start = end
+        return rest
+
     def _pin_for_cuda(self) -> None:
-        """Page-lock the mapping once so CUDA copies run at PCIe speed, asynchronously."""
+        """Page-lock the mapping once so CUDA copies run at PCIe speed, asynchronously, and map
+        it into the GPU's address space for the gather path (checked once; off if it fails)."""
         if self._host_registered:
             return
-        rc = torch.cuda.cudart().cudaHostRegister(self._pool.tensor.data_ptr(), self._desc.pool_bytes, 0)
-        if int(rc) != 0:
-            raise TransferError(f"cudaHostRegister of shard pool {self._desc.shm_path} failed: {rc}")
+        cudart = torch.cuda.cudart()
+        address = self._pool.tensor.data_ptr()
+        mapped = int(cudart.cudaHostRegister(address, self._desc.pool_bytes, HOST_REGISTER_PORTABLE_MAPPED)) == 0
+        if not mapped:
+            rc = cudart.cudaHostRegister(address, self._desc.pool_bytes, 0)
+            if int(rc) != 0:
+                raise TransferError(f"cudaHostRegister of shard pool {self._desc.shm_path} failed: {rc}")
         self._host_registered = True
         self._stream = torch.cuda.Stream()
+        if mapped:
+            self._uva = self._mapped_view(address)
+
+    def _mapped_view(self, address: int) -> torch.Tensor | None:
+        """The pool as a CUDA tensor (its host pointer used on the device, as unified addressing
+        allows), if a read through it returns what the CPU sees; else None (copies one by one)."""
+        try:
+            view = UvaView(address, self._desc.pool_bytes, torch.device("cuda", torch.cuda.current_device())).tensor
+            probe = min(4096, self._desc.pool_bytes)
+            if torch.equal(view[:probe].cpu(), self._pool.tensor[:probe]):
+                return view
+            log.warning("shard %s pool: the GPU reads other bytes through the mapped pointer; "
+                        "copying block by block", self._desc.shard_id)
+        except (RuntimeError, TypeError, ValueError) as e:
+            log.warning("shard %s pool: no GPU-mapped view (%s); copying block by block", self._desc.shard_id, e)
+        return None

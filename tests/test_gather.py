@@ -1,0 +1,39 @@
+"""The batched range copy the CUDA shm path uses, checked with CPU tensors (same code)."""
+
+from __future__ import annotations
+
+import torch
+
+from ucm_ray.transport.base import CopyOp
+from ucm_ray.transport.gather import copy_ranges, line_bytes
+
+
+def test_line_is_the_largest_common_power_of_two():
+    assert line_bytes([65536, 131072, 4096 * 3]) == 4096
+    assert line_bytes([64, 65536]) == 64
+    assert line_bytes([65536, 12]) == 0  # not 8-byte aligned: copied one by one
+
+
+def test_ranges_move_both_ways_and_nothing_else():
+    pool = torch.zeros(1 << 20, dtype=torch.uint8)
+    local = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8)
+    spans = [(0, 4096, 8192), (65536, 40960, 4096), (200000 - 200000 % 64, 128, 65536)]  # pool, local, size
+    ops = [CopyOp(p, local[lo: lo + n]) for p, lo, n in spans]
+    assert copy_ranges(pool, local, ops, to_pool=True)
+    for p, lo, n in spans:
+        assert torch.equal(pool[p: p + n], local[lo: lo + n])
+    assert int(pool.count_nonzero()) == int(sum((local[lo: lo + n] != 0).sum() for _, lo, n in spans))
+    back = torch.zeros_like(local)
+    assert copy_ranges(pool, back, [CopyOp(p, back[lo: lo + n]) for p, lo, n in spans], to_pool=False)
+    for _, lo, n in spans:
+        assert torch.equal(back[lo: lo + n], local[lo: lo + n])
+    outside = torch.ones(len(back), dtype=torch.bool)
+    for _, lo, n in spans:
+        outside[lo: lo + n] = False
+    assert int(back[outside].count_nonzero()) == 0
+
+
+def test_views_outside_the_buffer_or_misaligned_are_refused():
+    pool, local, other = (torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(3))
+    assert not copy_ranges(pool, local, [CopyOp(0, other[:4096])], to_pool=False)
+    assert not copy_ranges(pool, local, [CopyOp(3, local[:4096])], to_pool=False)

@@ -1,0 +1,89 @@
+"""Many small copies between a pool and one local buffer as one gather (or scatter) kernel.
+
+A step moves one 16-64 KiB range per block per layer; issued one ``copy_`` each, the launch
+cost dominates (4.5 GB/s measured on an H200 against 53 GB/s for one large pinned copy). On
+CUDA the shard's page-locked pool is also addressable from the GPU (unified addressing), so
+the ranges become rows of a word matrix and one ``index_select`` + ``index_copy_`` moves them
+all, reading or writing host memory over PCIe from the kernel itself.
+
+Rows are ``line`` bytes: the largest power of two up to 4 KiB dividing every offset and size,
+so the index tensors stay small; ranges that share no 8-byte alignment are not eligible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ucm_ray.transport.base import CopyOp
+
+WORD = 8
+MAX_LINE = 4096
+
+
+class UvaView:
+    """A CUDA tensor over page-locked host memory at ``address`` (zero copy): what a kernel
+    reads or writes there goes over PCIe. Needs memory registered with the mapped flag on a
+    device that can use host pointers for it (every GPU with unified addressing)."""
+
+    def __init__(self, address: int, nbytes: int, device: torch.device) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+        self.tensor = torch.as_tensor(self, device=device)
+
+
+def line_bytes(values: Sequence[int]) -> int:
+    """The row size for these offsets and sizes: 0 when they are not all 8-byte aligned."""
+    common = 0
+    for v in values:
+        common = math.gcd(common, v)
+        if common % WORD:
+            return 0
+    if common == 0:
+        return 0
+    line = WORD
+    while line * 2 <= MAX_LINE and common % (line * 2) == 0:
+        line *= 2
+    return line
+
+
+def _rows(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Row indices ``starts[i] .. starts[i] + counts[i] - 1`` for every i, concatenated."""
+    first = torch.cumsum(counts, 0) - counts  # where each range begins in the output
+    return torch.repeat_interleave(starts - first, counts, output_size=total) + torch.arange(
+        total, device=starts.device)
+
+
+def copy_ranges(pool: torch.Tensor, local: torch.Tensor, ops: Sequence[CopyOp], *, to_pool: bool) -> bool:
+    """Move every op's bytes between ``pool`` (flat uint8) and ``local`` (the flat uint8 buffer
+    all ``ops[i].local`` views lie in), on the current stream, as one gather and one scatter.
+    Returns False (nothing moved) when the ops do not qualify: the caller copies them one by one."""
+    base = local.data_ptr()
+    end = base + local.numel()
+    local_offsets = []
+    for op in ops:
+        address = op.local.data_ptr()
+        if not base <= address <= end - op.nbytes:
+            return False
+        local_offsets.append(address - base)
+    sizes = [op.nbytes for op in ops]
+    pool_offsets = [op.pool_offset for op in ops]
+    line = line_bytes([*sizes, *pool_offsets, *local_offsets, pool.data_ptr(), base])
+    if not line:
+        return False
+    width = line // WORD
+    pool_rows = pool[: pool.numel() - pool.numel() % line].view(torch.int64).view(-1, width)
+    local_rows = local[: local.numel() - local.numel() % line].view(torch.int64).view(-1, width)
+    device = pool.device
+    lines = torch.tensor([sizes, pool_offsets, local_offsets], dtype=torch.int64).div_(line, rounding_mode="floor")
+    lines = lines.to(device, non_blocking=True)
+    total = sum(sizes) // line
+    pool_index = _rows(lines[1], lines[0], total)
+    local_index = _rows(lines[2], lines[0], total)
+    if to_pool:
+        pool_rows.index_copy_(0, pool_index, local_rows.index_select(0, local_index))
+    else:
+        local_rows.index_copy_(0, local_index, pool_rows.index_select(0, pool_index))
+    return True
