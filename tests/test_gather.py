@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ucm_ray.transport.base import CopyOp
 from ucm_ray.transport.gather import copy_ranges, line_bytes
 
 
@@ -18,13 +17,13 @@ def test_ranges_move_both_ways_and_nothing_else():
     pool = torch.zeros(1 << 20, dtype=torch.uint8)
     local = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8)
     spans = [(0, 4096, 8192), (65536, 40960, 4096), (200000 - 200000 % 64, 128, 65536)]  # pool, local, size
-    ops = [CopyOp(p, local[lo: lo + n]) for p, lo, n in spans]
-    assert copy_ranges(pool, local, ops, to_pool=True)
+    pool_at, local_at, sizes = (list(column) for column in zip(*spans))
+    assert copy_ranges(pool, local, pool_at, local_at, sizes, to_pool=True)
     for p, lo, n in spans:
         assert torch.equal(pool[p: p + n], local[lo: lo + n])
     assert int(pool.count_nonzero()) == int(sum((local[lo: lo + n] != 0).sum() for _, lo, n in spans))
     back = torch.zeros_like(local)
-    assert copy_ranges(pool, back, [CopyOp(p, back[lo: lo + n]) for p, lo, n in spans], to_pool=False)
+    assert copy_ranges(pool, back, pool_at, local_at, sizes, to_pool=False)
     for _, lo, n in spans:
         assert torch.equal(back[lo: lo + n], local[lo: lo + n])
     outside = torch.ones(len(back), dtype=torch.bool)
@@ -33,7 +32,7 @@ def test_ranges_move_both_ways_and_nothing_else():
     assert int(back[outside].count_nonzero()) == 0
 
 
-def test_views_outside_the_buffer_or_misaligned_are_refused():
-    pool, local, other = (torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(3))
-    assert not copy_ranges(pool, local, [CopyOp(0, other[:4096])], to_pool=False)
-    assert not copy_ranges(pool, local, [CopyOp(3, local[:4096])], to_pool=False)
+def test_misaligned_ranges_are_refused():
+    pool, local = (torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2))
+    assert not copy_ranges(pool, local, [3], [0], [4096], to_pool=False)
+    assert not local.any()

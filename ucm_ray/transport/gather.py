@@ -17,8 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ucm_ray.transport.base import CopyOp
-
 WORD = 8
 MAX_LINE = 4096
 
@@ -56,29 +54,19 @@ def _rows(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tenso
         total, device=starts.device)
 
 
-def copy_ranges(pool: torch.Tensor, local: torch.Tensor, ops: Sequence[CopyOp], *, to_pool: bool) -> bool:
-    """Move every op's bytes between ``pool`` (flat uint8) and ``local`` (the flat uint8 buffer
-    all ``ops[i].local`` views lie in), on the current stream, as one gather and one scatter.
-    Returns False (nothing moved) when the ops do not qualify: the caller copies them one by one."""
-    base = local.data_ptr()
-    end = base + local.numel()
-    local_offsets = []
-    for op in ops:
-        address = op.local.data_ptr()
-        if not base <= address <= end - op.nbytes:
-            return False
-        local_offsets.append(address - base)
-    sizes = [op.nbytes for op in ops]
-    pool_offsets = [op.pool_offset for op in ops]
-    line = line_bytes([*sizes, *pool_offsets, *local_offsets, pool.data_ptr(), base])
+def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: Sequence[int], local_offsets: Sequence[int],
+                sizes: Sequence[int], *, to_pool: bool) -> bool:
+    """Move ``sizes[i]`` bytes between ``pool[pool_offsets[i]:]`` and ``local[local_offsets[i]:]``
+    (both flat uint8) on the current stream, as one gather and one scatter. Returns False
+    (nothing moved) when the ranges are not 8-byte aligned: the caller copies them one by one."""
+    line = line_bytes([*sizes, *pool_offsets, *local_offsets, pool.data_ptr(), local.data_ptr()])
     if not line:
         return False
     width = line // WORD
     pool_rows = pool[: pool.numel() - pool.numel() % line].view(torch.int64).view(-1, width)
     local_rows = local[: local.numel() - local.numel() % line].view(torch.int64).view(-1, width)
-    device = pool.device
-    lines = torch.tensor([sizes, pool_offsets, local_offsets], dtype=torch.int64).div_(line, rounding_mode="floor")
-    lines = lines.to(device, non_blocking=True)
+    lines = torch.tensor([sizes, pool_offsets, local_offsets], dtype=torch.int64, pin_memory=pool.is_cuda)
+    lines = lines.div_(line, rounding_mode="floor").to(pool.device, non_blocking=True)
     total = sum(sizes) // line
     pool_index = _rows(lines[1], lines[0], total)
     local_index = _rows(lines[2], lines[0], total)

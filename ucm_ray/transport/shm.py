@@ -8,6 +8,7 @@ mapping: plain copies on CPU, side-stream async copies on CUDA.
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import logging
@@ -155,12 +156,16 @@ class ShmPoolTransport(PoolTransport):
         self._host_registered = False
         self._stream: torch.cuda.Stream | None = None
         self._uva: torch.Tensor | None = None
-        self._bases: list[torch.Tensor] = []  # registered CUDA buffers the ops' views lie in
+        self._bases: list[torch.Tensor] = []  # registered CUDA buffers the ops' views lie in, by address
+        self._base_ranges: list[tuple[int, int]] = []  # their [start, end) addresses, sorted
 
     def register_local(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:
             self._pin_for_cuda()
-            self._bases.append(tensor.view(torch.uint8).view(-1))
+            flat = tensor.view(torch.uint8).view(-1)
+            at = bisect.bisect(self._base_ranges, (flat.data_ptr(), flat.data_ptr() + flat.numel()))
+            self._base_ranges.insert(at, (flat.data_ptr(), flat.data_ptr() + flat.numel()))
+            self._bases.insert(at, flat)
 
     def read(self, ops: Sequence[CopyOp]) -> Transfer:
         return self._copy(ops, to_pool=False)
@@ -170,7 +175,7 @@ class ShmPoolTransport(PoolTransport):
 
     def close(self) -> None:
         self._uva = None
-        self._bases = []
+        self._bases, self._base_ranges = [], []
         if self._host_registered:
             torch.cuda.cudart().cudaHostUnregister(self._pool.tensor.data_ptr())
             self._host_registered = False
@@ -204,29 +209,35 @@ class ShmPoolTransport(PoolTransport):
     def _gathered(self, ops: Sequence[CopyOp], *, to_pool: bool) -> list[CopyOp]:
         """Move what the gather path can (ops grouped by the registered buffer they lie in,
         ``GATHER_BYTES`` at a time: the gather stages that much in GPU memory); return the
-        rest, to be copied one by one."""
+        rest, to be copied one by one. Plain integers here: a torch call per op costs more
+        than the copy it describes."""
         if self._uva is None:
             return list(ops)
-        by_base: dict[int, list[CopyOp]] = {}
+        starts = [start for start, _ in self._base_ranges]
+        groups: dict[int, tuple[list[CopyOp], list[int], list[int], list[int]]] = {}
         rest: list[CopyOp] = []
         for op in ops:
-            address = op.local.data_ptr()
-            home = next((i for i, b in enumerate(self._bases)
-                         if b.data_ptr() <= address and address + op.nbytes <= b.data_ptr() + b.numel()), None)
-            if home is None:
+            address, size = op.local.data_ptr(), op.local.numel()
+            home = bisect.bisect_right(starts, address) - 1
+            if home < 0 or address + size > self._base_ranges[home][1]:
                 rest.append(op)
-            else:
-                by_base.setdefault(home, []).append(op)
-        for home, group in by_base.items():
-            start = 0
-            while start < len(group):
-                end, size = start, 0
-                while end < len(group) and (end == start or size + group[end].nbytes <= GATHER_BYTES):
-                    size += group[end].nbytes
+                continue
+            group = groups.setdefault(home, ([], [], [], []))
+            group[0].append(op)
+            group[1].append(op.pool_offset)
+            group[2].append(address - starts[home])
+            group[3].append(size)
+        for home, (members, pool_offsets, local_offsets, sizes) in groups.items():
+            begin = 0
+            while begin < len(members):
+                end, total = begin, 0
+                while end < len(members) and (end == begin or total + sizes[end] <= GATHER_BYTES):
+                    total += sizes[end]
                     end += 1
-                if not copy_ranges(self._uva, self._bases[home], group[start:end], to_pool=to_pool):
-                    rest.extend(group[start:end])
-                start = end
+                if not copy_ranges(self._uva, self._bases[home], pool_offsets[begin:end], local_offsets[begin:end],
+                                   sizes[begin:end], to_pool=to_pool):
+                    rest.extend(members[begin:end])
+                begin = end
         return rest
 
     def _pin_for_cuda(self) -> None:
