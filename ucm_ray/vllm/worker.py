@@ -80,6 +80,8 @@ class _StepState:
     crc: dict[_Tag, int] = field(default_factory=dict)
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
+    copy_s: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    """Time the copy thread spent on this step's loads (False) and saves (True)."""
 
 
 class WorkerPart:
@@ -207,6 +209,7 @@ class WorkerPart:
             sums = self._entry_checksum(job) if self._config.checksum and any(landed) else None
             self._results.saves[job.job_id] = SaveResult(landed, sums, uncertain=step.uncertain)
             self.stats.add(save_failures=sum(1 for ok in landed if not ok))
+        self.stats.observe("save_seconds", step.copy_s[True])
         step.saves = []
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
@@ -294,7 +297,11 @@ class WorkerPart:
                     ready.synchronize()
                 if time.monotonic() >= step.deadline:
                     return ops.all_tags()
-                return self._move_batches(step, ops, write)
+                started = time.perf_counter()
+                try:
+                    return self._move_batches(step, ops, write)
+                finally:
+                    step.copy_s[write] += time.perf_counter() - started
         except Exception:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
             return ops.all_tags()
@@ -334,4 +341,6 @@ class WorkerPart:
             if bad:
                 self._results.load_failures[job.job_id] = bad
             self.stats.add(loaded_blocks=len(job.blocks) - len(bad), load_failures=len(bad))
+        if step.loads:
+            self.stats.observe("load_seconds", step.copy_s[False])
         step.loads = []
