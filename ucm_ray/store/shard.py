@@ -58,7 +58,8 @@ class CacheShard:
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 
                 try:
-                    self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}")
+                    self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}",
+                                                  bind_ip=ray.util.get_node_ip_address())
                 except NixlUnavailableError as e:
                     if cfg.transport == "nixl":
                         raise

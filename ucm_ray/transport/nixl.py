@@ -33,6 +33,16 @@ Facts about NIXL 1.5.1 that shaped this module (measured on a 2-core CPU box):
   built from plain tuples.
 * The client agent runs the (non-spinning) progress thread too, so that
   transfers to other nodes advance while nobody polls; ``wait`` also polls.
+* UCX's TCP transport listens on every network interface it finds (one socket
+  per interface address), so a shard on a cluster kept on loopback would still
+  be reachable from the external network. UCX picks interfaces by
+  ``UCX_NET_DEVICES`` (read when the backend's UCX context is created); NIXL's
+  ``device_list`` backend parameter appends ``:1`` to every name, which suits
+  RDMA ports only (``lo:1`` does not exist). So every agent here is created
+  with ``UCX_NET_DEVICES`` naming the interface that carries the Ray node's
+  address, plus the host's RDMA ports (they open no sockets), unless the user
+  set ``UCX_NET_DEVICES`` already. Shared-memory transports are not network
+  devices and stay available.
 """
 
 from __future__ import annotations
@@ -110,13 +120,96 @@ def nixl_available() -> bool:
         return False
 
 
-def _make_agent(name: str) -> Any:
+def _rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
+    """UCX names (``mlx5_0:1``) of this host's RDMA ports."""
+    try:
+        devices = sorted(os.listdir(root))
+    except OSError:
+        return []
+    ports = []
+    for dev in devices:
+        try:
+            ports += [f"{dev}:{p}" for p in sorted(os.listdir(os.path.join(root, dev, "ports")), key=_port_key)]
+        except OSError:
+            continue
+    return ports
+
+
+def _port_key(p: str) -> tuple[int, str]:
+    return (int(p), "") if p.isdigit() else (1 << 30, p)
+
+
+def ucx_net_devices(bind_ip: str | None) -> str | None:
+    """The ``UCX_NET_DEVICES`` that keeps UCX's sockets on ``bind_ip``'s interface.
+
+    None (leave UCX to its defaults) when the user set ``UCX_NET_DEVICES``, when
+    there is no address, or when no interface of this host carries it (a NAT'd
+    address: then restricting would only break transfers).
+    """
+    if os.environ.get("UCX_NET_DEVICES") or not bind_ip:
+        return None
+    import ipaddress
+
+    import psutil
+
+    try:
+        want = ipaddress.ip_address(bind_ip)
+    except ValueError:
+        return None
+    for ifname, addrs in sorted(psutil.net_if_addrs().items()):
+        for a in addrs:
+            try:
+                if ipaddress.ip_address(a.address.split("%")[0]) == want:
+                    return ",".join([ifname] + _rdma_ports())
+            except ValueError:  # MAC addresses and the like
+                continue
+    return None
+
+
+def ray_node_ip() -> str | None:
+    """The address of the Ray node this process belongs to (None outside Ray)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        return str(ray.util.get_node_ip_address())
+    except Exception:
+        return None
+
+
+_env_lock = threading.Lock()
+
+
+def _create_ucx_backend(agent: Any, name: str, bind_ip: str | None) -> None:
+    """``create_backend("UCX")`` with UCX's network interfaces limited to ``bind_ip``'s."""
+    devices = ucx_net_devices(bind_ip)
+    if bind_ip and devices is None and not os.environ.get("UCX_NET_DEVICES"):
+        log.warning("NIXL agent %s: no interface here has the address %s; UCX listens on every "
+                    "interface (set UCX_NET_DEVICES to choose)", name, bind_ip)
+    if devices is None:
+        agent.create_backend("UCX")
+        return
+    with _env_lock:  # UCX reads the variable while it creates its context, in this call
+        os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            agent.create_backend("UCX")
+        finally:
+            os.environ.pop("UCX_NET_DEVICES", None)
+    log.debug("NIXL agent %s: UCX_NET_DEVICES=%s (for %s)", name, devices, bind_ip)
+
+
+def _make_agent(name: str, bind_ip: str | None = None) -> Any:
     """A NIXL agent with the UCX backend and a progress thread that does not spin.
 
     ``nixl_agent.__init__`` hard-codes ``pthrDelay = 0`` (busy spin). We build it
     with no backend, swap in a core agent built from a config that carries our
     delay, and only then create the UCX backend (which starts the thread).
+    UCX's sockets bind ``bind_ip``'s interface (default: the Ray node's address).
     """
+    if bind_ip is None:
+        bind_ip = ray_node_ip()
     api = _nixl_api()
     sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW  # several threads may post/poll
     try:
@@ -140,7 +233,7 @@ def _make_agent(name: str) -> Any:
     else:  # a future NIXL changed its internals: correct, but the thread will spin
         log.warning("cannot set the NIXL progress-thread delay; its thread may busy-spin")
     try:
-        agent.create_backend("UCX")
+        _create_ucx_backend(agent, name, bind_ip)
     except Exception as e:
         raise NixlUnavailableError(f"NIXL could not start its UCX backend: {e}") from e
     return agent
@@ -168,14 +261,14 @@ class NixlPoolExporter:
     shard does no per-transfer work (its UCX progress thread handles wire-up).
     """
 
-    def __init__(self, pool: torch.Tensor, agent_name: str) -> None:
+    def __init__(self, pool: torch.Tensor, agent_name: str, *, bind_ip: str | None = None) -> None:
         if pool.device.type != "cpu":
             # PoolDescriptor carries no memory type / device for the pool yet.
             raise ValueError("NixlPoolExporter: only host-memory (cpu) pools are supported")
         if not pool.is_contiguous() or pool.numel() == 0:
             raise ValueError("NixlPoolExporter: the pool must be a non-empty contiguous tensor")
         self._pool: torch.Tensor | None = pool
-        self._agent = _make_agent(agent_name)
+        self._agent = _make_agent(agent_name, bind_ip)
         self.agent_name = agent_name
         self.base_addr = pool.data_ptr()
         self.pool_bytes = pool.numel() * pool.element_size()
@@ -263,9 +356,9 @@ class NixlClientAgent:
     can be opened and closed independently.
     """
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, *, bind_ip: str | None = None) -> None:
         self.name = name or f"ucmr-client-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.agent = _make_agent(self.name)
+        self.agent = _make_agent(self.name, bind_ip)
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._regions: dict[tuple[str, int, int, int], _Region] = {}
