@@ -175,9 +175,41 @@ def stop_fleet(config: UcmRayConfig, *, timeout_s: float = 30.0) -> int:
         _shutdown(sid, handle, timeout_s)
     if directory is not None:
         ray.kill(directory)
-    # Shards killed earlier (crashes, kill -9) never unlinked their pools; free this node's.
-    remove_stale_pools(pool_prefix(config.shm_dir, ns, SHARD_PREFIX))
+    # Shards killed earlier (crashes, kill -9) never unlinked their pools; free them on every node.
+    remove_stale_pools_everywhere(config, timeout_s=timeout_s)
     return len(handles)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _remove_stale_pools_here(prefix: str) -> tuple[str, int]:
+    """Runs on one node: its pool files of this fleet (this cluster, this user) go."""
+    return ray.get_runtime_context().get_node_id(), remove_stale_pools(prefix)
+
+
+def remove_stale_pools_everywhere(config: UcmRayConfig, *, timeout_s: float = 30.0) -> dict[str, int]:
+    """Remove this fleet's leftover pool files on every alive node (one small task pinned to
+    each; a node that does not answer in ``timeout_s`` is logged and skipped), then on this
+    one. Returns, per node id that ran its task, how many files it removed."""
+    prefix = pool_prefix(config.shm_dir, config.ray_namespace, SHARD_PREFIX)
+    refs = [_remove_stale_pools_here.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(prefix)
+            for n in ray.nodes() if n["Alive"]]
+    done: dict[str, int] = {}
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for ref in ready:
+        try:
+            node_id, removed = ray.get(ref)
+        except Exception as e:
+            log.warning("stale-pool cleanup failed on a node: %s", _root_cause(e))
+            continue
+        done[node_id] = removed
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    if pending:
+        log.warning("stale-pool cleanup: %d node(s) did not answer in %.0f s; their leftover pools "
+                    "(%s*) stay until the next `down` there", len(pending), timeout_s, prefix)
+    remove_stale_pools(prefix)  # this process's node, even when its raylet could not run the task
+    return done
 
 
 def _shutdown(name: str, handle: ray.actor.ActorHandle, timeout_s: float) -> None:
