@@ -209,6 +209,7 @@ class StoreClient(BlockStore):
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
+        self._replication_warned = False
         self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
@@ -227,8 +228,23 @@ class StoreClient(BlockStore):
         if membership is not None and membership.version != self._membership.version:
             self._apply(membership)
 
+    @property
+    def replication(self) -> int:
+        """Copies per block: the fleet's (from the directory), this client's own setting only
+        when the directory does not say."""
+        fleet = self._membership.replication
+        return fleet if fleet is not None else self.config.replication
+
     def _apply(self, membership: Membership) -> None:
         """Adopt a membership; old incarnations' mappings are closed before any later use."""
+        if (membership.replication is not None and membership.replication != self.config.replication
+                and not self._replication_warned):
+            self._replication_warned = True
+            log.warning("replication: the fleet in Ray namespace %r keeps %d cop%s per block; this "
+                        "engine's setting (%d) is ignored (replication is set by `ucm-ray up` or the "
+                        "Serve app's tier, not per engine)", self.config.ray_namespace,
+                        membership.replication, "y" if membership.replication == 1 else "ies",
+                        self.config.replication)
         self._membership = membership
         self._records = {s.key: s for s in membership.shards}
         self.connections.sync(membership.descriptors)
@@ -240,7 +256,7 @@ class StoreClient(BlockStore):
         shards = self._membership.shards
         if not keys:
             return []
-        own = place(keys, [s.shard_id for s in shards], self.config.replication)
+        own = place(keys, [s.shard_id for s in shards], self.replication)
         return [[shards[j] for j in row] for row in own.tolist()]
 
     def _get(self, record: ShardRecord, ref: ray.ObjectRef, deadline: float) -> Any:
@@ -261,7 +277,7 @@ class StoreClient(BlockStore):
 
     def pools(self) -> Pools:
         self.refresh()
-        return Pools(self._membership.version, self._membership.descriptors, self.config.replication)
+        return Pools(self._membership.version, self._membership.descriptors, self.replication)
 
     def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
         return [[r.key for r in row] for row in self._owner_records(keys)]

@@ -50,6 +50,9 @@ class ShardRecord:
 class Membership:
     version: int
     shards: tuple[ShardRecord, ...]
+    replication: int | None = None
+    """Copies per block, as the fleet was started with; None: the directory does not say
+    (a client then uses its own setting)."""
 
     @property
     def shard_ids(self) -> list[str]:
@@ -62,8 +65,14 @@ class Membership:
 
 @ray.remote
 class ShardDirectory:
-    def __init__(self, ray_namespace: str) -> None:
+    def __init__(self, ray_namespace: str, fleet_config: dict[str, Any] | None = None) -> None:
         self._namespace = ray_namespace  # where its shards are named (not always the creator's job's)
+        # The settings the fleet was started with (UcmRayConfig.to_dict()): fleet-wide ones,
+        # like replication, are the fleet's, not each engine's. Ray restarts the directory
+        # with the same arguments, so a restart keeps them.
+        self._config = dict(fleet_config) if fleet_config else {}
+        replication = self._config.get("replication")
+        self._replication = replication if isinstance(replication, int) and replication >= 1 else None
         self._shards: dict[str, ShardRecord] = {}
         self._watchers: dict[str, asyncio.Task] = {}
         self._version = random_id() >> 16  # room to count up, and unlike any other start's
@@ -88,6 +97,10 @@ class ShardDirectory:
 
     async def version(self) -> int:
         return self._version
+
+    async def fleet_config(self) -> dict[str, Any]:
+        """The ``UcmRayConfig`` dict the fleet was started with (empty when not given)."""
+        return dict(self._config)
 
     async def membership(self) -> Membership:
         await self._rediscovered()
@@ -115,7 +128,7 @@ class ShardDirectory:
     # --- internals -----------------------------------------------------------------------
 
     def _snapshot(self) -> Membership:
-        return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)))
+        return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication)
 
     def _bump(self, why: str) -> None:
         self._version += 1

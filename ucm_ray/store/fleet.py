@@ -90,7 +90,7 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
                         if name not in existing and (node == here or (node is None and single_node))))
     directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
         name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_restarts=-1).remote(ns)  # stateless: a restart finds the shards again
+        max_restarts=-1).remote(ns, config.to_dict())  # stateless: a restart finds the shards again
     shards = [(name, CacheShard.options(  # type: ignore[attr-defined]
         name=name, namespace=ns, lifetime="detached", get_if_exists=True,
         num_cpus=config.shard_cpus, scheduling_strategy=strategy,
