@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from ucm_ray.config import ConfigError
 from ucm_ray.store.capacity import check_pool_fits, free_bytes, human_bytes
 from ucm_ray.transport.shm import SharedPool
+
+NOBODY = 65534
 
 
 def test_human_bytes():
@@ -49,11 +54,37 @@ def test_a_directory_that_cannot_be_read_names_shm_dir(tmp_path):
         check_pool_fits("/nonexistent/x", 4096, 1)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_a_directory_this_user_cannot_write_names_shm_dir(tmp_path):
-    tmp_path.chmod(0o500)
+def test_a_directory_this_user_cannot_write_names_shm_dir():
+    """Run as ``nobody`` when we are root (root may write anywhere)."""
+    parent = Path(tempfile.mkdtemp(prefix="ucmr-ro-", dir="/tmp"))
+    target = parent / "shm"
+    target.mkdir()
+    parent.chmod(0o755)
+    target.chmod(0o555)
+
+    def check() -> int:
+        try:
+            check_pool_fits(str(target), 4096, 1)
+        except ConfigError as e:
+            return 0 if re.match(r"^shm_dir: .* is not writable by this user$", str(e)) else 1
+        return 2
+
     try:
-        with pytest.raises(ConfigError, match=r"^shm_dir: .* is not writable by this user$"):
-            check_pool_fits(str(tmp_path), 4096, 1)
+        if os.geteuid() != 0:
+            assert check() == 0
+            return
+        pid = os.fork()
+        if pid == 0:  # the child: become nobody, check, report through the exit code
+            code = 3
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                code = check()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "0: one line naming shm_dir; 1: another message; 2: none"
     finally:
-        tmp_path.chmod(0o700)
+        target.chmod(0o700)
+        shutil.rmtree(parent)
