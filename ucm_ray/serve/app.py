@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 CONNECTOR = "UcmRayConnector"
 CONNECTOR_MODULE = "ucm_ray.vllm.connector"
-TIER_ONLY_KEYS = ("shards_per_node",)
 HASH_SEED = "0"
 
 
