@@ -32,10 +32,6 @@ class MembershipFeed:
         self._next_try = 0.0
         self._missing_logged = False
 
-    @property
-    def connected(self) -> bool:
-        return self._directory is not None
-
     def fetch(self) -> Membership | None:
         """The membership now (waits up to ``timeout_s``); None when no directory answers. A long
         poll still outstanding is dropped: its answer may be older than this one."""
