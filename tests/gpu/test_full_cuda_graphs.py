@@ -32,14 +32,6 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from ucm_ray.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=4, hidden_size=256,
-                               num_heads=4, num_kv_heads=2, dtype="bfloat16"))
-
-
-@pytest.fixture(scope="module")
 def fleet(cluster):
     from ucm_ray.config import UcmRayConfig
     from ucm_ray.store.fleet import running_fleet
