@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -27,3 +29,28 @@ def model(tmp_path_factory):
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", num_layers=4, hidden_size=256,
                                num_heads=4, num_kv_heads=2, dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    """A Ray cluster for one test module, its ``ENV`` (a module-level dict) in this process's
+    environment first (engines get it through their runtime_env too)."""
+    import ray
+
+    os.environ.update(request.module.ENV)
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, namespace=f"ucm_{name}", logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, request):
+    """Two shards of 1 GiB, shared memory only (one node)."""
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.fleet import running_fleet
+
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=1 << 30, transport="shm",
+                                    ray_namespace=f"ucm_{name}_fleet")) as cfg:
+        yield cfg

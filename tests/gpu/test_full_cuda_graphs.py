@@ -9,8 +9,6 @@ to 1 (the counterfactual) and require the connector to catch the hook-less step.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 
@@ -21,24 +19,6 @@ BLOCK = 16
 GRAPHS = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
 ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
        "RAY_AUTH_MODE": "disabled"}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.update(ENV)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, namespace="ucm_gpu_tests", logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def fleet(cluster):
-    from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
-
-    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=1 << 30, transport="shm",
-                                    ray_namespace="ucm_gpu")) as cfg:
-        yield cfg
 
 
 def engine(model: str, kv: dict | None, recompute: int | None = None, env: dict | None = None, **kwargs):

@@ -26,8 +26,6 @@ the rest is skipped naming that reason.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 
@@ -53,28 +51,10 @@ def async_failures_reportable() -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ.update(ENV)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, namespace="ucm_gpu_hybrid", logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
     from ucm_ray.tiny_model import make_tiny_hybrid_model
 
     return str(make_tiny_hybrid_model(tmp_path_factory.mktemp("lfm2") / "model", dtype="bfloat16"))
-
-
-@pytest.fixture(scope="module")
-def fleet(cluster):
-    from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
-
-    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=512 << 20, transport="shm",
-                                    ray_namespace="ucm_gpu_hybrid")) as cfg:
-        yield cfg
 
 
 def kv_config(fleet) -> dict:

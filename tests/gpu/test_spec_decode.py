@@ -20,8 +20,6 @@ decoding (a random prompt would leave it idle).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 
@@ -38,24 +36,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, 
 # if asked for explicitly); say so rather than rely on the automatic fallback.
 ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    os.environ.update(ENV)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, namespace="ucm_gpu_spec", logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def fleet(cluster):
-    from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
-
-    with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=1 << 30, transport="shm",
-                                    ray_namespace="ucm_gpu_spec")) as cfg:
-        yield cfg
 
 
 def engine(model: str, kv: dict | None):
