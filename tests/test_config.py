@@ -60,6 +60,7 @@ def test_a_lease_shorter_than_two_step_deadlines_is_refused():
     ({"namespace": "-x"}, ["namespace"]),
     ({"namespace": 7}, ["namespace", "string"]),
     ({"ray_address": "127.0.0.1: 6379"}, ["ray_address", "no spaces"]),
+    ({"ray_address": "--"}, ["ray_address", "not starting with '-'"]),
     ({"num_shards": 10**6}, ["num_shards", "between 1 and 1024"]),
     ({"num_shards": "9" * 5000}, ["num_shards", "integer"]),
     ({"shard_cpus": float("inf")}, ["shard_cpus"]),

@@ -65,7 +65,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "ray_namespace": draw(_names(64)),
         "ray_address": draw(st.one_of(st.sampled_from(["auto", "127.0.0.1:6379", "ray://10.0.0.1:10001"]),
                                       st.text(st.characters(categories=["L", "N", "P", "S"]),
-                                              min_size=1, max_size=40))),
+                                              min_size=1, max_size=40).filter(lambda a: not a.startswith("-")))),
         "num_shards": num_shards,
         "pool_bytes": pool,
         "replication": draw(st.integers(1, num_shards)),
@@ -157,7 +157,7 @@ def _bad_int(lo: int, hi: int) -> st.SearchStrategy[object]:
 INVALID: dict[str, st.SearchStrategy[object]] = {
     "namespace": _bad_name(128),
     "ray_namespace": _bad_name(64),
-    "ray_address": st.one_of(st.just(""), st.sampled_from(["a b", " auto", "x\n", "\t", "a\u2028b"]),
+    "ray_address": st.one_of(st.just(""), st.sampled_from(["a b", " auto", "x\n", "\t", "a\u2028b", "--", "-x"]),
                              _NOT_A_STRING),
     "num_shards": _bad_int(1, 1024),
     "replication": _bad_int(1, 1024),

@@ -135,8 +135,9 @@ class UcmRayConfig:
             need(isinstance(v, str) and len(v) <= max_len and _NAME_RE.fullmatch(v) is not None, key,
                  f"1 to {max_len} of {NAME_CHARS}")
         need(isinstance(self.ray_address, str) and 0 < len(self.ray_address) <= 1024
-             and self.ray_address.isprintable() and not any(c.isspace() for c in self.ray_address),
-             "ray_address", "'auto' or a Ray address such as 127.0.0.1:6379 (no spaces)")
+             and self.ray_address.isprintable() and not any(c.isspace() for c in self.ray_address)
+             and not self.ray_address.startswith("-"),
+             "ray_address", "'auto' or a Ray address such as 127.0.0.1:6379 (no spaces, not starting with '-')")
         need(is_int(self.num_shards) and 1 <= self.num_shards <= MAX_NUM_SHARDS, "num_shards",
              f"an integer between 1 and {MAX_NUM_SHARDS}")
         need(is_int(self.pool_bytes) and MIN_POOL_BYTES <= self.pool_bytes <= MAX_POOL_BYTES, "pool_bytes",
