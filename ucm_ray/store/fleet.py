@@ -103,10 +103,10 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
                 raise FleetStartError(f"shard {name} did not start: {_root_cause(e)}") from None
     except FleetStartError:
         created = [(n, h) for n, h in shards if n not in existing]
-        for name, handle in created:
+        for name, handle in created:  # briefly: a shard that never started cannot answer
             with contextlib.suppress(Exception):
-                ray.get(directory.deregister.remote(name), timeout=timeout_s)
-            _shutdown(name, handle, timeout_s)
+                ray.get(directory.deregister.remote(name), timeout=5.0)
+            _shutdown(name, handle, 5.0)
         if DIRECTORY_NAME not in existing:
             ray.kill(directory)
         raise
