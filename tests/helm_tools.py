@@ -100,7 +100,7 @@ def crd_schema(plural: str, version: str = "v1") -> dict[str, Any]:
     """``openAPIV3Schema`` of ``ray.io_<plural>.yaml`` for ``version``."""
     path = crd_dir()
     if path is None:
-        pytest.skip(f"KubeRay CRDs not found at {DEFAULT_CRDS} (set {CRDS_ENV})")
+        pytest.fail(f"KubeRay CRDs (test data) not found at {DEFAULT_CRDS}: set {CRDS_ENV} to their folder")
     docs = [d for d in yaml.load_all((path / f"ray.io_{plural}.yaml").read_text(), Loader=_Loader) if d]
     crd = next(d for d in docs if d.get("kind") == "CustomResourceDefinition")
     return next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]

@@ -292,8 +292,6 @@ def test_monitoring_is_off_by_default_and_renders_when_on():
 
 def test_chart_dashboard_is_the_deploy_one():
     source = ROOT / "deploy" / "grafana" / "ucm-ray.json"
-    if not source.exists():
-        pytest.skip("deploy/grafana/ucm-ray.json does not exist yet; the chart holds a placeholder")
     assert (CHART / "dashboards" / "ucm-ray.json").read_bytes() == source.read_bytes(), \
         "the chart's copy is stale: cp deploy/grafana/ucm-ray.json helm/ucm-ray/dashboards/ucm-ray.json"
 
