@@ -51,6 +51,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from data_plane import best  # noqa: E402  # this folder: the same best-of-N timer
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
@@ -147,15 +148,6 @@ def keys_for(tag: str, n: int) -> list[bytes]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 class WorkerBench:
