@@ -60,3 +60,27 @@ def test_pools_go_with_the_cluster_that_ends_without_down(tmp_path):
     for path in left:  # do not leave them to the next run
         os.unlink(path)
     assert left == [], "pools outlived their cluster"
+
+
+def test_pools_go_when_the_driver_of_their_cluster_is_killed(tmp_path):
+    """``kill -9`` of the process that started a local cluster (a driver, ``ucm-ray up --local``):
+    Ray's workers then exit killing their child processes, so a watcher that is the shard's
+    child would die before it removed the pool (it did)."""
+    namespace = f"reapk{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    script = SCRIPT.replace("ray.shutdown()  # no `ucm-ray down`: the cluster ends with its shards",
+                            "import time; time.sleep(600)")
+    driver = subprocess.Popen([sys.executable, "-c", script, tempfile.mkdtemp(prefix="ucmr-", dir="/tmp"), namespace],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                              start_new_session=True)
+    try:
+        assert driver.stdout is not None
+        pools = json.loads(driver.stdout.readline())
+        assert len(pools) == 2, pools
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the cluster processes it started
+        driver.wait(30)
+    left = _gone(pools, timeout_s=30)
+    for path in left:
+        os.unlink(path)
+    assert left == [], "pools outlived the killed driver's cluster"
