@@ -30,7 +30,7 @@ from ucm_ray.config import UcmRayConfig, parse_size  # noqa: E402
 from ucm_ray.store.blockstore import PoolKey  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
-from ucm_ray.transport.base import CopyOp  # noqa: E402
+from ucm_ray.transport.base import CopyOp, Ranges  # noqa: E402
 
 log = logging.getLogger("bench")
 BATCH = 64
@@ -97,7 +97,8 @@ def move(client: StoreClient, locations, tensors, *, write: bool) -> None:
     by_pool: dict[PoolKey, list[CopyOp]] = {}
     for loc, t in zip(locations, tensors):
         by_pool.setdefault(loc.pool, []).append(CopyOp(loc.offset, t))
-    failed = client.connections.transfer(by_pool, write=write, timeout_s=client.config.transfer_timeout_s)
+    failed = client.connections.transfer({pool: Ranges.of(ops) for pool, ops in by_pool.items()}, write=write,
+                                         timeout_s=client.config.transfer_timeout_s)
     assert not failed, f"transfer with {sorted(failed)} failed"
 
 

@@ -495,7 +495,7 @@ def leftover_pools(cluster: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (a smoke check)")
+    ap.add_argument("--device", default="cuda:0", help="cuda:N (default cuda:0), or cpu (a smoke check)")
     ap.add_argument("--quick", action="store_true", help="small shapes: a smoke check, not a measurement")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT cold / prefix hit / store-warm")
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ucm_ray.transport.gather import copy_ranges, line_bytes
 
 
 def test_line_is_the_largest_common_power_of_two():
-    assert line_bytes([65536, 131072, 4096 * 3]) == 4096
-    assert line_bytes([64, 65536]) == 64
-    assert line_bytes([65536, 12]) == 0  # not 8-byte aligned: copied one by one
+    assert line_bytes(np.asarray([65536, 131072, 4096 * 3])) == 4096
+    assert line_bytes(np.asarray([64, 65536])) == 64
+    assert line_bytes(np.asarray([65536, 12])) == 0  # not 8-byte aligned: copied one by one
 
 
 def test_ranges_move_both_ways_and_nothing_else():
     pool = torch.zeros(1 << 20, dtype=torch.uint8)
     local = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8)
     spans = [(0, 4096, 8192), (65536, 40960, 4096), (200000 - 200000 % 64, 128, 65536)]  # pool, local, size
-    pool_at, local_at, sizes = (list(column) for column in zip(*spans))
+    pool_at, local_at, sizes = (np.asarray(column, dtype=np.int64) for column in zip(*spans))
     assert copy_ranges(pool, local, pool_at, local_at, sizes, to_pool=True)
     for p, lo, n in spans:
         assert torch.equal(pool[p: p + n], local[lo: lo + n])
@@ -34,5 +35,5 @@ def test_ranges_move_both_ways_and_nothing_else():
 
 def test_misaligned_ranges_are_refused():
     pool, local = (torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2))
-    assert not copy_ranges(pool, local, [3], [0], [4096], to_pool=False)
+    assert not copy_ranges(pool, local, *(np.asarray([v]) for v in (3, 0, 4096)), to_pool=False)
     assert not local.any()

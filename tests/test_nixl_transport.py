@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from ucm_ray.transport.base import CopyOp, TransferError
+from ucm_ray.transport.base import CopyOp, Ranges, TransferError
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -150,7 +150,7 @@ def test_write_lands_in_pool_and_reads_back_exact(shard, client):
     ranges.append((POOL - 777, 777))
     local_offs.append(local_off)
 
-    transport.write(ops).wait(WAIT_S)
+    transport.write(Ranges.of(ops)).wait(WAIT_S)
     got = ray_get(actor.digests.remote(ranges))
     assert got == [_sha(op.local) for op in ops]
 
@@ -159,7 +159,7 @@ def test_write_lands_in_pool_and_reads_back_exact(shard, client):
     for (off, n) in ranges:  # other local offsets than on the way in
         back.append(CopyOp(off, dst[at:at + n]))
         at += n + 11
-    transport.read(back).wait(WAIT_S)
+    transport.read(Ranges.of(back)).wait(WAIT_S)
     for w, r in zip(ops, back):
         assert torch.equal(w.local, r.local)
     # nothing around the ranges was touched
@@ -174,7 +174,7 @@ def test_read_bytes_the_shard_wrote(shard, client):
     ray_get(actor.fill.remote(off, n, 99))
     cuts = [0, 4096, 4096 + 1_000_001, n]
     ops = [CopyOp(off + a, dst[100 + a:100 + b]) for a, b in zip(cuts, cuts[1:])]
-    t = transport.read(ops)
+    t = transport.read(Ranges.of(ops))
     t.wait(WAIT_S)
     assert t.done()
     assert torch.equal(dst[100:100 + n], _random_bytes(n, 99))
@@ -188,12 +188,12 @@ def test_out_of_bounds_op_moves_nothing(shard, client):
     good = CopyOp(good_range[0], src[:8192])
     for bad in (CopyOp(POOL - 10, src[:4096]), CopyOp(-1, src[:16]), CopyOp(POOL, src[:1])):
         with pytest.raises(ValueError, match="outside"):
-            transport.write([good, bad])
+            transport.write(Ranges.of([good, bad]))
     assert ray_get(actor.digests.remote([good_range])) == before
 
     dst[:8192].fill_(0x5A)
     with pytest.raises(ValueError, match="outside"):
-        transport.read([CopyOp(good_range[0], dst[:4096]), CopyOp(POOL - 100, dst[4096:8192])])
+        transport.read(Ranges.of([CopyOp(good_range[0], dst[:4096]), CopyOp(POOL - 100, dst[4096:8192])]))
     assert bool(dst[:8192].eq(0x5A).all())
 
 
@@ -201,13 +201,13 @@ def test_unregistered_or_bad_local_buffer_is_rejected(client):
     transport, src, _ = client
     stray = torch.ones(4096, dtype=torch.uint8)
     with pytest.raises(ValueError, match="register_local"):
-        transport.write([CopyOp(0, src[:10]), CopyOp(4096, stray)])
+        transport.write(Ranges.of([CopyOp(0, src[:10]), CopyOp(4096, stray)]))
     with pytest.raises(ValueError, match="register_local"):
-        transport.read([CopyOp(0, stray)])
+        transport.read(Ranges.of([CopyOp(0, stray)]))
     with pytest.raises(ValueError, match="uint8"):
-        transport.write([CopyOp(0, torch.zeros(4, dtype=torch.float32))])
+        transport.write(Ranges.of([CopyOp(0, torch.zeros(4, dtype=torch.float32))]))
     with pytest.raises(ValueError, match="uint8"):
-        transport.write([CopyOp(0, src[:64].view(8, 8).t())])  # not contiguous
+        transport.write(Ranges.of([CopyOp(0, src[:64].view(8, 8).t())]))  # not contiguous
 
 
 def test_register_is_idempotent_and_transports_share_the_agent(shard, client):
@@ -222,19 +222,19 @@ def test_register_is_idempotent_and_transports_share_the_agent(shard, client):
     second = nixl.NixlPoolTransport(desc)  # same process: same agent, same remote, same regions
     second.register_local(src)
     assert len(agent._regions) == n_regions
-    second.write([CopyOp(60 << 20, src[:4096])]).wait(WAIT_S)
+    second.write(Ranges.of([CopyOp(60 << 20, src[:4096])])).wait(WAIT_S)
     second.close()
     second.close()
     with pytest.raises(RuntimeError, match="closed"):
-        second.read([CopyOp(0, dst[:1])])
+        second.read(Ranges.of([CopyOp(0, dst[:1])]))
     # the first transport still works: its remote and registrations outlived the second
-    transport.read([CopyOp(60 << 20, dst[:4096])]).wait(WAIT_S)
+    transport.read(Ranges.of([CopyOp(60 << 20, dst[:4096])])).wait(WAIT_S)
     assert torch.equal(dst[:4096], src[:4096])
 
 
 def test_empty_batch_is_done_at_once(client):
     transport, _, dst = client
-    t = transport.read([])
+    t = transport.read(Ranges.of([]))
     assert t.done()
     t.wait(0)
 
@@ -247,13 +247,13 @@ def test_wait_after_shard_death_raises(cluster):
     transport = nixl.NixlPoolTransport(desc)
     buf = torch.zeros(4096, dtype=torch.uint8)
     transport.register_local(buf)
-    transport.write([CopyOp(0, buf)]).wait(WAIT_S)
+    transport.write(Ranges.of([CopyOp(0, buf)])).wait(WAIT_S)
     path = desc.shm_path
     ray.kill(actor)
     try:
         with pytest.raises(TransferError):
             for _ in range(50):  # the kill is asynchronous: retry until the peer is gone
-                transport.read([CopyOp(0, buf)]).wait(5)
+                transport.read(Ranges.of([CopyOp(0, buf)])).wait(5)
                 time.sleep(0.1)
     finally:
         transport.close()
@@ -273,10 +273,10 @@ def test_cuda_buffers_round_trip(shard):
         transport.register_local(src)
         transport.register_local(dst)
         ops = [CopyOp(30 << 20, src[:1 << 20]), CopyOp((32 << 20) + 3, src[1 << 20:])]
-        transport.write(ops).wait(WAIT_S)
+        transport.write(Ranges.of(ops)).wait(WAIT_S)
         assert ray_get(actor.digests.remote([(30 << 20, 1 << 20), ((32 << 20) + 3, 2 << 20)])) == [
             _sha(op.local.cpu()) for op in ops]
-        transport.read([CopyOp(30 << 20, dst[:1 << 20]), CopyOp((32 << 20) + 3, dst[1 << 20:])]).wait(WAIT_S)
+        transport.read(Ranges.of([CopyOp(30 << 20, dst[:1 << 20]), CopyOp((32 << 20) + 3, dst[1 << 20:])])).wait(WAIT_S)
         assert torch.equal(src, dst)
     finally:
         transport.close()

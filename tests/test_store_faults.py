@@ -78,7 +78,7 @@ def test_stale_release_after_restart_does_not_unpin_anothers_entry(fleet):
 
 def test_slow_writer_never_overwrites_a_committed_block(fleet):
     from ucm_ray.store.blockstore import Location, Publish
-    from ucm_ray.transport.base import CopyOp
+    from ucm_ray.transport.base import CopyOp, Ranges
 
     cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
     slow, fast, reader = StoreClient(cfg), StoreClient(cfg), StoreClient(cfg)
@@ -93,12 +93,14 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
     time.sleep(1.3)  # the slow writer's reservation expires while it still "copies"
     g2 = fast.reserve(pool, size, 1).result()
     assert g2.offsets[0] != g1.offsets[0], "an expired writer's slot was handed to another writer"
-    assert fast.connections.transfer({pool: [CopyOp(g2.offsets[0], theirs)]}, write=True, timeout_s=10) == set()
+    copy = {pool: Ranges.of([CopyOp(g2.offsets[0], theirs)])}
+    assert fast.connections.transfer(copy, write=True, timeout_s=10) == set()
     loc2 = Location(pool[0], pool[1], g2.offsets[0], size)
     assert fast.commit([Publish(k, loc2, g2.token)]).result() == [True]
 
     # the late copy lands in its own (quarantined) slot, and its commit is refused
-    assert slow.connections.transfer({pool: [CopyOp(g1.offsets[0], mine)]}, write=True, timeout_s=10) == set()
+    late = {pool: Ranges.of([CopyOp(g1.offsets[0], mine)])}
+    assert slow.connections.transfer(late, write=True, timeout_s=10) == set()
     loc1 = Location(pool[0], pool[1], g1.offsets[0], size)
     assert slow.commit([Publish(k, loc1, g1.token)]).result() == [False]
 
@@ -112,7 +114,7 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
 
 def test_renewed_reservation_outlives_its_timeout(fleet):
     from ucm_ray.store.blockstore import Location, Publish
-    from ucm_ray.transport.base import CopyOp
+    from ucm_ray.transport.base import CopyOp, Ranges
 
     cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
     w = StoreClient(cfg)
@@ -123,7 +125,7 @@ def test_renewed_reservation_outlives_its_timeout(fleet):
     for _ in range(3):  # 1.8 s of copying in all, renewed as it goes
         time.sleep(0.6)
         assert w.renew({pool: [g.token]}).result() == set()
-    assert w.connections.transfer({pool: [CopyOp(g.offsets[0], data)]}, write=True, timeout_s=10) == set()
+    assert w.connections.transfer({pool: Ranges.of([CopyOp(g.offsets[0], data)])}, write=True, timeout_s=10) == set()
     loc = Location(pool[0], pool[1], g.offsets[0], data.numel())
     assert w.commit([Publish(key(1), loc, g.token)]).result() == [True]
     time.sleep(1.2)

@@ -51,7 +51,7 @@ from ucm_ray.store.feed import MembershipFeed
 from ucm_ray.store.index import random_id
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.shard import WrongIncarnation
-from ucm_ray.transport.base import CopyOp, as_bytes
+from ucm_ray.transport.base import CopyOp, Ranges, as_bytes
 from ucm_ray.transport.pools import PoolConnections
 
 log = logging.getLogger(__name__)
@@ -404,7 +404,7 @@ class StoreClient(BlockStore):
         return self.lookup_async(keys).result()
 
     def register_local(self, tensor: torch.Tensor) -> None:
-        """Register a buffer that ``CopyOp.local`` views will point into (once, at start-up)."""
+        """Register a buffer that ``put``/``get`` tensors will lie in (once, at start-up)."""
         self.connections.register_local(tensor)
 
     def transport_kind(self, shard_id: str) -> str:
@@ -435,7 +435,8 @@ class StoreClient(BlockStore):
                 for i, off in zip(ix, offsets):
                     ops[rec.key].append(CopyOp(off, views[i]))
                     placed.append((i, rec.key, token, off))
-        failed = self.connections.transfer(ops, write=True, timeout_s=self.config.transfer_timeout_s)
+        failed = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=True,
+                                           timeout_s=self.config.transfer_timeout_s)
         for pool in failed:
             self._failed(pool, "save failed")
         sums = {i: checksum(views[i]) for i, _, _, _ in placed} if self.config.checksum else {}
@@ -471,7 +472,8 @@ class StoreClient(BlockStore):
         for i, loc in enumerate(locs):
             if loc is not None and ok[i]:
                 ops[loc.pool].append(CopyOp(loc.offset, views[i]))
-        failed = self.connections.transfer(ops, write=False, timeout_s=self.config.transfer_timeout_s)
+        failed = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=False,
+                                           timeout_s=self.config.transfer_timeout_s)
         for pool in failed:
             self._failed(pool, "load failed")
         untrusted = failed | self.release(lease.lease_ids).result()

@@ -12,9 +12,7 @@ so the index tensors stay small; ranges that share no 8-byte alignment are not e
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
+import numpy as np
 import torch
 
 WORD = 8
@@ -32,14 +30,10 @@ class UvaView:
         self.tensor = torch.as_tensor(self, device=device)
 
 
-def line_bytes(values: Sequence[int]) -> int:
+def line_bytes(values: np.ndarray) -> int:
     """The row size for these offsets and sizes: 0 when they are not all 8-byte aligned."""
-    common = 0
-    for v in values:
-        common = math.gcd(common, v)
-        if common % WORD:
-            return 0
-    if common == 0:
+    common = int(np.gcd.reduce(values)) if len(values) else 0
+    if common == 0 or common % WORD:
         return 0
     line = WORD
     while line * 2 <= MAX_LINE and common % (line * 2) == 0:
@@ -54,20 +48,24 @@ def _rows(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tenso
         total, device=starts.device)
 
 
-def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: Sequence[int], local_offsets: Sequence[int],
-                sizes: Sequence[int], *, to_pool: bool) -> bool:
+def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarray, local_offsets: np.ndarray,
+                sizes: np.ndarray, *, to_pool: bool) -> bool:
     """Move ``sizes[i]`` bytes between ``pool[pool_offsets[i]:]`` and ``local[local_offsets[i]:]``
-    (both flat uint8) on the current stream, as one gather and one scatter. Returns False
-    (nothing moved) when the ranges are not 8-byte aligned: the caller copies them one by one."""
-    line = line_bytes([*sizes, *pool_offsets, *local_offsets, pool.data_ptr(), local.data_ptr()])
+    (both flat uint8; int64 arrays) on the current stream, as one gather and one scatter.
+    Returns False (nothing moved) when the ranges are not 8-byte aligned: the caller copies
+    them one by one."""
+    line = line_bytes(np.concatenate([sizes, pool_offsets, local_offsets,
+                                      np.asarray([pool.data_ptr(), local.data_ptr()], dtype=np.int64)]))
     if not line:
         return False
     width = line // WORD
     pool_rows = pool[: pool.numel() - pool.numel() % line].view(torch.int64).view(-1, width)
     local_rows = local[: local.numel() - local.numel() % line].view(torch.int64).view(-1, width)
-    lines = torch.tensor([sizes, pool_offsets, local_offsets], dtype=torch.int64, pin_memory=pool.is_cuda)
-    lines = lines.div_(line, rounding_mode="floor").to(pool.device, non_blocking=True)
-    total = sum(sizes) // line
+    lines = torch.from_numpy(np.stack([sizes, pool_offsets, local_offsets]) // line)
+    if pool.is_cuda:
+        lines = lines.pin_memory()
+    lines = lines.to(pool.device, non_blocking=True)
+    total = int(sizes.sum()) // line
     pool_index = _rows(lines[1], lines[0], total)
     local_index = _rows(lines[2], lines[0], total)
     if to_pool:

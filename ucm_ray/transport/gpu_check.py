@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm_ray.transport.base import CopyOp, PoolDescriptor
+from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges
 from ucm_ray.transport.shm import SharedPool, ShmPoolTransport
 
 
@@ -70,14 +70,14 @@ def run(num_blocks: int = 64, block_bytes: int = 2 << 20, reps: int = 5, shm_dir
         slots = torch.randperm(2 * num_blocks, generator=g)[:num_blocks].tolist()
         blocks = torch.randperm(2 * num_blocks, generator=g)[:num_blocks].tolist()
 
-        def ops() -> list[CopyOp]:
+        def ops() -> Ranges:
             out = []
             for s, b in zip(slots, blocks):
                 off = s * block_bytes
                 for seg in (kv[0, b], kv[1, b]):
                     out.append(CopyOp(off, seg))
                     off += seg.numel()
-            return out
+            return Ranges.of(out)
 
         plan = ops()
         load = _best(lambda: transport.read(plan).wait(), reps)

@@ -5,7 +5,7 @@ A shard registers its pool once with its own NIXL agent
 through the control plane. A client process keeps ONE NIXL agent for all the
 shards it talks to (:func:`client_agent`), loads each shard's metadata once,
 registers its own buffers once, and then moves a whole batch of
-:class:`~ucm_ray.transport.base.CopyOp` with a single NIXL request
+:class:`~ucm_ray.transport.base.Ranges` with a single NIXL request
 (:class:`NixlPoolTransport`). Ray never carries these bytes.
 
 Facts about NIXL 1.5.1 that shaped this module (measured on a 2-core CPU box):
@@ -55,8 +55,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from types import ModuleType
 from typing import Any
 
@@ -64,9 +64,9 @@ import torch
 
 from ucm_ray.transport.base import (
     CompletedTransfer,
-    CopyOp,
     PoolDescriptor,
     PoolTransport,
+    Ranges,
     Transfer,
     TransferError,
 )
@@ -643,47 +643,36 @@ class NixlPoolTransport(PoolTransport):
 
     # -- data movement -----------------------------------------------------------------
 
-    def read(self, ops: Sequence[CopyOp]) -> Transfer:
-        return self._post("READ", ops)
+    def read(self, ranges: Ranges) -> Transfer:
+        return self._post("READ", ranges)
 
-    def write(self, ops: Sequence[CopyOp]) -> Transfer:
-        return self._post("WRITE", ops)
+    def write(self, ranges: Ranges) -> Transfer:
+        return self._post("WRITE", ranges)
 
-    def _check_ops(self, op_name: str, ops: Sequence[CopyOp]) -> dict[tuple[str, int], tuple[list, list]]:
-        """NIXL descriptor rows (local, remote) per local memory; ValueError on any bad op.
+    def _check_ops(self, op_name: str, ranges: Ranges) -> dict[tuple[str, int], tuple[list, list]]:
+        """NIXL descriptor rows (local, remote) per local memory; ValueError on any bad range
+        (nothing moves then). Each local buffer is checked once, not each range.
 
         Rows are plain tuples: building a descriptor list from them is ~5x faster than
         from a numpy array (1.6 vs 4.7 us for 16 ops, 31 vs 171 us for 512).
         """
-        pool_bytes = self.desc.pool_bytes
-        base = self.desc.pool_base_addr
+        ranges.check(self.desc.pool_bytes, f"{op_name}: shard {self.desc.shard_id}'s pool")
         groups: dict[tuple[str, int], tuple[list, list]] = {}
-        for i, op in enumerate(ops):
-            t = op.local
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{op_name} op {i}: local must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != torch.uint8 or not t.is_contiguous():
-                raise ValueError(f"{op_name} op {i}: local must be a contiguous uint8 tensor "
-                                 f"(got {t.dtype}, contiguous={t.is_contiguous()}); use as_bytes()")
-            n = t.numel()
-            off = op.pool_offset
-            if off < 0 or off + n > pool_bytes:
-                raise ValueError(f"{op_name} op {i}: pool range [{off}, {off + n}) is outside shard "
-                                 f"{self.desc.shard_id}'s pool of {pool_bytes} bytes")
-            if n == 0:
+        for home, buffer in enumerate(ranges.buffers):
+            mine = (ranges.buffer_index == home) & (ranges.sizes > 0)
+            if not mine.any():
                 continue
-            mem = _mem_type(t)
-            addr = t.data_ptr()
+            mem = _mem_type(buffer)
+            addr, n = buffer.data_ptr(), buffer.numel()
             starts = self._starts.get(mem)
             j = bisect.bisect_right(starts, addr) - 1 if starts else -1
             if (j < 0 or addr + n > self._ends[mem][j]) and not self._covered(mem, addr, n):
-                raise ValueError(f"{op_name} op {i}: local buffer {mem[0]}:{mem[1]} [0x{addr:x}, +{n}) is "
+                raise ValueError(f"{op_name}: local buffer {mem[0]}:{mem[1]} [0x{addr:x}, +{n}) is "
                                  "not inside memory registered with register_local()")
-            rows = groups.get(mem)
-            if rows is None:
-                rows = groups[mem] = ([], [])
-            rows[0].append((addr, n, mem[1]))
-            rows[1].append((base + off, n, 0))
+            sizes = ranges.sizes[mine].tolist()
+            rows = groups.setdefault(mem, ([], []))
+            rows[0].extend(zip((addr + ranges.local_offsets[mine]).tolist(), sizes, repeat(mem[1])))
+            rows[1].extend(zip((self.desc.pool_base_addr + ranges.pool_offsets[mine]).tolist(), sizes, repeat(0)))
         return groups
 
     def _covered(self, mem: tuple[str, int], addr: int, n: int) -> bool:
@@ -691,14 +680,14 @@ class NixlPoolTransport(PoolTransport):
         return any(r.start <= addr and addr + n <= r.end for r in self._regions.values()
                    if (r.mem_type, r.dev) == mem)
 
-    def _post(self, op_name: str, ops: Sequence[CopyOp]) -> Transfer:
+    def _post(self, op_name: str, ranges: Ranges) -> Transfer:
         with self._lock:
             self._check_open()
-            groups = self._check_ops(op_name, ops)
+            groups = self._check_ops(op_name, ranges)
         if not groups:
             return CompletedTransfer()
         agent = self._client.agent
-        xfer = _NixlTransfer(agent, (op_name, len(ops), self.desc.shard_id), self.default_timeout_s)
+        xfer = _NixlTransfer(agent, (op_name, len(ranges), self.desc.shard_id), self.default_timeout_s)
         for (mem_type, _dev), (local, remote) in groups.items():
             try:
                 handle = agent.initialize_xfer(op_name, agent.get_xfer_descs(local, mem_type),

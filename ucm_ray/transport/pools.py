@@ -16,15 +16,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
 from ucm_ray.transport.base import (
-    CopyOp,
     PoolDescriptor,
     PoolKey,
     PoolTransport,
+    Ranges,
     Transfer,
 )
 
@@ -60,14 +60,15 @@ class PoolConnections:
             t.close()
 
     def register_local(self, tensor: torch.Tensor) -> None:
-        """A buffer ``CopyOp.local`` views point into (also registered with transports opened later)."""
+        """Local memory that ``Ranges`` will copy into or out of (also registered with transports
+        opened later)."""
         with self._lock:
             self._local.append(tensor)
             transports = list(self._open.values())
         for t in transports:
             t.register_local(tensor)
 
-    def transfer(self, by_pool: Mapping[PoolKey, Sequence[CopyOp]], *, write: bool,
+    def transfer(self, by_pool: Mapping[PoolKey, Ranges], *, write: bool,
                  timeout_s: float) -> set[PoolKey]:
         """Post every pool's batch, then wait for all within one overall ``timeout_s``;
         returns the pools whose batch failed. Never raises. (All batches are posted before
@@ -75,12 +76,12 @@ class PoolConnections:
         what = "save" if write else "load"
         posted: list[tuple[PoolKey, Transfer]] = []
         failed: set[PoolKey] = set()
-        for pool, ops in by_pool.items():
-            if not ops:
+        for pool, ranges in by_pool.items():
+            if not len(ranges):
                 continue
             try:
                 t = self._transport(pool)
-                posted.append((pool, t.write(ops) if write else t.read(ops)))
+                posted.append((pool, t.write(ranges) if write else t.read(ranges)))
             except Exception as e:  # noqa: BLE001 -- whatever it is, that pool's keys are misses
                 log.warning("%s with shard %s failed to start: %s: %s", what, pool[0], type(e).__name__, e)
                 failed.add(pool)

@@ -12,11 +12,12 @@ by its size and split a block into the contiguous pieces that remain.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ucm_ray.transport.base import as_bytes
+from ucm_ray.transport.base import Ranges, as_bytes
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,21 @@ class LayerLayout:
     FlashAttention hands a permuted view): it is moved as that one range, in memory order.
     Engines share bytes only within one device type and attention config (the key namespace),
     so the order is the same for every reader."""
+    segment_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Where block 0's segments start, in bytes from the start of the tensor's storage."""
+    segment_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    block_stride: int = 0
+    """Bytes from one block's segments to the next block's: block ``b``'s segments start at
+    ``segment_offsets + b * block_stride``. Copies are planned from these numbers as arrays,
+    never from one tensor view per block."""
+
+    @property
+    def storage_address(self) -> int:
+        return self.tensor.untyped_storage().data_ptr()
+
+    def local_offsets(self, block_ids: np.ndarray) -> np.ndarray:
+        """``[len(block_ids), segments]`` byte offsets of those blocks' segments in the storage."""
+        return block_ids[:, None] * self.block_stride + self.segment_offsets[None, :]
 
     def segments(self, block_id: int) -> list[torch.Tensor]:
         """The block's bytes in this layer as flat uint8 views (one, or one per K/V half)."""
@@ -54,6 +70,19 @@ class GroupLayout:
     def layer_offset(self, index: int) -> int:
         return sum(layer.block_bytes for layer in self.layers[:index])
 
+    def ranges(self, index: int, block_ids: np.ndarray, entry_offsets: np.ndarray,
+               buffers: tuple[torch.Tensor, ...], buffer_index: int) -> Ranges:
+        """Layer ``index`` of these blocks <-> the same layer of the entries starting at
+        ``entry_offsets`` in a pool (an entry holds its layers in order, each layer's segments
+        in order). ``buffers[buffer_index]`` is the layer's storage."""
+        layer = self.layers[index]
+        sizes = layer.segment_sizes
+        in_entry = self.layer_offset(index) + np.cumsum(sizes) - sizes
+        local = layer.local_offsets(block_ids)
+        pool = entry_offsets[:, None] + in_entry[None, :]
+        return Ranges(buffers, np.full(local.size, buffer_index, dtype=np.int64), local.ravel(), pool.ravel(),
+                      np.broadcast_to(sizes, local.shape).ravel())
+
 
 def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayout:
     dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
@@ -62,7 +91,16 @@ def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayou
                          f"no dimension matches num_blocks={num_blocks}")
     dim = dims[0]
     block = tensor.select(dim, 0)
-    return LayerLayout(name, tensor, dim, block.numel() * tensor.element_size(), _fills_one_range(block))
+    layout = LayerLayout(name, tensor, dim, block.numel() * tensor.element_size(), _fills_one_range(block))
+    base = tensor.untyped_storage().data_ptr()
+    first = layout.segments(0)
+    offsets = np.asarray([seg.data_ptr() - base for seg in first], dtype=np.int64)
+    sizes = np.asarray([seg.numel() for seg in first], dtype=np.int64)
+    stride = tensor.stride(dim) * tensor.element_size()
+    if num_blocks > 1 and [seg.data_ptr() - base for seg in layout.segments(num_blocks - 1)] != list(
+            offsets + (num_blocks - 1) * stride):
+        raise ValueError(f"KV cache tensor of layer {name}: blocks are not evenly spaced in memory")
+    return LayerLayout(name, tensor, dim, layout.block_bytes, layout.dense, offsets, sizes, stride)
 
 
 def _fills_one_range(view: torch.Tensor) -> bool:

@@ -26,13 +26,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import Location, PoolKey
+from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
-from ucm_ray.transport.base import CopyOp
+from ucm_ray.transport.base import Ranges
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
@@ -46,24 +47,49 @@ _Tag = tuple[int, int]
 
 
 @dataclass
-class _LayerOps:
-    """Copies of one layer (or one batch), per pool, with the job each serves."""
+class _Entries:
+    """One step's entries of one kv-cache group in one pool: the vLLM block each is copied to
+    or from, where the entry starts in the pool, and the job each serves."""
 
-    by_pool: dict[PoolKey, list[CopyOp]] = field(default_factory=lambda: defaultdict(list))
-    tags: dict[PoolKey, list[_Tag]] = field(default_factory=lambda: defaultdict(list))  # one per op
-    nbytes_by_pool: dict[PoolKey, int] = field(default_factory=lambda: defaultdict(int))
+    block_ids: np.ndarray
+    pool_offsets: np.ndarray
+    tags: list[_Tag]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.nbytes_by_pool.values())
 
-    def add(self, loc: Location, offset: int, local: torch.Tensor, tag: _Tag) -> None:
-        self.by_pool[loc.pool].append(CopyOp(loc.offset + offset, local))
-        self.tags[loc.pool].append(tag)
-        self.nbytes_by_pool[loc.pool] += local.numel()
+_ByPool = dict[PoolKey, dict[int, _Entries]]
+"""pool -> kv-cache group -> entries."""
 
-    def all_tags(self) -> set[_Tag]:
-        return {tag for tags in self.tags.values() for tag in tags}
+
+def _group_entries(items: list[tuple[PoolKey, int, int, int, _Tag]]) -> _ByPool:
+    """(pool, group, block id, entry offset, tag) rows as arrays per pool and group."""
+    rows: dict[PoolKey, dict[int, tuple[list[int], list[int], list[_Tag]]]] = defaultdict(dict)
+    for pool, group, block_id, offset, tag in items:
+        blocks, offsets, tags = rows[pool].setdefault(group, ([], [], []))
+        blocks.append(block_id)
+        offsets.append(offset)
+        tags.append(tag)
+    return {pool: {g: _Entries(np.asarray(blocks, dtype=np.int64), np.asarray(offsets, dtype=np.int64), tags)
+                   for g, (blocks, offsets, tags) in by_group.items()}
+            for pool, by_group in rows.items()}
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What the copy thread moves in one go: these layers ((group, index), in this order) of
+    these entries. Its copies are planned as arrays when it runs, on the copy thread."""
+
+    layers: tuple[tuple[int, int], ...]
+    entries: _ByPool
+
+    def tags(self) -> set[_Tag]:
+        groups = {g for g, _ in self.layers}
+        return {tag for by_group in self.entries.values() for g, e in by_group.items() if g in groups
+                for tag in e.tags}
+
+    def nbytes_by_pool(self, layouts: list[GroupLayout]) -> dict[PoolKey, int]:
+        return {pool: sum(len(by_group[g].tags) * layouts[g].layers[i].block_bytes
+                          for g, i in self.layers if g in by_group)
+                for pool, by_group in self.entries.items()}
 
 
 @dataclass
@@ -75,6 +101,7 @@ class _StepState:
     failed: set[_Tag] = field(default_factory=set)
     uncertain: bool = False
     """A copy timed out: it may still land, so its slots must never be reused."""
+    save_entries: _ByPool = field(default_factory=dict)
     saved_layers: set[str] = field(default_factory=set)
     save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
     crc: dict[_Tag, int] = field(default_factory=dict)
@@ -97,6 +124,8 @@ class WorkerPart:
                                if isinstance(g.kv_cache_spec, AttentionSpec)}
         self._num_blocks = kv_cache_config.num_blocks
         self._layouts: list[GroupLayout] = []
+        self._buffers: tuple[torch.Tensor, ...] = ()  # the KV caches' allocations, as copies see them
+        self._buffer_of: dict[str, int] = {}  # layer name -> its index in ``_buffers``
         self._device = torch.device("cpu")
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, index in group)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
@@ -116,7 +145,10 @@ class WorkerPart:
                 raise ValueError(f"ucm-ray: kv-cache group {gl.group} holds {gl.entry_bytes} bytes per block "
                                  f"here but its spec says {planned}; this layout is not supported")
         self._layer_of = {layer.name: (gl.group, i) for gl in self._layouts for i, layer in enumerate(gl.layers)}
-        for buf in base_buffers(kv_caches):
+        self._buffers = tuple(base_buffers(kv_caches))
+        at = {buf.data_ptr(): i for i, buf in enumerate(self._buffers)}
+        self._buffer_of = {layer.name: at[layer.storage_address] for gl in self._layouts for layer in gl.layers}
+        for buf in self._buffers:
             self._pools.register_local(buf)
         log.info("ucm-ray worker rank %d: %s", self._rank,
                  ", ".join(f"group {gl.group}: {len(gl.layers)} layers x {gl.layers[0].block_bytes if gl.layers else 0}"
@@ -127,38 +159,52 @@ class WorkerPart:
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
         if meta.pools is not None:
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
-        self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=meta.saves.get(self._rank, []),
-                                deadline=time.monotonic() + self._config.transfer_timeout_s)
+        saves = meta.saves.get(self._rank, [])
+        self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
+                                deadline=time.monotonic() + self._config.transfer_timeout_s,
+                                save_entries=_group_entries([
+                                    (loc.pool, job.group, job.block_id, loc.offset, (job.job_id, replica))
+                                    for job in saves for replica, loc in enumerate(job.locations)]))
 
     def start_load_kv(self) -> None:
         step = self._step
         if not step.loads:
             return
-        layered: dict[str, _LayerOps] = defaultdict(_LayerOps)
-        immediate = _LayerOps()
+        layered: list[tuple[PoolKey, int, int, int, _Tag]] = []
+        immediate: list[tuple[PoolKey, int, int, int, _Tag]] = []
         for job in step.loads:
             hooks = self._config.layerwise and not job.complete_in_start and not job.is_async
             for b in job.blocks:
-                gl = self._layouts[b.group]
                 tag = (job.job_id, b.block_id)
-                if b.location.size != gl.entry_bytes:
+                if b.location.size != self._layouts[b.group].entry_bytes:
                     log.error("entry for block %d has %d bytes, layout expects %d: not loaded",
-                              b.block_id, b.location.size, gl.entry_bytes)
+                              b.block_id, b.location.size, self._layouts[b.group].entry_bytes)
                     step.failed.add(tag)
                     continue
                 if b.location.checksum is not None:
                     step.crc[tag] = 0
-                for i, layer in enumerate(gl.layers):
-                    target = layered[layer.name] if hooks and b.group in self._hooked_groups else immediate
-                    self._add_block_ops(target, b.location, gl, i, b.block_id, tag)
+                row = (b.location.pool, b.group, b.block_id, b.location.offset, tag)
+                (layered if hooks and b.group in self._hooked_groups else immediate).append(row)
         ready = self._compute_ready()  # e.g. vLLM zeroing fresh blocks, queued before us
-        for name, ops in layered.items():
-            step.load_futures[name] = (self._copier.submit(self._move, step, ops, False, ready), ops.all_tags())
-        if immediate.by_pool:
-            self._wait(self._copier.submit(self._move, step, immediate, False, ready), immediate.all_tags())
-        self.stats.add(loaded_copy_bytes=immediate.nbytes + sum(ops.nbytes for ops in layered.values()))
-        for ops in (immediate, *layered.values()):
-            self._count_by_transport(ops, "loaded")
+        batches = []
+        if layered:
+            entries = _group_entries(layered)
+            groups = {g for by_group in entries.values() for g in by_group}
+            for gl in self._layouts:
+                if gl.group in groups:
+                    tags = _Batch(((gl.group, 0),), entries).tags()  # the same for every layer of the group
+                    for i, layer in enumerate(gl.layers):
+                        batch = _Batch(((gl.group, i),), entries)
+                        step.load_futures[layer.name] = (self._copier.submit(self._move, step, batch, False, ready),
+                                                         tags)
+                        batches.append(batch)
+        if immediate:
+            batch = _Batch(tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers))),
+                           _group_entries(immediate))
+            self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
+            batches.append(batch)
+        for batch in batches:
+            self._count_bytes(batch, "loaded")
         if not step.load_futures:
             self._finish_loads()
 
@@ -174,12 +220,13 @@ class WorkerPart:
         if not step.saves or layer_name in step.saved_layers or layer_name not in self._layer_of:
             return
         step.saved_layers.add(layer_name)
-        ops = self._save_ops(layer_name)
-        if ops.by_pool:
-            step.save_futures.append((self._copier.submit(self._move, step, ops, True, self._compute_ready()),
-                                      ops.all_tags()))
-            self.stats.add(saved_copy_bytes=ops.nbytes)
-            self._count_by_transport(ops, "saved")
+        group, index = self._layer_of[layer_name]
+        entries = {pool: {group: by_group[group]} for pool, by_group in step.save_entries.items() if group in by_group}
+        if entries:
+            batch = _Batch(((group, index),), entries)
+            step.save_futures.append((self._copier.submit(self._move, step, batch, True, self._compute_ready()),
+                                      batch.tags()))
+            self._count_bytes(batch, "saved")
 
     def wait_for_save(self) -> None:
         step = self._step
@@ -244,17 +291,24 @@ class WorkerPart:
             self.stats.add(deadline_misses=1)
             step.failed |= tags
 
-    def _count_by_transport(self, ops: _LayerOps, what: str) -> None:
-        """``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: which path the bytes took."""
-        for pool, nbytes in ops.nbytes_by_pool.items():
+    def _count_bytes(self, batch: _Batch, what: str) -> None:
+        """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
+        and which path the bytes took."""
+        by_pool = batch.nbytes_by_pool(self._layouts)
+        self.stats.add(**{f"{what}_copy_bytes": sum(by_pool.values())})
+        for pool, nbytes in by_pool.items():
             self.stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})
 
-    def _add_block_ops(self, ops: _LayerOps, loc: Location, gl: GroupLayout, layer_index: int,
-                       block_id: int, tag: _Tag) -> None:
-        offset = gl.layer_offset(layer_index)
-        for seg in gl.layers[layer_index].segments(block_id):
-            ops.add(loc, offset, seg, tag)
-            offset += seg.numel()
+    def _ranges(self, batch: _Batch) -> dict[PoolKey, Ranges]:
+        """The batch's copies per pool: per layer, every entry's segments, as arrays."""
+        out = {}
+        for pool, by_group in batch.entries.items():
+            parts = [self._layouts[g].ranges(i, by_group[g].block_ids, by_group[g].pool_offsets, self._buffers,
+                                             self._buffer_of[self._layouts[g].layers[i].name])
+                     for g, i in batch.layers if g in by_group]
+            if parts:
+                out[pool] = Ranges.concat(parts)
+        return out
 
     def _entry_checksum(self, save: SaveJob) -> int:
         """CRC32 of an entry as its bytes lie in the pool: layers in order, segments in order."""
@@ -263,16 +317,6 @@ class WorkerPart:
             for seg in layer.segments(save.block_id):
                 value = checksum(seg, value)
         return value
-
-    def _save_ops(self, layer_name: str) -> _LayerOps:
-        group, index = self._layer_of[layer_name]
-        ops = _LayerOps()
-        for job in self._step.saves:
-            if job.group != group:
-                continue
-            for replica, loc in enumerate(job.locations):
-                self._add_block_ops(ops, loc, self._layouts[group], index, job.block_id, (job.job_id, replica))
-        return ops
 
     def _compute_ready(self) -> torch.cuda.Event | None:
         """On CUDA, an event after the work queued so far on the compute stream: a side-stream
@@ -284,7 +328,7 @@ class WorkerPart:
         event.record()
         return event
 
-    def _move(self, step: _StepState, ops: _LayerOps, write: bool,
+    def _move(self, step: _StepState, batch: _Batch, write: bool,
               ready: torch.cuda.Event | None = None) -> set[_Tag]:
         """Copy-thread task: run one batch per pool (all posted, then waited); returns the tags
         that failed. Any exception fails the whole batch instead of reaching vLLM, and nothing
@@ -296,27 +340,32 @@ class WorkerPart:
                 if ready is not None:
                     ready.synchronize()
                 if time.monotonic() >= step.deadline:
-                    return ops.all_tags()
+                    return batch.tags()
                 started = time.perf_counter()
                 try:
-                    return self._move_batches(step, ops, write)
+                    return self._move_batch(step, batch, write)
                 finally:
                     step.copy_s[write] += time.perf_counter() - started
         except Exception:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
-            return ops.all_tags()
+            return batch.tags()
 
-    def _move_batches(self, step: _StepState, ops: _LayerOps, write: bool) -> set[_Tag]:
-        failed_pools = self._pools.transfer(ops.by_pool, write=write,
+    def _move_batch(self, step: _StepState, batch: _Batch, write: bool) -> set[_Tag]:
+        failed_pools = self._pools.transfer(self._ranges(batch), write=write,
                                             timeout_s=max(0.0, step.deadline - time.monotonic()))
         self._results.failed_pools |= failed_pools
-        if not write and step.crc:
-            for pool, batch in ops.by_pool.items():
-                if pool not in failed_pools:
-                    for op, tag in zip(batch, ops.tags[pool]):
+        if not write and step.crc:  # layer order, block by block: only entries that carry a checksum
+            for g, i in batch.layers:
+                for pool, by_group in batch.entries.items():
+                    if pool in failed_pools or g not in by_group:
+                        continue
+                    for block_id, tag in zip(by_group[g].block_ids.tolist(), by_group[g].tags):
                         if tag in step.crc:
-                            step.crc[tag] = checksum(op.local, step.crc[tag])
-        return {tag for pool in failed_pools for tag in ops.tags[pool]}
+                            for seg in self._layouts[g].layers[i].segments(block_id):
+                                step.crc[tag] = checksum(seg, step.crc[tag])
+        groups = {g for g, _ in batch.layers}
+        return {tag for pool in failed_pools for g, e in batch.entries.get(pool, {}).items() if g in groups
+                for tag in e.tags}
 
     def _finish_loads(self) -> None:
         """All copies of the step are in: verify checksums and report what vLLM must redo."""
