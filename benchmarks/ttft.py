@@ -1,19 +1,38 @@
 """TTFT benchmark: the same workload with no connector, vLLM's ExampleConnector, and ucm-ray.
 
-Engine A (its own process) serves each 4k-token prompt cold; a fresh engine B
-(another process, empty local cache) then serves the same prompt, so B's TTFT
-is what a second node sees. Prints TTFT p50 per system and the ratios, then
-``ttft_warm_vs_cold=<ucm-ray B / no-connector B>`` and
-``ttft_ucm_vs_example=<ucm-ray B / ExampleConnector B>`` as the last lines.
+Engine A (its own process) serves each 4k-token prompt cold, then the same
+prompts again (a hit in A's own vLLM prefix cache: the best a tier can hope to
+match); a fresh engine B (another process, empty local cache) then serves the
+same prompts, so B's TTFT is what a second node sees. Every TTFT is a median
+over the prompts (the machine is noisy; nothing here asserts a timing).
+
+Decode throughput (engines A of "none" and "ucm-ray" only): each serves the
+same fresh prompts (in no cache nor store) with ``--decode-tokens`` greedy new
+tokens while ucm-ray's saves run, and decode tok/s is
+``(new tokens - 1) / (total seconds - TTFT)`` per prompt, median over prompts.
+TTFT is vLLM's own ``first_token_latency`` as ``Engine.generate`` returns it;
+where that is missing, the wall time of a 1-token run of another fresh prompt of
+the same length stands in. ``Engine.generate`` has no ``ignore_eos``, so a
+run may stop early at EOS: the tokens it did produce are what is counted.
+
+Prints a table per system, then as the last lines (goals in brackets):
+``ttft_cold_overhead=`` ucm-ray A cold / none A cold (<= 1.05: a 100% miss
+that only saves must not slow a cold request),
+``decode_overhead=`` 1 - ucm-ray decode tok/s / none decode tok/s (<= 0.03),
+``ttft_store_warm_vs_prefix_hit=`` ucm-ray B / ucm-ray A prefix hit (<= 1.1),
+``ttft_warm_vs_cold=`` ucm-ray B / no-connector B,
+``ttft_ucm_vs_example=`` ucm-ray B / ExampleConnector B (<= 0.9).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import tempfile
+from typing import Any
 
 import ray
 
@@ -24,51 +43,99 @@ from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 log = logging.getLogger("bench.ttft")
 
+DECODE_SYSTEMS = ("none", "ucm-ray")
+"""Systems whose engine A also measures decode: the overhead of saves needs only the baseline."""
 
-def run_system(name: str, model: str, kv: dict | None, prompts: list[list[int]]) -> dict[str, float]:
+
+def ttft_pass(engine: Any, prompts: list[list[int]]) -> list[float]:
+    """Wall seconds of a 1-token request per prompt: with one token, the whole request is its TTFT."""
+    return [ray.get(engine.generate.remote(p, 1))["seconds"] for p in prompts]
+
+
+def decode_rate(engine: Any, prompt: list[int], probe: list[int], new_tokens: int) -> float:
+    """Decode tokens/s of one request; ``probe`` (another fresh prompt, same length) gives the TTFT
+    by a 1-token run only where vLLM reported none, so the cached prefix never helps either."""
+    r = ray.get(engine.generate.remote(prompt, new_tokens))
+    ttft = r["ttft"] if r["ttft"] is not None else ray.get(engine.generate.remote(probe, 1))["seconds"]
+    produced, decode_s = len(r["tokens"]), r["seconds"] - ttft
+    if produced < new_tokens:
+        log.warning("decode stopped at %d of %d tokens (EOS; Engine.generate has no ignore_eos)",
+                    produced, new_tokens)
+    if produced < 2 or decode_s <= 0:
+        return math.nan
+    return (produced - 1) / decode_s
+
+
+def decode_p50(engine: Any, prompts: list[list[int]], probes: list[list[int]], new_tokens: int) -> float:
+    """Median decode tok/s over the fresh prompts, runs that gave no rate left out."""
+    rates = [decode_rate(engine, p, q, new_tokens) for p, q in zip(prompts, probes)]
+    rates = [r for r in rates if not math.isnan(r)]
+    return statistics.median(rates) if rates else math.nan
+
+
+def run_system(name: str, model: str, kv: dict | None, prompts: list[list[int]],
+               decode: tuple[list[list[int]], list[list[int]], int] | None) -> dict[str, float]:
+    """A cold, A again (its own prefix cache), A's decode if ``decode`` is given, then a fresh B."""
     remote = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(Engine)
     log.info("%s: loading engine A", name)
     a = remote.remote(model, kv)
-    cold = [ray.get(a.generate.remote(p, 1))["seconds"] for p in prompts]
+    result = {"cold_p50": statistics.median(ttft_pass(a, prompts)),
+              "prefix_hit_p50": statistics.median(ttft_pass(a, prompts)), "decode_tok_s": math.nan}
+    if decode is not None:
+        log.info("%s: decode on engine A", name)
+        result["decode_tok_s"] = decode_p50(a, *decode)
     ray.kill(a)
     log.info("%s: loading engine B", name)
     b = remote.remote(model, kv)
-    warm = [ray.get(b.generate.remote(p, 1))["seconds"] for p in prompts]
+    result["warm_p50"] = statistics.median(ttft_pass(b, prompts))
     ray.kill(b)
-    return {"cold_p50": statistics.median(cold), "warm_p50": statistics.median(warm)}
+    return result
+
+
+def print_report(results: dict[str, dict[str, float]]) -> None:
+    """The table, then the ratios as the last lines (what a CI log or a script greps for)."""
+    print(f"\n{'system':>10} {'A cold p50 ms':>14} {'A prefix-hit p50 ms':>20} {'B p50 ms':>10} {'B / A':>7} "
+          f"{'decode tok/s':>13}")
+    for name, r in results.items():
+        print(f"{name:>10} {r['cold_p50'] * 1e3:>14.1f} {r['prefix_hit_p50'] * 1e3:>20.1f} "
+              f"{r['warm_p50'] * 1e3:>10.1f} {r['warm_p50'] / r['cold_p50']:>7.3f} {r['decode_tok_s']:>13.1f}")
+    ucm, none = results["ucm-ray"], results["none"]
+    print(f"ttft_cold_overhead={ucm['cold_p50'] / none['cold_p50']:.3f}")
+    print(f"decode_overhead={1 - ucm['decode_tok_s'] / none['decode_tok_s']:.3f}")
+    print(f"ttft_store_warm_vs_prefix_hit={ucm['warm_p50'] / ucm['prefix_hit_p50']:.3f}")
+    print(f"ttft_warm_vs_cold={ucm['warm_p50'] / none['warm_p50']:.3f}")
+    print(f"ttft_ucm_vs_example={ucm['warm_p50'] / results['example']['warm_p50']:.3f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=128)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for k, v in {**ENGINE_ENV, "RAY_USAGE_STATS_ENABLED": "0"}.items():
         os.environ.setdefault(k, v)
     model = str(make_tiny_model(os.path.join(".models", "tiny")))
     prompts = [synthetic_prompt(model, args.tokens, seed=1000 + i) for i in range(args.prompts)]
+    # Seeds apart from the TTFT prompts: in no cache nor store when decode runs ("none" saves nothing).
+    decode = ([synthetic_prompt(model, args.tokens, seed=2000 + i) for i in range(args.prompts)],
+              [synthetic_prompt(model, args.tokens, seed=3000 + i) for i in range(args.prompts)],
+              args.decode_tokens)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmt-", dir="/tmp"), log_to_driver=False)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=512 << 20, ray_namespace="ucm_ray_ttft")
+    systems: dict[str, dict | None] = {"none": None}
     try:
         with running_fleet(cfg), tempfile.TemporaryDirectory(prefix="example-connector-") as shared:
-            results = {
-                "none": run_system("none", model, None, prompts),
-                "example": run_system("example", model, {
-                    "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": shared}}, prompts),
-                "ucm-ray": run_system("ucm-ray", model, kv_transfer_config({"ray_namespace": cfg.ray_namespace}),
-                                      prompts),
-            }
+            systems["example"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"shared_storage_path": shared}}
+            systems["ucm-ray"] = kv_transfer_config({"ray_namespace": cfg.ray_namespace})
+            results = {name: run_system(name, model, kv, prompts, decode if name in DECODE_SYSTEMS else None)
+                       for name, kv in systems.items()}
     finally:
         ray.shutdown()
-    print(f"\n{'system':>10} {'A cold p50 ms':>14} {'B p50 ms':>10} {'B / A':>7}")
-    for name, r in results.items():
-        print(f"{name:>10} {r['cold_p50'] * 1e3:>14.1f} {r['warm_p50'] * 1e3:>10.1f} "
-              f"{r['warm_p50'] / r['cold_p50']:>7.3f}")
-    print(f"ttft_warm_vs_cold={results['ucm-ray']['warm_p50'] / results['none']['warm_p50']:.3f}")
-    print(f"ttft_ucm_vs_example={results['ucm-ray']['warm_p50'] / results['example']['warm_p50']:.3f}")
+    print_report(results)
 
 
 if __name__ == "__main__":
