@@ -14,6 +14,7 @@ import pytest
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
+from ucm_ray.transport.base import Transfer, TransferError
 
 
 @pytest.fixture(scope="module")
@@ -224,10 +225,10 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
     a.settle()
     b = make_engine(store.client(), model_dir)
 
-    def broken_transfer(by_pool, *, write, timeout_s):
+    def broken_post(by_pool, *, write):
         raise ZeroDivisionError("a bug nobody listed")
 
-    b.worker.worker_part._pools.transfer = broken_transfer
+    b.worker.worker_part._pools.post = broken_post
     assert b.serve("B", p)[0] == 2048 - 5 + 3  # hit claimed (2048 - recompute 2) ...
     assert b.wrong_blocks == 0 and b.failed_loads == 16  # ... then every block failed and recomputed
 
@@ -240,15 +241,24 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
     a.settle()
     b = make_engine(store.client(), model_dir, config=cfg)
 
-    real_transfer = b.worker.worker_part._pools.transfer
+    real_post = b.worker.worker_part._pools.post
 
-    def hung_transfer(by_pool, *, write, timeout_s):
+    class Hung(Transfer):
+        """What a read from a pool that never answers does: time out."""
+
+        def done(self) -> bool:
+            return False
+
+        def wait(self, timeout_s: float | None = None) -> None:
+            time.sleep(timeout_s or 0.0)
+            raise TransferError("the pool never answered")
+
+    def hung_post(by_pool, *, write):
         if write:
-            return real_transfer(by_pool, write=write, timeout_s=timeout_s)
-        time.sleep(timeout_s)  # what a read from a pool that never answers does: time out
-        return set(by_pool)
+            return real_post(by_pool, write=write)
+        return [(pool, Hung()) for pool in by_pool], set()
 
-    b.worker.worker_part._pools.transfer = hung_transfer
+    b.worker.worker_part._pools.post = hung_post
     started = time.monotonic()
     b.serve("B", p)
     took = time.monotonic() - started

@@ -41,11 +41,10 @@ def line_bytes(values: np.ndarray) -> int:
     return line
 
 
-def _rows(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+def _rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Row indices ``starts[i] .. starts[i] + counts[i] - 1`` for every i, concatenated."""
-    first = torch.cumsum(counts, 0) - counts  # where each range begins in the output
-    return torch.repeat_interleave(starts - first, counts, output_size=total) + torch.arange(
-        total, device=starts.device)
+    first = np.cumsum(counts) - counts  # where each range begins in the output
+    return np.repeat(starts - first, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarray, local_offsets: np.ndarray,
@@ -53,7 +52,8 @@ def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarra
     """Move ``sizes[i]`` bytes between ``pool[pool_offsets[i]:]`` and ``local[local_offsets[i]:]``
     (both flat uint8; int64 arrays) on the current stream, as one gather and one scatter.
     Returns False (nothing moved) when the ranges are not 8-byte aligned: the caller copies
-    them one by one."""
+    them one by one. The row indices are computed here and sent in one small upload: two
+    kernels per call, whatever the number of ranges."""
     line = line_bytes(np.concatenate([sizes, pool_offsets, local_offsets,
                                       np.asarray([pool.data_ptr(), local.data_ptr()], dtype=np.int64)]))
     if not line:
@@ -61,13 +61,11 @@ def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarra
     width = line // WORD
     pool_rows = pool[: pool.numel() - pool.numel() % line].view(torch.int64).view(-1, width)
     local_rows = local[: local.numel() - local.numel() % line].view(torch.int64).view(-1, width)
-    lines = torch.from_numpy(np.stack([sizes, pool_offsets, local_offsets]) // line)
+    counts: np.ndarray = sizes // line
+    index = torch.from_numpy(np.stack([_rows(pool_offsets // line, counts), _rows(local_offsets // line, counts)]))
     if pool.is_cuda:
-        lines = lines.pin_memory()
-    lines = lines.to(pool.device, non_blocking=True)
-    total = int(sizes.sum()) // line
-    pool_index = _rows(lines[1], lines[0], total)
-    local_index = _rows(lines[2], lines[0], total)
+        index = index.pin_memory().to(pool.device, non_blocking=True)
+    pool_index, local_index = index[0], index[1]
     if to_pool:
         pool_rows.index_copy_(0, pool_index, local_rows.index_select(0, local_index))
     else:

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "shm", "nixl")
 
 
+def _what(write: bool) -> str:
+    return "save" if write else "load"
+
+
 class PoolConnections:
     """Transports to shard pools keyed by (shard id, incarnation). Thread-safe."""
 
@@ -70,10 +74,15 @@ class PoolConnections:
 
     def transfer(self, by_pool: Mapping[PoolKey, Ranges], *, write: bool,
                  timeout_s: float) -> set[PoolKey]:
-        """Post every pool's batch, then wait for all within one overall ``timeout_s``;
-        returns the pools whose batch failed. Never raises. (All batches are posted before
-        any is waited on, so pools' copies overlap.)"""
-        what = "save" if write else "load"
+        """``post`` then ``wait``: returns the pools whose batch failed. Never raises."""
+        posted, failed = self.post(by_pool, write=write)
+        return failed | self.wait(posted, write=write, timeout_s=timeout_s)
+
+    def post(self, by_pool: Mapping[PoolKey, Ranges], *,
+             write: bool) -> tuple[list[tuple[PoolKey, Transfer]], set[PoolKey]]:
+        """Post every pool's batch without waiting (so pools' copies overlap, and a caller can
+        post the next layer while this one moves); returns what was posted and the pools whose
+        batch could not be. Never raises."""
         posted: list[tuple[PoolKey, Transfer]] = []
         failed: set[PoolKey] = set()
         for pool, ranges in by_pool.items():
@@ -83,14 +92,20 @@ class PoolConnections:
                 t = self._transport(pool)
                 posted.append((pool, t.write(ranges) if write else t.read(ranges)))
             except Exception as e:  # noqa: BLE001 -- whatever it is, that pool's keys are misses
-                log.warning("%s with shard %s failed to start: %s: %s", what, pool[0], type(e).__name__, e)
+                log.warning("%s with shard %s failed to start: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool)
+        return posted, failed
+
+    @staticmethod
+    def wait(posted: list[tuple[PoolKey, Transfer]], *, write: bool, timeout_s: float) -> set[PoolKey]:
+        """Wait for posted batches within one overall ``timeout_s``; the pools whose batch failed."""
+        failed: set[PoolKey] = set()
         deadline = time.monotonic() + timeout_s
         for pool, transfer in posted:
             try:
                 transfer.wait(max(0.0, deadline - time.monotonic()))
             except Exception as e:  # noqa: BLE001 -- as above: never raise into a copy thread
-                log.warning("%s with shard %s failed: %s: %s", what, pool[0], type(e).__name__, e)
+                log.warning("%s with shard %s failed: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool)
         return failed
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
@@ -33,7 +34,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
-from ucm_ray.transport.base import Ranges
+from ucm_ray.transport.base import Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
@@ -82,14 +83,30 @@ class _Batch:
     entries: _ByPool
 
     def tags(self) -> set[_Tag]:
+        return self.tags_in(self.entries)
+
+    def tags_in(self, pools: Collection[PoolKey]) -> set[_Tag]:
+        """The jobs this batch serves through these pools."""
         groups = {g for g, _ in self.layers}
-        return {tag for by_group in self.entries.values() for g, e in by_group.items() if g in groups
+        return {tag for pool in pools for g, e in self.entries.get(pool, {}).items() if g in groups
                 for tag in e.tags}
 
     def nbytes_by_pool(self, layouts: list[GroupLayout]) -> dict[PoolKey, int]:
         return {pool: sum(len(by_group[g].tags) * layouts[g].layers[i].block_bytes
                           for g, i in self.layers if g in by_group)
                 for pool, by_group in self.entries.items()}
+
+
+@dataclass
+class _Posted:
+    """A batch the copy thread posted (or could not): what ``_wait`` needs to see it land."""
+
+    batch: _Batch
+    write: bool
+    transfers: list[tuple[PoolKey, Transfer]] = field(default_factory=list)
+    failed_pools: set[PoolKey] = field(default_factory=set)
+    failed_tags: set[_Tag] = field(default_factory=set)
+    post_s: float = 0.0
 
 
 @dataclass
@@ -108,7 +125,7 @@ class _StepState:
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
     copy_s: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    """Time the copy thread spent on this step's loads (False) and saves (True)."""
+    """Time spent posting and waiting for this step's loads (False) and saves (True)."""
 
 
 class WorkerPart:
@@ -279,10 +296,12 @@ class WorkerPart:
     # --- helpers -------------------------------------------------------------------------
 
     def _wait(self, future: Future, tags: set[_Tag]) -> None:
-        """Take a copy task's failures, within what is left of the step's deadline."""
+        """Wait for a copy task's batch to land and take its failures, within what is left of
+        the step's deadline."""
         step = self._step
+        started = time.perf_counter()
         try:
-            step.failed |= future.result(timeout=max(0.0, step.deadline - time.monotonic()))
+            posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))
         except FutureTimeout:
             if not future.cancel():  # running: it may still land later
                 step.uncertain = True
@@ -290,6 +309,14 @@ class WorkerPart:
                       self._config.transfer_timeout_s)
             self.stats.add(deadline_misses=1)
             step.failed |= tags
+            return
+        failed_pools = posted.failed_pools | self._pools.wait(
+            posted.transfers, write=posted.write, timeout_s=max(0.0, step.deadline - time.monotonic()))
+        step.copy_s[posted.write] += posted.post_s + time.perf_counter() - started
+        self._results.failed_pools |= failed_pools
+        step.failed |= posted.failed_tags | posted.batch.tags_in(failed_pools)
+        if not posted.write and step.crc:
+            self._update_checksums(posted.batch, failed_pools)
 
     def _count_bytes(self, batch: _Batch, what: str) -> None:
         """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
@@ -328,11 +355,12 @@ class WorkerPart:
         event.record()
         return event
 
-    def _move(self, step: _StepState, batch: _Batch, write: bool,
-              ready: torch.cuda.Event | None = None) -> set[_Tag]:
-        """Copy-thread task: run one batch per pool (all posted, then waited); returns the tags
-        that failed. Any exception fails the whole batch instead of reaching vLLM, and nothing
-        starts once the step's deadline passed (its loads were reported failed by then)."""
+    def _move(self, step: _StepState, batch: _Batch, write: bool, ready: torch.cuda.Event | None = None) -> _Posted:
+        """Copy-thread task: post one batch per pool and return without waiting for them to land
+        (``_wait`` does, where the bytes are needed), so the next layer is planned and posted
+        while this one moves. Any exception fails the whole batch instead of reaching vLLM, and
+        nothing starts once the step's deadline passed (its loads were reported failed by then)."""
+        started = time.perf_counter()
         try:
             # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
             device = torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
@@ -340,32 +368,25 @@ class WorkerPart:
                 if ready is not None:
                     ready.synchronize()
                 if time.monotonic() >= step.deadline:
-                    return batch.tags()
+                    return _Posted(batch, write, failed_tags=batch.tags())
                 started = time.perf_counter()
-                try:
-                    return self._move_batch(step, batch, write)
-                finally:
-                    step.copy_s[write] += time.perf_counter() - started
+                transfers, failed_pools = self._pools.post(self._ranges(batch), write=write)
+                return _Posted(batch, write, transfers, failed_pools, post_s=time.perf_counter() - started)
         except Exception:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
-            return batch.tags()
+            return _Posted(batch, write, failed_tags=batch.tags(), post_s=time.perf_counter() - started)
 
-    def _move_batch(self, step: _StepState, batch: _Batch, write: bool) -> set[_Tag]:
-        failed_pools = self._pools.transfer(self._ranges(batch), write=write,
-                                            timeout_s=max(0.0, step.deadline - time.monotonic()))
-        self._results.failed_pools |= failed_pools
-        if not write and step.crc:  # layer order, block by block: only entries that carry a checksum
-            for g, i in batch.layers:
-                for pool, by_group in batch.entries.items():
-                    if pool in failed_pools or g not in by_group:
-                        continue
-                    for block_id, tag in zip(by_group[g].block_ids.tolist(), by_group[g].tags):
-                        if tag in step.crc:
-                            for seg in self._layouts[g].layers[i].segments(block_id):
-                                step.crc[tag] = checksum(seg, step.crc[tag])
-        groups = {g for g, _ in batch.layers}
-        return {tag for pool in failed_pools for g, e in batch.entries.get(pool, {}).items() if g in groups
-                for tag in e.tags}
+    def _update_checksums(self, batch: _Batch, failed_pools: set[PoolKey]) -> None:
+        """Layer order, block by block: only entries that carry a checksum."""
+        step = self._step
+        for g, i in batch.layers:
+            for pool, by_group in batch.entries.items():
+                if pool in failed_pools or g not in by_group:
+                    continue
+                for block_id, tag in zip(by_group[g].block_ids.tolist(), by_group[g].tags):
+                    if tag in step.crc:
+                        for seg in self._layouts[g].layers[i].segments(block_id):
+                            step.crc[tag] = checksum(seg, step.crc[tag])
 
     def _finish_loads(self) -> None:
         """All copies of the step are in: verify checksums and report what vLLM must redo."""
