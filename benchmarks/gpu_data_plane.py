@@ -462,6 +462,9 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     with running_fleet(cfg):
         a = start("A (connector, store empty)")
         cold = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        saved = ray.get(a.connector_totals.remote())["scheduler"]
+        log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
+                 saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
         before = hits(a)
         local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
         assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
@@ -470,8 +473,14 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         warm, store_hits = {}, {}
         for s, ps in prompts.items():
             before = hits(b)
-            warm[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
-            store_hits[s] = hits(b) - before
+            warm[s], store_hits[s] = [], 0
+            for p in ps:
+                before = hits(b)
+                warm[s].append(ray.get(b.generate.remote(p, 1)))
+                got = hits(b) - before
+                store_hits[s] += got
+                log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens", s, len(p),
+                         ttft_of(warm[s][-1]) * 1e3, got)
         ray.kill(b)
     identical = all(w["tokens"] == c["tokens"] for s in prompts for w, c in zip(warm[s], cold[s]))
     for s in prompts:

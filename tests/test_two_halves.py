@@ -411,3 +411,15 @@ def test_a_local_prefix_hit_saves_only_what_was_computed(store, model_dir):
 def test_sliding_window_groups_are_refused_at_start_up(store, model_dir):
     with pytest.raises(ValueError, match="unsupported kv-cache group spec.*SlidingWindowSpec"):
         make_engine(store.client(), model_dir, sliding_window=256)
+
+
+def test_blocks_whose_request_ends_before_a_slot_came_are_counted_as_dropped(store, model_dir):
+    """A shard that grants no slot (here: it does not answer) leaves the request's blocks on it
+    unsaved; when the request ends they are given up, and ``saves_dropped`` says how many."""
+    store.set_answering("local_shard_0", False)
+    a = make_engine(store.client(), model_dir)
+    a.serve("A", prompt(2048))
+    dropped = a.stats().get("saves_dropped", 0)
+    store.set_answering("local_shard_0", True)
+    assert 0 < dropped < 16  # shard 0 owns some of the 16 blocks; shard 1 granted its slots
+    assert a.stats().get("saved_blocks", 0) + dropped == 16

@@ -597,6 +597,8 @@ class SchedulerPart:
         t = self._tracked.pop(request.request_id, None)
         if t is not None:
             self._release_lookup(t)
+            if t.pending:
+                self.stats.add(saves_dropped=len(t.pending))
         return False, None
 
     def _release_lookup(self, t: _Tracked) -> None:

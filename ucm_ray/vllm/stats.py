@@ -31,7 +31,8 @@ COUNTERS: dict[str, str] = {
                                 "FULL CUDA graph threshold).",
     "load_blocks": "Blocks scheduled to load from the tier.",
     "saved_blocks": "Blocks saved into the tier and sent to their shards to commit.",
-    "saves_skipped": "Blocks not saved because no write slot was granted in time.",
+    "saves_skipped": "Times a block's save waited for a write slot that was not granted yet (retried next step).",
+    "saves_dropped": "Blocks never saved: their request ended before a write slot was granted for them.",
     "commits_not_visible": "Saved blocks that did not become visible (another engine stored the key first, "
                            "or the grant had lapsed).",
     "lapsed_leases": "Read pins found lapsed at release (should stay 0).",
