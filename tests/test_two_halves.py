@@ -423,3 +423,33 @@ def test_blocks_whose_request_ends_before_a_slot_came_are_counted_as_dropped(sto
     store.set_answering("local_shard_0", True)
     assert 0 < dropped < 16  # shard 0 owns some of the 16 blocks; shard 1 granted its slots
     assert a.stats().get("saved_blocks", 0) + dropped == 16
+
+
+def test_a_hit_does_not_evict_other_prompts_to_make_room_for_saves_it_never_makes(model_dir):
+    """The store is full with prompts P and Q. A fresh engine that hits P saves nothing of it,
+    so it must not reserve slots for P's blocks: in a full pool each such slot evicts an entry
+    (Q's, or P's own) for a save that never comes (before: slots for a request's first chunks
+    were asked for with its lookup, hits or not)."""
+    probe = LocalBlockStore(num_shards=1, pool_bytes=64 << 20)
+    try:
+        a = make_engine(probe.client(), model_dir)
+        a.serve("P", prompt(2048))
+        a.settle()
+        entry = probe.index("local_shard_0").stats().used_bytes // 16
+    finally:
+        probe.shutdown()
+    # P, Q, and room for the free slots engines keep for decode (A: 8 after its prompts, B and C: 1)
+    store = LocalBlockStore(num_shards=1, pool_bytes=(32 + 12) * entry)
+    try:
+        a = make_engine(store.client(), model_dir)
+        for name, seed in (("P", 0), ("Q", 1)):
+            a.serve(name, prompt(2048, seed=seed))
+        a.settle()
+        assert store.index("local_shard_0").stats().entries == 32
+        b = make_engine(store.client(), model_dir)
+        assert b.serve("P", prompt(2048, seed=0))[0] == 2046
+        b.settle()
+        c = make_engine(store.client(), model_dir)
+        assert c.serve("Q", prompt(2048, seed=1))[0] == 2046, "B's hit on P evicted Q"
+    finally:
+        store.shutdown()

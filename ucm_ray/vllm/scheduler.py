@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,8 +54,9 @@ LOOKUP_GRACE_S = 0.002
 """How long a new request's lookup may take before the scheduler is told to ask again: most land
 within one actor round trip, and answering on the first call saves the request a scheduler step."""
 SLOT_WAIT_S = 0.05
-"""How long a request may wait for the slots of its first chunks' saves, posted together with its
-lookup (they land in the same round trip): longer, and the request runs without saving them."""
+"""How long a request may wait for the slots of its first chunks' saves, asked for once its lookup
+answered (one more round trip): longer, and the request runs without them (its blocks wait for
+slots in later steps, and are dropped if it ends first)."""
 
 
 def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, label: str) -> list[bytes]:
@@ -86,21 +88,32 @@ class _Lookup:
     state_keys: list[list[list[bytes]]]  # [rank][state group][lcm boundary - 1]
     leases: list[ReadLease] | None = None
     started: float = field(default_factory=time.monotonic)
-    slot_asks: list[Pending[Any]] = field(default_factory=list)
-    """Slots asked for the first chunks' saves, posted with the lookup."""
 
     def ready(self) -> bool:
-        """The pins are in, and so are the first chunks' slots (or they are too slow to wait for:
-        then those saves are skipped rather than the request delayed)."""
-        if not all(f.poll() for f in self.futures):
-            return False
-        return all(ask.poll() for ask in self.slot_asks) or time.monotonic() - self.started > SLOT_WAIT_S
+        return all(f.poll() for f in self.futures)
+
+
+@dataclass
+class _SlotAsks:
+    """Slots asked for the saves of a request's first chunks, once its lookup said where its
+    saves begin (asked for with the lookup, they were also asked for blocks that turn out to be
+    hits, and a full pool evicted other prompts' entries, or this prompt's own, to make room for
+    slots handed straight back)."""
+
+    asks: list[Pending[Any]]
+    started: float = field(default_factory=time.monotonic)
+
+    def ready(self) -> bool:
+        """The slots are in, or too slow to wait for: then the request runs without them rather
+        than being delayed."""
+        return all(ask.poll() for ask in self.asks) or time.monotonic() - self.started > SLOT_WAIT_S
 
 
 @dataclass
 class _Tracked:
     request: Request
     lookup: _Lookup | None = None
+    slots: _SlotAsks | None = None
     hit_tokens: int = 0  # LCM/block-aligned prefix found in the store
     local_tokens: int = 0  # vLLM's block-aligned local hit at lookup time
     loads: list[LoadJob] | None = None  # per rank, set after allocation, dispatched by the next plan
@@ -238,22 +251,25 @@ class SchedulerPart:
         t.local_tokens = num_computed_tokens
         if t.lookup is not None and time.monotonic() - t.lookup.started > self._config.lease_s / 2:
             self._release_lookup(t)  # waited so long in the queue that its pins may lapse: look again
-        if t.lookup is None:
+        posted = t.lookup is None
+        if posted:
             t.lookup = self._post_lookup(request)
             if t.lookup is None:
                 return 0, False
-            t.lookup.slot_asks = self._expect_saves(t, 2 * self._chunk)
-            deadline = time.monotonic() + LOOKUP_GRACE_S
-            while not t.lookup.ready():
-                if time.monotonic() > deadline:
-                    self.stats.add(lookups_deferred=1)
-                    return None, False
-                time.sleep(0.0001)  # leave the core to the shard and Ray's threads
-        elif not t.lookup.ready():
+        assert t.lookup is not None
+        if not self._answered(t.lookup.ready, grace=posted):
             return None, False
         if t.lookup.leases is None:
             t.lookup.leases = [f.result() for f in t.lookup.futures]
             t.hit_tokens = self._hit_tokens(t.lookup)
+        if t.slots is None:
+            # Saves begin where vLLM's cache and the store's hit end: slots for the chunks after.
+            begin = max(num_computed_tokens, t.hit_tokens) // self._hash_bs * self._hash_bs
+            t.expected_until = t.unexpected_until = begin
+            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk))
+            posted = True
+        if not self._answered(t.slots.ready, grace=posted):
+            return None, False
         if t.hit_tokens <= num_computed_tokens:
             ext = 0
         elif self.hybrid:
@@ -266,6 +282,18 @@ class SchedulerPart:
                        miss_tokens=request.num_tokens - num_computed_tokens - ext,
                        recompute_trimmed_tokens=max(0, t.hit_tokens - num_computed_tokens - ext))
         return ext, self._async_loads and ext > 0
+
+    def _answered(self, ready: Callable[[], bool], *, grace: bool) -> bool:
+        """Whether ``ready`` holds (within LOOKUP_GRACE_S when ``grace``: just posted, most answers
+        land within one actor round trip); if not, the request is put back in the queue (vLLM asks
+        again next step) instead of holding up the scheduler."""
+        deadline = time.monotonic() + (LOOKUP_GRACE_S if grace else 0.0)
+        while not ready():
+            if time.monotonic() > deadline:
+                self.stats.add(lookups_deferred=1)
+                return False
+            time.sleep(0.0001)  # leave the core to the shard and Ray's threads
+        return True
 
     def _post_lookup(self, request: Request) -> _Lookup | None:
         hashes = request.block_hashes
