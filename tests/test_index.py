@@ -234,3 +234,18 @@ def test_oversized_and_bad_sizes():
     assert idx.reserve(OWNER, 1000, 1)[1] == []
     with pytest.raises(ValueError):
         idx.reserve(OWNER, 0, 1)
+
+
+def test_eviction_takes_a_prefix_tail_first():
+    """Blocks are committed and looked up head first; a prefix without its head is worthless,
+    so when room is needed its tail goes first (before: the head, in commit order)."""
+    idx, _ = make(capacity=64 * 4)
+    token, offs = idx.reserve(OWNER, 64, 4)
+    assert idx.commit(OWNER, token, [(k(i), off, None) for i, off in enumerate(offs)]) == [True] * 4
+    put(idx, k(9), 64)  # needs room: one of the prefix goes
+    assert idx.contains([k(i) for i in range(4)]) == [True, True, True, False]
+    lease, _ = idx.acquire(OWNER, [k(0), k(1), k(2)])  # a lookup touches head first as well
+    idx.release(OWNER, [lease])
+    put(idx, k(10), 64)  # evicts k(9), the least recently used, not the prefix
+    put(idx, k(11), 64)  # then the prefix's tail
+    assert idx.contains([k(0), k(1), k(2), k(9), k(10), k(11)]) == [True, True, False, False, True, True]

@@ -123,12 +123,8 @@ class BlockIndex:
         """Which keys are committed, without pinning (tests, benchmarks, ``put``'s skip of
         present keys). Touches hits so a looked-up prefix stays warm. A presence probe, not a
         read: it counts no lookup (``put`` probes every replica of every key it writes)."""
-        out = []
-        for k in keys:
-            hit = k in self._entries
-            if hit:
-                self._entries.move_to_end(k)
-            out.append(hit)
+        out = [k in self._entries for k in keys]
+        self._touch_head_last([k for k, hit in zip(keys, out) if hit])
         return out
 
     def acquire(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
@@ -143,11 +139,11 @@ class BlockIndex:
             if e is None:
                 slots.append(None)
                 continue
-            self._entries.move_to_end(k)
             if lease not in e.pinned_by:
                 e.pinned_by.add(lease)
                 pinned.append(e)
             slots.append(e.slot)
+        self._touch_head_last([k for k, slot in zip(keys, slots) if slot is not None])
         self._counters.lookups += len(keys)
         self._counters.hits += sum(s is not None for s in slots)
         if pinned:
@@ -237,6 +233,7 @@ class BlockIndex:
                 self._alloc.free(offset, g.size)
         if not g.offsets:
             del self._grants[token]
+        self._touch_head_last([key for (key, _, _), visible in zip(items, out) if visible])
         return out
 
     def remove(self, items: Sequence[tuple[Key, int]]) -> int:
@@ -268,6 +265,13 @@ class BlockIndex:
         return IndexStats(**vars(s))
 
     # --- internals -----------------------------------------------------------------------
+
+    def _touch_head_last(self, keys: Sequence[Key]) -> None:
+        """Make ``keys`` most recently used, the first of them last: callers list a prompt's
+        blocks head first, and a prefix is only as good as its head (evicting block 0 of a
+        prompt makes every later block of it unreachable), so eviction takes the tail first."""
+        for key in reversed(keys):
+            self._entries.move_to_end(key)
 
     @staticmethod
     def _fresh_id(taken: Mapping[int, object]) -> int:
