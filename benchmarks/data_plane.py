@@ -116,7 +116,7 @@ def lookup_latency(client: StoreClient, n: int, iters: int) -> tuple[float, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="256KiB,2MiB,16MiB")
+    ap.add_argument("--sizes", default="64KiB,256KiB,2MiB,16MiB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--lookup-iters", type=int, default=200)
     args = ap.parse_args()
