@@ -25,6 +25,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -117,17 +118,17 @@ class _Fanout(Pending[T]):
                  finish: Callable[[list[Any]], T]) -> None:
         self._client = client
         self._calls = calls
+        self._arrived = [ref.future() for _, ref in calls]
         self._finish = finish
         self._deadline = time.monotonic() + client.config.lookup_timeout_s
         self._value: T | None = None
         self._done = False
 
     def poll(self) -> bool:
+        """Never waits, and costs no Ray call (the scheduler polls every step)."""
         if self._done or not self._calls:
             return True
-        refs = [ref for _, ref in self._calls]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(ready) == len(refs) or time.monotonic() > self._deadline
+        return all(f.done() for f in self._arrived) or time.monotonic() > self._deadline
 
     def result(self) -> T:
         if not self._done:
@@ -150,6 +151,7 @@ class _Acquire(Pending[ReadLease]):
         self._rank = [0] * len(keys)
         self._deadline = time.monotonic() + client.config.lookup_timeout_s
         self._calls: list[tuple[ShardRecord, list[int], ray.ObjectRef]] = []
+        self._arrived: list[Future] = []
         self._post(list(range(len(keys))))
 
     def _post(self, idx: list[int]) -> None:
@@ -165,6 +167,7 @@ class _Acquire(Pending[ReadLease]):
         self._calls = [(rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, c.owner,
                                                             [self._keys[i] for i in ix]))
                        for rec, ix in by_pool.values()]
+        self._arrived = [ref.future() for _, _, ref in self._calls]
 
     def _collect(self) -> None:
         failed: list[int] = []
@@ -187,9 +190,7 @@ class _Acquire(Pending[ReadLease]):
 
     def poll(self) -> bool:
         while self._calls:
-            refs = [ref for _, _, ref in self._calls]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(ready) < len(refs) and time.monotonic() <= self._deadline:
+            if not all(f.done() for f in self._arrived) and time.monotonic() <= self._deadline:
                 return False
             self._collect()
         return True
