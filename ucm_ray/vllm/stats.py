@@ -57,8 +57,11 @@ TRANSPORT_BYTES_DOC = {
 }
 
 DURATIONS: dict[str, str] = {
-    "load_seconds": "Per worker step with loads: time its copy thread spent loading (all layers, all pools).",
-    "save_seconds": "Per worker step with saves: time its copy thread spent saving (all layers, all pools).",
+    "load_seconds": "Per worker step with loads: time spent posting its copies plus time spent waiting for "
+                    "them to land (all layers, all pools); copies that landed while the forward pass ran "
+                    "cost only their posting.",
+    "save_seconds": "Per worker step with saves: time spent posting its copies plus time spent waiting for "
+                    "them to land (all layers, all pools).",
 }
 """Every duration the connector may record (``observe``), exported as histograms."""
 
