@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, SlotGrant
@@ -125,10 +125,9 @@ class SlotSupply:
 
     # --- per step ------------------------------------------------------------------------
 
-    def tick(self) -> None:
+    def tick(self, live: Collection[PoolKey]) -> None:
         """Collect grants that arrived, keep baselines, renew what we hold, give back what
-        sat idle. Never blocks."""
-        live = set(self._store.pools().descriptors)
+        sat idle. Never blocks. ``live``: the current pools (the caller's view this step)."""
         arrived = [ask for ask in self._asks if ask.answer.poll()]
         self._asks = [ask for ask in self._asks if ask not in arrived]
         for ask in arrived:

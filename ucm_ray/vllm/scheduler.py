@@ -417,10 +417,10 @@ class SchedulerPart:
 
     def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
         self._collect_answers()
-        self._slots.tick()
+        pools = self._store.pools()
+        self._slots.tick(pools.descriptors.keys())
         meta = UcmRayConnectorMetadata(loads={r: [] for r in range(len(self._ns))},
                                        saves={r: [] for r in range(len(self._ns))})
-        pools = self._store.pools()
         if pools.version != self._pools_sent:
             meta.pools = dict(pools.descriptors)
             self._pools_sent = pools.version
