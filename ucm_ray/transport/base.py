@@ -92,10 +92,6 @@ class Ranges:
         return len(self.sizes)
 
     @property
-    def nbytes(self) -> int:
-        return int(self.sizes.sum())
-
-    @property
     def device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
 

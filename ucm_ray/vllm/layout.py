@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import Ranges, as_bytes
+from ucm_ray.transport.base import Ranges, as_bytes, flat_buffer
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,12 @@ class GroupLayout:
         return sum(layer.block_bytes for layer in self.layers)
 
     def layer_offset(self, index: int) -> int:
-        return sum(layer.block_bytes for layer in self.layers[:index])
+        return self._layer_offsets[index]
+
+    @cached_property
+    def _layer_offsets(self) -> tuple[int, ...]:
+        """Where each layer's bytes start in an entry (asked per layer per step: summed once)."""
+        return tuple(int(v) for v in np.cumsum([0] + [layer.block_bytes for layer in self.layers])[:-1])
 
     def ranges(self, index: int, block_ids: np.ndarray, entry_offsets: np.ndarray,
                buffers: tuple[torch.Tensor, ...], buffer_index: int) -> Ranges:
@@ -127,10 +133,9 @@ def base_buffers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     transports register these once instead of one region per layer."""
     seen: dict[tuple[str, int], torch.Tensor] = {}
     for t in kv_caches.values():
-        st = t.untyped_storage()
-        key = (str(t.device), st.data_ptr())
+        key = (str(t.device), t.untyped_storage().data_ptr())
         if key not in seen:
-            seen[key] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+            seen[key] = flat_buffer(t)
     return list(seen.values())
 
 

@@ -63,6 +63,12 @@ _ByPool = dict[PoolKey, dict[int, _Entries]]
 """pool -> kv-cache group -> entries."""
 
 
+def _group_tags(entries: _ByPool, group: int) -> set[_Tag]:
+    """The jobs ``group``'s entries serve: the same for every layer of the group, so a step
+    takes them once per group, not once per layer."""
+    return {tag for by_group in entries.values() if group in by_group for tag in by_group[group].tags}
+
+
 def _group_entries(items: list[tuple[PoolKey, int, int, int, _Tag]]) -> _ByPool:
     """(pool, group, block id, entry offset, tag) rows as arrays per pool and group."""
     rows: dict[PoolKey, dict[int, tuple[list[int], list[int], list[_Tag]]]] = defaultdict(dict)
@@ -121,6 +127,7 @@ class _StepState:
     uncertain: bool = False
     """A copy timed out: it may still land, so its slots must never be reused."""
     save_entries: _ByPool = field(default_factory=dict)
+    save_tags: dict[int, set[_Tag]] = field(default_factory=dict)  # group -> its saves' jobs, once per step
     saved_layers: set[str] = field(default_factory=set)
     save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
     crc: dict[_Tag, int] = field(default_factory=dict)
@@ -211,7 +218,7 @@ class WorkerPart:
             groups = {g for by_group in entries.values() for g in by_group}
             for gl in self._layouts:
                 if gl.group in groups:
-                    tags = _Batch(((gl.group, 0),), entries).tags()  # the same for every layer of the group
+                    tags = _group_tags(entries, gl.group)
                     for i, layer in enumerate(gl.layers):
                         batch = _Batch(((gl.group, i),), entries)
                         step.load_futures[layer.name] = (self._copier.submit(self._move, step, batch, False, ready),
@@ -222,8 +229,7 @@ class WorkerPart:
                            _group_entries(immediate))
             self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
             batches.append(batch)
-        for batch in batches:
-            self._count_bytes(batch, "loaded")
+        self._count_bytes(batches, "loaded")
         if not step.load_futures:
             self._finish_loads()
 
@@ -243,9 +249,12 @@ class WorkerPart:
         entries = {pool: {group: by_group[group]} for pool, by_group in step.save_entries.items() if group in by_group}
         if entries:
             batch = _Batch(((group, index),), entries)
+            tags = step.save_tags.get(group)
+            if tags is None:
+                tags = step.save_tags[group] = _group_tags(step.save_entries, group)
             step.save_futures.append((self._copier.submit(self._move, step, batch, True, self._compute_ready()),
-                                      batch.tags()))
-            self._count_bytes(batch, "saved")
+                                      tags))
+            self._count_bytes([batch], "saved")
 
     def wait_for_save(self) -> None:
         step = self._step
@@ -320,10 +329,13 @@ class WorkerPart:
         if not posted.write and step.crc:
             self._update_checksums(posted.batch, failed_pools)
 
-    def _count_bytes(self, batch: _Batch, what: str) -> None:
+    def _count_bytes(self, batches: list[_Batch], what: str) -> None:
         """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
-        and which path the bytes took."""
-        by_pool = batch.nbytes_by_pool(self._layouts)
+        and which path the bytes took (a step's load batches counted together)."""
+        by_pool: dict[PoolKey, int] = defaultdict(int)
+        for batch in batches:
+            for pool, nbytes in batch.nbytes_by_pool(self._layouts).items():
+                by_pool[pool] += nbytes
         self.stats.add(**{f"{what}_copy_bytes": sum(by_pool.values())})
         for pool, nbytes in by_pool.items():
             self.stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})
