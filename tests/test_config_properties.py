@@ -63,6 +63,8 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
     meant: dict[str, object] = {
         "namespace": draw(_names(128)),
         "ray_namespace": draw(_names(64)),
+        "model_id": draw(st.one_of(st.just(""), st.sampled_from(["meta-llama/Llama-3.1-8B", "/models/llama 8b"]),
+                                   st.text(st.characters(categories=["L", "N", "P", "S"]), max_size=40))),
         "ray_address": draw(st.one_of(st.sampled_from(["auto", "127.0.0.1:6379", "ray://10.0.0.1:10001"]),
                                       st.text(st.characters(categories=["L", "N", "P", "S"]),
                                               min_size=1, max_size=40).filter(lambda a: not a.startswith("-")))),
@@ -159,6 +161,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
     "ray_namespace": _bad_name(64),
     "ray_address": st.one_of(st.just(""), st.sampled_from(["a b", " auto", "x\n", "\t", "a\u2028b", "--", "-x"]),
                              _NOT_A_STRING),
+    "model_id": st.one_of(st.sampled_from(["a\nb", "\t", "x\0", "m" * 1025]), _NOT_A_STRING),
     "num_shards": _bad_int(1, 1024),
     "replication": _bad_int(1, 1024),
     "pool_bytes": st.one_of(

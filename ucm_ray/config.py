@@ -94,6 +94,10 @@ class UcmRayConfig:
 
     namespace: str = "ucm"
     """Label mixed into every key; engines share blocks only within one namespace."""
+    model_id: str = ""
+    """Names the model in every key instead of the path vLLM loaded it from, so that engines
+    loading the same weights from different paths (a different mount on each node) share. Empty:
+    the path names it. Revision, dtypes, block size, parallelism and KV layout still must match."""
     ray_namespace: str = "ucm_ray"
     """Ray namespace holding the named directory and shard actors."""
     ray_address: str = "auto"
@@ -134,6 +138,8 @@ class UcmRayConfig:
             v = getattr(self, key)
             need(isinstance(v, str) and len(v) <= max_len and _NAME_RE.fullmatch(v) is not None, key,
                  f"1 to {max_len} of {NAME_CHARS}")
+        need(isinstance(self.model_id, str) and len(self.model_id) <= 1024 and self.model_id.isprintable(),
+             "model_id", "a model name of at most 1024 printable characters, or empty for vLLM's model path")
         need(isinstance(self.ray_address, str) and 0 < len(self.ray_address) <= 1024
              and self.ray_address.isprintable() and not any(c.isspace() for c in self.ray_address)
              and not self.ray_address.startswith("-"),

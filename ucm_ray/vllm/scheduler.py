@@ -59,8 +59,10 @@ answered (one more round trip): longer, and the request runs without them (its b
 slots in later steps, and are dropped if it ends first)."""
 
 
-def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, label: str) -> list[bytes]:
-    """One namespace digest per tensor-parallel rank: everything that shapes a block's bytes."""
+def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, label: str,
+                      model_id: str = "") -> list[bytes]:
+    """One namespace digest per tensor-parallel rank: everything that shapes a block's bytes.
+    ``model_id``, where set, names the weights instead of the path vLLM loaded them from."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     specs = ";".join(f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec!r}:{len(g.layer_names)}"
                      for g in kv_cache_config.kv_cache_groups)
@@ -72,7 +74,7 @@ def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, l
         f"attn={getattr(vllm_config, 'attention_config', None)!r}",
         f"spec={specs}",
     ])
-    return [Namespace(label=label, model=f"{mc.model}@{mc.revision}", dtype=str(mc.dtype),
+    return [Namespace(label=label, model=f"{model_id or mc.model}@{mc.revision}", dtype=str(mc.dtype),
                       cache_dtype=str(cc.cache_dtype), block_size=cc.block_size,
                       layout=vllm_config.device_config.device_type, tp_size=pc.tensor_parallel_size,
                       tp_rank=rank, extra=extra).digest()
@@ -183,7 +185,7 @@ class SchedulerPart:
         spec = vllm_config.speculative_config
         k = spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 0
         self.recompute = policy.recompute_tokens(config.layerwise, k)
-        self._ns = engine_namespaces(vllm_config, kv_cache_config, config.namespace)
+        self._ns = engine_namespaces(vllm_config, kv_cache_config, config.namespace, config.model_id)
         self._entry_bytes = [entry_bytes(kv_cache_config, g) for g in range(len(self._groups))]
         self._tracked: dict[str, _Tracked] = {}
         self._job_ids = itertools.count(1)
