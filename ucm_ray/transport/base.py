@@ -83,6 +83,8 @@ class Ranges:
         parts = [p for p in parts if len(p)]
         if not parts:
             return EMPTY
+        if len(parts) == 1:  # a layer's batch, the common case
+            return parts[0]
         if any(p.buffers is not parts[0].buffers for p in parts):
             raise ValueError("concatenated ranges must share their buffers")
         return cls(parts[0].buffers, *(np.concatenate([getattr(p, f) for p in parts])
@@ -176,6 +178,12 @@ class PoolTransport(ABC):
     @abstractmethod
     def write(self, ranges: Ranges) -> Transfer:
         """Post local -> pool copies."""
+
+    def post_parts(self, parts: Sequence[Ranges], *, write: bool) -> list[Transfer]:
+        """Post several batches in order, one ``Transfer`` each (a step's layers: each waited for
+        on its own). A transport whose posts only queue work overrides this to do the per-batch
+        set-up once."""
+        return [self.write(part) if write else self.read(part) for part in parts]
 
     @abstractmethod
     def close(self) -> None: ...

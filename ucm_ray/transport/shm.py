@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from ucm_ray.transport.base import (
     Transfer,
     TransferError,
 )
-from ucm_ray.transport.gather import UvaView, copy_ranges
+from ucm_ray.transport.gather import RowPlans, UvaView, copy_ranges
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +159,17 @@ class ShmPoolTransport(PoolTransport):
         self._host_registered = False
         self._stream: torch.cuda.Stream | None = None
         self._uva: torch.Tensor | None = None
+        self._row_plans = RowPlans()
 
     def register_local(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:
             self._pin_for_cuda()
 
     def read(self, ranges: Ranges) -> Transfer:
-        return self._copy(ranges, to_pool=False)
+        return self.post_parts([ranges], write=False)[0]
 
     def write(self, ranges: Ranges) -> Transfer:
-        return self._copy(ranges, to_pool=True)
+        return self.post_parts([ranges], write=True)[0]
 
     def close(self) -> None:
         self._uva = None
@@ -176,24 +178,33 @@ class ShmPoolTransport(PoolTransport):
             self._host_registered = False
         self._pool.close()
 
-    def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
-        ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
-        if not len(ranges):
-            return CompletedTransfer()
-        if ranges.device.type != "cuda":
-            try:
-                self._copy_on_cpu(ranges, to_pool=to_pool)
-            except RuntimeError as e:
-                return CompletedTransfer(e)
-            return CompletedTransfer()
+    def post_parts(self, parts: Sequence[Ranges], *, write: bool) -> list[Transfer]:
+        """On CPU each part is copied here, in order. On CUDA the parts are queued on the pool's
+        stream after the work queued so far, one event each: set up once for all of them (a
+        step's layers cost a gather's launch each, not a gather's set-up)."""
+        for part in parts:
+            part.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        if not any(part.device.type == "cuda" for part in parts):
+            out: list[Transfer] = []
+            for part in parts:
+                try:
+                    self._copy_on_cpu(part, to_pool=write)
+                    out.append(CompletedTransfer())
+                except RuntimeError as e:
+                    out.append(CompletedTransfer(e))
+            return out
         self._pin_for_cuda()
         assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream())
+        transfers: list[Transfer] = []
         with torch.cuda.stream(self._stream):
-            self._copy_on_cuda(ranges, to_pool=to_pool)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return _CudaEventTransfer(event)
+            for part in parts:
+                if len(part):
+                    self._copy_on_cuda(part, to_pool=write)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                transfers.append(_CudaEventTransfer(event))
+        return transfers
 
     def _copy_on_cpu(self, ranges: Ranges, *, to_pool: bool) -> None:
         """Small ranges by ``memmove`` (a C call, the GIL released: ~4x torch's per-copy cost
@@ -215,8 +226,10 @@ class ShmPoolTransport(PoolTransport):
         """Per local buffer, one gather kernel per ``GATHER_BYTES`` through the GPU-mapped pool
         (when there is one and the ranges are 8-byte aligned); else one async copy per range."""
         pool = self._pool.tensor
-        for home in np.unique(ranges.buffer_index).tolist():
-            mine = ranges.buffer_index == home
+        index = ranges.buffer_index
+        one_buffer = bool(index[0] == index[-1]) and not (index != index[0]).any()  # a layer's batch
+        for home in [int(index[0])] if one_buffer else np.unique(index).tolist():
+            mine = slice(None) if one_buffer else index == home
             local, pool_offsets = ranges.local_offsets[mine], ranges.pool_offsets[mine]
             sizes = ranges.sizes[mine]
             buffer = ranges.buffers[home]
@@ -228,7 +241,7 @@ class ShmPoolTransport(PoolTransport):
                 end = max(begin + 1, int(np.searchsorted(ends, done + GATHER_BYTES, side="right")))
                 part = slice(begin, end)
                 if self._uva is None or not copy_ranges(self._uva, buffer, pool_offsets[part], local[part],
-                                                        sizes[part], to_pool=to_pool):
+                                                        sizes[part], to_pool=to_pool, plans=self._row_plans):
                     for at, off, size in zip(local[part].tolist(), pool_offsets[part].tolist(),
                                              sizes[part].tolist()):
                         local_view, pool_view = buffer[at: at + size], pool[off: off + size]

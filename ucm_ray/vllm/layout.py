@@ -64,8 +64,9 @@ class GroupLayout:
     group: int
     layers: tuple[LayerLayout, ...]
 
-    @property
+    @cached_property
     def entry_bytes(self) -> int:
+        """Asked once per loaded block: summed once."""
         return sum(layer.block_bytes for layer in self.layers)
 
     def layer_offset(self, index: int) -> int:

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
-from ucm_ray.transport.base import Ranges, Transfer
+from ucm_ray.transport.base import EMPTY, Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
@@ -122,14 +122,15 @@ class _StepState:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     deadline: float = 0.0
-    load_futures: dict[str, tuple[Future, set[_Tag]]] = field(default_factory=dict)  # layer -> copies
+    load_futures: dict[str, tuple[Future, int, set[_Tag]]] = field(default_factory=dict)
+    """layer -> (the copy task that posts it, its place among that task's batches, its jobs)"""
     failed: set[_Tag] = field(default_factory=set)
     uncertain: bool = False
     """A copy timed out: it may still land, so its slots must never be reused."""
     save_entries: _ByPool = field(default_factory=dict)
     save_tags: dict[int, set[_Tag]] = field(default_factory=dict)  # group -> its saves' jobs, once per step
     saved_layers: set[str] = field(default_factory=set)
-    save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
+    save_futures: list[tuple[Future, int, set[_Tag]]] = field(default_factory=list)
     crc: dict[_Tag, int] = field(default_factory=dict)
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
@@ -215,19 +216,21 @@ class WorkerPart:
         batches = []
         if layered:
             entries = _group_entries(layered)
-            groups = {g for by_group in entries.values() for g in by_group}
-            for gl in self._layouts:
-                if gl.group in groups:
-                    tags = _group_tags(entries, gl.group)
-                    for i, layer in enumerate(gl.layers):
-                        batch = _Batch(((gl.group, i),), entries)
-                        step.load_futures[layer.name] = (self._copier.submit(self._move, step, batch, False, ready),
-                                                         tags)
-                        batches.append(batch)
+            group_tags = {g: _group_tags(entries, g) for by_group in entries.values() for g in by_group}
+            per_layer = [(layer.name, _Batch(((gl.group, i),), entries), group_tags[gl.group])
+                         for gl in self._layouts if gl.group in group_tags for i, layer in enumerate(gl.layers)]
+            batches = [batch for _, batch, _ in per_layer]
+            if self._device.type == "cuda":
+                # A post only queues kernels: every layer in one task, from one set-up per pool.
+                task = self._copier.submit(self._move, step, batches, False, ready)
+                step.load_futures = {name: (task, at, tags) for at, (name, _, tags) in enumerate(per_layer)}
+            else:  # a post is the copy itself: one task per layer, each layer waited for as it lands
+                step.load_futures = {name: (self._copier.submit(self._move, step, [batch], False, ready), 0, tags)
+                                     for name, batch, tags in per_layer}
         if immediate:
             batch = _Batch(tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers))),
                            _group_entries(immediate))
-            self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
+            self._wait(self._copier.submit(self._move, step, [batch], False, ready), 0, batch.tags())
             batches.append(batch)
         self._count_bytes(batches, "loaded")
         if not step.load_futures:
@@ -252,8 +255,8 @@ class WorkerPart:
             tags = step.save_tags.get(group)
             if tags is None:
                 tags = step.save_tags[group] = _group_tags(step.save_entries, group)
-            step.save_futures.append((self._copier.submit(self._move, step, batch, True, self._compute_ready()),
-                                      tags))
+            step.save_futures.append((self._copier.submit(self._move, step, [batch], True, self._compute_ready()),
+                                      0, tags))
             self._count_bytes([batch], "saved")
 
     def wait_for_save(self) -> None:
@@ -266,8 +269,8 @@ class WorkerPart:
             log.warning("ucm-ray: %d layer load(s) were never waited for by the forward pass; "
                         "failing them so vLLM recomputes", len(step.load_futures))
             self.stats.add(unwaited_layer_loads=len(step.load_futures))
-            for future, tags in list(step.load_futures.values()):
-                self._wait(future, tags)  # the copies must be over before the blocks are reused
+            for future, at, tags in list(step.load_futures.values()):
+                self._wait(future, at, tags)  # the copies must be over before the blocks are reused
                 step.failed |= tags
             step.load_futures.clear()
             self._finish_loads()
@@ -277,8 +280,8 @@ class WorkerPart:
             # was written by the graph, so saving it after the forward is right)
             for layer in gl.layers:
                 self.save_kv_layer(layer.name)
-        for future, tags in step.save_futures:
-            self._wait(future, tags)
+        for future, at, tags in step.save_futures:
+            self._wait(future, at, tags)
         for job in step.saves:
             landed = [(job.job_id, i) not in step.failed for i in range(len(job.locations))]
             sums = self._entry_checksum(job) if self._config.checksum and any(landed) else None
@@ -306,13 +309,13 @@ class WorkerPart:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _wait(self, future: Future, tags: set[_Tag]) -> None:
-        """Wait for a copy task's batch to land and take its failures, within what is left of
-        the step's deadline."""
+    def _wait(self, future: Future, at: int, tags: set[_Tag]) -> None:
+        """Wait for batch ``at`` of a copy task to land and take its failures, within what is
+        left of the step's deadline."""
         step = self._step
         started = time.perf_counter()
         try:
-            posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))
+            posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))[at]
         except FutureTimeout:
             if not future.cancel():  # running: it may still land later
                 step.uncertain = True
@@ -369,11 +372,13 @@ class WorkerPart:
         event.record()
         return event
 
-    def _move(self, step: _StepState, batch: _Batch, write: bool, ready: torch.cuda.Event | None = None) -> _Posted:
-        """Copy-thread task: post one batch per pool and return without waiting for them to land
-        (``_wait`` does, where the bytes are needed), so the next layer is planned and posted
-        while this one moves. Any exception fails the whole batch instead of reaching vLLM, and
-        nothing starts once the step's deadline passed (its loads were reported failed by then)."""
+    def _move(self, step: _StepState, batches: list[_Batch], write: bool,
+              ready: torch.cuda.Event | None = None) -> list[_Posted]:
+        """Copy-thread task: post the batches in order, per pool, and return without waiting for
+        them to land (``_wait`` does, where the bytes are needed), so the next layer is planned
+        and posted while this one moves. Any exception fails the batches instead of reaching
+        vLLM, and nothing starts once the step's deadline passed (its loads were reported failed
+        by then). The posting time is booked on the first batch."""
         started = time.perf_counter()
         try:
             # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
@@ -382,13 +387,18 @@ class WorkerPart:
                 if ready is not None:
                     ready.synchronize()
                 if time.monotonic() >= step.deadline:
-                    return _Posted(batch, write, failed_tags=batch.tags())
+                    return [_Posted(batch, write, failed_tags=batch.tags()) for batch in batches]
                 started = time.perf_counter()
-                transfers, failed_pools = self._pools.post(self._ranges(batch), write=write)
-                return _Posted(batch, write, transfers, failed_pools, post_s=time.perf_counter() - started)
+                planned = [self._ranges(batch) for batch in batches]
+                by_pool = {pool: [plan.get(pool, EMPTY) for plan in planned] for plan in planned for pool in plan}
+                posted, failed_pools = self._pools.post_parts(by_pool, write=write)
+                post_s = time.perf_counter() - started
+                return [_Posted(batch, write, posted[at] if at < len(posted) else [], failed_pools,
+                                post_s=post_s if at == 0 else 0.0) for at, batch in enumerate(batches)]
         except Exception:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
-            return _Posted(batch, write, failed_tags=batch.tags(), post_s=time.perf_counter() - started)
+            return [_Posted(batch, write, failed_tags=batch.tags(), post_s=time.perf_counter() - started if at == 0
+                            else 0.0) for at, batch in enumerate(batches)]
 
     def _update_checksums(self, batch: _Batch, failed_pools: set[PoolKey]) -> None:
         """Layer order, block by block: only entries that carry a checksum."""
