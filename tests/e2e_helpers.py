@@ -55,6 +55,10 @@ class _ProbedEngine(Engine):
         return [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, list(g.layer_names))
                 for g in self._core().scheduler.kv_cache_config.kv_cache_groups]
 
+    def hash_block_size(self) -> int:
+        """The granularity (tokens) of ``request.block_hashes``: ``prefix_match_unit`` where set."""
+        return self._core().scheduler.kv_cache_config.hash_block_size
+
     def pid(self) -> int:
         return os.getpid()
 

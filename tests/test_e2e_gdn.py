@@ -15,6 +15,10 @@ chunk is one block and every boundary gets a state; with twice the LCM a cold pr
 512-token chunks (then up to the prompt's last boundary, then to its end) and the boundaries in the
 middle of a chunk get none, so a hit that would end there falls back to an earlier boundary.
 
+The two-block configuration also sets ``prefix_match_unit=128``: vLLM then hashes prompts in
+128-token blocks, finer than the LCM (and every group's block), so the connector's keys and
+boundaries are picked from hashes two per block.
+
 Each configuration has its own pair of engines: A (connector on) serves prompts cold and exits,
 then a fresh B (connector on) hits what A saved. Outputs are compared with an engine without the
 connector run with the same chunking, tokens and logprobs exactly: B's chunk ends equal the
@@ -25,6 +29,7 @@ gated-delta-net and attention kernels are deterministic for equal chunks.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -35,13 +40,14 @@ from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_gdn_model, synthetic_prompt
 
 pytestmark = pytest.mark.e2e
+log = logging.getLogger(__name__)
 
 LCM = 256  # every group's block size once vLLM fitted the gated-delta-net state (see above)
 STATE_GROUPS = 3  # 6 gated-delta-net layers in groups as large as the attention group (2 layers)
 
 
-def _engine_kw(chunk: int) -> dict:
-    return dict(dtype="bfloat16", mamba_cache_mode="align", max_num_batched_tokens=chunk)
+def _engine_kw(chunk: int, **more) -> dict:
+    return dict(dtype="bfloat16", mamba_cache_mode="align", max_num_batched_tokens=chunk, **more)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +80,11 @@ def prompts(gdn):
     }
 
 
-def _reference(gdn, prompts, chunk, names):
+def _reference(gdn, prompts, engine_kw, names):
     """Outputs of an engine without the connector at the same chunk size. Later prompts reuse its
     own prefix cache where they can; each such hit ends where B's store hit ends, so the chunk
     ends (and hence the bits) are those of B's run."""
-    base = EngineProcess.remote(gdn, None, **_engine_kw(chunk))
+    base = EngineProcess.remote(gdn, None, **engine_kw)
     try:
         return {name: ray.get(base.generate.remote(prompts[name], 8, True)) for name in names}
     finally:
@@ -91,6 +97,9 @@ def _serve(engine, prompt, max_tokens=8):
     out = ray.get(engine.generate.remote(prompt, max_tokens, True))
     after = ray.get(engine.connector_totals.remote())
     delta = {part: {k: v - before[part].get(k, 0) for k, v in after[part].items()} for part in after}
+    log.info("%d tokens: cached %d, external hit %d, local hit %d, loaded %d, saved %d", len(prompt),
+             out["cached"], delta["scheduler"].get("hit_tokens", 0), delta["scheduler"].get("local_hit_tokens", 0),
+             delta["worker"].get("loaded_blocks", 0), delta["scheduler"].get("saved_blocks", 0))
     return out, delta
 
 
@@ -111,14 +120,14 @@ def _assert_loaded(delta, hit, blocks):
     assert delta["worker"].get("loaded_blocks", 0) == blocks and delta["worker"].get("load_failures", 0) == 0
 
 
-def _engine_pair(gdn, shared, prompts, ref, chunk, cold):
+def _engine_pair(gdn, shared, prompts, ref, engine_kw, cold):
     """Engine A serves the ``cold`` prompts (their outputs checked against ``ref``) and exits;
-    returns what it saved per prompt and a fresh engine B."""
+    returns vLLM's kv-cache groups and hash block size, what A saved per prompt and a fresh B."""
     kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60})
-    a = EngineProcess.remote(gdn, kv, **_engine_kw(chunk))
+    a = EngineProcess.remote(gdn, kv, **engine_kw)
     saved = {}
     try:
-        groups = ray.get(a.kv_cache_groups.remote())
+        groups = ray.get(a.kv_cache_groups.remote()), ray.get(a.hash_block_size.remote())
         for name in cold:
             out, delta = _serve(a, prompts[name])
             assert _same(out, ref[name]), name
@@ -126,7 +135,7 @@ def _engine_pair(gdn, shared, prompts, ref, chunk, cold):
             saved[name] = delta["scheduler"]["saved_blocks"]
     finally:
         ray.kill(a)
-    return groups, saved, EngineProcess.remote(gdn, kv, **_engine_kw(chunk))
+    return groups, saved, EngineProcess.remote(gdn, kv, **engine_kw)
 
 
 def test_tiny_gdn_model_builds_a_qwen3_next_vllm_can_load(gdn, tmp_path):
@@ -146,31 +155,37 @@ def test_tiny_gdn_model_builds_a_qwen3_next_vllm_can_load(gdn, tmp_path):
 @pytest.fixture(scope="module")
 def one_block_chunks(gdn, shared, prompts):
     """max_num_batched_tokens == LCM: A runs P as [0,256), [256,512), [512,768), [768,808)."""
-    ref = _reference(gdn, prompts, LCM, ("P", "P+s", "Q", "E"))
-    groups, saved, b = _engine_pair(gdn, shared, prompts, ref, LCM, ("P", "E"))
+    engine_kw = _engine_kw(LCM)
+    ref = _reference(gdn, prompts, engine_kw, ("P", "P+s", "Q", "E"))
+    groups, saved, b = _engine_pair(gdn, shared, prompts, ref, engine_kw, ("P", "E"))
     yield groups, saved, b, ref
     ray.kill(b)
 
 
 @pytest.fixture(scope="module")
 def two_block_chunks(gdn, shared, prompts):
-    """max_num_batched_tokens == 2 x LCM: A runs P2 as [0,512), [512,1024), [1024,1100)."""
-    ref = _reference(gdn, prompts, 2 * LCM, ("P2", "P2+s", "Q2", "H2"))
-    groups, saved, b = _engine_pair(gdn, shared, prompts, ref, 2 * LCM, ("P2",))
+    """max_num_batched_tokens == 2 x LCM: A runs P2 as [0,512), [512,1024), [1024,1100); block
+    hashes every 128 tokens."""
+    engine_kw = _engine_kw(2 * LCM, prefix_match_unit=LCM // 2)
+    ref = _reference(gdn, prompts, engine_kw, ("P2", "P2+s", "Q2", "H2"))
+    groups, saved, b = _engine_pair(gdn, shared, prompts, ref, engine_kw, ("P2",))
     yield groups, saved, b, ref
     ray.kill(b)
 
 
-def test_vllm_forms_three_state_groups_beside_one_attention_group(one_block_chunks):
-    groups = one_block_chunks[0]
+def _assert_groups(groups, hash_block_size, expected_hash_block_size):
+    """Three state groups of gated-delta-net layers beside one attention group, all with LCM-token
+    blocks (the engines asked for 128), block hashes every ``expected_hash_block_size`` tokens."""
     kinds = sorted((kind, size, len(layers)) for kind, size, layers in groups)
     assert kinds == [("FullAttentionSpec", LCM, 2)] + [("MambaSpec", LCM, 2)] * STATE_GROUPS
     assert all(name.endswith("linear_attn") for kind, _, layers in groups if kind == "MambaSpec"
                for name in layers)
+    assert hash_block_size == expected_hash_block_size
 
 
 def test_chunks_of_one_lcm_block_hit_every_boundary(prompts, one_block_chunks):
-    _, saved, b, ref = one_block_chunks
+    (groups, hash_block_size), saved, b, ref = one_block_chunks
+    _assert_groups(groups, hash_block_size, LCM)
     states = {256, 512, 768}  # every chunk of A's P ended on a boundary but the last
     assert saved["P"] == 3 + STATE_GROUPS * len(states)
     assert saved["E"] == 3 + STATE_GROUPS * len(states)
@@ -203,7 +218,8 @@ def test_chunks_of_one_lcm_block_hit_every_boundary(prompts, one_block_chunks):
 
 
 def test_chunks_of_two_lcm_blocks_fall_back_where_no_state_was_saved(prompts, two_block_chunks):
-    _, saved, b, ref = two_block_chunks
+    (groups, hash_block_size), saved, b, ref = two_block_chunks
+    _assert_groups(groups, hash_block_size, LCM // 2)
     states = {512, 1024}  # A's chunks of P2 ended on these boundaries only
     assert saved["P2"] == 4 + STATE_GROUPS * len(states)
 
