@@ -68,6 +68,8 @@ def shared(ray_cluster):
 def prompts(gdn):
     p = synthetic_prompt(gdn, 848, seed=41)
     p2 = synthetic_prompt(gdn, 1140, seed=61)
+    s = synthetic_prompt(gdn, 1140, seed=71)
+    t = synthetic_prompt(gdn, 1140, seed=81)
     return {
         # chunks of one LCM block
         "P+s": p, "P": p[:808],  # P: 3 LCM blocks + 40 tokens; P+s adds 40
@@ -77,6 +79,8 @@ def prompts(gdn):
         "P2+s": p2, "P2": p2[:1100],  # P2: 4 LCM blocks + 76 tokens
         "Q2": p2[:900] + synthetic_prompt(gdn, 200, seed=62),  # leaves P2 inside its fourth block
         "H2": p2[:512],  # exactly 2 LCM blocks of P2
+        "S1": s[:900], "S2": s[:1100], "S2+s": s,  # S2 finds S1's sub-block checkpoint at 896
+        "T": t[:1100], "T1": t[:900], "T+s": t,  # T+s: B's checkpoint at 896 (T1's), the store's at 1024
     }
 
 
@@ -120,22 +124,27 @@ def _assert_loaded(delta, hit, blocks):
     assert delta["worker"].get("loaded_blocks", 0) == blocks and delta["worker"].get("load_failures", 0) == 0
 
 
-def _engine_pair(gdn, shared, prompts, ref, engine_kw, cold):
-    """Engine A serves the ``cold`` prompts (their outputs checked against ``ref``) and exits;
-    returns vLLM's kv-cache groups and hash block size, what A saved per prompt and a fresh B."""
+def _engine_pair(gdn, shared, prompts, ref, engine_kw, first):
+    """Engine A serves the ``first`` prompts (outputs checked against ``ref``) and exits; returns
+    vLLM's kv-cache groups and hash block size, A's output and counter changes per prompt, and a
+    fresh engine B."""
     kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60})
     a = EngineProcess.remote(gdn, kv, **engine_kw)
-    saved = {}
+    runs = {}
     try:
         groups = ray.get(a.kv_cache_groups.remote()), ray.get(a.hash_block_size.remote())
-        for name in cold:
+        for name in first:
             out, delta = _serve(a, prompts[name])
             assert _same(out, ref[name]), name
             assert delta["worker"].get("save_failures", 0) == 0
-            saved[name] = delta["scheduler"]["saved_blocks"]
+            runs[name] = out, delta
     finally:
         ray.kill(a)
-    return groups, saved, EngineProcess.remote(gdn, kv, **engine_kw)
+    return groups, runs, EngineProcess.remote(gdn, kv, **engine_kw)
+
+
+def _saved(runs, name):
+    return runs[name][1]["scheduler"]["saved_blocks"]
 
 
 def test_tiny_gdn_model_builds_a_qwen3_next_vllm_can_load(gdn, tmp_path):
@@ -157,19 +166,19 @@ def one_block_chunks(gdn, shared, prompts):
     """max_num_batched_tokens == LCM: A runs P as [0,256), [256,512), [512,768), [768,808)."""
     engine_kw = _engine_kw(LCM)
     ref = _reference(gdn, prompts, engine_kw, ("P", "P+s", "Q", "E"))
-    groups, saved, b = _engine_pair(gdn, shared, prompts, ref, engine_kw, ("P", "E"))
-    yield groups, saved, b, ref
+    groups, runs, b = _engine_pair(gdn, shared, prompts, ref, engine_kw, ("P", "E"))
+    yield groups, runs, b, ref
     ray.kill(b)
 
 
 @pytest.fixture(scope="module")
 def two_block_chunks(gdn, shared, prompts):
     """max_num_batched_tokens == 2 x LCM: A runs P2 as [0,512), [512,1024), [1024,1100); block
-    hashes every 128 tokens."""
+    hashes every 128 tokens. A also runs S1, then S2 (which extends S1), then T."""
     engine_kw = _engine_kw(2 * LCM, prefix_match_unit=LCM // 2)
-    ref = _reference(gdn, prompts, engine_kw, ("P2", "P2+s", "Q2", "H2"))
-    groups, saved, b = _engine_pair(gdn, shared, prompts, ref, engine_kw, ("P2",))
-    yield groups, saved, b, ref
+    ref = _reference(gdn, prompts, engine_kw, ("P2", "S1", "S2", "T", "P2+s", "Q2", "H2", "S2+s", "T1", "T+s"))
+    groups, runs, b = _engine_pair(gdn, shared, prompts, ref, engine_kw, ("P2", "S1", "S2", "T"))
+    yield groups, runs, b, ref
     ray.kill(b)
 
 
@@ -184,11 +193,11 @@ def _assert_groups(groups, hash_block_size, expected_hash_block_size):
 
 
 def test_chunks_of_one_lcm_block_hit_every_boundary(prompts, one_block_chunks):
-    (groups, hash_block_size), saved, b, ref = one_block_chunks
+    (groups, hash_block_size), runs, b, ref = one_block_chunks
     _assert_groups(groups, hash_block_size, LCM)
     states = {256, 512, 768}  # every chunk of A's P ended on a boundary but the last
-    assert saved["P"] == 3 + STATE_GROUPS * len(states)
-    assert saved["E"] == 3 + STATE_GROUPS * len(states)
+    assert _saved(runs, "P") == 3 + STATE_GROUPS * len(states)
+    assert _saved(runs, "E") == 3 + STATE_GROUPS * len(states)
 
     # A full hit ending on the state at 768 (40 tokens past it are P's, 40 new).
     out, delta = _serve(b, prompts["P+s"])
@@ -218,10 +227,10 @@ def test_chunks_of_one_lcm_block_hit_every_boundary(prompts, one_block_chunks):
 
 
 def test_chunks_of_two_lcm_blocks_fall_back_where_no_state_was_saved(prompts, two_block_chunks):
-    (groups, hash_block_size), saved, b, ref = two_block_chunks
+    (groups, hash_block_size), runs, b, ref = two_block_chunks
     _assert_groups(groups, hash_block_size, LCM // 2)
     states = {512, 1024}  # A's chunks of P2 ended on these boundaries only
-    assert saved["P2"] == 4 + STATE_GROUPS * len(states)
+    assert _saved(runs, "P2") == 4 + STATE_GROUPS * len(states)
 
     out, delta = _serve(b, prompts["P2+s"])
     hit = _hit(1140, states, attention_blocks=4)
@@ -246,3 +255,52 @@ def test_chunks_of_two_lcm_blocks_fall_back_where_no_state_was_saved(prompts, tw
     assert delta["scheduler"]["hit_tokens"] == 0 and delta["worker"].get("loaded_blocks", 0) == 0
     assert out["cached"] == 0
     assert _same(out, ref["H2"])
+
+
+def test_a_sub_block_local_hit_saves_the_next_boundary(prompts, two_block_chunks):
+    """With 128-token hashes vLLM checkpoints a prompt's state at its last hash boundary (896 for
+    900 tokens) and a longer prompt resumes there: a local hit inside an LCM block. The connector
+    is shown the hit floored to a block (768), finds nothing longer in the store, and then must
+    save the block and the states the request completes from 896 on."""
+    _, runs, b, ref = two_block_chunks
+    # S1 (900) ran as [0,512), [512,768), [768,896), [896,900): 3 full blocks, states at 512, 768.
+    assert _saved(runs, "S1") == 3 + STATE_GROUPS * 2
+    out, delta = runs["S2"]
+    assert out["cached"] == 896  # vLLM's own sub-block hit
+    assert delta["scheduler"]["local_hit_tokens"] == 768 and delta["scheduler"]["hit_tokens"] == 0
+    # S2 then ran [896,1024), [1024,1100): block 3 and the states at 1024.
+    assert _saved(runs, "S2") == 1 + STATE_GROUPS
+
+    # A fresh engine hits all of it: the block and states saved after the sub-block hit included.
+    out, delta = _serve(b, prompts["S2+s"])
+    hit = _hit(1140, {512, 768, 1024}, attention_blocks=4)
+    assert hit == 1024
+    _assert_loaded(delta, hit, blocks=4 + STATE_GROUPS)
+    assert out["cached"] == hit
+    assert _same(out, ref["S2+s"])
+
+
+def test_a_store_hit_past_a_sub_block_local_hit_replaces_it(prompts, two_block_chunks):
+    """vLLM shows the connector a sub-block local hit floored to a block; a store hit longer than
+    the whole local one replaces it (vLLM drops the local tail, the load covers the block)."""
+    _, runs, b, ref = two_block_chunks
+    assert _saved(runs, "T") == 4 + STATE_GROUPS * 2  # as P2: states at 512 and 1024 only
+
+    # T1 (T's first 900 tokens) on B: no state at 768 in the store, so the hit is 512; B then
+    # computes [512,768), [768,896), [896,900) and keeps the state at 896 (and 768) itself.
+    out, delta = _serve(b, prompts["T1"])
+    hit = _hit(900, {512, 1024}, attention_blocks=3)
+    assert hit == 512
+    _assert_loaded(delta, hit, blocks=2 + STATE_GROUPS)
+    assert out["cached"] == hit
+    assert _same(out, ref["T1"])
+
+    # T+s: B's own hit ends at 896, inside block 3; the connector sees 768 and finds A's block 3
+    # and states at 1024: it claims 256 tokens, vLLM drops its tail and loads 1 block + 3 states.
+    out, delta = _serve(b, prompts["T+s"])
+    hit = _hit(1140, {512, 768, 1024}, attention_blocks=4)
+    assert hit == 1024
+    assert delta["scheduler"]["local_hit_tokens"] == 768 and delta["scheduler"]["hit_tokens"] == hit - 768
+    assert delta["worker"]["loaded_blocks"] == 1 + STATE_GROUPS and delta["worker"].get("load_failures", 0) == 0
+    assert out["cached"] == hit
+    assert _same(out, ref["T+s"])
