@@ -50,6 +50,15 @@ class _ProbedEngine(Engine):
                        b"".join(bytes(seg.numpy()) for seg in lay.segments(blocks[0].block_id)))
         return out
 
+    def kv_cache_groups(self) -> list[tuple[str, int, list[str]]]:
+        """The kv-cache groups vLLM formed: (spec type, block size in tokens, layer names)."""
+        return [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, list(g.layer_names))
+                for g in self._core().scheduler.kv_cache_config.kv_cache_groups]
+
+    def hash_block_size(self) -> int:
+        """The granularity (tokens) of ``request.block_hashes``: ``prefix_match_unit`` where set."""
+        return self._core().scheduler.kv_cache_config.hash_block_size
+
     def pid(self) -> int:
         return os.getpid()
 

