@@ -15,6 +15,7 @@ rank's blocks in the store is a miss for both ranks; a TP=1 engine never hits TP
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from ucm_ray.store.client import StoreClient
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 pytestmark = pytest.mark.e2e
+log = logging.getLogger(__name__)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 128
 PREFIX = 8 * BLOCK  # full blocks of each prompt
@@ -157,6 +159,7 @@ def test_tp2_ranks_store_their_own_heads_and_hit_together(shared, tiny, prompts,
     # The 40-token tail runs in another batch shape than the reference's one prefill: logprobs
     # agree to fp32 rounding (a wrong or missing shard of heads moves them by ~1e-2).
     drift = max(abs(x - y) for x, y in zip(hit["logprobs"], ref["outputs"][0]["logprobs"]))
+    log.info("TP=2 hit: logprobs drift %.3g from the TP=2 reference", drift)
     assert drift < 1e-4, f"logprobs drift {drift}"
     assert miss["tokens"] == ref["outputs"][1]["tokens"] and miss["logprobs"] == ref["outputs"][1]["logprobs"]
 
@@ -167,6 +170,8 @@ def test_tp2_ranks_store_their_own_heads_and_hit_together(shared, tiny, prompts,
     assert one["outputs"][0]["cached"] == 0 and one["scheduler"].get("hit_tokens", 0) == 0
     assert [r.get("loaded_blocks", 0) for r in one["ranks"]] == [0]
     plain = one["kv"][0][0]  # rank 0 (the only one), layer 0: [block, 2 heads, 128, K|V]
+    log.info("TP=2 ranks' stored layer 0 vs TP=1 heads: max |diff| %.3g",
+             max(float((stored[r][i][0] - plain[i][r:r + 1]).abs().max()) for r in (0, 1) for i in range(8)))
     for rank in (0, 1):
         for i in range(8):
             torch.testing.assert_close(stored[rank][i][0], plain[i][rank:rank + 1], rtol=0, atol=1e-5)
