@@ -225,10 +225,10 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
     a.settle()
     b = make_engine(store.client(), model_dir)
 
-    def broken_post(by_pool, *, write):  # the worker posts through post_parts
+    def broken_post(by_pool, *, write):
         raise ZeroDivisionError("a bug nobody listed")
 
-    b.worker.worker_part._pools.post_parts = broken_post
+    b.worker.worker_part._pools.post = broken_post
     assert b.serve("B", p)[0] == 2048 - 5 + 3  # hit claimed (2048 - recompute 2) ...
     assert b.wrong_blocks == 0 and b.failed_loads == 16  # ... then every block failed and recomputed
 
@@ -241,7 +241,7 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
     a.settle()
     b = make_engine(store.client(), model_dir, config=cfg)
 
-    real_post = b.worker.worker_part._pools.post_parts  # what the worker posts through
+    real_post = b.worker.worker_part._pools.post
 
     class Hung(Transfer):
         """What a read from a pool that never answers does: time out."""
@@ -256,10 +256,9 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
     def hung_post(by_pool, *, write):
         if write:
             return real_post(by_pool, write=write)
-        layers = max(map(len, by_pool.values()), default=0)
-        return [[(pool, Hung()) for pool in by_pool] for _ in range(layers)], set()
+        return [(pool, Hung()) for pool in by_pool], set()
 
-    b.worker.worker_part._pools.post_parts = hung_post
+    b.worker.worker_part._pools.post = hung_post
     started = time.monotonic()
     b.serve("B", p)
     took = time.monotonic() - started

@@ -179,12 +179,6 @@ class PoolTransport(ABC):
     def write(self, ranges: Ranges) -> Transfer:
         """Post local -> pool copies."""
 
-    def post_parts(self, parts: Sequence[Ranges], *, write: bool) -> list[Transfer]:
-        """Post several batches in order, one ``Transfer`` each (a step's layers: each waited for
-        on its own). A transport whose posts only queue work overrides this to do the per-batch
-        set-up once."""
-        return [self.write(part) if write else self.read(part) for part in parts]
-
     @abstractmethod
     def close(self) -> None: ...
 

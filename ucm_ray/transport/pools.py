@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -83,26 +83,17 @@ class PoolConnections:
         """Post every pool's batch without waiting (so pools' copies overlap, and a caller can
         post the next layer while this one moves); returns what was posted and the pools whose
         batch could not be. Never raises."""
-        posted, failed = self.post_parts({pool: [ranges] for pool, ranges in by_pool.items() if len(ranges)},
-                                         write=write)
-        return (posted[0] if posted else []), failed
-
-    def post_parts(self, by_pool: Mapping[PoolKey, Sequence[Ranges]], *,
-                   write: bool) -> tuple[list[list[tuple[PoolKey, Transfer]]], set[PoolKey]]:
-        """Several batches per pool (a step's layers, in order), each pool's set-up done once:
-        returns, per part, what was posted, and the pools whose parts could not be. Never raises."""
-        posted: list[list[tuple[PoolKey, Transfer]]] = [[] for _ in range(max(map(len, by_pool.values()),
-                                                                                default=0))]
+        posted: list[tuple[PoolKey, Transfer]] = []
         failed: set[PoolKey] = set()
-        for pool, parts in by_pool.items():
+        for pool, ranges in by_pool.items():
+            if not len(ranges):
+                continue
             try:
-                transfers = self._transport(pool).post_parts(parts, write=write)
+                t = self._transport(pool)
+                posted.append((pool, t.write(ranges) if write else t.read(ranges)))
             except Exception as e:  # noqa: BLE001 -- whatever it is, that pool's keys are misses
                 log.warning("%s with shard %s failed to start: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool)
-                continue
-            for part, transfer in zip(posted, transfers):
-                part.append((pool, transfer))
         return posted, failed
 
     @staticmethod

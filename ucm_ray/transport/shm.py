@@ -15,7 +15,6 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -166,10 +165,10 @@ class ShmPoolTransport(PoolTransport):
             self._pin_for_cuda()
 
     def read(self, ranges: Ranges) -> Transfer:
-        return self.post_parts([ranges], write=False)[0]
+        return self._copy(ranges, to_pool=False)
 
     def write(self, ranges: Ranges) -> Transfer:
-        return self.post_parts([ranges], write=True)[0]
+        return self._copy(ranges, to_pool=True)
 
     def close(self) -> None:
         self._uva = None
@@ -178,33 +177,24 @@ class ShmPoolTransport(PoolTransport):
             self._host_registered = False
         self._pool.close()
 
-    def post_parts(self, parts: Sequence[Ranges], *, write: bool) -> list[Transfer]:
-        """On CPU each part is copied here, in order. On CUDA the parts are queued on the pool's
-        stream after the work queued so far, one event each: set up once for all of them (a
-        step's layers cost a gather's launch each, not a gather's set-up)."""
-        for part in parts:
-            part.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
-        if not any(part.device.type == "cuda" for part in parts):
-            out: list[Transfer] = []
-            for part in parts:
-                try:
-                    self._copy_on_cpu(part, to_pool=write)
-                    out.append(CompletedTransfer())
-                except RuntimeError as e:
-                    out.append(CompletedTransfer(e))
-            return out
+    def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
+        ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        if not len(ranges):
+            return CompletedTransfer()
+        if ranges.device.type != "cuda":
+            try:
+                self._copy_on_cpu(ranges, to_pool=to_pool)
+            except RuntimeError as e:
+                return CompletedTransfer(e)
+            return CompletedTransfer()
         self._pin_for_cuda()
         assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream())
-        transfers: list[Transfer] = []
         with torch.cuda.stream(self._stream):
-            for part in parts:
-                if len(part):
-                    self._copy_on_cuda(part, to_pool=write)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                transfers.append(_CudaEventTransfer(event))
-        return transfers
+            self._copy_on_cuda(ranges, to_pool=to_pool)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return _CudaEventTransfer(event)
 
     def _copy_on_cpu(self, ranges: Ranges, *, to_pool: bool) -> None:
         """Small ranges by ``memmove`` (a C call, the GIL released: ~4x torch's per-copy cost

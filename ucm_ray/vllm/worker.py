@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
-from ucm_ray.transport.base import EMPTY, Ranges, Transfer
+from ucm_ray.transport.base import Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
@@ -122,15 +122,14 @@ class _StepState:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     deadline: float = 0.0
-    load_futures: dict[str, tuple[Future, int, set[_Tag]]] = field(default_factory=dict)
-    """layer -> (the copy task that posts it, its place among that task's batches, its jobs)"""
+    load_futures: dict[str, tuple[Future, set[_Tag]]] = field(default_factory=dict)  # layer -> copies
     failed: set[_Tag] = field(default_factory=set)
     uncertain: bool = False
     """A copy timed out: it may still land, so its slots must never be reused."""
     save_entries: _ByPool = field(default_factory=dict)
     save_tags: dict[int, set[_Tag]] = field(default_factory=dict)  # group -> its saves' jobs, once per step
     saved_layers: set[str] = field(default_factory=set)
-    save_futures: list[tuple[Future, int, set[_Tag]]] = field(default_factory=list)
+    save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
     crc: dict[_Tag, int] = field(default_factory=dict)
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
@@ -221,16 +220,19 @@ class WorkerPart:
                          for gl in self._layouts if gl.group in group_tags for i, layer in enumerate(gl.layers)]
             batches = [batch for _, batch, _ in per_layer]
             if self._device.type == "cuda":
-                # A post only queues kernels: every layer in one task, from one set-up per pool.
-                task = self._copier.submit(self._move, step, batches, False, ready)
-                step.load_futures = {name: (task, at, tags) for at, (name, _, tags) in enumerate(per_layer)}
-            else:  # a post is the copy itself: one task per layer, each layer waited for as it lands
-                step.load_futures = {name: (self._copier.submit(self._move, step, [batch], False, ready), 0, tags)
+                # A post only queues kernels: one task posts every layer, each layer's future set
+                # as soon as it is posted (a task per layer cost its hand-off per layer, and the
+                # link idled while the copy thread planned the next one).
+                posted: list[Future] = [Future() for _ in per_layer]
+                self._copier.submit(self._move_each, step, batches, ready, posted)
+                step.load_futures = {name: (future, tags) for (name, _, tags), future in zip(per_layer, posted)}
+            else:  # a post is the copy itself: one task per layer, each waited for as it lands
+                step.load_futures = {name: (self._copier.submit(self._move, step, batch, False, ready), tags)
                                      for name, batch, tags in per_layer}
         if immediate:
             batch = _Batch(tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers))),
                            _group_entries(immediate))
-            self._wait(self._copier.submit(self._move, step, [batch], False, ready), 0, batch.tags())
+            self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
             batches.append(batch)
         self._count_bytes(batches, "loaded")
         if not step.load_futures:
@@ -255,8 +257,8 @@ class WorkerPart:
             tags = step.save_tags.get(group)
             if tags is None:
                 tags = step.save_tags[group] = _group_tags(step.save_entries, group)
-            step.save_futures.append((self._copier.submit(self._move, step, [batch], True, self._compute_ready()),
-                                      0, tags))
+            step.save_futures.append((self._copier.submit(self._move, step, batch, True, self._compute_ready()),
+                                      tags))
             self._count_bytes([batch], "saved")
 
     def wait_for_save(self) -> None:
@@ -269,8 +271,8 @@ class WorkerPart:
             log.warning("ucm-ray: %d layer load(s) were never waited for by the forward pass; "
                         "failing them so vLLM recomputes", len(step.load_futures))
             self.stats.add(unwaited_layer_loads=len(step.load_futures))
-            for future, at, tags in list(step.load_futures.values()):
-                self._wait(future, at, tags)  # the copies must be over before the blocks are reused
+            for future, tags in list(step.load_futures.values()):
+                self._wait(future, tags)  # the copies must be over before the blocks are reused
                 step.failed |= tags
             step.load_futures.clear()
             self._finish_loads()
@@ -280,8 +282,8 @@ class WorkerPart:
             # was written by the graph, so saving it after the forward is right)
             for layer in gl.layers:
                 self.save_kv_layer(layer.name)
-        for future, at, tags in step.save_futures:
-            self._wait(future, at, tags)
+        for future, tags in step.save_futures:
+            self._wait(future, tags)
         for job in step.saves:
             landed = [(job.job_id, i) not in step.failed for i in range(len(job.locations))]
             sums = self._entry_checksum(job) if self._config.checksum and any(landed) else None
@@ -309,13 +311,13 @@ class WorkerPart:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _wait(self, future: Future, at: int, tags: set[_Tag]) -> None:
-        """Wait for batch ``at`` of a copy task to land and take its failures, within what is
-        left of the step's deadline."""
+    def _wait(self, future: Future, tags: set[_Tag]) -> None:
+        """Wait for a copy task's batch to land and take its failures, within what is left of
+        the step's deadline."""
         step = self._step
         started = time.perf_counter()
         try:
-            posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))[at]
+            posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))
         except FutureTimeout:
             if not future.cancel():  # running: it may still land later
                 step.uncertain = True
@@ -372,13 +374,11 @@ class WorkerPart:
         event.record()
         return event
 
-    def _move(self, step: _StepState, batches: list[_Batch], write: bool,
-              ready: torch.cuda.Event | None = None) -> list[_Posted]:
-        """Copy-thread task: post the batches in order, per pool, and return without waiting for
-        them to land (``_wait`` does, where the bytes are needed), so the next layer is planned
-        and posted while this one moves. Any exception fails the batches instead of reaching
-        vLLM, and nothing starts once the step's deadline passed (its loads were reported failed
-        by then). The posting time is booked on the first batch."""
+    def _move(self, step: _StepState, batch: _Batch, write: bool, ready: torch.cuda.Event | None = None) -> _Posted:
+        """Copy-thread task: post one batch per pool and return without waiting for them to land
+        (``_wait`` does, where the bytes are needed), so the next layer is planned and posted
+        while this one moves. Any exception fails the whole batch instead of reaching vLLM, and
+        nothing starts once the step's deadline passed (its loads were reported failed by then)."""
         started = time.perf_counter()
         try:
             # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
@@ -387,18 +387,21 @@ class WorkerPart:
                 if ready is not None:
                     ready.synchronize()
                 if time.monotonic() >= step.deadline:
-                    return [_Posted(batch, write, failed_tags=batch.tags()) for batch in batches]
+                    return _Posted(batch, write, failed_tags=batch.tags())
                 started = time.perf_counter()
-                planned = [self._ranges(batch) for batch in batches]
-                by_pool = {pool: [plan.get(pool, EMPTY) for plan in planned] for plan in planned for pool in plan}
-                posted, failed_pools = self._pools.post_parts(by_pool, write=write)
-                post_s = time.perf_counter() - started
-                return [_Posted(batch, write, posted[at] if at < len(posted) else [], failed_pools,
-                                post_s=post_s if at == 0 else 0.0) for at, batch in enumerate(batches)]
+                transfers, failed_pools = self._pools.post(self._ranges(batch), write=write)
+                return _Posted(batch, write, transfers, failed_pools, post_s=time.perf_counter() - started)
         except Exception:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
-            return [_Posted(batch, write, failed_tags=batch.tags(), post_s=time.perf_counter() - started if at == 0
-                            else 0.0) for at, batch in enumerate(batches)]
+            return _Posted(batch, write, failed_tags=batch.tags(), post_s=time.perf_counter() - started)
+
+    def _move_each(self, step: _StepState, batches: list[_Batch], ready: torch.cuda.Event | None,
+                   posted: list[Future]) -> None:
+        """Copy-thread task: load ``batches`` in order, setting each one's future once posted. A
+        future ``_wait`` gave up on before its turn (the deadline) is cancelled: skipped."""
+        for batch, future in zip(batches, posted):
+            if future.set_running_or_notify_cancel():
+                future.set_result(self._move(step, batch, False, ready))
 
     def _update_checksums(self, batch: _Batch, failed_pools: set[PoolKey]) -> None:
         """Layer order, block by block: only entries that carry a checksum."""
