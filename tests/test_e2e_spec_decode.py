@@ -285,30 +285,36 @@ def test_engine_without_speculation_hits_blocks_saved_with_it(prompts, ref, engi
         assert_same(out, ref[0][key], key)
 
 
-def test_a_draft_model_with_kv_layers_of_its_own_keeps_its_blocks_apart(tiny, prompts, shared, start, engine_n,
-                                                                         engines_b, tmp_path_factory):
+def test_a_draft_model_with_kv_layers_of_its_own_keeps_its_blocks_apart(tiny, prompts, shared, engine_n,
+                                                                         tmp_path_factory):
     """A draft model's attention layers join the target's kv-cache group in vLLM (here 8 + 2
     layers in one group), so each stored block holds the draft's KV too: its engine must neither
-    hit blocks saved without that draft nor feed them to engines without it."""
-    draft = str(make_tiny_model(tmp_path_factory.mktemp("draft") / "model", num_layers=2))
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
-    d = EngineProcess.options(runtime_env={"env_vars": ENGINE_ENV}).remote(tiny, connector(shared),
-                                                                            speculative_config=spec)
+    hit blocks saved without that draft nor feed them to engines without it, nor to engines
+    whose draft has the same shape but other weights (they would load KV their draft never
+    computed; the target verifies every draft, so only the acceptance rate would show it)."""
+    models = tmp_path_factory.mktemp("drafts")
+    drafts = [str(make_tiny_model(models / name, num_layers=2, seed=seed)) for name, seed in (("d1", 0), ("d2", 1))]
+    d1, d2 = (EngineProcess.options(runtime_env={"env_vars": ENGINE_ENV}).remote(
+        tiny, connector(shared),
+        speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+        for path in drafts)
     try:
-        assert facts(d)["recompute"] == policy.recompute_tokens(True, 2)
-        ns = facts(d)["namespaces"]
-        assert ns != facts(engine_n)["namespaces"] and ns != facts(engines_b[2])["namespaces"]
-        # N saved this prefix and both Bs hit it; the draft engine finds nothing of it.
-        out, delta = serve(d, prompts[("to_spec",)]["prompt"])
+        seen = [facts(d) for d in (d1, d2)]
+        assert [f["recompute"] for f in seen] == [policy.recompute_tokens(True, 2)] * 2
+        # N saved this prefix (and the n-gram engines hit it); the draft engine finds nothing of it.
+        out, delta = serve(d1, prompts[("to_spec",)]["prompt"])
         assert delta["hit_tokens"] == out["cached"] == 0 and delta.get("loaded_blocks", 0) == 0, delta
         assert delta["saved_blocks"] == 3  # its own blocks (target and draft layers), under its namespace
-        # ... and what it saves, N does not find.
+        # ... and what it saves, neither N nor the engine with the other draft finds.
         prefix = synthetic_prompt(tiny, PREFIX, seed=300)
-        assert serve(d, prefix)[1]["saved_blocks"] == 3
-        out, delta = serve(engine_n, prefix + synthetic_prompt(tiny, TAIL_SHARED, seed=301))
-        assert delta["hit_tokens"] == out["cached"] == 0, delta
+        assert serve(d1, prefix)[1]["saved_blocks"] == 3
+        for other in (engine_n, d2):
+            out, delta = serve(other, prefix + synthetic_prompt(tiny, TAIL_SHARED, seed=301))
+            assert delta["hit_tokens"] == out["cached"] == 0, (other is d2, delta)
+        assert len({bytes(f["namespaces"][0]) for f in seen} | {bytes(facts(engine_n)["namespaces"][0])}) == 3
     finally:
-        ray.kill(d)
+        ray.kill(d1)
+        ray.kill(d2)
 
 def test_hybrid_lfm2_with_speculation_fails_in_vllm_itself_with_or_without_the_connector(shared, start,
                                                                                           tmp_path_factory):
