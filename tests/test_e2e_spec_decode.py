@@ -164,7 +164,8 @@ def serve(handle, prompt: list[int]) -> tuple[dict[str, Any], dict[str, int]]:
 
 def facts(handle) -> dict[str, Any]:
     """From inside an engine's process: the connector's recompute count and namespaces, vLLM's
-    speculation counters, and the ucm-ray lines the process logged. A closure, shipped by value."""
+    speculation counters, the first kv-cache group's layers, and the ucm-ray lines the process
+    logged. A closure, shipped by value."""
     def probe(eng):
         import os
         import sys
@@ -172,10 +173,12 @@ def facts(handle) -> dict[str, Any]:
         sys.stderr.flush()
         with open(os.readlink("/proc/self/fd/2")) as f:  # Ray sends a worker's stderr to its log file
             log = [line for line in f.read().splitlines() if "ucm-ray scheduler:" in line]
-        part = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part
+        scheduler = eng.llm.llm_engine.engine_core.engine_core.scheduler
+        part = scheduler.connector.scheduler_part
         spec = {m.name: m.value for m in eng.llm.get_metrics()
                 if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
-        return {"recompute": part.recompute, "namespaces": part.namespaces, "log": log, "spec": spec}
+        return {"recompute": part.recompute, "namespaces": part.namespaces, "log": log, "spec": spec,
+                "layers": list(scheduler.kv_cache_config.kv_cache_groups[0].layer_names)}
 
     return ray.get(handle.__ray_call__.remote(probe))
 
@@ -291,30 +294,42 @@ def test_a_draft_model_with_kv_layers_of_its_own_keeps_its_blocks_apart(tiny, pr
     layers in one group), so each stored block holds the draft's KV too: its engine must neither
     hit blocks saved without that draft nor feed them to engines without it, nor to engines
     whose draft has the same shape but other weights (they would load KV their draft never
-    computed; the target verifies every draft, so only the acceptance rate would show it)."""
+    computed; the target verifies every draft, so only the acceptance rate would show it).
+    Engines with the same draft share, draft layers included."""
     models = tmp_path_factory.mktemp("drafts")
     drafts = [str(make_tiny_model(models / name, num_layers=2, seed=seed)) for name, seed in (("d1", 0), ("d2", 1))]
-    d1, d2 = (EngineProcess.options(runtime_env={"env_vars": ENGINE_ENV}).remote(
+    d1, d1_again, d2 = (EngineProcess.options(runtime_env={"env_vars": ENGINE_ENV}).remote(
         tiny, connector(shared),
         speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
-        for path in drafts)
+        for path in (drafts[0], drafts[0], drafts[1]))
     try:
-        seen = [facts(d) for d in (d1, d2)]
-        assert [f["recompute"] for f in seen] == [policy.recompute_tokens(True, 2)] * 2
+        seen = [facts(d) for d in (d1, d1_again, d2)]
+        assert [f["recompute"] for f in seen] == [policy.recompute_tokens(True, 2)] * 3
+        assert [name.split(".")[0] for name in seen[0]["layers"]] == ["model"] * 8 + ["draft_model"] * 2
         # N saved this prefix (and the n-gram engines hit it); the draft engine finds nothing of it.
         out, delta = serve(d1, prompts[("to_spec",)]["prompt"])
         assert delta["hit_tokens"] == out["cached"] == 0 and delta.get("loaded_blocks", 0) == 0, delta
         assert delta["saved_blocks"] == 3  # its own blocks (target and draft layers), under its namespace
         # ... and what it saves, neither N nor the engine with the other draft finds.
         prefix = synthetic_prompt(tiny, PREFIX, seed=300)
+        prompt = prefix + synthetic_prompt(tiny, TAIL_SHARED, seed=301)
         assert serve(d1, prefix)[1]["saved_blocks"] == 3
         for other in (engine_n, d2):
-            out, delta = serve(other, prefix + synthetic_prompt(tiny, TAIL_SHARED, seed=301))
+            out, delta = serve(other, prompt)
             assert delta["hit_tokens"] == out["cached"] == 0, (other is d2, delta)
-        assert len({bytes(f["namespaces"][0]) for f in seen} | {bytes(facts(engine_n)["namespaces"][0])}) == 3
+        assert len({bytes(f["namespaces"][0]) for f in seen[1:]} | {bytes(facts(engine_n)["namespaces"][0])}) == 3
+        # An engine with the same draft hits them, and loads the draft's KV as d1 computed it
+        # (kv caches 8 and 9 are the draft's layers): saved after the draft ran, not before.
+        assert seen[1]["namespaces"] == seen[0]["namespaces"]
+        out, delta = serve(d1_again, prompt)
+        assert delta["hit_tokens"] == out["cached"] == PREFIX and delta["loaded_blocks"] == 3, delta
+        for layer in (0, 8, 9):
+            loaded = ray.get(d1_again.cached_kv.remote(prefix, layer))
+            assert None not in loaded and loaded == ray.get(d1.cached_kv.remote(prefix, layer)), layer
     finally:
-        ray.kill(d1)
-        ray.kill(d2)
+        for d in (d1, d1_again, d2):
+            ray.kill(d)
+
 
 def test_hybrid_lfm2_with_speculation_fails_in_vllm_itself_with_or_without_the_connector(shared, start,
                                                                                           tmp_path_factory):
