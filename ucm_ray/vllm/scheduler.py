@@ -59,6 +59,18 @@ answered (one more round trip): longer, and the request runs without them (its b
 slots in later steps, and are dropped if it ends first)."""
 
 
+def _draft_model(vllm_config: VllmConfig) -> str:
+    """The draft model of speculative decoding, where it is one of its own: its attention layers
+    join the target's kv-cache groups, so its weights shape the stored blocks too (two drafts of
+    one shape would otherwise share keys). "" for n-gram, suffix and MTP (vLLM names the target
+    as their draft), so those engines keep sharing with engines without speculation."""
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or draft.model == vllm_config.model_config.model:
+        return ""
+    return f"{draft.model}@{draft.revision}"
+
+
 def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, label: str,
                       model_id: str = "") -> list[bytes]:
     """One namespace digest per tensor-parallel rank: everything that shapes a block's bytes.
@@ -73,7 +85,7 @@ def engine_namespaces(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, l
         f"device={vllm_config.device_config.device_type}",
         f"attn={getattr(vllm_config, 'attention_config', None)!r}",
         f"spec={specs}",
-    ])
+    ] + ([f"draft={draft}"] if (draft := _draft_model(vllm_config)) else []))
     return [Namespace(label=label, model=f"{model_id or mc.model}@{mc.revision}", dtype=str(mc.dtype),
                       cache_dtype=str(cc.cache_dtype), block_size=cc.block_size,
                       layout=vllm_config.device_config.device_type, tp_size=pc.tensor_parallel_size,
