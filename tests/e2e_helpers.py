@@ -6,26 +6,15 @@ import os
 
 import ray
 
-from ucm_ray.demo import ENGINE_ENV, Engine
+from ucm_ray.demo import ENGINE_ENV
 from ucm_ray.demo import kv_transfer_config as kv_transfer
+from ucm_ray.testing.engines import ProbedEngine
 
 __all__ = ["ENGINE_ENV", "EngineProcess", "kv_transfer"]
 
 
-class _ProbedEngine(Engine):
-    """The demo's engine plus probes into its internals, for byte-level assertions."""
-
-    def _core(self):
-        return self.llm.llm_engine.engine_core.engine_core
-
-    def _hashes(self, prompt_ids: list[int]) -> list[bytes]:
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-
-        req = Request(request_id="probe", prompt_token_ids=prompt_ids, pooling_params=None,
-                      sampling_params=SamplingParams(max_tokens=1),
-                      block_hasher=self._core().request_block_hasher)
-        return list(req.block_hashes)
+class _ProbedEngine(ProbedEngine):
+    """Probes into one engine's internals, for byte-level assertions."""
 
     def block_keys(self, prompt_ids: list[int]) -> list[bytes]:
         """The store keys this engine uses for the prompt's full blocks (rank 0, group 0)."""

@@ -453,3 +453,22 @@ def test_a_hit_does_not_evict_other_prompts_to_make_room_for_saves_it_never_make
         assert c.serve("Q", prompt(2048, seed=1))[0] == 2046, "B's hit on P evicted Q"
     finally:
         store.shutdown()
+
+
+def test_a_prompt_vllm_already_holds_whole_asks_the_store_nothing(store, model_dir):
+    """A repeat of a prompt whose every full block is in vLLM's own prefix cache (a multi-turn
+    chat on one engine) can gain nothing from the store: no lookup, no pins, no round trip."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048 + 5)
+    a.serve("A", p)
+    a.settle()
+
+    def keys_asked() -> int:
+        return sum(store.index(f"local_shard_{i}").stats().lookups for i in range(2))
+
+    asked = keys_asked()
+    assert a.serve("again", p) == (2048, 5)  # vLLM's own hit: every full block
+    assert keys_asked() == asked, "the store was asked for blocks vLLM already held"
+    assert a.stats()["lookups_skipped"] == 1
+    assert a.serve("longer", p + [3] * 200) == (2048, 205)  # a block past vLLM's: asked
+    assert keys_asked() > asked

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ucm_ray.demo import Engine
+from ucm_ray.testing.engines import ProbedEngine
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +61,8 @@ def rank_block_kv(wrapper: Any, layers: list[int], block_ids: list[int]) -> tupl
     return rank_of(wrapper), {layer: runner.kv_caches[layer].index_select(0, index).clone() for layer in layers}
 
 
-class TpEngine(Engine):
-    """The demo's engine with probes that work whatever the tensor-parallel size."""
-
-    def _core(self) -> Any:
-        return self.llm.llm_engine.engine_core.engine_core
-
-    def _hashes(self, prompt_ids: list[int]) -> list[bytes]:
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-
-        req = Request(request_id="probe", prompt_token_ids=prompt_ids, pooling_params=None,
-                      sampling_params=SamplingParams(max_tokens=1),
-                      block_hasher=self._core().request_block_hasher)
-        return list(req.block_hashes)
+class TpEngine(ProbedEngine):
+    """Probes that work whatever the tensor-parallel size."""
 
     def block_keys(self, prompt_ids: list[int]) -> list[list[bytes]]:
         """Per tp rank, the store keys of the prompt's full blocks (attention group 0)."""

@@ -267,7 +267,7 @@ class SchedulerPart:
             self._release_lookup(t)  # waited so long in the queue that its pins may lapse: look again
         posted = t.lookup is None
         if posted:
-            t.lookup = self._post_lookup(request)
+            t.lookup = self._post_lookup(request, num_computed_tokens)
             if t.lookup is None:
                 return 0, False
         assert t.lookup is not None
@@ -309,7 +309,9 @@ class SchedulerPart:
             time.sleep(0.0001)  # leave the core to the shard and Ray's threads
         return True
 
-    def _post_lookup(self, request: Request) -> _Lookup | None:
+    def _post_lookup(self, request: Request, local_tokens: int) -> _Lookup | None:
+        """Pin the request's stored blocks, or None when there is nothing to ask: vLLM's own
+        prefix cache holds every full block (``local_tokens``; a repeated prompt pays no round trip)."""
         hashes = request.block_hashes
         if self.hybrid:
             max_lcm = policy.hybrid_max_hit_blocks(request.num_tokens, self.recompute, self._lcm)
@@ -318,6 +320,9 @@ class SchedulerPart:
             max_tokens = len(hashes) * self._hash_bs
         max_tokens = min(max_tokens, len(hashes) * self._hash_bs)
         if max_tokens <= 0:
+            return None
+        if local_tokens >= len(hashes) * self._hash_bs:  # nothing to load, nor to save in the prefill
+            self.stats.add(lookups_skipped=1)
             return None
         attn_keys, state_keys, futures = [], [], []
         for ns in self._ns:

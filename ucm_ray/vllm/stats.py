@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS: dict[str, str] = {
     # scheduler side: lookups and the hit policy
     "lookups": "Requests whose tier lookup was answered (the scheduler asked every owning shard once).",
+    "lookups_skipped": "Requests not looked up: vLLM's own prefix cache held every block the tier could add.",
     "lookups_deferred": "Times a request was put back in the queue because its lookup was still in flight.",
     "query_tokens": "Prompt tokens of the requests looked up.",
     "hit_tokens": "Prompt tokens the tier provides (external hit after the hit policy): loaded, not computed.",
