@@ -7,7 +7,11 @@ writes and that were NOT reported to vLLM as failed: the promise is that it stay
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -472,3 +476,24 @@ def test_a_prompt_vllm_already_holds_whole_asks_the_store_nothing(store, model_d
     assert a.stats()["lookups_skipped"] == 1
     assert a.serve("longer", p + [3] * 200) == (2048, 205)  # a block past vLLM's: asked
     assert keys_asked() > asked
+
+
+def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
+    """vLLM sets up only its own logger: the connector's INFO lines (the recompute rule, the
+    worker's layout) must reach the engine's log like vLLM's, not vanish."""
+    code = textwrap.dedent(f"""
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging
+        configure_logging(LoggingConfig())  # what an engine process does first
+        from ucm_ray.store.local import LocalBlockStore
+        from ucm_ray.testing.harness import make_engine
+        store = LocalBlockStore(num_shards=1, pool_bytes=16 << 20)
+        make_engine(store.client(), {model_dir!r}, num_spec=2).shutdown()
+        store.shutdown()
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    log = run.stdout + run.stderr
+    assert "ucm-ray scheduler: groups" in log and "recompute=4" in log, log[-2000:]
+    assert "ucm-ray worker rank 0" in log, log[-2000:]

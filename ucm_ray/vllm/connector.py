@@ -50,6 +50,20 @@ def join_ray(config: UcmRayConfig) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def log_with_vllm() -> None:
+    """Send ucm-ray's records to the handlers vLLM gave its own logger, at its level: vLLM sets up
+    only the ``vllm`` logger, so an engine's log never showed our INFO lines (the recompute rule,
+    each worker's layout). Left alone where the ``ucm_ray`` logger has handlers already (the
+    operator configured it) or vLLM configured nothing (``VLLM_CONFIGURE_LOGGING=0``). Records
+    still propagate to the root logger's handlers."""
+    ours, theirs = logging.getLogger("ucm_ray"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -63,6 +77,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_with_vllm()
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.ucm_config = UcmRayConfig.from_dict(extra)
         self._scheduler: SchedulerPart | None = None
