@@ -497,3 +497,17 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
     log = run.stdout + run.stderr
     assert "ucm-ray scheduler: groups" in log and "recompute=4" in log, log[-2000:]
     assert "ucm-ray worker rank 0" in log, log[-2000:]
+
+
+def test_a_hybrid_whose_lcm_block_no_prompt_fills_is_named_at_start_up(store, model_dir, caplog):
+    """State blocks as long as the model (vLLM's sizing without align mode) leave the tier
+    nothing to do: said once at start-up, not discovered from empty counters."""
+    from ucm_ray.testing.harness import MAX_LEN
+
+    with caplog.at_level("WARNING", logger="ucm_ray"):
+        make_engine(store.client(), model_dir, hybrid=True, state_block_size=MAX_LEN).shutdown()
+    assert f"LCM block is {MAX_LEN} tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ucm_ray"):
+        make_engine(store.client(), model_dir, hybrid=True).shutdown()
+    assert "LCM block" not in caplog.text

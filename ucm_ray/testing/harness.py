@@ -18,6 +18,7 @@ and it plays faults) or a Ray ``StoreClient``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -268,8 +269,9 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 hybrid: bool = False, max_batched: int = 8192, num_blocks: int = 96,
                 layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
                 extra: dict | None = None, failure_policy: str = "recompute",
-                sliding_window: int | None = None) -> Engine:
-    """An engine whose connector uses ``store`` (give each engine its own client of it)."""
+                sliding_window: int | None = None, state_block_size: int | None = None) -> Engine:
+    """An engine whose connector uses ``store`` (give each engine its own client of it).
+    ``state_block_size``: the hybrid's state blocks, when not the attention block size."""
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
     spec = None
     if num_spec:
@@ -302,7 +304,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     if hybrid:
         # One state per layer, as LFM2's short convolutions have; its page is padded to the
         # attention page size, and the layer's tensor is a view of the state part of each page.
-        mamba = MambaSpec(block_size=block_size, shapes=((3, 512),), dtypes=(torch.float32,),
+        mamba = MambaSpec(block_size=state_block_size or block_size, shapes=((3, 512),), dtypes=(torch.float32,),
                           mamba_cache_mode="align", page_size_padded=attn.page_size_bytes)
         groups.append(KVCacheGroupSpec(["model.layers.2.mixer"], mamba))
     page = attn.page_size_bytes
@@ -315,7 +317,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     try:
         sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg,
                           structured_output_manager=StructuredOutputManager(vcfg),
-                          block_size=block_size, hash_block_size=block_size, log_stats=True)
+                          block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
+                          hash_block_size=block_size, log_stats=True)
     finally:
         _next_store.clear()
     worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)

@@ -214,6 +214,11 @@ class SchedulerPart:
         self.stats = UcmRayStats()
         log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
                  self._attn, self._states, self._bs, self._lcm, self._hash_bs, self.recompute)
+        max_len = vllm_config.model_config.max_model_len
+        if self.hybrid and self._lcm >= max_len:
+            log.warning("ucm-ray: this hybrid model's LCM block is %d tokens, not shorter than max_model_len "
+                        "(%d): no prompt fills one, so nothing is stored or loaded here (vLLM sizes state "
+                        "blocks so without prefix caching and mamba_cache_mode='align')", self._lcm, max_len)
 
     def _expect_saves(self, t: _Tracked, until: int, start: int | None = None) -> list[Pending[Any]]:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
