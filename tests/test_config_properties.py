@@ -221,8 +221,11 @@ def test_any_invalid_flag_is_one_line_naming_its_key(case):
     written, key = case
     bad = written[key]
     if isinstance(bad, bool) or not isinstance(bad, (str, int, float)) or (
-            not isinstance(bad, str) and key in ("namespace", "ray_namespace", "ray_address", "transport", "shm_dir")):
-        bad = ""  # what a flag can carry that is still invalid; "" is, for every key
+            not isinstance(bad, str)
+            and key in ("namespace", "ray_namespace", "ray_address", "transport", "shm_dir", "model_id")):
+        # what a flag can carry that is still invalid: "" for every key but model_id (where it
+        # means "the model's path"), which refuses a tab
+        bad = "\t" if key == "model_id" else ""
     if key in ("layerwise", "checksum"):
         written.pop(key)  # on/off flags take no value: argparse itself refuses anything else
         bad_yaml = {key: bad}

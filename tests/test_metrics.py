@@ -419,7 +419,9 @@ def test_workload_moves_the_counters_on_both_endpoints(model, tmp_path):
         assert total(a, "vllm:ucm_ray_load_failures_total") == 0
         assert total(a, "vllm:ucm_ray_loaded_bytes_total", transport="nixl") == 0
         assert total(a, "vllm:ucm_ray_query_tokens_total") == 2 * (DOCUMENT + QUESTION) + OVERFLOW
-        assert total(a, "vllm:ucm_ray_saves_skipped_total") == 0
+        # A save whose slot came late is retried next step (saves_skipped, timing: a busy host's
+        # shards answer late); none may be lost.
+        assert total(a, "vllm:ucm_ray_saves_dropped_total") == 0
         assert total(a, "vllm:ucm_ray_saved_blocks_total") == saved["tiny-a"]
         assert total(a, "vllm:ucm_ray_saved_bytes_total", transport="shm") == saved["tiny-a"] * entry
 
