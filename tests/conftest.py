@@ -13,6 +13,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_leftovers():
+    """Remove the files vLLM's processes left behind during this session (``tests.leftovers``)."""
+    from tests.leftovers import remove_unused, vllm_files
+
+    before = vllm_files()
+    yield
+    remove_unused(vllm_files() - before)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray head with its own temp dir; shut down (never `ray stop`) at the end."""

