@@ -117,8 +117,8 @@ def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarra
             index = index.pin_memory().to(pool.device, non_blocking=True)
         return _RowPlan(line, index[0], index[1])
 
-    key = (relative.tobytes(), local_offsets.tobytes(), sizes.tobytes())
-    plan = build() if plans is None else plans.get(key, aligned, build)
+    plan = build() if plans is None else plans.get(
+        (relative.tobytes(), local_offsets.tobytes(), sizes.tobytes()), aligned, build)
     if plan is None:
         return False
     width = plan.line // WORD

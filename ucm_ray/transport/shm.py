@@ -217,7 +217,7 @@ class ShmPoolTransport(PoolTransport):
         (when there is one and the ranges are 8-byte aligned); else one async copy per range."""
         pool = self._pool.tensor
         index = ranges.buffer_index
-        one_buffer = bool(index[0] == index[-1]) and not (index != index[0]).any()  # a layer's batch
+        one_buffer = not (index != index[0]).any()  # a layer's batch
         for home in [int(index[0])] if one_buffer else np.unique(index).tolist():
             mine = slice(None) if one_buffer else index == home
             local, pool_offsets = ranges.local_offsets[mine], ranges.pool_offsets[mine]

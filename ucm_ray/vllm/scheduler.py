@@ -323,10 +323,11 @@ class SchedulerPart:
             max_tokens = max_lcm * self._lcm
         else:
             max_tokens = len(hashes) * self._hash_bs
-        max_tokens = min(max_tokens, len(hashes) * self._hash_bs)
+        full_tokens = len(hashes) * self._hash_bs
+        max_tokens = min(max_tokens, full_tokens)
         if max_tokens <= 0:
             return None
-        if local_tokens >= len(hashes) * self._hash_bs:  # nothing to load, nor to save in the prefill
+        if local_tokens >= full_tokens:  # nothing to load, nor to save in the prefill
             self.stats.add(lookups_skipped=1)
             return None
         attn_keys, state_keys, futures = [], [], []

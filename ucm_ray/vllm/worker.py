@@ -2,12 +2,13 @@
 
 Every location comes decided in the step's metadata (pins and slots are the
 scheduler's). Copies are planned as arrays (``Ranges``: one range per block per
-layer, never an object each). Per step: ``start_load_kv`` queues every load —
-one task per attention layer on a copy thread, which posts that layer's copies
-and moves on to the next, so layer L's bytes land while layers < L compute and
-``wait_for_layer_load`` waits for them to land — and finishes at once the loads
-that cannot wait for layer hooks (mamba states, async hybrid loads, chunks
-shorter than the FULL-CUDA-graph threshold, non-layerwise mode). ``save_kv_layer`` queues a layer's copies into
+layer, never an object each). Per step: ``start_load_kv`` queues every load on
+a copy thread, which posts layer after layer (on CUDA one task for all layers,
+on CPU, where a post is the copy, one task each), so layer L's bytes land while
+layers < L compute and ``wait_for_layer_load`` waits for them to land; it
+finishes at once the loads that cannot wait for layer hooks (mamba states,
+async hybrid loads, chunks shorter than the FULL-CUDA-graph threshold,
+non-layerwise mode). ``save_kv_layer`` queues a layer's copies into
 the granted slots as soon as its KV is written; ``wait_for_save`` saves what no
 hook covered and waits. Results go back per job through
 ``build_worker_meta``; the scheduler commits, frees and releases from them.
