@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import Location
+from ucm_ray.store.index import random_id
 from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.store.published import IndexReaders
 from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
 from ucm_ray.transport.base import Transfer, TransferError
 
@@ -385,8 +388,8 @@ def test_a_local_hit_on_blocks_another_request_is_loading_is_never_saved(store, 
     pin = client.acquire
     restarted: list[str] = []
 
-    def pin_then_restart(keys):  # shard 0 dies right after R1's lookup pinned its entries
-        lease = pin(keys)
+    def pin_then_restart(keys, *args):  # shard 0 dies right after R1's lookup found its entries
+        lease = pin(keys, *args)
         if not restarted:
             restarted.append(store.restart("local_shard_0")[0])
         return lease
@@ -485,7 +488,10 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
         from vllm.config.logging import LoggingConfig
         from vllm.logger import configure_logging
         configure_logging(LoggingConfig())  # what an engine process does first
-        from ucm_ray.store.local import LocalBlockStore
+        from ucm_ray.store.blockstore import Location
+from ucm_ray.store.index import random_id
+from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.store.published import IndexReaders
         from ucm_ray.testing.harness import make_engine
         store = LocalBlockStore(num_shards=1, pool_bytes=16 << 20)
         make_engine(store.client(), {model_dir!r}, num_spec=2).shutdown()
@@ -511,3 +517,57 @@ def test_a_hybrid_whose_lcm_block_no_prompt_fills_is_named_at_start_up(store, mo
     with caplog.at_level("WARNING", logger="ucm_ray"):
         make_engine(store.client(), model_dir, hybrid=True).shutdown()
     assert "LCM block" not in caplog.text
+
+
+def _evict_everything_and_overwrite(store: LocalBlockStore) -> None:
+    """Another writer takes every byte of every pool (evicting all unpinned entries) and fills
+    it: an entry read unpinned now holds someone else's bytes."""
+    writer = random_id()
+    for shard_id, incarnation in store.pools().descriptors:
+        index = store.index(shard_id)
+        _, offsets = index.reserve(writer, 4096, index.stats().capacity_bytes // 4096)
+        assert offsets
+        store.pool_of(Location(shard_id, incarnation, 0, 0)).tensor.fill_(0x5A)
+
+
+def test_an_unpinned_entry_evicted_and_overwritten_before_the_copy_is_a_failed_load(store, model_dir):
+    """Lookups on the shard's node read its published index and pin nothing; the entries are
+    evicted and their slots rewritten after the lookup, before the worker copies. Validation
+    after the copy must fail those loads (vLLM recomputes), never hand the bytes to vLLM."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    overwritten: list[bool] = []
+
+    def overwrite_before_first_load(engine, meta):
+        if meta.loads.get(0) and not overwritten:
+            assert all(load.location.generation for load in meta.loads[0][0].blocks)  # unpinned
+            _evict_everything_and_overwrite(store)
+            overwritten.append(True)
+
+    b.before_worker = overwrite_before_first_load
+    assert b.serve("B", p + [3] * 300)[0] == 2048
+    b.settle()
+    assert overwritten and b.wrong_blocks == 0
+    assert b.failed_loads == 16 and b.stats()["stale_loads"] == 16
+
+
+def test_a_worker_that_cannot_read_a_pools_index_fails_once_then_gets_pinned_entries(store, model_dir):
+    """A worker on another node than its scheduler cannot validate unpinned loads: it fails them
+    and says so, and the scheduler pins that pool's entries from then on."""
+    a = make_engine(store.client(), model_dir)
+    p1, p2 = prompt(2048, seed=1), prompt(2048, seed=2)
+    a.serve("A1", p1)
+    a.serve("A2", p2)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    b.worker.worker_part._indexes = IndexReaders("another-node")
+    b.serve("B1", p1 + [3] * 40)
+    b.settle()
+    assert b.wrong_blocks == 0 and b.failed_loads == 16
+    assert b.serve("B2", p2 + [3] * 40)[0] == 2048
+    b.settle()
+    assert b.failed_loads == 16 and b.stats()["stale_loads"] == 16  # B2's pinned loads all landed
+    assert b.stats()["loaded_blocks"] == 16

@@ -23,7 +23,7 @@ random 63-bit values checked against the ``owner`` that asked for them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -42,6 +42,9 @@ class Location:
     size: int
     checksum: int | None = None
     """CRC32 taken by the writer at commit, a property of the entry: every reader verifies it."""
+    generation: int = 0
+    """Nonzero: found in the shard's published index, unpinned; a copy from it counts only if
+    the same generation is still listed afterwards (``store.published``). 0: pinned by a lease."""
 
     @property
     def pool(self) -> PoolKey:
@@ -50,7 +53,8 @@ class Location:
 
 @dataclass
 class ReadLease:
-    """Pinned locations of the keys asked for (None: a miss); release the lease ids when done."""
+    """Locations of the keys asked for (None: a miss), pinned or to be validated after the copy
+    (``Location.generation``); release the lease ids when done."""
 
     locations: list[Location | None]
     lease_ids: dict[PoolKey, list[int]] = field(default_factory=dict)
@@ -132,8 +136,10 @@ class BlockStore(ABC):
         """Per key, the pools that should hold it (``replication`` of them, fewer if fewer live)."""
 
     @abstractmethod
-    def acquire(self, keys: Sequence[bytes]) -> Pending[ReadLease]:
-        """Pin what is committed among ``keys`` on a live replica."""
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+        """Locate what is committed among ``keys`` on a live replica: read from the published
+        index of a pool on this node (no call, no pin: the reader validates its copy), pinned
+        through a call elsewhere and on the pools in ``pin`` (where a reader cannot validate)."""
 
     @abstractmethod
     def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -51,6 +51,7 @@ from ucm_ray.store.directory import Membership, ShardRecord
 from ucm_ray.store.feed import MembershipFeed
 from ucm_ray.store.index import random_id
 from ucm_ray.store.placement import owners as place
+from ucm_ray.store.published import IndexReaders
 from ucm_ray.store.shard import WrongIncarnation
 from ucm_ray.transport.base import CopyOp, Ranges, as_bytes
 from ucm_ray.transport.pools import PoolConnections
@@ -142,13 +143,15 @@ class _Fanout(Pending[T]):
 
 
 class _Acquire(Pending[ReadLease]):
-    """Pins each key on its first owner that is not suspect; keys whose shard *fails* move on
-    to the next replica. A plain miss on a live owner is final (asking every replica for
-    every miss would double the control traffic of cold prompts)."""
+    """Locates each key on its first owner that is not suspect: in that shard's published index
+    when this node has it (no call, nothing pinned), else pinned through a call; keys whose shard
+    *fails* move on to the next replica. A plain miss on a live owner is final (asking every
+    replica for every miss would double the control traffic of cold prompts)."""
 
-    def __init__(self, client: StoreClient, keys: list[bytes]) -> None:
+    def __init__(self, client: StoreClient, keys: list[bytes], pin: Collection[PoolKey]) -> None:
         self._client = client
         self._keys = keys
+        self._pin = pin
         self._lease = ReadLease(locations=[None] * len(keys))
         self._owners = client._owner_records(keys)
         self._rank = [0] * len(keys)
@@ -167,6 +170,19 @@ class _Acquire(Pending[ReadLease]):
             if r < len(own):
                 by_pool.setdefault(own[r].key, (own[r], []))[1].append(i)
         c = self._client
+        for pool, (rec, ix) in list(by_pool.items()):
+            local = None if pool in self._pin else c._readers.locate(pool, [self._keys[i] for i in ix])
+            if local is None:
+                continue
+            locations, unknown = local
+            for i, loc in zip(ix, locations):
+                self._lease.locations[i] = loc
+            hits = [self._keys[i] for i, loc in zip(ix, locations) if loc is not None]
+            c._background(rec.handle.touch.remote(pool[1], hits, len(ix) - len(unknown)))
+            if unknown:
+                by_pool[pool] = (rec, [ix[u] for u in unknown])
+            else:
+                del by_pool[pool]
         self._calls = [(rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, c.owner,
                                                             [self._keys[i] for i in ix]))
                        for rec, ix in by_pool.values()]
@@ -210,8 +226,11 @@ class StoreClient(BlockStore):
     def __init__(self, config: UcmRayConfig, *, directory: ray.actor.ActorHandle | None = None) -> None:
         self.config = config
         self.owner = random_id()
-        self.connections = PoolConnections(config.transport, ray.get_runtime_context().get_node_id())
+        node_id = ray.get_runtime_context().get_node_id()
+        self.connections = PoolConnections(config.transport, node_id)
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
+        self._readers = IndexReaders(node_id)
+        self._posted: list[ray.ObjectRef] = []  # calls nobody waits for (touches): errors read later
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
@@ -254,6 +273,7 @@ class StoreClient(BlockStore):
         self._membership = membership
         self._records = {s.key: s for s in membership.shards}
         self.connections.sync(membership.descriptors)
+        self._readers.sync(membership.descriptors)
         self._suspects.retain(set(self._records))
 
     def _owner_records(self, keys: Sequence[bytes]) -> list[list[ShardRecord]]:
@@ -275,6 +295,18 @@ class StoreClient(BlockStore):
             self._failed(record.key, "refused a stale incarnation" if refused else type(e).__name__)
             return None
 
+    def _background(self, ref: ray.ObjectRef) -> None:
+        """A call nobody waits for; its answer (or error: a shard that died meanwhile) is read
+        and dropped later, so Ray never reports it as unhandled."""
+        self._posted.append(ref)
+        if len(self._posted) >= 32:
+            done, self._posted = ray.wait(self._posted, num_returns=len(self._posted), timeout=0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayError:
+                    pass  # a touch that did not arrive: only recency and counts are lost
+
     def _failed(self, pool: PoolKey, why: str) -> None:
         if self._suspects.failed(pool):
             log.warning("shard %s failed (%s): suspect, its keys go to replicas or miss", pool[0], why)
@@ -288,8 +320,8 @@ class StoreClient(BlockStore):
     def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
         return [[r.key for r in row] for row in self._owner_records(keys)]
 
-    def acquire(self, keys: Sequence[bytes]) -> Pending[ReadLease]:
-        return _Acquire(self, list(keys))
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+        return _Acquire(self, list(keys), pin)
 
     def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
         gone: set[PoolKey] = set()
@@ -381,6 +413,7 @@ class StoreClient(BlockStore):
 
     def close(self) -> None:
         self.connections.close()
+        self._readers.close()
 
     # --- whole tensors: tests, benchmarks, engines without a connector -------------------
 
@@ -388,17 +421,28 @@ class StoreClient(BlockStore):
         """Per key, whether any owner that is not suspect holds it (no pinning); one call per shard."""
         self.refresh()
         keys = list(keys)
+        present = [False] * len(keys)
         idx: dict[PoolKey, tuple[ShardRecord, list[int]]] = {}
         for i, row in enumerate(self._owner_records(keys)):
             for rec in row:
                 if not self._suspects.suspect(rec):
                     idx.setdefault(rec.key, (rec, []))[1].append(i)
+        for pool, (rec, ix) in list(idx.items()):  # same-node shards: their published index says
+            local = self._readers.locate(pool, [keys[i] for i in ix])
+            if local is None:
+                continue
+            locations, unknown = local
+            for i, loc in zip(ix, locations):
+                present[i] = present[i] or loc is not None
+            if unknown:
+                idx[pool] = (rec, [ix[u] for u in unknown])
+            else:
+                del idx[pool]
         calls = [(rec, rec.handle.contains.remote(rec.pool.incarnation, [keys[i] for i in ix]))
                  for rec, ix in idx.values()]
         asked = [ix for _, ix in idx.values()]
 
         def finish(answers: list[Any]) -> list[bool]:
-            present = [False] * len(keys)
             for ix, hits in zip(asked, answers):
                 for i, hit in zip(ix, hits or []):
                     present[i] = present[i] or hit
@@ -483,11 +527,12 @@ class StoreClient(BlockStore):
         for pool in failed:
             self._failed(pool, "load failed")
         untrusted = failed | self.release(lease.lease_ids).result()
+        stale = self._stale(keys, locs, ok)
         corrupt = []
         for i, loc in enumerate(locs):
             if loc is None or not ok[i]:
                 continue
-            if loc.pool in untrusted:
+            if loc.pool in untrusted or i in stale:
                 ok[i] = False
             elif loc.checksum is not None and checksum(views[i]) != loc.checksum:
                 log.error("checksum mismatch for a key on shard %s: a miss; removing the entry", loc.shard_id)
@@ -496,3 +541,17 @@ class StoreClient(BlockStore):
         if corrupt:
             self.remove(corrupt).result()
         return ok
+
+    def _stale(self, keys: Sequence[bytes], locations: Sequence[Location | None], copied: Sequence[bool]) -> set[int]:
+        """Positions whose copy was read unpinned from a published index and whose entry is no
+        longer listed as it was (evicted or replaced meanwhile: the bytes may be another's)."""
+        by_pool: dict[PoolKey, list[int]] = defaultdict(list)
+        for i, loc in enumerate(locations):
+            if loc is not None and loc.generation and copied[i]:
+                by_pool[loc.pool].append(i)
+        stale: set[int] = set()
+        for pool, ix in by_pool.items():
+            valid = self._readers.validate(pool, [keys[i] for i in ix],
+                                           [locations[i].generation for i in ix])  # type: ignore[union-attr]
+            stale.update(i for n, i in enumerate(ix) if valid is None or not valid[n])
+        return stale

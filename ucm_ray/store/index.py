@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucm_ray.store.allocator import ExtentAllocator
+from ucm_ray.store.published import PublishedIndex
 
 Key = bytes
 
@@ -59,6 +60,8 @@ class _Entry:
     pinned_by: set[int] = field(default_factory=set)
     listed: bool = True
     """False once removed: invisible, its slot freed when the last pin goes."""
+    generation: int = 0
+    """Its generation in the published index (0: not published, the table was full)."""
 
 
 @dataclass
@@ -105,7 +108,11 @@ class BlockIndex:
     """Index of one pool. Not thread-safe: the owning actor serialises calls."""
 
     def __init__(self, capacity: int, *, lease_s: float, reserve_timeout_s: float,
-                 align: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+                 align: int = 64, clock: Callable[[], float] = time.monotonic,
+                 published: PublishedIndex | None = None) -> None:
+        """``published``: the shared-memory copy of this index that same-node readers look up
+        without a call (kept in step here: listed at commit, unlisted before a slot is freed)."""
+        self._published = published
         self._alloc = ExtentAllocator(capacity, align)
         self._lease_s = lease_s
         self._reserve_timeout_s = reserve_timeout_s
@@ -149,6 +156,13 @@ class BlockIndex:
         if pinned:
             self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, pinned)
         return lease, slots
+
+    def touch(self, keys: Sequence[Key], asked: int) -> None:
+        """What a reader found in the published index (``asked`` keys, ``keys`` the hits): counted
+        as lookups and hits, and made recently used, as ``acquire`` does."""
+        self._counters.lookups += asked
+        self._counters.hits += len(keys)
+        self._touch_head_last([k for k in keys if k in self._entries])
 
     def release(self, owner: int, lease_ids: Sequence[int]) -> list[bool]:
         """Unpin; per lease, False when it was not held by ``owner`` (unknown, someone
@@ -223,7 +237,9 @@ class BlockIndex:
                 self._counters.duplicate_commits += 1
                 out.append(False)
                 continue
-            self._entries[key] = _Entry(Slot(offset, g.size, csum))
+            entry = self._entries[key] = _Entry(Slot(offset, g.size, csum))
+            if self._published is not None:
+                entry.generation = self._published.publish(key, offset, g.size, csum)
             self._used += g.size
             self._counters.commits += 1
             out.append(True)
@@ -245,6 +261,7 @@ class BlockIndex:
             if e is None or e.slot.offset != offset:
                 continue
             del self._entries[key]
+            self._unpublish(key)
             e.listed = False
             self._used -= e.slot.size
             if not e.pinned_by:
@@ -291,6 +308,7 @@ class BlockIndex:
             if victim is None:
                 return None
             e = self._entries.pop(victim)
+            self._unpublish(victim)
             self._alloc.free(e.slot.offset, e.slot.size)
             self._used -= e.slot.size
             self._counters.evictions += 1
@@ -298,6 +316,19 @@ class BlockIndex:
             off = self._alloc.alloc(size)
             if off is not None:
                 return off
+
+    def _unpublish(self, key: Key) -> None:
+        """Unlist ``key`` from the published index before its slot can be freed; publish what
+        found no room there before, once there is room."""
+        pub = self._published
+        if pub is None:
+            return
+        pub.unpublish(key)
+        if pub.wants_refill:
+            waiting = [(k, e.slot.offset, e.slot.size, e.slot.checksum)
+                       for k, e in self._entries.items() if not e.generation]
+            for k, generation in pub.refill(waiting).items():
+                self._entries[k].generation = generation
 
     def _unpin(self, lease_id: int, lease: _Lease) -> None:
         for e in lease.entries:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ucm_ray.store.blockstore import (
@@ -30,6 +30,7 @@ from ucm_ray.store.blockstore import (
 )
 from ucm_ray.store.index import BlockIndex, random_id
 from ucm_ray.store.placement import owners
+from ucm_ray.store.published import IndexReaders, PublishedIndex, index_path
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.shm import SharedPool
 
@@ -42,6 +43,7 @@ class _LocalShard:
     shard_id: str
     incarnation: int
     pool: SharedPool
+    published: PublishedIndex
     index: BlockIndex
     answering: bool = True
 
@@ -52,7 +54,12 @@ class _LocalShard:
     def descriptor(self) -> PoolDescriptor:
         return PoolDescriptor(shard_id=self.shard_id, node_id=LOCAL_NODE, pool_bytes=self.pool.size,
                               shm_path=self.pool.path, nixl_agent=None, nixl_metadata=None,
-                              pool_base_addr=self.pool.tensor.data_ptr(), incarnation=self.incarnation)
+                              pool_base_addr=self.pool.tensor.data_ptr(), incarnation=self.incarnation,
+                              index_path=self.published.path)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.published.close()
 
 
 class LocalBlockStore(BlockStore):
@@ -63,6 +70,8 @@ class LocalBlockStore(BlockStore):
                  lease_s: float = 60.0, reserve_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
                  _shared: LocalBlockStore | None = None) -> None:
         self.owner = random_id()
+        self._readers = IndexReaders(LOCAL_NODE)
+        self._readers_version = -1
         self._world: _World = _shared._world if _shared is not None else \
             _World(pool_bytes, replication, lease_s, reserve_timeout_s, shm_dir)
         if _shared is not None:
@@ -104,7 +113,12 @@ class LocalBlockStore(BlockStore):
         placed = owners(keys, [s.shard_id for s in shards], self._world.replication)
         return [[shards[j].key for j in row] for row in placed.tolist()]
 
-    def acquire(self, keys: Sequence[bytes]) -> Pending[ReadLease]:
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+        """As the Ray client's: each pool's published index first (every pool here is on this
+        node), pinned through the index where it cannot answer or ``pin`` asks for pins."""
+        if self._readers_version != self._world.version:
+            self._readers.sync(self.pools().descriptors)
+            self._readers_version = self._world.version
         lease = ReadLease(locations=[None] * len(keys))
         todo = list(range(len(keys)))
         for rank in range(self._world.replication):
@@ -119,6 +133,16 @@ class LocalBlockStore(BlockStore):
                 if shard is None:
                     failed.extend(idx)
                     continue
+                local = None if pool in pin else self._readers.locate(pool, [keys[i] for i in idx])
+                if local is not None:
+                    locations, unknown = local
+                    for i, loc in zip(idx, locations):
+                        lease.locations[i] = loc
+                    shard.index.touch([keys[i] for i, loc in zip(idx, locations) if loc is not None],
+                                      len(idx) - len(unknown))
+                    idx = [idx[u] for u in unknown]
+                    if not idx:
+                        continue
                 lease_id, slots = shard.index.acquire(self.owner, [keys[i] for i in idx])
                 if any(slot is not None for slot in slots):
                     lease.lease_ids.setdefault(pool, []).append(lease_id)
@@ -188,8 +212,9 @@ class LocalBlockStore(BlockStore):
         """Clients share the shards; ``shutdown`` frees them."""
 
     def shutdown(self) -> None:
+        self._readers.close()
         for shard in self._world.shards.values():
-            shard.pool.close()
+            shard.close()
         self._world.shards.clear()
 
     def _live(self, pool: PoolKey) -> _LocalShard | None:
@@ -218,11 +243,13 @@ class _World:
     def start(self, shard_id: str) -> PoolKey:
         old = self.shards.pop(shard_id, None)
         if old is not None:
-            old.pool.close()
+            old.close()
         path = os.path.join(self.shm_dir, f"ucmray-local-{shard_id}-{uuid.uuid4().hex[:8]}")
-        shard = _LocalShard(shard_id, random_id(), SharedPool(path, self.pool_bytes, create=True),
+        incarnation = random_id()
+        published = PublishedIndex(index_path(path), self.pool_bytes, incarnation)
+        shard = _LocalShard(shard_id, incarnation, SharedPool(path, self.pool_bytes, create=True), published,
                             BlockIndex(self.pool_bytes, lease_s=self.lease_s,
-                                       reserve_timeout_s=self.reserve_timeout_s))
+                                       reserve_timeout_s=self.reserve_timeout_s, published=published))
         self.shards[shard_id] = shard
         self.version += 1
         return shard.key

@@ -27,6 +27,7 @@ import ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
 from ucm_ray.store.index import BlockIndex, Key, Slot, random_id
+from ucm_ray.store.published import PublishedIndex, index_path
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
@@ -49,11 +50,13 @@ class CacheShard:
         remove_stale_pools(prefix)  # a predecessor of this (uniquely named) shard that crashed here
         path = prefix + uuid.uuid4().hex[:8]
         self._pool = SharedPool(path, cfg.pool_bytes, create=True)
-        self._reaper = PoolReaper(path)  # unlinks the pool however this process ends
-        self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s,
-                                 reserve_timeout_s=cfg.reserve_timeout_s)
+        self._reaper = PoolReaper(path, index_path(path))  # unlinks both however this process ends
+        self._published: PublishedIndex | None = None
         self._nixl = None
         try:
+            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation)
+            self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s,
+                                     reserve_timeout_s=cfg.reserve_timeout_s, published=self._published)
             if cfg.transport != "shm":
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 
@@ -69,6 +72,8 @@ class CacheShard:
                                 "shared memory only", shard_id, e)
         except BaseException:
             self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
+            if self._published is not None:
+                self._published.close()
             self._reaper.close()
             raise
         self._metrics = ShardMetrics(shard_id, self._node_id)
@@ -89,6 +94,7 @@ class CacheShard:
             nixl_metadata=self._nixl.metadata() if self._nixl else None,
             pool_base_addr=self._pool.tensor.data_ptr(),
             incarnation=self._incarnation,
+            index_path=self._published.path if self._published else None,
         )
 
     # Every control call names the incarnation it was meant for: a client that still
@@ -109,6 +115,13 @@ class CacheShard:
         self._check(incarnation)
         with self._lock:
             return self._index.acquire(owner, keys)
+
+    def touch(self, incarnation: int, keys: Sequence[Key], asked: int) -> None:
+        """A same-node reader looked ``asked`` keys up in the published index and found ``keys``:
+        counted, and kept recently used (posted off the reader's critical path, never awaited)."""
+        self._check(incarnation)
+        with self._lock:
+            self._index.touch(keys, asked)
 
     def release(self, incarnation: int, owner: int, lease_ids: Sequence[int]) -> list[bool]:
         self._check(incarnation)
@@ -169,4 +182,7 @@ class CacheShard:
             self._nixl.close()
             self._nixl = None
         self._pool.close()
+        if self._published is not None:
+            self._published.close()
+            self._published = None
         self._reaper.close()

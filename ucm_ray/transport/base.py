@@ -132,6 +132,8 @@ class PoolDescriptor:
     nixl_metadata: bytes | None
     pool_base_addr: int
     incarnation: int = 0
+    index_path: str | None = None
+    """The shard's published index (``store.published``), which same-node readers map."""
 
     @property
     def key(self) -> PoolKey:

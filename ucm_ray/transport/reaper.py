@@ -18,18 +18,19 @@ from __future__ import annotations
 import os
 import subprocess
 
-_WATCH = 'exec 3<&0; (cat <&3 >/dev/null; rm -f -- "$0") & exit 0'
+_WATCH = 'exec 3<&0; (cat <&3 >/dev/null; rm -f -- "$@") & exit 0'
 """A background job's stdin is /dev/null: the pipe goes to it as fd 3."""
 
 
 class PoolReaper:
-    """Holds the pipe end whose closing (this process's end) makes the watcher unlink ``path``."""
+    """Holds the pipe end whose closing (this process's end) makes the watcher unlink ``paths``
+    (a pool and its published index)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, *paths: str) -> None:
         read_end, self._write_end = os.pipe()  # both close-on-exec: no other child inherits them
         try:
-            starter = subprocess.Popen(["sh", "-c", _WATCH, path], stdin=read_end, start_new_session=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            starter = subprocess.Popen(["sh", "-c", _WATCH, "ucm-ray-reaper", *paths], stdin=read_end,
+                                       start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             starter.wait(timeout=10)  # it only starts the watcher; reaped here, no zombie
         except BaseException:
             os.close(self._write_end)

@@ -27,6 +27,8 @@ class BlockLoad:
     group: int
     block_id: int
     location: Location
+    key: bytes = b""
+    """The entry's key: an unpinned location (``generation`` set) is validated by it after the copy."""
 
 
 @dataclass
@@ -91,6 +93,9 @@ class UcmRayWorkerMetadata(KVConnectorWorkerMetadata):
     """Loaded entries whose bytes did not match their checksum: the scheduler removes them."""
     failed_pools: set[PoolKey] = field(default_factory=set)
     """Pools a copy failed with: the scheduler's store backs off from them."""
+    unvalidated_pools: set[PoolKey] = field(default_factory=set)
+    """Pools whose published index this worker cannot read (another node): their unpinned loads
+    failed, and the scheduler pins entries of them from now on."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UcmRayWorkerMetadata:
         assert isinstance(other, UcmRayWorkerMetadata)
@@ -98,7 +103,8 @@ class UcmRayWorkerMetadata(KVConnectorWorkerMetadata):
                                     loads_done=self.loads_done | other.loads_done,
                                     load_failures={**self.load_failures, **other.load_failures},
                                     corrupt=self.corrupt + other.corrupt,
-                                    failed_pools=self.failed_pools | other.failed_pools)
+                                    failed_pools=self.failed_pools | other.failed_pools,
+                                    unvalidated_pools=self.unvalidated_pools | other.unvalidated_pools)
 
     def is_empty(self) -> bool:
-        return not (self.saves or self.loads_done or self.corrupt or self.failed_pools)
+        return not (self.saves or self.loads_done or self.corrupt or self.failed_pools or self.unvalidated_pools)

@@ -206,6 +206,7 @@ class SchedulerPart:
         self._answers: list[tuple[str, Pending[Any]]] = []  # commits, releases, removals in flight
         self._orphans: list[Pending[ReadLease]] = []  # lookups of aborted requests, released on arrival
         self._pools_sent: int | None = None
+        self._pin_pools: set[PoolKey] = set()  # pools some worker cannot validate unpinned loads of
         self._chunk = vllm_config.scheduler_config.max_num_batched_tokens
         self._slots = SlotSupply(store, max_free=vllm_config.scheduler_config.max_num_seqs,
                                  renew_after_s=config.reserve_timeout_s / 3, idle_s=config.reserve_timeout_s / 3,
@@ -339,7 +340,7 @@ class SchedulerPart:
             attn_keys.append(per_group)
             state_keys.append(per_state)
             flat = [key for keys in per_group + per_state for key in keys]
-            futures.append(self._store.acquire(flat))
+            futures.append(self._store.acquire(flat, self._pin_pools))
         return _Lookup(futures, attn_keys, state_keys)
 
     def _hash_at(self, hashes: list, end_token: int) -> bytes:
@@ -395,7 +396,7 @@ class SchedulerPart:
                     loc, key = group_locs[i]
                     assert loc is not None
                     usable = usable and block_ids[g][i] != NULL_BLOCK_ID
-                    out.append(BlockLoad(g, block_ids[g][i], loc))
+                    out.append(BlockLoad(g, block_ids[g][i], loc, key))
                     keys[loc] = key
             if self.hybrid:
                 b = t.hit_tokens // self._lcm  # the state at the hit's end boundary
@@ -407,7 +408,7 @@ class SchedulerPart:
                     # group's block N // block_size - 1; a null block there means no room for it.
                     target = block_ids[g][t.hit_tokens // self._bs[g] - 1]
                     usable = usable and target != NULL_BLOCK_ID
-                    out.append(BlockLoad(g, target, loc))
+                    out.append(BlockLoad(g, target, loc, key))
                     keys[loc] = key
             if not usable:
                 log.error("ucm-ray: vLLM's null block is a target of %s's load at %d tokens; the load is "
@@ -449,6 +450,7 @@ class SchedulerPart:
         if pools.version != self._pools_sent:
             meta.pools = dict(pools.descriptors)
             self._pools_sent = pools.version
+            self._pin_pools &= set(pools.descriptors)
         self._track_blocks(out)
         for req_id, t in self._tracked.items():
             if t.loads is None:
@@ -551,6 +553,10 @@ class SchedulerPart:
         for pool in results.failed_pools:
             self._store.suspect(pool)
             self._slots.abandon_pool(pool)
+        if results.unvalidated_pools - self._pin_pools:
+            log.info("ucm-ray: a worker cannot read the published index of %s; pinning their entries",
+                     sorted(p[0] for p in results.unvalidated_pools - self._pin_pools))
+            self._pin_pools |= results.unvalidated_pools
         publish: list[Publish] = []
         free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
         for job_id, result in results.saves.items():

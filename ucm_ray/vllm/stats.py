@@ -41,11 +41,14 @@ COUNTERS: dict[str, str] = {
     "loaded_copy_bytes": "Bytes copied from shard pools into vLLM's KV cache (all transports).",
     "saved_copy_bytes": "Bytes copied from vLLM's KV cache into shard pools (all transports).",
     "loaded_blocks": "Blocks whose load completed.",
-    "load_failures": "Blocks whose load failed (vLLM recomputes them): dead or hung shard, deadline, checksum.",
+    "load_failures": "Blocks whose load failed (vLLM recomputes them): dead or hung shard, deadline, checksum, "
+                     "stale unpinned entry.",
     "save_failures": "Block copies into a shard that did not land (never committed).",
     "deadline_misses": "Worker steps whose copies missed transfer_timeout_s.",
     "unwaited_layer_loads": "Layer loads the forward pass never waited for (failed so vLLM recomputes).",
     "checksum_mismatches": "Loaded blocks whose CRC32 did not match (paranoid mode): removed, recomputed.",
+    "stale_loads": "Blocks copied unpinned (found in a same-node shard's published index) whose entry was "
+                   "evicted or replaced meanwhile: recomputed.",
 }
 """Every counter the connector records, with its Prometheus help text."""
 

@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
+from ucm_ray.store.published import IndexReaders
 from ucm_ray.transport.base import Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
@@ -144,6 +145,7 @@ class WorkerPart:
         self._kv_cache_config = kv_cache_config
         self._rank = tp_rank
         self._pools = PoolConnections(config.transport, node_id)
+        self._indexes = IndexReaders(node_id)  # validates loads copied from unpinned entries
         check_async_loads_reportable(len(kv_cache_config.kv_cache_groups))
         self._group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         # Mamba / linear-attention layers get no per-layer hooks from vLLM.
@@ -186,6 +188,7 @@ class WorkerPart:
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
         if meta.pools is not None:
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
+            self._indexes.sync(meta.pools)
         saves = meta.saves.get(self._rank, [])
         self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
                                 deadline=time.monotonic() + self._config.transfer_timeout_s,
@@ -309,6 +312,7 @@ class WorkerPart:
     def shutdown(self) -> None:
         self._copier.shutdown(wait=True)
         self._pools.close()
+        self._indexes.close()
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -416,9 +420,29 @@ class WorkerPart:
                         for seg in self._layouts[g].layers[i].segments(block_id):
                             step.crc[tag] = checksum(seg, step.crc[tag])
 
-    def _finish_loads(self) -> None:
-        """All copies of the step are in: verify checksums and report what vLLM must redo."""
+    def _validate_unpinned(self) -> None:
+        """Loads copied from entries nobody pinned (found in a published index) count only if the
+        entry is still listed as it was: otherwise its slot may have been reused mid-copy."""
         step = self._step
+        by_pool: dict[PoolKey, list[tuple[_Tag, bytes, int]]] = defaultdict(list)
+        for job in step.loads:
+            for b in job.blocks:
+                tag = (job.job_id, b.block_id)
+                if b.location.generation and tag not in step.failed:
+                    by_pool[b.location.pool].append((tag, b.key, b.location.generation))
+        for pool, rows in by_pool.items():
+            valid = self._indexes.validate(pool, [key for _, key, _ in rows], [gen for _, _, gen in rows])
+            if valid is None:
+                self._results.unvalidated_pools.add(pool)
+            stale = [tag for n, (tag, _, _) in enumerate(rows) if valid is None or not valid[n]]
+            step.failed.update(stale)
+            self.stats.add(stale_loads=len(stale))
+
+    def _finish_loads(self) -> None:
+        """All copies of the step are in: validate unpinned ones, verify checksums and report
+        what vLLM must redo."""
+        step = self._step
+        self._validate_unpinned()
         for job in step.loads:
             for b in job.blocks:
                 tag = (job.job_id, b.block_id)

@@ -1,0 +1,191 @@
+"""The shard's published index: what same-node readers look up without a Ray call.
+
+A reader must never take one key's entry for another's, nor an entry that was torn
+mid-update, and a copy it validates must be from an entry that stayed listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import pytest
+
+from ucm_ray.store.index import BlockIndex
+from ucm_ray.store.published import IndexReader, IndexReaders, PublishedIndex, index_path, table_buckets
+from ucm_ray.transport.base import PoolDescriptor
+
+INCARNATION = 0x5EED
+OWNER = 7
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+
+
+@pytest.fixture
+def path():
+    p = f"/dev/shm/ucmray-test-published-{uuid.uuid4().hex[:8]}"
+    yield p
+    for leftover in (p, index_path(p)):  # a test that failed before closing its table
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+
+
+def test_entries_are_found_by_key_and_unlisted_ones_are_misses(path):
+    table = PublishedIndex(path, 64 << 20, INCARNATION)
+    reader = IndexReader(path, INCARNATION)
+    gens = [table.publish(key(i), offset=4096 * i, size=4096, checksum=i if i % 2 else None) for i in range(100)]
+    assert sorted(set(gens)) == gens and gens[0] > 0  # one fresh generation per entry
+    table.unpublish(key(3))
+    found = reader.lookup([key(i) for i in range(105)])
+    assert found is not None and found.known.all()
+    assert found.generation[3] == 0 and (found.generation[100:] == 0).all()
+    listed = [i for i in range(100) if i != 3]
+    assert found.offset[listed].tolist() == [4096 * i for i in listed]
+    assert found.checksum[1] == 1 and found.checksum[2] == -1
+    assert reader.validate([key(5), key(3)], [gens[5], gens[3]]).tolist() == [True, False]
+    # the same key listed again is another entry: a copy of the old one does not validate
+    table.unpublish(key(5))
+    table.publish(key(5), 0, 4096, None)
+    assert reader.validate([key(5)], [gens[5]]).tolist() == [False]
+    reader.close()
+    table.close()
+    assert not os.path.exists(path)
+
+
+def test_a_reader_of_another_incarnation_is_refused(path):
+    table = PublishedIndex(path, 1 << 20, INCARNATION)
+    with pytest.raises(ValueError, match="not the index of incarnation"):
+        IndexReader(path, INCARNATION + 1)
+    table.close()
+
+
+def test_tombstones_are_dropped_by_rebuilds_without_losing_entries(path):
+    table = PublishedIndex(path, 1 << 20, INCARNATION)  # the smallest table: 1024 buckets
+    reader = IndexReader(path, INCARNATION)
+    assert table.buckets == 1024
+    live: dict[int, int] = {}
+    for i in range(5000):  # churn: far more inserts than buckets, 300 live at most
+        live[i] = table.publish(key(i), i, 64, None)
+        if len(live) > 300:
+            oldest = min(live)
+            table.unpublish(key(oldest))
+            del live[oldest]
+    found = reader.lookup([key(i) for i in range(5000)])
+    assert found is not None
+    assert np.flatnonzero(found.generation).tolist() == sorted(live)
+    assert found.generation[sorted(live)].tolist() == [live[i] for i in sorted(live)]
+    table.close()
+
+
+def test_a_full_table_says_so_and_misses_of_what_did_not_fit_are_not_answers(path):
+    table = PublishedIndex(path, 1 << 20, INCARNATION)
+    index = BlockIndex(1 << 20, lease_s=60, reserve_timeout_s=60, published=table)
+    reader = IndexReader(path, INCARNATION)
+    buckets = table_buckets(1 << 20)
+    n = buckets // 2 + 100  # more entries than the table takes (64 B each fit the pool)
+    token, offsets = index.reserve(OWNER, 64, n)
+    assert len(offsets) == n
+    index.commit(OWNER, token, [(key(i), off, None) for i, off in enumerate(offsets)])
+    found = reader.lookup([key(i) for i in range(n)] + [key(10**6)])
+    assert found is not None
+    assert (found.generation[: buckets // 2] > 0).all() and (found.generation[buckets // 2: n] == 0).all()
+    assert not found.known[buckets // 2: n].any() and not found.known[-1]  # ask the shard
+    # Removing entries makes room: what did not fit is published, and misses are answers again.
+    index.remove([(key(i), offsets[i]) for i in range(300)])
+    found = reader.lookup([key(i) for i in range(n)] + [key(10**6)])
+    assert found is not None and found.known.all()
+    assert (found.generation[300:n] > 0).all() and (found.generation[:300] == 0).all()
+    table.close()
+
+
+def test_eviction_unlists_an_entry_before_its_slot_is_handed_out(path):
+    pool = 64 * 8
+    table = PublishedIndex(path, pool, INCARNATION)
+    index = BlockIndex(pool, lease_s=60, reserve_timeout_s=60, published=table)
+    reader = IndexReader(path, INCARNATION)
+    token, offsets = index.reserve(OWNER, 64, 8)
+    index.commit(OWNER, token, [(key(i), off, None) for i, off in enumerate(offsets)])
+    keys = [key(i) for i in range(8)]
+    found = reader.lookup(keys)
+    assert found is not None and (found.generation > 0).all()
+    _, reused = index.reserve(OWNER, 64, 1)  # evicts the least recently used entry
+    assert len(reused) == 1
+    evicted = found.offset.tolist().index(reused[0])
+    valid = reader.validate(keys, found.generation.tolist()).tolist()
+    assert valid == [i != evicted for i in range(8)]  # unlisted already: a copy of it would not count
+    table.close()
+
+
+def test_readers_map_only_indexes_of_their_own_node(path):
+    table = PublishedIndex(path, 1 << 20, INCARNATION)
+    table.publish(key(1), 128, 64, None)
+    desc = PoolDescriptor("s0", "node-a", 1 << 20, None, None, None, 0, INCARNATION, index_path=path)
+    here, elsewhere = IndexReaders("node-a"), IndexReaders("node-b")
+    for readers in (here, elsewhere):
+        readers.sync({desc.key: desc})
+    assert elsewhere.locate(desc.key, [key(1)]) is None  # it would look up through Ray
+    located = here.locate(desc.key, [key(1), key(2)])
+    assert located is not None
+    locations, unknown = located
+    assert locations[0] is not None and locations[0].offset == 128 and locations[0].generation > 0
+    assert locations[1] is None and unknown == []
+    here.sync({})  # a pool that left the membership: its mapping is closed
+    assert here.locate(desc.key, [key(1)]) is None
+    table.close()
+
+
+WRITER = textwrap.dedent("""
+    import hashlib, sys
+    from ucm_ray.store.published import PublishedIndex
+
+    def key(i):
+        return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+
+    table = PublishedIndex(sys.argv[1], 1 << 20, 0x5EED)
+    print("ready", flush=True)
+    live = []
+    for round in range(60000):
+        i = round % 700
+        if len(live) >= 400:
+            table.unpublish(key(live.pop(0)))
+        generation = table.publish(key(i), 0, 0, None) if i not in live else 0
+        if generation:
+            # offset and size name the key and the generation: a torn or misread bucket shows
+            table.unpublish(key(i))
+            generation = table.publish(key(i), i * 1000003, generation, None)
+            live.append(i)
+    sys.stdin.read()
+    table.close()
+""")
+
+
+def test_a_reader_in_another_process_never_sees_a_torn_or_foreign_entry(path):
+    """The shard writes in one process while a reader looks up in another: every entry found
+    is exactly what was published for that key (offset names the key; size the generation)."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, index_path(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        reader = IndexReader(index_path(path), INCARNATION)
+        keys = [key(i) for i in range(700)]
+        seen = lookups = 0
+        while writer.poll() is None and lookups < 3000:
+            found = reader.lookup(keys)
+            lookups += 1
+            if found is None:
+                continue
+            hit = np.flatnonzero(found.generation)
+            seen += len(hit)
+            assert (found.offset[hit] == hit * 1000003).all()
+            assert (found.size[hit] + 1 == found.generation[hit].astype(np.int64)).all()
+        assert seen > 0
+    finally:
+        writer.stdin.close()  # type: ignore[union-attr]
+        writer.wait(timeout=60)

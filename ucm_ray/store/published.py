@@ -1,0 +1,348 @@
+"""A shard's index, published read-only in shared memory: same-node lookups without a Ray call.
+
+A lookup through Ray costs a round trip (~1 ms here, several on a busy host),
+and a store-warm prompt pays it before vLLM may schedule it. But on one node
+the shard and its readers share memory: the shard keeps a copy of its
+key -> entry map in a ``/dev/shm`` file that readers map read-only, so a miss
+is answered in microseconds and a hit needs no pin.
+
+Pins are replaced by *validation*. Every published entry has a generation,
+unique within one incarnation of the shard. A reader notes it at lookup,
+copies the bytes without a pin, then looks the key up again: the same
+generation means the entry stayed listed the whole time, so its slot was never
+freed, never handed to a writer, and the bytes copied are the entry's (a slot
+is unlisted here before the shard can grant it to anyone). Another generation
+or none is a failed load (vLLM recomputes, ``get`` reports a miss): never wrong
+bytes. Readers tell the shard what they read, off the critical path
+(``CacheShard.touch``), so read entries stay recently used and are evicted last.
+
+The table: open addressing with linear probing over 64-byte buckets after a
+64-byte header, keys are 16-byte digests (``keys.KEY_BYTES``, uniformly
+spread, so their low word picks the bucket). One writer, the shard, under its
+lock; any number of readers in other processes, never blocked:
+- per bucket a seqlock: ``seq`` odd while the writer changes it; a reader
+  takes a bucket only if ``seq`` was even and the same before and after;
+- a rebuild (dropping tombstones) makes the header's ``epoch`` odd until done;
+  a reader whose lookup saw the epoch change looks again;
+- when the table is too full to take an entry, ``complete`` is cleared: a miss
+  is then not an answer, and the reader asks the shard through Ray.
+
+These rules rely on x86's ordering of plain loads and stores (total store
+order); elsewhere (aarch64) no reader maps the table and lookups go through
+Ray, as between nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import platform
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ucm_ray.keys import KEY_BYTES
+from ucm_ray.store.blockstore import Location
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
+
+log = logging.getLogger(__name__)
+
+BUCKET: np.dtype = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("offset", "<i8"),
+                   ("size", "<i8"), ("generation", "<u8"), ("checksum", "<i8"), ("unused", "<u8")])
+HEADER: np.dtype = np.dtype([("magic", "<u8"), ("epoch", "<u8"), ("buckets", "<u8"), ("complete", "<u8"),
+                   ("incarnation", "<u8"), ("unused", "<u8", 3)])
+FIELDS = ("key_lo", "key_hi", "offset", "size", "generation", "checksum")
+"""A bucket's fields between ``seq`` and the unused word, in order."""
+MAGIC = 0x31584449_59415255  # "URAYIDX1"
+EMPTY = 0
+TOMBSTONE = np.uint64(2**64 - 1)
+NO_CHECKSUM = -1
+MAX_LOAD = 0.5
+"""Live entries per bucket beyond which the table takes no more (probe chains stay short)."""
+BYTES_PER_BUCKET = 16 << 10
+"""Pool bytes per bucket: entries of 32 KiB and up all fit at ``MAX_LOAD``; smaller ones fit
+until the table is full, then lookups of what did not fit go through Ray."""
+ORDERED_LOADS = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+"""Whether this CPU keeps plain loads and stores in order, as the seqlocks need (x86)."""
+
+
+def table_buckets(pool_bytes: int) -> int:
+    """Buckets for a pool of ``pool_bytes``: a power of two, at least 1024."""
+    want = max(1024, 2 * pool_bytes // BYTES_PER_BUCKET)
+    return 1 << (want - 1).bit_length()
+
+
+def index_path(pool_path: str) -> str:
+    """The index file of a pool file (same directory and prefix: stale-pool cleanup covers it)."""
+    return pool_path + "-index"
+
+
+def _words(keys: Sequence[bytes]) -> np.ndarray:
+    """Keys as an ``[n, 2]`` array of little-endian words."""
+    blob = b"".join(keys)
+    if len(blob) != KEY_BYTES * len(keys):
+        raise ValueError(f"published index keys must be {KEY_BYTES} bytes each")
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+
+
+class PublishedIndex:
+    """The shard's side: a table it alone writes (called under the shard's lock)."""
+
+    def __init__(self, path: str, pool_bytes: int, incarnation: int) -> None:
+        self.path = path
+        self.buckets = table_buckets(pool_bytes)
+        size = HEADER.itemsize + self.buckets * BUCKET.itemsize
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)  # zero pages, reserved now: all buckets empty
+            except OSError as e:
+                os.unlink(path)
+                raise OSError(e.errno, f"cannot reserve {size} bytes for shard index {path}: {e.strerror}") from e
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._header = np.frombuffer(self._mmap, dtype=HEADER, count=1)
+        self._table = np.frombuffer(self._mmap, dtype=BUCKET, offset=HEADER.itemsize, count=self.buckets)
+        self._mask = self.buckets - 1
+        self._where: dict[bytes, int] = {}  # key -> its bucket
+        self._tombstones = 0
+        self._generation = 0
+        self._header[0] = (MAGIC, 0, self.buckets, 1, incarnation, (0, 0, 0))
+
+    def publish(self, key: bytes, offset: int, size: int, checksum: int | None) -> int:
+        """List a committed entry; its generation, or 0 when the table has no room for it (then
+        readers ask the shard for what they do not find)."""
+        if len(self._where) + 1 > MAX_LOAD * self.buckets:
+            self._header["complete"] = 0
+            return 0
+        if len(self._where) + self._tombstones + 1 > 0.75 * self.buckets:
+            self._rebuild()
+        self._generation += 1
+        lo, hi = (int(w) for w in _words([key])[0])
+        at = lo & self._mask
+        while self._table["generation"][at] not in (EMPTY, TOMBSTONE):
+            at = (at + 1) & self._mask
+        if self._table["generation"][at] == TOMBSTONE:
+            self._tombstones -= 1
+        self._write(at, (lo, hi, offset, size, self._generation, NO_CHECKSUM if checksum is None else checksum))
+        self._where[key] = at
+        return self._generation
+
+    def unpublish(self, key: bytes) -> None:
+        """Unlist an entry (evicted or removed) before its slot can go to anyone else."""
+        at = self._where.pop(key, None)
+        if at is None:
+            return
+        row = self._table[at]
+        self._write(at, (row["key_lo"], row["key_hi"], row["offset"], row["size"], TOMBSTONE, row["checksum"]))
+        self._tombstones += 1
+
+    def refill(self, entries: Iterable[tuple[bytes, int, int, int | None]]) -> dict[bytes, int]:
+        """Publish committed entries that found no room before (``complete`` again once all of
+        them are in); their generations. The shard calls it when unlisting made room."""
+        out: dict[bytes, int] = {}
+        for key, offset, size, checksum in entries:
+            generation = self.publish(key, offset, size, checksum)
+            if not generation:
+                return out
+            out[key] = generation
+        self._header["complete"] = 1
+        return out
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._header["complete"][0])
+
+    @property
+    def wants_refill(self) -> bool:
+        """Incomplete, and room for a fifth of the table since: worth a refill."""
+        return not self.complete and len(self._where) < 0.8 * MAX_LOAD * self.buckets
+
+    def close(self) -> None:
+        del self._header, self._table  # the views, so the mapping can close
+        try:
+            self._mmap.close()
+        except BufferError:
+            log.warning("index %s still has live views; leaving the mapping to the GC", self.path)
+        Path(self.path).unlink(missing_ok=True)
+
+    def _write(self, at: int, fields: tuple) -> None:
+        """One bucket under its seqlock: odd while it changes (stores stay in order on x86)."""
+        seq = int(self._table["seq"][at])
+        self._table["seq"][at] = seq + 1
+        self._table[at] = (seq + 1, *fields, 0)
+        self._table["seq"][at] = seq + 2
+
+    def _rebuild(self) -> None:
+        """Drop tombstones: every live entry re-inserted while ``epoch`` is odd."""
+        live = [(key, self._table[at].copy()) for key, at in self._where.items()]
+        self._header["epoch"] += 1
+        self._table["generation"] = EMPTY
+        self._where.clear()
+        for key, row in live:
+            at = int(row["key_lo"]) & self._mask
+            while self._table["generation"][at] != EMPTY:
+                at = (at + 1) & self._mask
+            self._write(at, tuple(row[name] for name in FIELDS))
+            self._where[key] = at
+        self._tombstones = 0
+        self._header["epoch"] += 1
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lookup's answer, per key: ``generation`` 0 is a miss; ``known`` False means the table
+    could not say (it is incomplete and the key is not in it): ask the shard."""
+
+    generation: np.ndarray
+    offset: np.ndarray
+    size: np.ndarray
+    checksum: np.ndarray
+    known: np.ndarray
+
+
+class IndexReader:
+    """A reader's read-only mapping of one shard's published index."""
+
+    RETRIES = 8
+
+    def __init__(self, path: str, incarnation: int) -> None:
+        with open(path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        self._header = np.frombuffer(self._mmap, dtype=HEADER, count=1)
+        head = self._header[0]
+        if int(head["magic"]) != MAGIC or int(head["incarnation"]) != incarnation:
+            del self._header, head
+            self._mmap.close()
+            raise ValueError(f"{path} is not the index of incarnation {incarnation:x}")
+        self.buckets = int(head["buckets"])
+        self._table = np.frombuffer(self._mmap, dtype=BUCKET, offset=HEADER.itemsize, count=self.buckets)
+        self._mask = np.uint64(self.buckets - 1)
+
+    def lookup(self, keys: Sequence[bytes]) -> Found | None:
+        """Per key, the listed entry, read consistently; None if the shard kept rebuilding."""
+        words = _words(keys)
+        for _ in range(self.RETRIES):
+            epoch = int(self._header["epoch"][0])
+            if epoch & 1:
+                time.sleep(0.0001)
+                continue
+            found = self._probe(words)
+            if int(self._header["epoch"][0]) == epoch:
+                return found
+        return None
+
+    def validate(self, keys: Sequence[bytes], generations: Sequence[int]) -> np.ndarray:
+        """Per key, whether the entry of that generation is still listed (its copy is good)."""
+        found = self.lookup(keys)
+        if found is None:
+            return np.zeros(len(keys), dtype=bool)
+        return found.generation == np.asarray(generations, dtype=np.uint64)
+
+    def close(self) -> None:
+        del self._header, self._table  # the views, so the mapping can close
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view still lives: the GC unmaps it
+
+    def _probe(self, words: np.ndarray) -> Found:
+        n = len(words)
+        lo, hi = words[:, 0], words[:, 1]
+        generation: np.ndarray = np.zeros(n, dtype=np.uint64)
+        offset: np.ndarray = np.zeros(n, dtype=np.int64)
+        size: np.ndarray = np.zeros(n, dtype=np.int64)
+        checksum: np.ndarray = np.full(n, NO_CHECKSUM, dtype=np.int64)
+        complete = bool(self._header["complete"][0])
+        known: np.ndarray = np.ones(n, dtype=bool)
+        todo = np.arange(n)
+        at = lo & self._mask
+        seqs = self._table["seq"]
+        for _ in range(self.buckets + self.RETRIES):
+            if not len(todo):
+                break
+            where = at[todo]
+            before = seqs[where]
+            rows = self._table[where]
+            steady = (before == seqs[where]) & (before & np.uint64(1) == 0)
+            gen = rows["generation"]
+            live = (gen != EMPTY) & (gen != TOMBSTONE)
+            hit = steady & live & (rows["key_lo"] == lo[todo]) & (rows["key_hi"] == hi[todo])
+            miss = steady & (gen == EMPTY)
+            found = todo[hit]
+            generation[found] = gen[hit]
+            offset[found] = rows["offset"][hit]
+            size[found] = rows["size"][hit]
+            checksum[found] = rows["checksum"][hit]
+            known[todo[miss]] = complete
+            step = steady & ~hit & ~miss  # another key or a tombstone: the chain goes on
+            at[todo[step]] = (at[todo[step]] + np.uint64(1)) & self._mask
+            todo = todo[~(hit | miss)]  # torn reads stay and are read again
+        known[todo] = False
+        return Found(generation, offset, size, checksum, known)
+
+
+class IndexReaders:
+    """One process's mappings of the published indexes it can read: pools on its own node that
+    publish one, on a CPU whose ordering the seqlocks rely on. Synced with membership like
+    ``PoolConnections``: an old incarnation's mapping is closed before anything reads it."""
+
+    def __init__(self, node_id: str | None) -> None:
+        self._node_id = node_id
+        self._descriptors: dict[PoolKey, PoolDescriptor] = {}
+        self._open: dict[PoolKey, IndexReader | None] = {}
+
+    def sync(self, descriptors: Mapping[PoolKey, PoolDescriptor]) -> None:
+        self._descriptors = dict(descriptors)
+        for key in [k for k in self._open if k not in self._descriptors]:
+            reader = self._open.pop(key)
+            if reader is not None:
+                reader.close()
+
+    def get(self, pool: PoolKey) -> IndexReader | None:
+        """The pool's index, or None: not on this node, none published, or not readable here."""
+        if pool in self._open:
+            return self._open[pool]
+        desc = self._descriptors.get(pool)
+        reader = None
+        if ORDERED_LOADS and desc is not None and desc.index_path and desc.node_id == self._node_id:
+            try:
+                reader = IndexReader(desc.index_path, desc.incarnation)
+            except (OSError, ValueError) as e:
+                log.warning("shard %s: its published index is not readable here (%s); looking up through Ray",
+                            pool[0], e)
+        if desc is not None:
+            self._open[pool] = reader
+        return reader
+
+    def locate(self, pool: PoolKey, keys: Sequence[bytes]) -> tuple[list[Location | None], list[int]] | None:
+        """Per key, its entry in ``pool``'s published index (unpinned: validate the copy) or None,
+        and the positions of keys the index could not answer (ask the shard); None when this
+        process cannot read that index."""
+        reader = self.get(pool)
+        found = reader.lookup(keys) if reader is not None and keys else None
+        if found is None:
+            return None
+        locations: list[Location | None] = [None] * len(keys)
+        for i in np.flatnonzero(found.generation).tolist():
+            csum = int(found.checksum[i])
+            locations[i] = Location(pool[0], pool[1], int(found.offset[i]), int(found.size[i]),
+                                    None if csum == NO_CHECKSUM else csum, int(found.generation[i]))
+        return locations, np.flatnonzero(~found.known).tolist()
+
+    def validate(self, pool: PoolKey, keys: Sequence[bytes], generations: Sequence[int]) -> np.ndarray | None:
+        """Per key, whether its entry of that generation is still listed; None when this process
+        cannot read ``pool``'s index (then nothing copied from it unpinned can be trusted)."""
+        reader = self.get(pool)
+        return reader.validate(keys, generations) if reader is not None else None
+
+    def close(self) -> None:
+        self.sync({})
