@@ -30,9 +30,9 @@ def _gone(paths: list[str], timeout_s: float = 10.0) -> list[str]:
 def test_pool_of_a_killed_shard_that_never_restarts_is_unlinked(fleet):
     cfg = fleet(num_shards=2, transport="shm")
     pools = glob.glob(os.path.join(cfg.shm_dir, f"ucmray-{cfg.ray_namespace}-*shard_0-*"))
-    assert len(pools) == 1, pools
+    assert len(pools) == 2, pools  # the pool and its published index
     os.kill(shard_pid(cfg, 0), signal.SIGKILL)
-    assert _gone(pools) == [], "the killed shard's pool is still in /dev/shm"
+    assert _gone(pools) == [], "the killed shard's pool or index is still in /dev/shm"
 
 
 SCRIPT = textwrap.dedent("""
@@ -55,7 +55,7 @@ def test_pools_go_with_the_cluster_that_ends_without_down(tmp_path):
                           capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     pools = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(pools) == 2, pools
+    assert len(pools) == 4, pools  # two shards' pools and published indexes
     left = _gone(pools)
     for path in left:  # do not leave them to the next run
         os.unlink(path)
@@ -76,7 +76,7 @@ def test_pools_go_when_the_driver_of_their_cluster_is_killed(tmp_path):
     try:
         assert driver.stdout is not None
         pools = json.loads(driver.stdout.readline())
-        assert len(pools) == 2, pools
+        assert len(pools) == 4, pools  # two pools, two indexes
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and the cluster processes it started
         driver.wait(30)
