@@ -2,7 +2,9 @@
 
 Baselines measured in the same run: single-thread memcpy into a preallocated
 buffer (numpy copyto) and moving the same bytes through Ray's object store to
-an actor. Prints a table, then ``data_plane_load_vs_memcpy=<ratio>`` (2 MiB
+an actor. Clients: ``shm`` (same-node lookups in the shards' published
+indexes), ``shm_pinned`` (every lookup a pinning Ray call, as between nodes),
+``nixl``. Prints a table, then ``data_plane_load_vs_memcpy=<ratio>`` (2 MiB
 blocks, same-node path, data plane only) as the last line.
 
 Run: ``make bench`` or ``python benchmarks/data_plane.py [--sizes 256KiB,2MiB,16MiB]``.
@@ -107,13 +109,20 @@ def move(client: StoreClient, locations, tensors, *, write: bool) -> None:
 
 
 def lookup_latency(client: StoreClient, n: int, iters: int) -> tuple[float, float]:
+    """The engine's lookup (``acquire``) of ``n`` keys, half of them stored: p50 and p99 seconds.
+    Pins taken through Ray are released after each timing, off the clock (as the engine does)."""
     ks = keys_for(f"lookup-{n}", n)
-    client.lookup(ks)
+    stored = torch.zeros(n // 2, 64, dtype=torch.uint8)
+    client.register_local(stored)
+    if not all(client.put(ks[: n // 2], list(stored))):
+        raise RuntimeError("lookup benchmark: pool too small for its keys")
     lat = []
     for _ in range(iters):
         t = time.perf_counter()
-        client.lookup(ks)
+        lease = client.acquire(ks).result()
         lat.append(time.perf_counter() - t)
+        assert sum(loc is not None for loc in lease.locations) == n // 2
+        client.release(lease.lease_ids).result()
     lat.sort()
     return statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
 
@@ -132,13 +141,18 @@ def main() -> None:
     cfg = UcmRayConfig(num_shards=4, pool_bytes=pool, ray_namespace="ucm_ray_bench")
     try:
         with running_fleet(cfg):
-            clients = {t: StoreClient(UcmRayConfig.from_dict({**cfg.to_dict(), "transport": t}))
-                       for t in ("shm", "nixl")}
+            # shm: same-node lookups read the shards' published indexes (no call, no pin);
+            # shm_pinned: every lookup a Ray call that pins (the path between nodes).
+            variants = {"shm": {"transport": "shm"}, "shm_pinned": {"transport": "shm", "local_lookups": False},
+                        "nixl": {"transport": "nixl"}}
+            clients = {name: StoreClient(UcmRayConfig.from_dict({**cfg.to_dict(), **v}))
+                       for name, v in variants.items()}
             rows = {}
             for size in sizes:
                 log.info("measuring %d x %d KiB blocks", BATCH, size >> 10)
                 rows[size] = measure_size(size, clients, args.repeat)
-            lookups = {n: lookup_latency(clients["shm"], n, args.lookup_iters) for n in (1000, 10000)}
+            lookups = {(name, n): lookup_latency(clients[name], n, args.lookup_iters)
+                       for name in ("shm", "shm_pinned") for n in (1000, 10000)}
     finally:
         ray.shutdown()
 
@@ -147,8 +161,9 @@ def main() -> None:
     for c in cols:
         print(f"{c:>22}" + "".join(f"{rows[s][c] / 1e9:>14.2f}" for s in sizes))
     print()
-    for n, (p50, p99) in lookups.items():
-        print(f"lookup {n:>6} keys / 4 shards: p50 {p50 * 1e3:.2f} ms  p99 {p99 * 1e3:.2f} ms")
+    for (name, n), (p50, p99) in lookups.items():
+        how = "published index" if name == "shm" else "Ray calls"
+        print(f"lookup {n:>6} keys / 4 shards ({how}): p50 {p50 * 1e3:.2f} ms  p99 {p99 * 1e3:.2f} ms")
     ref = 2 << 20 if (2 << 20) in rows else sizes[0]
     r = rows[ref]
     print(f"shm_load_vs_memcpy={r['shm_load'] / r['memcpy']:.2f} shm_save_vs_memcpy={r['shm_save'] / r['memcpy']:.2f} "

@@ -66,6 +66,7 @@ def test_a_lease_shorter_than_two_step_deadlines_is_refused():
     ({"shard_cpus": float("inf")}, ["shard_cpus"]),
     ({"shard_cpus": 0.00001}, ["shard_cpus", "0.0001"]),     # Ray refuses it later, far from the cause
     ({"checksum": 2}, ["checksum", "true or false"]),
+    ({"local_lookups": "sometimes"}, ["local_lookups", "true or false"]),
     ({"bad\nkey": 1}, ["'bad\\nkey'", "allowed keys"]),    # shown on one line
     ({3: 1}, ["3", "allowed keys"]),                          # a YAML int key, sorted beside str keys
     ({3: 1, "a": 2}, ["3", "a", "allowed keys"]),

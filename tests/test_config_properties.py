@@ -78,6 +78,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "lease_s": draw(_seconds(max(0.1, 2 * transfer), 86400)),
         "reserve_timeout_s": draw(_seconds(max(0.1, 2 * transfer), 86400)),
         "checksum": draw(st.booleans()),
+        "local_lookups": draw(st.booleans()),
         "shm_dir": draw(st.sampled_from(["/dev/shm", _EXISTING_DIR])),
         "shard_cpus": draw(st.one_of(st.just(0.0), _seconds(0.0001, 1024))),
     }
@@ -106,7 +107,7 @@ def _argv(settings_: dict[str, object]) -> list[str]:
     argv = []
     for key, value in settings_.items():
         flag = "--" + key.replace("_", "-")
-        if key in ("layerwise", "checksum"):
+        if key in ("layerwise", "checksum", "local_lookups"):
             on = value is True or str(value).lower() in ("true", "1", "yes", "on")
             argv.append(flag if on else "--no-" + flag[2:])
         else:
@@ -174,6 +175,8 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
     "layerwise": st.one_of(_GARBAGE.filter(lambda s: s.lower() not in ("true", "yes", "on", "false", "no", "off")),
                            st.integers(2), st.none()),
     "checksum": st.one_of(st.sampled_from(["maybe", "2", "", "truee"]), st.integers(min_value=2), st.none()),
+    "local_lookups": st.one_of(st.sampled_from(["sometimes", "-1", "", "onn"]), st.integers(min_value=2),
+                               st.none()),
     "lookup_timeout_s": _bad_seconds(0.01, 3600),
     "transfer_timeout_s": _bad_seconds(0.01, 3600),
     "lease_s": _bad_seconds(0.1, 86400),
@@ -226,7 +229,7 @@ def test_any_invalid_flag_is_one_line_naming_its_key(case):
         # what a flag can carry that is still invalid: "" for every key but model_id (where it
         # means "the model's path"), which refuses a tab
         bad = "\t" if key == "model_id" else ""
-    if key in ("layerwise", "checksum"):
+    if key in ("layerwise", "checksum", "local_lookups"):
         written.pop(key)  # on/off flags take no value: argparse itself refuses anything else
         bad_yaml = {key: bad}
     else:

@@ -488,10 +488,7 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
         from vllm.config.logging import LoggingConfig
         from vllm.logger import configure_logging
         configure_logging(LoggingConfig())  # what an engine process does first
-        from ucm_ray.store.blockstore import Location
-from ucm_ray.store.index import random_id
-from ucm_ray.store.local import LocalBlockStore
-from ucm_ray.store.published import IndexReaders
+        from ucm_ray.store.local import LocalBlockStore
         from ucm_ray.testing.harness import make_engine
         store = LocalBlockStore(num_shards=1, pool_bytes=16 << 20)
         make_engine(store.client(), {model_dir!r}, num_spec=2).shutdown()

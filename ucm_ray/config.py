@@ -120,6 +120,10 @@ class UcmRayConfig:
     """How long a reserved-but-uncommitted slot is kept before it is reclaimed."""
     checksum: bool = False
     """Paranoid mode: checksum at commit, verify on load; a mismatch is a miss."""
+    local_lookups: bool = True
+    """Look keys of same-node shards up in the index each shard publishes in shared memory: no
+    Ray call and no pin; each copy is validated afterwards (an entry evicted meanwhile is a
+    failed load, recomputed). False: every lookup is a Ray call that pins what it finds."""
     shm_dir: str = "/dev/shm"
     shard_cpus: float = 0.5
 
@@ -151,7 +155,7 @@ class UcmRayConfig:
         need(is_int(self.replication) and 1 <= self.replication <= self.num_shards, "replication",
              f"an integer between 1 and num_shards ({self.num_shards})")
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
-        for key in ("layerwise", "checksum"):
+        for key in ("layerwise", "checksum", "local_lookups"):
             need(isinstance(getattr(self, key), bool), key, "true or false")
         for key, (lo, hi) in TIMEOUT_LIMITS.items():
             v = getattr(self, key)

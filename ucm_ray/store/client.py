@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import ray
 import torch
 from ray.exceptions import RayError, RayTaskError
@@ -53,6 +54,7 @@ from ucm_ray.store.index import random_id
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.published import IndexReaders
 from ucm_ray.store.shard import WrongIncarnation
+from ucm_ray.store.touches import TouchSender
 from ucm_ray.transport.base import CopyOp, Ranges, as_bytes
 from ucm_ray.transport.pools import PoolConnections
 
@@ -146,46 +148,50 @@ class _Acquire(Pending[ReadLease]):
     """Locates each key on its first owner that is not suspect: in that shard's published index
     when this node has it (no call, nothing pinned), else pinned through a call; keys whose shard
     *fails* move on to the next replica. A plain miss on a live owner is final (asking every
-    replica for every miss would double the control traffic of cold prompts)."""
+    replica for every miss would double the control traffic of cold prompts). Keys are routed
+    as arrays: a lookup of a long prompt costs no Python per key before its answer."""
 
     def __init__(self, client: StoreClient, keys: list[bytes], pin: Collection[PoolKey]) -> None:
         self._client = client
         self._keys = keys
         self._pin = pin
         self._lease = ReadLease(locations=[None] * len(keys))
-        self._owners = client._owner_records(keys)
-        self._rank = [0] * len(keys)
+        self._shards = client._membership.shards
+        self._owners = client._owner_indices(keys)  # [key, replica] -> index into self._shards
+        self._rank: np.ndarray = np.zeros(len(keys), dtype=np.int64)
         self._deadline = time.monotonic() + client.config.lookup_timeout_s
         self._calls: list[tuple[ShardRecord, list[int], ray.ObjectRef]] = []
         self._arrived: list[Future] | None = None  # as in ``_Fanout``: made by the first poll
-        self._post(list(range(len(keys))))
+        self._post(np.arange(len(keys)))
 
-    def _post(self, idx: list[int]) -> None:
-        by_pool: dict[PoolKey, tuple[ShardRecord, list[int]]] = {}
-        for i in idx:
-            own, r = self._owners[i], self._rank[i]
-            while r < len(own) and self._client._suspects.suspect(own[r]):
-                r += 1
-            self._rank[i] = r
-            if r < len(own):
-                by_pool.setdefault(own[r].key, (own[r], []))[1].append(i)
+    def _post(self, idx: np.ndarray) -> None:
         c = self._client
-        for pool, (rec, ix) in list(by_pool.items()):
-            local = None if pool in self._pin else c._readers.locate(pool, [self._keys[i] for i in ix])
-            if local is None:
-                continue
-            locations, unknown = local
-            for i, loc in zip(ix, locations):
-                self._lease.locations[i] = loc
-            hits = [self._keys[i] for i, loc in zip(ix, locations) if loc is not None]
-            c._background(rec.handle.touch.remote(pool[1], hits, len(ix) - len(unknown)))
-            if unknown:
-                by_pool[pool] = (rec, [ix[u] for u in unknown])
-            else:
-                del by_pool[pool]
-        self._calls = [(rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, c.owner,
-                                                            [self._keys[i] for i in ix]))
-                       for rec, ix in by_pool.values()]
+        skip = np.array([c._suspects.suspect(rec) for rec in self._shards], dtype=bool)
+        chosen: np.ndarray = np.full(len(idx), -1, dtype=np.int64)
+        rank = self._rank[idx]
+        for r in range(self._owners.shape[1]):
+            shard = self._owners[idx, r]
+            take = (chosen < 0) & (rank <= r) & ~skip[shard]
+            chosen[take] = shard[take]
+            rank[take] = r
+        self._rank[idx] = np.where(chosen < 0, self._owners.shape[1], rank)
+        self._calls = []
+        for shard in np.unique(chosen[chosen >= 0]).tolist():
+            rec = self._shards[shard]
+            ix = idx[chosen == shard].tolist()
+            keys = [self._keys[i] for i in ix]
+            local = None if rec.key in self._pin else c._readers.locate(rec.key, keys)
+            if local is not None:
+                locations, unknown = local
+                for i, loc in zip(ix, locations):
+                    self._lease.locations[i] = loc
+                c._touches.add(rec.key, rec.handle, [key for key, loc in zip(keys, locations) if loc is not None],
+                               len(ix) - len(unknown))
+                if not unknown:
+                    continue
+                ix = [ix[u] for u in unknown]
+                keys = [keys[u] for u in unknown]
+            self._calls.append((rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, c.owner, keys)))
         self._arrived = None
 
     def _collect(self) -> None:
@@ -203,9 +209,9 @@ class _Acquire(Pending[ReadLease]):
                     self._lease.locations[i] = Location(rec.shard_id, rec.pool.incarnation, slot.offset,
                                                         slot.size, slot.checksum)
         self._calls = []
-        for i in failed:
-            self._rank[i] += 1
-        self._post(failed)
+        if failed:
+            self._rank[failed] += 1
+            self._post(np.asarray(failed, dtype=np.int64))
 
     def poll(self) -> bool:
         while self._calls:
@@ -229,8 +235,8 @@ class StoreClient(BlockStore):
         node_id = ray.get_runtime_context().get_node_id()
         self.connections = PoolConnections(config.transport, node_id)
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
-        self._readers = IndexReaders(node_id)
-        self._posted: list[ray.ObjectRef] = []  # calls nobody waits for (touches): errors read later
+        self._readers = IndexReaders(node_id if config.local_lookups else None)
+        self._touches = TouchSender()
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
@@ -276,14 +282,15 @@ class StoreClient(BlockStore):
         self._readers.sync(membership.descriptors)
         self._suspects.retain(set(self._records))
 
+    def _owner_indices(self, keys: Sequence[bytes]) -> np.ndarray:
+        """``[key, replica]``: each key's owners over the FULL membership, best first, as indices
+        into ``membership.shards`` (suspects included: a shard's hiccup must not move keys)."""
+        return place(keys, [s.shard_id for s in self._membership.shards], self.replication)
+
     def _owner_records(self, keys: Sequence[bytes]) -> list[list[ShardRecord]]:
-        """Per key, its owners over the FULL membership, best first (suspects included:
-        a shard's hiccup must not move keys to other shards)."""
+        """As ``_owner_indices``, as records."""
         shards = self._membership.shards
-        if not keys:
-            return []
-        own = place(keys, [s.shard_id for s in shards], self.replication)
-        return [[shards[j] for j in row] for row in own.tolist()]
+        return [[shards[j] for j in row] for row in self._owner_indices(keys).tolist()] if keys else []
 
     def _get(self, record: ShardRecord, ref: ray.ObjectRef, deadline: float) -> Any:
         """The answer of a shard call, or None (the shard is then suspect) when it failed, timed
@@ -294,18 +301,6 @@ class StoreClient(BlockStore):
             refused = isinstance(e, RayTaskError) and isinstance(e.cause, WrongIncarnation)
             self._failed(record.key, "refused a stale incarnation" if refused else type(e).__name__)
             return None
-
-    def _background(self, ref: ray.ObjectRef) -> None:
-        """A call nobody waits for; its answer (or error: a shard that died meanwhile) is read
-        and dropped later, so Ray never reports it as unhandled."""
-        self._posted.append(ref)
-        if len(self._posted) >= 32:
-            done, self._posted = ray.wait(self._posted, num_returns=len(self._posted), timeout=0)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except RayError:
-                    pass  # a touch that did not arrive: only recency and counts are lost
 
     def _failed(self, pool: PoolKey, why: str) -> None:
         if self._suspects.failed(pool):
@@ -412,6 +407,7 @@ class StoreClient(BlockStore):
         self._failed(pool, "a worker's transfer failed")
 
     def close(self) -> None:
+        self._touches.close()
         self.connections.close()
         self._readers.close()
 

@@ -266,6 +266,7 @@ class IndexReader:
         todo = np.arange(n)
         at = lo & self._mask
         seqs = self._table["seq"]
+        torn_rounds = 0
         for _ in range(self.buckets + self.RETRIES):
             if not len(todo):
                 break
@@ -285,7 +286,13 @@ class IndexReader:
             known[todo[miss]] = complete
             step = steady & ~hit & ~miss  # another key or a tombstone: the chain goes on
             at[todo[step]] = (at[todo[step]] + np.uint64(1)) & self._mask
-            todo = todo[~(hit | miss)]  # torn reads stay and are read again
+            settled = hit | miss
+            if not steady.all():  # torn reads are read again, a few times: a bucket left
+                torn_rounds += 1  # mid-update by a shard that paused or died stays unanswered
+                if torn_rounds > self.RETRIES:
+                    known[todo[~steady]] = False
+                    settled |= ~steady
+            todo = todo[~settled]
         known[todo] = False
         return Found(generation, offset, size, checksum, known)
 
@@ -296,6 +303,7 @@ class IndexReaders:
     ``PoolConnections``: an old incarnation's mapping is closed before anything reads it."""
 
     def __init__(self, node_id: str | None) -> None:
+        """``node_id``: this process's node (None: read no index, every lookup is a call)."""
         self._node_id = node_id
         self._descriptors: dict[PoolKey, PoolDescriptor] = {}
         self._open: dict[PoolKey, IndexReader | None] = {}
@@ -313,7 +321,8 @@ class IndexReaders:
             return self._open[pool]
         desc = self._descriptors.get(pool)
         reader = None
-        if ORDERED_LOADS and desc is not None and desc.index_path and desc.node_id == self._node_id:
+        if (ORDERED_LOADS and desc is not None and desc.index_path and self._node_id is not None
+                and desc.node_id == self._node_id):
             try:
                 reader = IndexReader(desc.index_path, desc.incarnation)
             except (OSError, ValueError) as e:

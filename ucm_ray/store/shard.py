@@ -94,7 +94,7 @@ class CacheShard:
             nixl_metadata=self._nixl.metadata() if self._nixl else None,
             pool_base_addr=self._pool.tensor.data_ptr(),
             incarnation=self._incarnation,
-            index_path=self._published.path if self._published else None,
+            index_path=self._published.path if self._published is not None else None,
         )
 
     # Every control call names the incarnation it was meant for: a client that still
