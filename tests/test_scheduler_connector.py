@@ -3,6 +3,7 @@ store can show. The seed's tables and the in-process faults are in ``test_two_ha
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -34,14 +35,17 @@ def test_dense_hit_through_ray_shards(store, model_dir):
     assert b.loaded_blocks["B"] == 16 and b.wrong_blocks == 0 and b.failed_loads == 0
 
 
-def test_lookup_in_flight_for_several_steps(store, model_dir):
+@pytest.mark.parametrize("local_lookups", [False, True])
+def test_lookup_in_flight_for_several_steps(store, model_dir, local_lookups):
     """A shard that does not answer (its process stopped) defers the request, never blocks
-    the scheduler; when it answers, the hit is taken."""
+    the scheduler; when it answers, the hit is taken. Its published index needs no answer:
+    with local lookups the hit is taken at once, loaded from the stopped shard's pool."""
     a = make_engine(StoreClient(store), model_dir, config=store)
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-    b = make_engine(StoreClient(store), model_dir, config=store)
+    config = dataclasses.replace(store, local_lookups=local_lookups)
+    b = make_engine(StoreClient(config), model_dir, config=config)
     pids = [s["pid"] for s in fleet_status(store)["shards"]]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -49,12 +53,15 @@ def test_lookup_in_flight_for_several_steps(store, model_dir):
         req = b.add("B", p + [5] * 10)
         for _ in range(5):
             b.step()  # returns at once each time: the request waits, nothing is scheduled
-        assert b.deferred["B"] == 5 and "B" not in b.first
+        if local_lookups:
+            assert b.deferred.get("B", 0) == 0 and b.first["B"] == (2048, 10)
+        else:
+            assert b.deferred["B"] == 5 and "B" not in b.first
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     b.run(req)
-    assert b.first["B"] == (2048, 10) and b.wrong_blocks == 0
+    assert b.first["B"] == (2048, 10) and b.wrong_blocks == 0 and b.failed_loads == 0
 
 
 def test_per_process_block_hashes_are_refused_at_start_up(store, model_dir, monkeypatch):

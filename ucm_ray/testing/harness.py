@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import ray
 import torch
 from vllm.config import (
     CacheConfig,
@@ -54,7 +55,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
-from ucm_ray.store.local import LOCAL_NODE
+from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 
@@ -63,6 +64,7 @@ PARTIAL = -1.0
 """What the stand-in forward writes into a block it filled only partly."""
 
 _next_store: list[BlockStore] = []
+_next_node: list[str] = []
 
 
 class HarnessConnector(UcmRayConnector):
@@ -72,7 +74,8 @@ class HarnessConnector(UcmRayConnector):
         return _next_store.pop()
 
     def node_id(self, config: UcmRayConfig) -> str:
-        return LOCAL_NODE
+        """The node of the store's pools: the harness's one process stands for every role on it."""
+        return _next_node.pop()
 
 
 def write_model_dir(path: str) -> str:
@@ -321,7 +324,11 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                           hash_block_size=block_size, log_stats=True)
     finally:
         _next_store.clear()
-    worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    _next_node.append(LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id())
+    try:
+        worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    finally:
+        _next_node.clear()
     kv = {n: torch.zeros(num_blocks, 1, block_size, 2 * 16, dtype=torch.float32) for n in layers}
     layer_groups = [(n, 0, True) for n in layers]
     if hybrid:
