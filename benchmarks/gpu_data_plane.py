@@ -57,7 +57,8 @@ from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
-from ucm_ray.transport.shm import cluster_tag, pool_prefix  # noqa: E402
+from ucm_ray.transport.batch_copy import BatchCopier  # noqa: E402
+from ucm_ray.transport.shm import ShmPoolTransport, cluster_tag, pool_prefix  # noqa: E402
 
 log = logging.getLogger("bench.gpu")
 REPO = Path(__file__).resolve().parent.parent
@@ -363,7 +364,7 @@ def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, loa
 
 def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, float]:
     check_vllm_shape(prof.kv)
-    entries = 2 * prof.blocks  # both layouts' entries stay stored until the fleet stops
+    entries = 3 * prof.blocks  # every pass's entries stay stored until the fleet stops
     pool = max(entries * prof.kv.entry_bytes // shards + (64 << 20), 64 << 20)
     cfg = UcmRayConfig(num_shards=shards, pool_bytes=pool, ray_namespace="ucm_ray_gpu_bench", transport="shm",
                        transfer_timeout_s=300, lease_s=600, reserve_timeout_s=600, lookup_timeout_s=60)
@@ -377,8 +378,18 @@ def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, fl
                      nbytes >> 20, h2d, d2h)
             vllm = measure_layout(prof, cfg, client, device, "nhd", overlap=True)
             hnd = measure_layout(prof, cfg, client, device, "hnd", overlap=False)
+            gather = None
+            if device.type == "cuda" and BatchCopier.load(device.index or 0) is not None:
+                ShmPoolTransport.batch_copies = False  # the path of runtimes without batches
+                try:
+                    gather = measure_layout(prof, cfg, client, device, "nhd", overlap=False)
+                finally:
+                    ShmPoolTransport.batch_copies = True
         finally:
             client.close()
+    if gather is not None:
+        out.update(gather_load_vs_pinned_copy=gather["load_gbps"] / h2d,
+                   gather_save_vs_pinned_copy=gather["save_gbps"] / d2h)
     out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
                gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
                gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
