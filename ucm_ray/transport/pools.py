@@ -63,6 +63,18 @@ class PoolConnections:
             log.info("closing transport to %s incarnation %x: no longer current", key[0], key[1])
             t.close()
 
+    def open_all(self) -> None:
+        """Open a transport to every current pool now (a same-node pool's mapping faults in all
+        its pages, a CUDA one is page-locked too: ~0.3 s per GiB), so no later copy pays that.
+        A pool that cannot be opened now fails its copies later, as it would have."""
+        with self._lock:
+            pools = [k for k in self._descriptors if k not in self._open]
+        for pool in pools:
+            try:
+                self._transport(pool)
+            except Exception as e:  # noqa: BLE001 -- reported again by the copies that need it
+                log.info("transport to shard %s not opened ahead: %s: %s", pool[0], type(e).__name__, e)
+
     def register_local(self, tensor: torch.Tensor) -> None:
         """Local memory that ``Ranges`` will copy into or out of (also registered with transports
         opened later)."""

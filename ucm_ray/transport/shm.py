@@ -43,7 +43,10 @@ TORCH_COPY_BYTES = 1 << 20
 class SharedPool:
     """A /dev/shm file mapped as a flat uint8 tensor (owner creates, others attach)."""
 
-    def __init__(self, path: str, size: int, *, create: bool) -> None:
+    def __init__(self, path: str, size: int, *, create: bool, populate: bool = False) -> None:
+        """``populate``: map every page at once (readers: a first touch of a shared page costs
+        a fault, and a fresh engine's first loads paid ~0.6 us per 4 KiB on the request's path:
+        3 GB/s instead of 12 GB/s on a 2-core box)."""
         self.path = path
         self.size = size
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -59,7 +62,7 @@ class SharedPool:
                     raise OSError(e.errno, f"cannot reserve {size} bytes for shard pool {path}: {e.strerror}") from e
             elif os.fstat(fd).st_size < size:
                 raise TransferError(f"shared pool {path} is smaller than its descriptor says")
-            self._mmap = mmap.mmap(fd, size)
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
@@ -158,7 +161,7 @@ class ShmPoolTransport(PoolTransport):
         if not desc.shm_path or not os.path.exists(desc.shm_path):
             raise TransferError(f"shard {desc.shard_id} pool {desc.shm_path!r} is not mapped on this node")
         self._desc = desc
-        self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False)
+        self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False, populate=True)
         self._host_registered = False
         self._stream: torch.cuda.Stream | None = None
         self._uva: torch.Tensor | None = None

@@ -189,6 +189,7 @@ class WorkerPart:
         if meta.pools is not None:
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
             self._indexes.sync(meta.pools)
+            self._copier.submit(self._pools.open_all)  # ahead of this step's copies, on their thread
         saves = meta.saves.get(self._rank, [])
         self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
                                 deadline=time.monotonic() + self._config.transfer_timeout_s,
