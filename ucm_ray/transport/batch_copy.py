@@ -17,7 +17,9 @@ returns None and callers use the gather kernel.
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
+import os
 
 import numpy as np
 
@@ -41,11 +43,17 @@ class _Attributes(ctypes.Structure):
 
 
 def _runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process already loaded (torch's), if any."""
+    """The CUDA runtime library torch uses: the one this process loaded, else the one of the
+    ``nvidia-cuda-runtime`` wheel beside torch."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             if "libcudart.so" in line:
                 return ctypes.CDLL(line.split()[-1])
+    import torch
+
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    for path in sorted(glob.glob(os.path.join(site, "nvidia", "**", "libcudart.so*"), recursive=True)):
+        return ctypes.CDLL(path)
     return None
 
 

@@ -189,7 +189,7 @@ class WorkerPart:
         if meta.pools is not None:
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
             self._indexes.sync(meta.pools)
-            self._copier.submit(self._pools.open_all)  # ahead of this step's copies, on their thread
+            self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
         saves = meta.saves.get(self._rank, [])
         self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
                                 deadline=time.monotonic() + self._config.transfer_timeout_s,
@@ -369,6 +369,12 @@ class WorkerPart:
             for seg in layer.segments(save.block_id):
                 value = checksum(seg, value)
         return value
+
+    def _open_pools(self) -> None:
+        """Copy-thread task: open every current pool (mapped, page-locked) under this worker's
+        device, as the copies that will use them run."""
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext():
+            self._pools.open_all()
 
     def _compute_ready(self) -> torch.cuda.Event | None:
         """On CUDA, an event after the work queued so far on the compute stream: a side-stream
