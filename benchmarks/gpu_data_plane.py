@@ -225,7 +225,8 @@ class WorkerBench:
 
         assert self.lease is not None
         n = self.prof.blocks
-        job = LoadJob(self._next(), "bench", [BlockLoad(0, n + i, loc) for i, loc in enumerate(self.lease.locations)])
+        blocks = [BlockLoad(0, n + i, loc, key) for i, (loc, key) in enumerate(zip(self.lease.locations, self.keys))]
+        job = LoadJob(self._next(), "bench", blocks)
         self.worker.bind(self._meta(loads={0: [job]}))
         self.worker.start_load_kv()
 

@@ -35,6 +35,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.keys import KEY_BYTES
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.published import IndexReaders
@@ -438,7 +439,9 @@ class WorkerPart:
                 if b.location.generation and tag not in step.failed:
                     by_pool[b.location.pool].append((tag, b.key, b.location.generation))
         for pool, rows in by_pool.items():
-            valid = self._indexes.validate(pool, [key for _, key, _ in rows], [gen for _, _, gen in rows])
+            keyed = all(len(key) == KEY_BYTES for _, key, _ in rows)  # a plan without keys cannot be checked
+            valid = self._indexes.validate(pool, [key for _, key, _ in rows], [gen for _, _, gen in rows]) \
+                if keyed else np.zeros(len(rows), dtype=bool)
             if valid is None:
                 self._results.unvalidated_pools.add(pool)
             stale = [tag for n, (tag, _, _) in enumerate(rows) if valid is None or not valid[n]]
