@@ -156,7 +156,7 @@ class WorkerBench:
     [n, 2n) the target of loads; every location comes from a real StoreClient."""
 
     def __init__(self, prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
-                 layout: str) -> None:
+                 layout: str, tag: str = "") -> None:
         from ucm_ray.vllm.worker import WorkerPart
 
         self.prof, self.client, self.device, self.layout = prof, client, device, layout
@@ -170,7 +170,7 @@ class WorkerBench:
         for t in self.caches.values():  # random bytes in the source blocks, zeros in the targets
             t[:n].view(torch.int16).copy_(torch.randint(-2**15, 2**15, t[:n].shape, dtype=torch.int16,
                                                         device=device, generator=g))
-        self.keys = keys_for(f"{layout}-{os.getpid()}", n)
+        self.keys = keys_for(f"{layout}{tag}-{os.getpid()}", n)
         self.save_locations = self._reserve()
         self._job = 0
         self.lease = None
@@ -286,8 +286,9 @@ def pinned_copy(nbytes: int, device: torch.device, repeat: int) -> tuple[float, 
 
 
 def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
-                   layout: str, overlap: bool) -> dict[str, float]:
-    bench = WorkerBench(prof, cfg, client, device, layout)
+                   layout: str, overlap: bool, tag: str = "") -> dict[str, float]:
+    """``tag``: a pass of its own (its own keys) for a layout measured again."""
+    bench = WorkerBench(prof, cfg, client, device, layout, tag)
     res: dict[str, float] = {"segments": bench.segments_per_layer_block()}
     nbytes = prof.blocks * prof.kv.entry_bytes
     try:
@@ -383,14 +384,16 @@ def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, fl
             if device.type == "cuda" and BatchCopier.load(device.index or 0) is not None:
                 ShmPoolTransport.batch_copies = False  # the path of runtimes without batches
                 try:
-                    gather = measure_layout(prof, cfg, client, device, "nhd", overlap=False)
+                    gather = measure_layout(prof, cfg, client, device, "nhd", overlap=True, tag="-gather")
                 finally:
                     ShmPoolTransport.batch_copies = True
         finally:
             client.close()
     if gather is not None:
         out.update(gather_load_vs_pinned_copy=gather["load_gbps"] / h2d,
-                   gather_save_vs_pinned_copy=gather["save_gbps"] / d2h)
+                   gather_save_vs_pinned_copy=gather["save_gbps"] / d2h,
+                   gather_layer_wait_overlapped_ms=gather["layer_wait_overlapped_ms"],
+                   gather_start_load_kv_ms=gather["start_load_kv_ms"])
     out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
                gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
                gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
