@@ -318,6 +318,35 @@ def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device
     return res
 
 
+def compare_copy_paths(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
+                       reps: int = 8) -> dict[str, float]:
+    """The copy engines' batches against the gather kernel on the same entries, passes
+    alternating (this host's speed drifts by tens of percent between passes): best of ``reps``."""
+    bench = WorkerBench(prof, cfg, client, device, "nhd", "-paths")
+    nbytes = prof.blocks * prof.kv.entry_bytes
+    times: dict[str, list[float]] = {f"{path}_{op}": [] for path in ("batch", "gather") for op in ("load", "save")}
+    try:
+        bench.save()
+        bench.commit()
+        for _ in range(reps):
+            for path in ("batch", "gather"):
+                ShmPoolTransport.batch_copies = path == "batch"
+                t = time.perf_counter()
+                bench.save()
+                times[f"{path}_save"].append(time.perf_counter() - t)
+                bench.clear_targets()
+                t = time.perf_counter()
+                bench.load()
+                times[f"{path}_load"].append(time.perf_counter() - t)
+                bench.verify()
+    finally:
+        ShmPoolTransport.batch_copies = True
+        bench.close()
+    out = {f"{name}_gbps": nbytes / min(ts) / 1e9 for name, ts in times.items()}
+    log.info("copy paths, alternating, best of %d: %s", reps, ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    return out
+
+
 def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, load_s: float,
                     reps: int) -> dict[str, float]:
     """A load while each layer's compute runs, launched after its wait_for_layer_load."""
@@ -380,20 +409,14 @@ def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, fl
                      nbytes >> 20, h2d, d2h)
             vllm = measure_layout(prof, cfg, client, device, "nhd", overlap=True)
             hnd = measure_layout(prof, cfg, client, device, "hnd", overlap=False)
-            gather = None
+            paths = None
             if device.type == "cuda" and BatchCopier.load(device.index or 0) is not None:
-                ShmPoolTransport.batch_copies = False  # the path of runtimes without batches
-                try:
-                    gather = measure_layout(prof, cfg, client, device, "nhd", overlap=True, tag="-gather")
-                finally:
-                    ShmPoolTransport.batch_copies = True
+                paths = compare_copy_paths(prof, cfg, client, device)
         finally:
             client.close()
-    if gather is not None:
-        out.update(gather_load_vs_pinned_copy=gather["load_gbps"] / h2d,
-                   gather_save_vs_pinned_copy=gather["save_gbps"] / d2h,
-                   gather_layer_wait_overlapped_ms=gather["layer_wait_overlapped_ms"],
-                   gather_start_load_kv_ms=gather["start_load_kv_ms"])
+    if paths is not None:
+        for name, gbps in paths.items():
+            out[f"{name.removesuffix('_gbps')}_vs_pinned_copy"] = gbps / (h2d if "load" in name else d2h)
     out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
                gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
                gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
