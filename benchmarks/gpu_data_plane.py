@@ -57,8 +57,7 @@ from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
-from ucm_ray.transport.batch_copy import BatchCopier  # noqa: E402
-from ucm_ray.transport.shm import ShmPoolTransport, cluster_tag, pool_prefix  # noqa: E402
+from ucm_ray.transport.shm import cluster_tag, pool_prefix  # noqa: E402
 
 log = logging.getLogger("bench.gpu")
 REPO = Path(__file__).resolve().parent.parent
@@ -318,35 +317,6 @@ def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device
     return res
 
 
-def compare_copy_paths(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
-                       reps: int = 8) -> dict[str, float]:
-    """The copy engines' batches against the gather kernel on the same entries, passes
-    alternating (this host's speed drifts by tens of percent between passes): best of ``reps``."""
-    bench = WorkerBench(prof, cfg, client, device, "nhd", "-paths")
-    nbytes = prof.blocks * prof.kv.entry_bytes
-    times: dict[str, list[float]] = {f"{path}_{op}": [] for path in ("batch", "gather") for op in ("load", "save")}
-    try:
-        bench.save()
-        bench.commit()
-        for _ in range(reps):
-            for path in ("batch", "gather"):
-                ShmPoolTransport.batch_copies = path == "batch"
-                t = time.perf_counter()
-                bench.save()
-                times[f"{path}_save"].append(time.perf_counter() - t)
-                bench.clear_targets()
-                t = time.perf_counter()
-                bench.load()
-                times[f"{path}_load"].append(time.perf_counter() - t)
-                bench.verify()
-    finally:
-        ShmPoolTransport.batch_copies = True
-        bench.close()
-    out = {f"{name}_gbps": nbytes / min(ts) / 1e9 for name, ts in times.items()}
-    log.info("copy paths, alternating, best of %d: %s", reps, ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
-    return out
-
-
 def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, load_s: float,
                     reps: int) -> dict[str, float]:
     """A load while each layer's compute runs, launched after its wait_for_layer_load."""
@@ -395,7 +365,7 @@ def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, loa
 
 def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, float]:
     check_vllm_shape(prof.kv)
-    entries = 3 * prof.blocks  # every pass's entries stay stored until the fleet stops
+    entries = 2 * prof.blocks  # both layouts' entries stay stored until the fleet stops
     pool = max(entries * prof.kv.entry_bytes // shards + (64 << 20), 64 << 20)
     cfg = UcmRayConfig(num_shards=shards, pool_bytes=pool, ray_namespace="ucm_ray_gpu_bench", transport="shm",
                        transfer_timeout_s=300, lease_s=600, reserve_timeout_s=600, lookup_timeout_s=60)
@@ -409,14 +379,8 @@ def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, fl
                      nbytes >> 20, h2d, d2h)
             vllm = measure_layout(prof, cfg, client, device, "nhd", overlap=True)
             hnd = measure_layout(prof, cfg, client, device, "hnd", overlap=False)
-            paths = None
-            if device.type == "cuda" and BatchCopier.load(device.index or 0) is not None:
-                paths = compare_copy_paths(prof, cfg, client, device)
         finally:
             client.close()
-    if paths is not None:
-        for name, gbps in paths.items():
-            out[f"{name.removesuffix('_gbps')}_vs_pinned_copy"] = gbps / (h2d if "load" in name else d2h)
     out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
                gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
                gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
