@@ -472,27 +472,34 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
         ray.kill(a)
         b = start("B (connector, fresh process)")
-        warm, store_hits = {}, {}
+        warm, store_hits, own = {}, {}, {}
         for s, ps in prompts.items():
             before = hits(b)
             warm[s], store_hits[s] = [], 0
             for p in ps:
                 before = hits(b)
+                worker_before = ray.get(b.connector_totals.remote())["worker"]
                 warm[s].append(ray.get(b.generate.remote(p, 1)))
                 got = hits(b) - before
                 store_hits[s] += got
-                log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens", s, len(p),
-                         ttft_of(warm[s][-1]) * 1e3, got)
+                worker = ray.get(b.connector_totals.remote())["worker"]
+                moved = {k: worker.get(k, 0) - worker_before.get(k, 0)
+                         for k in ("loaded_blocks", "load_failures", "stale_loads", "load_seconds")}
+                log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens, worker %s", s,
+                         len(p), ttft_of(warm[s][-1]) * 1e3, got, moved)
+        for s, ps in prompts.items():  # B's own prefix cache: the yardstick for a store hit
+            own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
         ray.kill(b)
     identical = all(w["tokens"] == c["tokens"] for s in prompts for w, c in zip(warm[s], cold[s]))
     for s in prompts:
-        c, h, w = (statistics.median(ttft_of(r) for r in rs[s]) for rs in (cold, local, warm))
+        c, h, w, o = (statistics.median(ttft_of(r) for r in rs[s]) for rs in (cold, local, warm, own))
         log.info("%s (%d tokens): cold %.1f ms, prefix-cache hit %.1f ms (cached %s), store-warm %.1f ms "
                  "(store hit %d tokens over %d prompts)", s, prof.sizes[s], c * 1e3, h * 1e3,
                  [r["cached"] for r in local[s]], w * 1e3, store_hits[s], len(prompts[s]))
         res.update({f"ttft_cold_{s}_ms": c * 1e3, f"ttft_prefix_hit_{s}_ms": h * 1e3,
                     f"ttft_store_warm_{s}_ms": w * 1e3, f"store_hit_tokens_{s}": store_hits[s],
-                    f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_prefix_hit_{s}": w / h})
+                    f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_other_engines_prefix_hit_{s}": w / h,
+                    f"ttft_b_prefix_hit_{s}_ms": o * 1e3, f"ttft_store_warm_vs_prefix_hit_{s}": w / o})
     res["ttft_first_tokens_identical"] = identical
     return res
 
