@@ -19,7 +19,7 @@ def test_a_signal_stops_a_local_fleet_and_frees_its_pools(tmp_path, sig):
                        "--transport", "shm")
     try:
         fleet.wait_running()
-        assert len(fleet.pools("/dev/shm", ns)) == 2
+        assert len(fleet.pools("/dev/shm", ns)) == 4  # two pools, two published indexes
         started = time.monotonic()
         rc = fleet.stop(sig, timeout_s=120)
         assert rc == 0, f"exit code {rc} after {sig.name}:\n{fleet.log()}"
