@@ -5,7 +5,9 @@ prompts again (a hit in A's own vLLM prefix cache: the best a tier can hope to
 match); a fresh engine B (another process, empty local cache) then serves the
 same prompts, so B's TTFT is what a second node sees, and then serves them once
 more (a hit in B's own prefix cache). Every TTFT is a median over the prompts
-(the machine is noisy; nothing here asserts a timing).
+(the machine is noisy; nothing here asserts a timing). The systems' engines run
+side by side and take each prompt in turn, in an order rotating per prompt, so
+the box's drift between minutes lands on all of them alike.
 
 Decode throughput (engines A of "none", "example" and "ucm-ray"): each serves the
 same fresh prompts (in no cache nor store) with ``--decode-tokens`` greedy new
@@ -37,6 +39,7 @@ import math
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -53,16 +56,16 @@ DECODE_SYSTEMS = ("none", "example", "ucm-ray")
 vLLM's decode loop from what ucm-ray adds."""
 
 
-def ttft_pass(engine: Any, prompts: list[list[int]]) -> list[float]:
-    """Wall seconds of a 1-token request per prompt: with one token, the whole request is its TTFT."""
-    return [ray.get(engine.generate.remote(p, 1))["seconds"] for p in prompts]
+def ttft_one(engine: Any, prompt: list[int]) -> float:
+    """Wall seconds of a 1-token request: with one token, the whole request is its TTFT."""
+    return ray.get(engine.generate.remote(prompt, 1))["seconds"]
 
 
 def decode_rate(engine: Any, prompt: list[int], probe: list[int], new_tokens: int) -> float:
     """Decode tokens/s of one request; ``probe`` (another fresh prompt, same length) gives the TTFT
     by a 1-token run only where vLLM reported none, so the cached prefix never helps either."""
     r = ray.get(engine.generate.remote(prompt, new_tokens))
-    ttft = r["ttft"] if r["ttft"] is not None else ray.get(engine.generate.remote(probe, 1))["seconds"]
+    ttft = r["ttft"] if r["ttft"] is not None else ttft_one(engine, probe)
     produced, decode_s = len(r["tokens"]), r["seconds"] - ttft
     if produced < new_tokens:
         log.warning("decode stopped at %d of %d tokens (EOS; Engine.generate has no ignore_eos)",
@@ -72,31 +75,49 @@ def decode_rate(engine: Any, prompt: list[int], probe: list[int], new_tokens: in
     return (produced - 1) / decode_s
 
 
-def decode_p50(engine: Any, prompts: list[list[int]], probes: list[list[int]], new_tokens: int) -> float:
-    """Median decode tok/s over the fresh prompts, runs that gave no rate left out."""
-    rates = [decode_rate(engine, p, q, new_tokens) for p, q in zip(prompts, probes)]
-    rates = [r for r in rates if not math.isnan(r)]
-    return statistics.median(rates) if rates else math.nan
+def interleaved(engines: dict[str, Any], items: list, measure: Callable[[Any, Any], float]) -> dict[str, float]:
+    """Per item, every system's engine once, the order rotating from item to item, so the box's
+    drift (tens of percent between minutes here) falls on every system alike: the median per
+    system, items that gave no figure left out."""
+    names = list(engines)
+    got: dict[str, list[float]] = {name: [] for name in names}
+    for i, item in enumerate(items):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            value = measure(engines[name], item)
+            if not math.isnan(value):
+                got[name].append(value)
+    return {name: statistics.median(values) if values else math.nan for name, values in got.items()}
 
 
-def run_system(name: str, model: str, kv: dict | None, prompts: list[list[int]],
-               decode: tuple[list[list[int]], list[list[int]], int] | None) -> dict[str, float]:
-    """A cold, A again (its own prefix cache), A's decode if ``decode`` is given, then a fresh B."""
+def run_systems(systems: dict[str, dict | None], model: str, prompts: list[list[int]],
+                decode: tuple[list[list[int]], list[list[int]], int]) -> dict[str, dict[str, float]]:
+    """Engines A of every system side by side: cold, again (their own prefix caches), decode
+    (``DECODE_SYSTEMS``); then fresh engines B side by side: store-warm, then again."""
     remote = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(Engine)
-    log.info("%s: loading engine A", name)
-    a = remote.remote(model, kv)
-    result = {"cold_p50": statistics.median(ttft_pass(a, prompts)),
-              "prefix_hit_p50": statistics.median(ttft_pass(a, prompts)), "decode_tok_s": math.nan}
-    if decode is not None:
-        log.info("%s: decode on engine A", name)
-        result["decode_tok_s"] = decode_p50(a, *decode)
-    ray.kill(a)
-    log.info("%s: loading engine B", name)
-    b = remote.remote(model, kv)
-    result["warm_p50"] = statistics.median(ttft_pass(b, prompts))
-    result["warm_prefix_hit_p50"] = statistics.median(ttft_pass(b, prompts))  # B's own prefix cache now
-    ray.kill(b)
-    return result
+    results: dict[str, dict[str, float]] = {name: {} for name in systems}
+
+    def record(key: str, medians: dict[str, float]) -> None:
+        for name, value in medians.items():
+            results[name][key] = value
+
+    log.info("loading engines A: %s", ", ".join(systems))
+    a = {name: remote.remote(model, kv) for name, kv in systems.items()}
+    log.info("A: cold, then prefix hits")
+    record("cold_p50", interleaved(a, prompts, ttft_one))
+    record("prefix_hit_p50", interleaved(a, prompts, ttft_one))
+    log.info("A: decode")
+    fresh, probes, new_tokens = decode
+    record("decode_tok_s", interleaved({name: a[name] for name in DECODE_SYSTEMS}, list(zip(fresh, probes)),
+                                       lambda engine, pair: decode_rate(engine, pair[0], pair[1], new_tokens)))
+    for engine in a.values():
+        ray.kill(engine)
+    log.info("loading engines B")
+    b = {name: remote.remote(model, kv) for name, kv in systems.items()}
+    record("warm_p50", interleaved(b, prompts, ttft_one))
+    record("warm_prefix_hit_p50", interleaved(b, prompts, ttft_one))  # B's own prefix caches now
+    for engine in b.values():
+        ray.kill(engine)
+    return results
 
 
 def print_report(results: dict[str, dict[str, float]]) -> None:
@@ -141,8 +162,7 @@ def main() -> None:
             systems["example"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": {"shared_storage_path": shared}}
             systems["ucm-ray"] = kv_transfer_config({"ray_namespace": cfg.ray_namespace})
-            results = {name: run_system(name, model, kv, prompts, decode if name in DECODE_SYSTEMS else None)
-                       for name, kv in systems.items()}
+            results = run_systems(systems, model, prompts, decode)
     finally:
         ray.shutdown()
     print_report(results)
