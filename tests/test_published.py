@@ -84,6 +84,37 @@ def test_tombstones_are_dropped_by_rebuilds_without_losing_entries(path):
     table.close()
 
 
+def test_a_rebuild_keeps_chains_that_wrap_past_the_last_bucket(path):
+    """Keys whose home is the last bucket spill over to the first ones; a rebuild (tombstones
+    dropped, entries placed again as arrays) must keep every one of them reachable."""
+    table = PublishedIndex(path, 1 << 20, INCARNATION)
+    reader = IndexReader(path, INCARNATION)
+    last = table.buckets - 1
+    homed = [(last + table.buckets * i).to_bytes(8, "little") + bytes([i]) * 8 for i in range(1, 11)]
+    homed += [(table.buckets * i).to_bytes(8, "little") + bytes([i]) * 8 for i in range(1, 6)]  # home 0
+    gens = {k: table.publish(k, 64 * n, 64, None) for n, k in enumerate(homed)}
+    for i in range(5000):  # tombstones pile up past three quarters of the table: rebuilt
+        table.publish(key(i), 0, 64, None)
+        if i >= 300:
+            table.unpublish(key(i - 300))
+    assert int(reader._header["epoch"][0]) >= 2, "no rebuild happened"
+    found = reader.lookup(homed)
+    assert found is not None and found.known.all()
+    assert found.generation.tolist() == [gens[k] for k in homed]
+    assert found.offset.tolist() == [64 * n for n in range(len(homed))]
+    table.close()
+
+
+def test_keys_that_are_not_digests_are_never_listed(path):
+    table = PublishedIndex(path, 1 << 20, INCARNATION)
+    assert table.publish(b"a key of another length", 0, 64, None) == 0
+    desc = PoolDescriptor("s0", "node-a", 1 << 20, None, None, None, 0, INCARNATION, index_path=path)
+    readers = IndexReaders("node-a")
+    readers.sync({desc.key: desc})
+    assert readers.locate(desc.key, [b"a key of another length"]) is None  # asked of the shard
+    table.close()
+
+
 def test_a_full_table_says_so_and_misses_of_what_did_not_fit_are_not_answers(path):
     table = PublishedIndex(path, 1 << 20, INCARNATION)
     index = BlockIndex(1 << 20, lease_s=60, reserve_timeout_s=60, published=table)

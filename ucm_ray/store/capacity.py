@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from ucm_ray.config import ConfigError
+from ucm_ray.store.published import index_bytes
 
 _UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 
@@ -38,7 +39,7 @@ def check_pool_fits(shm_dir: str, pool_bytes: int, count: int) -> None:
     if count <= 0:
         return
     free = free_bytes(shm_dir)
-    if pool_bytes * count > free:
+    if (pool_bytes + index_bytes(pool_bytes)) * count > free:  # each pool has its published index
         pools = f"{count} pools of {human_bytes(pool_bytes)} do not" if count > 1 else \
             f"1 pool of {human_bytes(pool_bytes)} does not"
         raise ConfigError(f"pool_bytes: {pools} fit {shm_dir}'s {human_bytes(free)} free "

@@ -407,9 +407,11 @@ class StoreClient(BlockStore):
         self._failed(pool, "a worker's transfer failed")
 
     def close(self) -> None:
-        self._touches.close()
-        self.connections.close()
-        self._readers.close()
+        try:
+            self._touches.close()
+        finally:
+            self.connections.close()
+            self._readers.close()
 
     # --- whole tensors: tests, benchmarks, engines without a connector -------------------
 

@@ -246,8 +246,13 @@ class _World:
             old.close()
         path = os.path.join(self.shm_dir, f"ucmray-local-{shard_id}-{uuid.uuid4().hex[:8]}")
         incarnation = random_id()
-        published = PublishedIndex(index_path(path), self.pool_bytes, incarnation)
-        shard = _LocalShard(shard_id, incarnation, SharedPool(path, self.pool_bytes, create=True), published,
+        pool = SharedPool(path, self.pool_bytes, create=True)
+        try:
+            published = PublishedIndex(index_path(path), self.pool_bytes, incarnation)
+        except BaseException:
+            pool.close()
+            raise
+        shard = _LocalShard(shard_id, incarnation, pool, published,
                             BlockIndex(self.pool_bytes, lease_s=self.lease_s,
                                        reserve_timeout_s=self.reserve_timeout_s, published=published))
         self.shards[shard_id] = shard

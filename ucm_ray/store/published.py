@@ -76,6 +76,11 @@ def table_buckets(pool_bytes: int) -> int:
     return 1 << (want - 1).bit_length()
 
 
+def index_bytes(pool_bytes: int) -> int:
+    """Size of the index file of a pool of ``pool_bytes`` (1/128 to 1/64 of it, at least 64 KiB)."""
+    return HEADER.itemsize + table_buckets(pool_bytes) * BUCKET.itemsize
+
+
 def index_path(pool_path: str) -> str:
     """The index file of a pool file (same directory and prefix: stale-pool cleanup covers it)."""
     return pool_path + "-index"
@@ -95,15 +100,15 @@ class PublishedIndex:
     def __init__(self, path: str, pool_bytes: int, incarnation: int) -> None:
         self.path = path
         self.buckets = table_buckets(pool_bytes)
-        size = HEADER.itemsize + self.buckets * BUCKET.itemsize
+        size = index_bytes(pool_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)  # zero pages, reserved now: all buckets empty
+                self._mmap = mmap.mmap(fd, size)
             except OSError as e:
                 os.unlink(path)
                 raise OSError(e.errno, f"cannot reserve {size} bytes for shard index {path}: {e.strerror}") from e
-            self._mmap = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self._header = np.frombuffer(self._mmap, dtype=HEADER, count=1)
@@ -115,8 +120,13 @@ class PublishedIndex:
         self._header[0] = (MAGIC, 0, self.buckets, 1, incarnation, (0, 0, 0))
 
     def publish(self, key: bytes, offset: int, size: int, checksum: int | None) -> int:
-        """List a committed entry; its generation, or 0 when the table has no room for it (then
-        readers ask the shard for what they do not find)."""
+        """List a committed entry; its generation, or 0 when it is not listed: the table has no
+        room for it (then readers ask the shard for what they do not find), or the key is not a
+        ``KEY_BYTES`` digest (readers never look such keys up here)."""
+        if len(key) != KEY_BYTES:
+            return 0
+        if key in self._where:  # never two buckets for one key: the older would outlive its slot
+            self.unpublish(key)
         if len(self._where) + 1 > MAX_LOAD * self.buckets:
             self._header["complete"] = 0
             return 0
@@ -182,17 +192,30 @@ class PublishedIndex:
         self._table["seq"][at] = seq + 2
 
     def _rebuild(self) -> None:
-        """Drop tombstones: every live entry re-inserted while ``epoch`` is odd."""
-        live = [(key, self._table[at].copy()) for key, at in self._where.items()]
+        """Drop tombstones: every live entry placed again while ``epoch`` is odd, as arrays (a
+        Python loop over a large table held the shard's lock for seconds). Entries sorted by home
+        bucket take ``max(home, previous + 1)``; those pushed past the end take the first free
+        buckets from the start, where every bucket before them is taken: each entry's probe chain
+        from its home stays unbroken, which is all linear probing needs."""
+        keys = list(self._where)
+        live = self._table[np.fromiter(self._where.values(), dtype=np.int64, count=len(keys))].copy()
         self._header["epoch"] += 1
+        home = (live["key_lo"] & np.uint64(self._mask)).astype(np.int64)
+        order = np.argsort(home, kind="stable")
+        steps: np.ndarray = np.arange(len(order), dtype=np.int64)
+        at = np.maximum.accumulate(home[order] - steps) + steps if len(order) else steps
+        wrapped = at >= self.buckets
+        if wrapped.any():
+            free = np.setdiff1d(np.arange(self.buckets, dtype=np.int64), at[~wrapped], assume_unique=True)
+            at[wrapped] = free[: int(wrapped.sum())]
+        rows = live[order]
+        rows["seq"] = 0
+        self._table["seq"] += 2  # every bucket even and changed: no reader keeps a read from before
         self._table["generation"] = EMPTY
-        self._where.clear()
-        for key, row in live:
-            at = int(row["key_lo"]) & self._mask
-            while self._table["generation"][at] != EMPTY:
-                at = (at + 1) & self._mask
-            self._write(at, tuple(row[name] for name in FIELDS))
-            self._where[key] = at
+        seqs = self._table["seq"][at]
+        self._table[at] = rows
+        self._table["seq"][at] = seqs
+        self._where = {keys[i]: int(pos) for i, pos in zip(order.tolist(), at.tolist())}
         self._tombstones = 0
         self._header["epoch"] += 1
 
@@ -337,7 +360,8 @@ class IndexReaders:
         and the positions of keys the index could not answer (ask the shard); None when this
         process cannot read that index."""
         reader = self.get(pool)
-        found = reader.lookup(keys) if reader is not None and keys else None
+        listable = all(len(key) == KEY_BYTES for key in keys)
+        found = reader.lookup(keys) if reader is not None and keys and listable else None
         if found is None:
             return None
         locations: list[Location | None] = [None] * len(keys)

@@ -37,6 +37,7 @@ class TouchSender:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._sending = threading.Lock()
         self._queued: dict[PoolKey, _Queued] = {}
         self._posted: list[ray.ObjectRef] = []
         self._wake = threading.Event()
@@ -70,17 +71,21 @@ class TouchSender:
             self._send()
 
     def _send(self) -> None:
-        with self._lock:
+        """Never raises: a touch that cannot be sent or answered loses only recency and counts
+        (and the thread must live on, or the queue would grow with every lookup)."""
+        with self._lock:  # held only to take the queue: lookups never wait on Ray here
             queued, self._queued = self._queued, {}
-        for (_, incarnation), touch in queued.items():
+        with self._sending:  # the thread and ``close`` may both send
             try:
-                self._posted.append(touch.handle.touch.remote(incarnation, touch.hits, touch.asked))
-            except Exception as e:  # noqa: BLE001 -- Ray going away at shutdown: only counts are lost
-                log.debug("touch not sent: %s", e)
-        if self._posted:
-            done, self._posted = ray.wait(self._posted, num_returns=len(self._posted), timeout=0)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except RayError:
-                    pass  # a shard that died or restarted: only recency and counts are lost
+                for (_, incarnation), touch in queued.items():
+                    self._posted.append(touch.handle.touch.remote(incarnation, touch.hits, touch.asked))
+                if self._posted:
+                    done, self._posted = ray.wait(self._posted, num_returns=len(self._posted), timeout=0)
+                    for ref in done:
+                        try:
+                            ray.get(ref)
+                        except RayError:
+                            pass  # a shard that died or restarted
+            except Exception as e:  # noqa: BLE001 -- Ray going away (shutdown)
+                log.debug("touches not sent: %s: %s", type(e).__name__, e)
+                self._posted = []
