@@ -57,6 +57,10 @@ SLOT_WAIT_S = 0.05
 """How long a request may wait for the slots of its first chunks' saves, asked for once its lookup
 answered (one more round trip): longer, and the request runs without them (its blocks wait for
 slots in later steps, and are dropped if it ends first)."""
+STATE_SLOT_WAIT_S = 0.5
+"""The same for a hybrid model's request: a state can only be saved in the step that computes it
+(the next step overwrites it), so one whose slot came late is lost for every later reader; a
+request may wait longer for them (a shard answers a reserve in a few ms unless it is in trouble)."""
 
 
 def _draft_model(vllm_config: VllmConfig) -> str:
@@ -115,12 +119,13 @@ class _SlotAsks:
     slots handed straight back)."""
 
     asks: list[Pending[Any]]
+    wait_s: float = SLOT_WAIT_S
     started: float = field(default_factory=time.monotonic)
 
     def ready(self) -> bool:
         """The slots are in, or too slow to wait for: then the request runs without them rather
         than being delayed."""
-        return all(ask.poll() for ask in self.asks) or time.monotonic() - self.started > SLOT_WAIT_S
+        return all(ask.poll() for ask in self.asks) or time.monotonic() - self.started > self.wait_s
 
 
 @dataclass
@@ -286,7 +291,8 @@ class SchedulerPart:
             # Saves begin where vLLM's cache and the store's hit end: slots for the chunks after.
             begin = max(num_computed_tokens, t.hit_tokens) // self._hash_bs * self._hash_bs
             t.expected_until = t.unexpected_until = begin
-            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk))
+            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk),
+                                STATE_SLOT_WAIT_S if self.hybrid else SLOT_WAIT_S)
             posted = True
         if not self._answered(t.slots.ready, grace=posted):
             return None, False
