@@ -121,9 +121,10 @@ def test_a_full_table_says_so_and_misses_of_what_did_not_fit_are_not_answers(pat
     reader = IndexReader(path, INCARNATION)
     buckets = table_buckets(1 << 20)
     n = buckets // 2 + 100  # more entries than the table takes (64 B each fit the pool)
-    token, offsets = index.reserve(OWNER, 64, n)
-    assert len(offsets) == n
-    index.commit(OWNER, token, [(key(i), off, None) for i, off in enumerate(offsets)])
+    token, offsets = index.reserve(OWNER, 64, n + 1)
+    assert len(offsets) == n + 1
+    other = (b"a key of another length", offsets[n], None)  # never listed: must not hold up a refill
+    index.commit(OWNER, token, [(key(i), off, None) for i, off in enumerate(offsets[:n])] + [other])
     found = reader.lookup([key(i) for i in range(n)] + [key(10**6)])
     assert found is not None
     assert (found.generation[: buckets // 2] > 0).all() and (found.generation[buckets // 2: n] == 0).all()

@@ -157,6 +157,8 @@ class PublishedIndex:
         them are in); their generations. The shard calls it when unlisting made room."""
         out: dict[bytes, int] = {}
         for key, offset, size, checksum in entries:
+            if len(key) != KEY_BYTES:
+                continue  # never listed (readers ask the shard for such keys): nothing waits on it
             generation = self.publish(key, offset, size, checksum)
             if not generation:
                 return out
