@@ -525,7 +525,8 @@ class StoreClient(BlockStore):
         for pool in failed:
             self._failed(pool, "load failed")
         untrusted = failed | self.release(lease.lease_ids).result()
-        stale = self._stale(keys, locs, ok)
+        stale, _ = self._readers.stale((i, loc, keys[i]) for i, loc in enumerate(locs)
+                                       if loc is not None and loc.generation and ok[i])
         corrupt = []
         for i, loc in enumerate(locs):
             if loc is None or not ok[i]:
@@ -539,17 +540,3 @@ class StoreClient(BlockStore):
         if corrupt:
             self.remove(corrupt).result()
         return ok
-
-    def _stale(self, keys: Sequence[bytes], locations: Sequence[Location | None], copied: Sequence[bool]) -> set[int]:
-        """Positions whose copy was read unpinned from a published index and whose entry is no
-        longer listed as it was (evicted or replaced meanwhile: the bytes may be another's)."""
-        by_pool: dict[PoolKey, list[int]] = defaultdict(list)
-        for i, loc in enumerate(locations):
-            if loc is not None and loc.generation and copied[i]:
-                by_pool[loc.pool].append(i)
-        stale: set[int] = set()
-        for pool, ix in by_pool.items():
-            valid = self._readers.validate(pool, [keys[i] for i in ix],
-                                           [locations[i].generation for i in ix])  # type: ignore[union-attr]
-            stale.update(i for n, i in enumerate(ix) if valid is None or not valid[n])
-        return stale

@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -50,6 +51,8 @@ from ucm_ray.store.blockstore import Location
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BUCKET: np.dtype = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("offset", "<i8"),
                    ("size", "<i8"), ("generation", "<u8"), ("checksum", "<i8"), ("unused", "<u8")])
@@ -373,11 +376,26 @@ class IndexReaders:
                                     None if csum == NO_CHECKSUM else csum, int(found.generation[i]))
         return locations, np.flatnonzero(~found.known).tolist()
 
-    def validate(self, pool: PoolKey, keys: Sequence[bytes], generations: Sequence[int]) -> np.ndarray | None:
-        """Per key, whether its entry of that generation is still listed; None when this process
-        cannot read ``pool``'s index (then nothing copied from it unpinned can be trusted)."""
-        reader = self.get(pool)
-        return reader.validate(keys, generations) if reader is not None else None
+    def stale(self, copies: Iterable[tuple[T, Location, bytes]]) -> tuple[set[T], set[PoolKey]]:
+        """Of copies made from unpinned entries (tag, where it was read, its key), the tags whose
+        entry is no longer listed with that generation (evicted or replaced meanwhile: the bytes
+        may be another entry's), and the pools whose index this process cannot read (nothing read
+        from them unpinned can be trusted, so their copies are stale too). A key that is not a
+        digest cannot be checked: stale."""
+        by_pool: dict[PoolKey, list[tuple[T, bytes, int]]] = {}
+        for tag, location, key in copies:
+            by_pool.setdefault(location.pool, []).append((tag, key, location.generation))
+        stale: set[T] = set()
+        unreadable: set[PoolKey] = set()
+        for pool, rows in by_pool.items():
+            reader = self.get(pool)
+            if reader is None:
+                unreadable.add(pool)
+            checkable = reader is not None and all(len(key) == KEY_BYTES for _, key, _ in rows)
+            valid = reader.validate([key for _, key, _ in rows], [gen for _, _, gen in rows]) \
+                if checkable and reader is not None else np.zeros(len(rows), dtype=bool)
+            stale.update(tag for (tag, _, _), ok in zip(rows, valid.tolist()) if not ok)
+        return stale, unreadable
 
     def close(self) -> None:
         self.sync({})

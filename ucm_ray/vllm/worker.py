@@ -35,7 +35,6 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.keys import KEY_BYTES
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.published import IndexReaders
@@ -432,21 +431,12 @@ class WorkerPart:
         """Loads copied from entries nobody pinned (found in a published index) count only if the
         entry is still listed as it was: otherwise its slot may have been reused mid-copy."""
         step = self._step
-        by_pool: dict[PoolKey, list[tuple[_Tag, bytes, int]]] = defaultdict(list)
-        for job in step.loads:
-            for b in job.blocks:
-                tag = (job.job_id, b.block_id)
-                if b.location.generation and tag not in step.failed:
-                    by_pool[b.location.pool].append((tag, b.key, b.location.generation))
-        for pool, rows in by_pool.items():
-            keyed = all(len(key) == KEY_BYTES for _, key, _ in rows)  # a plan without keys cannot be checked
-            valid = self._indexes.validate(pool, [key for _, key, _ in rows], [gen for _, _, gen in rows]) \
-                if keyed else np.zeros(len(rows), dtype=bool)
-            if valid is None:
-                self._results.unvalidated_pools.add(pool)
-            stale = [tag for n, (tag, _, _) in enumerate(rows) if valid is None or not valid[n]]
-            step.failed.update(stale)
-            self.stats.add(stale_loads=len(stale))
+        stale, unreadable = self._indexes.stale(
+            ((job.job_id, b.block_id), b.location, b.key) for job in step.loads for b in job.blocks
+            if b.location.generation and (job.job_id, b.block_id) not in step.failed)
+        self._results.unvalidated_pools |= unreadable
+        step.failed |= stale
+        self.stats.add(stale_loads=len(stale))
 
     def _finish_loads(self) -> None:
         """All copies of the step are in: validate unpinned ones, verify checksums and report
