@@ -427,12 +427,56 @@ def ttft_profile(device: torch.device, quick: bool) -> TtftProfile:
                        4 * 2 * 2 * 64 * 4)
 
 
+PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py")
+"""Python functions kept in a profile's trace (the rest of the interpreter's calls are dropped)."""
+DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "ac2g", "gpu_user_annotation"}
+
+
+def profiled_engine_class():
+    """The demo's engine with one more method: a request served under torch's profiler, every
+    thread and the GPU's streams, its trace trimmed to our code, the engine step and the device
+    (a diagnostic of where a store-warm request's time goes; never part of the figures)."""
+    from ucm_ray.demo import Engine
+
+    class ProfiledEngine(Engine):
+        def generate_profiled(self, prompt_ids: list[int], max_tokens: int, trace_path: str) -> dict[str, Any]:
+            import gzip
+            import json
+
+            from torch.profiler import ProfilerActivity, profile
+
+            extra: dict[str, Any] = {}
+            try:  # every thread's ops (the copy thread's too), where this torch can
+                extra["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            except (AttributeError, TypeError):
+                pass
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, **extra) as prof:
+                result = self.generate(prompt_ids, max_tokens)
+            raw = trace_path + ".raw.json"
+            prof.export_chrome_trace(raw)
+            with open(raw) as f:
+                trace = json.load(f)
+            os.unlink(raw)
+            kept = [e for e in trace.get("traceEvents", []) if e.get("ph") == "M" or e.get("cat") in DEVICE_CATEGORIES
+                    or e.get("cat") == "user_annotation"
+                    or (e.get("cat") == "python_function" and any(s in e.get("name", "") for s in PROFILED_SOURCES))]
+            with gzip.open(trace_path, "wt") as f:
+                json.dump({"traceEvents": kept}, f)
+            result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+            return result
+
+    return ProfiledEngine
+
+
 def ttft_of(result: dict[str, Any]) -> float:
     return result["ttft"] if result.get("ttft") else result["seconds"]
 
 
-def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None) -> dict[str, Any]:
-    from ucm_ray.demo import Engine, kv_transfer_config
+def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
+         profile_dir: str | None = None) -> dict[str, Any]:
+    """``profile_dir``: one more prompt per size, served cold by A and store-warm by B under
+    torch's profiler (``profiled_engine_class``); traces go there, outside the medians."""
+    from ucm_ray.demo import kv_transfer_config
     from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
     prof = ttft_profile(device, quick)
@@ -442,13 +486,16 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     log.info("model %s ready in %.1f s", model, time.perf_counter() - t)
     prompts = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + i) for i in range(prompts_per_size)]
                for j, (size, n) in enumerate(prof.sizes.items())}
+    profiled = {size: synthetic_prompt(model, n, seed=100 * (j + 1) + 99)
+                for j, (size, n) in enumerate(prof.sizes.items())} if profile_dir else {}
     warmup = synthetic_prompt(model, 64, seed=9999)
-    tokens = sum(len(p) for ps in prompts.values() for p in ps)
+    tokens = sum(len(p) for ps in prompts.values() for p in ps) + sum(len(p) for p in profiled.values())
     shards = 2
     cfg = UcmRayConfig(num_shards=shards, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
                        pool_bytes=int(tokens * prof.kv_bytes_per_token * 1.5) // shards + (64 << 20))
     kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, "layerwise": True})
-    remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(Engine)
+    remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(
+        profiled_engine_class())
 
     def start(label: str):
         t0 = time.perf_counter()
@@ -467,6 +514,8 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
+        for p in profiled.values():
+            ray.get(a.generate.remote(p, 1))
         before = hits(a)
         local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
         assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
@@ -487,6 +536,13 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                          for k in ("loaded_blocks", "load_failures", "stale_loads", "load_seconds")}
                 log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens, worker %s", s,
                          len(p), ttft_of(warm[s][-1]) * 1e3, got, moved)
+        for s, p in profiled.items():
+            assert profile_dir is not None
+            path = os.path.join(profile_dir, f"trace_store_warm_{s}.json.gz")
+            before = hits(b)
+            result = ray.get(b.generate_profiled.remote(p, 1, path))
+            log.info("profiled %s store-warm request: TTFT %.1f ms under the profiler, store hit %d tokens, "
+                     "trace in %s\n%s", s, ttft_of(result) * 1e3, hits(b) - before, path, result["profile_table"])
         for s, ps in prompts.items():  # B's own prefix cache: the issue's yardstick for a store hit
             own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
         ray.kill(b)
@@ -519,6 +575,8 @@ def main() -> None:
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
     ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
     ap.add_argument("--model-dir", default=None, help="where the TTFT model is built (default .models/)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="also serve one store-warm request per size under torch's profiler; traces go here")
     ap.add_argument("--shards", type=int, default=1, help="shards of the data-plane fleet")
     ap.add_argument("--blocks", type=int, default=None, help="entries moved per pass (default 256; quick 8)")
     args = ap.parse_args()
@@ -546,7 +604,7 @@ def main() -> None:
                 torch.cuda.empty_cache()  # leave the engines the memory
         if args.ttft or args.ttft_only:
             t = time.perf_counter()
-            results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir))
+            results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir, args.profile_dir))
             log.info("TTFT measured in %.1f s", time.perf_counter() - t)
     finally:
         ray.shutdown()

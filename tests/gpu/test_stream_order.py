@@ -1,16 +1,13 @@
 """Stream ordering of the worker's copies on CUDA: a test that fails if the ordering were missing.
 
 What orders the worker's side-stream copies against the forward pass (``ucm_ray.vllm.worker``,
-``ucm_ray.transport.shm``):
-1. ``WorkerPart._compute_ready``: an event recorded on the *calling thread's current stream*
-   in ``start_load_kv`` (after work already queued, e.g. vLLM zeroing fresh blocks) and in
-   ``save_kv_layer`` (after the layer's attention wrote its KV). The copy thread waits for it
-   (``ready.synchronize()``) before it posts a single copy.
-2. ``ShmPoolTransport._copy``: the transport's stream ``wait_stream``s the copy thread's own
-   current stream — the device's default stream, whatever stream the forward runs on.
-3. ``_CudaEventTransfer.wait``: the copy thread waits for an event recorded after the copies;
-   ``wait_for_layer_load`` returns only then, so the layer's compute queued after it reads
-   landed bytes.
+``ucm_ray.transport.shm``). Shared-memory copies on CUDA are posted from the engine's own thread:
+1. ``_CudaCopies.post``: the pool's stream ``wait_stream``s the *calling thread's current stream*
+   (the compute stream) before it queues a copy: a load runs after work already queued (e.g.
+   vLLM zeroing fresh blocks), a save after the layer's attention wrote its KV.
+2. ``WorkerPart.wait_for_layer_load``: the compute stream waits for the event recorded after
+   the layer's copies (``_CudaEventTransfer.order_stream``), so the layer's compute queued
+   after it reads landed bytes, with no host wait.
 
 How the tests would catch a missing piece. A long kernel (``torch.cuda._sleep``, ~0.3 s) is
 queued on the compute stream before the write that matters, so that write runs ~0.3 s after it
@@ -21,14 +18,12 @@ is queued, while an unordered copy (64 MiB a layer, ~1 ms) would run at once:
 - save after the attention write: [long kernel, write the layer's new KV], then
   ``save_kv_layer``. Unordered, the save copies the stale bytes that were there before.
 - load then compute: right after ``wait_for_layer_load`` the compute stream snapshots the
-  layer's blocks. Had the wait returned before the copies landed (no 3), the snapshot would
-  hold zeros or a partial copy.
+  layer's blocks. Had it not waited for the copies (no 2), the snapshot would hold zeros or a
+  partial copy.
 Each ordering test runs with the forward on a stream of its own (as a runner that forwards on a
-non-default stream does) and on the default stream. On its own stream only (1) orders the
-copies — (2) waits on the idle default stream — so removing the event of (1) fails those
-cases; on the default stream (2) alone would still order them, so those cases fail only with
-both removed. No Ray and no fleet: a stand-alone shared-memory pool, described the way a shard
-describes its own, is all the worker needs.
+non-default stream does) and on the default stream: the copies must follow whichever stream is
+current, not the default one. No Ray and no fleet: a stand-alone shared-memory pool, described
+the way a shard describes its own, is all the worker needs.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 # 256-token blocks: each copy is a 1 MiB range (~20 us on the link) and a layer's 64 of them keep
-# the GPU busy well after the copy thread posted them (~5 us each), so a compute kernel queued
+# the GPU busy well after they were posted, so a compute kernel queued
 # without waiting for them would still find the copies running.
 LAYERS, HEADS, HEAD, BLOCK = 2, 8, 128, 256
 PAGE = 2 * BLOCK * HEADS * HEAD * 2  # one layer's block in bf16: 1 MiB

@@ -93,6 +93,11 @@ class Ranges:
     def __len__(self) -> int:
         return len(self.sizes)
 
+    def slice(self, begin: int, end: int) -> Ranges:
+        """Ranges ``[begin, end)`` (views of the arrays, the same buffers)."""
+        return Ranges(self.buffers, self.buffer_index[begin:end], self.local_offsets[begin:end],
+                      self.pool_offsets[begin:end], self.sizes[begin:end])
+
     @property
     def device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
@@ -149,6 +154,12 @@ class Transfer(ABC):
     @abstractmethod
     def wait(self, timeout_s: float | None = None) -> None: ...
 
+    def order_stream(self, stream: torch.cuda.Stream) -> bool:
+        """Make work queued on ``stream`` from now on run after this transfer lands, on the
+        device, without blocking the host. False where only the host can wait (the caller
+        then calls ``wait``); a failure still surfaces only through ``wait``."""
+        return False
+
 
 class CompletedTransfer(Transfer):
     """A transfer that finished (or failed) while it was posted, e.g. CPU memcpy."""
@@ -162,6 +173,28 @@ class CompletedTransfer(Transfer):
     def wait(self, timeout_s: float | None = None) -> None:
         if self._error is not None:
             raise TransferError(str(self._error)) from self._error
+
+    def order_stream(self, stream: torch.cuda.Stream) -> bool:
+        return True  # nothing left to land
+
+
+class PreparedCopies:
+    """A step's copies with one pool, planned once and posted part by part (a layer each), so
+    a post in the step costs no planning. This default posts each part's slice of the ranges
+    as its own batch; a transport that can plan ahead returns its own from ``PoolTransport.prepare``
+    (shared memory on CUDA: one gather plan for the step)."""
+
+    def __init__(self, transport: PoolTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool) -> None:
+        self._transport = transport
+        self._ranges = ranges
+        self._bounds = [0, *ends]
+        self._to_pool = to_pool
+
+    def post(self, part: int) -> Transfer:
+        batch = self._ranges.slice(self._bounds[part], self._bounds[part + 1])
+        if not len(batch):
+            return CompletedTransfer()
+        return self._transport.write(batch) if self._to_pool else self._transport.read(batch)
 
 
 class PoolTransport(ABC):
@@ -180,6 +213,10 @@ class PoolTransport(ABC):
     @abstractmethod
     def write(self, ranges: Ranges) -> Transfer:
         """Post local -> pool copies."""
+
+    def prepare(self, ranges: Ranges, ends: Sequence[int], *, to_pool: bool) -> PreparedCopies:
+        """``ranges`` in parts (``ends[k]``: where part k ends), to be posted one part at a time."""
+        return PreparedCopies(self, ranges, ends, to_pool=to_pool)
 
     @abstractmethod
     def close(self) -> None: ...

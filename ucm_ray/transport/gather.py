@@ -1,4 +1,4 @@
-"""Many small copies between a pool and one local buffer as one gather (or scatter) kernel.
+"""Many small copies between a pool and local buffers as one gather (or scatter) kernel per part.
 
 A step moves one 16-64 KiB range per block per layer; issued one ``copy_`` each, the launch
 cost dominates (4.5 GB/s measured on an H200 against 53 GB/s for one large pinned copy). On
@@ -6,22 +6,31 @@ CUDA the shard's page-locked pool is also addressable from the GPU (unified addr
 the ranges become rows of a word matrix and one ``index_select`` + ``index_copy_`` moves them
 all, reading or writing host memory over PCIe from the kernel itself.
 
-Rows are ``line`` bytes: the largest power of two up to 4 KiB dividing every offset and size,
-so the index tensors stay small; ranges that share no 8-byte alignment are not eligible.
+A ``GatherPlan`` computes the row indices of a whole step (every layer) at once and uploads
+them in one copy; moving one part (a layer) is then two kernel launches and no host work. On
+an H200 engine the per-layer planning this replaces (Python and numpy on a copy thread) cost
+more host time than the copies took on the link, and its thread fought the engine's for the
+GIL: a 4k-token store hit's step took ~20 ms of host time for ~4 ms of PCIe.
+
+Rows are ``line`` bytes: the largest power of two up to 4 KiB dividing every offset, size and
+base address, so the index tensors stay small; ranges that share no 8-byte alignment are not
+eligible (``build`` returns None and the caller copies range by range).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ucm_ray.transport.base import Ranges
+
 WORD = 8
 MAX_LINE = 4096
+GATHER_BYTES = 64 << 20
+"""Bytes moved per gather: the kernel stages them in device memory."""
 
 
 class UvaView:
@@ -53,82 +62,66 @@ def _rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _RowPlan:
-    """Row indices of one geometry, on the copies' device: ``pool_rows`` relative to the
-    lowest pool offset, so the same plan serves the same ranges shifted in the pool."""
+class _Run:
+    """One kernel pair: these rows of the pool <-> these rows of one local buffer."""
 
-    line: int
+    buffer: int
     pool_rows: torch.Tensor
     local_rows: torch.Tensor
 
 
-class RowPlans:
-    """The row indices of the last few geometries, kept on the device. A step moves the same
-    blocks to or from the same entries for every layer, each layer only shifted by its place
-    in an entry: the indices are computed and uploaded once per step, not once per layer. On an
-    H200 host a layer's gather of 256 ranges cost 0.13 ms of host time with its indices computed
-    per call and 0.03 ms with them on the device already; the host's time, not the link's, was
-    what a layer's load waited for."""
+class GatherPlan:
+    """The copies of ``ranges`` as rows, split into parts (``ends[k]`` is where part k's ranges
+    end), each part into runs of one local buffer and at most ``GATHER_BYTES``. Built on the
+    stream that will move it (the index upload is queued there)."""
 
-    def __init__(self, size: int = 4) -> None:
-        self._size = size
-        self._lock = threading.Lock()  # a worker's copy thread and a store client may share a pool
-        self._plans: OrderedDict[tuple[bytes, bytes, bytes], _RowPlan] = OrderedDict()
-
-    def get(self, key: tuple[bytes, bytes, bytes], aligned: Callable[[int], bool],
-            build: Callable[[], _RowPlan | None]) -> _RowPlan | None:
-        """The plan for ``key`` if its line suits this call (``aligned``), else a new one."""
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None and aligned(plan.line):
-                self._plans.move_to_end(key)
-                return plan
-        plan = build()
-        if plan is not None:
-            with self._lock:
-                self._plans[key] = plan
-                while len(self._plans) > self._size:
-                    self._plans.popitem(last=False)
-        return plan
-
-
-def copy_ranges(pool: torch.Tensor, local: torch.Tensor, pool_offsets: np.ndarray, local_offsets: np.ndarray,
-                sizes: np.ndarray, *, to_pool: bool, plans: RowPlans | None = None) -> bool:
-    """Move ``sizes[i]`` bytes between ``pool[pool_offsets[i]:]`` and ``local[local_offsets[i]:]``
-    (both flat uint8; int64 arrays) on the current stream, as one gather and one scatter.
-    Returns False (nothing moved) when the ranges are not 8-byte aligned: the caller copies
-    them one by one. The row indices are computed on the host and sent in one small upload,
-    or taken from ``plans`` when the same ranges, shifted in the pool, were moved recently:
-    two kernels per call, whatever the number of ranges."""
-    shift = int(pool_offsets.min()) if len(pool_offsets) else 0
-    relative: np.ndarray = pool_offsets - shift
-    ends = np.asarray([shift, pool.data_ptr(), local.data_ptr()], dtype=np.int64)
-
-    def aligned(line: int) -> bool:
-        return not (ends % line).any()
-
-    def build() -> _RowPlan | None:
-        line = line_bytes(np.concatenate([sizes, relative, local_offsets, ends]))
-        if not line:
-            return None
-        counts: np.ndarray = sizes // line
-        index = torch.from_numpy(np.stack([_rows(relative // line, counts), _rows(local_offsets // line, counts)]))
+    def __init__(self, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], line: int,
+                 run_bytes: int = GATHER_BYTES) -> None:
+        width = line // WORD
+        self._pool = _as_rows(pool, line, width)
+        self._local = [_as_rows(buffer, line, width) for buffer in ranges.buffers]
+        bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
+        # each part's ranges grouped by buffer (a layer's part has one buffer: already grouped)
+        order = np.concatenate([begin + np.argsort(ranges.buffer_index[begin:end], kind="stable")
+                                for begin, end in zip(bounds[:-1], bounds[1:])] or [np.zeros(0, dtype=np.int64)])
+        buffers, counts = ranges.buffer_index[order], ranges.sizes[order] // line
+        index = torch.from_numpy(np.stack([_rows(ranges.pool_offsets[order] // line, counts),
+                                           _rows(ranges.local_offsets[order] // line, counts)]))
         if pool.is_cuda:
             index = index.pin_memory().to(pool.device, non_blocking=True)
-        return _RowPlan(line, index[0], index[1])
+        row_at = np.concatenate([[0], np.cumsum(counts)])  # range i's first row
+        limit = max(1, run_bytes // line)
+        self._parts: list[list[_Run]] = []
+        for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            runs = []
+            cuts = [begin, *(begin + 1 + np.flatnonzero(np.diff(buffers[begin:end]))).tolist(), end]
+            for first, last in zip(cuts[:-1], cuts[1:]):
+                for at in range(int(row_at[first]), int(row_at[last]), limit):
+                    stop = min(int(row_at[last]), at + limit)
+                    runs.append(_Run(int(buffers[first]), index[0, at:stop], index[1, at:stop]))
+            self._parts.append(runs)
 
-    plan = build() if plans is None else plans.get(
-        (relative.tobytes(), local_offsets.tobytes(), sizes.tobytes()), aligned, build)
-    if plan is None:
-        return False
-    width = plan.line // WORD
-    pool_rows = _as_rows(pool[shift:], plan.line, width)
-    local_rows = _as_rows(local, plan.line, width)
-    if to_pool:
-        pool_rows.index_copy_(0, plan.pool_rows, local_rows.index_select(0, plan.local_rows))
-    else:
-        local_rows.index_copy_(0, plan.local_rows, pool_rows.index_select(0, plan.pool_rows))
-    return True
+    @classmethod
+    def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int],
+              run_bytes: int = GATHER_BYTES) -> GatherPlan | None:
+        """The plan, or None when the ranges share no 8-byte alignment."""
+        bases = [pool.data_ptr(), *(b.data_ptr() for b in ranges.buffers)]
+        line = line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets,
+                                          np.asarray(bases, dtype=np.int64)]))
+        return cls(pool, ranges, ends, line, run_bytes) if line else None
+
+    def runs(self, part: int) -> int:
+        """Kernel pairs part ``part`` takes."""
+        return len(self._parts[part])
+
+    def move(self, part: int, *, to_pool: bool) -> None:
+        """Queue part ``part``'s copies on the current stream: two kernels per run."""
+        for run in self._parts[part]:
+            local = self._local[run.buffer]
+            if to_pool:
+                self._pool.index_copy_(0, run.pool_rows, local.index_select(0, run.local_rows))
+            else:
+                local.index_copy_(0, run.local_rows, self._pool.index_select(0, run.pool_rows))
 
 
 def _as_rows(flat: torch.Tensor, line: int, width: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ucm_ray.transport.base import (
     PoolDescriptor,
     PoolKey,
     PoolTransport,
+    PreparedCopies,
     Ranges,
     Transfer,
 )
@@ -107,6 +108,18 @@ class PoolConnections:
                 log.warning("%s with shard %s failed to start: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool)
         return posted, failed
+
+    def prepare(self, pool: PoolKey, ranges: Ranges, ends: list[int], *, write: bool) -> PreparedCopies:
+        """A step's copies with ``pool``, planned once and posted part by part (``ends[k]``:
+        where part k's ranges end). Raises when the pool cannot be reached; a part's ``post``
+        may raise too: the caller fails those copies, as ``post`` here does."""
+        return self._transport(pool).prepare(ranges, ends, to_pool=write)
+
+    def stream_ordered(self, pool: PoolKey, device: torch.device) -> bool:
+        """Whether copies with ``pool`` into ``device`` memory are queued on the device in stream
+        order (shared memory on CUDA): then they are posted from the caller's thread and the
+        device itself waits for them; others (CPU copies, NIXL) need a host thread to wait."""
+        return device.type == "cuda" and self.kind(pool) == "shm"
 
     @staticmethod
     def wait(posted: list[tuple[PoolKey, Transfer]], *, write: bool, timeout_s: float) -> set[PoolKey]:

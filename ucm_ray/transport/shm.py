@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +25,16 @@ from ucm_ray.transport.base import (
     CompletedTransfer,
     PoolDescriptor,
     PoolTransport,
+    PreparedCopies,
     Ranges,
     Transfer,
     TransferError,
 )
-from ucm_ray.transport.gather import RowPlans, UvaView, copy_ranges
+from ucm_ray.transport.gather import GatherPlan, UvaView
 
 log = logging.getLogger(__name__)
 
 HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
-GATHER_BYTES = 64 << 20
-"""Bytes moved per gather: the kernel stages them in GPU memory."""
 TORCH_COPY_BYTES = 1 << 20
 """CPU ranges from this size up are copied by torch (over threads), smaller ones by memmove."""
 
@@ -147,6 +147,50 @@ class _CudaEventTransfer(Transfer):
         except RuntimeError as e:  # a CUDA error surfaces here
             raise TransferError(str(e)) from e
 
+    def order_stream(self, stream: torch.cuda.Stream) -> bool:
+        stream.wait_event(self._event)
+        return True
+
+
+class _CudaCopies(PreparedCopies):
+    """A step's copies with one pool on CUDA: planned once (one gather plan, its indices
+    uploaded once), each part then posted as a few kernels on the pool's stream, queued behind
+    the caller's current stream (a save's KV is written, a load's blocks zeroed, by then)."""
+
+    def __init__(self, transport: ShmPoolTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
+                 stream: torch.cuda.Stream, pool: torch.Tensor, mapped: torch.Tensor | None) -> None:
+        super().__init__(transport, ranges, ends, to_pool=to_pool)
+        self._stream = stream
+        self._pool = pool
+        self._plan = None
+        if mapped is not None:
+            with torch.cuda.stream(stream):
+                self._plan = GatherPlan.build(mapped, ranges, ends)
+
+    def post(self, part: int) -> Transfer:
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            if self._plan is not None:
+                self._plan.move(part, to_pool=self._to_pool)
+            else:
+                _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
+                                 to_pool=self._to_pool)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return _CudaEventTransfer(event)
+
+
+def _copy_one_by_one(pool: torch.Tensor, ranges: Ranges, *, to_pool: bool) -> None:
+    """One async copy per range on the current stream: the path of ranges no gather plan fits
+    (not 8-byte aligned), or of a pool the GPU cannot address (no mapped view).
+    (``cudaMemcpyBatchAsync``, one call per layer for the copy engines, measured 0.98x a pinned
+    copy in an isolated H200 probe but 0.53x against the gather kernel's 0.66x in the worker's
+    path, passes alternating on the same entries: not used.)"""
+    for buffer_at, at, off, size in zip(ranges.buffer_index.tolist(), ranges.local_offsets.tolist(),
+                                        ranges.pool_offsets.tolist(), ranges.sizes.tolist()):
+        local_view, pool_view = ranges.buffers[buffer_at][at: at + size], pool[off: off + size]
+        (pool_view if to_pool else local_view).copy_(local_view if to_pool else pool_view, non_blocking=True)
+
 
 class ShmPoolTransport(PoolTransport):
     """Copies between local tensors and a same-node shard's mapped pool."""
@@ -161,7 +205,6 @@ class ShmPoolTransport(PoolTransport):
         self._host_registered = False
         self._stream: torch.cuda.Stream | None = None
         self._uva: torch.Tensor | None = None
-        self._row_plans = RowPlans()
 
     def register_local(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:
@@ -180,24 +223,28 @@ class ShmPoolTransport(PoolTransport):
             self._host_registered = False
         self._pool.close()
 
-    def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
+    def prepare(self, ranges: Ranges, ends: Sequence[int], *, to_pool: bool) -> PreparedCopies:
+        """On CUDA, the step planned once (``_CudaCopies``); on CPU a post is the copy itself,
+        planned as it runs."""
+        if ranges.device.type != "cuda" or not len(ranges):
+            return super().prepare(ranges, ends, to_pool=to_pool)
         ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
-        if not len(ranges):
-            return CompletedTransfer()
-        if ranges.device.type != "cuda":
-            try:
-                self._copy_on_cpu(ranges, to_pool=to_pool)
-            except RuntimeError as e:
-                return CompletedTransfer(e)
-            return CompletedTransfer()
         self._pin_for_cuda()
         assert self._stream is not None
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            self._copy_on_cuda(ranges, to_pool=to_pool)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return _CudaEventTransfer(event)
+        return _CudaCopies(self, ranges, ends, to_pool=to_pool, stream=self._stream, pool=self._pool.tensor,
+                           mapped=self._uva)
+
+    def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
+        if not len(ranges):
+            return CompletedTransfer()
+        if ranges.device.type == "cuda":
+            return self.prepare(ranges, [len(ranges)], to_pool=to_pool).post(0)
+        ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        try:
+            self._copy_on_cpu(ranges, to_pool=to_pool)
+        except RuntimeError as e:
+            return CompletedTransfer(e)
+        return CompletedTransfer()
 
     def _copy_on_cpu(self, ranges: Ranges, *, to_pool: bool) -> None:
         """Small ranges by ``memmove`` (a C call, the GIL released: ~4x torch's per-copy cost
@@ -214,36 +261,6 @@ class ShmPoolTransport(PoolTransport):
             local_view = buffer[ranges.local_offsets[i]: ranges.local_offsets[i] + size]
             pool_view = pool[ranges.pool_offsets[i]: ranges.pool_offsets[i] + size]
             (pool_view if to_pool else local_view).copy_(local_view if to_pool else pool_view)
-
-    def _copy_on_cuda(self, ranges: Ranges, *, to_pool: bool) -> None:
-        """Per local buffer, one gather kernel per ``GATHER_BYTES`` through the GPU-mapped pool
-        (when there is one and the ranges are 8-byte aligned); else one async copy per range.
-        (``cudaMemcpyBatchAsync``, one call per layer for the copy engines, measured 0.98x a
-        pinned copy in an isolated H200 probe but 0.53x against this kernel's 0.66x in the
-        worker's path, passes alternating on the same entries: not used.)"""
-        pool = self._pool.tensor
-        index = ranges.buffer_index
-        one_buffer = not (index != index[0]).any()  # a layer's batch
-        for home in [int(index[0])] if one_buffer else np.unique(index).tolist():
-            mine = slice(None) if one_buffer else index == home
-            local, pool_offsets = ranges.local_offsets[mine], ranges.pool_offsets[mine]
-            sizes = ranges.sizes[mine]
-            buffer = ranges.buffers[home]
-            ends = np.cumsum(sizes)
-            begin = 0
-            while begin < len(sizes):
-                # at least one range per kernel; at most GATHER_BYTES staged in GPU memory
-                done = int(ends[begin - 1]) if begin else 0
-                end = max(begin + 1, int(np.searchsorted(ends, done + GATHER_BYTES, side="right")))
-                part = slice(begin, end)
-                if self._uva is None or not copy_ranges(self._uva, buffer, pool_offsets[part], local[part],
-                                                        sizes[part], to_pool=to_pool, plans=self._row_plans):
-                    for at, off, size in zip(local[part].tolist(), pool_offsets[part].tolist(),
-                                             sizes[part].tolist()):
-                        local_view, pool_view = buffer[at: at + size], pool[off: off + size]
-                        (pool_view if to_pool else local_view).copy_(local_view if to_pool else pool_view,
-                                                                     non_blocking=True)
-                begin = end
 
     def _pin_for_cuda(self) -> None:
         """Page-lock the mapping once so CUDA copies run at PCIe speed, asynchronously, and map

@@ -2,15 +2,26 @@
 
 Every location comes decided in the step's metadata (pins and slots are the
 scheduler's). Copies are planned as arrays (``Ranges``: one range per block per
-layer, never an object each). Per step: ``start_load_kv`` queues every load on
-a copy thread, which posts layer after layer (on CUDA one task for all layers,
-on CPU, where a post is the copy, one task each), so layer L's bytes land while
-layers < L compute and ``wait_for_layer_load`` waits for them to land; it
-finishes at once the loads that cannot wait for layer hooks (mamba states,
-async hybrid loads, chunks shorter than the FULL-CUDA-graph threshold,
-non-layerwise mode). ``save_kv_layer`` queues a layer's copies into
-the granted slots as soon as its KV is written; ``wait_for_save`` saves what no
-hook covered and waits. Results go back per job through
+layer, never an object each). Per step, layer L's bytes land while layers < L
+compute, and ``wait_for_layer_load`` makes layer L wait for them:
+
+- **Stream-ordered pools** (shared memory, CUDA): the step's copies with each
+  pool are planned once (``PoolConnections.prepare``: one gather plan, one index
+  upload) and every layer is posted at once from the engine's own thread in
+  ``start_load_kv``; ``wait_for_layer_load`` makes the compute stream wait for
+  the layer's event, and the host checks every copy once, at the end of the
+  loads. On an H200 the per-layer planning on a copy thread cost more host time
+  than the copies took, and that thread fought the engine's for the GIL: a 4k
+  store hit's step spent ~20 ms of host time on ~4 ms of PCIe.
+- **Other pools** (CPU, where a post is the copy; NIXL): a copy thread posts
+  layer after layer and ``wait_for_layer_load`` waits on the host.
+
+``start_load_kv`` finishes at once the loads that cannot wait for layer hooks
+(mamba states, async hybrid loads, chunks shorter than the FULL-CUDA-graph
+threshold, non-layerwise mode). ``save_kv_layer`` posts a layer's copies into
+the granted slots as soon as its KV is written (stream-ordered pools from this
+thread, planned at ``bind``; others on the copy thread); ``wait_for_save``
+saves what no hook covered and waits. Results go back per job through
 ``build_worker_meta``; the scheduler commits, frees and releases from them.
 
 No control call (no Ray call) is made here, and the whole step is bounded by
@@ -38,7 +49,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.published import IndexReaders
-from ucm_ray.transport.base import Ranges, Transfer
+from ucm_ray.transport.base import PreparedCopies, Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
@@ -119,19 +130,30 @@ class _Posted:
     post_s: float = 0.0
 
 
+_Prepared = dict[PoolKey, PreparedCopies | None]
+"""A step's copies with each stream-ordered pool, planned once (None: that pool could not be)."""
+
+
 @dataclass
 class _StepState:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     deadline: float = 0.0
-    load_futures: dict[str, tuple[Future, set[_Tag]]] = field(default_factory=dict)  # layer -> copies
+    load_futures: dict[str, tuple[Future, set[_Tag]]] = field(default_factory=dict)  # layer -> copy-thread copies
+    layer_loads: dict[str, _Posted] = field(default_factory=dict)  # layer -> stream-ordered copies, posted
+    unlanded: list[_Posted] = field(default_factory=list)
+    """Stream-ordered loads the compute stream waits for, not yet checked by the host."""
     failed: set[_Tag] = field(default_factory=set)
     uncertain: bool = False
     """A copy timed out: it may still land, so its slots must never be reused."""
-    save_entries: _ByPool = field(default_factory=dict)
+    save_entries: _ByPool = field(default_factory=dict)  # saves into pools the copy thread serves
     save_tags: dict[int, set[_Tag]] = field(default_factory=dict)  # group -> its saves' jobs, once per step
+    ordered_saves: _ByPool = field(default_factory=dict)  # saves into stream-ordered pools
+    save_copies: _Prepared = field(default_factory=dict)
+    save_parts: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, layer) -> part of save_copies
     saved_layers: set[str] = field(default_factory=set)
     save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
+    save_posted: list[_Posted] = field(default_factory=list)
     crc: dict[_Tag, int] = field(default_factory=dict)
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
@@ -191,11 +213,17 @@ class WorkerPart:
             self._indexes.sync(meta.pools)
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
         saves = meta.saves.get(self._rank, [])
-        self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
-                                deadline=time.monotonic() + self._config.transfer_timeout_s,
-                                save_entries=_group_entries([
-                                    (loc.pool, job.group, job.block_id, loc.offset, (job.job_id, replica))
-                                    for job in saves for replica, loc in enumerate(job.locations)]))
+        ordered, threaded = self._split(_group_entries([
+            (loc.pool, job.group, job.block_id, loc.offset, (job.job_id, replica))
+            for job in saves for replica, loc in enumerate(job.locations)]))
+        step = self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
+                                       deadline=time.monotonic() + self._config.transfer_timeout_s,
+                                       save_entries=threaded, ordered_saves=ordered)
+        if ordered:  # planned now, so each layer's hook only posts
+            layers = [(gl.group, i) for gl in self._layouts if any(gl.group in e for e in ordered.values())
+                      for i in range(len(gl.layers))]
+            step.save_parts = {layer: part for part, layer in enumerate(layers)}
+            step.save_copies = self._prepare(ordered, [(layer,) for layer in layers], write=True)
 
     def start_load_kv(self) -> None:
         step = self._step
@@ -220,35 +248,55 @@ class WorkerPart:
         batches = []
         if layered:
             entries = _group_entries(layered)
-            group_tags = {g: _group_tags(entries, g) for by_group in entries.values() for g in by_group}
-            per_layer = [(layer.name, _Batch(((gl.group, i),), entries), group_tags[gl.group])
-                         for gl in self._layouts if gl.group in group_tags for i, layer in enumerate(gl.layers)]
-            batches = [batch for _, batch, _ in per_layer]
-            if self._device.type == "cuda":
-                # A post only queues kernels: one task posts every layer, each layer's future set
-                # as soon as it is posted (a task per layer cost its hand-off per layer, and the
-                # link idled while the copy thread planned the next one).
+            ordered, threaded = self._split(entries)
+            layers = [(gl.group, i, layer.name) for gl in self._layouts
+                      if any(gl.group in by_group for by_group in entries.values())
+                      for i, layer in enumerate(gl.layers)]
+            batches = [_Batch(((g, i),), entries) for g, i, _ in layers]
+            if ordered:  # every layer posted now, from this thread; the compute stream waits per layer
+                copies = self._prepare(ordered, [((g, i),) for g, i, _ in layers], write=False)
+                step.layer_loads = {name: self._post(copies, part, _Batch(((g, i),), ordered), write=False)
+                                    for part, (g, i, name) in enumerate(layers)}
+            group_tags = {g: _group_tags(threaded, g) for by_group in threaded.values() for g in by_group}
+            per_layer = [(name, _Batch(((g, i),), threaded), group_tags[g]) for g, i, name in layers if g in group_tags]
+            if per_layer and self._device.type == "cuda":  # NIXL: a post only queues the transfer
+                # One task posts every layer, each layer's future set as soon as it is posted (a
+                # task per layer cost its hand-off per layer, and the link idled meanwhile).
                 posted: list[Future] = [Future() for _ in per_layer]
-                self._copier.submit(self._move_each, step, batches, ready, posted)
+                self._copier.submit(self._move_each, step, [batch for _, batch, _ in per_layer], ready, posted)
                 step.load_futures = {name: (future, tags) for (name, _, tags), future in zip(per_layer, posted)}
-            else:  # a post is the copy itself: one task per layer, each waited for as it lands
+            elif per_layer:  # a post is the copy itself: one task per layer, each waited for as it lands
                 step.load_futures = {name: (self._copier.submit(self._move, step, batch, False, ready), tags)
                                      for name, batch, tags in per_layer}
         if immediate:
-            batch = _Batch(tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers))),
-                           _group_entries(immediate))
-            self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
-            batches.append(batch)
+            every_layer = tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers)))
+            entries = _group_entries(immediate)
+            ordered, threaded = self._split(entries)
+            if ordered:
+                self._land(self._post(self._prepare(ordered, [every_layer], write=False), 0,
+                                      _Batch(every_layer, ordered), write=False))
+            if threaded:
+                batch = _Batch(every_layer, threaded)
+                self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
+            batches.append(_Batch(every_layer, entries))
         self._count_bytes(batches, "loaded")
-        if not step.load_futures:
+        if not step.load_futures and not step.layer_loads:
             self._finish_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        posted = self._step.load_futures.pop(layer_name, None)
-        if posted is not None:
-            self._wait(*posted)
-            if not self._step.load_futures:
-                self._finish_loads()
+        step = self._step
+        threaded = step.load_futures.pop(layer_name, None)
+        if threaded is not None:
+            self._wait(*threaded)
+        ordered = step.layer_loads.pop(layer_name, None)
+        if ordered is not None:
+            # checksums read each layer's blocks as they land: the host waits for those
+            if step.crc or not self._order_compute(ordered):
+                self._land(ordered)
+            else:
+                step.unlanded.append(ordered)
+        if (threaded or ordered) and not step.load_futures and not step.layer_loads:
+            self._finish_loads()
 
     def save_kv_layer(self, layer_name: str) -> None:
         step = self._step
@@ -256,6 +304,11 @@ class WorkerPart:
             return
         step.saved_layers.add(layer_name)
         group, index = self._layer_of[layer_name]
+        part = step.save_parts.get((group, index))
+        if part is not None:
+            batch = _Batch(((group, index),), step.ordered_saves)
+            step.save_posted.append(self._post(step.save_copies, part, batch, write=True))
+            self._count_bytes([batch], "saved")
         entries = {pool: {group: by_group[group]} for pool, by_group in step.save_entries.items() if group in by_group}
         if entries:
             batch = _Batch(((group, index),), entries)
@@ -268,18 +321,23 @@ class WorkerPart:
 
     def wait_for_save(self) -> None:
         step = self._step
-        if step.load_futures:
+        unwaited = set(step.load_futures) | set(step.layer_loads)
+        if unwaited:
             # Layer loads whose hook never ran: the forward pass did not wait for their bytes (a
             # FULL CUDA graph replay runs no Python). Its output cannot be trusted, so the loads
             # are failed and vLLM drops this step's tokens and recomputes: wrong tokens stay
             # impossible even if the hit policy let such a step through.
             log.warning("ucm-ray: %d layer load(s) were never waited for by the forward pass; "
-                        "failing them so vLLM recomputes", len(step.load_futures))
-            self.stats.add(unwaited_layer_loads=len(step.load_futures))
+                        "failing them so vLLM recomputes", len(unwaited))
+            self.stats.add(unwaited_layer_loads=len(unwaited))
             for future, tags in list(step.load_futures.values()):
                 self._wait(future, tags)  # the copies must be over before the blocks are reused
                 step.failed |= tags
+            for posted in step.layer_loads.values():
+                self._land(posted)
+                step.failed |= posted.batch.tags()
             step.load_futures.clear()
+            step.layer_loads.clear()
             self._finish_loads()
         if not step.saves:
             return
@@ -289,6 +347,8 @@ class WorkerPart:
                 self.save_kv_layer(layer.name)
         for future, tags in step.save_futures:
             self._wait(future, tags)
+        for posted in step.save_posted:
+            self._land(posted)
         for job in step.saves:
             landed = [(job.job_id, i) not in step.failed for i in range(len(job.locations))]
             sums = self._entry_checksum(job) if self._config.checksum and any(landed) else None
@@ -318,8 +378,8 @@ class WorkerPart:
     # --- helpers -------------------------------------------------------------------------
 
     def _wait(self, future: Future, tags: set[_Tag]) -> None:
-        """Wait for a copy task's batch to land and take its failures, within what is left of
-        the step's deadline."""
+        """Wait for a copy task's batch to be posted, then to land (``_land``), within what is
+        left of the step's deadline."""
         step = self._step
         started = time.perf_counter()
         try:
@@ -332,6 +392,13 @@ class WorkerPart:
             self.stats.add(deadline_misses=1)
             step.failed |= tags
             return
+        self._land(posted, started)
+
+    def _land(self, posted: _Posted, since: float | None = None) -> None:
+        """Wait on the host for a posted batch to land and take its failures (``since``: when
+        the wait began, if it began before its post was in)."""
+        step = self._step
+        started = time.perf_counter() if since is None else since
         failed_pools = posted.failed_pools | self._pools.wait(
             posted.transfers, write=posted.write, timeout_s=max(0.0, step.deadline - time.monotonic()))
         step.copy_s[posted.write] += posted.post_s + time.perf_counter() - started
@@ -339,6 +406,49 @@ class WorkerPart:
         step.failed |= posted.failed_tags | posted.batch.tags_in(failed_pools)
         if not posted.write and step.crc:
             self._update_checksums(posted.batch, failed_pools)
+
+    def _order_compute(self, posted: _Posted) -> bool:
+        """Make the compute stream wait for ``posted`` on the device; False if some transfer
+        needs the host to wait (then ``_land`` must be called now)."""
+        stream = torch.cuda.current_stream(self._device)
+        return all([transfer.order_stream(stream) for _, transfer in posted.transfers])
+
+    def _split(self, entries: _ByPool) -> tuple[_ByPool, _ByPool]:
+        """(stream-ordered pools' entries, the copy thread's)."""
+        ordered = {pool: e for pool, e in entries.items() if self._pools.stream_ordered(pool, self._device)}
+        return ordered, {pool: e for pool, e in entries.items() if pool not in ordered}
+
+    def _prepare(self, entries: _ByPool, parts: list[tuple[tuple[int, int], ...]], *, write: bool) -> _Prepared:
+        """The step's copies with each pool planned once, part k being the layers ``parts[k]``."""
+        plans = [self._ranges(_Batch(layers, entries)) for layers in parts]
+        out: _Prepared = {}
+        for pool in entries:
+            pieces = [plan[pool] for plan in plans if pool in plan]
+            ends = np.cumsum([len(plan[pool]) if pool in plan else 0 for plan in plans]).tolist()
+            try:
+                out[pool] = self._pools.prepare(pool, Ranges.concat(pieces), ends, write=write)
+            except Exception as e:  # noqa: BLE001 -- that pool's copies fail, nothing reaches vLLM
+                log.warning("%s with shard %s failed to start: %s: %s", "save" if write else "load", pool[0],
+                            type(e).__name__, e)
+                out[pool] = None
+        return out
+
+    def _post(self, copies: _Prepared, part: int, batch: _Batch, *, write: bool) -> _Posted:
+        """Post part ``part`` of every pool's prepared copies (``batch``: what they serve)."""
+        posted = _Posted(batch, write)
+        started = time.perf_counter()
+        for pool, prepared in copies.items():
+            if prepared is None:  # logged when planned
+                posted.failed_pools.add(pool)
+                continue
+            try:
+                posted.transfers.append((pool, prepared.post(part)))
+            except Exception as e:  # noqa: BLE001 -- as above
+                log.warning("%s with shard %s failed to start: %s: %s", "save" if write else "load", pool[0],
+                            type(e).__name__, e)
+                posted.failed_pools.add(pool)
+        posted.post_s = time.perf_counter() - started
+        return posted
 
     def _count_bytes(self, batches: list[_Batch], what: str) -> None:
         """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
@@ -442,6 +552,9 @@ class WorkerPart:
         """All copies of the step are in: validate unpinned ones, verify checksums and report
         what vLLM must redo."""
         step = self._step
+        for posted in step.unlanded:
+            self._land(posted)
+        step.unlanded = []
         self._validate_unpinned()
         for job in step.loads:
             for b in job.blocks:
