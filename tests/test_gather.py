@@ -13,6 +13,7 @@ from ucm_ray.transport.gather import GatherPlan, line_bytes
 
 def test_line_is_the_largest_common_power_of_two():
     assert line_bytes(np.asarray([65536, 131072, 4096 * 3])) == 4096
+    assert line_bytes(np.asarray([65536, 131072])) == 65536  # a 64 KiB page: one row per range
     assert line_bytes(np.asarray([64, 65536])) == 64
     assert line_bytes(np.asarray([65536, 12])) == 0  # not 8-byte aligned: copied one by one
 
@@ -62,6 +63,9 @@ def test_parts_move_both_ways_exactly_and_nothing_else(run_bytes):
     assert sum(int(b.count_nonzero()) for b in back) == sum(n for *_, n in rows)
 
 
-def test_misaligned_ranges_get_no_plan():
+def test_misaligned_ranges_or_buffers_get_no_plan():
     pool, local = (_page_aligned(torch.zeros(1 << 17, dtype=torch.uint8)) for _ in range(2))
     assert GatherPlan.build(pool, _ranges((local,), [(0, 0, 3, 4096)]), [1]) is None
+    assert GatherPlan.build(pool[1:], _ranges((local,), [(0, 0, 8, 4096)]), [1]) is None  # pool start
+    assert GatherPlan.build(pool, _ranges((local[4:],), [(0, 0, 8, 4096)]), [1]) is None  # buffer start
+    assert GatherPlan.build(pool[8:], _ranges((local[8:],), [(0, 0, 8, 4096)]), [1]) is not None

@@ -12,6 +12,7 @@ by its size and split a block into the contiguous pieces that remain.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -44,10 +45,6 @@ class LayerLayout:
     def storage_address(self) -> int:
         return self.tensor.untyped_storage().data_ptr()
 
-    def local_offsets(self, block_ids: np.ndarray) -> np.ndarray:
-        """``[len(block_ids), segments]`` byte offsets of those blocks' segments in the storage."""
-        return block_ids[:, None] * self.block_stride + self.segment_offsets[None, :]
-
     def segments(self, block_id: int) -> list[torch.Tensor]:
         """The block's bytes in this layer as flat uint8 views (one, or one per K/V half)."""
         view = self.tensor.select(self.block_dim, block_id)
@@ -77,18 +74,29 @@ class GroupLayout:
         """Where each layer's bytes start in an entry (asked per layer per step: summed once)."""
         return tuple(int(v) for v in np.cumsum([0] + [layer.block_bytes for layer in self.layers])[:-1])
 
-    def ranges(self, index: int, block_ids: np.ndarray, entry_offsets: np.ndarray,
-               buffers: tuple[torch.Tensor, ...], buffer_index: int) -> Ranges:
-        """Layer ``index`` of these blocks <-> the same layer of the entries starting at
-        ``entry_offsets`` in a pool (an entry holds its layers in order, each layer's segments
-        in order). ``buffers[buffer_index]`` is the layer's storage."""
-        layer = self.layers[index]
-        sizes = layer.segment_sizes
-        in_entry = self.layer_offset(index) + np.cumsum(sizes) - sizes
-        local = layer.local_offsets(block_ids)
-        pool = entry_offsets[:, None] + in_entry[None, :]
-        return Ranges(buffers, np.full(local.size, buffer_index, dtype=np.int64), local.ravel(), pool.ravel(),
-                      np.broadcast_to(sizes, local.shape).ravel())
+    def segment_count(self, index: int) -> int:
+        return len(self.layers[index].segment_sizes)
+
+    def ranges(self, indices: Sequence[int], block_ids: np.ndarray, entry_offsets: np.ndarray,
+               buffers: tuple[torch.Tensor, ...], buffer_index: Sequence[int]) -> Ranges:
+        """Layers ``indices`` (in that order) of these blocks <-> the same layers of the entries
+        starting at ``entry_offsets`` in a pool (an entry holds its layers in order, each layer's
+        segments in order), layer by layer, block by block. ``buffers[buffer_index[k]]`` is layer
+        ``indices[k]``'s storage. One array pass for all the layers when they have as many
+        segments each (always, within a group of one backend): a step plans every layer at once."""
+        layers = [self.layers[i] for i in indices]
+        if len({len(layer.segment_sizes) for layer in layers}) > 1:
+            return Ranges.concat([self.ranges([i], block_ids, entry_offsets, buffers, [b])
+                                  for i, b in zip(indices, buffer_index)])
+        sizes = np.stack([layer.segment_sizes for layer in layers])  # [layers, segments]
+        in_entry = np.asarray([self.layer_offset(i) for i in indices])[:, None] + np.cumsum(sizes, axis=1) - sizes
+        strides = np.asarray([layer.block_stride for layer in layers], dtype=np.int64)
+        starts = np.stack([layer.segment_offsets for layer in layers])
+        local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]  # [layers, blocks, segments]
+        pool = entry_offsets[None, :, None] + in_entry[:, None, :]
+        homes = np.asarray(buffer_index, dtype=np.int64)[:, None, None]
+        return Ranges(buffers, np.broadcast_to(homes, local.shape).ravel(), local.ravel(), pool.ravel(),
+                      np.broadcast_to(sizes[:, None, :], local.shape).ravel())
 
 
 def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayout:

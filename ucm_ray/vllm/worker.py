@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import PoolKey
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.published import IndexReaders
-from ucm_ray.transport.base import PreparedCopies, Ranges, Transfer
+from ucm_ray.transport.base import EMPTY, PreparedCopies, Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
@@ -420,13 +421,14 @@ class WorkerPart:
 
     def _prepare(self, entries: _ByPool, parts: list[tuple[tuple[int, int], ...]], *, write: bool) -> _Prepared:
         """The step's copies with each pool planned once, part k being the layers ``parts[k]``."""
-        plans = [self._ranges(_Batch(layers, entries)) for layers in parts]
+        every = tuple(layer for part in parts for layer in part)
+        plans = self._ranges(_Batch(every, entries))
         out: _Prepared = {}
-        for pool in entries:
-            pieces = [plan[pool] for plan in plans if pool in plan]
-            ends = np.cumsum([len(plan[pool]) if pool in plan else 0 for plan in plans]).tolist()
+        for pool, by_group in entries.items():
+            counts = [sum(len(by_group[g].block_ids) * self._layouts[g].segment_count(i)
+                          for g, i in part if g in by_group) for part in parts]
             try:
-                out[pool] = self._pools.prepare(pool, Ranges.concat(pieces), ends, write=write)
+                out[pool] = self._pools.prepare(pool, plans.get(pool, EMPTY), np.cumsum(counts).tolist(), write=write)
             except Exception as e:  # noqa: BLE001 -- that pool's copies fail, nothing reaches vLLM
                 log.warning("%s with shard %s failed to start: %s: %s", "save" if write else "load", pool[0],
                             type(e).__name__, e)
@@ -462,12 +464,14 @@ class WorkerPart:
             self.stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})
 
     def _ranges(self, batch: _Batch) -> dict[PoolKey, Ranges]:
-        """The batch's copies per pool: per layer, every entry's segments, as arrays."""
+        """The batch's copies per pool: per layer (in the batch's order), every entry's segments,
+        as arrays; each run of one group's layers in one pass."""
+        runs = [(g, [i for _, i in run]) for g, run in groupby(batch.layers, key=lambda layer: layer[0])]
         out = {}
         for pool, by_group in batch.entries.items():
-            parts = [self._layouts[g].ranges(i, by_group[g].block_ids, by_group[g].pool_offsets, self._buffers,
-                                             self._buffer_of[self._layouts[g].layers[i].name])
-                     for g, i in batch.layers if g in by_group]
+            parts = [self._layouts[g].ranges(indices, by_group[g].block_ids, by_group[g].pool_offsets, self._buffers,
+                                             [self._buffer_of[self._layouts[g].layers[i].name] for i in indices])
+                     for g, indices in runs if g in by_group]
             if parts:
                 out[pool] = Ranges.concat(parts)
         return out
