@@ -22,6 +22,10 @@ cold (engine A, connector on, store empty), the engine's own prefix-cache hit (A
 store-warm (a fresh engine B with the connector). Prompts are 8 tokens past a block boundary
 so that A's repeat is a pure local hit (the store holds nothing beyond it).
 
+``--profile-dir DIR`` also serves one more store-warm prompt per size under torch's profiler
+(every thread and CUDA stream; the trace kept to our code, vLLM's engine step and the device)
+and writes ``trace_store_warm_<size>.json.gz`` there: where a store hit's step spends its time.
+
 Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
 (goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
 ``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` and the 16k ones.
