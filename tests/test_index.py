@@ -36,6 +36,23 @@ def put(idx, key, size, owner=OWNER):
     return offs[0]
 
 
+def test_an_extent_keeps_its_sizes_alignment_whatever_its_neighbours():
+    """A pool mixes entry sizes (attention blocks, mamba states, other models): an odd-sized
+    extent must not leave every later 32 KiB block at a 64-byte offset, or a GPU step's gather
+    plan falls to 64-byte rows (a 512 MiB step: 8M indices instead of 16k). Sizes that are not
+    a multiple of 4 KiB still pack at 64 bytes."""
+    a = ExtentAllocator(1 << 20, align=64)
+    assert a.alloc(64 * 3) == 0  # a small state: packed at once
+    block = a.alloc(32 << 10)
+    assert block is not None and block % 4096 == 0
+    assert a.alloc(64) == 64 * 3  # the gap before the block still serves small extents
+    big = [a.alloc(96 << 10) for _ in range(4)]  # 96 KiB: a multiple of 32 KiB, aligned to 4 KiB
+    assert all(off is not None and off % 4096 == 0 for off in big)
+    for off, size in [(0, 64 * 3), (block, 32 << 10), (64 * 3, 64), *((off, 96 << 10) for off in big)]:
+        a.free(off, size)
+    assert a.free_bytes == a.capacity and a.largest_hole == a.capacity
+
+
 def test_allocator_coalesces_and_never_overlaps():
     a = ExtentAllocator(64 * 100, align=64)
     rng = random.Random(0)

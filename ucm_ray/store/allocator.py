@@ -3,11 +3,19 @@
 Blocks of one namespace share a size, but a shard serves many namespaces
 (models, tp ranks, mamba states), so slots are variable-sized extents. A
 first-fit free list with coalescing keeps that simple and byte-accurate.
+
+An extent whose size is a multiple of 4 KiB starts at a multiple of 4 KiB, whatever odd-sized
+state was placed before it; smaller or odd sizes pack at ``align``. A GPU step moves its blocks
+as rows of the largest size dividing every offset (``transport.gather``): one block at a
+64-byte offset would make every row of the step 64 bytes.
 """
 
 from __future__ import annotations
 
 import bisect
+
+PAGE_ALIGN = 4096
+"""Where extents of a multiple of this size start."""
 
 
 class ExtentAllocator:
@@ -30,16 +38,20 @@ class ExtentAllocator:
         if size <= 0:
             raise ValueError(f"size must be > 0, got {size}")
         need = self.rounded(size)
+        natural = max(self.align, PAGE_ALIGN) if need % PAGE_ALIGN == 0 else self.align
         for i, length in enumerate(self._lengths):
-            if length >= need:
-                start = self._starts[i]
-                if length == need:
-                    del self._starts[i], self._lengths[i]
-                else:
-                    self._starts[i] = start + need
-                    self._lengths[i] = length - need
-                self.free_bytes -= need
-                return start
+            hole = self._starts[i]
+            start = -(-hole // natural) * natural
+            if start + need > hole + length:
+                continue
+            rest = hole + length - (start + need)
+            del self._starts[i], self._lengths[i]
+            for at, span in ((start + need, rest), (hole, start - hole)):  # keeps _starts sorted
+                if span:
+                    self._starts.insert(i, at)
+                    self._lengths.insert(i, span)
+            self.free_bytes -= need
+            return start
         return None
 
     def free(self, offset: int, size: int) -> None:
