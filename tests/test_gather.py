@@ -46,7 +46,6 @@ def test_parts_move_both_ways_exactly_and_nothing_else(run_bytes):
     pool = _page_aligned(torch.zeros(1 << 20, dtype=torch.uint8))
     plan = GatherPlan.build(pool, _ranges(buffers, rows), ends, run_bytes=run_bytes)
     assert plan is not None
-    assert plan.runs(2) >= 2 and plan.runs(3) == 0  # one pair per buffer at least; nothing for an empty part
     for part in range(len(ends)):
         plan.move(part, to_pool=True)
     _expect(pool, buffers, rows, to_pool=True)

@@ -112,9 +112,6 @@ class GatherPlan:
         line = line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets]))
         return cls(pool, ranges, ends, line, run_bytes) if line else None
 
-    def runs(self, part: int) -> int:
-        """Kernel pairs part ``part`` takes."""
-        return len(self._parts[part])
 
     def move(self, part: int, *, to_pool: bool) -> None:
         """Queue part ``part``'s copies on the current stream: two kernels per run."""

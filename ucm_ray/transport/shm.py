@@ -135,8 +135,12 @@ def remove_stale_pools(prefix: str, *, uid: int | None = None) -> int:
 
 
 class _CudaEventTransfer(Transfer):
-    def __init__(self, event: torch.cuda.Event) -> None:
+    """Copies queued on a stream up to ``event``; ``error``: queuing them failed part-way (what
+    was queued still runs: waited for, then reported as a failure)."""
+
+    def __init__(self, event: torch.cuda.Event, error: BaseException | None = None) -> None:
         self._event = event
+        self._error = error
 
     def done(self) -> bool:
         return self._event.query()
@@ -146,6 +150,8 @@ class _CudaEventTransfer(Transfer):
             self._event.synchronize()
         except RuntimeError as e:  # a CUDA error surfaces here
             raise TransferError(str(e)) from e
+        if self._error is not None:
+            raise TransferError(str(self._error)) from self._error
 
     def order_stream(self, stream: torch.cuda.Stream) -> bool:
         stream.wait_event(self._event)
@@ -169,15 +175,19 @@ class _CudaCopies(PreparedCopies):
 
     def post(self, part: int) -> Transfer:
         self._stream.wait_stream(torch.cuda.current_stream())
+        error = None
         with torch.cuda.stream(self._stream):
-            if self._plan is not None:
-                self._plan.move(part, to_pool=self._to_pool)
-            else:
-                _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
-                                 to_pool=self._to_pool)
+            try:
+                if self._plan is not None:
+                    self._plan.move(part, to_pool=self._to_pool)
+                else:
+                    _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
+                                     to_pool=self._to_pool)
+            except RuntimeError as e:  # e.g. out of device memory for a gather's staging
+                error = e
             event = torch.cuda.Event()
-            event.record(self._stream)
-        return _CudaEventTransfer(event)
+            event.record(self._stream)  # after whatever was queued, failed part or not
+        return _CudaEventTransfer(event, error)
 
 
 def _copy_one_by_one(pool: torch.Tensor, ranges: Ranges, *, to_pool: bool) -> None:

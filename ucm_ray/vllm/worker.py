@@ -27,7 +27,9 @@ saves what no hook covered and waits. Results go back per job through
 No control call (no Ray call) is made here, and the whole step is bounded by
 one deadline (``transfer_timeout_s``): a hung pool can delay a forward pass by
 at most that much, and whatever has not landed by then is a failed load
-(vLLM recomputes) or a save that never becomes visible.
+(vLLM recomputes) or a save that never becomes visible. (Stream-ordered copies
+are kernels reading or writing mapped host memory: they cannot hang on a pool,
+and the host waits for their events without a timeout.)
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def _group_entries(items: list[tuple[PoolKey, int, int, int, _Tag]]) -> _ByPool:
 
 @dataclass(frozen=True)
 class _Batch:
-    """What the copy thread moves in one go: these layers ((group, index), in this order) of
-    these entries. Its copies are planned as arrays when it runs, on the copy thread."""
+    """What moves in one go: these layers ((group, index), in this order) of these entries. Its
+    copies are planned as arrays (``_ranges``): when the copy thread runs it, or once per step
+    for stream-ordered pools (``_prepare``)."""
 
     layers: tuple[tuple[int, int], ...]
     entries: _ByPool
@@ -121,7 +124,8 @@ class _Batch:
 
 @dataclass
 class _Posted:
-    """A batch the copy thread posted (or could not): what ``_wait`` needs to see it land."""
+    """A batch posted (or not: ``failed_pools``, ``failed_tags``): what ``_land`` needs to see
+    it land and take its failures."""
 
     batch: _Batch
     write: bool
@@ -245,41 +249,47 @@ class WorkerPart:
                     step.crc[tag] = 0
                 row = (b.location.pool, b.group, b.block_id, b.location.offset, tag)
                 (layered if hooks and b.group in self._hooked_groups else immediate).append(row)
-        ready = self._compute_ready()  # e.g. vLLM zeroing fresh blocks, queued before us
-        batches = []
-        if layered:
-            entries = _group_entries(layered)
-            ordered, threaded = self._split(entries)
-            layers = [(gl.group, i, layer.name) for gl in self._layouts
-                      if any(gl.group in by_group for by_group in entries.values())
-                      for i, layer in enumerate(gl.layers)]
-            batches = [_Batch(((g, i),), entries) for g, i, _ in layers]
-            if ordered:  # every layer posted now, from this thread; the compute stream waits per layer
-                copies = self._prepare(ordered, [((g, i),) for g, i, _ in layers], write=False)
-                step.layer_loads = {name: self._post(copies, part, _Batch(((g, i),), ordered), write=False)
-                                    for part, (g, i, name) in enumerate(layers)}
-            group_tags = {g: _group_tags(threaded, g) for by_group in threaded.values() for g in by_group}
-            per_layer = [(name, _Batch(((g, i),), threaded), group_tags[g]) for g, i, name in layers if g in group_tags]
-            if per_layer and self._device.type == "cuda":  # NIXL: a post only queues the transfer
-                # One task posts every layer, each layer's future set as soon as it is posted (a
-                # task per layer cost its hand-off per layer, and the link idled meanwhile).
-                posted: list[Future] = [Future() for _ in per_layer]
-                self._copier.submit(self._move_each, step, [batch for _, batch, _ in per_layer], ready, posted)
-                step.load_futures = {name: (future, tags) for (name, _, tags), future in zip(per_layer, posted)}
-            elif per_layer:  # a post is the copy itself: one task per layer, each waited for as it lands
-                step.load_futures = {name: (self._copier.submit(self._move, step, batch, False, ready), tags)
-                                     for name, batch, tags in per_layer}
+        every_layer = tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers)))
+        at_once, at_once_threaded = self._split(_group_entries(immediate))
+        by_layer, by_layer_threaded = self._split(_group_entries(layered))
+        # e.g. vLLM zeroing fresh blocks, queued before us (stream-ordered posts queue behind it)
+        ready = self._compute_ready() if at_once_threaded or by_layer_threaded else None
+        # Loads that cannot wait for layer hooks go first on every pool's stream or thread (the
+        # layer loads would delay them), and are waited for once the layer loads are posted too.
+        first: _Posted | None = None
+        if at_once:
+            first = self._post(self._prepare(at_once, [every_layer], write=False), 0,
+                               _Batch(every_layer, at_once), write=False)
+        first_threaded: tuple[Future, set[_Tag]] | None = None
+        if at_once_threaded:
+            batch = _Batch(every_layer, at_once_threaded)
+            first_threaded = (self._copier.submit(self._move, step, batch, False, ready), batch.tags())
+        layers = [(gl.group, i, layer.name) for gl in self._layouts
+                  if any(gl.group in by_group for by_group in (*by_layer.values(), *by_layer_threaded.values()))
+                  for i, layer in enumerate(gl.layers)]
+        if by_layer:  # every layer posted now, from this thread; the compute stream waits per layer
+            copies = self._prepare(by_layer, [((g, i),) for g, i, _ in layers], write=False)
+            step.layer_loads = {name: self._post(copies, part, _Batch(((g, i),), by_layer), write=False)
+                                for part, (g, i, name) in enumerate(layers)}
+        group_tags = {g: _group_tags(by_layer_threaded, g) for by_group in by_layer_threaded.values() for g in by_group}
+        per_layer = [(name, _Batch(((g, i),), by_layer_threaded), group_tags[g])
+                     for g, i, name in layers if g in group_tags]
+        if per_layer and self._device.type == "cuda":  # NIXL: a post only queues the transfer
+            # One task posts every layer, each layer's future set as soon as it is posted (a
+            # task per layer cost its hand-off per layer, and the link idled meanwhile).
+            posted: list[Future] = [Future() for _ in per_layer]
+            self._copier.submit(self._move_each, step, [batch for _, batch, _ in per_layer], ready, posted)
+            step.load_futures = {name: (future, tags) for (name, _, tags), future in zip(per_layer, posted)}
+        elif per_layer:  # a post is the copy itself: one task per layer, each waited for as it lands
+            step.load_futures = {name: (self._copier.submit(self._move, step, batch, False, ready), tags)
+                                 for name, batch, tags in per_layer}
+        if first is not None:
+            self._land(first)
+        if first_threaded is not None:
+            self._wait(*first_threaded)
+        batches = [_Batch(((g, i),), {**by_layer, **by_layer_threaded}) for g, i, _ in layers]
         if immediate:
-            every_layer = tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers)))
-            entries = _group_entries(immediate)
-            ordered, threaded = self._split(entries)
-            if ordered:
-                self._land(self._post(self._prepare(ordered, [every_layer], write=False), 0,
-                                      _Batch(every_layer, ordered), write=False))
-            if threaded:
-                batch = _Batch(every_layer, threaded)
-                self._wait(self._copier.submit(self._move, step, batch, False, ready), batch.tags())
-            batches.append(_Batch(every_layer, entries))
+            batches.append(_Batch(every_layer, {**at_once, **at_once_threaded}))
         self._count_bytes(batches, "loaded")
         if not step.load_futures and not step.layer_loads:
             self._finish_loads()
@@ -422,7 +432,11 @@ class WorkerPart:
     def _prepare(self, entries: _ByPool, parts: list[tuple[tuple[int, int], ...]], *, write: bool) -> _Prepared:
         """The step's copies with each pool planned once, part k being the layers ``parts[k]``."""
         every = tuple(layer for part in parts for layer in part)
-        plans = self._ranges(_Batch(every, entries))
+        try:
+            plans = self._ranges(_Batch(every, entries))
+        except Exception:  # noqa: BLE001 -- every pool's copies fail, nothing reaches vLLM
+            log.exception("ucm-ray: planning a step's %s failed", "saves" if write else "loads")
+            return {pool: None for pool in entries}
         out: _Prepared = {}
         for pool, by_group in entries.items():
             counts = [sum(len(by_group[g].block_ids) * self._layouts[g].segment_count(i)
