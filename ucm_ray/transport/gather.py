@@ -106,12 +106,11 @@ class GatherPlan:
     @classmethod
     def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int],
               run_bytes: int = GATHER_BYTES) -> GatherPlan | None:
-        """The plan, or None when the ranges share no 8-byte alignment."""
+        """The plan, or None when the ranges or a tensor's start share no 8-byte alignment."""
         if any(t.data_ptr() % WORD for t in (pool, *ranges.buffers)):
             return None
         line = line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets]))
         return cls(pool, ranges, ends, line, run_bytes) if line else None
-
 
     def move(self, part: int, *, to_pool: bool) -> None:
         """Queue part ``part``'s copies on the current stream: two kernels per run."""

@@ -38,6 +38,10 @@ def _what(write: bool) -> str:
     return "save" if write else "load"
 
 
+def _not_started(write: bool, pool: PoolKey, error: Exception) -> None:
+    log.warning("%s with shard %s failed to start: %s: %s", _what(write), pool[0], type(error).__name__, error)
+
+
 class PoolConnections:
     """Transports to shard pools keyed by (shard id, incarnation). Thread-safe."""
 
@@ -105,15 +109,36 @@ class PoolConnections:
                 t = self._transport(pool)
                 posted.append((pool, t.write(ranges) if write else t.read(ranges)))
             except Exception as e:  # noqa: BLE001 -- whatever it is, that pool's keys are misses
-                log.warning("%s with shard %s failed to start: %s: %s", _what(write), pool[0], type(e).__name__, e)
+                _not_started(write, pool, e)
                 failed.add(pool)
         return posted, failed
 
-    def prepare(self, pool: PoolKey, ranges: Ranges, ends: list[int], *, write: bool) -> PreparedCopies:
-        """A step's copies with ``pool``, planned once and posted part by part (``ends[k]``:
-        where part k's ranges end). Raises when the pool cannot be reached; a part's ``post``
-        may raise too: the caller fails those copies, as ``post`` here does."""
-        return self._transport(pool).prepare(ranges, ends, to_pool=write)
+    def prepare(self, pool: PoolKey, ranges: Ranges, ends: list[int], *, write: bool) -> PreparedCopies | None:
+        """A step's copies with ``pool``, planned once to be posted part by part with
+        ``post_part`` (``ends[k]``: where part k's ranges end); None when the pool cannot be
+        reached or planned (its copies fail). Never raises."""
+        try:
+            return self._transport(pool).prepare(ranges, ends, to_pool=write)
+        except Exception as e:  # noqa: BLE001 -- as in ``post``
+            _not_started(write, pool, e)
+            return None
+
+    @staticmethod
+    def post_part(prepared: Mapping[PoolKey, PreparedCopies | None], part: int, *,
+                  write: bool) -> tuple[list[tuple[PoolKey, Transfer]], set[PoolKey]]:
+        """``post`` for prepared copies: part ``part`` of each pool's. Never raises."""
+        posted: list[tuple[PoolKey, Transfer]] = []
+        failed: set[PoolKey] = set()
+        for pool, copies in prepared.items():
+            if copies is None:  # logged by ``prepare``
+                failed.add(pool)
+                continue
+            try:
+                posted.append((pool, copies.post(part)))
+            except Exception as e:  # noqa: BLE001 -- as in ``post``
+                _not_started(write, pool, e)
+                failed.add(pool)
+        return posted, failed
 
     def stream_ordered(self, pool: PoolKey, device: torch.device) -> bool:
         """Whether copies with ``pool`` into ``device`` memory are queued on the device in stream

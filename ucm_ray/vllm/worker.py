@@ -441,30 +441,14 @@ class WorkerPart:
         for pool, by_group in entries.items():
             counts = [sum(len(by_group[g].block_ids) * self._layouts[g].segment_count(i)
                           for g, i in part if g in by_group) for part in parts]
-            try:
-                out[pool] = self._pools.prepare(pool, plans.get(pool, EMPTY), np.cumsum(counts).tolist(), write=write)
-            except Exception as e:  # noqa: BLE001 -- that pool's copies fail, nothing reaches vLLM
-                log.warning("%s with shard %s failed to start: %s: %s", "save" if write else "load", pool[0],
-                            type(e).__name__, e)
-                out[pool] = None
+            out[pool] = self._pools.prepare(pool, plans.get(pool, EMPTY), np.cumsum(counts).tolist(), write=write)
         return out
 
     def _post(self, copies: _Prepared, part: int, batch: _Batch, *, write: bool) -> _Posted:
         """Post part ``part`` of every pool's prepared copies (``batch``: what they serve)."""
-        posted = _Posted(batch, write)
         started = time.perf_counter()
-        for pool, prepared in copies.items():
-            if prepared is None:  # logged when planned
-                posted.failed_pools.add(pool)
-                continue
-            try:
-                posted.transfers.append((pool, prepared.post(part)))
-            except Exception as e:  # noqa: BLE001 -- as above
-                log.warning("%s with shard %s failed to start: %s: %s", "save" if write else "load", pool[0],
-                            type(e).__name__, e)
-                posted.failed_pools.add(pool)
-        posted.post_s = time.perf_counter() - started
-        return posted
+        transfers, failed = self._pools.post_part(copies, part, write=write)
+        return _Posted(batch, write, transfers, failed, post_s=time.perf_counter() - started)
 
     def _count_bytes(self, batches: list[_Batch], what: str) -> None:
         """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
