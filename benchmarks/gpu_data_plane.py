@@ -53,6 +53,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from data_plane import best  # noqa: E402  # this folder: the same best-of-N timer
@@ -224,11 +225,12 @@ class WorkerBench:
         assert all(loc is not None for loc in self.lease.locations), "a committed entry is missing"
 
     def start_load(self) -> None:
-        from ucm_ray.vllm.metadata import BlockLoad, LoadJob
+        from ucm_ray.vllm.metadata import BlockLoads, LoadJob
 
         assert self.lease is not None
         n = self.prof.blocks
-        blocks = [BlockLoad(0, n + i, loc, key) for i, (loc, key) in enumerate(zip(self.lease.locations, self.keys))]
+        blocks = BlockLoads(np.zeros(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64), self.lease.locations,
+                            list(self.keys))
         job = LoadJob(self._next(), "bench", blocks)
         self.worker.bind(self._meta(loads={0: [job]}))
         self.worker.start_load_kv()

@@ -174,11 +174,10 @@ def test_readers_map_only_indexes_of_their_own_node(path):
     for readers in (here, elsewhere):
         readers.sync({desc.key: desc})
     assert elsewhere.locate(desc.key, [key(1)]) is None  # it would look up through Ray
-    located = here.locate(desc.key, [key(1), key(2)])
-    assert located is not None
-    locations, unknown = located
-    assert locations[0] is not None and locations[0].offset == 128 and locations[0].generation > 0
-    assert locations[1] is None and unknown == []
+    found = here.locate(desc.key, [key(1), key(2)])
+    assert found is not None
+    assert found.offset[0] == 128 and found.generation[0] > 0
+    assert found.generation[1] == 0 and found.known.all()
     here.sync({})  # a pool that left the membership: its mapping is closed
     assert here.locate(desc.key, [key(1)]) is None
     table.close()

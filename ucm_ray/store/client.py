@@ -36,9 +36,11 @@ from ray.exceptions import RayError, RayTaskError
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import (
+    NO_CHECKSUM,
     BlockStore,
     Done,
     Location,
+    Locations,
     Pending,
     PoolKey,
     Pools,
@@ -155,7 +157,7 @@ class _Acquire(Pending[ReadLease]):
         self._client = client
         self._keys = keys
         self._pin = pin
-        self._lease = ReadLease(locations=[None] * len(keys))
+        self._lease = ReadLease(Locations.missing(len(keys)))
         self._shards = client._membership.shards
         self._owners = client._owner_indices(keys)  # [key, replica] -> index into self._shards
         self._rank: np.ndarray = np.zeros(len(keys), dtype=np.int64)
@@ -180,13 +182,13 @@ class _Acquire(Pending[ReadLease]):
             rec = self._shards[shard]
             ix = idx[chosen == shard].tolist()
             keys = [self._keys[i] for i in ix]
-            local = None if rec.key in self._pin else c._readers.locate(rec.key, keys)
-            if local is not None:
-                locations, unknown = local
-                for i, loc in zip(ix, locations):
-                    self._lease.locations[i] = loc
-                c._touches.add(rec.key, rec.handle, [key for key, loc in zip(keys, locations) if loc is not None],
-                               len(ix) - len(unknown))
+            found = None if rec.key in self._pin else c._readers.locate(rec.key, keys)
+            if found is not None:
+                hit = np.flatnonzero(found.generation)
+                self._lease.locations.put(np.asarray(ix)[hit], rec.key, found.offset[hit], found.size[hit],
+                                          found.checksum[hit], found.generation[hit])
+                unknown = np.flatnonzero(~found.known).tolist()
+                c._touches.add(rec.key, rec.handle, [keys[i] for i in hit.tolist()], len(ix) - len(unknown))
                 if not unknown:
                     continue
                 ix = [ix[u] for u in unknown]
@@ -204,10 +206,10 @@ class _Acquire(Pending[ReadLease]):
             lease_id, slots = got
             if any(s is not None for s in slots):
                 self._lease.lease_ids.setdefault(rec.key, []).append(lease_id)
-            for i, slot in zip(idx, slots):
-                if slot is not None:
-                    self._lease.locations[i] = Location(rec.shard_id, rec.pool.incarnation, slot.offset,
-                                                        slot.size, slot.checksum)
+            hits = [(i, slot) for i, slot in zip(idx, slots) if slot is not None]
+            self._lease.locations.put([i for i, _ in hits], rec.key, [slot.offset for _, slot in hits],
+                                      [slot.size for _, slot in hits],
+                                      [NO_CHECKSUM if slot.checksum is None else slot.checksum for _, slot in hits])
         self._calls = []
         if failed:
             self._rank[failed] += 1
@@ -426,12 +428,12 @@ class StoreClient(BlockStore):
                 if not self._suspects.suspect(rec):
                     idx.setdefault(rec.key, (rec, []))[1].append(i)
         for pool, (rec, ix) in list(idx.items()):  # same-node shards: their published index says
-            local = self._readers.locate(pool, [keys[i] for i in ix])
-            if local is None:
+            found = self._readers.locate(pool, [keys[i] for i in ix])
+            if found is None:
                 continue
-            locations, unknown = local
-            for i, loc in zip(ix, locations):
-                present[i] = present[i] or loc is not None
+            for i in np.flatnonzero(found.generation).tolist():
+                present[ix[i]] = True
+            unknown = np.flatnonzero(~found.known).tolist()
             if unknown:
                 idx[pool] = (rec, [ix[u] for u in unknown])
             else:
@@ -514,7 +516,7 @@ class StoreClient(BlockStore):
         self.refresh()
         views = [as_bytes(t) for t in tensors]
         lease = self.acquire(keys).result()
-        locs = lease.locations
+        locs = list(lease.locations)
         ok = [loc is not None and loc.size == views[i].numel() for i, loc in enumerate(locs)]
         ops: dict[PoolKey, list[CopyOp]] = defaultdict(list)
         for i, loc in enumerate(locs):
@@ -525,8 +527,9 @@ class StoreClient(BlockStore):
         for pool in failed:
             self._failed(pool, "load failed")
         untrusted = failed | self.release(lease.lease_ids).result()
-        stale, _ = self._readers.stale((i, loc, keys[i]) for i, loc in enumerate(locs)
-                                       if loc is not None and loc.generation and ok[i])
+        unpinned = np.flatnonzero(lease.locations.generation.astype(bool) & np.asarray(ok, dtype=bool))
+        stale_rows, _ = self._readers.stale(lease.locations, keys, unpinned)
+        stale = set(unpinned[stale_rows].tolist())
         corrupt = []
         for i, loc in enumerate(locs):
             if loc is None or not ok[i]:

@@ -16,10 +16,14 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ucm_ray.store.blockstore import (
+    NO_CHECKSUM,
     BlockStore,
     Done,
     Location,
+    Locations,
     Pending,
     PoolKey,
     Pools,
@@ -119,7 +123,7 @@ class LocalBlockStore(BlockStore):
         if self._readers_version != self._world.version:
             self._readers.sync(self.pools().descriptors)
             self._readers_version = self._world.version
-        lease = ReadLease(locations=[None] * len(keys))
+        lease = ReadLease(Locations.missing(len(keys)))
         todo = list(range(len(keys)))
         for rank in range(self._world.replication):
             by_shard: dict[PoolKey, list[int]] = defaultdict(list)
@@ -133,22 +137,23 @@ class LocalBlockStore(BlockStore):
                 if shard is None:
                     failed.extend(idx)
                     continue
-                local = None if pool in pin else self._readers.locate(pool, [keys[i] for i in idx])
-                if local is not None:
-                    locations, unknown = local
-                    for i, loc in zip(idx, locations):
-                        lease.locations[i] = loc
-                    shard.index.touch([keys[i] for i, loc in zip(idx, locations) if loc is not None],
-                                      len(idx) - len(unknown))
+                found = None if pool in pin else self._readers.locate(pool, [keys[i] for i in idx])
+                if found is not None:
+                    hit = np.flatnonzero(found.generation)
+                    lease.locations.put(np.asarray(idx)[hit], pool, found.offset[hit], found.size[hit],
+                                        found.checksum[hit], found.generation[hit])
+                    unknown = np.flatnonzero(~found.known).tolist()
+                    shard.index.touch([keys[idx[i]] for i in hit.tolist()], len(idx) - len(unknown))
                     idx = [idx[u] for u in unknown]
                     if not idx:
                         continue
                 lease_id, slots = shard.index.acquire(self.owner, [keys[i] for i in idx])
                 if any(slot is not None for slot in slots):
                     lease.lease_ids.setdefault(pool, []).append(lease_id)
-                for i, slot in zip(idx, slots):
-                    if slot is not None:
-                        lease.locations[i] = Location(pool[0], pool[1], slot.offset, slot.size, slot.checksum)
+                hits = [(i, slot) for i, slot in zip(idx, slots) if slot is not None]
+                lease.locations.put([i for i, _ in hits], pool, [slot.offset for _, slot in hits],
+                                    [slot.size for _, slot in hits],
+                                    [NO_CHECKSUM if slot.checksum is None else slot.checksum for _, slot in hits])
             todo = failed
         return Done(lease)
 

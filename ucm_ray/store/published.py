@@ -42,17 +42,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
 from ucm_ray.keys import KEY_BYTES
-from ucm_ray.store.blockstore import Location
+from ucm_ray.store.blockstore import NO_CHECKSUM, Locations
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 BUCKET: np.dtype = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("offset", "<i8"),
                    ("size", "<i8"), ("generation", "<u8"), ("checksum", "<i8"), ("unused", "<u8")])
@@ -63,7 +60,6 @@ FIELDS = ("key_lo", "key_hi", "offset", "size", "generation", "checksum")
 MAGIC = 0x31584449_59415255  # "URAYIDX1"
 EMPTY = 0
 TOMBSTONE = np.uint64(2**64 - 1)
-NO_CHECKSUM = -1
 MAX_LOAD = 0.5
 """Live entries per bucket beyond which the table takes no more (probe chains stay short)."""
 BYTES_PER_BUCKET = 16 << 10
@@ -268,7 +264,7 @@ class IndexReader:
                 return found
         return None
 
-    def validate(self, keys: Sequence[bytes], generations: Sequence[int]) -> np.ndarray:
+    def validate(self, keys: Sequence[bytes], generations: Sequence[int] | np.ndarray) -> np.ndarray:
         """Per key, whether the entry of that generation is still listed (its copy is good)."""
         found = self.lookup(keys)
         if found is None:
@@ -360,41 +356,34 @@ class IndexReaders:
             self._open[pool] = reader
         return reader
 
-    def locate(self, pool: PoolKey, keys: Sequence[bytes]) -> tuple[list[Location | None], list[int]] | None:
-        """Per key, its entry in ``pool``'s published index (unpinned: validate the copy) or None,
-        and the positions of keys the index could not answer (ask the shard); None when this
-        process cannot read that index."""
+    def locate(self, pool: PoolKey, keys: Sequence[bytes]) -> Found | None:
+        """Per key, its entry in ``pool``'s published index (unpinned: validate the copy), and
+        which keys the index could not answer (ask the shard); None when this process cannot
+        read that index."""
         reader = self.get(pool)
         listable = all(len(key) == KEY_BYTES for key in keys)
-        found = reader.lookup(keys) if reader is not None and keys and listable else None
-        if found is None:
-            return None
-        locations: list[Location | None] = [None] * len(keys)
-        for i in np.flatnonzero(found.generation).tolist():
-            csum = int(found.checksum[i])
-            locations[i] = Location(pool[0], pool[1], int(found.offset[i]), int(found.size[i]),
-                                    None if csum == NO_CHECKSUM else csum, int(found.generation[i]))
-        return locations, np.flatnonzero(~found.known).tolist()
+        return reader.lookup(keys) if reader is not None and keys and listable else None
 
-    def stale(self, copies: Iterable[tuple[T, Location, bytes]]) -> tuple[set[T], set[PoolKey]]:
-        """Of copies made from unpinned entries (tag, where it was read, its key), the tags whose
-        entry is no longer listed with that generation (evicted or replaced meanwhile: the bytes
-        may be another entry's), and the pools whose index this process cannot read (nothing read
-        from them unpinned can be trusted, so their copies are stale too). A key that is not a
-        digest cannot be checked: stale."""
-        by_pool: dict[PoolKey, list[tuple[T, bytes, int]]] = {}
-        for tag, location, key in copies:
-            by_pool.setdefault(location.pool, []).append((tag, key, location.generation))
-        stale: set[T] = set()
+    def stale(self, locations: Locations, keys: Sequence[bytes], rows: np.ndarray) -> tuple[np.ndarray, set[PoolKey]]:
+        """Of copies made from unpinned entries (``rows`` of ``locations``, whose keys are
+        ``keys``), which entries are no longer listed with that generation (evicted or replaced
+        meanwhile: the bytes may be another entry's), and the pools whose index this process
+        cannot read (nothing read from them unpinned can be trusted, so their copies are stale
+        too). A key that is not a digest cannot be checked: stale."""
+        stale: np.ndarray = np.zeros(len(rows), dtype=bool)
         unreadable: set[PoolKey] = set()
-        for pool, rows in by_pool.items():
+        for index, pool in enumerate(locations.pools):
+            sel = np.flatnonzero(locations.pool[rows] == index)
+            if not len(sel):
+                continue
             reader = self.get(pool)
             if reader is None:
                 unreadable.add(pool)
-            checkable = reader is not None and all(len(key) == KEY_BYTES for _, key, _ in rows)
-            valid = reader.validate([key for _, key, _ in rows], [gen for _, _, gen in rows]) \
-                if checkable and reader is not None else np.zeros(len(rows), dtype=bool)
-            stale.update(tag for (tag, _, _), ok in zip(rows, valid.tolist()) if not ok)
+            pool_keys = [keys[row] for row in rows[sel].tolist()]
+            if reader is None or not all(len(key) == KEY_BYTES for key in pool_keys):
+                stale[sel] = True
+            else:
+                stale[sel] = ~reader.validate(pool_keys, locations.generation[rows[sel]])
         return stale, unreadable
 
     def close(self) -> None:

@@ -260,12 +260,10 @@ class Engine:
             if req is None:
                 continue
             table = self.sched.kv_cache_manager.get_block_ids(job.req_id)[group]
-            for b in job.blocks:
-                if b.group != group:
-                    continue
-                expected = block_value(req.block_hashes[table.index(b.block_id)], layer)
-                if not bool(torch.all(self.kv[name][b.block_id] == expected)):
-                    mismatched.setdefault(job.req_id, set()).add(b.block_id)
+            for block_id in job.blocks.block_ids[job.blocks.groups == group].tolist():
+                expected = block_value(req.block_hashes[table.index(block_id)], layer)
+                if not bool(torch.all(self.kv[name][block_id] == expected)):
+                    mismatched.setdefault(job.req_id, set()).add(block_id)
 
 
 def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num_spec: int = 0,

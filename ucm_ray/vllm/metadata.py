@@ -10,25 +10,39 @@ never makes a control call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ucm_ray.store.blockstore import Location, PoolKey
+from ucm_ray.store.blockstore import Location, Locations, PoolKey
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.vllm.compat import KVConnectorWorkerMetadata
 
 
 @dataclass
-class BlockLoad:
-    """Copy the stored entry at ``location`` into vLLM block ``block_id`` of ``group``."""
+class BlockLoads:
+    """A load job's blocks as columns: row i copies the stored entry at ``locations[i]`` into
+    vLLM block ``block_ids[i]`` of kv-cache group ``groups[i]``; ``keys[i]`` validates it after
+    the copy where it was read unpinned (``locations.generation``). Columns, not an object per
+    block: a 16k-token hit loads ~1,000 blocks per rank, and this crosses to the worker (pickled
+    where it runs in another process) and is walked there several times per step."""
 
-    group: int
-    block_id: int
-    location: Location
-    key: bytes = b""
-    """The entry's key: an unpinned location (``generation`` set) is validated by it after the copy."""
+    groups: np.ndarray  # int64
+    block_ids: np.ndarray  # int64
+    locations: Locations
+    keys: list[bytes]
+
+    @classmethod
+    def of(cls, rows: Sequence[tuple[int, int, Location, bytes]]) -> BlockLoads:
+        """From (group, block id, location, key) rows."""
+        return cls(np.asarray([row[0] for row in rows], dtype=np.int64),
+                   np.asarray([row[1] for row in rows], dtype=np.int64),
+                   Locations.of([row[2] for row in rows]), [row[3] for row in rows])
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass
@@ -37,7 +51,7 @@ class LoadJob:
 
     job_id: int
     req_id: str
-    blocks: list[BlockLoad]
+    blocks: BlockLoads
     complete_in_start: bool = False
     """Load everything in ``start_load_kv``: this step runs fewer tokens than the FULL-CUDA-graph
     threshold (2 + k), so it may replay a graph in which no layer hook runs."""

@@ -19,22 +19,23 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import vllm
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.keys import Namespace, block_key, state_key
+from ucm_ray.keys import Namespace, block_keys, state_key
 from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
 from ucm_ray.store.slots import SlotSupply
 from ucm_ray.vllm.compat import block_hashes_vary_per_process, check_async_loads_reportable
 from ucm_ray.vllm.layout import entry_bytes
-from ucm_ray.vllm.metadata import BlockLoad, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.metadata import BlockLoads, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class _LoadInFlight:
     req_id: str
     rank: int
     lease_ids: dict[PoolKey, list[int]]
-    keys: dict[Location, bytes]
+    blocks: BlockLoads
     dispatched: float = field(default_factory=time.monotonic)
 
 
@@ -245,9 +246,9 @@ class SchedulerPart:
         keys, sizes = [], []
         for ns in self._ns:
             for g in self._attn:
-                for i in range(start // self._bs[g], until // self._bs[g]):
-                    keys.append(block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g))
-                    sizes.append(self._entry_bytes[g])
+                blocks = range(start // self._bs[g], until // self._bs[g])
+                keys.extend(block_keys(ns, self._block_hashes(hashes, g, blocks), g))
+                sizes.extend([self._entry_bytes[g]] * len(blocks))
             for g in self._states:
                 for pos in range((start // self._lcm + 1) * self._lcm, until + 1, self._lcm):
                     keys.append(state_key(ns, self._hash_at(hashes, pos), g, pos))
@@ -339,8 +340,8 @@ class SchedulerPart:
             return None
         attn_keys, state_keys, futures = [], [], []
         for ns in self._ns:
-            per_group = [[block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g)
-                          for i in range(max_tokens // self._bs[g])] for g in self._attn]
+            per_group = [block_keys(ns, self._block_hashes(hashes, g, range(max_tokens // self._bs[g])), g)
+                         for g in self._attn]
             per_state = [[state_key(ns, self._hash_at(hashes, b * self._lcm), g, b * self._lcm)
                           for b in range(1, max_tokens // self._lcm + 1)] for g in self._states]
             attn_keys.append(per_group)
@@ -353,6 +354,11 @@ class SchedulerPart:
         """The chained hash identifying the prefix ``[0, end_token)``."""
         return hashes[end_token // self._hash_bs - 1]
 
+    def _block_hashes(self, hashes: list, group: int, blocks: Iterable[int]) -> list[bytes]:
+        """The hash of each of these blocks of an attention group (the prefix up to its end)."""
+        bs, hash_bs = self._bs[group], self._hash_bs
+        return [hashes[(i + 1) * bs // hash_bs - 1] for i in blocks]
+
     def _hit_tokens(self, lookup: _Lookup) -> int:
         """Stage 1 (longest attention prefix over all ranks and groups), then for hybrid
         models stage 2 (furthest LCM boundary whose state every rank and state group has)."""
@@ -361,13 +367,16 @@ class SchedulerPart:
         boundaries = len(lookup.state_keys[0][0]) if self.hybrid and lookup.state_keys[0] else 0
         states = [True] * boundaries
         for rank, lease in enumerate(lookup.leases):
-            found = iter(loc is not None for loc in lease.locations)  # attention keys, then states
+            found = lease.locations.found()  # attention keys, then states
+            at = 0
             for g, keys in zip(self._attn, lookup.attn_keys[rank]):
-                present = [next(found) for _ in keys]
-                tokens = (present.index(False) if False in present else len(present)) * self._bs[g]
+                misses = np.flatnonzero(~found[at:at + len(keys)])
+                tokens = (int(misses[0]) if len(misses) else len(keys)) * self._bs[g]
                 prefix = tokens if prefix is None else min(prefix, tokens)
+                at += len(keys)
             for keys in lookup.state_keys[rank]:
-                states = [next(found) and ok for ok in states[:len(keys)]]
+                states = [ok and present for ok, present in zip(states, found[at:at + len(keys)].tolist())]
+                at += len(keys)
         if not self.hybrid:
             return prefix or 0
         return policy.hybrid_hit_blocks((prefix or 0) // self._lcm, states) * self._lcm
@@ -391,38 +400,39 @@ class SchedulerPart:
         end = start + num_external_tokens
         loads = []
         for rank, lease in enumerate(t.lookup.leases):
-            out: list[BlockLoad] = []
-            keys: dict[Location, bytes] = {}
-            located = iter(zip(lease.locations, self._flat_keys(t.lookup, rank)))
+            rows: list[range] = []  # of the rank's keys (and lease): attention groups', then states'
+            groups: list[int] = []
+            targets: list[int] = []
+            at = 0
             for g, group_keys in zip(self._attn, t.lookup.attn_keys[rank]):
-                group_locs = [next(located) for _ in group_keys]
                 first, last = start // self._bs[g], -(-end // self._bs[g])  # the tail block is loaded whole
-                usable = True
-                for i in range(first, last):
-                    loc, key = group_locs[i]
-                    assert loc is not None
-                    usable = usable and block_ids[g][i] != NULL_BLOCK_ID
-                    out.append(BlockLoad(g, block_ids[g][i], loc, key))
-                    keys[loc] = key
+                rows.append(range(at + first, at + last))
+                groups.extend([g] * (last - first))
+                targets.extend(block_ids[g][first:last])
+                at += len(group_keys)
             if self.hybrid:
                 b = t.hit_tokens // self._lcm  # the state at the hit's end boundary
                 for g, group_keys in zip(self._states, t.lookup.state_keys[rank]):
-                    group_locs = [next(located) for _ in group_keys]
-                    loc, key = group_locs[b - 1]
-                    assert loc is not None
+                    rows.append(range(at + b - 1, at + b))
+                    groups.append(g)
                     # vLLM keeps the running state of a request that computed N tokens in the
                     # group's block N // block_size - 1; a null block there means no room for it.
-                    target = block_ids[g][t.hit_tokens // self._bs[g] - 1]
-                    usable = usable and target != NULL_BLOCK_ID
-                    out.append(BlockLoad(g, target, loc, key))
-                    keys[loc] = key
+                    targets.append(block_ids[g][t.hit_tokens // self._bs[g] - 1])
+                    at += len(group_keys)
+            taken = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64)
+            keys = self._flat_keys(t.lookup, rank)
+            blocks = BlockLoads(np.asarray(groups, dtype=np.int64), np.asarray(targets, dtype=np.int64),
+                                lease.locations.take(taken), [keys[i] for i in taken.tolist()])
+            assert blocks.locations.found().all()
+            usable = NULL_BLOCK_ID not in targets
             if not usable:
                 log.error("ucm-ray: vLLM's null block is a target of %s's load at %d tokens; the load is "
                           "failed so vLLM recomputes", request.request_id, t.hit_tokens)
-            job = LoadJob(next(self._job_ids), request.request_id, out if usable else [],
+                blocks = BlockLoads.of([])
+            job = LoadJob(next(self._job_ids), request.request_id, blocks,
                           complete_in_start=self._async_loads, is_async=self._async_loads,
                           failed=not usable)
-            self._loads[job.job_id] = _LoadInFlight(request.request_id, rank, lease.lease_ids, keys)
+            self._loads[job.job_id] = _LoadInFlight(request.request_id, rank, lease.lease_ids, blocks)
             loads.append(job)
         t.loads = loads
         t.lookup = None  # the pins now belong to the load jobs
@@ -508,8 +518,8 @@ class SchedulerPart:
             for rank, ns in enumerate(self._ns):
                 retry = sorted(i for (pg, pr, i), ready in t.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
-                for i in dict.fromkeys(retry + list(range(first, full))):
-                    key = block_key(ns, self._hash_at(hashes, (i + 1) * self._bs[g]), g)
+                blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                for i, key in zip(blocks, block_keys(ns, self._block_hashes(hashes, g, blocks), g)):
                     wanted.append((rank, g, t.block_ids[g][i], key, (g, rank, i)))
             t.saved_blocks[g] = max(first, full)
         for pos in policy.state_dump_positions(start, end, self._lcm) if self.hybrid else ():
@@ -591,7 +601,10 @@ class SchedulerPart:
             if load is None:
                 continue
             pins.extend(load.lease_ids.items())
-            removals.extend(Removal(load.keys[loc], loc) for loc in results.corrupt if loc in load.keys)
+            if results.corrupt:
+                corrupt = set(results.corrupt)
+                removals.extend(Removal(key, loc) for key, loc in zip(load.blocks.keys, load.blocks.locations)
+                                if loc in corrupt)
             self._save_again(load, results.load_failures.get(job_id, []))
         self._release(pins)
         if removals:

@@ -42,21 +42,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, repeat
 
 import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import PoolKey
+from ucm_ray.store.blockstore import NO_CHECKSUM, PoolKey
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.published import IndexReaders
 from ucm_ray.transport.base import EMPTY, PreparedCopies, Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
-from ucm_ray.vllm.metadata import LoadJob, SaveJob, SaveResult, UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.metadata import (
+    BlockLoads,
+    LoadJob,
+    SaveJob,
+    SaveResult,
+    UcmRayConnectorMetadata,
+    UcmRayWorkerMetadata,
+)
 from ucm_ray.vllm.stats import UcmRayStats
 
 log = logging.getLogger(__name__)
@@ -85,17 +92,48 @@ def _group_tags(entries: _ByPool, group: int) -> set[_Tag]:
     return {tag for by_group in entries.values() if group in by_group for tag in by_group[group].tags}
 
 
-def _group_entries(items: list[tuple[PoolKey, int, int, int, _Tag]]) -> _ByPool:
-    """(pool, group, block id, entry offset, tag) rows as arrays per pool and group."""
-    rows: dict[PoolKey, dict[int, tuple[list[int], list[int], list[_Tag]]]] = defaultdict(dict)
-    for pool, group, block_id, offset, tag in items:
-        blocks, offsets, tags = rows[pool].setdefault(group, ([], [], []))
-        blocks.append(block_id)
-        offsets.append(offset)
-        tags.append(tag)
-    return {pool: {g: _Entries(np.asarray(blocks, dtype=np.int64), np.asarray(offsets, dtype=np.int64), tags)
-                   for g, (blocks, offsets, tags) in by_group.items()}
-            for pool, by_group in rows.items()}
+def _group_entries(pools: list[PoolKey], pool_of: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
+                   offsets: np.ndarray, tags: list[_Tag]) -> _ByPool:
+    """Entries given as columns (``pool_of``: index into ``pools``), split per pool and group."""
+    out: _ByPool = {}
+    for index, pool in enumerate(pools):
+        in_pool = pool_of == index
+        for g in np.unique(groups[in_pool]).tolist():
+            rows = np.flatnonzero(in_pool & (groups == g))
+            out.setdefault(pool, {})[g] = _Entries(block_ids[rows], offsets[rows], [tags[i] for i in rows.tolist()])
+    return out
+
+
+def _load_entries(selected: list[tuple[BlockLoads, list[_Tag], np.ndarray]]) -> _ByPool:
+    """The rows ``mask`` selects of each job's blocks (with its tags), per pool and group."""
+    pools: dict[PoolKey, int] = {}
+    columns: list[tuple[np.ndarray, ...]] = []
+    tags: list[_Tag] = []
+    for blocks, job_tags, mask in selected:
+        rows = np.flatnonzero(mask)
+        locations = blocks.locations
+        to_step = np.asarray([pools.setdefault(pool, len(pools)) for pool in locations.pools], dtype=np.int64)
+        columns.append((to_step[locations.pool[rows]], blocks.groups[rows], blocks.block_ids[rows],
+                        locations.offset[rows]))
+        tags.extend(job_tags[i] for i in rows.tolist())
+    if not tags:
+        return {}
+    pool_of, groups, block_ids, offsets = (np.concatenate(column) for column in zip(*columns))
+    return _group_entries(list(pools), pool_of, groups, block_ids, offsets, tags)
+
+
+def _save_entries(saves: list[SaveJob]) -> _ByPool:
+    """Every replica of every save, per pool and group."""
+    rows = [(loc.pool, job.group, job.block_id, loc.offset, (job.job_id, replica))
+            for job in saves for replica, loc in enumerate(job.locations)]
+    pools = list(dict.fromkeys(row[0] for row in rows))
+    at = {pool: index for index, pool in enumerate(pools)}
+
+    def column(k: int) -> np.ndarray:
+        return np.asarray([row[k] for row in rows], dtype=np.int64)
+
+    return _group_entries(pools, np.asarray([at[row[0]] for row in rows], dtype=np.int64), column(1), column(2),
+                          column(3), [row[4] for row in rows])
 
 
 @dataclass(frozen=True)
@@ -148,6 +186,8 @@ class _StepState:
     layer_loads: dict[str, _Posted] = field(default_factory=dict)  # layer -> stream-ordered copies, posted
     unlanded: list[_Posted] = field(default_factory=list)
     """Stream-ordered loads the compute stream waits for, not yet checked by the host."""
+    tags: dict[int, list[_Tag]] = field(default_factory=dict)
+    """Per load job, each of its blocks' tag (row order)."""
     failed: set[_Tag] = field(default_factory=set)
     uncertain: bool = False
     """A copy timed out: it may still land, so its slots must never be reused."""
@@ -218,9 +258,7 @@ class WorkerPart:
             self._indexes.sync(meta.pools)
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
         saves = meta.saves.get(self._rank, [])
-        ordered, threaded = self._split(_group_entries([
-            (loc.pool, job.group, job.block_id, loc.offset, (job.job_id, replica))
-            for job in saves for replica, loc in enumerate(job.locations)]))
+        ordered, threaded = self._split(_save_entries(saves))
         step = self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
                                        deadline=time.monotonic() + self._config.transfer_timeout_s,
                                        save_entries=threaded, ordered_saves=ordered)
@@ -234,24 +272,27 @@ class WorkerPart:
         step = self._step
         if not step.loads:
             return
-        layered: list[tuple[PoolKey, int, int, int, _Tag]] = []
-        immediate: list[tuple[PoolKey, int, int, int, _Tag]] = []
+        layered: list[tuple[BlockLoads, list[_Tag], np.ndarray]] = []
+        immediate: list[tuple[BlockLoads, list[_Tag], np.ndarray]] = []
+        entry_bytes = np.asarray([gl.entry_bytes for gl in self._layouts], dtype=np.int64)
+        hooked = np.asarray([gl.group in self._hooked_groups for gl in self._layouts], dtype=bool)
         for job in step.loads:
+            blocks = job.blocks
+            tags = step.tags[job.job_id] = list(zip(repeat(job.job_id), blocks.block_ids.tolist()))
+            sized = blocks.locations.size == entry_bytes[blocks.groups]
+            for row in np.flatnonzero(~sized).tolist():
+                log.error("entry for block %d has %d bytes, layout expects %d: not loaded", blocks.block_ids[row],
+                          blocks.locations.size[row], entry_bytes[blocks.groups[row]])
+                step.failed.add(tags[row])
+            for row in np.flatnonzero(sized & (blocks.locations.checksum != NO_CHECKSUM)).tolist():
+                step.crc[tags[row]] = 0
             hooks = self._config.layerwise and not job.complete_in_start and not job.is_async
-            for b in job.blocks:
-                tag = (job.job_id, b.block_id)
-                if b.location.size != self._layouts[b.group].entry_bytes:
-                    log.error("entry for block %d has %d bytes, layout expects %d: not loaded",
-                              b.block_id, b.location.size, self._layouts[b.group].entry_bytes)
-                    step.failed.add(tag)
-                    continue
-                if b.location.checksum is not None:
-                    step.crc[tag] = 0
-                row = (b.location.pool, b.group, b.block_id, b.location.offset, tag)
-                (layered if hooks and b.group in self._hooked_groups else immediate).append(row)
+            per_layer = sized & hooked[blocks.groups] if hooks else np.zeros(len(blocks), dtype=bool)
+            layered.append((blocks, tags, per_layer))
+            immediate.append((blocks, tags, sized & ~per_layer))
         every_layer = tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers)))
-        at_once, at_once_threaded = self._split(_group_entries(immediate))
-        by_layer, by_layer_threaded = self._split(_group_entries(layered))
+        at_once, at_once_threaded = self._split(_load_entries(immediate))
+        by_layer, by_layer_threaded = self._split(_load_entries(layered))
         # e.g. vLLM zeroing fresh blocks, queued before us (stream-ordered posts queue behind it)
         ready = self._compute_ready() if at_once_threaded or by_layer_threaded else None
         # Loads that cannot wait for layer hooks go first on every pool's stream or thread (the
@@ -543,12 +584,17 @@ class WorkerPart:
         """Loads copied from entries nobody pinned (found in a published index) count only if the
         entry is still listed as it was: otherwise its slot may have been reused mid-copy."""
         step = self._step
-        stale, unreadable = self._indexes.stale(
-            ((job.job_id, b.block_id), b.location, b.key) for job in step.loads for b in job.blocks
-            if b.location.generation and (job.job_id, b.block_id) not in step.failed)
-        self._results.unvalidated_pools |= unreadable
-        step.failed |= stale
-        self.stats.add(stale_loads=len(stale))
+        for job in step.loads:
+            tags, locations = step.tags[job.job_id], job.blocks.locations
+            rows = np.flatnonzero(locations.generation)
+            if step.failed:
+                rows = rows[[tags[row] not in step.failed for row in rows.tolist()]]
+            if not len(rows):
+                continue
+            stale, unreadable = self._indexes.stale(locations, job.blocks.keys, rows)
+            self._results.unvalidated_pools |= unreadable
+            step.failed.update(tags[row] for row in rows[stale].tolist())
+            self.stats.add(stale_loads=int(stale.sum()))
 
     def _finish_loads(self) -> None:
         """All copies of the step are in: validate unpinned ones, verify checksums and report
@@ -559,17 +605,19 @@ class WorkerPart:
         step.unlanded = []
         self._validate_unpinned()
         for job in step.loads:
-            for b in job.blocks:
-                tag = (job.job_id, b.block_id)
-                if b.location.checksum is not None and tag not in step.failed \
-                        and step.crc.get(tag) != b.location.checksum:
+            tags, locations = step.tags[job.job_id], job.blocks.locations
+            for row in np.flatnonzero(locations.checksum != NO_CHECKSUM).tolist():
+                if tags[row] not in step.failed and step.crc.get(tags[row]) != locations.checksum[row]:
+                    location = locations[row]
+                    assert location is not None
                     log.error("ucm-ray: checksum mismatch for block %d of %s (shard %s): recomputed",
-                              b.block_id, job.req_id, b.location.shard_id)
+                              tags[row][1], job.req_id, location.shard_id)
                     self.stats.add(checksum_mismatches=1)
-                    step.failed.add(tag)
-                    self._results.corrupt.append(b.location)
+                    step.failed.add(tags[row])
+                    self._results.corrupt.append(location)
         for job in step.loads:
-            bad = [b.block_id for b in job.blocks if (job.job_id, b.block_id) in step.failed]
+            tags = step.tags[job.job_id]
+            bad = [tag[1] for tag in tags if tag in step.failed] if step.failed else []
             if job.is_async:
                 (self._failed_recving if bad or job.failed else self._finished_recving).add(job.req_id)
             else:
