@@ -117,6 +117,10 @@ class Engine:
     graph_replay_below: int = 0
     """Steps scheduling fewer tokens than this run like a FULL CUDA graph replay: no layer hook
     (``wait_for_layer_load`` / ``save_kv_layer``) is called, as on a GPU."""
+    numerics: float = 0.0
+    """What this engine's forward adds to the values it computes for a loaded block's tail:
+    another engine's bits for the same tokens may differ (GPU kernels vary with batch shape), so
+    a load that lands after the forward wrote the tail would leave the other engine's values."""
     before_worker: Callable[[Engine, UcmRayConnectorMetadata], None] | None = None
     """A fault to play between the scheduler's plan (pins taken, slots granted) and the
     worker's copies."""
@@ -148,10 +152,14 @@ class Engine:
         worker.start_load_kv(None)
         mismatched: dict[str, set[int]] = {}
         hooks = out.total_num_scheduled_tokens >= self.graph_replay_below
+        # where each scheduled request's hit (and this step's computing) begins
+        begins = {rid: self.sched.requests[rid].num_computed_tokens - n for rid, n in out.num_scheduled_tokens.items()}
         for index, (name, group, attention) in enumerate(self.layer_groups):
+            if attention:
+                self._write_tails(loads, begins, name, group, index)
             if attention and hooks:
                 worker.wait_for_layer_load(name)
-            self._check_loaded(loads, name, group, index, mismatched)
+            self._check_loaded(loads, begins, name, group, index, mismatched)
             self._compute(out, name, group, index, attention)
             if attention and hooks:
                 worker.save_kv_layer(name, self.kv[name], None)
@@ -253,16 +261,42 @@ class Engine:
                     exact = end % bs == 0 and i < len(hashes)
                     tensor[table[i]].fill_(block_value(hashes[i], layer) if exact else PARTIAL)
 
-    def _check_loaded(self, loads: list[LoadJob], name: str, group: int, layer: int,
+    def _tail(self, job: LoadJob, begins: dict[str, int], group: int) -> tuple[int, int] | None:
+        """(vLLM block id, first position this step computes) of the loaded block the hit ends
+        inside, if the step computes its tail."""
+        begin = begins.get(job.req_id)
+        if begin is None or begin % self.block_size == 0:
+            return None
+        table = self.sched.kv_cache_manager.get_block_ids(job.req_id)[group]
+        block_id = table[begin // self.block_size]
+        loaded = job.blocks.block_ids[job.blocks.groups == group].tolist()
+        return (block_id, begin % self.block_size) if block_id in loaded else None
+
+    def _write_tails(self, loads: list[LoadJob], begins: dict[str, int], name: str, group: int, layer: int) -> None:
+        """vLLM's kv-cache update, which runs before the layer's hook: the tokens this step
+        recomputes in a loaded block's tail, with this engine's values (``numerics``)."""
+        for job in loads:
+            tail = self._tail(job, begins, group)
+            if tail is not None:
+                req = self.sched.requests[job.req_id]
+                block_id, position = tail
+                value = block_value(req.block_hashes[begins[job.req_id] // self.block_size], layer) + self.numerics
+                self.kv[name][block_id][:, position:].fill_(value)
+
+    def _check_loaded(self, loads: list[LoadJob], begins: dict[str, int], name: str, group: int, layer: int,
                       mismatched: dict[str, set[int]]) -> None:
         for job in loads:
             req = self.sched.requests.get(job.req_id)
             if req is None:
                 continue
             table = self.sched.kv_cache_manager.get_block_ids(job.req_id)[group]
+            tail = self._tail(job, begins, group)
             for block_id in job.blocks.block_ids[job.blocks.groups == group].tolist():
                 expected = block_value(req.block_hashes[table.index(block_id)], layer)
-                if not bool(torch.all(self.kv[name][block_id] == expected)):
+                block = self.kv[name][block_id]
+                position = tail[1] if tail is not None and tail[0] == block_id else self.block_size
+                if not (bool(torch.all(block[:, :position] == expected))
+                        and bool(torch.all(block[:, position:] == expected + self.numerics))):
                     mismatched.setdefault(job.req_id, set()).add(block_id)
 
 

@@ -33,13 +33,20 @@ class BlockLoads:
     block_ids: np.ndarray  # int64
     locations: Locations
     keys: list[bytes]
+    before_forward: np.ndarray  # bool
+    """Load this block whole before the forward pass begins, not layer by layer: the hit ends
+    inside it, and vLLM writes the K/V of the tokens it recomputes there (the block's tail) before
+    a layer's hook waits for that layer's load. A load landing after that write would overwrite
+    this engine's values with another engine's (bitwise they may differ), and a checksum taken
+    after it would fail a good entry."""
 
     @classmethod
     def of(cls, rows: Sequence[tuple[int, int, Location, bytes]]) -> BlockLoads:
-        """From (group, block id, location, key) rows."""
+        """From (group, block id, location, key) rows, none of them needed before the forward."""
         return cls(np.asarray([row[0] for row in rows], dtype=np.int64),
                    np.asarray([row[1] for row in rows], dtype=np.int64),
-                   Locations.of([row[2] for row in rows]), [row[3] for row in rows])
+                   Locations.of([row[2] for row in rows]), [row[3] for row in rows],
+                   np.zeros(len(rows), dtype=bool))
 
     def __len__(self) -> int:
         return len(self.block_ids)

@@ -403,12 +403,16 @@ class SchedulerPart:
             rows: list[range] = []  # of the rank's keys (and lease): attention groups', then states'
             groups: list[int] = []
             targets: list[int] = []
+            tails: list[bool] = []
             at = 0
             for g, group_keys in zip(self._attn, t.lookup.attn_keys[rank]):
                 first, last = start // self._bs[g], -(-end // self._bs[g])  # the tail block is loaded whole
                 rows.append(range(at + first, at + last))
                 groups.extend([g] * (last - first))
                 targets.extend(block_ids[g][first:last])
+                tails.extend([False] * (last - first))
+                if end % self._bs[g] and last > first:
+                    tails[-1] = True  # the forward writes this block's recomputed tokens
                 at += len(group_keys)
             if self.hybrid:
                 b = t.hit_tokens // self._lcm  # the state at the hit's end boundary
@@ -418,11 +422,13 @@ class SchedulerPart:
                     # vLLM keeps the running state of a request that computed N tokens in the
                     # group's block N // block_size - 1; a null block there means no room for it.
                     targets.append(block_ids[g][t.hit_tokens // self._bs[g] - 1])
+                    tails.append(False)  # loaded before the forward anyway: no hook waits for states
                     at += len(group_keys)
             taken = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64)
             keys = self._flat_keys(t.lookup, rank)
             blocks = BlockLoads(np.asarray(groups, dtype=np.int64), np.asarray(targets, dtype=np.int64),
-                                lease.locations.take(taken), [keys[i] for i in taken.tolist()])
+                                lease.locations.take(taken), [keys[i] for i in taken.tolist()],
+                                np.asarray(tails, dtype=bool))
             assert blocks.locations.found().all()
             usable = NULL_BLOCK_ID not in targets
             if not usable:

@@ -16,9 +16,11 @@ compute, and ``wait_for_layer_load`` makes layer L wait for them:
 - **Other pools** (CPU, where a post is the copy; NIXL): a copy thread posts
   layer after layer and ``wait_for_layer_load`` waits on the host.
 
-``start_load_kv`` finishes at once the loads that cannot wait for layer hooks
-(mamba states, async hybrid loads, chunks shorter than the FULL-CUDA-graph
-threshold, non-layerwise mode). ``save_kv_layer`` posts a layer's copies into
+``start_load_kv`` lands before the forward pass the loads that cannot wait for
+layer hooks (mamba states, async hybrid loads, chunks shorter than the
+FULL-CUDA-graph threshold, non-layerwise mode, and the hit's last block, into
+whose tail vLLM writes the recomputed tokens before any hook runs): the host
+waits for them, or on stream-ordered pools the compute stream does. ``save_kv_layer`` posts a layer's copies into
 the granted slots as soon as its KV is written (stream-ordered pools from this
 thread, planned at ``bind``; others on the copy thread); ``wait_for_save``
 saves what no hook covered and waits. Results go back per job through
@@ -287,7 +289,7 @@ class WorkerPart:
             for row in np.flatnonzero(sized & (blocks.locations.checksum != NO_CHECKSUM)).tolist():
                 step.crc[tags[row]] = 0
             hooks = self._config.layerwise and not job.complete_in_start and not job.is_async
-            per_layer = sized & hooked[blocks.groups] if hooks else np.zeros(len(blocks), dtype=bool)
+            per_layer = sized & hooked[blocks.groups] & ~blocks.before_forward if hooks else np.zeros(len(blocks), bool)
             layered.append((blocks, tags, per_layer))
             immediate.append((blocks, tags, sized & ~per_layer))
         every_layer = tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers)))
@@ -325,11 +327,15 @@ class WorkerPart:
             step.load_futures = {name: (self._copier.submit(self._move, step, batch, False, ready), tags)
                                  for name, batch, tags in per_layer}
         if first is not None:
-            self._land(first)
+            # the forward waits for them from its first kernel (checksums read them on the host)
+            if step.crc or not self._order_compute(first):
+                self._land(first)
+            else:
+                step.unlanded.append(first)
         if first_threaded is not None:
             self._wait(*first_threaded)
         batches = [_Batch(((g, i),), {**by_layer, **by_layer_threaded}) for g, i, _ in layers]
-        if immediate:
+        if at_once or at_once_threaded:
             batches.append(_Batch(every_layer, {**at_once, **at_once_threaded}))
         self._count_bytes(batches, "loaded")
         if not step.load_futures and not step.layer_loads:
