@@ -19,8 +19,10 @@ to tell the layout's cost from the transport's.
 Part 2 (``--ttft``): TTFT of a 4k and a 16k prompt on a ~1.2B random-weight Llama (Llama-3.2-1B
 shape, bf16, FULL_AND_PIECEWISE CUDA graphs), engines as Ray actors in their own processes:
 cold (engine A, connector on, store empty), the engine's own prefix-cache hit (A again), and
-store-warm (a fresh engine B with the connector). Prompts are 8 tokens past a block boundary
-so that A's repeat is a pure local hit (the store holds nothing beyond it).
+store-warm (a fresh engine B with the connector), B's own prefix-cache hit, and the same
+prompts cold on an engine C without the connector (the tier's cost to a cold request, and
+whether any first token differs with and without it). Prompts are 8 tokens past a block
+boundary so that A's repeat is a pure local hit (the store holds nothing beyond it).
 
 ``--profile-dir DIR`` also serves one more store-warm prompt per size under torch's profiler
 (every thread and CUDA stream; the trace kept to our code, vLLM's engine step and the device)
@@ -28,7 +30,8 @@ and writes ``trace_store_warm_<size>.json.gz`` there: where a store hit's step s
 
 Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
 (goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
-``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` and the 16k ones.
+``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` /
+``ttft_cold_overhead_4k=`` (goal <= 1.05) and the 16k ones.
 
 Run: ``make gpu-bench`` (both parts) on a GPU machine, or ``python benchmarks/gpu_data_plane.py
 --device cpu --quick [--ttft]`` anywhere as a smoke check (small shapes, plain copies).
@@ -230,7 +233,7 @@ class WorkerBench:
         assert self.lease is not None
         n = self.prof.blocks
         blocks = BlockLoads(np.zeros(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64), self.lease.locations,
-                            list(self.keys))
+                            list(self.keys), np.zeros(n, dtype=bool))
         job = LoadJob(self._next(), "bench", blocks)
         self.worker.bind(self._meta(loads={0: [job]}))
         self.worker.start_load_kv()
@@ -503,9 +506,9 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(
         profiled_engine_class())
 
-    def start(label: str):
+    def start(label: str, kv_config: dict[str, Any] | None = kv):
         t0 = time.perf_counter()
-        engine = remote.remote(model, kv, **prof.engine)
+        engine = remote.remote(model, kv_config, **prof.engine)
         ray.get(engine.generate.remote(warmup, 1))
         log.info("engine %s up in %.1f s", label, time.perf_counter() - t0)
         return engine
@@ -552,13 +555,20 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         for s, ps in prompts.items():  # B's own prefix cache: the yardstick for a store hit
             own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
         ray.kill(b)
-    identical = all(w["tokens"] == c["tokens"] for s in prompts for w, c in zip(warm[s], cold[s]))
+        # The same prompts, new to an engine without the connector: what A's cold requests (a miss
+        # and their saves) cost over no tier at all, and whether the tier changed any output.
+        plain_engine = start("C (no connector)", None)
+        plain = {s: [ray.get(plain_engine.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        ray.kill(plain_engine)
+    identical = all(w["tokens"] == c["tokens"] == n["tokens"]
+                    for s in prompts for w, c, n in zip(warm[s], cold[s], plain[s]))
     for s in prompts:
-        c, h, w, o = (statistics.median(ttft_of(r) for r in rs[s]) for rs in (cold, local, warm, own))
-        log.info("%s (%d tokens): cold %.1f ms, prefix-cache hit %.1f ms (cached %s), store-warm %.1f ms "
-                 "(store hit %d tokens over %d prompts)", s, prof.sizes[s], c * 1e3, h * 1e3,
-                 [r["cached"] for r in local[s]], w * 1e3, store_hits[s], len(prompts[s]))
-        res.update({f"ttft_cold_{s}_ms": c * 1e3, f"ttft_prefix_hit_{s}_ms": h * 1e3,
+        c, h, w, o, n = (statistics.median(ttft_of(r) for r in rs[s]) for rs in (cold, local, warm, own, plain))
+        log.info("%s (%d tokens): cold %.1f ms (no connector %.1f ms), prefix-cache hit %.1f ms (cached %s), "
+                 "store-warm %.1f ms (store hit %d tokens over %d prompts)", s, prof.sizes[s], c * 1e3, n * 1e3,
+                 h * 1e3, [r["cached"] for r in local[s]], w * 1e3, store_hits[s], len(prompts[s]))
+        res.update({f"ttft_no_connector_{s}_ms": n * 1e3, f"ttft_cold_overhead_{s}": c / n,
+                    f"ttft_cold_{s}_ms": c * 1e3, f"ttft_prefix_hit_{s}_ms": h * 1e3,
                     f"ttft_store_warm_{s}_ms": w * 1e3, f"store_hit_tokens_{s}": store_hits[s],
                     f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_other_engines_prefix_hit_{s}": w / h,
                     f"ttft_b_prefix_hit_{s}_ms": o * 1e3, f"ttft_store_warm_vs_prefix_hit_{s}": w / o})
@@ -610,6 +620,8 @@ def main() -> None:
                 torch.cuda.empty_cache()  # leave the engines the memory
         if args.ttft or args.ttft_only:
             t = time.perf_counter()
+            if args.profile_dir:
+                os.makedirs(args.profile_dir, exist_ok=True)
             results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir, args.profile_dir))
             log.info("TTFT measured in %.1f s", time.perf_counter() - t)
     finally:
