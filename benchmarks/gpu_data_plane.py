@@ -24,9 +24,10 @@ prompts cold on an engine C without the connector (the tier's cost to a cold req
 whether any first token differs with and without it). Prompts are 8 tokens past a block
 boundary so that A's repeat is a pure local hit (the store holds nothing beyond it).
 
-``--profile-dir DIR`` also serves one more store-warm prompt per size under torch's profiler
-(every thread and CUDA stream; the trace kept to our code, vLLM's engine step and the device)
-and writes ``trace_store_warm_<size>.json.gz`` there: where a store hit's step spends its time.
+``--profile-dir DIR`` also serves one more prompt per size under torch's profiler, cold on A
+and store-warm on B (every thread and CUDA stream; the trace kept to our code, vLLM's engine
+step and the device), and writes ``trace_cold_<size>.json.gz`` and
+``trace_store_warm_<size>.json.gz`` there: where a request's step spends its time.
 
 Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
 (goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
@@ -436,7 +437,7 @@ def ttft_profile(device: torch.device, quick: bool) -> TtftProfile:
                        4 * 2 * 2 * 64 * 4)
 
 
-PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py")
+PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py", "sched/scheduler.py")
 """Python functions kept in a profile's trace (the rest of the interpreter's calls are dropped)."""
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "ac2g", "gpu_user_annotation"}
 
@@ -520,11 +521,16 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     with running_fleet(cfg):
         a = start("A (connector, store empty)")
         cold = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        log.info("A's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in cold.items()})
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
-        for p in profiled.values():
-            ray.get(a.generate.remote(p, 1))
+        for s, p in profiled.items():  # cold, under the profiler: where a cold request's time goes
+            assert profile_dir is not None
+            path = os.path.join(profile_dir, f"trace_cold_{s}.json.gz")
+            result = ray.get(a.generate_profiled.remote(p, 1, path))
+            log.info("profiled %s cold request: TTFT %.1f ms under the profiler, trace in %s\n%s", s,
+                     ttft_of(result) * 1e3, path, result["profile_table"])
         before = hits(a)
         local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
         assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
@@ -559,6 +565,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         # and their saves) cost over no tier at all, and whether the tier changed any output.
         plain_engine = start("C (no connector)", None)
         plain = {s: [ray.get(plain_engine.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
         ray.kill(plain_engine)
     identical = all(w["tokens"] == c["tokens"] == n["tokens"]
                     for s in prompts for w, c, n in zip(warm[s], cold[s], plain[s]))
