@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,8 @@ class _Tracked:
     pending: dict[tuple[int, int, int], bool] = field(default_factory=dict)
     """(group, rank, block index) of attention blocks still to save, and whether their bytes are
     valid yet (a block whose load failed is not, until a step recomputes it)."""
+    keys: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+    """(rank, attention group) -> the keys of the request's first blocks (``_attn_keys``)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
 
@@ -244,10 +246,10 @@ class SchedulerPart:
         if until <= start:
             return {}
         keys, sizes = [], []
-        for ns in self._ns:
+        for rank, ns in enumerate(self._ns):
             for g in self._attn:
                 blocks = range(start // self._bs[g], until // self._bs[g])
-                keys.extend(block_keys(ns, self._block_hashes(hashes, g, blocks), g))
+                keys.extend(self._attn_keys(t, rank, g, blocks))
                 sizes.extend([self._entry_bytes[g]] * len(blocks))
             for g in self._states:
                 for pos in range((start // self._lcm + 1) * self._lcm, until + 1, self._lcm):
@@ -279,7 +281,7 @@ class SchedulerPart:
             self._release_lookup(t)  # waited so long in the queue that its pins may lapse: look again
         posted = t.lookup is None
         if posted:
-            t.lookup = self._post_lookup(request, num_computed_tokens)
+            t.lookup = self._post_lookup(t, num_computed_tokens)
             if t.lookup is None:
                 return 0, False
         assert t.lookup is not None
@@ -322,9 +324,10 @@ class SchedulerPart:
             time.sleep(0.0001)  # leave the core to the shard and Ray's threads
         return True
 
-    def _post_lookup(self, request: Request, local_tokens: int) -> _Lookup | None:
+    def _post_lookup(self, t: _Tracked, local_tokens: int) -> _Lookup | None:
         """Pin the request's stored blocks, or None when there is nothing to ask: vLLM's own
         prefix cache holds every full block (``local_tokens``; a repeated prompt pays no round trip)."""
+        request = t.request
         hashes = request.block_hashes
         if self.hybrid:
             max_lcm = policy.hybrid_max_hit_blocks(request.num_tokens, self.recompute, self._lcm)
@@ -339,9 +342,8 @@ class SchedulerPart:
             self.stats.add(lookups_skipped=1)
             return None
         attn_keys, state_keys, futures = [], [], []
-        for ns in self._ns:
-            per_group = [block_keys(ns, self._block_hashes(hashes, g, range(max_tokens // self._bs[g])), g)
-                         for g in self._attn]
+        for rank, ns in enumerate(self._ns):
+            per_group = [self._attn_keys(t, rank, g, range(max_tokens // self._bs[g])) for g in self._attn]
             per_state = [[state_key(ns, self._hash_at(hashes, b * self._lcm), g, b * self._lcm)
                           for b in range(1, max_tokens // self._lcm + 1)] for g in self._states]
             attn_keys.append(per_group)
@@ -354,10 +356,18 @@ class SchedulerPart:
         """The chained hash identifying the prefix ``[0, end_token)``."""
         return hashes[end_token // self._hash_bs - 1]
 
-    def _block_hashes(self, hashes: list, group: int, blocks: Iterable[int]) -> list[bytes]:
-        """The hash of each of these blocks of an attention group (the prefix up to its end)."""
-        bs, hash_bs = self._bs[group], self._hash_bs
-        return [hashes[(i + 1) * bs // hash_bs - 1] for i in blocks]
+    def _attn_keys(self, t: _Tracked, rank: int, group: int, blocks: range | list[int]) -> list[bytes]:
+        """The keys of these blocks of an attention group on one rank, derived once per request:
+        its lookup, the slot counts of its chunks and its saves all ask for them."""
+        known = t.keys.setdefault((rank, group), [])
+        needed = max(blocks, default=-1) + 1
+        if needed > len(known):
+            bs, hash_bs, hashes = self._bs[group], self._hash_bs, t.request.block_hashes
+            known.extend(block_keys(self._ns[rank], [hashes[(i + 1) * bs // hash_bs - 1]
+                                                     for i in range(len(known), needed)], group))
+        if isinstance(blocks, range) and blocks.step == 1:
+            return known[blocks.start:blocks.stop]
+        return [known[i] for i in blocks]
 
     def _hit_tokens(self, lookup: _Lookup) -> int:
         """Stage 1 (longest attention prefix over all ranks and groups), then for hybrid
@@ -521,11 +531,11 @@ class SchedulerPart:
             full = min(end, len(hashes) * self._hash_bs) // self._bs[g]
             first = t.saved_blocks.get(g, 0)
             computed_now = range(start // self._bs[g], full)
-            for rank, ns in enumerate(self._ns):
+            for rank in range(len(self._ns)):
                 retry = sorted(i for (pg, pr, i), ready in t.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
                 blocks = list(dict.fromkeys(retry + list(range(first, full))))
-                for i, key in zip(blocks, block_keys(ns, self._block_hashes(hashes, g, blocks), g)):
+                for i, key in zip(blocks, self._attn_keys(t, rank, g, blocks)):
                     wanted.append((rank, g, t.block_ids[g][i], key, (g, rank, i)))
             t.saved_blocks[g] = max(first, full)
         for pos in policy.state_dump_positions(start, end, self._lcm) if self.hybrid else ():
