@@ -157,6 +157,7 @@ class _LoadInFlight:
     rank: int
     lease_ids: dict[PoolKey, list[int]]
     blocks: BlockLoads
+    """What was loaded: the keys of entries the worker finds corrupt, to remove them."""
     dispatched: float = field(default_factory=time.monotonic)
 
 

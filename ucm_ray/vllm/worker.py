@@ -20,9 +20,10 @@ compute, and ``wait_for_layer_load`` makes layer L wait for them:
 layer hooks (mamba states, async hybrid loads, chunks shorter than the
 FULL-CUDA-graph threshold, non-layerwise mode, and the hit's last block, into
 whose tail vLLM writes the recomputed tokens before any hook runs): the host
-waits for them, or on stream-ordered pools the compute stream does. ``save_kv_layer`` posts a layer's copies into
-the granted slots as soon as its KV is written (stream-ordered pools from this
-thread, planned at ``bind``; others on the copy thread); ``wait_for_save``
+waits for them, or on stream-ordered pools the compute stream does.
+``save_kv_layer`` posts a layer's copies into the granted slots as soon as its
+KV is written (stream-ordered pools from this thread, planned at ``bind``;
+others on the copy thread); ``wait_for_save``
 saves what no hook covered and waits. Results go back per job through
 ``build_worker_meta``; the scheduler commits, frees and releases from them.
 
