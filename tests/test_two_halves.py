@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm.config import ParallelConfig
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import Location
@@ -22,6 +23,7 @@ from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.published import IndexReaders
 from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
 from ucm_ray.transport.base import Transfer, TransferError
+from ucm_ray.vllm.compat import check_one_compute_stream
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +300,17 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
 def test_load_failure_policy_fail_is_refused_at_start_up(store, model_dir):
     with pytest.raises(ValueError, match="kv_load_failure_policy='fail'.*recompute"):
         make_engine(store.client(), model_dir, failure_policy="fail")
+
+
+@pytest.mark.parametrize("micro_batches", [{"enable_dbo": True}, {"ubatch_size": 2}])
+def test_micro_batching_is_refused_at_start_up(micro_batches):
+    """vLLM's micro-batches (DBO) run the forward on several streams, each calling a layer's hook:
+    the connector orders its loads for one stream, so it refuses instead of racing. (vLLM turns
+    DBO off on CPU before a connector starts, so the check is called here as the connector calls
+    it, first thing, in both roles.)"""
+    check_one_compute_stream(ParallelConfig())  # the default passes
+    with pytest.raises(ValueError, match="micro-batching.*turn it off"):
+        check_one_compute_stream(ParallelConfig(**micro_batches))
 
 
 def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(store, model_dir):

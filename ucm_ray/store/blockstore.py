@@ -58,7 +58,7 @@ NO_CHECKSUM = -1
 """``Locations.checksum`` of an entry committed without one (a CRC32 is never negative)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Locations:
     """Entries' locations as columns, row i being the i-th key's (``pool`` -1: a miss).
 

@@ -7,6 +7,7 @@ supported version.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorWorkerMetadata
 from vllm.v1.core import kv_cache_utils
@@ -42,9 +43,22 @@ def check_async_loads_reportable(num_groups: int) -> None:
                          "cache of several kv-cache groups (a hybrid model) needs; use vLLM >= 0.32 "
                          "for such models")
 
+
+def check_one_compute_stream(parallel_config: Any) -> None:
+    """Refuse micro-batching (``enable_dbo``, or ``ubatch_size`` > 1 where this vLLM has it): it
+    runs a step's forward as micro-batches on their own threads and CUDA streams, calling each
+    layer's hook once per micro-batch, while the worker orders a step's loads for one compute
+    stream (the one current at ``start_load_kv`` and at a layer's first hook): another stream
+    could read blocks before they land."""
+    if getattr(parallel_config, "enable_dbo", False) or getattr(parallel_config, "ubatch_size", 0) > 1:
+        raise ValueError("ucm-ray: micro-batching (enable_dbo / ubatch_size > 1) runs the forward pass on "
+                         "several CUDA streams, and the connector orders its loads for one; turn it off "
+                         "to use the tier")
+
+
 __all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "PROM_METRICS_HOOK", "KVConnectorPromMetrics",
            "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "block_hashes_vary_per_process",
-           "check_async_loads_reportable"]
+           "check_async_loads_reportable", "check_one_compute_stream"]
 
 
 def block_hashes_vary_per_process(hash_algo: str) -> bool:

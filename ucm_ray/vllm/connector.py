@@ -24,7 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.client import StoreClient
-from ucm_ray.vllm.compat import PROM_METRICS_HOOK, KVConnectorTransferResults, KVConnectorWorkerMetadata
+from ucm_ray.vllm.compat import (
+    PROM_METRICS_HOOK,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    check_one_compute_stream,
+)
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler import SchedulerPart
 from ucm_ray.vllm.stats import UcmRayStats
@@ -78,6 +83,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         log_with_vllm()
+        check_one_compute_stream(vllm_config.parallel_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.ucm_config = UcmRayConfig.from_dict(extra)
         self._scheduler: SchedulerPart | None = None

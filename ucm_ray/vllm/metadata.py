@@ -21,7 +21,7 @@ from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.vllm.compat import KVConnectorWorkerMetadata
 
 
-@dataclass
+@dataclass(eq=False)
 class BlockLoads:
     """A load job's blocks as columns: row i copies the stored entry at ``locations[i]`` into
     vLLM block ``block_ids[i]`` of kv-cache group ``groups[i]``; ``keys[i]`` validates it after

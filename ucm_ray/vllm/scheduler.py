@@ -440,7 +440,7 @@ class SchedulerPart:
             blocks = BlockLoads(np.asarray(groups, dtype=np.int64), np.asarray(targets, dtype=np.int64),
                                 lease.locations.take(taken), [keys[i] for i in taken.tolist()],
                                 np.asarray(tails, dtype=bool))
-            assert blocks.locations.found().all()
+            assert blocks.locations.found().all() and len(targets) == len(taken)
             usable = NULL_BLOCK_ID not in targets
             if not usable:
                 log.error("ucm-ray: vLLM's null block is a target of %s's load at %d tokens; the load is "
