@@ -313,6 +313,17 @@ def test_micro_batching_is_refused_at_start_up(micro_batches):
         check_one_compute_stream(ParallelConfig(**micro_batches))
 
 
+def test_the_scheduler_reports_its_host_time_per_step_that_runs_tokens(store, model_dir):
+    """``schedule_seconds``: the connector's host time in its scheduler hooks, once per step that
+    runs tokens (what a host-bound forward waits for); steps that run nothing are not counted."""
+    a = make_engine(store.client(), model_dir)
+    a.serve("A", prompt(2048), max_tokens=2)  # the prefill, then one decode step
+    totals = a.stats()
+    assert totals["schedule_seconds_count"] == 2 and totals["schedule_seconds"] > 0
+    a.settle()  # steps with nothing to run (their hooks' time goes to the next step that runs)
+    assert a.steps > 2 and a.stats()["schedule_seconds_count"] == 2
+
+
 def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(store, model_dir):
     a = make_engine(store.client(), model_dir)
     p = prompt(2048)

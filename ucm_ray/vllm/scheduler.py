@@ -14,6 +14,7 @@ that failed their checksum. The worker makes no control call at all.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -62,6 +63,18 @@ STATE_SLOT_WAIT_S = 0.5
 """The same for a hybrid model's request: a state can only be saved in the step that computes it
 (the next step overwrites it), so one whose slot came late is lost for every later reader; a
 request may wait longer for them (a shard answers a reserve in a few ms unless it is in trouble)."""
+
+
+def _host_timed(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A scheduler hook whose host time counts toward the step's ``schedule_seconds``."""
+    @functools.wraps(hook)
+    def timed(self: SchedulerPart, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._host_s += time.perf_counter() - started
+    return timed
 
 
 def _draft_model(vllm_config: VllmConfig) -> str:
@@ -222,6 +235,7 @@ class SchedulerPart:
                                  usable_s=config.reserve_timeout_s - config.transfer_timeout_s)
         self._slots.want(*self._entry_bytes)
         self.stats = UcmRayStats()
+        self._host_s = 0.0  # host time in the hooks since the last step's plan (``schedule_seconds``)
         log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
                  self._attn, self._states, self._bs, self._lcm, self._hash_bs, self.recompute)
         max_len = vllm_config.model_config.max_model_len
@@ -273,6 +287,7 @@ class SchedulerPart:
 
     # --- lookups -------------------------------------------------------------------------
 
+    @_host_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         t = self._tracked.get(request.request_id)
         if t is None or t.request is not request:
@@ -394,6 +409,7 @@ class SchedulerPart:
 
     # --- allocation and the step plan ----------------------------------------------------
 
+    @_host_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         t = self._tracked.get(request.request_id)
@@ -475,6 +491,7 @@ class SchedulerPart:
         return [key for keys in lookup.attn_keys[rank] + lookup.state_keys[rank] for key in keys]
 
     def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
+        started = time.perf_counter()
         self._collect_answers()
         pools = self._store.pools()
         self._slots.tick(pools.descriptors.keys())
@@ -497,6 +514,7 @@ class SchedulerPart:
             scheduled = self._tracked.get(req_id)
             if scheduled is not None and scheduled.block_ids:
                 self._plan_saves(scheduled, n_sched, meta)
+        self._observe_step(out, time.perf_counter() - started)
         return meta
 
     def _track_blocks(self, out: SchedulerOutput) -> None:
@@ -557,6 +575,15 @@ class SchedulerPart:
         if end < req.num_prompt_tokens:
             self._expect_saves(t, end + 2 * self._chunk)  # slots for the next chunk while this one runs
 
+    def _observe_step(self, out: SchedulerOutput, plan_s: float) -> None:
+        """``schedule_seconds`` of a step that runs tokens: the connector's host time since the
+        last step's plan (lookups, allocations, this plan, the last step's results). A forward
+        that is host-bound waits for all of it."""
+        self._host_s += plan_s
+        if out.total_num_scheduled_tokens > 0:
+            self.stats.observe("schedule_seconds", self._host_s)
+            self._host_s = 0.0
+
     def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes,
                   pools: list[PoolKey]) -> bool:
         """Bind granted slots on the key's owners to it; False when there is none yet."""
@@ -579,6 +606,7 @@ class SchedulerPart:
 
     # --- results from the workers --------------------------------------------------------
 
+    @_host_timed
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         results = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(results, UcmRayWorkerMetadata):
@@ -687,6 +715,7 @@ class SchedulerPart:
 
     # --- endings -------------------------------------------------------------------------
 
+    @_host_timed
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Blocks can be freed at once: this step's copies are done when its output arrives."""
         t = self._tracked.pop(request.request_id, None)

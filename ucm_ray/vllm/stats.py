@@ -66,6 +66,9 @@ DURATIONS: dict[str, str] = {
                     "cost only their posting.",
     "save_seconds": "Per worker step with saves: time spent posting its copies plus time spent waiting for "
                     "them to land (all layers, all pools).",
+    "schedule_seconds": "Per scheduler step that runs tokens: host time in the connector's scheduler hooks "
+                        "since the previous step's plan (lookups and their waits, allocations, this step's "
+                        "plan, the previous step's results).",
 }
 """Every duration the connector may record (``observe``), exported as histograms."""
 
