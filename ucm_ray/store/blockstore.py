@@ -25,11 +25,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
+
+if TYPE_CHECKING:
+    from ucm_ray.store.index import Slot
+    from ucm_ray.store.published import Found
 
 T = TypeVar("T")
 
@@ -101,6 +105,20 @@ class Locations:
         self.size[rows] = size
         self.checksum[rows] = checksum
         self.generation[rows] = generation
+
+    def put_found(self, rows: Sequence[int], pool: PoolKey, found: Found) -> list[int]:
+        """Rows ``rows`` as a published index of ``pool`` answered for them (``found``, in the same
+        order; its misses stay misses). Returns the positions in ``rows`` it found."""
+        hit = np.flatnonzero(found.generation)
+        self.put(np.asarray(rows, dtype=np.int64)[hit], pool, found.offset[hit], found.size[hit], found.checksum[hit],
+                 found.generation[hit])
+        return hit.tolist()
+
+    def put_slots(self, rows: Sequence[int], pool: PoolKey, slots: Sequence[Slot | None]) -> None:
+        """Rows ``rows`` as a shard of ``pool`` answered for them (pinned slots, None a miss)."""
+        hits = [(row, slot) for row, slot in zip(rows, slots) if slot is not None]
+        self.put([row for row, _ in hits], pool, [slot.offset for _, slot in hits], [slot.size for _, slot in hits],
+                 [NO_CHECKSUM if slot.checksum is None else slot.checksum for _, slot in hits])
 
     def found(self) -> np.ndarray:
         return self.pool >= 0

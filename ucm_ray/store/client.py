@@ -36,7 +36,6 @@ from ray.exceptions import RayError, RayTaskError
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import (
-    NO_CHECKSUM,
     BlockStore,
     Done,
     Location,
@@ -184,11 +183,9 @@ class _Acquire(Pending[ReadLease]):
             keys = [self._keys[i] for i in ix]
             found = None if rec.key in self._pin else c._readers.locate(rec.key, keys)
             if found is not None:
-                hit = np.flatnonzero(found.generation)
-                self._lease.locations.put(np.asarray(ix)[hit], rec.key, found.offset[hit], found.size[hit],
-                                          found.checksum[hit], found.generation[hit])
+                hit = self._lease.locations.put_found(ix, rec.key, found)
                 unknown = np.flatnonzero(~found.known).tolist()
-                c._touches.add(rec.key, rec.handle, [keys[i] for i in hit.tolist()], len(ix) - len(unknown))
+                c._touches.add(rec.key, rec.handle, [keys[i] for i in hit], len(ix) - len(unknown))
                 if not unknown:
                     continue
                 ix = [ix[u] for u in unknown]
@@ -206,10 +203,7 @@ class _Acquire(Pending[ReadLease]):
             lease_id, slots = got
             if any(s is not None for s in slots):
                 self._lease.lease_ids.setdefault(rec.key, []).append(lease_id)
-            hits = [(i, slot) for i, slot in zip(idx, slots) if slot is not None]
-            self._lease.locations.put([i for i, _ in hits], rec.key, [slot.offset for _, slot in hits],
-                                      [slot.size for _, slot in hits],
-                                      [NO_CHECKSUM if slot.checksum is None else slot.checksum for _, slot in hits])
+            self._lease.locations.put_slots(idx, rec.key, slots)
         self._calls = []
         if failed:
             self._rank[failed] += 1

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ucm_ray.store.blockstore import (
-    NO_CHECKSUM,
     BlockStore,
     Done,
     Location,
@@ -139,21 +138,16 @@ class LocalBlockStore(BlockStore):
                     continue
                 found = None if pool in pin else self._readers.locate(pool, [keys[i] for i in idx])
                 if found is not None:
-                    hit = np.flatnonzero(found.generation)
-                    lease.locations.put(np.asarray(idx)[hit], pool, found.offset[hit], found.size[hit],
-                                        found.checksum[hit], found.generation[hit])
+                    hit = lease.locations.put_found(idx, pool, found)
                     unknown = np.flatnonzero(~found.known).tolist()
-                    shard.index.touch([keys[idx[i]] for i in hit.tolist()], len(idx) - len(unknown))
+                    shard.index.touch([keys[idx[i]] for i in hit], len(idx) - len(unknown))
                     idx = [idx[u] for u in unknown]
                     if not idx:
                         continue
                 lease_id, slots = shard.index.acquire(self.owner, [keys[i] for i in idx])
                 if any(slot is not None for slot in slots):
                     lease.lease_ids.setdefault(pool, []).append(lease_id)
-                hits = [(i, slot) for i, slot in zip(idx, slots) if slot is not None]
-                lease.locations.put([i for i, _ in hits], pool, [slot.offset for _, slot in hits],
-                                    [slot.size for _, slot in hits],
-                                    [NO_CHECKSUM if slot.checksum is None else slot.checksum for _, slot in hits])
+                lease.locations.put_slots(idx, pool, slots)
             todo = failed
         return Done(lease)
 
