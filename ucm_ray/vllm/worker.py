@@ -223,6 +223,8 @@ class WorkerPart:
                                if isinstance(g.kv_cache_spec, AttentionSpec)}
         self._num_blocks = kv_cache_config.num_blocks
         self._layouts: list[GroupLayout] = []
+        self._entry_sizes: np.ndarray = np.zeros(0, dtype=np.int64)  # per group: an entry's bytes (a load's size check)
+        self._per_layer: np.ndarray = np.zeros(0, dtype=bool)  # per group: its layers have hooks
         self._buffers: tuple[torch.Tensor, ...] = ()  # the KV caches' allocations, as copies see them
         self._buffer_of: dict[str, int] = {}  # layer name -> its index in ``_buffers``
         self._device = torch.device("cpu")
@@ -244,6 +246,8 @@ class WorkerPart:
                 raise ValueError(f"ucm-ray: kv-cache group {gl.group} holds {gl.entry_bytes} bytes per block "
                                  f"here but its spec says {planned}; this layout is not supported")
         self._layer_of = {layer.name: (gl.group, i) for gl in self._layouts for i, layer in enumerate(gl.layers)}
+        self._entry_sizes = np.asarray([gl.entry_bytes for gl in self._layouts], dtype=np.int64)
+        self._per_layer = np.asarray([gl.group in self._hooked_groups for gl in self._layouts], dtype=bool)
         self._buffers = tuple(base_buffers(kv_caches))
         at = {buf.data_ptr(): i for i, buf in enumerate(self._buffers)}
         self._buffer_of = {layer.name: at[layer.storage_address] for gl in self._layouts for layer in gl.layers}
@@ -277,20 +281,19 @@ class WorkerPart:
             return
         layered: list[tuple[BlockLoads, list[_Tag], np.ndarray]] = []
         immediate: list[tuple[BlockLoads, list[_Tag], np.ndarray]] = []
-        entry_bytes = np.asarray([gl.entry_bytes for gl in self._layouts], dtype=np.int64)
-        hooked = np.asarray([gl.group in self._hooked_groups for gl in self._layouts], dtype=bool)
         for job in step.loads:
             blocks = job.blocks
             tags = step.tags[job.job_id] = list(zip(repeat(job.job_id), blocks.block_ids.tolist()))
-            sized = blocks.locations.size == entry_bytes[blocks.groups]
+            sized = blocks.locations.size == self._entry_sizes[blocks.groups]
             for row in np.flatnonzero(~sized).tolist():
                 log.error("entry for block %d has %d bytes, layout expects %d: not loaded", blocks.block_ids[row],
-                          blocks.locations.size[row], entry_bytes[blocks.groups[row]])
+                          blocks.locations.size[row], self._entry_sizes[blocks.groups[row]])
                 step.failed.add(tags[row])
             for row in np.flatnonzero(sized & (blocks.locations.checksum != NO_CHECKSUM)).tolist():
                 step.crc[tags[row]] = 0
             hooks = self._config.layerwise and not job.complete_in_start and not job.is_async
-            per_layer = sized & hooked[blocks.groups] & ~blocks.before_forward if hooks else np.zeros(len(blocks), bool)
+            per_layer = sized & self._per_layer[blocks.groups] & ~blocks.before_forward if hooks \
+                else np.zeros(len(blocks), bool)
             layered.append((blocks, tags, per_layer))
             immediate.append((blocks, tags, sized & ~per_layer))
         every_layer = tuple((gl.group, i) for gl in self._layouts for i in range(len(gl.layers)))
