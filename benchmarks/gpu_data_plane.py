@@ -6,7 +6,8 @@ layer's block is 64 KiB, one stored entry 2 MiB) laid out as vLLM 0.26 hands it 
 view of ``[num_blocks, block, kv_heads, 2 * head]``; see ``kv_caches`` below). A shard fleet
 serves a shared-memory pool; ``WorkerPart`` (``ucm_ray.vllm.worker``, the connector's worker
 half) saves layer by layer into granted slots and loads layer by layer from pinned entries,
-exactly as in an engine step: ``bind`` -> ``save_kv_layer`` x layers -> ``wait_for_save``, and
+exactly as in an engine step: ``bind`` (which posts the save of every layer of blocks an
+earlier step filled) -> ``wait_for_save``, and
 ``bind`` -> ``start_load_kv`` -> ``wait_for_layer_load`` x layers. Bytes are verified. In the
 same run the same number of bytes is copied once between a pinned host buffer and the GPU
 (the link's speed). Then one load runs while a per-layer compute runs: a matmul with the
@@ -211,16 +212,17 @@ class WorkerBench:
         return UcmRayConnectorMetadata(pools=self.client.pools().descriptors, **kw)
 
     def save(self) -> None:
-        """One step's layerwise save of blocks [0, n) into the granted slots."""
-        from ucm_ray.vllm.metadata import SaveJob
+        """One step's save of blocks [0, n) (every layer) into the granted slots."""
+        from ucm_ray.store.blockstore import Locations
+        from ucm_ray.vllm.metadata import BlockSaves
 
-        jobs = [SaveJob(self._next(), 0, i, [loc]) for i, (loc, _) in enumerate(self.save_locations)]
-        self.worker.bind(self._meta(saves={0: jobs}))
-        for name in self.names:
-            self.worker.save_kv_layer(name)
+        n = len(self.save_locations)
+        saves = BlockSaves(self._next(), np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64),
+                           Locations.of([loc for loc, _ in self.save_locations]))
+        self.worker.bind(self._meta(saves={0: saves}))
         self.worker.wait_for_save()
         results = self.worker.build_worker_meta()
-        assert results is not None and all(all(r.landed) for r in results.saves.values()), "a save failed"
+        assert results is not None and all(r.landed.all() for r in results.saves.values()), "a save failed"
 
     def commit(self) -> None:
         publish = [Publish(k, loc, token) for k, (loc, token) in zip(self.keys, self.save_locations)]

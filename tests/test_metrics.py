@@ -224,6 +224,8 @@ class RayLoggedEngine:
                 if out.finished:
                     tokens = list(out.outputs[0].token_ids)
         core = self.engine.engine_core.engine_core  # type: ignore[attr-defined]
+        while core.scheduler.has_requests():  # the step that saves what the last one computed
+            self.engine.step()
         core.scheduler.connector.scheduler_part.flush(timeout_s=10.0)  # commits answered
         self.engine.step()  # one more (empty) step: the last interval's stats reach the logger
         return {"tokens": tokens}

@@ -468,10 +468,12 @@ def test_sliding_window_groups_are_refused_at_start_up(store, model_dir):
 
 def test_blocks_whose_request_ends_before_a_slot_came_are_counted_as_dropped(store, model_dir):
     """A shard that grants no slot (here: it does not answer) leaves the request's blocks on it
-    unsaved; when the request ends they are given up, and ``saves_dropped`` says how many."""
+    unsaved; once the request ended, vLLM keeps its blocks a moment for them (HOLD_S), then they
+    are given up, and ``saves_dropped`` says how many."""
     store.set_answering("local_shard_0", False)
     a = make_engine(store.client(), model_dir)
     a.serve("A", prompt(2048))
+    a.settle()  # steps until vLLM freed the blocks
     dropped = a.stats().get("saves_dropped", 0)
     store.set_answering("local_shard_0", True)
     assert 0 < dropped < 16  # shard 0 owns some of the 16 blocks; shard 1 granted its slots
@@ -614,3 +616,45 @@ def test_a_worker_that_cannot_read_a_pools_index_fails_once_then_gets_pinned_ent
     b.settle()
     assert b.failed_loads == 16 and b.stats()["stale_loads"] == 16  # B2's pinned loads all landed
     assert b.stats()["loaded_blocks"] == 16
+
+
+def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_are_saved(store, model_dir):
+    """A request of one token computes its whole prompt in its last step. Its write slots came
+    late (here: the shards granted none until it ended; on a loaded box a grant can take longer
+    than the request). vLLM keeps the finished request's blocks (``request_finished`` says so)
+    and frees them once a later step saved them: nothing is dropped. (Before, the blocks were
+    freed at the end of the request, and every save without a slot was lost: a flaky miss on
+    another engine.)"""
+    for shard in ("local_shard_0", "local_shard_1"):
+        store.set_answering(shard, False)
+    a = make_engine(store.client(), model_dir)
+    a.run(a.add("A", prompt(2048), max_tokens=1))
+    assert "A" in a.sched.requests, "vLLM freed the request while its blocks were unsaved"
+    for shard in ("local_shard_0", "local_shard_1"):
+        store.set_answering(shard, True)
+    a.settle()
+    assert "A" not in a.sched.requests, "the request's blocks were never given back to vLLM"
+    assert a.stats().get("saves_dropped", 0) == 0
+    assert a.stats()["saved_blocks"] == 16
+    b = make_engine(store.client(), model_dir)
+    assert b.serve("B", prompt(2048))[0] > 0  # another engine hits what was saved
+
+
+def test_the_step_that_computes_a_cold_prompt_saves_none_of_it(store, model_dir):
+    """A cold request's first token waits for no save: the step that computes its prompt
+    copies nothing to the store, and the step after copies all of it (vLLM keeps the finished
+    request's blocks until then)."""
+    a = make_engine(store.client(), model_dir)
+    saved_per_step: list[int] = []
+
+    def record(engine, meta) -> None:
+        saves = meta.saves.get(0)
+        saved_per_step.append(0 if saves is None else len(saves))
+
+    a.before_worker = record
+    a.run(a.add("A", prompt(2048), max_tokens=1))
+    computing = len(saved_per_step) - 1  # the step that ran the prompt, and finished the request
+    a.settle()
+    assert saved_per_step[computing] == 0
+    assert saved_per_step[computing + 1] == 16
+    assert a.stats()["saved_blocks"] == 16

@@ -71,13 +71,19 @@ class Engine:
         return result
 
     def _flush(self) -> None:
-        """Let the store answer this request's commits before the caller hands its prefix to
-        another engine (an engine that keeps serving never waits for them)."""
+        """Save what this request's last step computed and let the store answer the commits,
+        before the caller hands its prefix to another engine. vLLM keeps a finished request's
+        blocks for the step after it, which saves them; ``LLM.generate`` returns without running
+        that step (an engine that keeps serving runs it at once, and never waits for the store)."""
         from ucm_ray.vllm.connector import UcmRayConnector
 
-        connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
-        if isinstance(connector, UcmRayConnector):  # the benchmark also runs vLLM's own connectors
-            connector.scheduler_part.flush(timeout_s=10.0)
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        if not isinstance(scheduler.connector, UcmRayConnector):  # the benchmark also runs vLLM's own
+            return
+        deadline = time.monotonic() + 10.0
+        while scheduler.has_requests() and time.monotonic() < deadline:
+            self.llm.llm_engine.step()
+        scheduler.connector.scheduler_part.flush(timeout_s=10.0)
 
     def connector_totals(self) -> dict[str, dict[str, Any]]:
         """The connector's counters since start-up (scheduler and worker parts)."""

@@ -4,7 +4,8 @@ What orders the worker's side-stream copies against the forward pass (``ucm_ray.
 ``ucm_ray.transport.shm``). Shared-memory copies on CUDA are posted from the engine's own thread:
 1. ``_CudaCopies.post``: the pool's stream ``wait_stream``s the *calling thread's current stream*
    (the compute stream) before it queues a copy: a load runs after work already queued (e.g.
-   vLLM zeroing fresh blocks), a save after the layer's attention wrote its KV.
+   vLLM zeroing fresh blocks), a save (posted at the next step's ``bind``) after the forward
+   that wrote its blocks.
 2. ``WorkerPart.wait_for_layer_load``: the compute stream waits for the event recorded after
    the layer's copies (``_CudaEventTransfer.order_stream``), so the layer's compute queued
    after it reads landed bytes, with no host wait.
@@ -15,8 +16,9 @@ is queued, while an unordered copy (64 MiB a layer, ~1 ms) would run at once:
 - load after zeroing: the compute stream runs [long kernel, zero the target blocks], then the
   worker loads into those blocks. Unordered, the load lands first and the zeroing wipes it:
   the blocks end up zero instead of the stored bytes.
-- save after the attention write: [long kernel, write the layer's new KV], then
-  ``save_kv_layer``. Unordered, the save copies the stale bytes that were there before.
+- save after the step that wrote the blocks: [long kernel, write every layer's new KV] (a
+  step's forward), then the next step's ``bind`` posts their save. Unordered, the save copies
+  the stale bytes that were there before.
 - load then compute: right after ``wait_for_layer_load`` the compute stream snapshots the
   layer's blocks. Had it not waited for the copies (no 2), the snapshot would hold zeros or a
   partial copy.
@@ -177,26 +179,30 @@ def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, s
 
 
 @pytest.mark.parametrize("stream", ["own", "default"])
-def test_save_reads_the_layer_after_its_attention_wrote_it(pool, worker, cycles_for_delay, stream):
-    from ucm_ray.vllm.metadata import SaveJob
+def test_save_reads_the_blocks_after_the_step_that_wrote_them(pool, worker, cycles_for_delay, stream):
+    from ucm_ray.store.blockstore import Locations
+    from ucm_ray.vllm.metadata import BlockSaves
 
     w, caches, desc = worker
     fresh = {name: random_bytes(N * PAGE, seed=10 + i).cuda() for i, name in enumerate(caches)}
     for t in caches.values():
-        t.view(torch.uint8).fill_(0x5A)  # stale bytes: what the blocks held before this step
+        t.view(torch.uint8).fill_(0x5A)  # stale bytes: what the blocks held before the step
     pool.tensor.zero_()
     torch.cuda.synchronize()
     compute = compute_stream(stream)
+    saves = BlockSaves(100, torch.zeros(N, dtype=torch.int64).numpy(), torch.arange(N).numpy(),
+                       Locations.of([location(desc, i) for i in range(N)]))
     with torch.cuda.stream(compute):
-        w.bind(meta(desc, saves={0: [SaveJob(100 + i, 0, i, [location(desc, i)]) for i in range(N)]}))
+        w.bind(meta(desc))  # the step that computes the blocks
         for name, t in caches.items():
             torch.cuda._sleep(cycles_for_delay)  # the layer's attention, still running ...
             t.view(torch.uint8).view(-1).copy_(fresh[name])  # ... then writing the layer's KV
-            w.save_kv_layer(name)  # called right after, as vLLM does
+        w.wait_for_save()
+        w.bind(meta(desc, saves={0: saves}))  # the next step saves them, beside its own forward
         w.wait_for_save()
     torch.cuda.synchronize()
     results = w.build_worker_meta()
-    assert results is not None and all(r.landed == [True] for r in results.saves.values())
+    assert results is not None and all(r.landed.all() for r in results.saves.values())
     for i in (0, N // 2, N - 1):
         saved = pool.tensor[i * ENTRY:(i + 1) * ENTRY]
         assert not torch.all(saved[:PAGE] == 0x5A), f"block {i}: the save copied the stale bytes"

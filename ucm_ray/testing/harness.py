@@ -163,7 +163,8 @@ class Engine:
             self._compute(out, name, group, index, attention)
             if attention and hooks:
                 worker.save_kv_layer(name, self.kv[name], None)
-        worker.wait_for_save()
+        if out.total_num_scheduled_tokens:
+            worker.wait_for_save()  # vLLM 0.26 calls none in a step without tokens: saves land anyway
         errors = worker.get_block_ids_with_load_errors()
         results = worker.get_transfer_results(out.finished_req_ids)
         worker_meta = worker.build_connector_worker_meta()
@@ -180,6 +181,7 @@ class Engine:
         self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None, failed_recving=results.failed_recving,
                 invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)))
 

@@ -160,8 +160,9 @@ class _CudaEventTransfer(Transfer):
 
 class _CudaCopies(PreparedCopies):
     """A step's copies with one pool on CUDA: planned once (one gather plan, its indices
-    uploaded once), each part then posted as a few kernels on the pool's stream, queued behind
-    the caller's current stream (a save's KV is written, a load's blocks zeroed, by then)."""
+    uploaded once), each part then posted as a few kernels on the pool's stream for that
+    direction, queued behind the caller's current stream (a save's KV is written, a load's
+    blocks zeroed, by then)."""
 
     def __init__(self, transport: ShmPoolTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
                  stream: torch.cuda.Stream, pool: torch.Tensor, mapped: torch.Tensor | None) -> None:
@@ -213,7 +214,7 @@ class ShmPoolTransport(PoolTransport):
         self._desc = desc
         self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False, populate=True)
         self._host_registered = False
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[bool, torch.cuda.Stream] = {}  # to_pool -> its stream: saves never queue behind loads
         self._uva: torch.Tensor | None = None
 
     def register_local(self, tensor: torch.Tensor) -> None:
@@ -240,8 +241,7 @@ class ShmPoolTransport(PoolTransport):
             return super().prepare(ranges, ends, to_pool=to_pool)
         ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
         self._pin_for_cuda()
-        assert self._stream is not None
-        return _CudaCopies(self, ranges, ends, to_pool=to_pool, stream=self._stream, pool=self._pool.tensor,
+        return _CudaCopies(self, ranges, ends, to_pool=to_pool, stream=self._streams[to_pool], pool=self._pool.tensor,
                            mapped=self._uva)
 
     def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
@@ -285,7 +285,7 @@ class ShmPoolTransport(PoolTransport):
             if int(rc) != 0:
                 raise TransferError(f"cudaHostRegister of shard pool {self._desc.shm_path} failed: {rc}")
         self._host_registered = True
-        self._stream = torch.cuda.Stream()
+        self._streams = {False: torch.cuda.Stream(), True: torch.cuda.Stream()}
         if mapped:
             self._uva = self._mapped_view(address)
 

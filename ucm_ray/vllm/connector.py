@@ -175,7 +175,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_part.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        self.worker_part.save_kv_layer(layer_name)
+        """Nothing: a step's blocks are saved whole from the next step's start (``WorkerPart``)."""
 
     def wait_for_save(self) -> None:
         self.worker_part.wait_for_save()
@@ -184,14 +184,14 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_part.build_worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done, _ = self.worker_part.transfer_results()
-        return None, done or None
+        sending, done, _ = self.worker_part.transfer_results()
+        return sending or None, done or None
 
     if KVConnectorTransferResults is not None:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-            done, failed = self.worker_part.transfer_results()
-            return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+            sending, done, failed = self.worker_part.transfer_results()
+            return KVConnectorTransferResults(finished_sending=sending, finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_part.load_errors()

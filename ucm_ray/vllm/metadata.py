@@ -69,33 +69,53 @@ class LoadJob:
     take back a failed synchronous load of a multi-group cache)."""
 
 
-@dataclass
-class SaveJob:
-    """Copy vLLM block ``block_id`` of ``group`` into every slot of ``locations`` (replicas)."""
+@dataclass(eq=False)
+class BlockSaves:
+    """One rank's saves of one step as columns: row i copies vLLM block ``block_ids[i]`` of
+    kv-cache group ``groups[i]`` into the granted slot ``locations[i]``; a block saved on r
+    replicas has r rows. Columns, as ``BlockLoads``: a 16k-token prompt saves ~1,000 blocks per
+    rank, and an object per block cost the cold request host time at every pass."""
 
     job_id: int
-    group: int
-    block_id: int
-    locations: list[Location]
+    groups: np.ndarray  # int64
+    block_ids: np.ndarray  # int64
+    locations: Locations
+
+    @classmethod
+    def of(cls, job_id: int, rows: Sequence[tuple[int, int, Location]]) -> BlockSaves:
+        """From (group, vLLM block id, slot) rows."""
+        return cls(job_id, np.asarray([row[0] for row in rows], dtype=np.int64),
+                   np.asarray([row[1] for row in rows], dtype=np.int64), Locations.of([row[2] for row in rows]))
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass
 class UcmRayConnectorMetadata(KVConnectorMetadata):
     loads: dict[int, list[LoadJob]] = field(default_factory=dict)
     """tp rank -> loads for that rank."""
-    saves: dict[int, list[SaveJob]] = field(default_factory=dict)
-    """tp rank -> blocks (attention) and states (mamba groups) to save this step."""
+    saves: dict[int, BlockSaves] = field(default_factory=dict)
+    """tp rank -> attention blocks that earlier steps filled: copied from the start of this step,
+    beside its forward pass, so no save is on the path of the step that computes the blocks (a
+    cold request's first token)."""
+    state_saves: dict[int, BlockSaves] = field(default_factory=dict)
+    """tp rank -> mamba states this step computes: copied once its forward is over (the next
+    step overwrites them, so they cannot wait)."""
+    saved_requests: set[str] = field(default_factory=set)
+    """Finished requests whose blocks vLLM kept for their saves: reported ``finished_sending``
+    (vLLM frees the blocks) once this step's saves landed."""
     pools: Mapping[PoolKey, PoolDescriptor] | None = None
     """Every live pool, sent when membership changed since the last step (None: unchanged).
     A worker closes the mapping of any pool not listed (a dead shard, an old incarnation)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class SaveResult:
-    landed: list[bool]
-    """Per location of the job, whether every byte of the entry landed there."""
-    checksum: int | None = None
-    """CRC32 of the entry, when the writer runs in paranoid mode."""
+    landed: np.ndarray
+    """Per row of the job (bool), whether every byte of the entry landed in that slot."""
+    checksums: np.ndarray | None = None
+    """Per row (int64), CRC32 of the entry, when the writer runs in paranoid mode."""
     uncertain: bool = False
     """A copy timed out and may still land: the slots must never be reused."""
 

@@ -5,8 +5,11 @@ never waited on: a lookup is posted once per request (one call per shard per
 tp rank) and ``get_num_new_matched_tokens`` answers ``None`` ("ask again")
 until it lands. Lookups *pin* what they find, so nothing vLLM was promised can
 be evicted before the worker copies it. Saves are planned into slots granted
-ahead of time (``SlotSupply``), so the worker copies each layer's new blocks
-in the step that computes them. The worker reports per-job results through
+ahead of time (``SlotSupply``): the blocks that a step filled are copied from
+the start of the next step, beside its forward pass, so the step computing
+them (a cold request's first token) waits for no save; a finished request's
+blocks are kept (vLLM's delayed free) until that step reported them saved.
+The worker reports per-job results through
 vLLM's worker-to-scheduler metadata; from them this side commits the entries
 that landed, frees the slots that did not, releases pins and removes entries
 that failed their checksum. The worker makes no control call at all.
@@ -28,15 +31,25 @@ import numpy as np
 import vllm
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.request import RequestStatus
 
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_keys, state_key
-from ucm_ray.store.blockstore import BlockStore, Location, Pending, PoolKey, Publish, ReadLease, Removal
+from ucm_ray.store.blockstore import (
+    NO_CHECKSUM,
+    BlockStore,
+    Locations,
+    Pending,
+    PoolKey,
+    Publish,
+    ReadLease,
+    Removal,
+)
 from ucm_ray.store.slots import SlotSupply
 from ucm_ray.vllm.compat import block_hashes_vary_per_process, check_async_loads_reportable
 from ucm_ray.vllm.layout import entry_bytes
-from ucm_ray.vllm.metadata import BlockLoads, LoadJob, SaveJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
@@ -55,14 +68,15 @@ NULL_BLOCK_ID = 0
 LOOKUP_GRACE_S = 0.002
 """How long a new request's lookup may take before the scheduler is told to ask again: most land
 within one actor round trip, and answering on the first call saves the request a scheduler step."""
-SLOT_WAIT_S = 0.05
-"""How long a request may wait for the slots of its first chunks' saves, asked for once its lookup
-answered (one more round trip): longer, and the request runs without them (its blocks wait for
-slots in later steps, and are dropped if it ends first)."""
 STATE_SLOT_WAIT_S = 0.5
-"""The same for a hybrid model's request: a state can only be saved in the step that computes it
-(the next step overwrites it), so one whose slot came late is lost for every later reader; a
-request may wait longer for them (a shard answers a reserve in a few ms unless it is in trouble)."""
+"""How long a hybrid model's request may wait for the slots of its first chunks' saves, asked for
+once its lookup answered: a state can only be saved in the step that computes it (the next step
+overwrites it), so one whose slot came late is lost for every later reader (a shard answers a
+reserve in a few ms unless it is in trouble). A dense model's request never waits: its blocks
+are saved a step after they are computed, by when the slots are in."""
+HOLD_S = 0.2
+"""How long a finished request's blocks may be kept for saves still waiting for write slots;
+then they are dropped (``saves_dropped``) and vLLM frees the blocks."""
 
 
 def _host_timed(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,13 +141,13 @@ class _Lookup:
 
 @dataclass
 class _SlotAsks:
-    """Slots asked for the saves of a request's first chunks, once its lookup said where its
-    saves begin (asked for with the lookup, they were also asked for blocks that turn out to be
-    hits, and a full pool evicted other prompts' entries, or this prompt's own, to make room for
-    slots handed straight back)."""
+    """Slots asked for the saves of a hybrid request's first chunks, once its lookup said where
+    its saves begin (asked for with the lookup, they were also asked for blocks that turn out to
+    be hits, and a full pool evicted other prompts' entries, or this prompt's own, to make room
+    for slots handed straight back)."""
 
     asks: list[Pending[Any]]
-    wait_s: float = SLOT_WAIT_S
+    wait_s: float = STATE_SLOT_WAIT_S
     started: float = field(default_factory=time.monotonic)
 
     def ready(self) -> bool:
@@ -160,6 +174,10 @@ class _Tracked:
     """(rank, attention group) -> the keys of the request's first blocks (``_attn_keys``)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
+    computed: int = 0  # vLLM's computed tokens at the last save plan
+    finished_at: float | None = None
+    """When vLLM finished the request while blocks of it were unsaved: vLLM keeps its blocks
+    until the step that saves them reports it ``finished_sending``."""
 
 
 @dataclass
@@ -175,10 +193,25 @@ class _LoadInFlight:
 
 
 @dataclass
+class _SaveRows:
+    """One rank's saves of one step, gathered block by block; sent as ``BlockSaves`` columns."""
+
+    groups: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    pools: list[PoolKey] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the grant of each row's slot
+
+
+@dataclass
 class _SaveInFlight:
-    key: bytes
-    locations: list[Location]
-    tokens: list[int]  # the grant of each location's slot
+    """A dispatched save job: per row, the key it stores and the grant of its slot."""
+
+    keys: list[bytes]
+    locations: Locations
+    tokens: np.ndarray
     dispatched: float = field(default_factory=time.monotonic)
 
 
@@ -310,8 +343,8 @@ class SchedulerPart:
             # Saves begin where vLLM's cache and the store's hit end: slots for the chunks after.
             begin = max(num_computed_tokens, t.hit_tokens) // self._hash_bs * self._hash_bs
             t.expected_until = t.unexpected_until = begin
-            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk),
-                                STATE_SLOT_WAIT_S if self.hybrid else SLOT_WAIT_S)
+            asks = self._expect_saves(t, begin + 2 * self._chunk)
+            t.slots = _SlotAsks(asks if self.hybrid else [])
             posted = True
         if not self._answered(t.slots.ready, grace=posted):
             return None, False
@@ -495,8 +528,7 @@ class SchedulerPart:
         self._collect_answers()
         pools = self._store.pools()
         self._slots.tick(pools.descriptors.keys())
-        meta = UcmRayConnectorMetadata(loads={r: [] for r in range(len(self._ns))},
-                                       saves={r: [] for r in range(len(self._ns))})
+        meta = UcmRayConnectorMetadata(loads={r: [] for r in range(len(self._ns))})
         if pools.version != self._pools_sent:
             meta.pools = dict(pools.descriptors)
             self._pools_sent = pools.version
@@ -510,10 +542,29 @@ class SchedulerPart:
                 job.complete_in_start = job.complete_in_start or n_sched < self.recompute
                 meta.loads[rank].append(job)
             t.loads = None
+        saves = [_SaveRows() for _ in self._ns]
+        now = time.monotonic()
+        for req_id, t in list(self._tracked.items()):
+            if t.finished_at is None and t.request.status != RequestStatus.RUNNING:
+                t.block_ids = []  # waiting, or preempted: its blocks are not (or no longer) its own
+                continue
+            if t.block_ids:
+                self._plan_saves(t, saves)
+            if t.finished_at is not None and (not self._unsaved(t) or now - t.finished_at > HOLD_S):
+                meta.saved_requests.add(req_id)  # vLLM frees its blocks once this step's saves landed
+                self._drop(req_id)
+        states = [_SaveRows() for _ in self._ns]
         for req_id, n_sched in out.num_scheduled_tokens.items():
             scheduled = self._tracked.get(req_id)
-            if scheduled is not None and scheduled.block_ids:
-                self._plan_saves(scheduled, n_sched, meta)
+            if scheduled is None or not scheduled.block_ids:
+                continue
+            end = scheduled.request.num_computed_tokens + n_sched
+            if self.hybrid:
+                self._plan_states(scheduled, end, states)
+            if end < scheduled.request.num_prompt_tokens:
+                self._expect_saves(scheduled, end + 2 * self._chunk)  # slots for the next chunk while this one runs
+        meta.saves = self._dispatch(saves)
+        meta.state_saves = self._dispatch(states)
         self._observe_step(out, time.perf_counter() - started)
         return meta
 
@@ -537,19 +588,19 @@ class SchedulerPart:
                 for group, ids in enumerate(new_ids):
                     t.block_ids[group].extend(ids)
 
-    def _plan_saves(self, t: _Tracked, n_sched: int, meta: UcmRayConnectorMetadata) -> None:
-        """Blocks that are full (and hashed) once this step ran, and the state at the chunk end.
-        Their owners are placed in one call for the whole request (not one per block)."""
+    def _plan_saves(self, t: _Tracked, saves: list[_SaveRows]) -> None:
+        """Blocks that the steps before this one filled (and hashed), copied while this one runs;
+        blocks still pending (no slot yet, or recomputed after a failed load) first. Their owners
+        are placed in one call for the whole request (not one per block)."""
         req = t.request
-        start = req.num_computed_tokens  # before this step: vLLM advances it after planning
-        end = start + n_sched
-        hashes = req.block_hashes
-        # (rank, group, vLLM block id, key, the pending key of an attention block or None)
-        wanted: list[tuple[int, int, int, bytes, tuple[int, int, int] | None]] = []
+        computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
+        since, t.computed = min(t.computed, computed), computed
+        hashed = len(req.block_hashes) * self._hash_bs
+        wanted: list[tuple[int, int, int, bytes, tuple[int, int, int]]] = []  # rank, group, block id, key, pending
         for g in self._attn:
-            full = min(end, len(hashes) * self._hash_bs) // self._bs[g]
+            full = min(computed, hashed) // self._bs[g]
             first = t.saved_blocks.get(g, 0)
-            computed_now = range(start // self._bs[g], full)
+            computed_now = range(since // self._bs[g], full)
             for rank in range(len(self._ns)):
                 retry = sorted(i for (pg, pr, i), ready in t.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
@@ -557,23 +608,43 @@ class SchedulerPart:
                 for i, key in zip(blocks, self._attn_keys(t, rank, g, blocks)):
                     wanted.append((rank, g, t.block_ids[g][i], key, (g, rank, i)))
             t.saved_blocks[g] = max(first, full)
-        for pos in policy.state_dump_positions(start, end, self._lcm) if self.hybrid else ():
+        if not wanted:
+            return
+        skipped = 0
+        for (rank, g, block_id, key, pending), pools in zip(wanted, self._store.owners([w[3] for w in wanted])):
+            if self._bind_slots(saves[rank], g, block_id, key, pools):
+                t.pending.pop(pending, None)
+            else:  # no slot yet: the block stays resident while the request runs (or is held)
+                t.pending[pending] = True
+                skipped += 1
+        if skipped:
+            self.stats.add(saves_skipped=skipped)
+
+    def _plan_states(self, t: _Tracked, end: int, saves: list[_SaveRows]) -> None:
+        """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
+        saved after its forward: the next step overwrites them."""
+        hashes = t.request.block_hashes
+        wanted: list[tuple[int, int, int, bytes]] = []
+        for pos in policy.state_dump_positions(t.request.num_computed_tokens, end, self._lcm):
             if pos > len(hashes) * self._hash_bs or pos <= t.last_state_pos:
                 continue
             for rank, ns in enumerate(self._ns):
                 for g in self._states:
-                    key = state_key(ns, self._hash_at(hashes, pos), g, pos)
-                    wanted.append((rank, g, t.block_ids[g][pos // self._bs[g] - 1], key, None))
+                    wanted.append((rank, g, t.block_ids[g][pos // self._bs[g] - 1],
+                                   state_key(ns, self._hash_at(hashes, pos), g, pos)))
             t.last_state_pos = pos
-        owners = self._store.owners([key for _, _, _, key, _ in wanted]) if wanted else []
-        for (rank, g, block_id, key, pending), pools in zip(wanted, owners):
-            saved = self._add_save(meta, rank, g, block_id, key, pools)
-            if pending is not None and saved:
-                t.pending.pop(pending, None)
-            elif pending is not None:  # no slot yet: the block stays resident while the request runs
-                t.pending[pending] = True
-        if end < req.num_prompt_tokens:
-            self._expect_saves(t, end + 2 * self._chunk)  # slots for the next chunk while this one runs
+        if wanted:
+            owners = self._store.owners([w[3] for w in wanted])
+            skipped = sum(not self._bind_slots(saves[rank], g, block_id, key, pools)
+                          for (rank, g, block_id, key), pools in zip(wanted, owners))
+            if skipped:
+                self.stats.add(saves_skipped=skipped)
+
+    def _unsaved(self, t: _Tracked) -> bool:
+        """Whether blocks the request computed are still to be saved."""
+        computed = min(t.request.num_computed_tokens, len(t.request.block_hashes) * self._hash_bs)
+        return (any(computed // self._bs[g] > t.saved_blocks.get(g, 0) for g in self._attn)
+                or any(t.pending.values()))
 
     def _observe_step(self, out: SchedulerOutput, plan_s: float) -> None:
         """``schedule_seconds`` of a step that runs tokens: the connector's host time since the
@@ -584,25 +655,42 @@ class SchedulerPart:
             self.stats.observe("schedule_seconds", self._host_s)
             self._host_s = 0.0
 
-    def _add_save(self, meta: UcmRayConnectorMetadata, rank: int, group: int, block_id: int, key: bytes,
-                  pools: list[PoolKey]) -> bool:
-        """Bind granted slots on the key's owners to it; False when there is none yet."""
+    def _bind_slots(self, saves: _SaveRows, group: int, block_id: int, key: bytes, pools: list[PoolKey]) -> bool:
+        """A row per granted slot on the key's owners; False when there is none yet."""
         if block_id == NULL_BLOCK_ID:
             return True  # vLLM's placeholder: it holds no data of this request
         size = self._entry_bytes[group]
-        locations, tokens = [], []
+        bound = False
         for pool in pools:
             slot = self._slots.take(pool, size)
             if slot is not None:
-                tokens.append(slot[0])
-                locations.append(Location(pool[0], pool[1], slot[1], size))
-        if not locations:
-            self.stats.add(saves_skipped=1)
-            return False
-        job = SaveJob(next(self._job_ids), group, block_id, locations)
-        self._saves[job.job_id] = _SaveInFlight(key, locations, tokens)
-        meta.saves[rank].append(job)
-        return True
+                saves.groups.append(group)
+                saves.block_ids.append(block_id)
+                saves.keys.append(key)
+                saves.pools.append(pool)
+                saves.offsets.append(slot[1])
+                saves.sizes.append(size)
+                saves.tokens.append(slot[0])
+                bound = True
+        return bound
+
+    def _dispatch(self, saves: list[_SaveRows]) -> dict[int, BlockSaves]:
+        """Per rank, its rows as one save job (remembered until the worker reports it)."""
+        out: dict[int, BlockSaves] = {}
+        for rank, rows in enumerate(saves):
+            if not rows.keys:
+                continue
+            pools = list(dict.fromkeys(rows.pools))
+            at = {pool: index for index, pool in enumerate(pools)}
+            n = len(rows.keys)
+            locations = Locations(pools, np.asarray([at[pool] for pool in rows.pools], dtype=np.int32),
+                                  np.asarray(rows.offsets, dtype=np.int64), np.asarray(rows.sizes, dtype=np.int64),
+                                  np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=np.uint64))
+            job = BlockSaves(next(self._job_ids), np.asarray(rows.groups, dtype=np.int64),
+                             np.asarray(rows.block_ids, dtype=np.int64), locations)
+            self._saves[job.job_id] = _SaveInFlight(rows.keys, locations, np.asarray(rows.tokens, dtype=np.int64))
+            out[rank] = job
+        return out
 
     # --- results from the workers --------------------------------------------------------
 
@@ -620,25 +708,32 @@ class SchedulerPart:
             self._pin_pools |= results.unvalidated_pools
         publish: list[Publish] = []
         free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
+        settled: dict[tuple[PoolKey, int], int] = defaultdict(int)
         for job_id, result in results.saves.items():
             job = self._saves.pop(job_id, None)
             if job is None:
                 continue
-            for loc, token, landed in zip(job.locations, job.tokens, result.landed):
-                if not landed and result.uncertain:
-                    self._slots.abandon(loc.pool, token)  # a late copy may land: quarantine, never reuse
-                elif landed:
-                    publish.append(Publish(job.key, Location(loc.shard_id, loc.incarnation, loc.offset,
-                                                             loc.size, result.checksum), token))
+            locations, sums = job.locations, result.checksums
+            for row in np.flatnonzero(result.landed).tolist():
+                location = locations[row]
+                assert location is not None
+                if sums is not None:
+                    location = location._replace(checksum=int(sums[row]))
+                token = int(job.tokens[row])
+                publish.append(Publish(job.keys[row], location, token))
+                settled[(location.pool, token)] += 1
+            for row in np.flatnonzero(~result.landed).tolist():
+                pool, token = locations.pools[locations.pool[row]], int(job.tokens[row])
+                if result.uncertain:
+                    self._slots.abandon(pool, token)  # a late copy may land: quarantine, never reuse
                 else:
-                    free[(loc.pool, token)].append(loc.offset)
+                    free[(pool, token)].append(int(locations.offset[row]))
+                    settled[(pool, token)] += 1
         if publish or free:
             self._answers.append(("commit", self._store.commit(publish, dict(free))))
             self.stats.add(saved_blocks=len(publish))
-            for item in publish:
-                self._slots.settled(item.location.pool, item.token)
-            for (pool, token), offsets in free.items():
-                self._slots.settled(pool, token, len(offsets))
+            for (pool, token), count in settled.items():
+                self._slots.settled(pool, token, count)
         pins: list[tuple[PoolKey, list[int]]] = []
         removals: list[Removal] = []
         for job_id in results.loads_done:
@@ -696,8 +791,8 @@ class SchedulerPart:
         overdue = time.monotonic() - self._config.reserve_timeout_s / 2
         for job_id in [j for j, job in self._saves.items() if job.dispatched < overdue]:
             job = self._saves.pop(job_id)  # its worker never reported: a copy may still land
-            for loc, token in zip(job.locations, job.tokens):
-                self._slots.abandon(loc.pool, token)
+            for pool, token in zip(job.locations.pool.tolist(), job.tokens.tolist()):
+                self._slots.abandon(job.locations.pools[pool], token)
         for job_id in [j for j, load in self._loads.items() if load.dispatched < overdue]:
             self._release(list(self._loads.pop(job_id).lease_ids.items()))  # its worker never reported
 
@@ -711,19 +806,32 @@ class SchedulerPart:
 
     def settled(self) -> bool:
         """No job waits for a worker's result and no control call for the store's answer."""
-        return not (self._loads or self._saves or self._answers or self._orphans)
+        return not (self._loads or self._saves or self._answers or self._orphans
+                    or any(t.finished_at is not None for t in self._tracked.values()))
 
     # --- endings -------------------------------------------------------------------------
 
     @_host_timed
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks can be freed at once: this step's copies are done when its output arrives."""
-        t = self._tracked.pop(request.request_id, None)
-        if t is not None:
-            self._release_lookup(t)
-            if t.pending:
-                self.stats.add(saves_dropped=len(t.pending))
+        """Blocks of the request still to be saved (those its last step filled, at least) keep
+        it: vLLM holds its blocks until the next step saved them and reported it
+        ``finished_sending``. Otherwise they can be freed at once."""
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            return False, None
+        self._release_lookup(t)
+        if t.block_ids and self._unsaved(t):
+            t.finished_at = time.monotonic()
+            return True, None
+        self._drop(request.request_id)
         return False, None
+
+    def _drop(self, req_id: str) -> None:
+        """Forget a request; blocks of it still unsaved are never saved."""
+        t = self._tracked.pop(req_id)
+        dropped = sum(1 for ready in t.pending.values() if ready)
+        if dropped:
+            self.stats.add(saves_dropped=dropped)
 
     def _release_lookup(self, t: _Tracked) -> None:
         """Unpin a lookup no load job took over (no hit used, or never scheduled); one still in

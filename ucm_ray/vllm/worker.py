@@ -21,11 +21,21 @@ layer hooks (mamba states, async hybrid loads, chunks shorter than the
 FULL-CUDA-graph threshold, non-layerwise mode, and the hit's last block, into
 whose tail vLLM writes the recomputed tokens before any hook runs): the host
 waits for them, or on stream-ordered pools the compute stream does.
-``save_kv_layer`` posts a layer's copies into the granted slots as soon as its
-KV is written (stream-ordered pools from this thread, planned at ``bind``;
-others on the copy thread); ``wait_for_save``
-saves what no hook covered and waits. Results go back per job through
-``build_worker_meta``; the scheduler commits, frees and releases from them.
+
+Saves are taken a step late: ``bind`` posts, every layer at once, the attention
+blocks that earlier steps filled (their KV is written: the copies queue behind
+the compute stream's work so far, on their own stream), and they move while this
+step computes. The host takes their results at the first of ``wait_for_save``,
+``get_finished`` and ``build_worker_meta`` (vLLM 0.26 calls no ``wait_for_save``
+in a step that runs no tokens). So the step that computes a block pays no copy
+and no host work for saving it: a cold request's first token does not wait for
+its saves. (Saved in the same step, layer by layer, a cold 4k-token request on an
+H200 took 2.1x as long as without the connector, mostly host time per block and
+per layer.) Mamba states are saved after the forward that computes them, in
+``wait_for_save``: the next step overwrites them. Results go back per job
+through ``build_worker_meta``; the scheduler commits, frees and releases from
+them, and finished requests whose blocks vLLM kept for these saves are reported
+``finished_sending`` once they landed.
 
 No control call (no Ray call) is made here, and the whole step is bounded by
 one deadline (``transfer_timeout_s``): a hung pool can delay a forward pass by
@@ -61,8 +71,8 @@ from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
 from ucm_ray.vllm.metadata import (
     BlockLoads,
+    BlockSaves,
     LoadJob,
-    SaveJob,
     SaveResult,
     UcmRayConnectorMetadata,
     UcmRayWorkerMetadata,
@@ -72,13 +82,14 @@ from ucm_ray.vllm.stats import UcmRayStats
 log = logging.getLogger(__name__)
 
 _Tag = tuple[int, int]
-"""Which job a copy serves: (load job id, vLLM block id) or (save job id, replica index)."""
+"""Which load a copy serves: (load job id, vLLM block id)."""
 
 
 @dataclass
 class _Entries:
     """One step's entries of one kv-cache group in one pool: the vLLM block each is copied to
-    or from, where the entry starts in the pool, and the job each serves."""
+    or from, where the entry starts in the pool, and the load each serves (saves fail or land
+    per pool: they carry no tags)."""
 
     block_ids: np.ndarray
     pool_offsets: np.ndarray
@@ -96,14 +107,15 @@ def _group_tags(entries: _ByPool, group: int) -> set[_Tag]:
 
 
 def _group_entries(pools: list[PoolKey], pool_of: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
-                   offsets: np.ndarray, tags: list[_Tag]) -> _ByPool:
+                   offsets: np.ndarray, tags: list[_Tag] | None = None) -> _ByPool:
     """Entries given as columns (``pool_of``: index into ``pools``), split per pool and group."""
     out: _ByPool = {}
     for index, pool in enumerate(pools):
         in_pool = pool_of == index
         for g in np.unique(groups[in_pool]).tolist():
             rows = np.flatnonzero(in_pool & (groups == g))
-            out.setdefault(pool, {})[g] = _Entries(block_ids[rows], offsets[rows], [tags[i] for i in rows.tolist()])
+            out.setdefault(pool, {})[g] = _Entries(block_ids[rows], offsets[rows],
+                                                   [] if tags is None else [tags[i] for i in rows.tolist()])
     return out
 
 
@@ -125,18 +137,10 @@ def _load_entries(selected: list[tuple[BlockLoads, list[_Tag], np.ndarray]]) -> 
     return _group_entries(list(pools), pool_of, groups, block_ids, offsets, tags)
 
 
-def _save_entries(saves: list[SaveJob]) -> _ByPool:
-    """Every replica of every save, per pool and group."""
-    rows = [(loc.pool, job.group, job.block_id, loc.offset, (job.job_id, replica))
-            for job in saves for replica, loc in enumerate(job.locations)]
-    pools = list(dict.fromkeys(row[0] for row in rows))
-    at = {pool: index for index, pool in enumerate(pools)}
-
-    def column(k: int) -> np.ndarray:
-        return np.asarray([row[k] for row in rows], dtype=np.int64)
-
-    return _group_entries(pools, np.asarray([at[row[0]] for row in rows], dtype=np.int64), column(1), column(2),
-                          column(3), [row[4] for row in rows])
+def _save_entries(saves: BlockSaves) -> _ByPool:
+    """Every row (a replica of a block) of a save job, per pool and group."""
+    locations = saves.locations
+    return _group_entries(locations.pools, locations.pool, saves.groups, saves.block_ids, locations.offset)
 
 
 @dataclass(frozen=True)
@@ -158,22 +162,36 @@ class _Batch:
                 for tag in e.tags}
 
     def nbytes_by_pool(self, layouts: list[GroupLayout]) -> dict[PoolKey, int]:
-        return {pool: sum(len(by_group[g].tags) * layouts[g].layers[i].block_bytes
+        return {pool: sum(len(by_group[g].block_ids) * layouts[g].layers[i].block_bytes
                           for g, i in self.layers if g in by_group)
                 for pool, by_group in self.entries.items()}
 
 
 @dataclass
 class _Posted:
-    """A batch posted (or not: ``failed_pools``, ``failed_tags``): what ``_land`` needs to see
-    it land and take its failures."""
+    """A batch posted (or not: ``failed_pools``, ``failed``): what ``_land`` needs to see it
+    land and take its failures."""
 
     batch: _Batch
     write: bool
     transfers: list[tuple[PoolKey, Transfer]] = field(default_factory=list)
     failed_pools: set[PoolKey] = field(default_factory=set)
-    failed_tags: set[_Tag] = field(default_factory=set)
+    failed: bool = False
+    """Nothing of the batch was posted (an error, or the step's deadline had passed)."""
     post_s: float = 0.0
+
+    @property
+    def failed_tags(self) -> set[_Tag]:
+        return self.batch.tags() if self.failed else set()
+
+
+@dataclass
+class _SavesPosted:
+    """A save job posted: batches on stream-ordered pools, and the copy thread's tasks."""
+
+    saves: BlockSaves
+    posted: list[_Posted]
+    futures: list[Future]
 
 
 _Prepared = dict[PoolKey, PreparedCopies | None]
@@ -183,7 +201,6 @@ _Prepared = dict[PoolKey, PreparedCopies | None]
 @dataclass
 class _StepState:
     loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
     deadline: float = 0.0
     load_futures: dict[str, tuple[Future, set[_Tag]]] = field(default_factory=dict)  # layer -> copy-thread copies
     layer_loads: dict[str, _Posted] = field(default_factory=dict)  # layer -> stream-ordered copies, posted
@@ -192,16 +209,14 @@ class _StepState:
     tags: dict[int, list[_Tag]] = field(default_factory=dict)
     """Per load job, each of its blocks' tag (row order)."""
     failed: set[_Tag] = field(default_factory=set)
-    uncertain: bool = False
-    """A copy timed out: it may still land, so its slots must never be reused."""
-    save_entries: _ByPool = field(default_factory=dict)  # saves into pools the copy thread serves
-    save_tags: dict[int, set[_Tag]] = field(default_factory=dict)  # group -> its saves' jobs, once per step
-    ordered_saves: _ByPool = field(default_factory=dict)  # saves into stream-ordered pools
-    save_copies: _Prepared = field(default_factory=dict)
-    save_parts: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, layer) -> part of save_copies
-    saved_layers: set[str] = field(default_factory=set)
-    save_futures: list[tuple[Future, set[_Tag]]] = field(default_factory=list)
-    save_posted: list[_Posted] = field(default_factory=list)
+    saves: _SavesPosted | None = None
+    """The attention blocks of earlier steps, posted at ``bind``, not yet landed."""
+    state_saves: BlockSaves | None = None
+    """This step's mamba states, saved after its forward."""
+    saved_requests: set[str] = field(default_factory=set)
+    """Finished requests to report ``finished_sending`` once ``saves`` landed."""
+    saving: bool = False
+    """This step had saves (``save_seconds`` is observed once they all landed)."""
     crc: dict[_Tag, int] = field(default_factory=dict)
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
@@ -234,6 +249,7 @@ class WorkerPart:
         self._results = UcmRayWorkerMetadata()
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
         self._failed_recving: set[str] = set()
         self.stats = UcmRayStats()
 
@@ -264,16 +280,14 @@ class WorkerPart:
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
             self._indexes.sync(meta.pools)
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
-        saves = meta.saves.get(self._rank, [])
-        ordered, threaded = self._split(_save_entries(saves))
-        step = self._step = _StepState(loads=meta.loads.get(self._rank, []), saves=saves,
+        self._finish_saves()  # a step whose results nobody asked for (not vLLM's order)
+        saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
+        step = self._step = _StepState(loads=meta.loads.get(self._rank, []),
                                        deadline=time.monotonic() + self._config.transfer_timeout_s,
-                                       save_entries=threaded, ordered_saves=ordered)
-        if ordered:  # planned now, so each layer's hook only posts
-            layers = [(gl.group, i) for gl in self._layouts if any(gl.group in e for e in ordered.values())
-                      for i in range(len(gl.layers))]
-            step.save_parts = {layer: part for part, layer in enumerate(layers)}
-            step.save_copies = self._prepare(ordered, [(layer,) for layer in layers], write=True)
+                                       state_saves=states if states is not None and len(states) else None,
+                                       saved_requests=set(meta.saved_requests))
+        if saves is not None and len(saves):
+            step.saves = self._post_saves(saves)
 
     def start_load_kv(self) -> None:
         step = self._step
@@ -360,27 +374,6 @@ class WorkerPart:
         if (threaded or ordered) and not step.load_futures and not step.layer_loads:
             self._finish_loads()
 
-    def save_kv_layer(self, layer_name: str) -> None:
-        step = self._step
-        if not step.saves or layer_name in step.saved_layers or layer_name not in self._layer_of:
-            return
-        step.saved_layers.add(layer_name)
-        group, index = self._layer_of[layer_name]
-        part = step.save_parts.get((group, index))
-        if part is not None:
-            batch = _Batch(((group, index),), step.ordered_saves)
-            step.save_posted.append(self._post(step.save_copies, part, batch, write=True))
-            self._count_bytes([batch], "saved")
-        entries = {pool: {group: by_group[group]} for pool, by_group in step.save_entries.items() if group in by_group}
-        if entries:
-            batch = _Batch(((group, index),), entries)
-            tags = step.save_tags.get(group)
-            if tags is None:
-                tags = step.save_tags[group] = _group_tags(step.save_entries, group)
-            step.save_futures.append((self._copier.submit(self._move, step, batch, True, self._compute_ready()),
-                                      tags))
-            self._count_bytes([batch], "saved")
-
     def wait_for_save(self) -> None:
         step = self._step
         unwaited = set(step.load_futures) | set(step.layer_loads)
@@ -401,32 +394,22 @@ class WorkerPart:
             step.load_futures.clear()
             step.layer_loads.clear()
             self._finish_loads()
-        if not step.saves:
-            return
-        for gl in self._layouts:  # layers no hook saved: mamba states, FULL-graph replays (their KV
-            # was written by the graph, so saving it after the forward is right)
-            for layer in gl.layers:
-                self.save_kv_layer(layer.name)
-        for future, tags in step.save_futures:
-            self._wait(future, tags)
-        for posted in step.save_posted:
-            self._land(posted)
-        for job in step.saves:
-            landed = [(job.job_id, i) not in step.failed for i in range(len(job.locations))]
-            sums = self._entry_checksum(job) if self._config.checksum and any(landed) else None
-            self._results.saves[job.job_id] = SaveResult(landed, sums, uncertain=step.uncertain)
-            self.stats.add(save_failures=sum(1 for ok in landed if not ok))
-        self.stats.observe("save_seconds", step.copy_s[True])
-        step.saves = []
+        if step.state_saves is not None:
+            self._land_saves(self._post_saves(step.state_saves))
+            step.state_saves = None
+        self._finish_saves()
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
+        self._finish_saves()
         out, self._results = self._results, UcmRayWorkerMetadata()
         return None if out.is_empty() else out
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        done, failed = self._finished_recving, self._failed_recving
-        self._finished_recving, self._failed_recving = set(), set()
-        return done | failed, failed
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending: their saves landed, finished receiving, of which failed)."""
+        self._finish_saves()
+        sending, done, failed = self._finished_sending, self._finished_recving, self._failed_recving
+        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return sending, done | failed, failed
 
     def load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -447,14 +430,74 @@ class WorkerPart:
         try:
             posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))
         except FutureTimeout:
-            if not future.cancel():  # running: it may still land later
-                step.uncertain = True
+            future.cancel()  # not started: skipped
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed",
                       self._config.transfer_timeout_s)
             self.stats.add(deadline_misses=1)
             step.failed |= tags
             return
         self._land(posted, started)
+
+    def _post_saves(self, saves: BlockSaves) -> _SavesPosted:
+        """Post every layer of a save job's blocks at once: one batch per pool, queued behind
+        the compute stream's work so far (which wrote the blocks)."""
+        step = self._step
+        step.saving = True
+        entries = _save_entries(saves)
+        layers = tuple((gl.group, i) for gl in self._layouts
+                       if any(gl.group in by_group for by_group in entries.values()) for i in range(len(gl.layers)))
+        ordered, threaded = self._split(entries)
+        out = _SavesPosted(saves, [], [])
+        if ordered:
+            out.posted.append(self._post(self._prepare(ordered, [layers], write=True), 0, _Batch(layers, ordered),
+                                         write=True))
+        if threaded:
+            out.futures.append(self._copier.submit(self._move, step, _Batch(layers, threaded), True,
+                                                   self._compute_ready()))
+        self._count_bytes([_Batch(layers, entries)], "saved")
+        return out
+
+    def _land_saves(self, saves: _SavesPosted) -> None:
+        """Wait (within the step's deadline) for a save job's copies; its result per row."""
+        step = self._step
+        started = time.perf_counter()
+        posted, failed, uncertain = list(saves.posted), False, False
+        for future in saves.futures:
+            try:
+                posted.append(future.result(timeout=max(0.0, step.deadline - time.monotonic())))
+            except FutureTimeout:
+                uncertain = uncertain or not future.cancel()  # running: it may still land later
+                failed = True
+                log.error("ucm-ray: saves of step missed the %.1f s deadline; treated as failed",
+                          self._config.transfer_timeout_s)
+                self.stats.add(deadline_misses=1)
+        failed_pools: set[PoolKey] = set()
+        for batch in posted:
+            failed = failed or batch.failed
+            failed_pools |= batch.failed_pools | self._pools.wait(
+                batch.transfers, write=True, timeout_s=max(0.0, step.deadline - time.monotonic()))
+            step.copy_s[True] += batch.post_s
+        step.copy_s[True] += time.perf_counter() - started
+        self._results.failed_pools |= failed_pools
+        job, locations = saves.saves, saves.saves.locations
+        pool_failed = np.asarray([pool in failed_pools for pool in locations.pools] + [True], dtype=bool)
+        landed = np.zeros(len(job), dtype=bool) if failed else ~pool_failed[locations.pool]
+        sums = self._entry_checksums(job, landed) if self._config.checksum and landed.any() else None
+        self._results.saves[job.job_id] = SaveResult(landed, sums, uncertain=uncertain)
+        self.stats.add(save_failures=int((~landed).sum()))
+
+    def _finish_saves(self) -> None:
+        """Take the results of the step's saves (the first call of the step that asks), and
+        report the finished requests that waited for them."""
+        step = self._step
+        if step.saves is not None:
+            self._land_saves(step.saves)
+            step.saves = None
+        self._finished_sending |= step.saved_requests
+        step.saved_requests = set()
+        if step.saving and step.state_saves is None:
+            self.stats.observe("save_seconds", step.copy_s[True])
+            step.saving = False
 
     def _land(self, posted: _Posted, since: float | None = None) -> None:
         """Wait on the host for a posted batch to land and take its failures (``since``: when
@@ -525,13 +568,21 @@ class WorkerPart:
                 out[pool] = Ranges.concat(parts)
         return out
 
-    def _entry_checksum(self, save: SaveJob) -> int:
-        """CRC32 of an entry as its bytes lie in the pool: layers in order, segments in order."""
-        value = 0
-        for layer in self._layouts[save.group].layers:
-            for seg in layer.segments(save.block_id):
-                value = checksum(seg, value)
-        return value
+    def _entry_checksums(self, saves: BlockSaves, landed: np.ndarray) -> np.ndarray:
+        """Per row, CRC32 of the entry as its bytes lie in the pool (layers in order, segments
+        in order), taken once per block (its replicas share it); NO_CHECKSUM where not landed."""
+        out: np.ndarray = np.full(len(saves), NO_CHECKSUM, dtype=np.int64)
+        done: dict[tuple[int, int], int] = {}
+        for row in np.flatnonzero(landed).tolist():
+            block = (int(saves.groups[row]), int(saves.block_ids[row]))
+            if block not in done:
+                value = 0
+                for layer in self._layouts[block[0]].layers:
+                    for seg in layer.segments(block[1]):
+                        value = checksum(seg, value)
+                done[block] = value
+            out[row] = done[block]
+        return out
 
     def _open_pools(self) -> None:
         """Copy-thread task: open every current pool (mapped, page-locked) under this worker's
@@ -562,13 +613,13 @@ class WorkerPart:
                 if ready is not None:
                     ready.synchronize()
                 if time.monotonic() >= step.deadline:
-                    return _Posted(batch, write, failed_tags=batch.tags())
+                    return _Posted(batch, write, failed=True)
                 started = time.perf_counter()
                 transfers, failed_pools = self._pools.post(self._ranges(batch), write=write)
                 return _Posted(batch, write, transfers, failed_pools, post_s=time.perf_counter() - started)
         except Exception:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
-            return _Posted(batch, write, failed_tags=batch.tags(), post_s=time.perf_counter() - started)
+            return _Posted(batch, write, failed=True, post_s=time.perf_counter() - started)
 
     def _move_each(self, step: _StepState, batches: list[_Batch], ready: torch.cuda.Event | None,
                    posted: list[Future]) -> None:
