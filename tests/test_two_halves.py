@@ -365,7 +365,7 @@ def test_blocks_filled_while_decoding_are_saved_too(store, model_dir):
     p = prompt(1000, seed=6)
     a.serve("A", p, max_tokens=300)  # 1300 tokens: 10 full blocks, 2 of them filled by decoding
     a.settle()
-    assert a.stats()["saved_blocks"] == 10 and a.stats().get("saves_skipped", 0) == 0
+    assert a.stats()["saved_blocks"] == 10 and a.stats().get("saves_dropped", 0) == 0
 
 
 # --- the FULL-CUDA-graph hazard (the seed's reason to exist) ------------------------------
@@ -640,11 +640,13 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
     assert b.serve("B", prompt(2048))[0] > 0  # another engine hits what was saved
 
 
-def test_the_step_that_computes_a_cold_prompt_saves_none_of_it(store, model_dir):
-    """A cold request's first token waits for no save: the step that computes its prompt
-    copies nothing to the store, and the step after copies all of it (vLLM keeps the finished
-    request's blocks until then)."""
-    a = make_engine(store.client(), model_dir)
+@pytest.mark.parametrize("chunk", [8192, 1024], ids=["one chunk", "two chunks"])
+def test_no_save_runs_before_a_cold_prompts_first_token(store, model_dir, chunk):
+    """A cold request's first token waits for no save: neither the steps that compute its
+    prompt (with chunked prefill, chunk 2's step would otherwise save chunk 1) copy anything to
+    the store, nor ask for its write slots; the steps after the first token copy all of it
+    (vLLM keeps the finished request's blocks until then)."""
+    a = make_engine(store.client(), model_dir, max_batched=chunk)
     saved_per_step: list[int] = []
 
     def record(engine, meta) -> None:
@@ -653,8 +655,8 @@ def test_the_step_that_computes_a_cold_prompt_saves_none_of_it(store, model_dir)
 
     a.before_worker = record
     a.run(a.add("A", prompt(2048), max_tokens=1))
-    computing = len(saved_per_step) - 1  # the step that ran the prompt, and finished the request
+    first_token = len(saved_per_step)  # steps until the one that ran the prompt's end, and finished it
     a.settle()
-    assert saved_per_step[computing] == 0
-    assert saved_per_step[computing + 1] == 16
+    assert saved_per_step[:first_token] == [0] * first_token == [0] * (2048 // min(chunk, 2048))
+    assert sum(saved_per_step[first_token:]) == 16
     assert a.stats()["saved_blocks"] == 16

@@ -6,9 +6,10 @@ tp rank) and ``get_num_new_matched_tokens`` answers ``None`` ("ask again")
 until it lands. Lookups *pin* what they find, so nothing vLLM was promised can
 be evicted before the worker copies it. Saves are planned into slots granted
 ahead of time (``SlotSupply``): the blocks that a step filled are copied from
-the start of the next step, beside its forward pass, so the step computing
-them (a cold request's first token) waits for no save; a finished request's
-blocks are kept (vLLM's delayed free) until that step reported them saved.
+the start of a later step, beside its forward pass, once the request's first
+token is out, so no save (neither its copies nor its host work) delays a cold
+request's first token; a finished request's blocks are kept (vLLM's delayed
+free) until the step that saved them reported it.
 The worker reports per-job results through
 vLLM's worker-to-scheduler metadata; from them this side commits the entries
 that landed, frees the slots that did not, releases pins and removes entries
@@ -74,9 +75,11 @@ once its lookup answered: a state can only be saved in the step that computes it
 overwrites it), so one whose slot came late is lost for every later reader (a shard answers a
 reserve in a few ms unless it is in trouble). A dense model's request never waits: its blocks
 are saved a step after they are computed, by when the slots are in."""
-HOLD_S = 0.2
+HOLD_S = 1.0
 """How long a finished request's blocks may be kept for saves still waiting for write slots;
-then they are dropped (``saves_dropped``) and vLLM frees the blocks."""
+then they are dropped (``saves_dropped``) and vLLM frees the blocks. A grant takes a round trip
+(ms), but an engine's first ones took longer: with 0.2 s, a fresh H200 engine's first request
+dropped 2 of its 4 blocks."""
 
 
 def _host_timed(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -340,11 +343,12 @@ class SchedulerPart:
             t.lookup.leases = [f.result() for f in t.lookup.futures]
             t.hit_tokens = self._hit_tokens(t.lookup)
         if t.slots is None:
-            # Saves begin where vLLM's cache and the store's hit end: slots for the chunks after.
+            # Saves begin where vLLM's cache and the store's hit end. A hybrid's states are saved
+            # as its chunks compute them: slots for its first chunks now. A dense prompt's slots
+            # are asked for once its first token is out, as its saves are.
             begin = max(num_computed_tokens, t.hit_tokens) // self._hash_bs * self._hash_bs
             t.expected_until = t.unexpected_until = begin
-            asks = self._expect_saves(t, begin + 2 * self._chunk)
-            t.slots = _SlotAsks(asks if self.hybrid else [])
+            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk) if self.hybrid else [])
             posted = True
         if not self._answered(t.slots.ready, grace=posted):
             return None, False
@@ -548,6 +552,10 @@ class SchedulerPart:
             if t.finished_at is None and t.request.status != RequestStatus.RUNNING:
                 t.block_ids = []  # waiting, or preempted: its blocks are not (or no longer) its own
                 continue
+            if t.finished_at is None and not t.request.num_output_tokens:
+                continue  # its first token is not out yet: no save of it delays that token
+            if not self.hybrid:
+                self._expect_saves(t, t.request.num_prompt_tokens)  # once; decode blocks use the stock
             if t.block_ids:
                 self._plan_saves(t, saves)
             if t.finished_at is not None and (not self._unsaved(t) or now - t.finished_at > HOLD_S):
@@ -561,7 +569,7 @@ class SchedulerPart:
             end = scheduled.request.num_computed_tokens + n_sched
             if self.hybrid:
                 self._plan_states(scheduled, end, states)
-            if end < scheduled.request.num_prompt_tokens:
+            if self.hybrid and end < scheduled.request.num_prompt_tokens:
                 self._expect_saves(scheduled, end + 2 * self._chunk)  # slots for the next chunk while this one runs
         meta.saves = self._dispatch(saves)
         meta.state_saves = self._dispatch(states)
