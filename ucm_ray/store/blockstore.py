@@ -225,8 +225,15 @@ class BlockStore(ABC):
         """Current membership (picks up changes without blocking)."""
 
     @abstractmethod
+    def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:
+        """Per key, the pools that should hold it (``replication`` of them, fewer if fewer live),
+        best first, as a row of indices into the pools returned: a step's saves are placed as
+        arrays, not a list per block."""
+
     def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
-        """Per key, the pools that should hold it (``replication`` of them, fewer if fewer live)."""
+        """``placement`` as lists of pools, for callers that take a few keys."""
+        pools, index = self.placement(keys)
+        return [[pools[j] for j in row] for row in index.tolist()]
 
     @abstractmethod
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:

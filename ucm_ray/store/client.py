@@ -308,8 +308,8 @@ class StoreClient(BlockStore):
         self.refresh()
         return Pools(self._membership.version, self._membership.descriptors, self.replication)
 
-    def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
-        return [[r.key for r in row] for row in self._owner_records(keys)]
+    def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:
+        return [s.key for s in self._membership.shards], self._owner_indices(keys)
 
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
         return _Acquire(self, list(keys), pin)

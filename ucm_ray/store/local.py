@@ -111,10 +111,9 @@ class LocalBlockStore(BlockStore):
         world = self._world
         return Pools(world.version, {s.key: s.descriptor() for s in world.shards.values()}, world.replication)
 
-    def owners(self, keys: Sequence[bytes]) -> list[list[PoolKey]]:
+    def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:
         shards = sorted(self._world.shards.values(), key=lambda s: s.shard_id)
-        placed = owners(keys, [s.shard_id for s in shards], self._world.replication)
-        return [[shards[j].key for j in row] for row in placed.tolist()]
+        return [s.key for s in shards], owners(keys, [s.shard_id for s in shards], self._world.replication)
 
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
         """As the Ray client's: each pool's published index first (every pool here is on this

@@ -159,22 +159,27 @@ class SlotSupply:
         self._renew(now)
         self._returning = [answer for answer in self._returning if not answer.poll()]
 
-    def take(self, pool: PoolKey, size: int) -> tuple[int, int] | None:
-        """A free slot (token, offset) of ``size`` on ``pool``, or None (the save is skipped)."""
+    def take(self, pool: PoolKey, size: int, count: int = 1) -> list[tuple[int, int]]:
+        """Up to ``count`` free slots (token, offset) of ``size`` on ``pool``; fewer (the rest of
+        the saves wait) when there are not as many."""
         slot_class = (pool, size)
-        self._last_take[slot_class] = self._clock()
-        self._used[slot_class] += 1
+        now = self._clock()
+        self._last_take[slot_class] = now
+        self._used[slot_class] += count
         queue = self._free[slot_class]
-        oldest = self._clock() - self._usable_s
-        while queue and (not queue[0].free or queue[0].confirmed < oldest):
-            if queue[0].confirmed < oldest:
-                self._drop(queue[0])  # may have lapsed: never write into it
-            queue.popleft()
-        if not queue:
-            return None
-        grant = queue[0]
-        grant.in_use += 1
-        return grant.token, grant.free.popleft()
+        oldest = now - self._usable_s
+        out: list[tuple[int, int]] = []
+        while queue and len(out) < count:
+            grant = queue[0]
+            if grant.confirmed < oldest:
+                self._drop(grant)  # may have lapsed: never write into it
+            if not grant.free:
+                queue.popleft()
+                continue
+            taken = min(count - len(out), len(grant.free))
+            grant.in_use += taken
+            out.extend((grant.token, grant.free.popleft()) for _ in range(taken))
+        return out
 
     def settled(self, pool: PoolKey, token: int, count: int = 1) -> None:
         """``count`` slots of a grant were published or freed at the shard: no longer ours."""

@@ -604,7 +604,8 @@ class SchedulerPart:
         computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
         since, t.computed = min(t.computed, computed), computed
         hashed = len(req.block_hashes) * self._hash_bs
-        wanted: list[tuple[int, int, int, bytes, tuple[int, int, int]]] = []  # rank, group, block id, key, pending
+        wanted: list[tuple[int, int, int, bytes]] = []  # rank, group, vLLM block id, key
+        pending: list[tuple[int, int, int]] = []  # (group, rank, block index) of each
         for g in self._attn:
             full = min(computed, hashed) // self._bs[g]
             first = t.saved_blocks.get(g, 0)
@@ -614,19 +615,17 @@ class SchedulerPart:
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
                 blocks = list(dict.fromkeys(retry + list(range(first, full))))
                 for i, key in zip(blocks, self._attn_keys(t, rank, g, blocks)):
-                    wanted.append((rank, g, t.block_ids[g][i], key, (g, rank, i)))
+                    wanted.append((rank, g, t.block_ids[g][i], key))
+                    pending.append((g, rank, i))
             t.saved_blocks[g] = max(first, full)
         if not wanted:
             return
-        skipped = 0
-        for (rank, g, block_id, key, pending), pools in zip(wanted, self._store.owners([w[3] for w in wanted])):
-            if self._bind_slots(saves[rank], g, block_id, key, pools):
-                t.pending.pop(pending, None)
+        bound = self._bind(saves, wanted)
+        for block, ok in zip(pending, bound.tolist()):
+            if ok:
+                t.pending.pop(block, None)
             else:  # no slot yet: the block stays resident while the request runs (or is held)
-                t.pending[pending] = True
-                skipped += 1
-        if skipped:
-            self.stats.add(saves_skipped=skipped)
+                t.pending[block] = True
 
     def _plan_states(self, t: _Tracked, end: int, saves: list[_SaveRows]) -> None:
         """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
@@ -642,11 +641,7 @@ class SchedulerPart:
                                    state_key(ns, self._hash_at(hashes, pos), g, pos)))
             t.last_state_pos = pos
         if wanted:
-            owners = self._store.owners([w[3] for w in wanted])
-            skipped = sum(not self._bind_slots(saves[rank], g, block_id, key, pools)
-                          for (rank, g, block_id, key), pools in zip(wanted, owners))
-            if skipped:
-                self.stats.add(saves_skipped=skipped)
+            self._bind(saves, wanted)
 
     def _unsaved(self, t: _Tracked) -> bool:
         """Whether blocks the request computed are still to be saved."""
@@ -663,23 +658,34 @@ class SchedulerPart:
             self.stats.observe("schedule_seconds", self._host_s)
             self._host_s = 0.0
 
-    def _bind_slots(self, saves: _SaveRows, group: int, block_id: int, key: bytes, pools: list[PoolKey]) -> bool:
-        """A row per granted slot on the key's owners; False when there is none yet."""
-        if block_id == NULL_BLOCK_ID:
-            return True  # vLLM's placeholder: it holds no data of this request
-        size = self._entry_bytes[group]
-        bound = False
-        for pool in pools:
-            slot = self._slots.take(pool, size)
-            if slot is not None:
-                saves.groups.append(group)
-                saves.block_ids.append(block_id)
-                saves.keys.append(key)
-                saves.pools.append(pool)
-                saves.offsets.append(slot[1])
-                saves.sizes.append(size)
-                saves.tokens.append(slot[0])
-                bound = True
+    def _bind(self, saves: list[_SaveRows], rows: list[tuple[int, int, int, bytes]]) -> np.ndarray:
+        """Bind granted slots on the owners of each (rank, group, vLLM block id, key) to it, as
+        rows of its rank's saves. Per row, whether any replica got a slot (vLLM's placeholder
+        block counts as saved: it holds no data of the request); those without wait."""
+        bound = np.asarray([block_id == NULL_BLOCK_ID for _, _, block_id, _ in rows], dtype=bool)
+        real = np.flatnonzero(~bound)
+        if not len(real):
+            return bound
+        pools, owners = self._store.placement([rows[i][3] for i in real.tolist()])
+        sizes = np.asarray([self._entry_bytes[rows[i][1]] for i in real.tolist()], dtype=np.int64)
+        for replica in range(owners.shape[1]):
+            for pool_at, size in np.unique(np.stack([owners[:, replica], sizes]), axis=1).T.tolist():
+                members = real[(owners[:, replica] == pool_at) & (sizes == size)]
+                slots = self._slots.take(pools[pool_at], size, len(members))
+                for row, (token, offset) in zip(members.tolist(), slots):
+                    rank, group, block_id, key = rows[row]
+                    out = saves[rank]
+                    out.groups.append(group)
+                    out.block_ids.append(block_id)
+                    out.keys.append(key)
+                    out.pools.append(pools[pool_at])
+                    out.offsets.append(offset)
+                    out.sizes.append(size)
+                    out.tokens.append(token)
+                bound[members[:len(slots)]] = True
+        waiting = int((~bound).sum())
+        if waiting:
+            self.stats.add(saves_skipped=waiting)
         return bound
 
     def _dispatch(self, saves: list[_SaveRows]) -> dict[int, BlockSaves]:
