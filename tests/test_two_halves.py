@@ -660,3 +660,27 @@ def test_no_save_runs_before_a_cold_prompts_first_token(store, model_dir, chunk)
     assert saved_per_step[:first_token] == [0] * first_token == [0] * (2048 // min(chunk, 2048))
     assert sum(saved_per_step[first_token:]) == 16
     assert a.stats()["saved_blocks"] == 16
+
+
+def test_a_prompt_vllm_holds_whole_asks_for_no_write_slots(store, model_dir):
+    """A repeat of a prompt whose every full block is in vLLM's own cache saves nothing, so it
+    must not reserve write slots for it either: unused slots go back only once the engine idles,
+    and meanwhile each holds shard space (a full pool evicts an entry to make it). Before, the
+    slots of a dense prompt were asked for from its first token on, cached or not."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(1000, seed=8)
+    a.serve("first", p)
+    a.settle()
+    asked: list[int] = []
+    supply = a.connector.scheduler_part._slots
+    expect = supply.expect
+
+    def counting(counts):
+        asked.append(sum(counts.values()))
+        return expect(counts)
+
+    supply.expect = counting
+    a.serve("again", p)
+    a.settle()
+    assert a.first["again"][0] >= 896  # vLLM's own cache held every full block
+    assert sum(asked) == 0

@@ -7,9 +7,10 @@ follows UCM PR #1130 (``shared/seed/ucm-pr-1130.md``), DESIGN.md section 4.
 The one hazard all of this guards against: when a cache hit leaves only a few
 prompt tokens to compute, vLLM dispatches that prefill step as a *uniform
 decode* batch and replays it through a FULL CUDA graph. A graph replay runs no
-Python, so the connector's ``wait_for_layer_load`` / ``save_kv_layer`` hooks
-never run: layers would read KV that has not landed and new blocks would never
-be saved. We therefore always leave at least ``R`` tokens for vLLM to compute.
+Python, so the connector's ``wait_for_layer_load`` hooks never run: layers
+would read KV that has not landed (and, in the seed's layerwise saves, new
+blocks would never be saved; ours are taken whole from a later step). We
+therefore always leave at least ``R`` tokens for vLLM to compute.
 
 Terms: a *block hit* is block-aligned and counted from token 0. For hybrid
 models (attention + mamba / linear attention) hits are counted in LCM blocks,

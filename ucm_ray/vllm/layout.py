@@ -2,7 +2,7 @@
 
 An entry is one block of one kv-cache group for one rank: for every layer of the
 group (in group order) the block's bytes, layer-major, so a layer of many blocks
-is a set of contiguous ranges (what layerwise loads and saves move). The layout
+is a set of contiguous ranges (what loads and saves move). The layout
 of a layer's tensor differs by backend: on CPU ``[num_blocks, heads, block, 2*head]``
 (K and V side by side), on GPU often ``[2, num_blocks, ...]`` (K and V apart), for
 mamba states int8 ``[num_blocks, 1, 1, state_bytes]``. We find the block dimension

@@ -81,12 +81,6 @@ class BlockSaves:
     block_ids: np.ndarray  # int64
     locations: Locations
 
-    @classmethod
-    def of(cls, job_id: int, rows: Sequence[tuple[int, int, Location]]) -> BlockSaves:
-        """From (group, vLLM block id, slot) rows."""
-        return cls(job_id, np.asarray([row[0] for row in rows], dtype=np.int64),
-                   np.asarray([row[1] for row in rows], dtype=np.int64), Locations.of([row[2] for row in rows]))
-
     def __len__(self) -> int:
         return len(self.block_ids)
 

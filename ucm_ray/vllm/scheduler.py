@@ -555,7 +555,10 @@ class SchedulerPart:
             if t.finished_at is None and not t.request.num_output_tokens:
                 continue  # its first token is not out yet: no save of it delays that token
             if not self.hybrid:
-                self._expect_saves(t, t.request.num_prompt_tokens)  # once; decode blocks use the stock
+                # once, from where its saves begin (vLLM's own cache may have held the prompt's
+                # start, or all of it); decode blocks take slots from the supply's stock
+                t.expected_until = max(t.expected_until, self._saved_tokens(t))
+                self._expect_saves(t, t.request.num_prompt_tokens)
             if t.block_ids:
                 self._plan_saves(t, saves)
             if t.finished_at is not None and (not self._unsaved(t) or now - t.finished_at > HOLD_S):
@@ -591,7 +594,8 @@ class SchedulerPart:
                 continue
             if req_id in cached.resumed_req_ids:
                 t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
-                t.pending.clear()  # new blocks: what was pending may not be in them yet
+                # new blocks: what was pending is saved once recomputed (or never, if it was not)
+                t.pending = dict.fromkeys(t.pending, False)
             elif new_ids is not None:
                 for group, ids in enumerate(new_ids):
                     t.block_ids[group].extend(ids)
@@ -642,6 +646,10 @@ class SchedulerPart:
             t.last_state_pos = pos
         if wanted:
             self._bind(saves, wanted)
+
+    def _saved_tokens(self, t: _Tracked) -> int:
+        """Tokens below which every attention group's blocks are saved or need no save."""
+        return min((t.saved_blocks.get(g, 0) * self._bs[g] for g in self._attn), default=0)
 
     def _unsaved(self, t: _Tracked) -> bool:
         """Whether blocks the request computed are still to be saved."""
@@ -829,12 +837,12 @@ class SchedulerPart:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Blocks of the request still to be saved (those its last step filled, at least) keep
         it: vLLM holds its blocks until the next step saved them and reported it
-        ``finished_sending``. Otherwise they can be freed at once."""
+        ``finished_sending``. Otherwise (or with no pool to save into) they are freed at once."""
         t = self._tracked.get(request.request_id)
         if t is None:
             return False, None
         self._release_lookup(t)
-        if t.block_ids and self._unsaved(t):
+        if t.block_ids and self._unsaved(t) and self._store.pools().descriptors:
             t.finished_at = time.monotonic()
             return True, None
         self._drop(request.request_id)

@@ -22,14 +22,15 @@ FULL-CUDA-graph threshold, non-layerwise mode, and the hit's last block, into
 whose tail vLLM writes the recomputed tokens before any hook runs): the host
 waits for them, or on stream-ordered pools the compute stream does.
 
-Saves are taken a step late: ``bind`` posts, every layer at once, the attention
-blocks that earlier steps filled (their KV is written: the copies queue behind
-the compute stream's work so far, on their own stream), and they move while this
-step computes. The host takes their results at the first of ``wait_for_save``,
-``get_finished`` and ``build_worker_meta`` (vLLM 0.26 calls no ``wait_for_save``
-in a step that runs no tokens). So the step that computes a block pays no copy
-and no host work for saving it: a cold request's first token does not wait for
-its saves. (Saved in the same step, layer by layer, a cold 4k-token request on an
+Saves are taken late: ``bind`` posts, every layer at once, the attention blocks
+that earlier steps filled (their KV is written: the copies queue behind the
+compute stream's work so far, on their own stream; a copy thread's pools get them
+after the step's loads), and they move while this step computes. The host
+takes their results at the first of ``wait_for_save``, ``get_finished`` and
+``build_worker_meta`` (vLLM 0.26 calls no ``wait_for_save`` in a step that runs
+no tokens). The scheduler plans a request's saves once its first token is out,
+so neither the copies nor the host work of saving delay a cold request's first
+token. (Saved in the same step, layer by layer, a cold 4k-token request on an
 H200 took 2.1x as long as without the connector, mostly host time per block and
 per layer.) Mamba states are saved after the forward that computes them, in
 ``wait_for_save``: the next step overwrites them. Results go back per job
@@ -187,11 +188,14 @@ class _Posted:
 
 @dataclass
 class _SavesPosted:
-    """A save job posted: batches on stream-ordered pools, and the copy thread's tasks."""
+    """A save job posted: batches on stream-ordered pools, and the copy thread's tasks (handed
+    to it after the step's loads, which must not queue behind them: ``threaded``)."""
 
     saves: BlockSaves
+    layers: tuple[tuple[int, int], ...]
     posted: list[_Posted]
     futures: list[Future]
+    threaded: _ByPool
 
 
 _Prepared = dict[PoolKey, PreparedCopies | None]
@@ -291,8 +295,12 @@ class WorkerPart:
 
     def start_load_kv(self) -> None:
         step = self._step
-        if not step.loads:
-            return
+        if step.loads:
+            self._start_loads()
+        self._hand_to_copier(step.saves)
+
+    def _start_loads(self) -> None:
+        step = self._step
         layered: list[tuple[BlockLoads, list[_Tag], np.ndarray]] = []
         immediate: list[tuple[BlockLoads, list[_Tag], np.ndarray]] = []
         for job in step.loads:
@@ -447,19 +455,24 @@ class WorkerPart:
         layers = tuple((gl.group, i) for gl in self._layouts
                        if any(gl.group in by_group for by_group in entries.values()) for i in range(len(gl.layers)))
         ordered, threaded = self._split(entries)
-        out = _SavesPosted(saves, [], [])
+        out = _SavesPosted(saves, layers, [], [], threaded)
         if ordered:
             out.posted.append(self._post(self._prepare(ordered, [layers], write=True), 0, _Batch(layers, ordered),
                                          write=True))
-        if threaded:
-            out.futures.append(self._copier.submit(self._move, step, _Batch(layers, threaded), True,
-                                                   self._compute_ready()))
         self._count_bytes([_Batch(layers, entries)], "saved")
         return out
+
+    def _hand_to_copier(self, saves: _SavesPosted | None) -> None:
+        """The copy thread's part of a save job, once the step's loads are queued there."""
+        if saves is not None and saves.threaded:
+            batch = _Batch(saves.layers, saves.threaded)
+            saves.futures.append(self._copier.submit(self._move, self._step, batch, True, self._compute_ready()))
+            saves.threaded = {}
 
     def _land_saves(self, saves: _SavesPosted) -> None:
         """Wait (within the step's deadline) for a save job's copies; its result per row."""
         step = self._step
+        self._hand_to_copier(saves)
         started = time.perf_counter()
         posted, failed, uncertain = list(saves.posted), False, False
         for future in saves.futures:
