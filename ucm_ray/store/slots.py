@@ -1,12 +1,13 @@
 """SlotSupply: write slots reserved ahead of need, so a save is planned without a round trip.
 
-The scheduler decides in ``build_connector_meta`` which blocks a step fills,
-and the worker copies them layer by layer *during* that step. Asking the
-shards for slots at that point would put a network round trip either on the
-scheduler or inside the forward pass. Instead the scheduler asks ahead:
-when it looks a prompt up it also *expects* the saves of the prompt's first
-chunks (and, as chunks run, of the next one), and it keeps a few free slots
-per (pool, entry size) for decode-time blocks, as many as recent steps used
+The scheduler decides in ``build_connector_meta`` which blocks a step saves,
+and the worker copies them *during* that step. Asking the shards for slots at
+that point would put a network round trip either on the scheduler or inside
+the forward pass. Instead the scheduler asks ahead: it *expects* a prompt's
+saves (a dense prompt's once its first token is out, the step before they are
+taken; a hybrid's first chunks when it is looked up, as its states are saved
+as they are computed), and it keeps a few free slots per (pool, entry size)
+for decode-time blocks and the next prompts, as many as recent steps used
 (a worst case — every running request filling a block in the same step —
 would hold hundreds of entries' worth of pool per engine, evicting cached
 data for nothing). Slots are bound to keys only at commit, once the worker
