@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 import time
 
 import pytest
@@ -45,11 +46,21 @@ def _wait_for_membership(client: StoreClient, n: int, timeout_s: float = 30.0) -
     raise AssertionError(f"directory still lists {len(client.membership.shards)} shards")
 
 
-def test_replication_2_survives_a_killed_shard(fleet):
+@pytest.mark.parametrize("reaped", [False, True], ids=["pool file left", "pool file reaped"])
+def test_replication_2_survives_a_killed_shard(fleet, reaped):
+    """A reader that never opened the killed shard's pool (another process wrote) still hits
+    every key on its replica. Where the dead shard's pool file is already gone (the directory
+    reaps it within moments; CI once read after that), its published index still lists the
+    keys, the copy from it fails, and the reader must retry on the replica (before: a miss)."""
     cfg = fleet(replication=2)
     assert all(ray.get(ClientProcess.remote(cfg.to_dict()).write.remote(300)))
     client = StoreClient(cfg)
+    client.lookup([key(0)])  # maps the shards' published indexes, as an engine's first lookup does
+    pool_file = next(d.shm_path for d in client.membership.descriptors.values() if d.shard_id == shard_name(1))
     _kill_shard(cfg, 1)
+    if reaped:
+        for path in glob.glob(pool_file):
+            os.unlink(path)
     # Immediately after the kill (membership not yet updated) and after it: all hits, all exact.
     for _ in range(2):
         ok, views = read_back(client, 300)

@@ -504,11 +504,26 @@ class StoreClient(BlockStore):
     def get(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Fill ``tensors`` from the store; per key, whether its bytes are valid. An entry with a
         checksum is verified whatever this client's ``checksum`` setting (the writer chose);
-        a mismatch is a miss and removes the entry."""
+        a mismatch is a miss and removes the entry. Keys whose copy failed (a shard died: its
+        published index still lists them) are read again from a replica, the failed pool now
+        suspect."""
         if len(keys) != len(tensors):
             raise ValueError(f"get: {len(keys)} keys but {len(tensors)} tensors")
         self.refresh()
         views = [as_bytes(t) for t in tensors]
+        ok = [False] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(max(1, self.replication)):
+            got, failed = self._get_once([keys[i] for i in todo], [views[i] for i in todo])
+            for i, hit in zip(todo, got):
+                ok[i] = hit
+            todo = [i for i, lost in zip(todo, failed) if lost]
+            if not todo:
+                break
+        return ok
+
+    def _get_once(self, keys: list[bytes], views: list[torch.Tensor]) -> tuple[list[bool], list[bool]]:
+        """One pass of ``get``: per key, whether it is valid, and whether its copy failed."""
         lease = self.acquire(keys).result()
         locs = list(lease.locations)
         ok = [loc is not None and loc.size == views[i].numel() for i, loc in enumerate(locs)]
@@ -520,6 +535,7 @@ class StoreClient(BlockStore):
                                            timeout_s=self.config.transfer_timeout_s)
         for pool in failed:
             self._failed(pool, "load failed")
+        lost = [loc is not None and ok[i] and loc.pool in failed for i, loc in enumerate(locs)]
         untrusted = failed | self.release(lease.lease_ids).result()
         unpinned = np.flatnonzero(lease.locations.generation.astype(bool) & np.asarray(ok, dtype=bool))
         stale_rows, _ = self._readers.stale(lease.locations, keys, unpinned)
@@ -536,4 +552,4 @@ class StoreClient(BlockStore):
                 corrupt.append(Removal(keys[i], loc))
         if corrupt:
             self.remove(corrupt).result()
-        return ok
+        return ok, lost
