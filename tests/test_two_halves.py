@@ -629,6 +629,8 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
         store.set_answering(shard, False)
     a = make_engine(store.client(), model_dir)
     a.run(a.add("A", prompt(2048), max_tokens=1))
+    for _ in range(3):  # steps that still find no slot: each block waits, counted once
+        a.step()
     assert "A" in a.sched.requests, "vLLM freed the request while its blocks were unsaved"
     for shard in ("local_shard_0", "local_shard_1"):
         store.set_answering(shard, True)
@@ -636,6 +638,7 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
     assert "A" not in a.sched.requests, "the request's blocks were never given back to vLLM"
     assert a.stats().get("saves_dropped", 0) == 0
     assert a.stats()["saved_blocks"] == 16
+    assert a.stats()["saves_skipped"] == 16  # per block, not per step it waited
     b = make_engine(store.client(), model_dir)
     assert b.serve("B", prompt(2048))[0] > 0  # another engine hits what was saved
 

@@ -625,11 +625,15 @@ class SchedulerPart:
         if not wanted:
             return
         bound = self._bind(saves, wanted)
+        waiting = 0
         for block, ok in zip(pending, bound.tolist()):
             if ok:
                 t.pending.pop(block, None)
             else:  # no slot yet: the block stays resident while the request runs (or is held)
+                waiting += not t.pending.get(block, False)  # counted once, not at every retry
                 t.pending[block] = True
+        if waiting:
+            self.stats.add(saves_skipped=waiting)
 
     def _plan_states(self, t: _Tracked, end: int, saves: list[_SaveRows]) -> None:
         """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
@@ -645,7 +649,9 @@ class SchedulerPart:
                                    state_key(ns, self._hash_at(hashes, pos), g, pos)))
             t.last_state_pos = pos
         if wanted:
-            self._bind(saves, wanted)
+            lost = int((~self._bind(saves, wanted)).sum())  # a state cannot wait: it is lost
+            if lost:
+                self.stats.add(saves_skipped=lost)
 
     def _saved_tokens(self, t: _Tracked) -> int:
         """Tokens below which every attention group's blocks are saved or need no save."""
@@ -691,9 +697,6 @@ class SchedulerPart:
                     out.sizes.append(size)
                     out.tokens.append(token)
                 bound[members[:len(slots)]] = True
-        waiting = int((~bound).sum())
-        if waiting:
-            self.stats.add(saves_skipped=waiting)
         return bound
 
     def _dispatch(self, saves: list[_SaveRows]) -> dict[int, BlockSaves]:

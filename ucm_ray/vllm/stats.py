@@ -32,8 +32,9 @@ COUNTERS: dict[str, str] = {
                                 "FULL CUDA graph threshold).",
     "load_blocks": "Blocks scheduled to load from the tier.",
     "saved_blocks": "Blocks saved into the tier and sent to their shards to commit.",
-    "saves_skipped": "Times a block's save waited a step for a write slot not granted yet (retried next step; "
-                     "a cold engine's first prompts wait once for the slots asked for at their first token).",
+    "saves_skipped": "Blocks whose save found no write slot granted yet (retried each step until one comes; a cold "
+                     "engine's first prompts wait once for the slots asked for at their first token); a mamba "
+                     "state without a slot is lost.",
     "saves_dropped": "Blocks never saved: no write slot came for them while their finished request's blocks were kept.",
     "commits_not_visible": "Saved blocks that did not become visible (another engine stored the key first, "
                            "or the grant had lapsed).",
