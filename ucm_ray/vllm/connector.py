@@ -175,7 +175,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_part.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing: a step's blocks are saved whole from the next step's start (``WorkerPart``)."""
+        """Nothing: blocks are saved whole from a later step's start, once the request's first
+        token is out (``SchedulerPart``, ``WorkerPart``)."""
 
     def wait_for_save(self) -> None:
         self.worker_part.wait_for_save()
