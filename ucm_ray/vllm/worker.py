@@ -433,18 +433,24 @@ class WorkerPart:
     def _wait(self, future: Future, tags: set[_Tag]) -> None:
         """Wait for a copy task's batch to be posted, then to land (``_land``), within what is
         left of the step's deadline."""
-        step = self._step
         started = time.perf_counter()
+        posted = self._posted_by_deadline(future)
+        if posted is None:
+            self._step.failed |= tags
+            return
+        self._land(posted, started)
+
+    def _posted_by_deadline(self, future: Future) -> _Posted | None:
+        """A copy task's batch once posted, or None when the step's deadline passed first (the
+        task is cancelled unless it already runs; one not ``cancelled()`` may still land)."""
         try:
-            posted: _Posted = future.result(timeout=max(0.0, step.deadline - time.monotonic()))
+            return future.result(timeout=max(0.0, self._step.deadline - time.monotonic()))
         except FutureTimeout:
-            future.cancel()  # not started: skipped
+            future.cancel()
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed",
                       self._config.transfer_timeout_s)
             self.stats.add(deadline_misses=1)
-            step.failed |= tags
-            return
-        self._land(posted, started)
+            return None
 
     def _post_saves(self, saves: BlockSaves) -> _SavesPosted:
         """Post every layer of a save job's blocks at once: one batch per pool, queued behind
@@ -476,14 +482,12 @@ class WorkerPart:
         started = time.perf_counter()
         posted, failed, uncertain = list(saves.posted), False, False
         for future in saves.futures:
-            try:
-                posted.append(future.result(timeout=max(0.0, step.deadline - time.monotonic())))
-            except FutureTimeout:
-                uncertain = uncertain or not future.cancel()  # running: it may still land later
+            batch = self._posted_by_deadline(future)
+            if batch is None:
                 failed = True
-                log.error("ucm-ray: saves of step missed the %.1f s deadline; treated as failed",
-                          self._config.transfer_timeout_s)
-                self.stats.add(deadline_misses=1)
+                uncertain = uncertain or not future.cancelled()  # running: it may still land later
+            else:
+                posted.append(batch)
         failed_pools: set[PoolKey] = set()
         for batch in posted:
             failed = failed or batch.failed
