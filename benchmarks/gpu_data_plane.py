@@ -21,9 +21,10 @@ Part 2 (``--ttft``): TTFT of a 4k and a 16k prompt on a ~1.2B random-weight Llam
 shape, bf16, FULL_AND_PIECEWISE CUDA graphs), engines as Ray actors in their own processes:
 cold (engine A, connector on, store empty), the engine's own prefix-cache hit (A again), and
 store-warm (a fresh engine B with the connector), B's own prefix-cache hit, and the same
-prompts cold on an engine C without the connector (the tier's cost to a cold request, and
-whether any first token differs with and without it). Prompts are 8 tokens past a block
-boundary so that A's repeat is a pure local hit (the store holds nothing beyond it).
+prompts cold on an engine C without the connector, A and C side by side taking each prompt in
+turn (the tier's cost to a cold request, and whether any first token differs with and without
+it); then A and C decode fresh prompts the same way (what saves running beside decode cost).
+Prompts are 8 tokens past a block boundary so that A's repeat is a pure local hit (the store holds nothing beyond it).
 
 ``--profile-dir DIR`` also serves one more prompt per size under torch's profiler, cold on A
 and store-warm on B (every thread and CUDA stream; the trace kept to our code, vLLM's engine
@@ -33,7 +34,8 @@ step and the device), and writes ``trace_cold_<size>.json.gz`` and
 Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
 (goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
 ``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` /
-``ttft_cold_overhead_4k=`` (goal <= 1.05) and the 16k ones.
+``ttft_cold_overhead_4k=`` (goal <= 1.05), ``decode_overhead_4k=`` (1 - A's decode tok/s over C's,
+fresh prompts of that size with ``--decode-tokens`` new tokens each; goal <= 0.03) and the 16k ones.
 
 Run: ``make gpu-bench`` (both parts) on a GPU machine, or ``python benchmarks/gpu_data_plane.py
 --device cpu --quick [--ttft]`` anywhere as a smoke check (small shapes, plain copies).
@@ -221,8 +223,12 @@ class WorkerBench:
                            Locations.of([loc for loc, _ in self.save_locations]))
         self.worker.bind(self._meta(saves={0: saves}))
         self.worker.wait_for_save()
-        results = self.worker.build_worker_meta()
-        assert results is not None and all(r.landed.all() for r in results.saves.values()), "a save failed"
+        landed = {}
+        while saves.job_id not in landed:  # a save lands beside the steps after its own: until it did
+            sync(self.device)
+            results = self.worker.build_worker_meta()
+            landed.update(results.saves if results is not None else {})
+        assert landed[saves.job_id].landed.all(), "a save failed"
 
     def commit(self) -> None:
         publish = [Publish(k, loc, token) for k, (loc, token) in zip(self.keys, self.save_locations)]
@@ -484,10 +490,28 @@ def ttft_of(result: dict[str, Any]) -> float:
     return result["ttft"] if result.get("ttft") else result["seconds"]
 
 
+def side_by_side(engines: dict[str, Any], items: list, measure: Any) -> dict[str, list]:
+    """Per item, each engine once, the order alternating from item to item (the host's and the
+    GPU's drift between minutes lands on both alike): each engine's results in item order."""
+    names = list(engines)
+    out: dict[str, list] = {name: [] for name in names}
+    for i, item in enumerate(items):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            out[name].append(measure(engines[name], item))
+    return out
+
+
+def decode_rate(result: dict[str, Any]) -> float:
+    """Tokens per second after the first one: ``(tokens - 1) / (seconds - TTFT)``."""
+    return (len(result["tokens"]) - 1) / (result["seconds"] - ttft_of(result))
+
+
 def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
-         profile_dir: str | None = None) -> dict[str, Any]:
+         profile_dir: str | None = None, decode_tokens: int = 128) -> dict[str, Any]:
     """``profile_dir``: one more prompt per size, served cold by A and store-warm by B under
-    torch's profiler (``profiled_engine_class``); traces go there, outside the medians."""
+    torch's profiler (``profiled_engine_class``); traces go there, outside the medians.
+    ``decode_tokens``: A and C also decode that many tokens of fresh prompts of each size (A's
+    saves of the prompt and of the decoded blocks run meanwhile): ``decode_overhead_<size>``."""
     from ucm_ray.demo import kv_transfer_config
     from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
@@ -500,8 +524,11 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                for j, (size, n) in enumerate(prof.sizes.items())}
     profiled = {size: synthetic_prompt(model, n, seed=100 * (j + 1) + 99)
                 for j, (size, n) in enumerate(prof.sizes.items())} if profile_dir else {}
+    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(prompts_per_size)]
+             for j, (size, n) in enumerate(prof.sizes.items())}  # decode: in no cache nor the store
     warmup = synthetic_prompt(model, 64, seed=9999)
-    tokens = sum(len(p) for ps in prompts.values() for p in ps) + sum(len(p) for p in profiled.values())
+    tokens = (sum(len(p) for ps in prompts.values() for p in ps) + sum(len(p) for p in profiled.values())
+              + sum(len(p) + decode_tokens for ps in fresh.values() for p in ps))
     shards = 2
     cfg = UcmRayConfig(num_shards=shards, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
                        pool_bytes=int(tokens * prof.kv_bytes_per_token * 1.5) // shards + (64 << 20))
@@ -522,8 +549,29 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     res: dict[str, Any] = {}
     with running_fleet(cfg):
         a = start("A (connector, store empty)")
-        cold = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        plain_engine = start("C (no connector)", None)
+        # A's cold requests (a miss and their saves) against the same prompts, new to an engine
+        # without the connector: what the tier costs a cold request, and whether it changed an
+        # output. Side by side, one prompt each in turn: a run's drift lands on both.
+        pair = {"A": a, "C": plain_engine}
+        cold, plain = {}, {}
+        for s, ps in prompts.items():
+            before = ray.get(a.connector_totals.remote())["scheduler"]
+            got = side_by_side(pair, ps, lambda engine, p: ray.get(engine.generate.remote(p, 1)))
+            cold[s], plain[s] = got["A"], got["C"]
+            after = ray.get(a.connector_totals.remote())["scheduler"]
+            # the connector's scheduler hooks' host time (lookups, plans, results), per request
+            res[f"a_scheduler_host_ms_per_cold_request_{s}"] = 1e3 * (
+                after.get("schedule_seconds", 0.0) - before.get("schedule_seconds", 0.0)) / len(ps)
         log.info("A's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in cold.items()})
+        log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
+        decode: dict[str, dict[str, list]] = {}
+        for s, ps in fresh.items():
+            decode[s] = side_by_side(pair, ps, lambda engine, p: ray.get(
+                engine.generate.remote(p, decode_tokens, ignore_eos=True)))
+            log.info("%s decode tok/s: A %s, C %s", s, [round(decode_rate(r), 1) for r in decode[s]["A"]],
+                     [round(decode_rate(r), 1) for r in decode[s]["C"]])
+        ray.kill(plain_engine)
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
@@ -563,12 +611,6 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         for s, ps in prompts.items():  # B's own prefix cache: the issue's yardstick for a store hit
             own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
         ray.kill(b)
-        # The same prompts, new to an engine without the connector: what A's cold requests (a miss
-        # and their saves) cost over no tier at all, and whether the tier changed any output.
-        plain_engine = start("C (no connector)", None)
-        plain = {s: [ray.get(plain_engine.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
-        log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
-        ray.kill(plain_engine)
     identical = all(w["tokens"] == c["tokens"] == n["tokens"]
                     for s in prompts for w, c, n in zip(warm[s], cold[s], plain[s]))
     for s in prompts:
@@ -581,7 +623,12 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                     f"ttft_store_warm_{s}_ms": w * 1e3, f"store_hit_tokens_{s}": store_hits[s],
                     f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_other_engines_prefix_hit_{s}": w / h,
                     f"ttft_b_prefix_hit_{s}_ms": o * 1e3, f"ttft_store_warm_vs_prefix_hit_{s}": w / o})
+        with_tier, without = (statistics.median(decode_rate(r) for r in decode[s][e]) for e in ("A", "C"))
+        res.update({f"decode_tok_s_{s}": with_tier, f"decode_tok_s_no_connector_{s}": without,
+                    f"decode_overhead_{s}": 1 - with_tier / without})
     res["ttft_first_tokens_identical"] = identical
+    res["decode_tokens_identical"] = all(x["tokens"] == y["tokens"] for s in decode
+                                         for x, y in zip(decode[s]["A"], decode[s]["C"]))
     return res
 
 
@@ -599,6 +646,7 @@ def main() -> None:
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT cold / prefix hit / store-warm")
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
     ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per prompt (decode_overhead_*)")
     ap.add_argument("--model-dir", default=None, help="where the TTFT model is built (default .models/)")
     ap.add_argument("--profile-dir", default=None,
                     help="also serve one store-warm request per size under torch's profiler; traces go here")
@@ -631,7 +679,8 @@ def main() -> None:
             t = time.perf_counter()
             if args.profile_dir:
                 os.makedirs(args.profile_dir, exist_ok=True)
-            results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir, args.profile_dir))
+            results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir, args.profile_dir,
+                                args.decode_tokens))
             log.info("TTFT measured in %.1f s", time.perf_counter() - t)
     finally:
         ray.shutdown()

@@ -687,3 +687,63 @@ def test_a_prompt_vllm_holds_whole_asks_for_no_write_slots(store, model_dir):
     a.settle()
     assert a.first["again"][0] >= 896  # vLLM's own cache held every full block
     assert sum(asked) == 0
+
+
+class _StillCopying(Transfer):
+    """A save copy that takes ``delay_s``: it reads vLLM's blocks only when it lands (what a
+    slow link does to a copy that is still reading its source)."""
+
+    def __init__(self, copy, delay_s: float) -> None:
+        self._copy, self._ready_at, self._landed = copy, time.monotonic() + delay_s, False
+
+    def done(self) -> bool:
+        return time.monotonic() >= self._ready_at
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self._landed:
+            self._landed = True
+            self._copy()
+
+
+def _slow_saves(engine, delay_s: float) -> None:
+    """Every save of ``engine``'s worker takes ``delay_s`` to land."""
+    pools = engine.worker.worker_part._pools
+    real_post = pools.post
+
+    def post(by_pool, *, write):
+        if not write:
+            return real_post(by_pool, write=write)
+
+        def copy() -> None:
+            transfers, failed = real_post(by_pool, write=True)
+            assert not failed and not pools.wait(transfers, write=True, timeout_s=5.0)
+
+        return [(pool, _StillCopying(copy, delay_s)) for pool in by_pool], set()
+
+    pools.post = post
+
+
+def test_saves_land_beside_later_steps_and_a_reused_block_waits_for_its_copy(store, model_dir):
+    """Saves land when they land: no step waits for them, so decoding runs beside the copies of
+    the prompt it just computed. But vLLM may free a block that a save still reads (preempting
+    its request) and hand it to another request in the next step: that step's forward must
+    wait for the copy (``fences``), or the store keeps the other request's bytes under the first
+    one's key. Without the fence a fresh engine loaded such wrong blocks here."""
+    cfg = UcmRayConfig(transfer_timeout_s=5.0)
+    a = make_engine(store.client(), model_dir, num_blocks=24, config=cfg)
+    _slow_saves(a, 0.5)
+    x = a.add("X", prompt(1280, seed=3), max_tokens=400)
+    y = a.add("Y", prompt(1280, seed=4), max_tokens=400)
+    copying: list[int] = []  # per step, save jobs still copying when it began
+    a.before_worker = lambda engine, meta: copying.append(len(engine.worker.worker_part._saving))
+    a.run(x, y)
+    a.settle()
+    stats = a.stats()
+    assert any(r.num_preemptions for r in (x, y)), "the scenario must preempt a request"
+    assert stats["save_fences"] > 0, "no step reused a block that a save was still copying"
+    assert stats.get("save_failures", 0) == 0 and stats["saved_blocks"] > 20
+    assert max(copying) >= 2, "each step waited for its saves to land"
+    for seed in (3, 4):
+        b = make_engine(store.client(), model_dir, num_blocks=24)
+        assert b.serve(f"B{seed}", prompt(1280, seed=seed))[0] > 0
+        assert b.wrong_blocks == 0 and b.failed_loads == 0

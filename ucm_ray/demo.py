@@ -54,13 +54,16 @@ class Engine:
             kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
         self.llm = LLM(**kwargs)
 
-    def generate(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: bool = False) -> dict[str, Any]:
+    def generate(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: bool = False,
+                 ignore_eos: bool = False) -> dict[str, Any]:
         """Greedy tokens; with ``logprobs`` also each sampled token's logprob (a finer check than
-        the tokens: a slightly wrong state or KV block often leaves the argmax unchanged)."""
+        the tokens: a slightly wrong state or KV block often leaves the argmax unchanged);
+        ``ignore_eos``: all ``max_tokens`` (a decode benchmark's random model may stop early)."""
         from vllm import SamplingParams
 
         t = time.perf_counter()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if logprobs else None)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if logprobs else None,
+                                ignore_eos=ignore_eos)
         out = self.llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
         result = {"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t,
                   "cached": out.num_cached_tokens,

@@ -97,8 +97,11 @@ class UcmRayConnectorMetadata(KVConnectorMetadata):
     """tp rank -> mamba states this step computes: copied once its forward is over (the next
     step overwrites them, so they cannot wait)."""
     saved_requests: set[str] = field(default_factory=set)
-    """Finished requests whose blocks vLLM kept for their saves: reported ``finished_sending``
-    (vLLM frees the blocks) once this step's saves landed."""
+    """Finished requests whose blocks vLLM kept for their saves, all of which the scheduler knows
+    landed: reported ``finished_sending`` at once (vLLM frees the blocks)."""
+    fences: set[int] = field(default_factory=set)
+    """Save jobs (earlier steps') still copying blocks that this step allocated again: its
+    forward and its loads must come after their copies."""
     pools: Mapping[PoolKey, PoolDescriptor] | None = None
     """Every live pool, sent when membership changed since the last step (None: unchanged).
     A worker closes the mapping of any pool not listed (a dead shard, an old incarnation)."""

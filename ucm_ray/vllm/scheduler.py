@@ -179,8 +179,11 @@ class _Tracked:
     unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
     computed: int = 0  # vLLM's computed tokens at the last save plan
     finished_at: float | None = None
-    """When vLLM finished the request while blocks of it were unsaved: vLLM keeps its blocks
-    until the step that saves them reports it ``finished_sending``."""
+    """When vLLM finished the request while blocks of it were unsaved, or still being copied:
+    vLLM keeps its blocks until the scheduler knows they landed and reports the request
+    ``finished_sending`` (an idle engine would look at the copies no more)."""
+    save_jobs: set[int] = field(default_factory=set)
+    """Save jobs with blocks of the request whose results are not in yet."""
 
 
 @dataclass
@@ -210,11 +213,15 @@ class _SaveRows:
 
 @dataclass
 class _SaveInFlight:
-    """A dispatched save job: per row, the key it stores and the grant of its slot."""
+    """A dispatched save job: per row, the key it stores and the grant of its slot; the vLLM
+    blocks it copies (a step that allocates one of them again waits for it: ``fences``) and the
+    requests they belong to."""
 
     keys: list[bytes]
     locations: Locations
     tokens: np.ndarray
+    block_ids: np.ndarray
+    requests: list[str]
     dispatched: float = field(default_factory=time.monotonic)
 
 
@@ -546,9 +553,10 @@ class SchedulerPart:
                 job.complete_in_start = job.complete_in_start or n_sched < self.recompute
                 meta.loads[rank].append(job)
             t.loads = None
+        meta.fences = self._fences(out)
         saves = [_SaveRows() for _ in self._ns]
-        now = time.monotonic()
-        for req_id, t in list(self._tracked.items()):
+        saving: list[str] = []  # requests with rows in this step's saves
+        for req_id, t in self._tracked.items():
             if t.finished_at is None and t.request.status != RequestStatus.RUNNING:
                 t.block_ids = []  # waiting, or preempted: its blocks are not (or no longer) its own
                 continue
@@ -559,11 +567,11 @@ class SchedulerPart:
                 # start, or all of it); decode blocks take slots from the supply's stock
                 t.expected_until = max(t.expected_until, self._saved_tokens(t))
                 self._expect_saves(t, t.request.num_prompt_tokens)
+            rows = sum(len(rank.keys) for rank in saves)
             if t.block_ids:
                 self._plan_saves(t, saves)
-            if t.finished_at is not None and (not self._unsaved(t) or now - t.finished_at > HOLD_S):
-                meta.saved_requests.add(req_id)  # vLLM frees its blocks once this step's saves landed
-                self._drop(req_id)
+            if sum(len(rank.keys) for rank in saves) > rows:
+                saving.append(req_id)
         states = [_SaveRows() for _ in self._ns]
         for req_id, n_sched in out.num_scheduled_tokens.items():
             scheduled = self._tracked.get(req_id)
@@ -574,10 +582,39 @@ class SchedulerPart:
                 self._plan_states(scheduled, end, states)
             if self.hybrid and end < scheduled.request.num_prompt_tokens:
                 self._expect_saves(scheduled, end + 2 * self._chunk)  # slots for the next chunk while this one runs
-        meta.saves = self._dispatch(saves)
-        meta.state_saves = self._dispatch(states)
+        meta.saves = self._dispatch(saves, saving)
+        meta.state_saves = self._dispatch(states, [])
+        now = time.monotonic()
+        for req_id, t in list(self._tracked.items()):
+            # vLLM frees its blocks once told (the worker says so at once): nothing is still to
+            # be copied from them, or no slot came for what is left within HOLD_S
+            if t.finished_at is not None and not t.save_jobs and (not self._unsaved(t)
+                                                                   or now - t.finished_at > HOLD_S):
+                meta.saved_requests.add(req_id)
+                self._drop(req_id)
         self._observe_step(out, time.perf_counter() - started)
         return meta
+
+    def _fences(self, out: SchedulerOutput) -> set[int]:
+        """Save jobs still copying blocks that this step allocates again (a freed block of a
+        finished or preempted request): its forward and loads must wait for them. Blocks of
+        vLLM's own prefix hit on a new request are only read, and need no wait."""
+        if not self._saves:
+            return set()
+        allocated: list[int] = []
+        for new in out.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            for g, ids in enumerate(new.block_ids):
+                read_only = t.local_tokens // self._bs[g] if t is not None and g in self._attn else 0
+                allocated.extend(ids[read_only:])
+        for new_ids in out.scheduled_cached_reqs.new_block_ids:
+            if new_ids is not None:
+                for ids in new_ids:
+                    allocated.extend(ids)
+        if not allocated:
+            return set()
+        reused = np.asarray(allocated, dtype=np.int64)
+        return {job_id for job_id, job in self._saves.items() if np.isin(job.block_ids, reused).any()}
 
     def _track_blocks(self, out: SchedulerOutput) -> None:
         """Each running request's block ids, from the scheduler output alone (vLLM 0.26 never
@@ -658,10 +695,10 @@ class SchedulerPart:
         return min((t.saved_blocks.get(g, 0) * self._bs[g] for g in self._attn), default=0)
 
     def _unsaved(self, t: _Tracked) -> bool:
-        """Whether blocks the request computed are still to be saved."""
+        """Whether blocks the request computed are still to be saved, or being copied."""
         computed = min(t.request.num_computed_tokens, len(t.request.block_hashes) * self._hash_bs)
         return (any(computed // self._bs[g] > t.saved_blocks.get(g, 0) for g in self._attn)
-                or any(t.pending.values()))
+                or any(t.pending.values()) or bool(t.save_jobs))
 
     def _observe_step(self, out: SchedulerOutput, plan_s: float) -> None:
         """``schedule_seconds`` of a step that runs tokens: the connector's host time since the
@@ -699,8 +736,9 @@ class SchedulerPart:
                 bound[members[:len(slots)]] = True
         return bound
 
-    def _dispatch(self, saves: list[_SaveRows]) -> dict[int, BlockSaves]:
-        """Per rank, its rows as one save job (remembered until the worker reports it)."""
+    def _dispatch(self, saves: list[_SaveRows], requests: list[str]) -> dict[int, BlockSaves]:
+        """Per rank, its rows as one save job (remembered until the worker reports it), each
+        job held by ``requests`` (whose blocks it copies) until it is."""
         out: dict[int, BlockSaves] = {}
         for rank, rows in enumerate(saves):
             if not rows.keys:
@@ -713,7 +751,10 @@ class SchedulerPart:
                                   np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=np.uint64))
             job = BlockSaves(next(self._job_ids), np.asarray(rows.groups, dtype=np.int64),
                              np.asarray(rows.block_ids, dtype=np.int64), locations)
-            self._saves[job.job_id] = _SaveInFlight(rows.keys, locations, np.asarray(rows.tokens, dtype=np.int64))
+            self._saves[job.job_id] = _SaveInFlight(rows.keys, locations, np.asarray(rows.tokens, dtype=np.int64),
+                                                    job.block_ids, requests)
+            for req_id in requests:
+                self._tracked[req_id].save_jobs.add(job.job_id)
             out[rank] = job
         return out
 
@@ -735,7 +776,7 @@ class SchedulerPart:
         free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
         settled: dict[tuple[PoolKey, int], int] = defaultdict(int)
         for job_id, result in results.saves.items():
-            job = self._saves.pop(job_id, None)
+            job = self._forget_save(job_id)
             if job is None:
                 continue
             locations, sums = job.locations, result.checksums
@@ -815,11 +856,21 @@ class SchedulerPart:
         self._release([pin for lookup in arrived for pin in lookup.result().lease_ids.items()])
         overdue = time.monotonic() - self._config.reserve_timeout_s / 2
         for job_id in [j for j, job in self._saves.items() if job.dispatched < overdue]:
-            job = self._saves.pop(job_id)  # its worker never reported: a copy may still land
+            job = self._forget_save(job_id)  # its worker never reported: a copy may still land
+            assert job is not None
             for pool, token in zip(job.locations.pool.tolist(), job.tokens.tolist()):
                 self._slots.abandon(job.locations.pools[pool], token)
         for job_id in [j for j, load in self._loads.items() if load.dispatched < overdue]:
             self._release(list(self._loads.pop(job_id).lease_ids.items()))  # its worker never reported
+
+    def _forget_save(self, job_id: int) -> _SaveInFlight | None:
+        """A save job whose result is in (or never will be): its requests no longer wait for it."""
+        job = self._saves.pop(job_id, None)
+        for req_id in job.requests if job is not None else []:
+            t = self._tracked.get(req_id)
+            if t is not None:
+                t.save_jobs.discard(job_id)
+        return job
 
     def flush(self, timeout_s: float) -> None:
         """Wait until the store answered every commit, release and removal posted so far (tools

@@ -47,6 +47,9 @@ COUNTERS: dict[str, str] = {
                      "stale unpinned entry.",
     "save_failures": "Block copies into a shard that did not land (never committed).",
     "deadline_misses": "Worker steps whose copies missed transfer_timeout_s.",
+    "save_fences": "Save jobs a step had to wait for before its forward: it reuses blocks they were still "
+                   "copying (freed and allocated again). The compute stream waits on the device (shared "
+                   "memory on CUDA); elsewhere the host waits.",
     "unwaited_layer_loads": "Layer loads the forward pass never waited for (failed so vLLM recomputes).",
     "checksum_mismatches": "Loaded blocks whose CRC32 did not match (paranoid mode): removed, recomputed.",
     "stale_loads": "Blocks copied unpinned (found in a same-node shard's published index) whose entry was "
@@ -66,8 +69,9 @@ DURATIONS: dict[str, str] = {
     "load_seconds": "Per worker step with loads: time spent posting its copies plus time spent waiting for "
                     "them to land (all layers, all pools); copies that landed while the forward pass ran "
                     "cost only their posting.",
-    "save_seconds": "Per worker step with saves: time spent posting its copies plus time spent waiting for "
-                    "them to land (all layers, all pools).",
+    "save_seconds": "Per save job (a step's saves on one worker): from posting its copies to the worker "
+                    "seeing them all landed, at one of its next hooks. The engine waits for none of it, unless a "
+                    "step reuses blocks still being copied (save_fences).",
     "schedule_seconds": "Per scheduler step that runs tokens: host time in the connector's scheduler hooks "
                         "since the previous step's plan (lookups and their waits, allocations, this step's "
                         "plan, the previous step's results).",

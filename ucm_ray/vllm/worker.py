@@ -25,18 +25,21 @@ waits for them, or on stream-ordered pools the compute stream does.
 Saves are taken late: ``bind`` posts, every layer at once, the attention blocks
 that earlier steps filled (their KV is written: the copies queue behind the
 compute stream's work so far, on their own stream; a copy thread's pools get them
-after the step's loads), and they move while this step computes. The host
-takes their results at the first of ``wait_for_save``, ``get_finished`` and
-``build_worker_meta`` (vLLM 0.26 calls no ``wait_for_save`` in a step that runs
-no tokens). The scheduler plans a request's saves once its first token is out,
-so neither the copies nor the host work of saving delay a cold request's first
-token. (Saved in the same step, layer by layer, a cold 4k-token request on an
-H200 took 2.1x as long as without the connector, mostly host time per block and
-per layer.) Mamba states are saved after the forward that computes them, in
-``wait_for_save``: the next step overwrites them. Results go back per job
-through ``build_worker_meta``; the scheduler commits, frees and releases from
-them, and finished requests whose blocks vLLM kept for these saves are reported
-``finished_sending`` once they landed.
+after the step's loads), and they move while this step and the next ones
+compute: no step waits for them. At each hook the host looks, without waiting,
+for jobs that landed (or missed their deadline) and reports their results. The
+scheduler plans a request's saves once its first token is out, so neither the
+copies nor the host work of saving delay a cold request's first token. (Saved in
+the same step, layer by layer, a cold 4k-token request on an H200 took 2.1x as
+long as without the connector, mostly host time per block and per layer.) Blocks
+stay put while a save reads them: a finished request's blocks are kept until
+the scheduler knows its saves landed, and a step that allocates a block again
+that a save may still be reading (its request was preempted) names that job in
+its ``fences``: the compute stream waits for it on the device (the host, for a
+copy thread's pools) before the forward and the step's loads. Mamba states are
+saved after the forward that computes them, in ``wait_for_save``, and waited
+for there: the next step overwrites them. Results go back per job through
+``build_worker_meta``; the scheduler commits, frees and releases from them.
 
 No control call (no Ray call) is made here, and the whole step is bounded by
 one deadline (``transfer_timeout_s``): a hung pool can delay a forward pass by
@@ -186,16 +189,20 @@ class _Posted:
         return self.batch.tags() if self.failed else set()
 
 
-@dataclass
+@dataclass(eq=False)
 class _SavesPosted:
     """A save job posted: batches on stream-ordered pools, and the copy thread's tasks (handed
-    to it after the step's loads, which must not queue behind them: ``threaded``)."""
+    to it after the step's loads, which must not queue behind them: ``threaded``). It lands
+    when it lands: the host looks at each hook without waiting, and takes it as failed once
+    ``deadline`` passed."""
 
     saves: BlockSaves
     layers: tuple[tuple[int, int], ...]
     posted: list[_Posted]
     futures: list[Future]
     threaded: _ByPool
+    deadline: float
+    posted_at: float = field(default_factory=time.perf_counter)
 
 
 _Prepared = dict[PoolKey, PreparedCopies | None]
@@ -213,19 +220,13 @@ class _StepState:
     tags: dict[int, list[_Tag]] = field(default_factory=dict)
     """Per load job, each of its blocks' tag (row order)."""
     failed: set[_Tag] = field(default_factory=set)
-    saves: _SavesPosted | None = None
-    """The attention blocks of earlier steps, posted at ``bind``, not yet landed."""
     state_saves: BlockSaves | None = None
     """This step's mamba states, saved after its forward."""
-    saved_requests: set[str] = field(default_factory=set)
-    """Finished requests to report ``finished_sending`` once ``saves`` landed."""
-    saving: bool = False
-    """This step had saves (``save_seconds`` is observed once they all landed)."""
     crc: dict[_Tag, int] = field(default_factory=dict)
     """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
-    copy_s: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    """Time spent posting and waiting for this step's loads (False) and saves (True)."""
+    load_s: float = 0.0
+    """Time spent posting and waiting for this step's loads (``load_seconds``)."""
 
 
 class WorkerPart:
@@ -250,6 +251,8 @@ class WorkerPart:
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, index in group)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self._step = _StepState()
+        self._saving: list[_SavesPosted] = []
+        """Save jobs posted, not yet seen landed (oldest first): they outlive their step."""
         self._results = UcmRayWorkerMetadata()
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()
@@ -280,24 +283,28 @@ class WorkerPart:
     # --- per step ------------------------------------------------------------------------
 
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
+        self._poll_saves()
         if meta.pools is not None:
+            self._land_every_save()  # no copy may still use a mapping that closes now
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
             self._indexes.sync(meta.pools)
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
-        self._finish_saves()  # a step whose results nobody asked for (not vLLM's order)
+        # the scheduler learned that their saves landed: vLLM may free their blocks now
+        self._finished_sending |= meta.saved_requests
+        self._fence(meta.fences)
         saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
-        step = self._step = _StepState(loads=meta.loads.get(self._rank, []),
-                                       deadline=time.monotonic() + self._config.transfer_timeout_s,
-                                       state_saves=states if states is not None and len(states) else None,
-                                       saved_requests=set(meta.saved_requests))
+        deadline = time.monotonic() + self._config.transfer_timeout_s
+        self._step = _StepState(loads=meta.loads.get(self._rank, []), deadline=deadline,
+                                state_saves=states if states is not None and len(states) else None)
         if saves is not None and len(saves):
-            step.saves = self._post_saves(saves)
+            self._saving.append(self._post_saves(saves, deadline))
 
     def start_load_kv(self) -> None:
         step = self._step
         if step.loads:
             self._start_loads()
-        self._hand_to_copier(step.saves)
+        for saves in self._saving:
+            self._hand_to_copier(saves)
 
     def _start_loads(self) -> None:
         step = self._step
@@ -332,7 +339,7 @@ class WorkerPart:
         first_threaded: tuple[Future, set[_Tag]] | None = None
         if at_once_threaded:
             batch = _Batch(every_layer, at_once_threaded)
-            first_threaded = (self._copier.submit(self._move, step, batch, False, ready), batch.tags())
+            first_threaded = (self._copier.submit(self._move, step.deadline, batch, False, ready), batch.tags())
         layers = [(gl.group, i, layer.name) for gl in self._layouts
                   if any(gl.group in by_group for by_group in (*by_layer.values(), *by_layer_threaded.values()))
                   for i, layer in enumerate(gl.layers)]
@@ -347,10 +354,10 @@ class WorkerPart:
             # One task posts every layer, each layer's future set as soon as it is posted (a
             # task per layer cost its hand-off per layer, and the link idled meanwhile).
             posted: list[Future] = [Future() for _ in per_layer]
-            self._copier.submit(self._move_each, step, [batch for _, batch, _ in per_layer], ready, posted)
+            self._copier.submit(self._move_each, step.deadline, [batch for _, batch, _ in per_layer], ready, posted)
             step.load_futures = {name: (future, tags) for (name, _, tags), future in zip(per_layer, posted)}
         elif per_layer:  # a post is the copy itself: one task per layer, each waited for as it lands
-            step.load_futures = {name: (self._copier.submit(self._move, step, batch, False, ready), tags)
+            step.load_futures = {name: (self._copier.submit(self._move, step.deadline, batch, False, ready), tags)
                                  for name, batch, tags in per_layer}
         if first is not None:
             # the forward waits for them from its first kernel (checksums read them on the host)
@@ -403,18 +410,18 @@ class WorkerPart:
             step.layer_loads.clear()
             self._finish_loads()
         if step.state_saves is not None:
-            self._land_saves(self._post_saves(step.state_saves))
+            self._land_saves(self._post_saves(step.state_saves, step.deadline))
             step.state_saves = None
-        self._finish_saves()
+        self._poll_saves()
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
-        self._finish_saves()
+        self._poll_saves()
         out, self._results = self._results, UcmRayWorkerMetadata()
         return None if out.is_empty() else out
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending: their saves landed, finished receiving, of which failed)."""
-        self._finish_saves()
+        self._poll_saves()
         sending, done, failed = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return sending, done | failed, failed
@@ -424,6 +431,7 @@ class WorkerPart:
         return out
 
     def shutdown(self) -> None:
+        self._land_every_save()
         self._copier.shutdown(wait=True)
         self._pools.close()
         self._indexes.close()
@@ -434,17 +442,17 @@ class WorkerPart:
         """Wait for a copy task's batch to be posted, then to land (``_land``), within what is
         left of the step's deadline."""
         started = time.perf_counter()
-        posted = self._posted_by_deadline(future)
+        posted = self._posted_by_deadline(future, self._step.deadline)
         if posted is None:
             self._step.failed |= tags
             return
         self._land(posted, started)
 
-    def _posted_by_deadline(self, future: Future) -> _Posted | None:
-        """A copy task's batch once posted, or None when the step's deadline passed first (the
-        task is cancelled unless it already runs; one not ``cancelled()`` may still land)."""
+    def _posted_by_deadline(self, future: Future, deadline: float) -> _Posted | None:
+        """A copy task's batch once posted, or None when ``deadline`` passed first (the task is
+        cancelled unless it already runs; one not ``cancelled()`` may still land)."""
         try:
-            return future.result(timeout=max(0.0, self._step.deadline - time.monotonic()))
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             future.cancel()
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed",
@@ -452,37 +460,79 @@ class WorkerPart:
             self.stats.add(deadline_misses=1)
             return None
 
-    def _post_saves(self, saves: BlockSaves) -> _SavesPosted:
+    def _post_saves(self, saves: BlockSaves, deadline: float) -> _SavesPosted:
         """Post every layer of a save job's blocks at once: one batch per pool, queued behind
         the compute stream's work so far (which wrote the blocks)."""
-        step = self._step
-        step.saving = True
         entries = _save_entries(saves)
         layers = tuple((gl.group, i) for gl in self._layouts
                        if any(gl.group in by_group for by_group in entries.values()) for i in range(len(gl.layers)))
         ordered, threaded = self._split(entries)
-        out = _SavesPosted(saves, layers, [], [], threaded)
+        out = _SavesPosted(saves, layers, [], [], threaded, deadline)
         if ordered:
             out.posted.append(self._post(self._prepare(ordered, [layers], write=True), 0, _Batch(layers, ordered),
                                          write=True))
         self._count_bytes([_Batch(layers, entries)], "saved")
         return out
 
-    def _hand_to_copier(self, saves: _SavesPosted | None) -> None:
+    def _hand_to_copier(self, saves: _SavesPosted) -> None:
         """The copy thread's part of a save job, once the step's loads are queued there."""
-        if saves is not None and saves.threaded:
+        if saves.threaded:
             batch = _Batch(saves.layers, saves.threaded)
-            saves.futures.append(self._copier.submit(self._move, self._step, batch, True, self._compute_ready()))
+            saves.futures.append(self._copier.submit(self._move, saves.deadline, batch, True, self._compute_ready()))
             saves.threaded = {}
 
+    def _poll_saves(self) -> None:
+        """Take the results of the save jobs that landed (or missed their deadline) since the
+        last look, without waiting for the others: the engine's steps go on while saves move.
+        In paranoid mode (``checksum``) every job lands before its step ends: its checksum is
+        taken from vLLM's blocks, which must still hold what was saved."""
+        for saves in self._saving:  # a step without ``start_load_kv`` (one that runs no tokens)
+            self._hand_to_copier(saves)
+        now = time.monotonic()
+        landing = [saves for saves in self._saving
+                   if self._config.checksum or now >= saves.deadline or self._saves_done(saves)]
+        for saves in landing:
+            self._land_saves(saves)
+        if landing:
+            self._saving = [saves for saves in self._saving if saves not in landing]
+
+    def _land_every_save(self) -> None:
+        """Wait for every save job still copying (the pools' mappings are about to change)."""
+        for saves in self._saving:
+            self._land_saves(saves)
+        self._saving = []
+
+    def _fence(self, job_ids: Collection[int]) -> None:
+        """This step reuses blocks that these save jobs may still be reading (freed and
+        allocated again, say to a preempted or finished request's successor): the forward, and
+        the step's loads, must come after them. The compute stream waits for stream-ordered
+        copies on the device; the host waits for the copy thread's."""
+        fenced = [saves for saves in self._saving if saves.saves.job_id in job_ids]
+        if not fenced:
+            return
+        self.stats.add(save_fences=len(fenced))
+        host = [saves for saves in fenced
+                if saves.futures or saves.threaded or not all([self._order_compute(p) for p in saves.posted])]
+        for saves in host:
+            self._land_saves(saves)
+        self._saving = [saves for saves in self._saving if saves not in host]
+
+    def _saves_done(self, saves: _SavesPosted) -> bool:
+        """Whether every copy of a save job is over (never waits)."""
+        if saves.threaded or not all(future.done() for future in saves.futures):
+            return False
+        batches = saves.posted + [future.result() for future in saves.futures if not future.cancelled()]
+        try:
+            return all(transfer.done() for batch in batches for _, transfer in batch.transfers)
+        except Exception:  # noqa: BLE001 -- a failed transfer is over; ``_land_saves`` takes its error
+            return True
+
     def _land_saves(self, saves: _SavesPosted) -> None:
-        """Wait (within the step's deadline) for a save job's copies; its result per row."""
-        step = self._step
+        """Wait (within the job's deadline) for a save job's copies; its result per row."""
         self._hand_to_copier(saves)
-        started = time.perf_counter()
         posted, failed, uncertain = list(saves.posted), False, False
         for future in saves.futures:
-            batch = self._posted_by_deadline(future)
+            batch = self._posted_by_deadline(future, saves.deadline)
             if batch is None:
                 failed = True
                 uncertain = uncertain or not future.cancelled()  # running: it may still land later
@@ -492,9 +542,7 @@ class WorkerPart:
         for batch in posted:
             failed = failed or batch.failed
             failed_pools |= batch.failed_pools | self._pools.wait(
-                batch.transfers, write=True, timeout_s=max(0.0, step.deadline - time.monotonic()))
-            step.copy_s[True] += batch.post_s
-        step.copy_s[True] += time.perf_counter() - started
+                batch.transfers, write=True, timeout_s=max(0.0, saves.deadline - time.monotonic()))
         self._results.failed_pools |= failed_pools
         job, locations = saves.saves, saves.saves.locations
         pool_failed = np.asarray([pool in failed_pools for pool in locations.pools] + [True], dtype=bool)
@@ -502,19 +550,7 @@ class WorkerPart:
         sums = self._entry_checksums(job, landed) if self._config.checksum and landed.any() else None
         self._results.saves[job.job_id] = SaveResult(landed, sums, uncertain=uncertain)
         self.stats.add(save_failures=int((~landed).sum()))
-
-    def _finish_saves(self) -> None:
-        """Take the results of the step's saves (the first call of the step that asks), and
-        report the finished requests that waited for them."""
-        step = self._step
-        if step.saves is not None:
-            self._land_saves(step.saves)
-            step.saves = None
-        self._finished_sending |= step.saved_requests
-        step.saved_requests = set()
-        if step.saving and step.state_saves is None:
-            self.stats.observe("save_seconds", step.copy_s[True])
-            step.saving = False
+        self.stats.observe("save_seconds", time.perf_counter() - saves.posted_at)
 
     def _land(self, posted: _Posted, since: float | None = None) -> None:
         """Wait on the host for a posted batch to land and take its failures (``since``: when
@@ -523,7 +559,7 @@ class WorkerPart:
         started = time.perf_counter() if since is None else since
         failed_pools = posted.failed_pools | self._pools.wait(
             posted.transfers, write=posted.write, timeout_s=max(0.0, step.deadline - time.monotonic()))
-        step.copy_s[posted.write] += posted.post_s + time.perf_counter() - started
+        step.load_s += posted.post_s + time.perf_counter() - started
         self._results.failed_pools |= failed_pools
         step.failed |= posted.failed_tags | posted.batch.tags_in(failed_pools)
         if not posted.write and step.crc:
@@ -617,11 +653,11 @@ class WorkerPart:
         event.record()
         return event
 
-    def _move(self, step: _StepState, batch: _Batch, write: bool, ready: torch.cuda.Event | None = None) -> _Posted:
+    def _move(self, deadline: float, batch: _Batch, write: bool, ready: torch.cuda.Event | None = None) -> _Posted:
         """Copy-thread task: post one batch per pool and return without waiting for them to land
         (``_wait`` does, where the bytes are needed), so the next layer is planned and posted
         while this one moves. Any exception fails the whole batch instead of reaching vLLM, and
-        nothing starts once the step's deadline passed (its loads were reported failed by then)."""
+        nothing starts once ``deadline`` passed (its loads were reported failed by then)."""
         started = time.perf_counter()
         try:
             # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
@@ -629,7 +665,7 @@ class WorkerPart:
             with torch.inference_mode(), device:
                 if ready is not None:
                     ready.synchronize()
-                if time.monotonic() >= step.deadline:
+                if time.monotonic() >= deadline:
                     return _Posted(batch, write, failed=True)
                 started = time.perf_counter()
                 transfers, failed_pools = self._pools.post(self._ranges(batch), write=write)
@@ -638,13 +674,13 @@ class WorkerPart:
             log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
             return _Posted(batch, write, failed=True, post_s=time.perf_counter() - started)
 
-    def _move_each(self, step: _StepState, batches: list[_Batch], ready: torch.cuda.Event | None,
+    def _move_each(self, deadline: float, batches: list[_Batch], ready: torch.cuda.Event | None,
                    posted: list[Future]) -> None:
         """Copy-thread task: load ``batches`` in order, setting each one's future once posted. A
         future ``_wait`` gave up on before its turn (the deadline) is cancelled: skipped."""
         for batch, future in zip(batches, posted):
             if future.set_running_or_notify_cancel():
-                future.set_result(self._move(step, batch, False, ready))
+                future.set_result(self._move(deadline, batch, False, ready))
 
     def _update_checksums(self, batch: _Batch, failed_pools: set[PoolKey]) -> None:
         """Layer order, block by block: only entries that carry a checksum."""
@@ -705,5 +741,5 @@ class WorkerPart:
                 self._results.load_failures[job.job_id] = bad
             self.stats.add(loaded_blocks=len(job.blocks) - len(bad), load_failures=len(bad))
         if step.loads:
-            self.stats.observe("load_seconds", step.copy_s[False])
+            self.stats.observe("load_seconds", step.load_s)
         step.loads = []
