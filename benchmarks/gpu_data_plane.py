@@ -228,6 +228,7 @@ class WorkerBench:
             sync(self.device)
             results = self.worker.build_worker_meta()
             landed.update(results.saves if results is not None else {})
+            time.sleep(0.0001)  # the GIL to a copy thread (CPU and NIXL pools), as an engine's forward leaves it
         assert landed[saves.job_id].landed.all(), "a save failed"
 
     def commit(self) -> None:
