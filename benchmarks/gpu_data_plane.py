@@ -484,6 +484,19 @@ def profiled_engine_class():
             result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
             return result
 
+        def decode_cprofiled(self, prompt_ids: list[int], max_tokens: int, stats_path: str) -> dict[str, Any]:
+            """A decode under cProfile (the engine loop's own thread), its stats dumped to
+            ``stats_path``: which host work per step an engine with the connector adds."""
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            try:
+                return self.generate(prompt_ids, max_tokens, ignore_eos=True)
+            finally:
+                profiler.disable()
+                profiler.dump_stats(stats_path)
+
     return ProfiledEngine
 
 
@@ -572,6 +585,12 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                 engine.generate.remote(p, decode_tokens, ignore_eos=True)))
             log.info("%s decode tok/s: A %s, C %s", s, [round(decode_rate(r), 1) for r in decode[s]["A"]],
                      [round(decode_rate(r), 1) for r in decode[s]["C"]])
+        if profile_dir:  # one more decode each under cProfile: where A's extra host time per step goes
+            probe = synthetic_prompt(model, min(prof.sizes.values()), seed=4242)
+            for label, engine in pair.items():
+                path = os.path.join(profile_dir, f"decode_{label}.prof")
+                rate = decode_rate(ray.get(engine.decode_cprofiled.remote(probe, decode_tokens, path)))
+                log.info("decode of engine %s under cProfile: %.1f tok/s, stats in %s", label, rate, path)
         ray.kill(plain_engine)
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",

@@ -210,12 +210,13 @@ def test_save_reads_the_blocks_after_the_step_that_wrote_them(pool, worker, cycl
 
 
 @pytest.mark.parametrize("stream", ["own", "default"])
-def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker, stream):
+def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker, cycles_for_delay, stream):
     """Saves land beside later steps; the host never waits for them. When vLLM frees blocks a
     save is still reading and a step allocates them to another request, the scheduler names
-    the save in the step's ``fences``: the compute stream waits for its copies before the
-    forward writes the blocks. Unordered, the forward's device-to-device write (~0.1 ms) beats
-    the save's copies over PCIe (~3 ms for 128 MiB) and the store keeps the new bytes."""
+    the save in the step's ``fences``: the step's stream waits for its copies before the forward
+    writes the blocks. Here the save sits behind a long kernel (the previous step's forward,
+    ~0.3 s, on another stream) and the next step runs on a stream of its own: unordered, its
+    write lands at once and the save copies the new bytes."""
     from ucm_ray.store.blockstore import Locations
     from ucm_ray.vllm.metadata import BlockSaves
 
@@ -226,12 +227,14 @@ def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker
     pool.tensor.zero_()
     torch.cuda.synchronize()
     expected = [entry_bytes(caches, i) for i in range(N)]
-    compute = compute_stream(stream)
     saves = BlockSaves(200, torch.zeros(N, dtype=torch.int64).numpy(), torch.arange(N).numpy(),
                        Locations.of([location(desc, i) for i in range(N)]))
-    with torch.cuda.stream(compute):
+    earlier, step = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(earlier):
+        torch.cuda._sleep(cycles_for_delay)  # work queued before the save: it copies after it
         w.bind(meta(desc, saves={0: saves}))  # a step saves the blocks earlier steps filled
         w.wait_for_save()  # and ends without waiting for the copies
+    with torch.cuda.stream(step if stream == "own" else torch.cuda.default_stream()):
         w.bind(meta(desc, fences={200}))  # the next step hands those blocks to another request
         for name, t in caches.items():
             t.view(torch.uint8).view(-1).copy_(other[name])  # whose forward writes them
@@ -239,6 +242,7 @@ def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker
     torch.cuda.synchronize()
     results = w.build_worker_meta()
     assert results is not None and results.saves[200].landed.all()
+    assert w.stats.totals.get("save_fences") == 1
     for i in range(N):
         assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], expected[i]), \
             f"block {i}: the save copied bytes the next step's forward wrote"

@@ -178,6 +178,7 @@ class _Tracked:
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
     computed: int = 0  # vLLM's computed tokens at the last save plan
+    prompt_expected: bool = False  # a dense prompt's saves were announced to the slot supply
     finished_at: float | None = None
     """When vLLM finished the request while blocks of it were unsaved, or still being copied:
     vLLM keeps its blocks until the scheduler knows they landed and reports the request
@@ -562,9 +563,10 @@ class SchedulerPart:
                 continue
             if t.finished_at is None and not t.request.num_output_tokens:
                 continue  # its first token is not out yet: no save of it delays that token
-            if not self.hybrid:
+            if not self.hybrid and not t.prompt_expected:
                 # once, from where its saves begin (vLLM's own cache may have held the prompt's
                 # start, or all of it); decode blocks take slots from the supply's stock
+                t.prompt_expected = True
                 t.expected_until = max(t.expected_until, self._saved_tokens(t))
                 self._expect_saves(t, t.request.num_prompt_tokens)
             rows = sum(len(rank.keys) for rank in saves)
@@ -645,6 +647,8 @@ class SchedulerPart:
         computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
         since, t.computed = min(t.computed, computed), computed
         hashed = len(req.block_hashes) * self._hash_bs
+        if not t.pending and all(min(computed, hashed) // self._bs[g] <= t.saved_blocks.get(g, 0) for g in self._attn):
+            return  # no block filled since the last plan (most decode steps)
         wanted: list[tuple[int, int, int, bytes]] = []  # rank, group, vLLM block id, key
         pending: list[tuple[int, int, int]] = []  # (group, rank, block index) of each
         for g in self._attn:

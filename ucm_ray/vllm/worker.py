@@ -25,9 +25,11 @@ waits for them, or on stream-ordered pools the compute stream does.
 Saves are taken late: ``bind`` posts, every layer at once, the attention blocks
 that earlier steps filled (their KV is written: the copies queue behind the
 compute stream's work so far, on their own stream; a copy thread's pools get them
-after the step's loads), and they move while this step and the next ones
-compute: no step waits for them. At each hook the host looks, without waiting,
-for jobs that landed (or missed their deadline) and reports their results. The
+after the step's loads). On stream-ordered pools they move while this step and
+the next ones compute: no step waits for them, and at each hook the host looks,
+without waiting, for jobs that landed (or missed their deadline) and reports
+their results. The copy thread's saves are waited for at the end of their step
+(that thread needs the GIL between copies: ``_poll_saves``). The
 scheduler plans a request's saves once its first token is out, so neither the
 copies nor the host work of saving delay a cold request's first token. (Saved in
 the same step, layer by layer, a cold 4k-token request on an H200 took 2.1x as
@@ -283,7 +285,7 @@ class WorkerPart:
     # --- per step ------------------------------------------------------------------------
 
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
-        self._poll_saves()
+        self._poll_saves(step_end=False)
         if meta.pools is not None:
             self._land_every_save()  # no copy may still use a mapping that closes now
             self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
@@ -412,16 +414,16 @@ class WorkerPart:
         if step.state_saves is not None:
             self._land_saves(self._post_saves(step.state_saves, step.deadline))
             step.state_saves = None
-        self._poll_saves()
+        self._poll_saves(step_end=True)
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
-        self._poll_saves()
+        self._poll_saves(step_end=True)
         out, self._results = self._results, UcmRayWorkerMetadata()
         return None if out.is_empty() else out
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending: their saves landed, finished receiving, of which failed)."""
-        self._poll_saves()
+        self._poll_saves(step_end=True)
         sending, done, failed = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return sending, done | failed, failed
@@ -481,16 +483,21 @@ class WorkerPart:
             saves.futures.append(self._copier.submit(self._move, saves.deadline, batch, True, self._compute_ready()))
             saves.threaded = {}
 
-    def _poll_saves(self) -> None:
+    def _poll_saves(self, *, step_end: bool) -> None:
         """Take the results of the save jobs that landed (or missed their deadline) since the
-        last look, without waiting for the others: the engine's steps go on while saves move.
-        In paranoid mode (``checksum``) every job lands before its step ends: its checksum is
-        taken from vLLM's blocks, which must still hold what was saved."""
+        last look, without waiting for those on stream-ordered pools: the engine's steps go on
+        while they move. At the end of a step (``step_end``) the host waits for the copy
+        thread's part of its jobs: that thread needs the GIL between its copies, and an engine
+        thread that runs Python meanwhile hands it over only every switch interval (5 ms), so a
+        save of 18 blocks took hundreds of steps to land; waiting, the host lets it run. In
+        paranoid mode (``checksum``) every job lands before its step ends: its checksum is taken
+        from vLLM's blocks, which must still hold what was saved."""
         for saves in self._saving:  # a step without ``start_load_kv`` (one that runs no tokens)
             self._hand_to_copier(saves)
         now = time.monotonic()
         landing = [saves for saves in self._saving
-                   if self._config.checksum or now >= saves.deadline or self._saves_done(saves)]
+                   if (step_end and (self._config.checksum or saves.futures)) or now >= saves.deadline
+                   or self._saves_done(saves)]
         for saves in landing:
             self._land_saves(saves)
         if landing:
