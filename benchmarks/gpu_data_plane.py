@@ -433,7 +433,7 @@ def ttft_profile(device: torch.device, quick: bool) -> TtftProfile:
         model = dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192,
                      vocab_size=2048, max_position_embeddings=32768, dtype="bfloat16")
         sizes = {"4k": 4096 + 8, "16k": 16384 + 8}
-        engine = dict(dtype="bfloat16", block_size=16, max_model_len=16384 + 256, enforce_eager=False,
+        engine = dict(dtype="bfloat16", block_size=16, max_model_len=16384 + 512, enforce_eager=False,
                       compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}, gpu_memory_utilization=0.2)
         if quick:
             sizes = {"4k": 4096 + 8}
@@ -521,7 +521,7 @@ def decode_rate(result: dict[str, Any]) -> float:
 
 
 def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
-         profile_dir: str | None = None, decode_tokens: int = 128) -> dict[str, Any]:
+         profile_dir: str | None = None, decode_tokens: int = 256) -> dict[str, Any]:
     """``profile_dir``: one more prompt per size, served cold by A and store-warm by B under
     torch's profiler (``profiled_engine_class``); traces go there, outside the medians.
     ``decode_tokens``: A and C also decode that many tokens of fresh prompts of each size (A's
@@ -538,8 +538,10 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                for j, (size, n) in enumerate(prof.sizes.items())}
     profiled = {size: synthetic_prompt(model, n, seed=100 * (j + 1) + 99)
                 for j, (size, n) in enumerate(prof.sizes.items())} if profile_dir else {}
-    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(prompts_per_size)]
-             for j, (size, n) in enumerate(prof.sizes.items())}  # decode: in no cache nor the store
+    # decode: prompts in no cache nor the store; more of them than TTFT prompts (a decode's rate
+    # varied by +-15% from one request to the next on the H200 host)
+    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(2 * prompts_per_size + 2)]
+             for j, (size, n) in enumerate(prof.sizes.items())}
     warmup = synthetic_prompt(model, 64, seed=9999)
     tokens = (sum(len(p) for ps in prompts.values() for p in ps) + sum(len(p) for p in profiled.values())
               + sum(len(p) + decode_tokens for ps in fresh.values() for p in ps))
@@ -666,7 +668,7 @@ def main() -> None:
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT cold / prefix hit / store-warm")
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
     ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
-    ap.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per prompt (decode_overhead_*)")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="tokens decoded per prompt (decode_overhead_*)")
     ap.add_argument("--model-dir", default=None, help="where the TTFT model is built (default .models/)")
     ap.add_argument("--profile-dir", default=None,
                     help="also serve one store-warm request per size under torch's profiler; traces go here")

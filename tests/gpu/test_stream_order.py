@@ -218,7 +218,7 @@ def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker
     ~0.3 s, on another stream) and the next step runs on a stream of its own: unordered, its
     write lands at once and the save copies the new bytes."""
     from ucm_ray.store.blockstore import Locations
-    from ucm_ray.vllm.metadata import BlockSaves
+    from ucm_ray.vllm.metadata import BlockSaves, UcmRayConnectorMetadata
 
     w, caches, desc = worker
     for i, t in enumerate(caches.values()):
@@ -235,7 +235,8 @@ def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker
         w.bind(meta(desc, saves={0: saves}))  # a step saves the blocks earlier steps filled
         w.wait_for_save()  # and ends without waiting for the copies
     with torch.cuda.stream(step if stream == "own" else torch.cuda.default_stream()):
-        w.bind(meta(desc, fences={200}))  # the next step hands those blocks to another request
+        # the next step (membership unchanged: no pools sent) hands those blocks to another request
+        w.bind(UcmRayConnectorMetadata(fences={200}))
         for name, t in caches.items():
             t.view(torch.uint8).view(-1).copy_(other[name])  # whose forward writes them
         w.wait_for_save()
