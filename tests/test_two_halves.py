@@ -722,6 +722,11 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
 
     def check(engine, meta) -> None:
         assert meta.fences <= set(sp._saves), "a fence named a save whose result was already in"
+        posted_now = {job.job_id for job in meta.saves.values()}
+        targets = [block for job in meta.loads.get(0, []) for block in job.blocks.block_ids.tolist()]
+        for job_id, job in sp._saves.items():  # a load into a block a save still reads waits for it
+            if job_id not in posted_now and set(job.block_ids.tolist()) & set(targets):
+                assert job_id in meta.fences, "a load target was not fenced"
         fenced.append(set(meta.fences))
 
     a.before_worker = check

@@ -148,6 +148,7 @@ class Engine:
         if self.before_worker is not None:
             self.before_worker(self, meta)
         worker = self.worker
+        worker.handle_preemptions(meta)  # as vLLM's model runner, before it touches new blocks
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         mismatched: dict[str, set[int]] = {}

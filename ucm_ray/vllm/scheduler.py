@@ -554,7 +554,7 @@ class SchedulerPart:
                 job.complete_in_start = job.complete_in_start or n_sched < self.recompute
                 meta.loads[rank].append(job)
             t.loads = None
-        meta.fences = self._fences(out)
+        meta.fences = self._fences(out, meta.loads)
         saves = [_SaveRows() for _ in self._ns]
         saving: list[str] = []  # requests with rows in this step's saves
         for req_id, t in self._tracked.items():
@@ -597,17 +597,18 @@ class SchedulerPart:
         self._observe_step(out, time.perf_counter() - started)
         return meta
 
-    def _fences(self, out: SchedulerOutput) -> set[int]:
-        """Save jobs still copying blocks that this step allocates again (a freed block of a
-        finished or preempted request): its forward and loads must wait for them. Blocks of
-        vLLM's own prefix hit on a new request are only read, and need no wait."""
+    def _fences(self, out: SchedulerOutput, loads: dict[int, list[LoadJob]]) -> set[int]:
+        """Save jobs still copying blocks that this step writes: blocks allocated again (a
+        preempted request's), and the targets of its loads (an asynchronous load's request is
+        not scheduled this step). A new request's computed prefix (vLLM's own hit, only read;
+        an external hit's blocks are load targets) needs no wait."""
         if not self._saves:
             return set()
-        allocated: list[int] = []
+        allocated: list[int] = [block_id for jobs in loads.values() for job in jobs
+                                for block_id in job.blocks.block_ids.tolist()]
         for new in out.scheduled_new_reqs:
-            t = self._tracked.get(new.req_id)
             for g, ids in enumerate(new.block_ids):
-                read_only = t.local_tokens // self._bs[g] if t is not None and g in self._attn else 0
+                read_only = new.num_computed_tokens // self._bs[g] if g in self._attn else 0
                 allocated.extend(ids[read_only:])
         for new_ids in out.scheduled_cached_reqs.new_block_ids:
             if new_ids is not None:

@@ -205,6 +205,8 @@ class _SavesPosted:
     threaded: _ByPool
     deadline: float
     posted_at: float = field(default_factory=time.perf_counter)
+    fenced: bool = False
+    """A step's stream already waits for it (``fence``)."""
 
 
 _Prepared = dict[PoolKey, PreparedCopies | None]
@@ -293,7 +295,7 @@ class WorkerPart:
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
         # the scheduler learned that their saves landed: vLLM may free their blocks now
         self._finished_sending |= meta.saved_requests
-        self._fence(meta.fences)
+        self.fence(meta.fences)  # where vLLM did not call ``handle_preemptions`` first
         saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
         deadline = time.monotonic() + self._config.transfer_timeout_s
         self._step = _StepState(loads=meta.loads.get(self._rank, []), deadline=deadline,
@@ -509,15 +511,19 @@ class WorkerPart:
             self._land_saves(saves)
         self._saving = []
 
-    def _fence(self, job_ids: Collection[int]) -> None:
+    def fence(self, job_ids: Collection[int]) -> None:
         """This step reuses blocks that these save jobs may still be reading (freed and
-        allocated again, say to a preempted or finished request's successor): the forward, and
-        the step's loads, must come after them. The compute stream waits for stream-ordered
-        copies on the device; the host waits for the copy thread's."""
-        fenced = [saves for saves in self._saving if saves.saves.job_id in job_ids]
+        allocated again, say to a preempted request's successor): whatever writes them must
+        come after the copies. vLLM calls ``handle_preemptions`` (this) before it zeroes or
+        copies into the step's new blocks, and before the forward and the step's loads. The
+        current stream waits for stream-ordered copies on the device; the host waits for the
+        copy thread's."""
+        fenced = [saves for saves in self._saving if saves.saves.job_id in job_ids and not saves.fenced]
         if not fenced:
             return
         self.stats.add(save_fences=len(fenced))
+        for saves in fenced:
+            saves.fenced = True
         host = [saves for saves in fenced
                 if saves.futures or saves.threaded or not all([self._order_compute(p) for p in saves.posted])]
         for saves in host:
