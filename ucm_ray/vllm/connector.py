@@ -172,7 +172,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         """Before vLLM writes this step's new blocks (zeroing, copy-on-write, loads, the
         forward): wait for saves still reading any of them (``fences``)."""
         assert isinstance(kv_connector_metadata, UcmRayConnectorMetadata)
-        self.worker_part.fence(kv_connector_metadata.fences)
+        self.worker_part.fence(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_part.start_load_kv()

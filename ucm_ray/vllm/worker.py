@@ -36,9 +36,10 @@ the same step, layer by layer, a cold 4k-token request on an H200 took 2.1x as
 long as without the connector, mostly host time per block and per layer.) Blocks
 stay put while a save reads them: a finished request's blocks are kept until
 the scheduler knows its saves landed, and a step that allocates a block again
-that a save may still be reading (its request was preempted) names that job in
-its ``fences``: the compute stream waits for it on the device (the host, for a
-copy thread's pools) before the forward and the step's loads. Mamba states are
+(or loads into one) that a save may still be reading (its request was preempted)
+names that job in its ``fences``: in ``handle_preemptions``, before vLLM zeroes
+or copies into the step's new blocks, the current stream waits for it on the
+device (the host, for a copy thread's pools). Mamba states are
 saved after the forward that computes them, in ``wait_for_save``, and waited
 for there: the next step overwrites them. Results go back per job through
 ``build_worker_meta``; the scheduler commits, frees and releases from them.
@@ -205,8 +206,6 @@ class _SavesPosted:
     threaded: _ByPool
     deadline: float
     posted_at: float = field(default_factory=time.perf_counter)
-    fenced: bool = False
-    """A step's stream already waits for it (``fence``)."""
 
 
 _Prepared = dict[PoolKey, PreparedCopies | None]
@@ -257,6 +256,7 @@ class WorkerPart:
         self._step = _StepState()
         self._saving: list[_SavesPosted] = []
         """Save jobs posted, not yet seen landed (oldest first): they outlive their step."""
+        self._fenced: UcmRayConnectorMetadata | None = None  # the step whose fences are in place
         self._results = UcmRayWorkerMetadata()
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()
@@ -295,7 +295,7 @@ class WorkerPart:
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
         # the scheduler learned that their saves landed: vLLM may free their blocks now
         self._finished_sending |= meta.saved_requests
-        self.fence(meta.fences)  # where vLLM did not call ``handle_preemptions`` first
+        self.fence(meta)  # where vLLM did not call ``handle_preemptions`` first
         saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
         deadline = time.monotonic() + self._config.transfer_timeout_s
         self._step = _StepState(loads=meta.loads.get(self._rank, []), deadline=deadline,
@@ -511,19 +511,20 @@ class WorkerPart:
             self._land_saves(saves)
         self._saving = []
 
-    def fence(self, job_ids: Collection[int]) -> None:
+    def fence(self, meta: UcmRayConnectorMetadata) -> None:
         """This step reuses blocks that these save jobs may still be reading (freed and
         allocated again, say to a preempted request's successor): whatever writes them must
         come after the copies. vLLM calls ``handle_preemptions`` (this) before it zeroes or
         copies into the step's new blocks, and before the forward and the step's loads. The
         current stream waits for stream-ordered copies on the device; the host waits for the
         copy thread's."""
-        fenced = [saves for saves in self._saving if saves.saves.job_id in job_ids and not saves.fenced]
+        if meta is self._fenced:
+            return  # ``handle_preemptions`` did, before ``bind``
+        self._fenced = meta
+        fenced = [saves for saves in self._saving if saves.saves.job_id in meta.fences]
         if not fenced:
             return
         self.stats.add(save_fences=len(fenced))
-        for saves in fenced:
-            saves.fenced = True
         host = [saves for saves in fenced
                 if saves.futures or saves.threaded or not all([self._order_compute(p) for p in saves.posted])]
         for saves in host:
