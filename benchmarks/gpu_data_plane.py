@@ -24,7 +24,8 @@ store-warm (a fresh engine B with the connector), B's own prefix-cache hit, and 
 prompts cold on an engine C without the connector, A and C side by side taking each prompt in
 turn (the tier's cost to a cold request, and whether any first token differs with and without
 it); then A and C decode fresh prompts the same way (what saves running beside decode cost).
-Prompts are 8 tokens past a block boundary so that A's repeat is a pure local hit (the store holds nothing beyond it).
+Prompts are 8 tokens past a block boundary so that A's repeat is a pure local hit (the store
+holds nothing beyond it).
 
 ``--profile-dir DIR`` also serves one more prompt per size under torch's profiler, cold on A
 and store-warm on B (every thread and CUDA stream; the trace kept to our code, vLLM's engine

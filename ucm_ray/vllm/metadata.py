@@ -100,8 +100,8 @@ class UcmRayConnectorMetadata(KVConnectorMetadata):
     """Finished requests whose blocks vLLM kept for their saves, all of which the scheduler knows
     landed: reported ``finished_sending`` at once (vLLM frees the blocks)."""
     fences: set[int] = field(default_factory=set)
-    """Save jobs (earlier steps') still copying blocks that this step allocated again: its
-    forward and its loads must come after their copies."""
+    """Save jobs (earlier steps') still copying blocks that this step writes (allocated again,
+    or load targets): vLLM's zeroing, its loads and its forward must come after their copies."""
     pools: Mapping[PoolKey, PoolDescriptor] | None = None
     """Every live pool, sent when membership changed since the last step (None: unchanged).
     A worker closes the mapping of any pool not listed (a dead shard, an old incarnation)."""

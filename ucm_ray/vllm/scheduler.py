@@ -569,10 +569,7 @@ class SchedulerPart:
                 t.prompt_expected = True
                 t.expected_until = max(t.expected_until, self._saved_tokens(t))
                 self._expect_saves(t, t.request.num_prompt_tokens)
-            rows = sum(len(rank.keys) for rank in saves)
-            if t.block_ids:
-                self._plan_saves(t, saves)
-            if sum(len(rank.keys) for rank in saves) > rows:
+            if t.block_ids and self._plan_saves(t, saves):
                 saving.append(req_id)
         states = [_SaveRows() for _ in self._ns]
         for req_id, n_sched in out.num_scheduled_tokens.items():
@@ -640,16 +637,17 @@ class SchedulerPart:
                 for group, ids in enumerate(new_ids):
                     t.block_ids[group].extend(ids)
 
-    def _plan_saves(self, t: _Tracked, saves: list[_SaveRows]) -> None:
+    def _plan_saves(self, t: _Tracked, saves: list[_SaveRows]) -> bool:
         """Blocks that the steps before this one filled (and hashed), copied while this one runs;
         blocks still pending (no slot yet, or recomputed after a failed load) first. Their owners
-        are placed in one call for the whole request (not one per block)."""
+        are placed in one call for the whole request (not one per block). Whether any block of
+        it is in this step's saves."""
         req = t.request
         computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
         since, t.computed = min(t.computed, computed), computed
         hashed = len(req.block_hashes) * self._hash_bs
         if not t.pending and all(min(computed, hashed) // self._bs[g] <= t.saved_blocks.get(g, 0) for g in self._attn):
-            return  # no block filled since the last plan (most decode steps)
+            return False  # no block filled since the last plan (most decode steps)
         wanted: list[tuple[int, int, int, bytes]] = []  # rank, group, vLLM block id, key
         pending: list[tuple[int, int, int]] = []  # (group, rank, block index) of each
         for g in self._attn:
@@ -665,7 +663,7 @@ class SchedulerPart:
                     pending.append((g, rank, i))
             t.saved_blocks[g] = max(first, full)
         if not wanted:
-            return
+            return False
         bound = self._bind(saves, wanted)
         waiting = 0
         for block, ok in zip(pending, bound.tolist()):
@@ -676,6 +674,7 @@ class SchedulerPart:
                 t.pending[block] = True
         if waiting:
             self.stats.add(saves_skipped=waiting)
+        return bool(bound.any())
 
     def _plan_states(self, t: _Tracked, end: int, saves: list[_SaveRows]) -> None:
         """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
