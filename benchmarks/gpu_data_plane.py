@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from data_plane import best  # noqa: E402  # this folder: the same best-of-N timer
+from ttft import in_turn  # noqa: E402  # and the same side-by-side order of engines
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
@@ -505,17 +506,6 @@ def ttft_of(result: dict[str, Any]) -> float:
     return result["ttft"] if result.get("ttft") else result["seconds"]
 
 
-def side_by_side(engines: dict[str, Any], items: list, measure: Any) -> dict[str, list]:
-    """Per item, each engine once, the order alternating from item to item (the host's and the
-    GPU's drift between minutes lands on both alike): each engine's results in item order."""
-    names = list(engines)
-    out: dict[str, list] = {name: [] for name in names}
-    for i, item in enumerate(items):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            out[name].append(measure(engines[name], item))
-    return out
-
-
 def decode_rate(result: dict[str, Any]) -> float:
     """Tokens per second after the first one: ``(tokens - 1) / (seconds - TTFT)``."""
     return (len(result["tokens"]) - 1) / (result["seconds"] - ttft_of(result))
@@ -574,7 +564,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         cold, plain = {}, {}
         for s, ps in prompts.items():
             before = ray.get(a.connector_totals.remote())["scheduler"]
-            got = side_by_side(pair, ps, lambda engine, p: ray.get(engine.generate.remote(p, 1)))
+            got = in_turn(pair, ps, lambda engine, p: ray.get(engine.generate.remote(p, 1)))
             cold[s], plain[s] = got["A"], got["C"]
             after = ray.get(a.connector_totals.remote())["scheduler"]
             # the connector's scheduler hooks' host time (lookups, plans, results), per request
@@ -584,7 +574,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
         decode: dict[str, dict[str, list]] = {}
         for s, ps in fresh.items():
-            decode[s] = side_by_side(pair, ps, lambda engine, p: ray.get(
+            decode[s] = in_turn(pair, ps, lambda engine, p: ray.get(
                 engine.generate.remote(p, decode_tokens, ignore_eos=True)))
             log.info("%s decode tok/s: A %s, C %s", s, [round(decode_rate(r), 1) for r in decode[s]["A"]],
                      [round(decode_rate(r), 1) for r in decode[s]["C"]])

@@ -75,18 +75,25 @@ def decode_rate(engine: Any, prompt: list[int], probe: list[int], new_tokens: in
     return (produced - 1) / decode_s
 
 
-def interleaved(engines: dict[str, Any], items: list, measure: Callable[[Any, Any], float]) -> dict[str, float]:
+def in_turn(engines: dict[str, Any], items: list, measure: Callable[[Any, Any], Any]) -> dict[str, list]:
     """Per item, every system's engine once, the order rotating from item to item, so the box's
-    drift (tens of percent between minutes here) falls on every system alike: the median per
-    system, items that gave no figure left out."""
+    drift (tens of percent between minutes here) falls on every system alike: each system's
+    results in item order."""
     names = list(engines)
-    got: dict[str, list[float]] = {name: [] for name in names}
+    got: dict[str, list] = {name: [] for name in names}
     for i, item in enumerate(items):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            value = measure(engines[name], item)
-            if not math.isnan(value):
-                got[name].append(value)
-    return {name: statistics.median(values) if values else math.nan for name, values in got.items()}
+            got[name].append(measure(engines[name], item))
+    return got
+
+
+def interleaved(engines: dict[str, Any], items: list, measure: Callable[[Any, Any], float]) -> dict[str, float]:
+    """``in_turn``'s median per system, items that gave no figure left out."""
+    medians = {}
+    for name, values in in_turn(engines, items, measure).items():
+        figures = [value for value in values if not math.isnan(value)]
+        medians[name] = statistics.median(figures) if figures else math.nan
+    return medians
 
 
 def run_systems(systems: dict[str, dict | None], model: str, prompts: list[list[int]],
