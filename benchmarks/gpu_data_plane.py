@@ -486,6 +486,80 @@ def profiled_engine_class():
             result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
             return result
 
+        def generate_timed(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+            """A request served (up to its last token) with the engine's step parts and every
+            connector hook timed (``perf_counter`` around each, no profiler), and Python's
+            garbage collections:
+            ``result["timed"]`` maps a part to ``[seconds, calls]``; ``engine.step`` counts
+            the steps. Which parts an engine with the connector spends more host time in."""
+            import gc
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+            engine = self.llm.llm_engine
+            core = engine.engine_core.engine_core
+            spent: dict[str, list[float]] = {}
+            restore: list[tuple[Any, str, Any]] = []
+
+            def timed(owner: Any, name: str, label: str) -> None:
+                if owner is None or not hasattr(owner, name):
+                    return
+                original = getattr(owner, name)
+                spent[label] = [0.0, 0]
+
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    started = time.perf_counter()
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        entry = spent[label]
+                        entry[0] += time.perf_counter() - started
+                        entry[1] += 1
+
+                restore.append((owner, name, owner.__dict__.get(name, restore)))
+                setattr(owner, name, call)
+
+            timed(engine, "step", "engine.step")
+            timed(core, "step_fn", "core.step")
+            timed(core.scheduler, "schedule", "scheduler.schedule")
+            timed(core.scheduler, "update_from_output", "scheduler.update_from_output")
+            timed(core.model_executor, "execute_model", "executor.execute_model")
+            timed(core.model_executor, "sample_tokens", "executor.sample_tokens")
+            timed(engine.output_processor, "process_outputs", "frontend.process_outputs")
+            timed(engine.logger_manager, "record", "frontend.stat_loggers")
+            for part, connector in (("scheduler", core.scheduler.connector),
+                                    ("worker", get_kv_transfer_group() if has_kv_transfer_group() else None)):
+                for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                             "update_connector_output", "request_finished", "get_kv_connector_stats",
+                             "take_events", "handle_preemptions", "bind_connector_metadata", "start_load_kv",
+                             "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+                             "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
+                             "clear_connector_metadata"):
+                    timed(connector, hook, f"{part}.{hook}")
+            collecting: dict[str, float] = {}
+
+            def on_gc(phase: str, info: dict[str, int]) -> None:
+                if phase == "start":
+                    collecting["at"] = time.perf_counter()
+                elif "at" in collecting:
+                    entry = spent.setdefault(f"gc.gen{info['generation']}", [0.0, 0])
+                    entry[0] += time.perf_counter() - collecting.pop("at")
+                    entry[1] += 1
+
+            gc.callbacks.append(on_gc)
+            try:
+                result = self.generate(prompt_ids, max_tokens, ignore_eos=True, flush=False)
+            finally:
+                gc.callbacks.remove(on_gc)
+                for owner, name, before in reversed(restore):
+                    if before is restore:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, before)
+            self._flush()  # untimed: the steps after the request's last token
+            result["timed"] = spent
+            return result
+
         def decode_cprofiled(self, prompt_ids: list[int], max_tokens: int, stats_path: str) -> dict[str, Any]:
             """A decode under cProfile (the engine loop's own thread), its stats dumped to
             ``stats_path``: which host work per step an engine with the connector adds."""
@@ -502,6 +576,46 @@ def profiled_engine_class():
     return ProfiledEngine
 
 
+def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_tokens: int) -> dict[str, Any]:
+    """One more cold request and one more decode per size, on A and C, each part of the
+    engine's step and each connector hook timed (``generate_timed``): a table per request in
+    the log (per step for a decode, per request for a cold one), and in the results A's extra
+    host time per decode step, the part of it in the connector's hooks, and the engine steps
+    each cold request took to its first token (a lookup answered late costs one)."""
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    out: dict[str, Any] = {}
+    for j, (size, n) in enumerate(prof.sizes.items()):
+        for kind, max_tokens in (("cold", 1), ("decode", decode_tokens)):
+            prompt = synthetic_prompt(model, n, seed=100 * (j + 1) + 77 + max_tokens)
+            got = {label: ray.get(engine.generate_timed.remote(prompt, max_tokens)) for label, engine in pair.items()}
+            timed = {label: r["timed"] for label, r in got.items()}
+            steps = {label: max(1, int(parts["engine.step"][1])) for label, parts in timed.items()}
+            unit = "ms per request" if kind == "cold" else "us per step"
+            scale = {label: 1e3 if kind == "cold" else 1e6 / steps[label] for label in timed}
+            rows = []
+            for part in sorted(set(timed["A"]) | set(timed["C"])):
+                values = {label: timed[label].get(part, [0.0, 0]) for label in timed}
+                if not values["A"][1] and not values["C"][1]:
+                    continue  # a hook of the other role
+                rows.append(f"  {part:<44} A {values['A'][0] * scale['A']:9.1f} ({int(values['A'][1]):5d})"
+                            f"   C {values['C'][0] * scale['C']:9.1f} ({int(values['C'][1]):5d})")
+            log.info("%s %s timed parts, %s (calls), A %d steps, C %d steps, TTFT A %.1f ms C %.1f ms:\n%s",
+                     size, kind, unit, steps["A"], steps["C"], ttft_of(got["A"]) * 1e3, ttft_of(got["C"]) * 1e3,
+                     "\n".join(rows))
+            hooks = sum(v[0] for part, v in timed["A"].items() if part.startswith(("scheduler.", "worker.")))
+            if kind == "cold":
+                out[f"cold_{size}_steps_to_first_token_a"] = steps["A"]
+                out[f"cold_{size}_steps_to_first_token_c"] = steps["C"]
+                out[f"cold_{size}_connector_hooks_ms"] = hooks * 1e3
+            else:
+                step_us = {label: 1e6 * timed[label]["engine.step"][0] / steps[label] for label in timed}
+                out[f"decode_{size}_step_us_a"] = step_us["A"]
+                out[f"decode_{size}_step_us_c"] = step_us["C"]
+                out[f"decode_{size}_connector_hooks_us_per_step"] = 1e6 * hooks / steps["A"]
+    return out
+
+
 def ttft_of(result: dict[str, Any]) -> float:
     return result["ttft"] if result.get("ttft") else result["seconds"]
 
@@ -512,11 +626,13 @@ def decode_rate(result: dict[str, Any]) -> float:
 
 
 def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
-         profile_dir: str | None = None, decode_tokens: int = 256) -> dict[str, Any]:
+         profile_dir: str | None = None, decode_tokens: int = 256, step_timing: bool = False) -> dict[str, Any]:
     """``profile_dir``: one more prompt per size, served cold by A and store-warm by B under
     torch's profiler (``profiled_engine_class``); traces go there, outside the medians.
     ``decode_tokens``: A and C also decode that many tokens of fresh prompts of each size (A's
-    saves of the prompt and of the decoded blocks run meanwhile): ``decode_overhead_<size>``."""
+    saves of the prompt and of the decoded blocks run meanwhile): ``decode_overhead_<size>``.
+    ``step_timing``: then one cold request and one decode more per size, timed part by part
+    (``timed_parts``), outside the medians."""
     from ucm_ray.demo import kv_transfer_config
     from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
@@ -584,6 +700,8 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                 path = os.path.join(profile_dir, f"decode_{label}.prof")
                 rate = decode_rate(ray.get(engine.decode_cprofiled.remote(probe, decode_tokens, path)))
                 log.info("decode of engine %s under cProfile: %.1f tok/s, stats in %s", label, rate, path)
+        if step_timing:
+            res.update(timed_parts(pair, model, prof, decode_tokens))
         ray.kill(plain_engine)
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
@@ -663,6 +781,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None, help="where the TTFT model is built (default .models/)")
     ap.add_argument("--profile-dir", default=None,
                     help="also serve one store-warm request per size under torch's profiler; traces go here")
+    ap.add_argument("--step-timing", action="store_true",
+                    help="also time each part of A's and C's engine steps (connector hooks, GC) on one more "
+                         "cold request and decode per size")
     ap.add_argument("--shards", type=int, default=1, help="shards of the data-plane fleet")
     ap.add_argument("--blocks", type=int, default=None, help="entries moved per pass (default 256; quick 8)")
     args = ap.parse_args()
@@ -693,7 +814,7 @@ def main() -> None:
             if args.profile_dir:
                 os.makedirs(args.profile_dir, exist_ok=True)
             results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir, args.profile_dir,
-                                args.decode_tokens))
+                                args.decode_tokens, args.step_timing))
             log.info("TTFT measured in %.1f s", time.perf_counter() - t)
     finally:
         ray.shutdown()

@@ -55,10 +55,11 @@ class Engine:
         self.llm = LLM(**kwargs)
 
     def generate(self, prompt_ids: list[int], max_tokens: int = 8, logprobs: bool = False,
-                 ignore_eos: bool = False) -> dict[str, Any]:
+                 ignore_eos: bool = False, flush: bool = True) -> dict[str, Any]:
         """Greedy tokens; with ``logprobs`` also each sampled token's logprob (a finer check than
         the tokens: a slightly wrong state or KV block often leaves the argmax unchanged);
-        ``ignore_eos``: all ``max_tokens`` (a decode benchmark's random model may stop early)."""
+        ``ignore_eos``: all ``max_tokens`` (a decode benchmark's random model may stop early);
+        ``flush=False``: return at the last token, the request's saves left to later steps."""
         from vllm import SamplingParams
 
         t = time.perf_counter()
@@ -68,7 +69,8 @@ class Engine:
         result = {"tokens": list(out.outputs[0].token_ids), "seconds": time.perf_counter() - t,
                   "cached": out.num_cached_tokens,
                   "ttft": out.metrics.first_token_latency if out.metrics is not None else None}
-        self._flush()
+        if flush:
+            self._flush()
         if logprobs:
             result["logprobs"] = [step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, result["tokens"])]
         return result
