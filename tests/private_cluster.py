@@ -86,6 +86,10 @@ def _main(spec: dict[str, Any]) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
+    # Ray writes each added node's cluster address under its default temp dir (/tmp/ray), which a
+    # fresh machine lacks until some other Ray run made it: keep that file in ours, too.
+    os.environ["RAY_TMPDIR"] = spec["temp_dir"]
+    os.makedirs(os.path.join(spec["temp_dir"], "ray"), exist_ok=True)
     cluster = Cluster()
     for i, node in enumerate(spec["nodes"]):
         cluster.add_node(node_ip_address="127.0.0.1", metrics_export_port=spec["metrics_ports"][i],
