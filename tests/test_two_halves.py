@@ -25,6 +25,7 @@ from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayWorkerMetadata
+from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -316,13 +317,48 @@ def test_micro_batching_is_refused_at_start_up(micro_batches):
 
 def test_the_scheduler_reports_its_host_time_per_step_that_runs_tokens(store, model_dir):
     """``schedule_seconds``: the connector's host time in its scheduler hooks, once per step that
-    runs tokens (what a host-bound forward waits for); steps that run nothing are not counted."""
+    runs tokens and gave it work (what a host-bound forward waits for); steps that run nothing
+    are not counted."""
     a = make_engine(store.client(), model_dir)
-    a.serve("A", prompt(2048), max_tokens=2)  # the prefill, then one decode step
+    a.serve("A", prompt(2048), max_tokens=2)  # the prefill (a lookup), then a decode step (saves)
     totals = a.stats()
     assert totals["schedule_seconds_count"] == 2 and totals["schedule_seconds"] > 0
     a.settle()  # steps with nothing to run (their hooks' time goes to the next step that runs)
     assert a.steps > 2 and a.stats()["schedule_seconds_count"] == 2
+
+
+def test_decode_steps_without_connector_work_hand_vllm_no_stats(store, model_dir):
+    """A decode step in which the connector has nothing to do (no lookup, save, load or result)
+    records nothing, so vLLM has no connector stats to aggregate, log and export for it: that
+    cost every decode step more host time than the connector's own hooks."""
+    a = make_engine(store.client(), model_dir)
+    a.serve("A", prompt(2048), max_tokens=60)  # 60 steps run tokens, no generated block fills
+    # the prefill (a lookup), the steps saving the prompt (those of its blocks whose slots came
+    # a step late, the next), the steps taking those saves' results
+    assert a.stats()["schedule_seconds_count"] <= 5
+
+
+def test_generated_blocks_are_saved_in_batches_and_the_rest_when_the_request_ends(store, model_dir):
+    """Blocks a request generates are saved DECODE_SAVE_TOKENS at a time and the remainder once
+    it finishes (each save job costs the engine host time), and another engine then finds the
+    whole conversation, generated blocks included."""
+    a = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    p = prompt(200, seed=21)
+    request = a.add("A", p, max_tokens=700)
+    a.run(request)
+    a.settle()
+    generated = 200 + 700 - 1  # the last token is sampled, never computed
+    stats = a.stats()
+    assert stats["saved_blocks"] == generated // 16 and stats.get("saves_dropped", 0) == 0
+    # a job each: the prompt's 12 blocks at its first token (and those whose slots came a step
+    # late, the next step), 2 batches of 16 generated ones and the other 12 at the end (a job
+    # per filled block: 45)
+    batches = -(-(generated // 16 - 200 // 16) // (DECODE_SAVE_TOKENS // 16))
+    assert 1 + batches <= stats["save_seconds_count"] <= 2 + batches
+    b = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    conversation = p + list(request.output_token_ids)[:-1]
+    assert b.serve("B", conversation + [11, 12, 13])[0] == generated // 16 * 16
+    assert b.wrong_blocks == 0
 
 
 def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(store, model_dir):

@@ -29,10 +29,10 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, SlotGrant
+from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, Pools, SlotGrant
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,13 @@ class _Renewal:
     answer: Pending[set[tuple[PoolKey, int]]]
 
 
-DEMAND_DECAY = 0.9
-"""Per step: how fast the remembered demand of a slot class fades once saves slow down."""
+DEMAND_HALF_LIFE_S = 0.02
+"""How fast the remembered demand of a slot class fades once saves slow down: it halves every
+this many seconds (about ten decode steps of a small model)."""
+QUIET_TICK_S = 0.05
+"""How often a tick with nothing to collect, give back or count (most decode steps) still looks
+at baselines, renewals and idle slots: those move on a scale of seconds, and a full tick on
+every ~2 ms decode step cost the engine's host tens of microseconds a step."""
 
 
 class SlotSupply:
@@ -99,6 +104,7 @@ class SlotSupply:
         self._renewing: _Renewal | None = None
         self._returning: list[Pending[list[bool]]] = []
         self._sizes: set[int] = set()
+        self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -126,9 +132,18 @@ class SlotSupply:
 
     # --- per step ------------------------------------------------------------------------
 
-    def tick(self, live: Collection[PoolKey]) -> None:
+    def tick(self, pools: Pools) -> None:
         """Collect grants that arrived, keep baselines, renew what we hold, give back what
-        sat idle. Never blocks. ``live``: the current pools (the caller's view this step)."""
+        sat idle. Never blocks. ``pools``: the caller's view of the fleet this step. A step
+        that took no slot, with no answer awaited, does this at most every QUIET_TICK_S."""
+        now = self._clock()
+        if (not (self._asks or self._used or self._excess or self._returning or self._renewing)
+                and self._ticked is not None and self._ticked[0] == pools.version
+                and now - self._ticked[1] < QUIET_TICK_S):
+            return
+        fade = 0.5 ** ((now - self._ticked[1]) / DEMAND_HALF_LIFE_S) if self._ticked is not None else 1.0
+        self._ticked = (pools.version, now)
+        live = pools.descriptors.keys()
         arrived = [ask for ask in self._asks if ask.answer.poll()]
         self._asks = [ask for ask in self._asks if ask not in arrived]
         for ask in arrived:
@@ -145,11 +160,10 @@ class SlotSupply:
                 del self._excess[slot_class]  # nothing more of it is on its way
             else:
                 self._excess[slot_class] = count - back
-        now = self._clock()
         for pool in live:
             for size in self._sizes:
                 slot_class = (pool, size)
-                demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * DEMAND_DECAY)
+                demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * fade)
                 self._demand[slot_class] = demand
                 base = min(self._max_free, math.ceil(1.5 * demand) + 1)
                 have = self.free_slots(slot_class) + self._asked(slot_class)

@@ -106,6 +106,11 @@ class UcmRayConnectorMetadata(KVConnectorMetadata):
     """Every live pool, sent when membership changed since the last step (None: unchanged).
     A worker closes the mapping of any pool not listed (a dead shard, an old incarnation)."""
 
+    def carries_work(self) -> bool:
+        """Whether the workers have anything to do for this step beyond looking at their copies."""
+        return bool(any(self.loads.values()) or self.saves or self.state_saves or self.saved_requests
+                    or self.fences or self.pools is not None)
+
 
 @dataclass(eq=False)
 class SaveResult:

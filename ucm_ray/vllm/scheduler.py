@@ -82,6 +82,14 @@ then they are dropped (``saves_dropped``) and vLLM frees the blocks. A grant tak
 dropped 2 of its 4 blocks."""
 
 
+DECODE_SAVE_TOKENS = 256
+"""Tokens a request generates before their blocks are saved, as one job (the rest at its end):
+every save job costs the engine host time (planning, posting the copies, the results and their
+commit: ~0.3 ms per job on an H200 host), and a decode step of a small model takes ~2 ms of
+host time, so saving each 16-token block as it filled cost decode several percent. A prompt's
+blocks are saved as soon as its first token is out, whatever their number."""
+
+
 def _host_timed(hook: Callable[..., Any]) -> Callable[..., Any]:
     """A scheduler hook whose host time counts toward the step's ``schedule_seconds``."""
     @functools.wraps(hook)
@@ -539,7 +547,7 @@ class SchedulerPart:
         started = time.perf_counter()
         self._collect_answers()
         pools = self._store.pools()
-        self._slots.tick(pools.descriptors.keys())
+        self._slots.tick(pools)
         meta = UcmRayConnectorMetadata(loads={r: [] for r in range(len(self._ns))})
         if pools.version != self._pools_sent:
             meta.pools = dict(pools.descriptors)
@@ -591,7 +599,7 @@ class SchedulerPart:
                                                                    or now - t.finished_at > HOLD_S):
                 meta.saved_requests.add(req_id)
                 self._drop(req_id)
-        self._observe_step(out, time.perf_counter() - started)
+        self._observe_step(out, meta, time.perf_counter() - started)
         return meta
 
     def _fences(self, out: SchedulerOutput, loads: dict[int, list[LoadJob]]) -> set[int]:
@@ -646,8 +654,10 @@ class SchedulerPart:
         computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
         since, t.computed = min(t.computed, computed), computed
         hashed = len(req.block_hashes) * self._hash_bs
-        if not t.pending and all(min(computed, hashed) // self._bs[g] <= t.saved_blocks.get(g, 0) for g in self._attn):
-            return False  # no block filled since the last plan (most decode steps)
+        if not t.pending and (t.finished_at is None and self._decode_batch_open(t, min(computed, hashed))):
+            if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 4:
+                self._expect_saves(t, hashed)  # slots for the batch, asked for as its blocks fill
+            return False  # no block filled since the last plan, or too few past the prompt yet
         wanted: list[tuple[int, int, int, bytes]] = []  # rank, group, vLLM block id, key
         pending: list[tuple[int, int, int]] = []  # (group, rank, block index) of each
         for g in self._attn:
@@ -675,6 +685,18 @@ class SchedulerPart:
         if waiting:
             self.stats.add(saves_skipped=waiting)
         return bool(bound.any())
+
+    def _decode_batch_open(self, t: _Tracked, filled: int) -> bool:
+        """Whether the request's blocks filled up to token ``filled`` wait: no block filled since
+        the last plan, or every prompt block is planned and fewer than DECODE_SAVE_TOKENS'
+        worth of generated ones are full (a running request's; a finished one saves the rest)."""
+        for g in self._attn:
+            bs, first = self._bs[g], t.saved_blocks.get(g, 0)
+            full = filled // bs
+            if full > first and (first < t.request.num_prompt_tokens // bs
+                                 or full - first >= max(1, DECODE_SAVE_TOKENS // bs)):
+                return False
+        return True
 
     def _plan_states(self, t: _Tracked, end: int, saves: list[_SaveRows]) -> None:
         """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
@@ -704,13 +726,17 @@ class SchedulerPart:
         return (any(computed // self._bs[g] > t.saved_blocks.get(g, 0) for g in self._attn)
                 or any(t.pending.values()) or bool(t.save_jobs))
 
-    def _observe_step(self, out: SchedulerOutput, plan_s: float) -> None:
-        """``schedule_seconds`` of a step that runs tokens: the connector's host time since the
-        last step's plan (lookups, allocations, this plan, the last step's results). A forward
-        that is host-bound waits for all of it."""
+    def _observe_step(self, out: SchedulerOutput, meta: UcmRayConnectorMetadata, plan_s: float) -> None:
+        """``schedule_seconds`` of a step that runs tokens and in which the connector had work:
+        its host time since the last step's plan (lookups, allocations, finished requests, the
+        last step's results, this plan). A forward that is host-bound waits for all of it. A
+        step without work (most decode steps) records nothing: vLLM then has no stats of ours
+        to aggregate and export, which cost a decode step more than the hooks themselves."""
+        worked = self._host_s > 0.0 or meta.carries_work()
         self._host_s += plan_s
         if out.total_num_scheduled_tokens > 0:
-            self.stats.observe("schedule_seconds", self._host_s)
+            if worked:
+                self.stats.observe("schedule_seconds", self._host_s)
             self._host_s = 0.0
 
     def _bind(self, saves: list[_SaveRows], rows: list[tuple[int, int, int, bytes]]) -> np.ndarray:
@@ -764,11 +790,13 @@ class SchedulerPart:
 
     # --- results from the workers --------------------------------------------------------
 
-    @_host_timed
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         results = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(results, UcmRayWorkerMetadata):
-            return
+        if isinstance(results, UcmRayWorkerMetadata):  # None: a step whose workers had nothing to say
+            self._take_results(results)
+
+    @_host_timed
+    def _take_results(self, results: UcmRayWorkerMetadata) -> None:
         for pool in results.failed_pools:
             self._store.suspect(pool)
             self._slots.abandon_pool(pool)
@@ -837,6 +865,8 @@ class SchedulerPart:
 
     def _collect_answers(self) -> None:
         """Check what the shards said to our commits, releases and removals (never waits)."""
+        if not (self._answers or self._orphans or self._saves or self._loads):
+            return  # most decode steps
         still = []
         for kind, answer in self._answers:
             if not answer.poll():

@@ -72,9 +72,10 @@ DURATIONS: dict[str, str] = {
     "save_seconds": "Per save job (a step's saves on one worker): from posting its copies to the worker "
                     "seeing them all landed, at one of its next hooks. The engine waits for none of it, unless a "
                     "step reuses blocks still being copied (save_fences).",
-    "schedule_seconds": "Per scheduler step that runs tokens: host time in the connector's scheduler hooks "
-                        "since the previous step's plan (lookups and their waits, allocations, this step's "
-                        "plan, the previous step's results).",
+    "schedule_seconds": "Per scheduler step that runs tokens and gives the connector work (a lookup, an "
+                        "allocation, a finished request, loads or saves to plan, workers' results): host time "
+                        "in the connector's scheduler hooks since the previous step's plan. Decode steps with "
+                        "none of that (most) record nothing.",
 }
 """Every duration the connector may record (``observe``), exported as histograms."""
 
