@@ -489,9 +489,9 @@ def profiled_engine_class():
         def generate_timed(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
             """A request served (up to its last token) with the engine's step parts and every
             connector hook timed (``perf_counter`` around each, no profiler), and Python's
-            garbage collections:
-            ``result["timed"]`` maps a part to ``[seconds, calls]``; ``engine.step`` counts
-            the steps. Which parts an engine with the connector spends more host time in."""
+            garbage collections: ``result["timed"]`` maps a part (``vllm.*``, ``ours.*``,
+            ``gc.*``) to the seconds of each call; ``vllm.engine_step`` has one per step.
+            Which parts an engine with the connector spends more host time in."""
             import gc
 
             from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -505,28 +505,26 @@ def profiled_engine_class():
                 if owner is None or not hasattr(owner, name):
                     return
                 original = getattr(owner, name)
-                spent[label] = [0.0, 0]
+                calls = spent[label] = []
 
                 def call(*args: Any, **kwargs: Any) -> Any:
                     started = time.perf_counter()
                     try:
                         return original(*args, **kwargs)
                     finally:
-                        entry = spent[label]
-                        entry[0] += time.perf_counter() - started
-                        entry[1] += 1
+                        calls.append(time.perf_counter() - started)
 
                 restore.append((owner, name, owner.__dict__.get(name, restore)))
                 setattr(owner, name, call)
 
-            timed(engine, "step", "engine.step")
-            timed(core, "step_fn", "core.step")
-            timed(core.scheduler, "schedule", "scheduler.schedule")
-            timed(core.scheduler, "update_from_output", "scheduler.update_from_output")
-            timed(core.model_executor, "execute_model", "executor.execute_model")
-            timed(core.model_executor, "sample_tokens", "executor.sample_tokens")
-            timed(engine.output_processor, "process_outputs", "frontend.process_outputs")
-            timed(engine.logger_manager, "record", "frontend.stat_loggers")
+            for owner, name, label in ((engine, "step", "engine_step"), (core, "step_fn", "core_step"),
+                                       (core.scheduler, "schedule", "schedule"),
+                                       (core.scheduler, "update_from_output", "update_from_output"),
+                                       (core.model_executor, "execute_model", "execute_model"),
+                                       (core.model_executor, "sample_tokens", "sample_tokens"),
+                                       (engine.output_processor, "process_outputs", "process_outputs"),
+                                       (engine.logger_manager, "record", "stat_loggers")):
+                timed(owner, name, f"vllm.{label}")
             for part, connector in (("scheduler", core.scheduler.connector),
                                     ("worker", get_kv_transfer_group() if has_kv_transfer_group() else None)):
                 for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -535,16 +533,15 @@ def profiled_engine_class():
                              "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
                              "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
                              "clear_connector_metadata"):
-                    timed(connector, hook, f"{part}.{hook}")
+                    timed(connector, hook, f"ours.{part}.{hook}")
             collecting: dict[str, float] = {}
 
             def on_gc(phase: str, info: dict[str, int]) -> None:
                 if phase == "start":
                     collecting["at"] = time.perf_counter()
                 elif "at" in collecting:
-                    entry = spent.setdefault(f"gc.gen{info['generation']}", [0.0, 0])
-                    entry[0] += time.perf_counter() - collecting.pop("at")
-                    entry[1] += 1
+                    took = time.perf_counter() - collecting.pop("at")
+                    spent.setdefault(f"gc.gen{info['generation']}", []).append(took)
 
             gc.callbacks.append(on_gc)
             try:
@@ -579,9 +576,10 @@ def profiled_engine_class():
 def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_tokens: int) -> dict[str, Any]:
     """One more cold request and one more decode per size, on A and C, each part of the
     engine's step and each connector hook timed (``generate_timed``): a table per request in
-    the log (per step for a decode, per request for a cold one), and in the results A's extra
-    host time per decode step, the part of it in the connector's hooks, and the engine steps
-    each cold request took to its first token (a lookup answered late costs one)."""
+    the log (a cold one's parts in ms per request; a decode's in us per step, and the median
+    call, which is a step without saves), and in the results the decode steps' mean host time
+    on A and C and the part of A's in our hooks, the cold requests' time in our hooks, and the
+    engine steps each took to its first token (a lookup answered late costs one)."""
     from ucm_ray.tiny_model import synthetic_prompt
 
     out: dict[str, Any] = {}
@@ -590,29 +588,31 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
             prompt = synthetic_prompt(model, n, seed=100 * (j + 1) + 77 + max_tokens)
             got = {label: ray.get(engine.generate_timed.remote(prompt, max_tokens)) for label, engine in pair.items()}
             timed = {label: r["timed"] for label, r in got.items()}
-            steps = {label: max(1, int(parts["engine.step"][1])) for label, parts in timed.items()}
-            unit = "ms per request" if kind == "cold" else "us per step"
+            steps = {label: max(1, len(parts["vllm.engine_step"])) for label, parts in timed.items()}
             scale = {label: 1e3 if kind == "cold" else 1e6 / steps[label] for label in timed}
             rows = []
             for part in sorted(set(timed["A"]) | set(timed["C"])):
-                values = {label: timed[label].get(part, [0.0, 0]) for label in timed}
-                if not values["A"][1] and not values["C"][1]:
+                calls = {label: timed[label].get(part, []) for label in timed}
+                if not calls["A"] and not calls["C"]:
                     continue  # a hook of the other role
-                rows.append(f"  {part:<44} A {values['A'][0] * scale['A']:9.1f} ({int(values['A'][1]):5d})"
-                            f"   C {values['C'][0] * scale['C']:9.1f} ({int(values['C'][1]):5d})")
-            log.info("%s %s timed parts, %s (calls), A %d steps, C %d steps, TTFT A %.1f ms C %.1f ms:\n%s",
-                     size, kind, unit, steps["A"], steps["C"], ttft_of(got["A"]) * 1e3, ttft_of(got["C"]) * 1e3,
-                     "\n".join(rows))
-            hooks = sum(v[0] for part, v in timed["A"].items() if part.startswith(("scheduler.", "worker.")))
+                median = {label: 1e6 * statistics.median(c) if c else 0.0 for label, c in calls.items()}
+                cells = [f"{label} {sum(calls[label]) * scale[label]:9.1f} ({len(calls[label]):4d}, median "
+                         f"{median[label]:7.1f} us)" for label in ("A", "C")]
+                rows.append(f"  {part:<42} " + "   ".join(cells))
+            unit = "ms per request" if kind == "cold" else "us per step"
+            log.info("%s %s timed parts, %s (calls, median call), A %d steps, C %d steps, TTFT A %.1f ms C %.1f ms:"
+                     "\n%s", size, kind, unit, steps["A"], steps["C"], ttft_of(got["A"]) * 1e3,
+                     ttft_of(got["C"]) * 1e3, "\n".join(rows))
+            ours = sum(sum(calls) for part, calls in timed["A"].items() if part.startswith("ours."))
             if kind == "cold":
                 out[f"cold_{size}_steps_to_first_token_a"] = steps["A"]
                 out[f"cold_{size}_steps_to_first_token_c"] = steps["C"]
-                out[f"cold_{size}_connector_hooks_ms"] = hooks * 1e3
+                out[f"cold_{size}_connector_hooks_ms"] = ours * 1e3
             else:
-                step_us = {label: 1e6 * timed[label]["engine.step"][0] / steps[label] for label in timed}
+                step_us = {label: 1e6 * sum(timed[label]["vllm.engine_step"]) / steps[label] for label in timed}
                 out[f"decode_{size}_step_us_a"] = step_us["A"]
                 out[f"decode_{size}_step_us_c"] = step_us["C"]
-                out[f"decode_{size}_connector_hooks_us_per_step"] = 1e6 * hooks / steps["A"]
+                out[f"decode_{size}_connector_hooks_us_per_step"] = 1e6 * ours / steps["A"]
     return out
 
 
@@ -649,8 +649,12 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     # varied by +-15% from one request to the next on the H200 host)
     fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(2 * prompts_per_size + 2)]
              for j, (size, n) in enumerate(prof.sizes.items())}
-    warmup = synthetic_prompt(model, 64, seed=9999)
-    tokens = (sum(len(p) for ps in prompts.values() for p in ps) + sum(len(p) for p in profiled.values())
+    # an engine's first prompt of a size ran slower than the next (4k: 36.5 then 24.4 ms with the
+    # connector, 25.2 then 19.7 without, on one H200 lease): each engine serves one of each first
+    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
+                                                          for j, n in enumerate(prof.sizes.values())]
+    tokens = (sum(len(p) for p in warmup) + sum(len(p) for ps in prompts.values() for p in ps)
+              + sum(len(p) for p in profiled.values())
               + sum(len(p) + decode_tokens for ps in fresh.values() for p in ps))
     shards = 2
     cfg = UcmRayConfig(num_shards=shards, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
@@ -662,7 +666,8 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     def start(label: str, kv_config: dict[str, Any] | None = kv):
         t0 = time.perf_counter()
         engine = remote.remote(model, kv_config, **prof.engine)
-        ray.get(engine.generate.remote(warmup, 1))
+        for prompt_ids in warmup:
+            ray.get(engine.generate.remote(prompt_ids, 1))
         log.info("engine %s up in %.1f s", label, time.perf_counter() - t0)
         return engine
 
@@ -700,6 +705,10 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                 path = os.path.join(profile_dir, f"decode_{label}.prof")
                 rate = decode_rate(ray.get(engine.decode_cprofiled.remote(probe, decode_tokens, path)))
                 log.info("decode of engine %s under cProfile: %.1f tok/s, stats in %s", label, rate, path)
+            for j, (s, n) in enumerate(prof.sizes.items()):  # and a cold request of each size on A
+                path = os.path.join(profile_dir, f"cold_A_{s}.prof")
+                ray.get(a.decode_cprofiled.remote(synthetic_prompt(model, n, seed=4343 + j), 1, path))
+                log.info("%s cold request of engine A under cProfile: stats in %s", s, path)
         if step_timing:
             res.update(timed_parts(pair, model, prof, decode_tokens))
         ray.kill(plain_engine)
