@@ -544,8 +544,10 @@ def profiled_engine_class():
                     spent.setdefault(f"gc.gen{info['generation']}", []).append(took)
 
             gc.callbacks.append(on_gc)
+            threads_before = thread_cpu_seconds()
             try:
                 result = self.generate(prompt_ids, max_tokens, ignore_eos=True, flush=False)
+                threads_after = thread_cpu_seconds()
             finally:
                 gc.callbacks.remove(on_gc)
                 for owner, name, before in reversed(restore):
@@ -555,7 +557,30 @@ def profiled_engine_class():
                         setattr(owner, name, before)
             self._flush()  # untimed: the steps after the request's last token
             result["timed"] = spent
+            result["thread_cpu_s"] = {name: seconds - threads_before.get(name, 0.0)
+                                      for name, seconds in threads_after.items()}
             return result
+
+        def launch_probe(self, repeat: int = 2000) -> dict[str, float]:
+            """Host time of a tiny kernel launch and of a small pinned host-to-device copy in
+            this process (microseconds, median of ``repeat``): whether the process state the
+            connector adds (mapped pools, streams, events) makes every launch of vLLM's dearer."""
+            if not torch.cuda.is_available():
+                return {}
+            small = torch.zeros(16, device="cuda")
+            host = torch.zeros(1024, pin_memory=True)
+            target = torch.empty(1024, device="cuda")
+            out: dict[str, float] = {}
+            for name, launch in (("launch_us", lambda: small.add_(1)),
+                                 ("h2d_copy_us", lambda: target.copy_(host, non_blocking=True))):
+                times = []
+                for _ in range(repeat):
+                    started = time.perf_counter()
+                    launch()
+                    times.append(time.perf_counter() - started)
+                torch.cuda.synchronize()
+                out[name] = 1e6 * statistics.median(times)
+            return out
 
         def decode_cprofiled(self, prompt_ids: list[int], max_tokens: int, stats_path: str) -> dict[str, Any]:
             """A decode under cProfile (the engine loop's own thread), its stats dumped to
@@ -573,6 +598,23 @@ def profiled_engine_class():
     return ProfiledEngine
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process, by name (threads of one name
+    summed; Linux only, else empty): which threads besides the engine's keep a core busy."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
 def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_tokens: int) -> dict[str, Any]:
     """One more cold request and one more decode per size, on A and C, each part of the
     engine's step and each connector hook timed (``generate_timed``): a table per request in
@@ -583,6 +625,9 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
     from ucm_ray.tiny_model import synthetic_prompt
 
     out: dict[str, Any] = {}
+    for label, engine in pair.items():
+        for name, value in ray.get(engine.launch_probe.remote()).items():
+            out[f"{name}_{label.lower()}"] = value
     for j, (size, n) in enumerate(prof.sizes.items()):
         for kind, max_tokens in (("cold", 1), ("decode", decode_tokens)):
             prompt = synthetic_prompt(model, n, seed=100 * (j + 1) + 77 + max_tokens)
@@ -599,6 +644,11 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
                 cells = [f"{label} {sum(calls[label]) * scale[label]:9.1f} ({len(calls[label]):4d}, median "
                          f"{median[label]:7.1f} us)" for label in ("A", "C")]
                 rows.append(f"  {part:<42} " + "   ".join(cells))
+            for label, r in got.items():
+                busy = sorted(((seconds, name) for name, seconds in r["thread_cpu_s"].items() if seconds > 0),
+                              reverse=True)
+                rows.append(f"  threads of {label} (CPU ms): " + ", ".join(f"{name} {1e3 * seconds:.0f}"
+                                                                      for seconds, name in busy[:8]))
             unit = "ms per request" if kind == "cold" else "us per step"
             log.info("%s %s timed parts, %s (calls, median call), A %d steps, C %d steps, TTFT A %.1f ms C %.1f ms:"
                      "\n%s", size, kind, unit, steps["A"], steps["C"], ttft_of(got["A"]) * 1e3,
