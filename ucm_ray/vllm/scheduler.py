@@ -220,6 +220,10 @@ class _SaveRows:
     tokens: list[int] = field(default_factory=list)  # the grant of each row's slot
 
 
+SaveRowsByRank = defaultdict[int, _SaveRows]
+"""A step's save rows per tp rank (a rank without rows has no entry)."""
+
+
 @dataclass
 class _SaveInFlight:
     """A dispatched save job: per row, the key it stores and the grant of its slot; the vLLM
@@ -563,7 +567,7 @@ class SchedulerPart:
                 meta.loads[rank].append(job)
             t.loads = None
         meta.fences = self._fences(out, meta.loads)
-        saves = [_SaveRows() for _ in self._ns]
+        saves: SaveRowsByRank = defaultdict(_SaveRows)  # made for a rank once it has a row
         saving: list[str] = []  # requests with rows in this step's saves
         for req_id, t in self._tracked.items():
             if t.finished_at is None and t.request.status != RequestStatus.RUNNING:
@@ -579,15 +583,14 @@ class SchedulerPart:
                 self._expect_saves(t, t.request.num_prompt_tokens)
             if t.block_ids and self._plan_saves(t, saves):
                 saving.append(req_id)
-        states = [_SaveRows() for _ in self._ns]
-        for req_id, n_sched in out.num_scheduled_tokens.items():
+        states: SaveRowsByRank = defaultdict(_SaveRows)
+        for req_id, n_sched in out.num_scheduled_tokens.items() if self.hybrid else ():
             scheduled = self._tracked.get(req_id)
             if scheduled is None or not scheduled.block_ids:
                 continue
             end = scheduled.request.num_computed_tokens + n_sched
-            if self.hybrid:
-                self._plan_states(scheduled, end, states)
-            if self.hybrid and end < scheduled.request.num_prompt_tokens:
+            self._plan_states(scheduled, end, states)
+            if end < scheduled.request.num_prompt_tokens:
                 self._expect_saves(scheduled, end + 2 * self._chunk)  # slots for the next chunk while this one runs
         meta.saves = self._dispatch(saves, saving)
         meta.state_saves = self._dispatch(states, [])
@@ -645,7 +648,7 @@ class SchedulerPart:
                 for group, ids in enumerate(new_ids):
                     t.block_ids[group].extend(ids)
 
-    def _plan_saves(self, t: _Tracked, saves: list[_SaveRows]) -> bool:
+    def _plan_saves(self, t: _Tracked, saves: SaveRowsByRank) -> bool:
         """Blocks that the steps before this one filled (and hashed), copied while this one runs;
         blocks still pending (no slot yet, or recomputed after a failed load) first. Their owners
         are placed in one call for the whole request (not one per block). Whether any block of
@@ -698,7 +701,7 @@ class SchedulerPart:
                 return False
         return True
 
-    def _plan_states(self, t: _Tracked, end: int, saves: list[_SaveRows]) -> None:
+    def _plan_states(self, t: _Tracked, end: int, saves: SaveRowsByRank) -> None:
         """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
         saved after its forward: the next step overwrites them."""
         hashes = t.request.block_hashes
@@ -739,7 +742,7 @@ class SchedulerPart:
                 self.stats.observe("schedule_seconds", self._host_s)
             self._host_s = 0.0
 
-    def _bind(self, saves: list[_SaveRows], rows: list[tuple[int, int, int, bytes]]) -> np.ndarray:
+    def _bind(self, saves: SaveRowsByRank, rows: list[tuple[int, int, int, bytes]]) -> np.ndarray:
         """Bind granted slots on the owners of each (rank, group, vLLM block id, key) to it, as
         rows of its rank's saves. Per row, whether any replica got a slot (vLLM's placeholder
         block counts as saved: it holds no data of the request); those without wait."""
@@ -766,13 +769,11 @@ class SchedulerPart:
                 bound[members[:len(slots)]] = True
         return bound
 
-    def _dispatch(self, saves: list[_SaveRows], requests: list[str]) -> dict[int, BlockSaves]:
+    def _dispatch(self, saves: SaveRowsByRank, requests: list[str]) -> dict[int, BlockSaves]:
         """Per rank, its rows as one save job (remembered until the worker reports it), each
         job held by ``requests`` (whose blocks it copies) until it is."""
         out: dict[int, BlockSaves] = {}
-        for rank, rows in enumerate(saves):
-            if not rows.keys:
-                continue
+        for rank, rows in saves.items():
             pools = list(dict.fromkeys(rows.pools))
             at = {pool: index for index, pool in enumerate(pools)}
             n = len(rows.keys)

@@ -420,8 +420,10 @@ class WorkerPart:
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
         self._poll_saves(step_end=True)
+        if self._results.is_empty():
+            return None  # most decode steps: nothing allocated, nothing for vLLM to carry
         out, self._results = self._results, UcmRayWorkerMetadata()
-        return None if out.is_empty() else out
+        return out
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending: their saves landed, finished receiving, of which failed)."""
@@ -494,6 +496,8 @@ class WorkerPart:
         save of 18 blocks took hundreds of steps to land; waiting, the host lets it run. In
         paranoid mode (``checksum``) every job lands before its step ends: its checksum is taken
         from vLLM's blocks, which must still hold what was saved."""
+        if not self._saving:
+            return  # most decode steps
         for saves in self._saving:  # a step without ``start_load_kv`` (one that runs no tokens)
             self._hand_to_copier(saves)
         now = time.monotonic()
