@@ -566,6 +566,26 @@ def test_a_prompt_vllm_already_holds_whole_asks_the_store_nothing(store, model_d
     assert keys_asked() > asked
 
 
+def test_a_cold_prompt_asks_the_store_for_its_first_block_only(store, model_dir):
+    """A prompt whose first block the store lacks can have no hit (a hit is a prefix): its lookup
+    asks for that one key, not every block's (a 16k-token prompt's ~1,000 keys cost ms of host
+    time before its first token), and still counts as a lookup that missed every token."""
+    a = make_engine(store.client(), model_dir)
+
+    def keys_asked() -> int:
+        return sum(store.index(f"local_shard_{i}").stats().lookups for i in range(2))
+
+    p = prompt(4096 + 5, seed=31)
+    assert a.serve("cold", p) == (0, 4101)
+    assert keys_asked() == 1
+    stats = a.stats()
+    assert (stats["lookups"], stats["hit_tokens"], stats["miss_tokens"]) == (1, 0, 4101)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    assert b.serve("warm", p) == (4096, 5)  # stored now: the full lookup, every full block hit
+    assert keys_asked() == 1 + 1 + 32 and b.wrong_blocks == 0
+
+
 def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
     """vLLM sets up only its own logger: the connector's INFO lines (the recompute rule, the
     worker's layout) must reach the engine's log like vLLM's, not vanish."""
