@@ -32,6 +32,11 @@ and store-warm on B (every thread and CUDA stream; the trace kept to our code, v
 step and the device), and writes ``trace_cold_<size>.json.gz`` and
 ``trace_store_warm_<size>.json.gz`` there: where a request's step spends its time.
 
+``--step-timing`` then serves one more cold request and one more decode per size on A and C
+with every part of the engine's step (``vllm.*``) and every connector hook (``ours.*``) timed
+by ``perf_counter``, Python's collections and each thread's CPU time, plus a kernel-launch
+probe in each engine: a table per request in the log (``generate_timed``, ``timed_parts``).
+
 Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
 (goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
 ``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` /
