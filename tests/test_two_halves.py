@@ -586,6 +586,26 @@ def test_a_cold_prompt_asks_the_store_for_its_first_block_only(store, model_dir)
     assert keys_asked() == 1 + 1 + 32 and b.wrong_blocks == 0
 
 
+def test_a_lookup_redone_after_the_prefix_was_evicted_claims_no_hit(store, model_dir):
+    """A request that waited in the queue past half the pin lease is looked up again; if the
+    store lost its first block meanwhile (evicted), the new lookup stops at that block, and the
+    earlier lookup's hit must not survive it (vLLM would allocate external tokens nothing loads)."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048, seed=33)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir,
+                    config=UcmRayConfig(lease_s=0.2, transfer_timeout_s=0.1, reserve_timeout_s=60.0))
+    request = b.add("B", p)
+    part = b.connector.scheduler_part
+    assert part.get_num_new_matched_tokens(request, 0)[0] == 2046  # the hit, pinned
+    _evict_everything_and_overwrite(store)
+    time.sleep(0.15)  # past lease_s / 2 in the queue: the next ask looks the prompt up again
+    assert part.get_num_new_matched_tokens(request, 0)[0] == 0
+    b.run(request)
+    assert b.wrong_blocks == 0 and b.failed_loads == 0
+
+
 def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
     """vLLM sets up only its own logger: the connector's INFO lines (the recompute rule, the
     worker's layout) must reach the engine's log like vLLM's, not vanish."""

@@ -415,7 +415,7 @@ class SchedulerPart:
             self.stats.add(lookups_skipped=1)
             return None
         if self._first_block_absent(t):
-            return _Lookup([], [], [], leases=[])  # a cold prompt: no hit, and no key derived yet
+            return _Lookup([], [], [])  # a cold prompt: no key derived yet, and a hit of 0
         attn_keys, state_keys, futures = [], [], []
         for rank, ns in enumerate(self._ns):
             per_group = [self._attn_keys(t, rank, g, range(max_tokens // self._bs[g])) for g in self._attn]
@@ -469,7 +469,7 @@ class SchedulerPart:
         models stage 2 (furthest LCM boundary whose state every rank and state group has)."""
         assert lookup.leases is not None
         if not lookup.leases:
-            return 0  # the first block was absent: no key was asked for
+            return 0  # the first block was absent: no other key was asked for
         prefix: int | None = None
         boundaries = len(lookup.state_keys[0][0]) if self.hybrid and lookup.state_keys[0] else 0
         states = [True] * boundaries
