@@ -71,9 +71,9 @@ class _Renewal:
     answer: Pending[set[tuple[PoolKey, int]]]
 
 
-DEMAND_HALF_LIFE_S = 0.02
-"""How fast the remembered demand of a slot class fades once saves slow down: it halves every
-this many seconds (about ten decode steps of a small model)."""
+DEMAND_DECAY = 0.9
+"""Per step: how fast the remembered demand of a slot class fades once saves slow down (applied
+at the next full tick for the steps whose tick was skipped)."""
 QUIET_TICK_S = 0.05
 """How often a tick with nothing to collect, give back or count (most decode steps) still looks
 at baselines, renewals and idle slots: those move on a scale of seconds, and a full tick on
@@ -105,6 +105,8 @@ class SlotSupply:
         self._returning: list[Pending[list[bool]]] = []
         self._sizes: set[int] = set()
         self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
+        self._steps = 0  # steps since the last full tick
+        self._fading = False  # some class's remembered demand still keeps more than 2 slots free
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -134,14 +136,17 @@ class SlotSupply:
 
     def tick(self, pools: Pools) -> None:
         """Collect grants that arrived, keep baselines, renew what we hold, give back what
-        sat idle. Never blocks. ``pools``: the caller's view of the fleet this step. A step
-        that took no slot, with no answer awaited, does this at most every QUIET_TICK_S."""
+        sat idle. Never blocks. ``pools``: the caller's view of the fleet this step; call it
+        once a step. When nothing changed (no slot taken, no ask, return or renewal awaited,
+        nothing to give back, no demand still fading, the same pools) it does this at most
+        every QUIET_TICK_S."""
         now = self._clock()
-        if (not (self._asks or self._used or self._excess or self._returning or self._renewing)
+        self._steps += 1
+        if (not (self._asks or self._used or self._excess or self._returning or self._renewing or self._fading)
                 and self._ticked is not None and self._ticked[0] == pools.version
                 and now - self._ticked[1] < QUIET_TICK_S):
             return
-        fade = 0.5 ** ((now - self._ticked[1]) / DEMAND_HALF_LIFE_S) if self._ticked is not None else 1.0
+        fade, self._steps = DEMAND_DECAY ** self._steps, 0
         self._ticked = (pools.version, now)
         live = pools.descriptors.keys()
         arrived = [ask for ask in self._asks if ask.answer.poll()]
@@ -171,6 +176,8 @@ class SlotSupply:
                     self._ask(slot_class, base - have)
                 elif have > base and now - self._last_take.get(slot_class, now) > self._idle_s:
                     self._give_back(slot_class, self.free_slots(slot_class) - base)
+        self._used.clear()  # takes from pools no longer live: nothing to remember them for
+        self._fading = any(1.5 * demand > 1 for demand in self._demand.values())
         self._renew(now)
         self._returning = [answer for answer in self._returning if not answer.poll()]
 

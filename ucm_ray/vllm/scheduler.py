@@ -5,11 +5,12 @@ never waited on: a lookup is posted once per request (one call per shard per
 tp rank) and ``get_num_new_matched_tokens`` answers ``None`` ("ask again")
 until it lands. Lookups *pin* what they find, so nothing vLLM was promised can
 be evicted before the worker copies it. Saves are planned into slots granted
-ahead of time (``SlotSupply``): the blocks that a step filled are copied from
-the start of a later step, beside its forward pass, once the request's first
-token is out, so no save (neither its copies nor its host work) delays a cold
-request's first token; a finished request's blocks are kept (vLLM's delayed
-free) until the step that saved them reported it.
+ahead of time (``SlotSupply``): a prompt's blocks are copied from the start of
+the step after its first token, beside that step's forward pass, so no save
+(neither its copies nor its host work) delays a cold request's first token;
+generated blocks are saved DECODE_SAVE_TOKENS at a time, the rest when the
+request ends; a finished request's blocks are kept (vLLM's delayed free) until
+the step that saved them reported it.
 The worker reports per-job results through
 vLLM's worker-to-scheduler metadata; from them this side commits the entries
 that landed, frees the slots that did not, releases pins and removes entries
@@ -184,7 +185,7 @@ class _Tracked:
     keys: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
     """(rank, attention group) -> the keys of the request's first blocks (``_attn_keys``)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
-    unexpected_until: int = 0  # ... and those below this were taken back (hits, not saves)
+    unexpected_until: int = 0  # ... and those below this were taken back (hits) or used by saves
     computed: int = 0  # vLLM's computed tokens at the last save plan
     prompt_expected: bool = False  # a dense prompt's saves were announced to the slot supply
     finished_at: float | None = None
@@ -608,14 +609,8 @@ class SchedulerPart:
             if t.block_ids and self._plan_saves(t, saves):
                 saving.append(req_id)
         states: SaveRowsByRank = defaultdict(_SaveRows)
-        for req_id, n_sched in out.num_scheduled_tokens.items() if self.hybrid else ():
-            scheduled = self._tracked.get(req_id)
-            if scheduled is None or not scheduled.block_ids:
-                continue
-            end = scheduled.request.num_computed_tokens + n_sched
-            self._plan_states(scheduled, end, states)
-            if end < scheduled.request.num_prompt_tokens:
-                self._expect_saves(scheduled, end + 2 * self._chunk)  # slots for the next chunk while this one runs
+        if self.hybrid:
+            self._plan_every_state(out, states)
         meta.saves = self._dispatch(saves, saving)
         meta.state_saves = self._dispatch(states, [])
         now = time.monotonic()
@@ -628,6 +623,18 @@ class SchedulerPart:
                 self._drop(req_id)
         self._observe_step(out, meta, time.perf_counter() - started)
         return meta
+
+    def _plan_every_state(self, out: SchedulerOutput, states: SaveRowsByRank) -> None:
+        """A hybrid model's states that this step's scheduled requests compute, and slots for
+        the next chunk of a prompt while this one runs."""
+        for req_id, n_sched in out.num_scheduled_tokens.items():
+            scheduled = self._tracked.get(req_id)
+            if scheduled is None or not scheduled.block_ids:
+                continue
+            end = scheduled.request.num_computed_tokens + n_sched
+            self._plan_states(scheduled, end, states)
+            if end < scheduled.request.num_prompt_tokens:
+                self._expect_saves(scheduled, end + 2 * self._chunk)
 
     def _fences(self, out: SchedulerOutput, loads: dict[int, list[LoadJob]]) -> set[int]:
         """Save jobs still copying blocks that this step writes: blocks allocated again (a
@@ -673,16 +680,17 @@ class SchedulerPart:
                     t.block_ids[group].extend(ids)
 
     def _plan_saves(self, t: _Tracked, saves: SaveRowsByRank) -> bool:
-        """Blocks that the steps before this one filled (and hashed), copied while this one runs;
-        blocks still pending (no slot yet, or recomputed after a failed load) first. Their owners
-        are placed in one call for the whole request (not one per block). Whether any block of
-        it is in this step's saves."""
+        """Blocks that the steps before this one filled (and hashed), copied while this one runs
+        (generated ones once a batch is full or the request ended: ``_saves_wait``); blocks
+        still pending (no slot yet, or recomputed after a failed load) first. Their owners are
+        placed in one call for the whole request (not one per block). Whether any block of it
+        is in this step's saves."""
         req = t.request
         computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
         since, t.computed = min(t.computed, computed), computed
         hashed = len(req.block_hashes) * self._hash_bs
-        if not t.pending and (t.finished_at is None and self._decode_batch_open(t, min(computed, hashed))):
-            if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 4:
+        if not t.pending and t.finished_at is None and self._saves_wait(t, min(computed, hashed)):
+            if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 8:
                 self._expect_saves(t, hashed)  # slots for the batch, asked for as its blocks fill
             return False  # no block filled since the last plan, or too few past the prompt yet
         wanted: list[tuple[int, int, int, bytes]] = []  # rank, group, vLLM block id, key
@@ -699,6 +707,9 @@ class SchedulerPart:
                     wanted.append((rank, g, t.block_ids[g][i], key))
                     pending.append((g, rank, i))
             t.saved_blocks[g] = max(first, full)
+        # the slots expected for what is planned now are used: a resumed request's local hit
+        # must not hand them back (``_skip_saves``), or the free stock would drain
+        t.unexpected_until = max(t.unexpected_until, min(self._saved_tokens(t), t.expected_until))
         if not wanted:
             return False
         bound = self._bind(saves, wanted)
@@ -713,17 +724,17 @@ class SchedulerPart:
             self.stats.add(saves_skipped=waiting)
         return bool(bound.any())
 
-    def _decode_batch_open(self, t: _Tracked, filled: int) -> bool:
-        """Whether the request's blocks filled up to token ``filled`` wait: no block filled since
-        the last plan, or every prompt block is planned and fewer than DECODE_SAVE_TOKENS'
-        worth of generated ones are full (a running request's; a finished one saves the rest)."""
-        for g in self._attn:
-            bs, first = self._bs[g], t.saved_blocks.get(g, 0)
-            full = filled // bs
-            if full > first and (first < t.request.num_prompt_tokens // bs
-                                 or full - first >= max(1, DECODE_SAVE_TOKENS // bs)):
-                return False
-        return True
+    def _saves_wait(self, t: _Tracked, filled: int) -> bool:
+        """Whether a running request's blocks filled up to token ``filled`` wait for a later
+        plan: no block filled since the last one, or every group's prompt blocks are planned and
+        fewer than DECODE_SAVE_TOKENS generated tokens are unsaved (counted in tokens over all
+        groups, so groups of different block sizes save in the same step)."""
+        if all(filled // self._bs[g] <= t.saved_blocks.get(g, 0) for g in self._attn):
+            return True
+        prompt = t.request.num_prompt_tokens
+        if any(t.saved_blocks.get(g, 0) < prompt // self._bs[g] for g in self._attn):
+            return False
+        return filled - self._saved_tokens(t) < DECODE_SAVE_TOKENS
 
     def _plan_states(self, t: _Tracked, end: int, saves: SaveRowsByRank) -> None:
         """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
@@ -948,15 +959,18 @@ class SchedulerPart:
 
     @_host_timed
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks of the request still to be saved (those its last step filled, at least) keep
-        it: vLLM holds its blocks until the next step saved them and reported it
-        ``finished_sending``. Otherwise (or with no pool to save into) they are freed at once."""
+        """Blocks of the request still to be saved (those its last step filled, and generated
+        blocks short of a DECODE_SAVE_TOKENS batch) keep it: vLLM holds its blocks until the next
+        step saved them and reported it ``finished_sending``. Otherwise (or with no pool to save
+        into) they are freed at once."""
         t = self._tracked.get(request.request_id)
         if t is None:
             return False, None
         self._release_lookup(t)
         if t.block_ids and self._unsaved(t) and self._store.pools().descriptors:
             t.finished_at = time.monotonic()
+            if t.prompt_expected:  # generated blocks of an unfinished batch: their slots now
+                self._expect_saves(t, len(request.block_hashes) * self._hash_bs)
             return True, None
         self._drop(request.request_id)
         return False, None
