@@ -598,7 +598,7 @@ def test_a_lookup_redone_after_the_prefix_was_evicted_claims_no_hit(store, model
                     config=UcmRayConfig(lease_s=0.2, transfer_timeout_s=0.1, reserve_timeout_s=60.0))
     request = b.add("B", p)
     part = b.connector.scheduler_part
-    assert part.get_num_new_matched_tokens(request, 0)[0] == 2046  # the hit, pinned
+    assert part.get_num_new_matched_tokens(request, 0)[0] == 2046  # the hit (read unpinned)
     _evict_everything_and_overwrite(store)
     time.sleep(0.15)  # past lease_s / 2 in the queue: the next ask looks the prompt up again
     assert part.get_num_new_matched_tokens(request, 0)[0] == 0
