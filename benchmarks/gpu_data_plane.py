@@ -458,6 +458,10 @@ PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py",
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "ac2g", "gpu_user_annotation"}
 
 
+NOT_SET = object()
+"""An attribute the timed object did not hold itself (its class's method)."""
+
+
 def profiled_engine_class():
     """The demo's engine with one more method: a request served under torch's profiler, every
     thread and the GPU's streams, its trace trimmed to our code, the engine step and the device
@@ -519,7 +523,7 @@ def profiled_engine_class():
                     finally:
                         calls.append(time.perf_counter() - started)
 
-                restore.append((owner, name, owner.__dict__.get(name, restore)))
+                restore.append((owner, name, owner.__dict__.get(name, NOT_SET)))
                 setattr(owner, name, call)
 
             for owner, name, label in ((engine, "step", "engine_step"), (core, "step_fn", "core_step"),
@@ -556,7 +560,7 @@ def profiled_engine_class():
             finally:
                 gc.callbacks.remove(on_gc)
                 for owner, name, before in reversed(restore):
-                    if before is restore:
+                    if before is NOT_SET:  # a class's method: drop the instance's wrapper
                         delattr(owner, name)
                     else:
                         setattr(owner, name, before)
@@ -587,9 +591,10 @@ def profiled_engine_class():
                 out[name] = 1e6 * statistics.median(times)
             return out
 
-        def decode_cprofiled(self, prompt_ids: list[int], max_tokens: int, stats_path: str) -> dict[str, Any]:
-            """A decode under cProfile (the engine loop's own thread), its stats dumped to
-            ``stats_path``: which host work per step an engine with the connector adds."""
+        def generate_cprofiled(self, prompt_ids: list[int], max_tokens: int, stats_path: str) -> dict[str, Any]:
+            """A request (a decode, or a cold one with ``max_tokens=1``) under cProfile (the engine
+            loop's own thread), its stats dumped to ``stats_path``: which host work per step an
+            engine with the connector adds."""
             import cProfile
 
             profiler = cProfile.Profile()
@@ -758,11 +763,11 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
             probe = synthetic_prompt(model, min(prof.sizes.values()), seed=4242)
             for label, engine in pair.items():
                 path = os.path.join(profile_dir, f"decode_{label}.prof")
-                rate = decode_rate(ray.get(engine.decode_cprofiled.remote(probe, decode_tokens, path)))
+                rate = decode_rate(ray.get(engine.generate_cprofiled.remote(probe, decode_tokens, path)))
                 log.info("decode of engine %s under cProfile: %.1f tok/s, stats in %s", label, rate, path)
             for j, (s, n) in enumerate(prof.sizes.items()):  # and a cold request of each size on A
                 path = os.path.join(profile_dir, f"cold_A_{s}.prof")
-                ray.get(a.decode_cprofiled.remote(synthetic_prompt(model, n, seed=4343 + j), 1, path))
+                ray.get(a.generate_cprofiled.remote(synthetic_prompt(model, n, seed=4343 + j), 1, path))
                 log.info("%s cold request of engine A under cProfile: stats in %s", s, path)
         if step_timing:
             res.update(timed_parts(pair, model, prof, decode_tokens))
