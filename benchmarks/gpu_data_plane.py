@@ -539,7 +539,8 @@ def profiled_engine_class():
                 for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                              "update_connector_output", "request_finished", "get_kv_connector_stats",
                              "take_events", "handle_preemptions", "bind_connector_metadata", "start_load_kv",
-                             "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+                             "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+                             "get_block_ids_with_load_errors",
                              "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
                              "clear_connector_metadata"):
                     timed(connector, hook, f"ours.{part}.{hook}")
@@ -625,40 +626,62 @@ def thread_cpu_seconds() -> dict[str, float]:
     return out
 
 
+def parts_table(timed: dict[str, dict[str, list[float]]], per_step: bool) -> list[str]:
+    """One row per timed part: each engine's (``timed``'s labels) total, in ms per request
+    (``per_step`` false) or us per step, its calls and its median call."""
+    steps = {label: max(1, len(parts.get("vllm.engine_step", []))) for label, parts in timed.items()}
+    scale = {label: 1e6 / steps[label] if per_step else 1e3 for label in timed}
+    rows = []
+    for part in sorted(set().union(*timed.values())):
+        calls = {label: parts.get(part, []) for label, parts in timed.items()}
+        if not any(calls.values()):
+            continue  # a hook of the other role
+        cells = [f"{label} {sum(c) * scale[label]:9.1f} ({len(c):4d}, median "
+                 f"{1e6 * statistics.median(c) if c else 0.0:7.1f} us)" for label, c in calls.items()]
+        rows.append(f"  {part:<42} " + "   ".join(cells))
+    return rows
+
+
+def step_spread(steps: list[float]) -> str:
+    """A decode's step times (ms): quantiles, the first 8 steps' sum and the slowest steps
+    (index: ms), telling a gap spread over every step from one made by a few."""
+    if not steps:
+        return "no steps"
+    ms = sorted(1e3 * s for s in steps)
+    quantile = {q: ms[min(len(ms) - 1, int(q * len(ms)))] for q in (0.1, 0.5, 0.9, 0.99)}
+    slowest = sorted(range(len(steps)), key=lambda i: steps[i], reverse=True)[:5]
+    return (" ".join(f"p{int(q * 100)} {v:.2f}" for q, v in quantile.items())
+            + f" sum {sum(ms):.0f} first8 {1e3 * sum(steps[:8]):.1f} slowest "
+            + ", ".join(f"{i}: {1e3 * steps[i]:.1f}" for i in slowest))
+
+
 def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_tokens: int) -> dict[str, Any]:
     """One more cold request and one more decode per size, on A and C, each part of the
     engine's step and each connector hook timed (``generate_timed``): a table per request in
     the log (a cold one's parts in ms per request; a decode's in us per step, and the median
-    call, which is a step without saves), and in the results the decode steps' mean host time
-    on A and C and the part of A's in our hooks, the cold requests' time in our hooks, and the
-    engine steps each took to its first token (a lookup answered late costs one)."""
-    from ucm_ray.tiny_model import synthetic_prompt
-
+    call, which is a step without saves, and the spread of its steps), and in the results the
+    decode steps' mean host time on A and C and the part of A's in our hooks, the cold
+    requests' time in our hooks, and the engine steps each took to its first token (a lookup
+    answered late costs one). The cold prompts are in the store after: ``timed_warm``."""
     out: dict[str, Any] = {}
     for label, engine in pair.items():
         for name, value in ray.get(engine.launch_probe.remote()).items():
             out[f"{name}_{label.lower()}"] = value
-    for j, (size, n) in enumerate(prof.sizes.items()):
+    for size in prof.sizes:
         for kind, max_tokens in (("cold", 1), ("decode", decode_tokens)):
-            prompt = synthetic_prompt(model, n, seed=100 * (j + 1) + 77 + max_tokens)
+            prompt = timed_prompt(model, prof, size, max_tokens)
             got = {label: ray.get(engine.generate_timed.remote(prompt, max_tokens)) for label, engine in pair.items()}
             timed = {label: r["timed"] for label, r in got.items()}
             steps = {label: max(1, len(parts["vllm.engine_step"])) for label, parts in timed.items()}
-            scale = {label: 1e3 if kind == "cold" else 1e6 / steps[label] for label in timed}
-            rows = []
-            for part in sorted(set(timed["A"]) | set(timed["C"])):
-                calls = {label: timed[label].get(part, []) for label in timed}
-                if not calls["A"] and not calls["C"]:
-                    continue  # a hook of the other role
-                median = {label: 1e6 * statistics.median(c) if c else 0.0 for label, c in calls.items()}
-                cells = [f"{label} {sum(calls[label]) * scale[label]:9.1f} ({len(calls[label]):4d}, median "
-                         f"{median[label]:7.1f} us)" for label in ("A", "C")]
-                rows.append(f"  {part:<42} " + "   ".join(cells))
+            rows = parts_table(timed, per_step=kind == "decode")
             for label, r in got.items():
                 busy = sorted(((seconds, name) for name, seconds in r["thread_cpu_s"].items() if seconds > 0),
                               reverse=True)
                 rows.append(f"  threads of {label} (CPU ms): " + ", ".join(f"{name} {1e3 * seconds:.0f}"
                                                                       for seconds, name in busy[:8]))
+                if kind == "decode":
+                    for part in ("vllm.engine_step", "vllm.execute_model"):
+                        rows.append(f"  {label} {part} ms: {step_spread(timed[label].get(part, []))}")
             unit = "ms per request" if kind == "cold" else "us per step"
             log.info("%s %s timed parts, %s (calls, median call), A %d steps, C %d steps, TTFT A %.1f ms C %.1f ms:"
                      "\n%s", size, kind, unit, steps["A"], steps["C"], ttft_of(got["A"]) * 1e3,
@@ -673,6 +696,31 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
                 out[f"decode_{size}_step_us_a"] = step_us["A"]
                 out[f"decode_{size}_step_us_c"] = step_us["C"]
                 out[f"decode_{size}_connector_hooks_us_per_step"] = 1e6 * ours / steps["A"]
+    return out
+
+
+def timed_prompt(model: str, prof: TtftProfile, size: str, max_tokens: int) -> list[int]:
+    """The prompt of ``timed_parts``'s request of that size and length."""
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    j = list(prof.sizes).index(size)
+    return synthetic_prompt(model, prof.sizes[size], seed=100 * (j + 1) + 77 + max_tokens)
+
+
+def timed_warm(engine: Any, model: str, prof: TtftProfile) -> dict[str, Any]:
+    """``timed_parts``'s cold prompts (A saved them) served by a fresh engine twice, timed part
+    by part: from the store, then from its own prefix cache. Where a store hit's time goes
+    beyond the own hit's (the lookup, the loads, the waits for them)."""
+    out: dict[str, Any] = {}
+    for size in prof.sizes:
+        prompt = timed_prompt(model, prof, size, 1)
+        got = {label: ray.get(engine.generate_timed.remote(prompt, 1)) for label in ("warm", "own")}
+        log.info("%s store-warm vs own prefix hit, timed parts in ms per request (calls, median call), "
+                 "TTFT warm %.1f ms own %.1f ms, cached tokens %s:\n%s", size, ttft_of(got["warm"]) * 1e3,
+                 ttft_of(got["own"]) * 1e3, [r["cached"] for r in got.values()],
+                 "\n".join(parts_table({label: r["timed"] for label, r in got.items()}, per_step=False)))
+        ours = sum(sum(calls) for part, calls in got["warm"]["timed"].items() if part.startswith("ours."))
+        out[f"store_warm_{size}_connector_hooks_ms"] = ours * 1e3
     return out
 
 
@@ -801,6 +849,8 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                          for k in ("loaded_blocks", "load_failures", "stale_loads", "load_seconds")}
                 log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens, worker %s", s,
                          len(p), ttft_of(warm[s][-1]) * 1e3, got, moved)
+        if step_timing:
+            res.update(timed_warm(b, model, prof))
         for s, p in profiled.items():
             assert profile_dir is not None
             path = os.path.join(profile_dir, f"trace_store_warm_{s}.json.gz")
