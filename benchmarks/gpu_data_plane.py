@@ -469,6 +469,17 @@ def profiled_engine_class():
     from ucm_ray.demo import Engine
 
     class ProfiledEngine(Engine):
+        def __init__(self, model_dir: str, kv: dict[str, Any] | None, cpus: list[int] | None = None,
+                     **engine_kwargs: Any) -> None:
+            """``cpus``: the cores this engine's threads may run on, set before vLLM starts any
+            (each engine its own, near the GPU): one engine's host time is not another's."""
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            super().__init__(model_dir, kv, **engine_kwargs)
+
+        def affinity(self) -> list[int]:
+            return sorted(os.sched_getaffinity(0))
+
         def generate_profiled(self, prompt_ids: list[int], max_tokens: int, trace_path: str) -> dict[str, Any]:
             import gzip
             import json
@@ -534,6 +545,10 @@ def profiled_engine_class():
                                        (engine.output_processor, "process_outputs", "process_outputs"),
                                        (engine.logger_manager, "record", "stat_loggers")):
                 timed(owner, name, f"vllm.{label}")
+            for owner, names, label in inner_parts(core.scheduler.connector,
+                                                   get_kv_transfer_group() if has_kv_transfer_group() else None):
+                for name in names:
+                    timed(owner, name, f"{label}.{name}")
             for part, connector in (("scheduler", core.scheduler.connector),
                                     ("worker", get_kv_transfer_group() if has_kv_transfer_group() else None)):
                 for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -607,6 +622,34 @@ def profiled_engine_class():
                 profiler.dump_stats(stats_path)
 
     return ProfiledEngine
+
+
+def inner_parts(scheduler: Any, worker: Any) -> list[tuple[Any, tuple[str, ...], str]]:
+    """Our code inside the hooks, timed too (``generate_timed``): where a lookup's and a load's
+    host time goes. Class attributes are patched on the class (every instance), and put back."""
+    if scheduler is None and worker is None:
+        return []
+    from ucm_ray.store.client import _Acquire
+    from ucm_ray.transport import gather, shm
+
+    out: list[tuple[Any, tuple[str, ...], str]] = [
+        (gather.GatherPlan, ("__init__", "move"), "in.gather"),
+        (shm._CudaCopies, ("__init__", "post"), "in.shm_copies"),
+        (_Acquire, ("__init__", "poll", "result"), "in.acquire"),
+    ]
+    if scheduler is not None:
+        part = scheduler.scheduler_part
+        out.append((part, ("_post_lookup", "_first_block_absent", "_hit_tokens", "_attn_keys", "_answered",
+                           "_expect_saves", "_plan_saves", "_bind", "_dispatch", "_take_results",
+                           "_collect_answers"), "in.scheduler"))
+        out.append((part._slots, ("tick", "expect"), "in.slots"))
+    if worker is not None:
+        part = worker.worker_part
+        out.append((part, ("_start_loads", "_prepare", "_post", "_ranges", "_count_bytes", "_split",
+                           "_finish_loads", "_land", "_compute_ready", "_order_compute", "_validate_unpinned",
+                           "_post_saves", "_poll_saves", "fence"), "in.worker"))
+        out.append((part._pools, ("prepare", "post_part"), "in.pools"))
+    return out
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -724,6 +767,37 @@ def timed_warm(engine: Any, model: str, prof: TtftProfile) -> dict[str, Any]:
     return out
 
 
+def engine_cores(device: torch.device, engines: int, per_engine: int = 4) -> list[list[int] | None]:
+    """For each of ``engines`` engines, ``per_engine`` cores of its own, those nearest the GPU
+    first (its NUMA node's, from sysfs), the first two left to the driver and the shards: the
+    engines compared then run on cores alike, not wherever the OS put each one. None for those
+    that find too few cores."""
+    usable = sorted(os.sched_getaffinity(0))
+    near: list[int] = []
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        try:
+            with open(f"/sys/bus/pci/devices/{bus}/local_cpulist") as f:
+                near = [c for c in parse_cpulist(f.read()) if c in usable]
+        except (OSError, ValueError, AttributeError):
+            near = []
+    ordered = near + [c for c in usable if c not in near]
+    log.info("cores near the GPU: %s of %s", near or "unknown", usable)
+    chosen = [ordered[2 + k * per_engine: 2 + (k + 1) * per_engine] for k in range(engines)]
+    return [cores if len(cores) == per_engine else None for cores in chosen]
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            out.extend(range(int(first), int(last or first) + 1))
+    return out
+
+
 def ttft_of(result: dict[str, Any]) -> float:
     return result["ttft"] if result.get("ttft") else result["seconds"]
 
@@ -771,12 +845,15 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(
         profiled_engine_class())
 
-    def start(label: str, kv_config: dict[str, Any] | None = kv):
+    cores = engine_cores(device, 3)  # A's are B's once A is gone
+
+    def start(label: str, kv_config: dict[str, Any] | None, cpus: list[int] | None):
         t0 = time.perf_counter()
-        engine = remote.remote(model, kv_config, **prof.engine)
+        engine = remote.remote(model, kv_config, cpus=cpus, **prof.engine)
         for prompt_ids in warmup:
             ray.get(engine.generate.remote(prompt_ids, 1))
-        log.info("engine %s up in %.1f s", label, time.perf_counter() - t0)
+        log.info("engine %s up in %.1f s on cores %s", label, time.perf_counter() - t0,
+                 ray.get(engine.affinity.remote()))
         return engine
 
     def hits(engine) -> int:
@@ -784,17 +861,19 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
 
     res: dict[str, Any] = {}
     with running_fleet(cfg):
-        a = start("A (connector, store empty)")
-        plain_engine = start("C (no connector)", None)
+        a = start("A (connector, store empty)", kv, cores[0])
+        plain_engine = start("C (no connector)", None, cores[1])
+        other_plain = start("C2 (no connector, a second one: how far two alike engines differ)", None, cores[2])
         # A's cold requests (a miss and their saves) against the same prompts, new to an engine
         # without the connector: what the tier costs a cold request, and whether it changed an
-        # output. Side by side, one prompt each in turn: a run's drift lands on both.
+        # output. Side by side, one prompt each in turn: a run's drift lands on all three.
         pair = {"A": a, "C": plain_engine}
-        cold, plain = {}, {}
+        trio = {**pair, "C2": other_plain}
+        cold, plain, plain2 = {}, {}, {}
         for s, ps in prompts.items():
             before = ray.get(a.connector_totals.remote())["scheduler"]
-            got = in_turn(pair, ps, lambda engine, p: ray.get(engine.generate.remote(p, 1)))
-            cold[s], plain[s] = got["A"], got["C"]
+            got = in_turn(trio, ps, lambda engine, p: ray.get(engine.generate.remote(p, 1)))
+            cold[s], plain[s], plain2[s] = got["A"], got["C"], got["C2"]
             after = ray.get(a.connector_totals.remote())["scheduler"]
             # the connector's scheduler hooks' host time (lookups, plans, results), per request
             res[f"a_scheduler_host_ms_per_cold_request_{s}"] = 1e3 * (
@@ -803,10 +882,10 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
         decode: dict[str, dict[str, list]] = {}
         for s, ps in fresh.items():
-            decode[s] = in_turn(pair, ps, lambda engine, p: ray.get(
+            decode[s] = in_turn(trio, ps, lambda engine, p: ray.get(
                 engine.generate.remote(p, decode_tokens, ignore_eos=True)))
-            log.info("%s decode tok/s: A %s, C %s", s, [round(decode_rate(r), 1) for r in decode[s]["A"]],
-                     [round(decode_rate(r), 1) for r in decode[s]["C"]])
+            log.info("%s decode tok/s: %s", s, ", ".join(f"{label} {[round(decode_rate(r), 1) for r in rs]}"
+                                                         for label, rs in decode[s].items()))
         if profile_dir:  # one more decode each under cProfile: where A's extra host time per step goes
             probe = synthetic_prompt(model, min(prof.sizes.values()), seed=4242)
             for label, engine in pair.items():
@@ -820,6 +899,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         if step_timing:
             res.update(timed_parts(pair, model, prof, decode_tokens))
         ray.kill(plain_engine)
+        ray.kill(other_plain)
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
@@ -833,7 +913,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
         assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
         ray.kill(a)
-        b = start("B (connector, fresh process)")
+        b = start("B (connector, fresh process)", kv, cores[0])
         warm, store_hits, own = {}, {}, {}
         for s, ps in prompts.items():
             before = hits(b)
@@ -873,9 +953,12 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                     f"ttft_store_warm_{s}_ms": w * 1e3, f"store_hit_tokens_{s}": store_hits[s],
                     f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_other_engines_prefix_hit_{s}": w / h,
                     f"ttft_b_prefix_hit_{s}_ms": o * 1e3, f"ttft_store_warm_vs_prefix_hit_{s}": w / o})
-        with_tier, without = (statistics.median(decode_rate(r) for r in decode[s][e]) for e in ("A", "C"))
+        with_tier, without, again = (statistics.median(decode_rate(r) for r in decode[s][e]) for e in ("A", "C", "C2"))
         res.update({f"decode_tok_s_{s}": with_tier, f"decode_tok_s_no_connector_{s}": without,
-                    f"decode_overhead_{s}": 1 - with_tier / without})
+                    f"decode_overhead_{s}": 1 - with_tier / without,
+                    # the same figure between two engines without the connector: this host's noise
+                    f"decode_overhead_noise_{s}": 1 - again / without,
+                    f"ttft_cold_overhead_noise_{s}": statistics.median(ttft_of(r) for r in plain2[s]) / n})
     res["ttft_first_tokens_identical"] = identical
     res["decode_tokens_identical"] = all(x["tokens"] == y["tokens"] for s in decode
                                          for x, y in zip(decode[s]["A"], decode[s]["C"]))
