@@ -8,6 +8,7 @@ from ucm_ray.policy import (
     dense_external_hit,
     hybrid_hit_blocks,
     hybrid_max_hit_blocks,
+    loads_at_once,
     recompute_tokens,
     state_dump_positions,
 )
@@ -325,3 +326,15 @@ def test_bad_arguments(fn, args, name):
 def test_hit_below_local_is_valid():
     # The store may hold less than the local prefix cache: not an error, just no external hit.
     assert dense_external_hit(8192, 4096, 128, 5) == 0
+
+
+@pytest.mark.parametrize("scheduled,loaded,recompute,at_once", [
+    pytest.param(1, 0, 2, True, id="graph-replay-step"),
+    pytest.param(5, 8187, 5, True, id="seed-full-hit-recomputes-5"),
+    pytest.param(8, 4096, 2, True, id="repeated-4k-prompt"),
+    pytest.param(64, 4096, 2, True, id="1/64-of-the-hit"),
+    pytest.param(65, 4096, 2, False, id="just-over-1/64"),
+    pytest.param(4096, 4096, 2, False, id="hit-then-as-much-new"),
+])
+def test_loads_at_once_when_the_step_computes_little_beside_its_hit(scheduled, loaded, recompute, at_once):
+    assert loads_at_once(scheduled, loaded, recompute) is at_once

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from vllm.config import ParallelConfig
 
+from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import Location
 from ucm_ray.store.index import random_id
@@ -291,7 +292,7 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
 
     b.worker.worker_part._pools.post = hung_post
     started = time.monotonic()
-    b.serve("B", p)
+    b.serve("B", p + prompt(1024, seed=77))  # a long new part: the hit is loaded layer by layer
     took = time.monotonic() - started
     assert b.wrong_blocks == 0 and b.failed_loads == 16
     assert store.suspected, "a pool whose transfers fail is reported to the store as suspect"
@@ -408,11 +409,14 @@ def test_blocks_filled_while_decoding_are_saved_too(store, model_dir):
 # --- the FULL-CUDA-graph hazard (the seed's reason to exist) ------------------------------
 
 
-def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir):
+def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir, monkeypatch):
     """The counterfactual of the seed's rule: with the recompute count forced to 1, a hit leaves a
     1-token step, which a GPU replays as a FULL CUDA graph where no layer hook runs, so the forward
     pass never waits for the layerwise loads. The connector notices (loads posted, never waited
-    for) and fails them: vLLM drops that step's token and recomputes. Never a wrong block."""
+    for) and fails them: vLLM drops that step's token and recomputes. Never a wrong block. (Such
+    a step now loads at once whenever its hit is 64 tokens or more, ``policy.loads_at_once``:
+    turned off here to show the hazard the seed's rule still guards.)"""
+    monkeypatch.setattr(policy, "LOAD_AT_ONCE_RATIO", 1 << 40)
     a = make_engine(store.client(), model_dir)
     p = prompt(2048)
     a.serve("A", p)
@@ -822,3 +826,27 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
         b = make_engine(store.client(), model_dir, num_blocks=24)
         assert b.serve(f"B{seed}", prompt(1280, seed=seed))[0] > 0
         assert b.wrong_blocks == 0 and b.failed_loads == 0
+
+
+def test_a_step_computing_little_beside_its_hit_loads_it_at_once_not_layer_by_layer(store, model_dir):
+    """A repeated prompt recomputes a few tokens after a long hit: its loads go in one piece
+    before the forward (``policy.loads_at_once``: per-layer posts cost more host time than the
+    few tokens' compute could hide), while a hit followed by a long new part is still loaded
+    layer by layer, behind that part's compute. Both load every byte right."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048 + 1024, seed=41)
+    a.serve("A", p[:2048])
+    a.settle()
+    seen: dict[str, bool] = {}
+
+    def record(engine, meta) -> None:
+        for job in meta.loads.get(0, []):
+            seen[job.req_id] = job.complete_in_start
+
+    for req_id, tokens in (("repeat", p[:2048 + 5]), ("longer", p)):
+        b = make_engine(store.client(), model_dir)
+        b.before_worker = record
+        hit, computed = b.serve(req_id, tokens)
+        assert hit == 2048 and computed == len(tokens) - 2048
+        assert b.loaded_blocks[req_id] == 16 and b.wrong_blocks == 0 and b.failed_loads == 0
+    assert seen == {"repeat": True, "longer": False}

@@ -175,6 +175,7 @@ class _Tracked:
     slots: _SlotAsks | None = None
     hit_tokens: int = 0  # LCM/block-aligned prefix found in the store
     local_tokens: int = 0  # vLLM's block-aligned local hit at lookup time
+    external_tokens: int = 0  # what vLLM took from the store at allocation (its loads bring them)
     loads: list[LoadJob] | None = None  # per rank, set after allocation, dispatched by the next plan
     block_ids: list[list[int]] = field(default_factory=list)  # per group, as the scheduler output says
     saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
@@ -507,6 +508,7 @@ class SchedulerPart:
         block_ids = blocks.get_block_ids()
         start = t.local_tokens
         end = start + num_external_tokens
+        t.external_tokens = num_external_tokens
         loads = []
         for rank, lease in enumerate(t.lookup.leases):
             rows: list[range] = []  # of the rank's keys (and lease): attention groups', then states'
@@ -586,9 +588,9 @@ class SchedulerPart:
         for req_id, t in self._tracked.items():
             if t.loads is None:
                 continue
-            n_sched = out.num_scheduled_tokens.get(req_id, 0)
+            at_once = policy.loads_at_once(out.num_scheduled_tokens.get(req_id, 0), t.external_tokens, self.recompute)
             for rank, job in enumerate(t.loads):
-                job.complete_in_start = job.complete_in_start or n_sched < self.recompute
+                job.complete_in_start = job.complete_in_start or at_once
                 meta.loads[rank].append(job)
             t.loads = None
         meta.fences = self._fences(out, meta.loads)
