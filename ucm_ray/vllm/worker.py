@@ -230,6 +230,13 @@ class _StepState:
     landed (layer order), before the forward pass can write into the block's tail."""
     load_s: float = 0.0
     """Time spent posting and waiting for this step's loads (``load_seconds``)."""
+    loads_posted: bool = False
+    """Every load of the step was posted in ``start_load_kv`` (none awaits a layer hook). They
+    are checked (landed, validated, reported) once the forward pass is queued, at the first of
+    ``wait_for_save``, ``get_finished`` and ``get_block_ids_with_load_errors``: the compute
+    stream waits for their bytes on the device, while the host launches the forward (checking
+    them in ``start_load_kv`` held the forward's launch back for the whole copy: ~3 ms for a
+    4k-token hit, ~11 ms for 16k on an H200)."""
 
 
 class WorkerPart:
@@ -287,6 +294,7 @@ class WorkerPart:
     # --- per step ------------------------------------------------------------------------
 
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
+        self._finish_posted_loads()  # vLLM always asks for results first; never lose a step's loads
         self._poll_saves(step_end=False)
         if meta.pools is not None:
             self._land_every_save()  # no copy may still use a mapping that closes now
@@ -375,7 +383,12 @@ class WorkerPart:
         if at_once or at_once_threaded:
             batches.append(_Batch(every_layer, {**at_once, **at_once_threaded}))
         self._count_bytes(batches, "loaded")
-        if not step.load_futures and not step.layer_loads:
+        step.loads_posted = not step.load_futures and not step.layer_loads
+
+    def _finish_posted_loads(self) -> None:
+        """``_finish_loads`` for loads that were all posted in ``start_load_kv`` (``loads_posted``)."""
+        if self._step.loads_posted:
+            self._step.loads_posted = False
             self._finish_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -394,6 +407,7 @@ class WorkerPart:
             self._finish_loads()
 
     def wait_for_save(self) -> None:
+        self._finish_posted_loads()
         step = self._step
         unwaited = set(step.load_futures) | set(step.layer_loads)
         if unwaited:
@@ -427,12 +441,14 @@ class WorkerPart:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending: their saves landed, finished receiving, of which failed)."""
+        self._finish_posted_loads()
         self._poll_saves(step_end=True)
         sending, done, failed = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return sending, done | failed, failed
 
     def load_errors(self) -> set[int]:
+        self._finish_posted_loads()
         out, self._load_errors = self._load_errors, set()
         return out
 
