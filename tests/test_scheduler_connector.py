@@ -75,3 +75,18 @@ def test_bad_connector_config_is_named_at_start_up(store, model_dir):
         make_engine(StoreClient(store), model_dir, config=store, extra={"lookup_timout_s": 1})
     with pytest.raises(ConfigError, match="replication"):
         make_engine(StoreClient(store), model_dir, config=store, extra={"replication": 5})
+
+
+def test_a_cold_lookup_that_cannot_read_the_indexes_makes_no_extra_call(store, model_dir):
+    """The first-block probe answers from this node's published indexes only. An engine that
+    cannot read them (another node's shards; here ``local_lookups=False``) asks the shards for
+    the prompt's keys once: no call of its own for the first block before the full lookup."""
+    config = dataclasses.replace(store, local_lookups=False)
+    a = make_engine(StoreClient(config), model_dir, config=config)
+
+    def keys_asked() -> int:
+        return sum(s["lookups"] for s in fleet_status(store)["shards"])
+
+    before = keys_asked()
+    assert a.serve("cold", prompt(2048, seed=9)) == (0, 2048)
+    assert keys_asked() - before == 16  # its 16 blocks' keys, each asked of its owner once

@@ -242,6 +242,12 @@ class BlockStore(ABC):
         through a call elsewhere and on the pools in ``pin`` (where a reader cannot validate)."""
 
     @abstractmethod
+    def surely_absent(self, keys: Sequence[bytes]) -> bool:
+        """Whether some of ``keys`` is surely not stored, as the published index of its owner on
+        this node says: no call, no pin (False where no index here can tell). A cold prompt's
+        lookup ends on it, before its other keys are even derived."""
+
+    @abstractmethod
     def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
         """Unpin; the result names pools where a lease was not (or no longer) held."""
 

@@ -314,6 +314,22 @@ class StoreClient(BlockStore):
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
         return _Acquire(self, list(keys), pin)
 
+    def surely_absent(self, keys: Sequence[bytes]) -> bool:
+        shards = self._membership.shards
+        for key, row in zip(keys, self._owner_indices(keys).tolist() if keys else []):
+            # the owner ``acquire`` would ask: the first replica not suspect
+            rec = next((shards[j] for j in row if not self._suspects.suspect(shards[j])), None)
+            if rec is None:
+                continue
+            found = self._readers.locate(rec.key, [key])
+            if found is None or not found.known[0]:
+                continue  # another node's shard, or an index that cannot say: the lookup asks
+            present = bool(found.generation[0])
+            self._touches.add(rec.key, rec.handle, [key] if present else [], 1)  # counted as a lookup
+            if not present:
+                return True
+        return False
+
     def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
         gone: set[PoolKey] = set()
         calls = []

@@ -118,9 +118,7 @@ class LocalBlockStore(BlockStore):
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
         """As the Ray client's: each pool's published index first (every pool here is on this
         node), pinned through the index where it cannot answer or ``pin`` asks for pins."""
-        if self._readers_version != self._world.version:
-            self._readers.sync(self.pools().descriptors)
-            self._readers_version = self._world.version
+        self._sync_readers()
         lease = ReadLease(Locations.missing(len(keys)))
         todo = list(range(len(keys)))
         for rank in range(self._world.replication):
@@ -149,6 +147,26 @@ class LocalBlockStore(BlockStore):
                 lease.locations.put_slots(idx, pool, slots)
             todo = failed
         return Done(lease)
+
+    def surely_absent(self, keys: Sequence[bytes]) -> bool:
+        self._sync_readers()
+        for key, row in zip(keys, self.owners(keys) if keys else []):
+            live = [(pool, shard) for pool in row if (shard := self._live(pool)) is not None]  # as ``acquire`` asks
+            if not live:
+                continue
+            found = self._readers.locate(live[0][0], [key])
+            if found is None or not found.known[0]:
+                continue
+            present = bool(found.generation[0])
+            live[0][1].index.touch([key] if present else [], 1)
+            if not present:
+                return True
+        return False
+
+    def _sync_readers(self) -> None:
+        if self._readers_version != self._world.version:
+            self._readers.sync(self.pools().descriptors)
+            self._readers_version = self._world.version
 
     def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
         lapsed = set()
