@@ -24,6 +24,9 @@ store-warm (a fresh engine B with the connector), B's own prefix-cache hit, and 
 prompts cold on an engine C without the connector, A and C side by side taking each prompt in
 turn (the tier's cost to a cold request, and whether any first token differs with and without
 it); then A and C decode fresh prompts the same way (what saves running beside decode cost).
+A second engine without the connector, C2, takes every prompt too: its figures against C's
+(``*_noise_<size>``) are what two alike engines differ by on that host, in the same run. Each
+engine runs on cores of its own (``engine_cores``).
 Prompts are 8 tokens past a block boundary so that A's repeat is a pure local hit (the store
 holds nothing beyond it).
 
@@ -34,14 +37,17 @@ step and the device), and writes ``trace_cold_<size>.json.gz`` and
 
 ``--step-timing`` then serves one more cold request and one more decode per size on A and C
 with every part of the engine's step (``vllm.*``) and every connector hook (``ours.*``) timed
-by ``perf_counter``, Python's collections and each thread's CPU time, plus a kernel-launch
-probe in each engine: a table per request in the log (``generate_timed``, ``timed_parts``).
+by ``perf_counter``, and our code inside the hooks (``in.*``, ``inner_parts``), Python's
+collections and each thread's CPU time, plus a kernel-launch probe in each engine: a table per
+request in the log (``generate_timed``, ``timed_parts``); and B serves those cold prompts
+twice more, from the store and from its own prefix cache, timed alike (``timed_warm``).
 
 Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_vs_pinned_copy=``
 (goal >= 0.9), ``layer_wait_overlapped_ms=`` vs ``layer_compute_ms=`` and, with ``--ttft``,
 ``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` /
 ``ttft_cold_overhead_4k=`` (goal <= 1.05), ``decode_overhead_4k=`` (1 - A's decode tok/s over C's,
-fresh prompts of that size with ``--decode-tokens`` new tokens each; goal <= 0.03) and the 16k ones.
+fresh prompts of that size with ``--decode-tokens`` new tokens each; goal <= 0.03), beside each
+``ttft_cold_overhead_noise_4k=`` / ``decode_overhead_noise_4k=`` (C2 against C), and the 16k ones.
 
 Run: ``make gpu-bench`` (both parts) on a GPU machine, or ``python benchmarks/gpu_data_plane.py
 --device cpu --quick [--ttft]`` anywhere as a smoke check (small shapes, plain copies).
@@ -984,8 +990,8 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None,
                     help="also serve one store-warm request per size under torch's profiler; traces go here")
     ap.add_argument("--step-timing", action="store_true",
-                    help="also time each part of A's and C's engine steps (connector hooks, GC) on one more "
-                         "cold request and decode per size")
+                    help="also time each part of A's and C's engine steps (connector hooks, our code in them, GC) "
+                         "on one more cold request and decode per size, and of a store-warm request on B")
     ap.add_argument("--shards", type=int, default=1, help="shards of the data-plane fleet")
     ap.add_argument("--blocks", type=int, default=None, help="entries moved per pass (default 256; quick 8)")
     args = ap.parse_args()
