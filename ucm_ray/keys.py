@@ -51,7 +51,7 @@ def block_keys(namespace: bytes, block_hashes: Sequence[Any], group: int) -> lis
     keys = []
     for block_hash in block_hashes:
         h = base.copy()
-        h.update(_hash_bytes(block_hash))
+        h.update(block_hash if type(block_hash) is bytes else _hash_bytes(block_hash))  # vLLM's are bytes
         keys.append(h.digest())
     return keys
 

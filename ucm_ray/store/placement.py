@@ -10,6 +10,7 @@ millisecond rather than one Python hash call per key and shard.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -34,9 +35,22 @@ def shard_salt(shard_id: str) -> np.uint64:
 
 def key_words(keys: Sequence[bytes]) -> np.ndarray:
     """First eight bytes of each key as uint64 (keys shorter than 8 bytes are rejected)."""
-    if any(len(k) < 8 for k in keys):
+    lengths = set(map(len, keys))
+    if len(lengths) == 1:  # the usual case, keys of one digest size: one join, no slice per key
+        (length,) = lengths
+        if length % 8 == 0:
+            return np.frombuffer(b"".join(keys), dtype="<u8")[:: length // 8]
+    if lengths and min(lengths) < 8:
         raise ValueError("store keys must be digests of at least 8 bytes (see ucm_ray.keys)")
     return np.frombuffer(b"".join(k[:8] for k in keys), dtype="<u8")
+
+
+@functools.lru_cache(maxsize=64)
+def _salts(shard_ids: tuple[str, ...]) -> np.ndarray:
+    """Each shard's salt (a membership's, computed once: a lookup places keys every step)."""
+    salts = np.array([shard_salt(s) for s in shard_ids], dtype=np.uint64)
+    salts.setflags(write=False)
+    return salts
 
 
 def owners(keys: Sequence[bytes], shard_ids: Sequence[str], replication: int) -> np.ndarray:
@@ -46,6 +60,6 @@ def owners(keys: Sequence[bytes], shard_ids: Sequence[str], replication: int) ->
         return np.zeros((len(keys), 0), dtype=np.int64)
     r = min(replication, len(shard_ids))
     words = key_words(keys)
-    salts = np.array([shard_salt(s) for s in shard_ids], dtype=np.uint64)
+    salts = _salts(tuple(shard_ids))
     scores = _splitmix64(words[:, None] ^ salts[None, :])
     return np.argsort(scores, axis=1)[:, ::-1][:, :r]

@@ -361,7 +361,7 @@ class IndexReaders:
         which keys the index could not answer (ask the shard); None when this process cannot
         read that index."""
         reader = self.get(pool)
-        listable = all(len(key) == KEY_BYTES for key in keys)
+        listable = all(map(KEY_BYTES.__eq__, map(len, keys)))
         return reader.lookup(keys) if reader is not None and keys and listable else None
 
     def stale(self, locations: Locations, keys: Sequence[bytes], rows: np.ndarray) -> tuple[np.ndarray, set[PoolKey]]:
