@@ -328,13 +328,14 @@ def test_hit_below_local_is_valid():
     assert dense_external_hit(8192, 4096, 128, 5) == 0
 
 
-@pytest.mark.parametrize("scheduled,loaded,recompute,at_once", [
-    pytest.param(1, 0, 2, True, id="graph-replay-step"),
-    pytest.param(5, 8187, 5, True, id="seed-full-hit-recomputes-5"),
-    pytest.param(8, 4096, 2, True, id="repeated-4k-prompt"),
-    pytest.param(64, 4096, 2, True, id="1/64-of-the-hit"),
-    pytest.param(65, 4096, 2, False, id="just-over-1/64"),
-    pytest.param(4096, 4096, 2, False, id="hit-then-as-much-new"),
+@pytest.mark.parametrize("scheduled,loaded,at_once", [
+    pytest.param(5, 8187, True, id="seed-full-hit-recomputes-5"),
+    pytest.param(8, 4096, True, id="repeated-4k-prompt"),
+    pytest.param(64, 4096, True, id="1/64-of-the-hit"),
+    pytest.param(65, 4096, False, id="just-over-1/64"),
+    pytest.param(5 + 1024, 2048, False, id="a-repeat-batched-with-a-long-prefill"),
+    pytest.param(4096, 4096, False, id="hit-then-as-much-new"),
+    pytest.param(1, 0, False, id="nothing-to-load"),
 ])
-def test_loads_at_once_when_the_step_computes_little_beside_its_hit(scheduled, loaded, recompute, at_once):
-    assert loads_at_once(scheduled, loaded, recompute) is at_once
+def test_loads_at_once_when_the_step_computes_little_beside_its_loads(scheduled, loaded, at_once):
+    assert loads_at_once(scheduled, loaded) is at_once

@@ -25,7 +25,7 @@ from ucm_ray.store.published import IndexReaders
 from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
-from ucm_ray.vllm.metadata import UcmRayWorkerMetadata
+from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS
 
 
@@ -850,3 +850,52 @@ def test_a_step_computing_little_beside_its_hit_loads_it_at_once_not_layer_by_la
         assert hit == 2048 and computed == len(tokens) - 2048
         assert b.loaded_blocks[req_id] == 16 and b.wrong_blocks == 0 and b.failed_loads == 0
     assert seen == {"repeat": True, "longer": False}
+
+
+def test_a_repeated_prompt_batched_with_a_long_prefill_is_loaded_layer_by_layer(store, model_dir):
+    """Loads posted whole hold the compute stream back for the whole batch until they landed,
+    so the choice is the step's: a repeated prompt (5 tokens to compute) scheduled beside a
+    fresh 1024-token prompt keeps its loads layer by layer, behind that prompt's compute."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048 + 5, seed=43)
+    a.serve("A", p[:2048])
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    seen: dict[str, bool] = {}
+
+    def record(engine, meta) -> None:
+        for job in meta.loads.get(0, []):
+            seen[job.req_id] = job.complete_in_start
+
+    b.before_worker = record
+    repeat, fresh = b.add("repeat", p), b.add("fresh", prompt(1024, seed=44))
+    b.step()
+    assert b.first == {"repeat": (2048, 5), "fresh": (0, 1024)}  # both in the first step
+    b.run(repeat, fresh)
+    assert seen == {"repeat": False}
+    assert b.loaded_blocks["repeat"] == 16 and b.wrong_blocks == 0 and b.failed_loads == 0
+
+
+def test_loads_of_a_step_whose_results_were_never_asked_for_are_not_reported_in_the_next(store, model_dir):
+    """Loads posted whole are checked once vLLM asks for the step's results. If it never asks
+    (the step's execution failed), the next step's ``bind`` lands them, but their failed blocks
+    must not reach vLLM as the next step's ``invalid_block_ids``: those ids may be other
+    requests' blocks by then. The scheduler still learns the loads are over (pins released)."""
+    a = make_engine(store.client(), model_dir)
+    p = prompt(2048, seed=45)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir)
+    b.add("B", p)
+    out = b.sched.schedule()  # the repeated prompt's loads, posted whole
+    assert [job.complete_in_start for job in out.kv_connector_metadata.loads[0]] == [True]
+    _evict_everything_and_overwrite(store)  # so every block it copies is stale
+    b.worker.bind_connector_metadata(out.kv_connector_metadata)
+    b.worker.start_load_kv(None)
+    # ... and vLLM asks nothing of this step: the next one binds
+    b.worker.bind_connector_metadata(UcmRayConnectorMetadata(loads={0: []}))
+    b.worker.start_load_kv(None)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    worker_meta = b.worker.build_connector_worker_meta()
+    assert worker_meta is not None and len(worker_meta.loads_done) == 1
+    assert len(next(iter(worker_meta.load_failures.values()))) == 16  # the scheduler knows they failed

@@ -62,7 +62,8 @@ class LoadJob:
     complete_in_start: bool = False
     """Load everything in ``start_load_kv`` (``policy.loads_at_once``): this step runs fewer
     tokens than the FULL-CUDA-graph threshold (2 + k), so it may replay a graph in which no
-    layer hook runs, or it computes too little for layer hooks to hide the copies behind."""
+    layer hook runs, or the step computes too little beside what it loads for layer hooks to
+    hide the copies behind."""
     failed: bool = False
     """The plan could not place every entry: report the whole load as failed (vLLM recomputes)."""
     is_async: bool = False

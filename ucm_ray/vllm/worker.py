@@ -294,7 +294,12 @@ class WorkerPart:
     # --- per step ------------------------------------------------------------------------
 
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
-        self._finish_posted_loads()  # vLLM always asks for results first; never lose a step's loads
+        if self._step.loads_posted:
+            # No results were asked for since the last step posted them: its execution failed,
+            # and its output with it. Land them (their blocks may be reused now); their block
+            # ids are not vLLM's to redo in this step, so failures go to the scheduler only.
+            log.warning("ucm-ray: a step's loads were never reported to vLLM (its execution failed?)")
+            self._finish_posted_loads(to_vllm=False)
         self._poll_saves(step_end=False)
         if meta.pools is not None:
             self._land_every_save()  # no copy may still use a mapping that closes now
@@ -385,11 +390,11 @@ class WorkerPart:
         self._count_bytes(batches, "loaded")
         step.loads_posted = not step.load_futures and not step.layer_loads
 
-    def _finish_posted_loads(self) -> None:
+    def _finish_posted_loads(self, *, to_vllm: bool = True) -> None:
         """``_finish_loads`` for loads that were all posted in ``start_load_kv`` (``loads_posted``)."""
         if self._step.loads_posted:
             self._step.loads_posted = False
-            self._finish_loads()
+            self._finish_loads(to_vllm=to_vllm)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._step
@@ -744,9 +749,10 @@ class WorkerPart:
             step.failed.update(tags[row] for row in rows[stale].tolist())
             self.stats.add(stale_loads=int(stale.sum()))
 
-    def _finish_loads(self) -> None:
+    def _finish_loads(self, *, to_vllm: bool = True) -> None:
         """All copies of the step are in: validate unpinned ones, verify checksums and report
-        what vLLM must redo."""
+        what vLLM must redo (``to_vllm``: the failed blocks of synchronous loads go to vLLM,
+        which it may only be told in the step that loaded them)."""
         step = self._step
         for posted in step.unlanded:
             self._land(posted)
@@ -768,7 +774,7 @@ class WorkerPart:
             bad = [tag[1] for tag in tags if tag in step.failed] if step.failed else []
             if job.is_async:
                 (self._failed_recving if bad or job.failed else self._finished_recving).add(job.req_id)
-            else:
+            elif to_vllm:
                 self._load_errors.update(bad)
             self._results.loads_done.add(job.job_id)
             if bad:
