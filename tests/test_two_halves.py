@@ -414,8 +414,8 @@ def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir, 
     1-token step, which a GPU replays as a FULL CUDA graph where no layer hook runs, so the forward
     pass never waits for the layerwise loads. The connector notices (loads posted, never waited
     for) and fails them: vLLM drops that step's token and recomputes. Never a wrong block. (Such
-    a step now loads at once whenever its hit is 64 tokens or more, ``policy.loads_at_once``:
-    turned off here to show the hazard the seed's rule still guards.)"""
+    a step alone in its step now loads at once whenever its hit is 64 tokens or more,
+    ``policy.loads_at_once``: turned off here to show the hazard the seed's rule still guards.)"""
     monkeypatch.setattr(policy, "LOAD_AT_ONCE_RATIO", 1 << 40)
     a = make_engine(store.client(), model_dir)
     p = prompt(2048)
@@ -828,6 +828,19 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
         assert b.wrong_blocks == 0 and b.failed_loads == 0
 
 
+def _load_modes(engine) -> dict[str, bool]:
+    """Filled as the engine's steps run: per request with loads, whether they went whole
+    (``complete_in_start``) rather than layer by layer."""
+    modes: dict[str, bool] = {}
+
+    def record(_engine, meta) -> None:
+        for job in meta.loads.get(0, []):
+            modes[job.req_id] = job.complete_in_start
+
+    engine.before_worker = record
+    return modes
+
+
 def test_a_step_computing_little_beside_its_hit_loads_it_at_once_not_layer_by_layer(store, model_dir):
     """A repeated prompt recomputes a few tokens after a long hit: its loads go in one piece
     before the forward (``policy.loads_at_once``: per-layer posts cost more host time than the
@@ -838,15 +851,11 @@ def test_a_step_computing_little_beside_its_hit_loads_it_at_once_not_layer_by_la
     a.serve("A", p[:2048])
     a.settle()
     seen: dict[str, bool] = {}
-
-    def record(engine, meta) -> None:
-        for job in meta.loads.get(0, []):
-            seen[job.req_id] = job.complete_in_start
-
     for req_id, tokens in (("repeat", p[:2048 + 5]), ("longer", p)):
         b = make_engine(store.client(), model_dir)
-        b.before_worker = record
+        modes = _load_modes(b)
         hit, computed = b.serve(req_id, tokens)
+        seen |= modes
         assert hit == 2048 and computed == len(tokens) - 2048
         assert b.loaded_blocks[req_id] == 16 and b.wrong_blocks == 0 and b.failed_loads == 0
     assert seen == {"repeat": True, "longer": False}
@@ -861,13 +870,7 @@ def test_a_repeated_prompt_batched_with_a_long_prefill_is_loaded_layer_by_layer(
     a.serve("A", p[:2048])
     a.settle()
     b = make_engine(store.client(), model_dir)
-    seen: dict[str, bool] = {}
-
-    def record(engine, meta) -> None:
-        for job in meta.loads.get(0, []):
-            seen[job.req_id] = job.complete_in_start
-
-    b.before_worker = record
+    seen = _load_modes(b)
     repeat, fresh = b.add("repeat", p), b.add("fresh", prompt(1024, seed=44))
     b.step()
     assert b.first == {"repeat": (2048, 5), "fresh": (0, 1024)}  # both in the first step
