@@ -577,13 +577,12 @@ class SchedulerPart:
             self._pools_sent = pools.version
             self._pin_pools &= set(pools.descriptors)
         self._track_blocks(out)
-        loading = [(req_id, t) for req_id, t in self._tracked.items() if t.loads is not None]
-        at_once = policy.loads_at_once(out.total_num_scheduled_tokens, sum(t.external_tokens for _, t in loading))
-        for req_id, t in loading:
-            assert t.loads is not None
+        loading = [(req_id, t, t.loads) for req_id, t in self._tracked.items() if t.loads is not None]
+        at_once = policy.loads_at_once(out.total_num_scheduled_tokens, sum(t.external_tokens for _, t, _ in loading))
+        for req_id, t, jobs in loading:
             # fewer tokens than the FULL-graph threshold: no layer hook may run in this step
             whole = at_once or out.num_scheduled_tokens.get(req_id, 0) < self.recompute
-            for rank, job in enumerate(t.loads):
+            for rank, job in enumerate(jobs):
                 job.complete_in_start = job.complete_in_start or whole
                 meta.loads[rank].append(job)
             t.loads = None
