@@ -1,11 +1,25 @@
-"""Data-plane benchmark: client <-> shard bandwidth per transport, lookup latency.
+"""Data-plane benchmark: client <-> shard bandwidth per transport, a step's blocks through the
+connector, lookup latency.
 
 Baselines measured in the same run: single-thread memcpy into a preallocated
 buffer (numpy copyto) and moving the same bytes through Ray's object store to
 an actor. Clients: ``shm`` (same-node lookups in the shards' published
 indexes), ``shm_pinned`` (every lookup a pinning Ray call, as between nodes),
-``nixl``. Prints a table, then ``data_plane_load_vs_memcpy=<ratio>`` (2 MiB
-blocks, same-node path, data plane only) as the last line.
+``nixl``; each stores one key per block through ``put`` / ``get`` (a call per
+batch for each of lookup, reservation and commit).
+
+The connector does not move a step's blocks that way: one key covers a block of every layer,
+slots are granted ahead and commits answered beside later steps. ``connector step`` rows
+measure that path: engine A (vLLM's real scheduler with both halves of our connector, the
+harness's stand-in forward, a real fleet) computes a prompt of ``--step-mib`` MiB of KV over
+``--step-layers`` layers (fewer where an entry would exceed 8 MiB), whose layer blocks are
+each the column's size, and saves it;
+a fresh engine B loads it. The figure is the step's bytes over the time the engines spent
+inside the connector's hooks (lookup, planning, posting, every wait for a copy, commits),
+both halves and every step until the saves were committed and the loads' leases released:
+what a step pays for the tier, control included. Last lines:
+``step_{load,save}_vs_memcpy_<size>=<ratio>`` per size, then
+``data_plane_load_vs_memcpy=<ratio>`` (2 MiB blocks, same-node path, data plane only).
 
 Run: ``make bench`` or ``python benchmarks/data_plane.py [--sizes 256KiB,2MiB,16MiB]``.
 """
@@ -36,6 +50,12 @@ from ucm_ray.transport.base import CopyOp, Ranges  # noqa: E402
 
 log = logging.getLogger("bench")
 BATCH = 64
+STEP_BLOCK_TOKENS = 16
+STEP_HEAD_SIZE = 128
+STEP_ENTRY_MAX = 8 << 20
+"""The most bytes one stored entry (a block of every layer) holds in the connector step rows:
+larger layer blocks get fewer layers. Each engine keeps up to ``max_num_seqs`` free slots per
+pool for its next saves; with 64 MiB entries that alone would fill the benchmark's pools."""
 
 
 def best(fn, repeat: int) -> float:
@@ -108,6 +128,58 @@ def move(client: StoreClient, locations, tensors, *, write: bool) -> None:
     assert not failed, f"transfer with {sorted(failed)} failed"
 
 
+def connector_steps(cfg: UcmRayConfig, layer_block: int, layers: int, step_bytes: int, repeat: int,
+                    model_dir: str) -> dict[str, float]:
+    """Bytes per second of connector time (see the module's docstring) of a step that saves and
+    of one that loads a prompt's blocks, ``layer_block`` bytes per block per layer (float32 KV,
+    16-token blocks), and memcpy of as many bytes: best of ``repeat`` prompts, after one untimed."""
+    from ucm_ray.testing.harness import make_engine, prompt
+    from ucm_ray.testing.timing import CONNECTOR_HOOKS, timed_calls
+
+    heads, rest = divmod(layer_block, STEP_BLOCK_TOKENS * 2 * STEP_HEAD_SIZE * 4)
+    if rest or not heads:
+        raise ValueError(f"a layer block of {layer_block} bytes is not a whole number of 128-wide float32 heads")
+    layers = max(1, min(layers, STEP_ENTRY_MAX // layer_block))
+    blocks = max(1, step_bytes // (layers * layer_block))
+    total = blocks * layers * layer_block
+    shape = {"block_size": STEP_BLOCK_TOKENS, "num_layers": layers, "kv_heads": heads,
+             "head_size": STEP_HEAD_SIZE, "num_blocks": blocks + 4, "max_batched": blocks * STEP_BLOCK_TOKENS + 64}
+    engines = {role: make_engine(StoreClient(cfg), model_dir, config=cfg, **shape) for role in ("save", "load")}
+    src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    dst = np.empty_like(src)
+    res = {"memcpy": total / best(lambda: np.copyto(dst, src), repeat)}
+    spent: dict[str, list[float]] = {role: [] for role in engines}
+    try:
+        for attempt in range(repeat + 1):
+            # one block more than a step's blocks' tokens: the last block is B's to compute, so
+            # B loads every block A saved (vLLM's own prefix cache never hits a prompt whole)
+            tokens = prompt(blocks * STEP_BLOCK_TOKENS + 1, seed=1000 * layer_block + attempt)
+            for role, engine in engines.items():
+                # A decodes one token: the step after its prompt's posts the saves, as in a serving engine
+                targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
+                with timed_calls(targets) as timed:
+                    engine.serve(f"{role}-{attempt}", tokens, max_tokens=2 if role == "save" else 1)
+                    engine.settle()
+                if attempt:  # the first of each: pools mapped, grants made, code warm
+                    spent[role].append(sum(sum(calls) for calls in timed.values()))
+                    log.debug("%s %s: %s", role, attempt, {hook: round(1e3 * sum(calls), 2)
+                                                           for hook, calls in timed.items() if calls})
+            load = engines["load"]
+            if load.loaded_blocks.get(f"load-{attempt}") != blocks or load.wrong_blocks or load.failed_loads:
+                raise RuntimeError(f"connector step at {layer_block} bytes: B loaded "
+                                   f"{load.loaded_blocks.get(f'load-{attempt}')} of {blocks} blocks "
+                                   f"({load.wrong_blocks} wrong, {load.failed_loads} failed)")
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    res["connector_step_save"] = total / min(spent["save"])
+    res["connector_step_load"] = total / min(spent["load"])
+    log.info("connector step, %d KiB layer blocks: %d blocks x %d layers = %d MiB; connector ms save %s load %s",
+             layer_block >> 10, blocks, layers, total >> 20, [round(1e3 * s, 1) for s in spent["save"]],
+             [round(1e3 * s, 1) for s in spent["load"]])
+    return res
+
+
 def lookup_latency(client: StoreClient, n: int, iters: int) -> tuple[float, float]:
     """The engine's lookup (``acquire``) of ``n`` keys, half of them stored: p50 and p99 seconds.
     Pins taken through Ray are released after each timing, off the clock (as the engine does)."""
@@ -132,10 +204,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="64KiB,256KiB,2MiB,16MiB")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--lookup-iters", type=int, default=200)
+    ap.add_argument("--step-sizes", default="64KiB,256KiB,2MiB", help="layer block sizes of the connector step rows")
+    ap.add_argument("--step-layers", type=int, default=32)
+    ap.add_argument("--step-mib", type=int, default=128, help="KV bytes a connector step moves")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]
-    pool = max(BATCH * max(sizes) // 4 * 3, 64 << 20)
+    step_sizes = [parse_size(s, "--step-sizes") for s in args.step_sizes.split(",")] if args.step_sizes else []
+    pool = max(BATCH * max(sizes) // 4 * 3, 64 << 20, 3 * args.step_mib << 20)
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmb-", dir="/tmp"))
     cfg = UcmRayConfig(num_shards=4, pool_bytes=pool, ray_namespace="ucm_ray_bench")
@@ -153,6 +229,15 @@ def main() -> None:
                 rows[size] = measure_size(size, clients, args.repeat)
             lookups = {(name, n): lookup_latency(clients[name], n, args.lookup_iters)
                        for name in ("shm", "shm_pinned") for n in (1000, 10000)}
+            with tempfile.TemporaryDirectory(prefix="ucmb-model-") as model_dir:
+                from ucm_ray.testing.harness import write_model_dir
+
+                write_model_dir(model_dir)
+                steps = {}
+                for size in step_sizes:
+                    log.info("connector step, %d KiB layer blocks", size >> 10)
+                    steps[size] = connector_steps(cfg, size, args.step_layers, args.step_mib << 20, args.repeat,
+                                                  model_dir)
     finally:
         ray.shutdown()
 
@@ -164,6 +249,13 @@ def main() -> None:
     for (name, n), (p50, p99) in lookups.items():
         how = "published index" if name == "shm" else "Ray calls"
         print(f"lookup {n:>6} keys / 4 shards ({how}): p50 {p50 * 1e3:.2f} ms  p99 {p99 * 1e3:.2f} ms")
+    if steps:
+        print(f"\n{'connector step GB/s':>22}" + "".join(f"{s >> 10:>10} KiB" for s in steps))
+        for c in ("memcpy", "connector_step_load", "connector_step_save"):
+            print(f"{c:>22}" + "".join(f"{steps[s][c] / 1e9:>14.2f}" for s in steps))
+        for s, r in steps.items():
+            print(f"step_load_vs_memcpy_{s >> 10}KiB={r['connector_step_load'] / r['memcpy']:.2f} "
+                  f"step_save_vs_memcpy_{s >> 10}KiB={r['connector_step_save'] / r['memcpy']:.2f}")
     ref = 2 << 20 if (2 << 20) in rows else sizes[0]
     r = rows[ref]
     print(f"shm_load_vs_memcpy={r['shm_load'] / r['memcpy']:.2f} shm_save_vs_memcpy={r['shm_save'] / r['memcpy']:.2f} "

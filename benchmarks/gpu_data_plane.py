@@ -82,6 +82,7 @@ from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
+from ucm_ray.testing.timing import CONNECTOR_HOOKS, Target, timed_calls  # noqa: E402
 from ucm_ray.transport.shm import cluster_tag, pool_prefix  # noqa: E402
 
 log = logging.getLogger("bench.gpu")
@@ -464,10 +465,6 @@ PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py",
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "ac2g", "gpu_user_annotation"}
 
 
-NOT_SET = object()
-"""An attribute the timed object did not hold itself (its class's method)."""
-
-
 def profiled_engine_class():
     """The demo's engine with one more method: a request served under torch's profiler, every
     thread and the GPU's streams, its trace trimmed to our code, the engine step and the device
@@ -516,7 +513,7 @@ def profiled_engine_class():
             """A request served (up to its last token) with the engine's step parts and every
             connector hook timed (``perf_counter`` around each, no profiler), and Python's
             garbage collections: ``result["timed"]`` maps a part (``vllm.*``, ``ours.*``,
-            ``gc.*``) to the seconds of each call; ``vllm.engine_step`` has one per step.
+            ``gc.*``) to the seconds of each call; ``vllm.engine.step`` has one per step.
             Which parts an engine with the connector spends more host time in."""
             import gc
 
@@ -524,47 +521,16 @@ def profiled_engine_class():
 
             engine = self.llm.llm_engine
             core = engine.engine_core.engine_core
-            spent: dict[str, list[float]] = {}
-            restore: list[tuple[Any, str, Any]] = []
-
-            def timed(owner: Any, name: str, label: str) -> None:
-                if owner is None or not hasattr(owner, name):
-                    return
-                original = getattr(owner, name)
-                calls = spent[label] = []
-
-                def call(*args: Any, **kwargs: Any) -> Any:
-                    started = time.perf_counter()
-                    try:
-                        return original(*args, **kwargs)
-                    finally:
-                        calls.append(time.perf_counter() - started)
-
-                restore.append((owner, name, owner.__dict__.get(name, NOT_SET)))
-                setattr(owner, name, call)
-
-            for owner, name, label in ((engine, "step", "engine_step"), (core, "step_fn", "core_step"),
-                                       (core.scheduler, "schedule", "schedule"),
-                                       (core.scheduler, "update_from_output", "update_from_output"),
-                                       (core.model_executor, "execute_model", "execute_model"),
-                                       (core.model_executor, "sample_tokens", "sample_tokens"),
-                                       (engine.output_processor, "process_outputs", "process_outputs"),
-                                       (engine.logger_manager, "record", "stat_loggers")):
-                timed(owner, name, f"vllm.{label}")
-            for owner, names, label in inner_parts(core.scheduler.connector,
-                                                   get_kv_transfer_group() if has_kv_transfer_group() else None):
-                for name in names:
-                    timed(owner, name, f"{label}.{name}")
-            for part, connector in (("scheduler", core.scheduler.connector),
-                                    ("worker", get_kv_transfer_group() if has_kv_transfer_group() else None)):
-                for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                             "update_connector_output", "request_finished", "get_kv_connector_stats",
-                             "take_events", "handle_preemptions", "bind_connector_metadata", "start_load_kv",
-                             "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
-                             "get_block_ids_with_load_errors",
-                             "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
-                             "clear_connector_metadata"):
-                    timed(connector, hook, f"ours.{part}.{hook}")
+            worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+            targets: list[Target] = [
+                (engine, ("step",), "vllm.engine"), (core, ("step_fn",), "vllm.core"),
+                (core.scheduler, ("schedule", "update_from_output"), "vllm.scheduler"),
+                (core.model_executor, ("execute_model", "sample_tokens"), "vllm.executor"),
+                (engine.output_processor, ("process_outputs",), "vllm.output"),
+                (engine.logger_manager, ("record",), "vllm.stat_loggers"),
+                *inner_parts(core.scheduler.connector, worker),
+                (core.scheduler.connector, CONNECTOR_HOOKS, "ours.scheduler"), (worker, CONNECTOR_HOOKS, "ours.worker")]
+            collections: dict[str, list[float]] = {}
             collecting: dict[str, float] = {}
 
             def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -572,22 +538,18 @@ def profiled_engine_class():
                     collecting["at"] = time.perf_counter()
                 elif "at" in collecting:
                     took = time.perf_counter() - collecting.pop("at")
-                    spent.setdefault(f"gc.gen{info['generation']}", []).append(took)
+                    collections.setdefault(f"gc.gen{info['generation']}", []).append(took)
 
             gc.callbacks.append(on_gc)
             threads_before = thread_cpu_seconds()
             try:
-                result = self.generate(prompt_ids, max_tokens, ignore_eos=True, flush=False)
+                with timed_calls(targets) as timed:
+                    result = self.generate(prompt_ids, max_tokens, ignore_eos=True, flush=False)
                 threads_after = thread_cpu_seconds()
             finally:
                 gc.callbacks.remove(on_gc)
-                for owner, name, before in reversed(restore):
-                    if before is NOT_SET:  # a class's method: drop the instance's wrapper
-                        delattr(owner, name)
-                    else:
-                        setattr(owner, name, before)
             self._flush()  # untimed: the steps after the request's last token
-            result["timed"] = spent
+            result["timed"] = {**timed, **collections}
             result["thread_cpu_s"] = {name: seconds - threads_before.get(name, 0.0)
                                       for name, seconds in threads_after.items()}
             return result
@@ -630,7 +592,7 @@ def profiled_engine_class():
     return ProfiledEngine
 
 
-def inner_parts(scheduler: Any, worker: Any) -> list[tuple[Any, tuple[str, ...], str]]:
+def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
     """Our code inside the hooks, timed too (``generate_timed``): where a lookup's and a load's
     host time goes. Class attributes are patched on the class (every instance), and put back."""
     if scheduler is None and worker is None:
@@ -638,7 +600,7 @@ def inner_parts(scheduler: Any, worker: Any) -> list[tuple[Any, tuple[str, ...],
     from ucm_ray.store.client import _Acquire
     from ucm_ray.transport import gather, shm
 
-    out: list[tuple[Any, tuple[str, ...], str]] = [
+    out: list[Target] = [
         (gather.GatherPlan, ("__init__", "move"), "in.gather"),
         (shm._CudaCopies, ("__init__", "post"), "in.shm_copies"),
         (_Acquire, ("__init__", "poll", "result"), "in.acquire"),
@@ -678,7 +640,7 @@ def thread_cpu_seconds() -> dict[str, float]:
 def parts_table(timed: dict[str, dict[str, list[float]]], per_step: bool) -> list[str]:
     """One row per timed part: each engine's (``timed``'s labels) total, in ms per request
     (``per_step`` false) or us per step, its calls and its median call."""
-    steps = {label: max(1, len(parts.get("vllm.engine_step", []))) for label, parts in timed.items()}
+    steps = {label: max(1, len(parts.get("vllm.engine.step", []))) for label, parts in timed.items()}
     scale = {label: 1e6 / steps[label] if per_step else 1e3 for label in timed}
     rows = []
     for part in sorted(set().union(*timed.values())):
@@ -721,7 +683,7 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
             prompt = timed_prompt(model, prof, size, max_tokens)
             got = {label: ray.get(engine.generate_timed.remote(prompt, max_tokens)) for label, engine in pair.items()}
             timed = {label: r["timed"] for label, r in got.items()}
-            steps = {label: max(1, len(parts["vllm.engine_step"])) for label, parts in timed.items()}
+            steps = {label: max(1, len(parts["vllm.engine.step"])) for label, parts in timed.items()}
             rows = parts_table(timed, per_step=kind == "decode")
             for label, r in got.items():
                 busy = sorted(((seconds, name) for name, seconds in r["thread_cpu_s"].items() if seconds > 0),
@@ -729,7 +691,7 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
                 rows.append(f"  threads of {label} (CPU ms): " + ", ".join(f"{name} {1e3 * seconds:.0f}"
                                                                       for seconds, name in busy[:8]))
                 if kind == "decode":
-                    for part in ("vllm.engine_step", "vllm.execute_model"):
+                    for part in ("vllm.engine.step", "vllm.executor.execute_model"):
                         rows.append(f"  {label} {part} ms: {step_spread(timed[label].get(part, []))}")
             unit = "ms per request" if kind == "cold" else "us per step"
             log.info("%s %s timed parts, %s (calls, median call), A %d steps, C %d steps, TTFT A %.1f ms C %.1f ms:"
@@ -741,7 +703,7 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
                 out[f"cold_{size}_steps_to_first_token_c"] = steps["C"]
                 out[f"cold_{size}_connector_hooks_ms"] = ours * 1e3
             else:
-                step_us = {label: 1e6 * sum(timed[label]["vllm.engine_step"]) / steps[label] for label in timed}
+                step_us = {label: 1e6 * sum(timed[label]["vllm.engine.step"]) / steps[label] for label in timed}
                 out[f"decode_{size}_step_us_a"] = step_us["A"]
                 out[f"decode_{size}_step_us_c"] = step_us["C"]
                 out[f"decode_{size}_connector_hooks_us_per_step"] = 1e6 * ours / steps["A"]

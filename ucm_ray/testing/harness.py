@@ -307,9 +307,12 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 hybrid: bool = False, max_batched: int = 8192, num_blocks: int = 96,
                 layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
                 extra: dict | None = None, failure_policy: str = "recompute",
-                sliding_window: int | None = None, state_block_size: int | None = None) -> Engine:
+                sliding_window: int | None = None, state_block_size: int | None = None,
+                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
-    ``state_block_size``: the hybrid's state blocks, when not the attention block size."""
+    ``state_block_size``: the hybrid's state blocks, when not the attention block size.
+    ``num_layers``, ``kv_heads``, ``head_size``: the attention layers' KV (one layer's block is
+    ``block_size * kv_heads * head_size * 2 * 4`` bytes; a benchmark sizes it as a model's)."""
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
     spec = None
     if num_spec:
@@ -332,19 +335,19 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                             kv_connector_extra_config=extra))
     vcfg.cache_config.num_gpu_blocks = num_blocks
     # Small heads keep the fake KV cheap; the scheduler never checks them against the model.
-    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32)
-    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     groups = [KVCacheGroupSpec(layers, attn)]
     if sliding_window is not None:  # layer 1 in a sliding-window group, as Gemma-3 has
-        window = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=16, dtype=torch.float32,
-                                   sliding_window=sliding_window)
+        window = SlidingWindowSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_size,
+                                   dtype=torch.float32, sliding_window=sliding_window)
         groups = [KVCacheGroupSpec(layers[:1], attn), KVCacheGroupSpec(layers[1:], window)]
     if hybrid:
         # One state per layer, as LFM2's short convolutions have; its page is padded to the
         # attention page size, and the layer's tensor is a view of the state part of each page.
         mamba = MambaSpec(block_size=state_block_size or block_size, shapes=((3, 512),), dtypes=(torch.float32,),
                           mamba_cache_mode="align", page_size_padded=attn.page_size_bytes)
-        groups.append(KVCacheGroupSpec(["model.layers.2.mixer"], mamba))
+        groups.append(KVCacheGroupSpec([f"model.layers.{num_layers}.mixer"], mamba))
     page = attn.page_size_bytes
     tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
                for g in groups for n in g.layer_names]
@@ -364,12 +367,12 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
         worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
     finally:
         _next_node.clear()
-    kv = {n: torch.zeros(num_blocks, 1, block_size, 2 * 16, dtype=torch.float32) for n in layers}
+    kv = {n: torch.zeros(num_blocks, kv_heads, block_size, 2 * head_size, dtype=torch.float32) for n in layers}
     layer_groups = [(n, 0, True) for n in layers]
     if hybrid:
         pages = torch.zeros(num_blocks, page // 4, dtype=torch.float32)
-        kv["model.layers.2.mixer"] = pages[:, :3 * 512].view(num_blocks, 3, 512)
-        layer_groups.append(("model.layers.2.mixer", 1, False))
+        kv[f"model.layers.{num_layers}.mixer"] = pages[:, :3 * 512].view(num_blocks, 3, 512)
+        layer_groups.append((f"model.layers.{num_layers}.mixer", 1, False))
     worker.register_kv_caches(kv)
     init_none_hash(sha256)
     return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256))
