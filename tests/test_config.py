@@ -67,6 +67,9 @@ def test_a_lease_shorter_than_two_step_deadlines_is_refused():
     ({"shard_cpus": 0.00001}, ["shard_cpus", "0.0001"]),     # Ray refuses it later, far from the cause
     ({"checksum": 2}, ["checksum", "true or false"]),
     ({"local_lookups": "sometimes"}, ["local_lookups", "true or false"]),
+    ({"load_at_once_ratio": -1}, ["load_at_once_ratio", "between 0 (never) and"]),
+    ({"load_at_once_ratio": 2.5}, ["load_at_once_ratio", "integer"]),
+    ({"load_at_once_ratio": True}, ["load_at_once_ratio"]),
     ({"bad\nkey": 1}, ["'bad\\nkey'", "allowed keys"]),    # shown on one line
     ({3: 1}, ["3", "allowed keys"]),                          # a YAML int key, sorted beside str keys
     ({3: 1, "a": 2}, ["3", "a", "allowed keys"]),

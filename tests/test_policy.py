@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ucm_ray.config import UcmRayConfig
 from ucm_ray.policy import (
     dense_external_hit,
     hybrid_hit_blocks,
@@ -338,4 +339,10 @@ def test_hit_below_local_is_valid():
     pytest.param(1, 0, False, id="nothing-to-load"),
 ])
 def test_loads_at_once_when_the_step_computes_little_beside_its_loads(scheduled, loaded, at_once):
-    assert loads_at_once(scheduled, loaded) is at_once
+    assert loads_at_once(scheduled, loaded, 64) is at_once
+    assert loads_at_once(scheduled, loaded, 0) is False  # load_at_once_ratio 0: always layer by layer
+
+
+def test_the_ratio_is_the_config_key():
+    assert loads_at_once(8, 4096, 512) is True and loads_at_once(9, 4096, 512) is False
+    assert UcmRayConfig().load_at_once_ratio == 64

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from vllm.config import ParallelConfig
 
-from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import Location
 from ucm_ray.store.index import random_id
@@ -409,19 +408,20 @@ def test_blocks_filled_while_decoding_are_saved_too(store, model_dir):
 # --- the FULL-CUDA-graph hazard (the seed's reason to exist) ------------------------------
 
 
-def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir, monkeypatch):
+def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir):
     """The counterfactual of the seed's rule: with the recompute count forced to 1, a hit leaves a
     1-token step, which a GPU replays as a FULL CUDA graph where no layer hook runs, so the forward
     pass never waits for the layerwise loads. The connector notices (loads posted, never waited
     for) and fails them: vLLM drops that step's token and recomputes. Never a wrong block. (Such
     a step alone in its step now loads at once whenever its hit is 64 tokens or more,
-    ``policy.loads_at_once``: turned off here to show the hazard the seed's rule still guards.)"""
-    monkeypatch.setattr(policy, "LOAD_AT_ONCE_RATIO", 1 << 40)
+    ``policy.loads_at_once``: turned off here, ``load_at_once_ratio: 0``, to show the hazard the
+    seed's rule still guards: a step of many decodes beside such a hit loads layer by layer.)"""
+    layer_by_layer = {"load_at_once_ratio": 0}
     a = make_engine(store.client(), model_dir)
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-    b = make_engine(store.client(), model_dir)
+    b = make_engine(store.client(), model_dir, extra=layer_by_layer)
     b.graph_replay_below = 2  # what vLLM's FULL graphs do with a 1-token step
     b.connector.scheduler_part.recompute = 1  # test-only: the rule the seed fixed
     ext, computed = b.serve("B", p)
@@ -430,7 +430,7 @@ def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir, 
     # lands before the forward pass, was good)
     assert b.failed_loads == 15 and b.wrong_blocks == 0
     assert b.stats()["unwaited_layer_loads"] == 2
-    c = make_engine(store.client(), model_dir)
+    c = make_engine(store.client(), model_dir, extra=layer_by_layer)
     c.graph_replay_below = 2
     assert c.serve("C", p) == (2046, 2)  # the seed's rule: 2 tokens left, a PIECEWISE step with hooks
     assert c.failed_loads == 0 and c.wrong_blocks == 0

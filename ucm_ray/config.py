@@ -50,6 +50,7 @@ TIMEOUT_LIMITS: dict[str, tuple[float, float]] = {
     "lease_s": (0.1, 86400.0),
     "reserve_timeout_s": (0.1, 86400.0),
 }
+MAX_LOAD_AT_ONCE_RATIO = 1 << 20
 MAX_SHARD_CPUS = 1024.0
 MIN_FRACTIONAL_CPUS = 0.0001
 """Ray refuses a non-zero resource quantity below 0.0001."""
@@ -109,6 +110,11 @@ class UcmRayConfig:
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
+    load_at_once_ratio: int = 64
+    """A step whose requests compute at most 1/N of the tokens their hits bring (a repeated prompt)
+    gets its loads posted whole before the forward instead of layer by layer: the layers would
+    have next to nothing to overlap the copies with, and each layer's post costs host time. 0:
+    always layer by layer."""
     lookup_timeout_s: float = 5.0
     """A shard slower than this to answer a control call is a miss (and suspect for a while)."""
     transfer_timeout_s: float = 10.0
@@ -155,6 +161,8 @@ class UcmRayConfig:
         need(is_int(self.replication) and 1 <= self.replication <= self.num_shards, "replication",
              f"an integer between 1 and num_shards ({self.num_shards})")
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
+        need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
+             "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
         for key in ("layerwise", "checksum", "local_lookups"):
             need(isinstance(getattr(self, key), bool), key, "true or false")
         for key, (lo, hi) in TIMEOUT_LIMITS.items():

@@ -56,22 +56,19 @@ def recompute_tokens(layerwise: bool, num_speculative_tokens: int = 0) -> int:
     return 2 + k if layerwise else 1
 
 
-LOAD_AT_ONCE_RATIO = 64
-"""A step that computes at most 1/64 of the tokens it loads takes its loads in one piece."""
-
-
-def loads_at_once(step_tokens: int, step_loaded_tokens: int) -> bool:
+def loads_at_once(step_tokens: int, step_loaded_tokens: int, ratio: int) -> bool:
     """Whether a step's loads are posted in one piece before its forward pass rather than
-    layer by layer: when the step computes (all its requests together) at most
-    ``1/LOAD_AT_ONCE_RATIO`` of the tokens its loads bring, e.g. a repeated prompt recomputing
-    its last block's tail. The layer hooks then have next to nothing to overlap the copies with
-    (computing a token takes ~15x (1B) to ~170x (70B) the time of moving its KV over PCIe on an
-    H200 host), while posting, ordering and awaiting each layer apart cost ~0.3 ms of host time
-    per layer there (a 4k-token store hit of a 16-layer model: ~5 ms, against ~3 ms for its
-    bytes). The step's totals, not a request's: loads posted whole hold the compute stream back
-    for every request of the batch until they landed.
+    layer by layer: when the step computes (all its requests together) at most ``1/ratio``
+    (``load_at_once_ratio``, 64 by default; 0 never) of the tokens its loads bring, e.g. a
+    repeated prompt recomputing its last block's tail. The layer hooks then have next to
+    nothing to overlap the copies with (computing a token takes ~15x (1B) to ~170x (70B) the
+    time of moving its KV over PCIe on an H200 host), while posting, ordering and awaiting
+    each layer apart cost ~0.3 ms of host time per layer there (a 4k-token store hit of a
+    16-layer model: ~5 ms, against ~3 ms for its bytes). The step's totals, not a request's:
+    loads posted whole hold the compute stream back for every request of the batch until
+    they landed.
     """
-    return step_loaded_tokens > 0 and step_tokens * LOAD_AT_ONCE_RATIO <= step_loaded_tokens
+    return ratio > 0 and step_loaded_tokens > 0 and step_tokens * ratio <= step_loaded_tokens
 
 
 def dense_external_hit(num_tokens: int, num_computed_tokens: int, hit_tokens: int,

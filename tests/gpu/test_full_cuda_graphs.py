@@ -87,11 +87,26 @@ V2_RUNNER_RECOVERY = ("vLLM 0.26's V2 model runner: after the connector fails th
                                                                                    reason=V2_RUNNER_RECOVERY))])
 def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(model, prompt, fleet, reference, stored,
                                                                      runner):
-    b = engine(model, kv_config(fleet), recompute=1, env={"VLLM_USE_V2_MODEL_RUNNER": runner},
-               async_scheduling=False)
+    """Loads layer by layer (``load_at_once_ratio: 0``), as a hit beside many decodes in one
+    step would: alone in its step the 1-token step would load at once (the next test)."""
+    b = engine(model, kv_config(fleet, load_at_once_ratio=0), recompute=1,
+               env={"VLLM_USE_V2_MODEL_RUNNER": runner}, async_scheduling=False)
     out = ray.get(b.generate.remote(prompt[:1024]))
     got = totals(b)
     ray.kill(b)
     assert got["hit_tokens"] == 1023  # the hit left 1 token: vLLM replays a FULL graph, no hook runs
     assert got["unwaited_layer_loads"] > 0 and got["load_failures"] > 0  # caught and recomputed
+    assert out["tokens"] == reference[1024]
+
+
+def test_a_one_token_step_alone_loads_its_hit_before_the_full_graph_replay(model, prompt, fleet, reference, stored):
+    """The same 1-token step with the default ``load_at_once_ratio``: it computes 1 token beside
+    1023 loaded, so its loads are posted whole before the forward and the compute stream waits
+    for them; the FULL graph that skips the layer hooks reads landed bytes. Nothing to catch."""
+    b = engine(model, kv_config(fleet), recompute=1, async_scheduling=False)
+    out = ray.get(b.generate.remote(prompt[:1024]))
+    got = totals(b)
+    ray.kill(b)
+    assert got["hit_tokens"] == 1023 and got["loaded_blocks"] == 1024 // BLOCK
+    assert got.get("unwaited_layer_loads", 0) == 0 and got.get("load_failures", 0) == 0
     assert out["tokens"] == reference[1024]

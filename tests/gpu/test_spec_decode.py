@@ -47,11 +47,11 @@ def engine(model: str, kv: dict | None):
                          speculative_config=SPEC)
 
 
-def kv_config(fleet) -> dict:
+def kv_config(fleet, **extra) -> dict:
     return {"kv_connector": "UcmRayConnector", "kv_connector_module_path": "ucm_ray.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"ray_namespace": fleet.ray_namespace, "lookup_timeout_s": 60,
-                                          "layerwise": True}}
+                                          "layerwise": True, **extra}}
 
 
 def totals(handle) -> dict:
@@ -108,7 +108,10 @@ def stored(model, prompts, fleet, reference):
 
 @pytest.fixture(scope="module")
 def engine_b(model, fleet, stored):
-    b = engine(model, kv_config(fleet))
+    """Loads layer by layer (``load_at_once_ratio: 0``): a hit that leaves 2 + k (or, in the
+    counterfactual, 1 + k) tokens alone in its step would otherwise load at once, before the
+    forward, and these tests are about the layer hooks under speculation."""
+    b = engine(model, kv_config(fleet, load_at_once_ratio=0))
     yield b
     ray.kill(b)
 

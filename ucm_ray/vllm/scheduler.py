@@ -578,7 +578,8 @@ class SchedulerPart:
             self._pin_pools &= set(pools.descriptors)
         self._track_blocks(out)
         loading = [(req_id, t, t.loads) for req_id, t in self._tracked.items() if t.loads is not None]
-        at_once = policy.loads_at_once(out.total_num_scheduled_tokens, sum(t.external_tokens for _, t, _ in loading))
+        at_once = policy.loads_at_once(out.total_num_scheduled_tokens, sum(t.external_tokens for _, t, _ in loading),
+                                       self._config.load_at_once_ratio)
         for req_id, t, jobs in loading:
             # fewer tokens than the FULL-graph threshold: no layer hook may run in this step
             whole = at_once or out.num_scheduled_tokens.get(req_id, 0) < self.recompute
