@@ -304,3 +304,17 @@ def test_notes_say_where_things_are():
                  "deploy/grafana/ucm-ray.json", "1 shard(s) x 64Gi per worker in /dev/shm (sized 76Gi)",
                  "--set worker.replicas=N"):
         assert text in notes, notes
+
+
+def test_every_tier_setting_of_the_readme_is_accepted_by_the_chart():
+    """values.yaml says the tier takes any key of README "Configuration" but those the chart
+    decides itself; its schema refused ``local_lookups`` and ``model_id`` (found when a key was
+    added)."""
+    from ucm_ray.config import UcmRayConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    tier = schema["properties"]["tier"]["properties"]
+    assert set(tier) == (set(UcmRayConfig.keys()) - {"num_shards", "ray_address", "shm_dir"}) | {"shards_per_node"}
+    settings = ["tier.local_lookups=false", "tier.load_at_once_ratio=0", "tier.model_id=llama"]
+    app = one(render(sets=settings), "RayService")["spec"]["serveConfigV2"]
+    assert "local_lookups: false" in app and "load_at_once_ratio: 0" in app and "model_id: llama" in app
