@@ -14,11 +14,15 @@ measure that path: engine A (vLLM's real scheduler with both halves of our conne
 harness's stand-in forward, a real fleet) computes a prompt of ``--step-mib`` MiB of KV over
 ``--step-layers`` layers (fewer where an entry would exceed 8 MiB), whose layer blocks are
 each the column's size, and saves it;
-a fresh engine B loads it. The figure is the step's bytes over the time the engines spent
-inside the connector's hooks (lookup, planning, posting, every wait for a copy, commits),
-both halves and every step until the saves were committed and the loads' leases released:
-what a step pays for the tier, control included. Last lines:
-``step_{load,save}_vs_memcpy_<size>=<ratio>`` per size, then
+a fresh engine B loads it. The figure is the step's bytes over the host time the engines spent
+inside the connector's hooks (lookup, planning, posting the copies and every wait for them,
+posting slot asks and commits), both halves, every step until the saves were committed and the
+loads' leases released: what the engine's steps pay for the tier, control included. The Ray
+round trips themselves are answered between steps and not counted; nor is copy work that
+overlaps the harness's stand-in forward (a save's, between ``bind`` and ``wait_for_save``; B's
+loads are posted whole and waited for in ``start_load_kv`` while a step loads 64 times what it
+computes: 9 blocks or more, smaller steps are refused). Best of ``--repeat`` prompts. Per size a line
+``step_load_vs_memcpy_<size>=<ratio> step_save_vs_memcpy_<size>=<ratio>``; the last line is
 ``data_plane_load_vs_memcpy=<ratio>`` (2 MiB blocks, same-node path, data plane only).
 
 Run: ``make bench`` or ``python benchmarks/data_plane.py [--sizes 256KiB,2MiB,16MiB]``.
@@ -142,6 +146,9 @@ def connector_steps(cfg: UcmRayConfig, layer_block: int, layers: int, step_bytes
     layers = max(1, min(layers, STEP_ENTRY_MAX // layer_block))
     blocks = max(1, step_bytes // (layers * layer_block))
     total = blocks * layers * layer_block
+    if blocks < 9:
+        raise ValueError(f"--step-mib: {blocks} blocks of {layers} x {layer_block} bytes per step; at least 9 "
+                         "keep B's loads posted whole, waited for inside its hooks")
     shape = {"block_size": STEP_BLOCK_TOKENS, "num_layers": layers, "kv_heads": heads,
              "head_size": STEP_HEAD_SIZE, "num_blocks": blocks + 4, "max_batched": blocks * STEP_BLOCK_TOKENS + 64}
     engines = {role: make_engine(StoreClient(cfg), model_dir, config=cfg, **shape) for role in ("save", "load")}
@@ -151,8 +158,8 @@ def connector_steps(cfg: UcmRayConfig, layer_block: int, layers: int, step_bytes
     spent: dict[str, list[float]] = {role: [] for role in engines}
     try:
         for attempt in range(repeat + 1):
-            # one block more than a step's blocks' tokens: the last block is B's to compute, so
-            # B loads every block A saved (vLLM's own prefix cache never hits a prompt whole)
+            # one token more than the step's blocks hold: B computes it (and, the seed's rule, the
+            # last loaded block's last token again), so B loads every block A saved
             tokens = prompt(blocks * STEP_BLOCK_TOKENS + 1, seed=1000 * layer_block + attempt)
             for role, engine in engines.items():
                 # A decodes one token: the step after its prompt's posts the saves, as in a serving engine

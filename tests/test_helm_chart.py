@@ -203,6 +203,8 @@ def test_sizes_are_read_as_the_builder_reads_them(spelling):
     ({"sets": ["worker.replicas=1", "model.autoscaling.minReplicas=5"]},
      "model.autoscaling.minReplicas 5 does not fit: 1 worker(s) x 4 replica(s) of 2 GPUs each hold 4"),
     ({"sets": ["tier.shard_cpus=9"]}, "worker: 41 CPUs needed"),
+    # the app refuses a no-break space in model_id; the chart refuses it before anything starts
+    ({"set_strings": ["tier.model_id=llama\u00a08b"]}, "at '/tier/model_id'"),
     ({"sets": ["tier.replication=3"]}, "tier.replication 3 exceeds the 2 shard(s) the app starts with"),
     ({"sets": ["tier.shard_cpus=41"]}, "tier: no pod can host a shard"),
     ({"set_strings": ["worker.rayStartParams.object-store-memory=1000000000"]},

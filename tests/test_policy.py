@@ -340,7 +340,7 @@ def test_hit_below_local_is_valid():
 ])
 def test_loads_at_once_when_the_step_computes_little_beside_its_loads(scheduled, loaded, at_once):
     assert loads_at_once(scheduled, loaded, 64) is at_once
-    assert loads_at_once(scheduled, loaded, 0) is False  # load_at_once_ratio 0: always layer by layer
+    assert loads_at_once(scheduled, loaded, 0) is False  # load_at_once_ratio 0: the rule never applies
 
 
 def test_the_ratio_is_the_config_key():

@@ -21,7 +21,7 @@ from ucm_ray.store.blockstore import Location
 from ucm_ray.store.index import random_id
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.published import IndexReaders
-from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
+from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt, write_model_dir
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
@@ -902,3 +902,13 @@ def test_loads_of_a_step_whose_results_were_never_asked_for_are_not_reported_in_
     worker_meta = b.worker.build_connector_worker_meta()
     assert worker_meta is not None and len(worker_meta.loads_done) == 1
     assert len(next(iter(worker_meta.load_failures.values()))) == 16  # the scheduler knows they failed
+
+
+def test_every_layer_of_a_block_holds_its_own_value(store, model_dir):
+    """The harness's check of loaded bytes tells layers apart (it told only 8 apart: a load that
+    put layer 8's block in layer 0 passed in the 32-layer benchmark); beyond what it can tell
+    apart it refuses to build the engine."""
+    assert len({block_value(bytes(range(32)), layer) for layer in range(MAX_LAYERS)}) == MAX_LAYERS
+    assert block_value(b"\xff" * 32, MAX_LAYERS - 1) + 0.5 < 2 ** 23  # numerics' halves stay exact
+    with pytest.raises(ValueError, match="num_layers 65"):
+        make_engine(store.client(), model_dir, num_layers=MAX_LAYERS + 1)

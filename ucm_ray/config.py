@@ -114,7 +114,8 @@ class UcmRayConfig:
     """A step whose requests compute at most 1/N of the tokens their hits bring (a repeated prompt)
     gets its loads posted whole before the forward instead of layer by layer: the layers would
     have next to nothing to overlap the copies with, and each layer's post costs host time. 0:
-    always layer by layer."""
+    this rule never applies (what must land before the forward still does: a hit's last block,
+    mamba states, a step too short for layer hooks)."""
     lookup_timeout_s: float = 5.0
     """A shard slower than this to answer a control call is a miss (and suspect for a while)."""
     transfer_timeout_s: float = 10.0

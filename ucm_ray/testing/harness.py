@@ -89,9 +89,14 @@ def write_model_dir(path: str) -> str:
     return path
 
 
+MAX_LAYERS = 64
+"""Layers whose blocks hold distinct values: a load that put one layer's bytes in another is a
+wrong block (values stay below 2**23, so ``numerics`` halves are exact in float32)."""
+
+
 def block_value(block_hash: bytes, layer: int) -> float:
     """What computing a full block writes into ``layer`` (exact in float32)."""
-    return float(int.from_bytes(bytes(block_hash)[:2], "little") * 8 + layer % 8)
+    return float(int.from_bytes(bytes(block_hash)[:2], "little") * MAX_LAYERS + layer)
 
 
 @dataclass
@@ -313,6 +318,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     ``state_block_size``: the hybrid's state blocks, when not the attention block size.
     ``num_layers``, ``kv_heads``, ``head_size``: the attention layers' KV (one layer's block is
     ``block_size * kv_heads * head_size * 2 * 4`` bytes; a benchmark sizes it as a model's)."""
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise ValueError(f"num_layers {num_layers}: the harness tells apart 1 to {MAX_LAYERS} layers")
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
     spec = None
     if num_spec:
