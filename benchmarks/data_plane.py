@@ -13,15 +13,15 @@ slots are granted ahead and commits answered beside later steps. ``connector ste
 measure that path: engine A (vLLM's real scheduler with both halves of our connector, the
 harness's stand-in forward, a real fleet) computes a prompt of ``--step-mib`` MiB of KV over
 ``--step-layers`` layers (fewer where an entry would exceed 8 MiB), whose layer blocks are
-each the column's size, and saves it;
-a fresh engine B loads it. The figure is the step's bytes over the host time the engines spent
-inside the connector's hooks (lookup, planning, posting the copies and every wait for them,
-posting slot asks and commits), both halves, every step until the saves were committed and the
-loads' leases released: what the engine's steps pay for the tier, control included. The Ray
-round trips themselves are answered between steps and not counted; nor is copy work that
-overlaps the harness's stand-in forward (a save's, between ``bind`` and ``wait_for_save``; B's
-loads are posted whole and waited for in ``start_load_kv`` while a step loads 64 times what it
-computes: 9 blocks or more, smaller steps are refused). Best of ``--repeat`` prompts. Per size a line
+each the column's size, and saves it; a fresh engine B loads it. The figure is the step's
+bytes over the host time the engines spent inside the connector's hooks (lookup, planning,
+posting the copies and every wait for them, posting slot asks and commits), both halves,
+every step until the saves were committed and the loads' leases released: what the engine's
+steps pay for the tier, control included. The Ray round trips themselves are answered between
+steps and not counted; nor is copy work that overlaps the harness's stand-in forward (a
+save's, between ``bind`` and ``wait_for_save``; B's loads are posted whole and waited for in
+``start_load_kv`` while a step loads 64 times what it computes: 9 blocks or more, smaller
+steps are refused). Best of ``--repeat`` prompts. Per size a line
 ``step_load_vs_memcpy_<size>=<ratio> step_save_vs_memcpy_<size>=<ratio>``; the last line is
 ``data_plane_load_vs_memcpy=<ratio>`` (2 MiB blocks, same-node path, data plane only).
 

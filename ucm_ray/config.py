@@ -51,6 +51,7 @@ TIMEOUT_LIMITS: dict[str, tuple[float, float]] = {
     "reserve_timeout_s": (0.1, 86400.0),
 }
 MAX_LOAD_AT_ONCE_RATIO = 1 << 20
+"""A step computing one token beside a million loaded: past that the rule is off in effect (use 0)."""
 MAX_SHARD_CPUS = 1024.0
 MIN_FRACTIONAL_CPUS = 0.0001
 """Ray refuses a non-zero resource quantity below 0.0001."""

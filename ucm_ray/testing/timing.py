@@ -39,8 +39,9 @@ def timed_calls(targets: Sequence[Target]) -> Iterator[dict[str, list[float]]]:
             for name in names:
                 if owner is None or not hasattr(owner, name):
                     continue
-                restore.append((owner, name, vars(owner).get(name, _NOT_SET)))
+                before = vars(owner).get(name, _NOT_SET)
                 setattr(owner, name, _timed(getattr(owner, name), spent.setdefault(f"{label}.{name}", [])))
+                restore.append((owner, name, before))  # only what was set is put back
         yield spent
     finally:
         for owner, name, before in reversed(restore):
