@@ -912,3 +912,27 @@ def test_every_layer_of_a_block_holds_its_own_value(store, model_dir):
     assert block_value(b"\xff" * 32, MAX_LAYERS - 1) + 0.5 < 2 ** 23  # numerics' halves stay exact
     with pytest.raises(ValueError, match="num_layers 65"):
         make_engine(store.client(), model_dir, num_layers=MAX_LAYERS + 1)
+
+
+def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
+    """An engine that saved a burst keeps free slots for more (up to ``max_num_seqs`` per pool
+    and entry size, as many as recent steps used): counted in entries, not bytes, they could
+    take a small pool's room and evict the prefix it had just saved (the data-plane benchmark
+    lost its hits so). Held free slots are capped at a share of the pool."""
+    entry = 2 * 128 * 16 * 2 * 4  # 2 layers of 128-token blocks, 1 head of 16
+    store = LocalBlockStore(num_shards=1, pool_bytes=12 * entry)
+    try:
+        a = make_engine(store.client(), model_dir)
+        p = prompt(8 * 128 + 1, seed=11)
+        a.serve("A", p, max_tokens=1)  # 8 full blocks saved; its demand says 8 more may come
+        a.settle()
+        for _ in range(5):
+            a.step()  # ticks: the free stock the demand asks for is granted (a full tick each)
+            time.sleep(0.06)
+        a.settle()
+        b = make_engine(store.client(), model_dir)
+        ext, _ = b.serve("B", p)
+        assert ext == 8 * 128 - 1, f"B's hit: {ext} tokens of the 8 blocks A saved"
+        assert b.wrong_blocks == 0
+    finally:
+        store.shutdown()

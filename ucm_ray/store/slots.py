@@ -74,6 +74,11 @@ class _Renewal:
 DEMAND_DECAY = 0.9
 """Per step: how fast the remembered demand of a slot class fades once saves slow down (applied
 at the next full tick for the steps whose tick was skipped)."""
+FREE_POOL_SHARE = 16
+"""At most 1/16 of a pool's bytes is held in one engine's free slots of one size for demand
+alone (saves announced ahead are not capped): counted in entries only (``max_free``), a model
+with ~5 MiB entries and 256 sequences would hold more than a 1 GiB pool and evict stored
+prefixes for nothing."""
 QUIET_TICK_S = 0.05
 """How often a tick with nothing to collect, give back or count (most decode steps) still looks
 at baselines, renewals and idle slots: those move on a scale of seconds, and a full tick on
@@ -170,7 +175,8 @@ class SlotSupply:
                 slot_class = (pool, size)
                 demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * fade)
                 self._demand[slot_class] = demand
-                base = min(self._max_free, math.ceil(1.5 * demand) + 1)
+                room = max(1, pools.descriptors[pool].pool_bytes // (size * FREE_POOL_SHARE))
+                base = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
                 have = self.free_slots(slot_class) + self._asked(slot_class)
                 if have < base:
                     self._ask(slot_class, base - have)
