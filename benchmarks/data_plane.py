@@ -58,8 +58,9 @@ STEP_BLOCK_TOKENS = 16
 STEP_HEAD_SIZE = 128
 STEP_ENTRY_MAX = 8 << 20
 """The most bytes one stored entry (a block of every layer) holds in the connector step rows:
-larger layer blocks get fewer layers. Each engine keeps up to ``max_num_seqs`` free slots per
-pool for its next saves; with 64 MiB entries that alone would fill the benchmark's pools."""
+larger layer blocks get fewer layers, so an entry stays a small share of the benchmark's pools,
+as a model's entries are of a real pool (with 64 MiB entries the free slots the two engines
+keep for their next saves took the pools' room and evicted what A had just saved)."""
 
 
 def best(fn, repeat: int) -> float:
