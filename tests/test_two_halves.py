@@ -21,6 +21,7 @@ from ucm_ray.store.blockstore import Location
 from ucm_ray.store.index import random_id
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.published import IndexReaders
+from ucm_ray.store.slots import QUIET_TICK_S
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt, write_model_dir
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
@@ -928,7 +929,7 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         a.settle()
         for _ in range(5):
             a.step()  # ticks: the free stock the demand asks for is granted (a full tick each)
-            time.sleep(0.06)
+            time.sleep(QUIET_TICK_S * 1.2)
         a.settle()
         b = make_engine(store.client(), model_dir)
         ext, _ = b.serve("B", p)
