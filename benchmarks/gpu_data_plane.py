@@ -64,6 +64,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,7 @@ from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
 from ucm_ray.testing.timing import CONNECTOR_HOOKS, Target, timed_calls  # noqa: E402
+from ucm_ray.transport import gather  # noqa: E402
 from ucm_ray.transport.shm import cluster_tag, pool_prefix  # noqa: E402
 
 log = logging.getLogger("bench.gpu")
@@ -227,8 +230,9 @@ class WorkerBench:
 
         return UcmRayConnectorMetadata(pools=self.client.pools().descriptors, **kw)
 
-    def save(self) -> None:
-        """One step's save of blocks [0, n) (every layer) into the granted slots."""
+    def save(self, beside: Callable[[], None] | None = None) -> None:
+        """One step's save of blocks [0, n) (every layer) into the granted slots; ``beside``: work
+        queued on the compute stream right after the save is posted, as the next steps' would."""
         from ucm_ray.store.blockstore import Locations
         from ucm_ray.vllm.metadata import BlockSaves
 
@@ -237,6 +241,8 @@ class WorkerBench:
                            Locations.of([loc for loc, _ in self.save_locations]))
         self.worker.bind(self._meta(saves={0: saves}))
         self.worker.wait_for_save()
+        if beside is not None:
+            beside()
         landed = {}
         while saves.job_id not in landed:  # a save lands beside the steps after its own: until it did
             sync(self.device)
@@ -251,14 +257,15 @@ class WorkerBench:
         self.lease = self.client.acquire(self.keys).result()
         assert all(loc is not None for loc in self.lease.locations), "a committed entry is missing"
 
-    def start_load(self) -> None:
+    def start_load(self, at_once: bool = False) -> None:
+        """``at_once``: every layer lands before the forward (a store-warm request's step)."""
         from ucm_ray.vllm.metadata import BlockLoads, LoadJob
 
         assert self.lease is not None
         n = self.prof.blocks
         blocks = BlockLoads(np.zeros(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64), self.lease.locations,
                             list(self.keys), np.zeros(n, dtype=bool))
-        job = LoadJob(self._next(), "bench", blocks)
+        job = LoadJob(self._next(), "bench", blocks, complete_in_start=at_once)
         self.worker.bind(self._meta(loads={0: [job]}))
         self.worker.start_load_kv()
 
@@ -271,6 +278,12 @@ class WorkerBench:
         self.start_load()
         for name in self.names:
             self.worker.wait_for_layer_load(name)
+        self.finish_load()
+
+    def load_at_once(self) -> None:
+        """One step's load of the n entries into blocks [n, 2n), every layer before the forward."""
+        self.start_load(at_once=True)
+        self.worker.wait_for_save()  # the step's end: the host checks that the loads landed
         self.finish_load()
 
     def clear_targets(self) -> None:
@@ -317,9 +330,35 @@ def pinned_copy(nbytes: int, device: torch.device, repeat: int) -> tuple[float, 
     return h2d / 1e9, d2h / 1e9
 
 
+@contextmanager
+def kernels_only() -> Iterator[None]:
+    """Plans made inside move every part by gather kernels (the path before staged DMA): the
+    same run's figures for both paths."""
+    threshold = gather.DMA_STRETCH_BYTES
+    gather.DMA_STRETCH_BYTES = 1 << 62
+    try:
+        yield
+    finally:
+        gather.DMA_STRETCH_BYTES = threshold
+
+
+def timed_loads(bench: WorkerBench, load: Callable[[], None], reps: int) -> float:
+    """The best of ``reps`` loads into cleared targets, each verified."""
+    times = []
+    for _ in range(reps):
+        bench.clear_targets()
+        t = time.perf_counter()
+        load()
+        times.append(time.perf_counter() - t)
+        bench.verify()
+    return min(times)
+
+
 def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
                    layout: str, overlap: bool, tag: str = "") -> dict[str, float]:
-    """``tag``: a pass of its own (its own keys) for a layout measured again."""
+    """``tag``: a pass of its own (its own keys) for a layout measured again. Saves and loads
+    of every layer at once are measured both ways (staged DMA, gather kernels); a layer-by-layer
+    load's parts are one layer each, which always go by kernels."""
     bench = WorkerBench(prof, cfg, client, device, layout, tag)
     res: dict[str, float] = {"segments": bench.segments_per_layer_block()}
     nbytes = prof.blocks * prof.kv.entry_bytes
@@ -333,21 +372,64 @@ def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device
         # the first save, whose pool mapping costs ~0.1 s, is the save figure).
         reps = prof.repeat if first_save < 2.0 else 1
         res["save_gbps"] = nbytes / (best(bench.save, reps) if reps > 1 else first_save) / 1e9
-        loads = []
-        for _ in range(reps):
-            bench.clear_targets()
-            t = time.perf_counter()
-            bench.load()
-            loads.append(time.perf_counter() - t)
-            bench.verify()
-        res["load_gbps"] = nbytes / min(loads) / 1e9
-        log.info("%s: load %.2f GB/s, save %.2f GB/s (%d x %d KiB entries, bytes verified)", layout,
-                 res["load_gbps"], res["save_gbps"], prof.blocks, prof.kv.entry_bytes >> 10)
+        res["load_gbps"] = nbytes / timed_loads(bench, bench.load, reps) / 1e9
+        res["load_at_once_gbps"] = nbytes / timed_loads(bench, bench.load_at_once, reps) / 1e9
+        with kernels_only():
+            res["save_kernels_gbps"] = nbytes / best(bench.save, reps) / 1e9
+            res["load_at_once_kernels_gbps"] = nbytes / timed_loads(bench, bench.load_at_once, reps) / 1e9
+        log.info("%s: load %.2f GB/s layer by layer, %.2f at once (kernels %.2f), save %.2f GB/s (kernels %.2f) "
+                 "(%d x %d KiB entries, bytes verified)", layout, res["load_gbps"], res["load_at_once_gbps"],
+                 res["load_at_once_kernels_gbps"], res["save_gbps"], res["save_kernels_gbps"], prof.blocks,
+                 prof.kv.entry_bytes >> 10)
         if overlap:
-            res.update(measure_overlap(prof, bench, device, min(loads), reps))
+            res.update(measure_overlap(prof, bench, device, nbytes / res["load_gbps"] / 1e9, reps))
+            res.update(measure_decode_beside_save(prof, bench, device))
     finally:
         bench.close()
     return res
+
+
+DECODE_GEMVS = 300
+"""Decode-shaped matmuls (8 tokens through a 4096 x 14336 bf16 weight, ~30 us each on an H200:
+bound by HBM like a decode step) queued while a save moves: ~9 ms, about as long as the save."""
+
+
+def measure_decode_beside_save(prof: Profile, bench: WorkerBench, device: torch.device) -> dict[str, float]:
+    """How much a save running beside decode-shaped work slows it: device time of DECODE_GEMVS
+    matmuls queued right after a save is posted, over the same matmuls alone; for staged DMA
+    and for gather kernels (which hold SMs while they write host memory over PCIe)."""
+    if device.type != "cuda":
+        return {}
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(8, prof.hidden, device=device, dtype=prof.kv.dtype, generator=g)
+    w = torch.randn(prof.hidden, 14336, device=device, dtype=prof.kv.dtype, generator=g)
+    out = torch.empty(8, 14336, device=device, dtype=prof.kv.dtype)
+    times: dict[str, list[float]] = {"alone": [], "dma": [], "kernels": []}
+
+    def decode(into: str) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(DECODE_GEMVS):
+            torch.matmul(x, w, out=out)
+        end.record()
+        end.synchronize()
+        times[into].append(start.elapsed_time(end))
+
+    for _ in range(3):  # warm-up, then alone / beside each path in turn (the host drifts)
+        decode("alone")
+    times["alone"].clear()
+    for _ in range(prof.repeat + 2):
+        decode("alone")
+        bench.save(beside=lambda: decode("dma"))
+        with kernels_only():
+            bench.save(beside=lambda: decode("kernels"))
+    alone = statistics.median(times["alone"])
+    out_ = {f"decode_beside_save_{path}_slowdown": statistics.median(times[path]) / alone - 1
+            for path in ("dma", "kernels")}
+    log.info("decode-shaped work beside a save: alone %.2f ms, beside staged DMA %.2f ms, beside gather kernels "
+             "%.2f ms (medians of %d)", alone, statistics.median(times["dma"]), statistics.median(times["kernels"]),
+             len(times["alone"]))
+    return out_
 
 
 def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, load_s: float,
@@ -417,10 +499,14 @@ def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, fl
     out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
                gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
                gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
+               gpu_save_kernels_vs_pinned_copy=vllm["save_kernels_gbps"] / d2h,
+               gpu_load_at_once_vs_pinned_copy=vllm["load_at_once_gbps"] / h2d,
+               gpu_load_at_once_kernels_vs_pinned_copy=vllm["load_at_once_kernels_gbps"] / h2d,
                hnd_load_vs_pinned_copy=hnd["load_gbps"] / h2d, hnd_save_vs_pinned_copy=hnd["save_gbps"] / d2h)
     for k in ("layer_compute_ms", "layer_load_ms", "layer_wait_overlapped_ms", "layer_wait_cpu_ms",
-              "start_load_kv_ms"):
-        out[k] = vllm[k]
+              "start_load_kv_ms", "decode_beside_save_dma_slowdown", "decode_beside_save_kernels_slowdown"):
+        if k in vllm:
+            out[k] = vllm[k]
     return out
 
 

@@ -68,3 +68,64 @@ def test_misaligned_ranges_or_buffers_get_no_plan():
     assert GatherPlan.build(pool[1:], _ranges((local,), [(0, 0, 8, 4096)]), [1]) is None  # pool start
     assert GatherPlan.build(pool, _ranges((local[4:],), [(0, 0, 8, 4096)]), [1]) is None  # buffer start
     assert GatherPlan.build(pool[8:], _ranges((local[8:],), [(0, 0, 8, 4096)]), [1]) is not None
+
+
+SEGMENT = 64 << 10
+LAYERS = 3
+
+
+def _entry_rows(slots: list[int], blocks: list[int]) -> list[tuple[int, int, int, int]]:
+    """A step's copies as the worker plans them: per layer (buffer), each block's segment, its
+    entry in slot ``slots[i]`` holding every layer in order (entries side by side when their
+    slots are)."""
+    return [(layer, block * SEGMENT, slot * LAYERS * SEGMENT + layer * SEGMENT, SEGMENT)
+            for layer in range(LAYERS) for slot, block in zip(slots, blocks)]
+
+
+def _layer_buffers(fill: bool) -> tuple[torch.Tensor, ...]:
+    """One buffer per layer, carved from one allocation as vLLM's per-layer caches may lie: at
+    addresses a whole number of rows apart, so the plan addresses them as one span."""
+    size = 16 * SEGMENT
+    whole = _page_aligned(torch.randint(1, 256, (LAYERS * size + 8192,), dtype=torch.uint8) if fill
+                          else torch.zeros(LAYERS * size + 8192, dtype=torch.uint8))
+    return tuple(whole[layer * size: (layer + 1) * size] for layer in range(LAYERS))
+
+
+@pytest.mark.parametrize("run_bytes", [64 << 20, 3 * SEGMENT])
+def test_every_layer_of_adjacent_entries_goes_by_dma_and_moves_exactly(run_bytes):
+    """A save's part (every layer of entries in slots 0-5 and 9-14: two stretches of the pool,
+    ~1.1 MiB each) is staged and copied stretch by stretch; small ``run_bytes`` cuts stretches
+    across staging batches. A part of one layer (ranges an entry apart) stays on the kernels.
+    Whatever the path, the bytes land where they belong and nowhere else, both ways."""
+    slots, blocks = [*range(6), *range(9, 15)], [5, 1, 12, 7, 0, 3, 9, 15, 2, 11, 4, 8]
+    rows = _entry_rows(slots, blocks)
+    buffers = _layer_buffers(fill=True)
+    pool = _page_aligned(torch.zeros(1 << 22, dtype=torch.uint8))
+    plan = GatherPlan.build(pool, _ranges(buffers, rows), [len(rows)], run_bytes=run_bytes, host_pool=pool)
+    assert plan is not None and plan.staged(0)
+    plan.move(0, to_pool=True)
+    _expect(pool, buffers, rows, to_pool=True)
+    assert int(pool.count_nonzero()) == sum(n for *_, n in rows)
+    back = _layer_buffers(fill=False)
+    per_layer = [len(slots) * (layer + 1) for layer in range(LAYERS)]
+    layered = GatherPlan.build(pool, _ranges(back, rows), per_layer, run_bytes=run_bytes, host_pool=pool)
+    assert layered is not None and not any(layered.staged(part) for part in range(LAYERS))
+    layered.move(1, to_pool=False)
+    _expect(pool, back, [row for row in rows if row[0] == 1], to_pool=False)
+    assert sum(int(b.count_nonzero()) for b in back) == len(slots) * SEGMENT  # that layer only
+    back = _layer_buffers(fill=False)
+    plan = GatherPlan.build(pool, _ranges(back, rows), [len(rows)], run_bytes=run_bytes, host_pool=pool)
+    assert plan is not None and plan.staged(0)
+    plan.move(0, to_pool=False)
+    _expect(pool, back, rows, to_pool=False)
+    assert sum(int(b.count_nonzero()) for b in back) == sum(n for *_, n in rows)
+
+
+def test_scattered_entries_stay_on_the_kernels():
+    """Entries an empty slot apart: each stretch is one entry (192 KiB), too short for a copy
+    of its own to pay."""
+    slots = list(range(0, 24, 2))
+    rows = _entry_rows(slots, list(range(len(slots))))
+    pool = _page_aligned(torch.zeros(1 << 23, dtype=torch.uint8))
+    plan = GatherPlan.build(pool, _ranges(_layer_buffers(fill=True), rows), [len(rows)], host_pool=pool)
+    assert plan is not None and not plan.staged(0)

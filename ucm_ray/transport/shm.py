@@ -30,7 +30,7 @@ from ucm_ray.transport.base import (
     Transfer,
     TransferError,
 )
-from ucm_ray.transport.gather import GatherPlan, UvaView
+from ucm_ray.transport.gather import DeviceView, GatherPlan
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +167,9 @@ that filled one."""
 
 class _CudaCopies(PreparedCopies):
     """A step's copies with one pool on CUDA: planned once (one gather plan, its indices
-    uploaded once), each part then posted as a few kernels on the pool's stream for that
-    direction, queued behind the caller's current stream (a save's KV is written, a load's
-    blocks zeroed, by then)."""
+    uploaded once), each part then posted as a few kernels (or staged DMA copies) on the pool's
+    stream for that direction, queued behind the caller's current stream (a save's KV is
+    written, a load's blocks zeroed, by then)."""
 
     def __init__(self, transport: ShmPoolTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
                  stream: torch.cuda.Stream, pool: torch.Tensor, mapped: torch.Tensor | None) -> None:
@@ -179,7 +179,7 @@ class _CudaCopies(PreparedCopies):
         self._plan = None
         if mapped is not None and len(ranges) > FEW_RANGES:
             with torch.cuda.stream(stream):
-                self._plan = GatherPlan.build(mapped, ranges, ends)
+                self._plan = GatherPlan.build(mapped, ranges, ends, host_pool=pool)
 
     def post(self, part: int) -> Transfer:
         self._stream.wait_stream(torch.cuda.current_stream())
@@ -300,7 +300,7 @@ class ShmPoolTransport(PoolTransport):
         """The pool as a CUDA tensor (its host pointer used on the device, as unified addressing
         allows), if a read through it returns what the CPU sees; else None (copies one by one)."""
         try:
-            view = UvaView(address, self._desc.pool_bytes, torch.device("cuda", torch.cuda.current_device())).tensor
+            view = DeviceView(address, self._desc.pool_bytes, torch.device("cuda", torch.cuda.current_device())).tensor
             probe = min(4096, self._desc.pool_bytes)
             if torch.equal(view[:probe].cpu(), self._pool.tensor[:probe]):
                 return view
