@@ -124,14 +124,18 @@ def compute_stream(kind: str) -> torch.cuda.Stream:
     return torch.cuda.Stream() if kind == "own" else torch.cuda.default_stream()
 
 
-def load_job(desc):
+def load_job(desc, how: str = "layers"):
+    """``how``: ``layers`` (layer by layer: one part a layer, gather kernels) or ``at_once`` (every
+    layer before the forward: entries side by side in the pool, so staged DMA copies)."""
     from ucm_ray.vllm.metadata import BlockLoads, LoadJob
 
-    return LoadJob(1, "req", BlockLoads.of([(0, i, location(desc, i), b"") for i in range(N)]))
+    return LoadJob(1, "req", BlockLoads.of([(0, i, location(desc, i), b"") for i in range(N)]),
+                   complete_in_start=how == "at_once")
 
 
+@pytest.mark.parametrize("how", ["layers", "at_once"])
 @pytest.mark.parametrize("stream", ["own", "default"])
-def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_delay, stream):
+def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_delay, stream, how):
     w, caches, desc = worker
     stored = random_bytes(N * ENTRY, seed=1)
     pool.tensor.copy_(stored)
@@ -143,10 +147,11 @@ def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_
         torch.cuda._sleep(cycles_for_delay)  # a long kernel queued before ...
         for t in caches.values():
             t.zero_()  # ... vLLM zeroing the fresh blocks the load is for
-        w.bind(meta(desc, loads={0: [load_job(desc)]}))
+        w.bind(meta(desc, loads={0: [load_job(desc, how)]}))
         w.start_load_kv()
         for name in caches:
             w.wait_for_layer_load(name)
+        w.wait_for_save()  # the forward's end: the step's loads are checked and reported
     torch.cuda.synchronize()
     assert not w.build_worker_meta().load_failures
     for i in (0, N // 2, N - 1):
@@ -155,8 +160,9 @@ def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_
         assert torch.equal(got, stored[i * ENTRY:(i + 1) * ENTRY]), f"block {i} differs from the stored entry"
 
 
+@pytest.mark.parametrize("how", ["layers", "at_once"])
 @pytest.mark.parametrize("stream", ["own", "default"])
-def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, stream):
+def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, stream, how):
     w, caches, desc = worker
     stored = random_bytes(N * ENTRY, seed=2)
     pool.tensor.copy_(stored)
@@ -164,11 +170,12 @@ def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, s
     snapshots = {}
     compute = compute_stream(stream)
     with torch.cuda.stream(compute):
-        w.bind(meta(desc, loads={0: [load_job(desc)]}))
+        w.bind(meta(desc, loads={0: [load_job(desc, how)]}))
         w.start_load_kv()
         for name, t in caches.items():
             w.wait_for_layer_load(name)
             snapshots[name] = t.view(torch.uint8).clone()  # the layer's attention reading its KV, at once
+        w.wait_for_save()
     torch.cuda.synchronize()
     assert not w.build_worker_meta().load_failures
     for name, snap in snapshots.items():
