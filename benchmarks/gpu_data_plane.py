@@ -15,7 +15,11 @@ FLOPs of one layer of an 8B model (Llama-3-8B: hidden 4096, q/k/v/o 4096+1024+10
 MLP 3 x 14336) over the chunk being prefilled, launched after each ``wait_for_layer_load`` as
 vLLM's forward would. The stall per layer is (overlapped time - compute-only time) / layers.
 The same figures are also taken with the HND layout (one contiguous range per layer-block),
-to tell the layout's cost from the transport's.
+to tell the layout's cost from the transport's. Saves and loads of every layer at once (a
+store-warm request's step) run both ways in the same run: staged DMA (the copy engines) and
+gather kernels (``*_kernels_*``); and decode-shaped work (HBM-bound matmuls) is timed on the
+device alone and while a save moves, each way (``decode_beside_save_{dma,kernels}_slowdown``):
+what a prompt's save costs the decode steps it runs beside.
 
 Part 2 (``--ttft``): TTFT of a 4k and a 16k prompt on a ~1.2B random-weight Llama (Llama-3.2-1B
 shape, bf16, FULL_AND_PIECEWISE CUDA graphs), engines as Ray actors in their own processes:
