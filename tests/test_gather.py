@@ -68,6 +68,15 @@ def test_misaligned_ranges_or_buffers_get_no_plan():
     assert GatherPlan.build(pool[1:], _ranges((local,), [(0, 0, 8, 4096)]), [1]) is None  # pool start
     assert GatherPlan.build(pool, _ranges((local[4:],), [(0, 0, 8, 4096)]), [1]) is None  # buffer start
     assert GatherPlan.build(pool[8:], _ranges((local[8:],), [(0, 0, 8, 4096)]), [1]) is not None
+    assert GatherPlan.build(pool, _ranges((local,), [(0, 0, 8, 4096)]), [1], host_pool=pool[4:]) is None
+
+
+def test_parts_that_leave_ranges_out_are_refused():
+    pool, local = (_page_aligned(torch.zeros(1 << 17, dtype=torch.uint8)) for _ in range(2))
+    ranges = _ranges((local,), [(0, 0, 0, 4096), (0, 4096, 8192, 4096)])
+    for ends in ([1], [], [1, 3]):
+        with pytest.raises(ValueError, match="must end at the last of the 2 ranges"):
+            GatherPlan.build(pool, ranges, ends)
 
 
 SEGMENT = 64 << 10

@@ -143,6 +143,8 @@ class GatherPlan:
 
     def __init__(self, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], line: int,
                  run_bytes: int = GATHER_BYTES, host_pool: torch.Tensor | None = None) -> None:
+        if not len(ends) or ends[-1] != len(ranges):
+            raise ValueError(f"part ends {list(ends)[-3:]} must end at the last of the {len(ranges)} ranges")
         self._pool = _as_rows(pool, line)
         self._host = _as_rows(host_pool, line) if host_pool is not None else None
         self._buffers = ranges.buffers  # the spans' views own nothing: these keep the memory alive
@@ -193,7 +195,8 @@ class GatherPlan:
     def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], run_bytes: int = GATHER_BYTES,
               host_pool: torch.Tensor | None = None) -> GatherPlan | None:
         """The plan, or None when the ranges or a tensor's start share no 8-byte alignment."""
-        if any(t.data_ptr() % WORD for t in (pool, *ranges.buffers)):
+        hosts = () if host_pool is None else (host_pool,)
+        if any(t.data_ptr() % WORD for t in (pool, *hosts, *ranges.buffers)):
             return None
         line = line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets]))
         return cls(pool, ranges, ends, line, run_bytes, host_pool) if line else None
