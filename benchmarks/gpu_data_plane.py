@@ -428,12 +428,12 @@ def measure_decode_beside_save(prof: Profile, bench: WorkerBench, device: torch.
         with kernels_only():
             bench.save(beside=lambda: decode("kernels"))
     alone = statistics.median(times["alone"])
-    out_ = {f"decode_beside_save_{path}_slowdown": statistics.median(times[path]) / alone - 1
+    slowdowns = {f"decode_beside_save_{path}_slowdown": statistics.median(times[path]) / alone - 1
             for path in ("dma", "kernels")}
     log.info("decode-shaped work beside a save: alone %.2f ms, beside staged DMA %.2f ms, beside gather kernels "
              "%.2f ms (medians of %d)", alone, statistics.median(times["dma"]), statistics.median(times["kernels"]),
              len(times["alone"]))
-    return out_
+    return slowdowns
 
 
 def measure_overlap(prof: Profile, bench: WorkerBench, device: torch.device, load_s: float,

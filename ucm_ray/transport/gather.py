@@ -18,9 +18,11 @@ A part moves one of two ways, chosen from its shape:
 - **Staged DMA.** A part whose pool ranges lie side by side in long stretches (every layer of
   entries in adjacent slots: a save, or a load that lands before the forward) is gathered in
   device memory in pool order, at HBM speed, and each stretch is one ``cudaMemcpyAsync``: the
-  copy engines move it at the link's speed, and no SM waits on PCIe meanwhile. (A gather
-  kernel writing host memory holds its SMs for the whole transfer, beside the decode steps a
-  prompt's save runs next to; and it moved 0.69x of a pinned copy on the H200.)
+  copy engines move it, and no SM waits on PCIe meanwhile. A gather kernel writing host memory
+  holds its SMs for the whole transfer, beside the decode steps a prompt's save runs next to:
+  on an H200, decode-shaped work beside a 512 MiB save took +102% / +95% longer than alone with
+  the kernels, +4% / -1% with staged DMA (two runs; throughput alike, 0.63-0.71x a pinned copy
+  with the benchmark's host time).
 
 Rows are ``line`` bytes: the largest power of two up to ``MAX_LINE`` dividing every offset and
 size, so a 16-64 KiB range is one row and the index tensors stay small (with 4 KiB rows a 512
@@ -50,8 +52,9 @@ GATHER_BYTES = 64 << 20
 """Bytes moved per kernel pair, or staged per DMA batch: what is staged in device memory."""
 DMA_STRETCH_BYTES = 1 << 20
 """A part goes by staged DMA when its pool ranges, merged where adjacent, average at least this
-many bytes per stretch (and the plan has the pool as host memory): fewer launches than its
-gather kernels would take host time for, each near the link's speed."""
+many bytes per stretch (and the plan has the pool as host memory): each stretch costs a copy's
+launch of host time, too much for a layer's 16-64 KiB ranges an entry apart (those stay on the
+kernels), little for whole entries side by side."""
 
 
 class DeviceView:
