@@ -22,7 +22,13 @@ steps and not counted; nor is copy work that overlaps the harness's stand-in for
 save's, between ``bind`` and ``wait_for_save``; B's loads are posted whole and waited for in
 ``start_load_kv`` while a step loads 64 times what it computes: 9 blocks or more, smaller
 steps are refused). Best of ``--repeat`` prompts. Per size a line
-``step_load_vs_memcpy_<size>=<ratio> step_save_vs_memcpy_<size>=<ratio>``; the last line is
+``step_load_vs_memcpy_<size>=<ratio> step_save_vs_memcpy_<size>=<ratio>``.
+
+``decode`` rows (``--decode-requests``): what our hooks add to a decode step's host time, with
+1 and 8 requests decoding together on the harness and a real fleet, per step and over vLLM's own
+scheduler work in the same steps (``decode_hooks_us_per_step_<n>``,
+``decode_hooks_vs_vllm_scheduler_<n>``): a host-bound GPU decode step (a small model under CUDA
+graphs) pays this directly. The last line is
 ``data_plane_load_vs_memcpy=<ratio>`` (2 MiB blocks, same-node path, data plane only).
 
 Run: ``make bench`` or ``python benchmarks/data_plane.py [--sizes 256KiB,2MiB,16MiB]``.
@@ -31,6 +37,7 @@ Run: ``make bench`` or ``python benchmarks/data_plane.py [--sizes 256KiB,2MiB,16
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import logging
 import os
@@ -188,6 +195,44 @@ def connector_steps(cfg: UcmRayConfig, layer_block: int, layers: int, step_bytes
     return res
 
 
+def decode_steps(cfg: UcmRayConfig, requests: int, steps: int, model_dir: str) -> dict[str, float]:
+    """What the connector adds to a decode step's host time: ``requests`` requests (1k-token
+    prompts, 16 layers, 16-token blocks, a real fleet) decode ``steps`` steps together; most
+    steps fill no block, one in 16 per request does (saved in batches of DECODE_SAVE_TOKENS).
+    Our hooks' time (both halves) per step, and over vLLM's own scheduler work in the same steps
+    (``schedule`` and ``update_from_output`` less our hooks inside them). A GPU engine's step
+    also prepares the model's inputs and samples, so there the share is smaller."""
+    from ucm_ray.testing.harness import make_engine, prompt
+    from ucm_ray.testing.timing import CONNECTOR_HOOKS, timed_calls
+
+    engine = make_engine(StoreClient(cfg), model_dir, config=cfg, block_size=16, num_layers=16,
+                         num_blocks=requests * (1024 + steps + 64) // 16 + 8)
+    try:
+        for i in range(requests):
+            engine.add(f"decode-{i}", prompt(1024, seed=7000 + i), max_tokens=steps + 64)
+        while any(not req.num_output_tokens for req in engine.sched.requests.values()):
+            engine.step()  # prompts computed, first tokens out: every step from here decodes
+        for _ in range(16):
+            engine.step()  # the prompts' saves posted and landed
+        # vLLM calls the scheduler half's hooks inside ``schedule`` and ``update_from_output``
+        targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker"),
+                   (engine.sched, ("schedule", "update_from_output"), "vllm")]
+        gc.collect()
+        gc.freeze()  # as vLLM's engine does after start-up: no full collection of its heap mid-step
+        with timed_calls(targets) as timed:
+            for _ in range(steps):
+                engine.step()
+        gc.unfreeze()
+    finally:
+        engine.shutdown()
+    spent = {part: sum(sum(calls) for name, calls in timed.items() if name.startswith(f"{part}."))
+             for part in ("scheduler", "worker", "vllm")}
+    ours, vllm = spent["scheduler"] + spent["worker"], spent["vllm"] - spent["scheduler"]
+    log.info("decode, %d request(s), %d steps: our hooks %.1f us a step, vLLM's scheduler %.1f us a step", requests,
+             steps, ours / steps * 1e6, vllm / steps * 1e6)
+    return {"hooks_us": ours / steps * 1e6, "vs_vllm": ours / vllm}
+
+
 def lookup_latency(client: StoreClient, n: int, iters: int) -> tuple[float, float]:
     """The engine's lookup (``acquire``) of ``n`` keys, half of them stored: p50 and p99 seconds.
     Pins taken through Ray are released after each timing, off the clock (as the engine does)."""
@@ -215,6 +260,8 @@ def main() -> None:
     ap.add_argument("--step-sizes", default="64KiB,256KiB,2MiB", help="layer block sizes of the connector step rows")
     ap.add_argument("--step-layers", type=int, default=32)
     ap.add_argument("--step-mib", type=int, default=128, help="KV bytes a connector step moves")
+    ap.add_argument("--decode-requests", default="1,8", help="requests decoding together, per decode row")
+    ap.add_argument("--decode-steps", type=int, default=256)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]
@@ -246,6 +293,8 @@ def main() -> None:
                     log.info("connector step, %d KiB layer blocks", size >> 10)
                     steps[size] = connector_steps(cfg, size, args.step_layers, args.step_mib << 20, args.repeat,
                                                   model_dir)
+                decodes = {n: decode_steps(cfg, n, args.decode_steps, model_dir)
+                           for n in (int(n) for n in args.decode_requests.split(",") if n)}
     finally:
         ray.shutdown()
 
@@ -264,6 +313,8 @@ def main() -> None:
         for s, r in steps.items():
             print(f"step_load_vs_memcpy_{s >> 10}KiB={r['connector_step_load'] / r['memcpy']:.2f} "
                   f"step_save_vs_memcpy_{s >> 10}KiB={r['connector_step_save'] / r['memcpy']:.2f}")
+    for n, d in decodes.items():
+        print(f"decode_hooks_us_per_step_{n}={d['hooks_us']:.1f} decode_hooks_vs_vllm_scheduler_{n}={d['vs_vllm']:.2f}")
     ref = 2 << 20 if (2 << 20) in rows else sizes[0]
     r = rows[ref]
     print(f"shm_load_vs_memcpy={r['shm_load'] / r['memcpy']:.2f} shm_save_vs_memcpy={r['shm_save'] / r['memcpy']:.2f} "
