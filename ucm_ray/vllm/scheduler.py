@@ -188,6 +188,9 @@ class _Tracked:
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits) or used by saves
     computed: int = 0  # vLLM's computed tokens at the last save plan
+    waiting_at: tuple[int, int] | None = None
+    """(filled, hashed tokens) when the last plan found the request's blocks waiting for a later
+    one (``_saves_wait``): until either moves, its answer stands (most decode steps)."""
     prompt_expected: bool = False  # a dense prompt's saves were announced to the slot supply
     finished_at: float | None = None
     """When vLLM finished the request while blocks of it were unsaved, or still being copied:
@@ -685,10 +688,16 @@ class SchedulerPart:
         computed = req.num_computed_tokens  # before this step: vLLM advances it after planning
         since, t.computed = min(t.computed, computed), computed
         hashed = len(req.block_hashes) * self._hash_bs
-        if not t.pending and t.finished_at is None and self._saves_wait(t, min(computed, hashed)):
-            if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 8:
-                self._expect_saves(t, hashed)  # slots for the batch, asked for as its blocks fill
-            return False  # no block filled since the last plan, or too few past the prompt yet
+        filled = min(computed, hashed)
+        if not t.pending and t.finished_at is None:
+            if t.waiting_at == (filled, hashed):
+                return False  # as at the last plan: nothing to save yet
+            if self._saves_wait(t, filled):
+                if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 8:
+                    self._expect_saves(t, hashed)  # slots for the batch, asked for as its blocks fill
+                t.waiting_at = (filled, hashed)
+                return False  # no block filled since the last plan, or too few past the prompt yet
+        t.waiting_at = None
         wanted: list[tuple[int, int, int, bytes]] = []  # rank, group, vLLM block id, key
         pending: list[tuple[int, int, int]] = []  # (group, rank, block index) of each
         for g in self._attn:
