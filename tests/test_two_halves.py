@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -360,6 +361,30 @@ def test_generated_blocks_are_saved_in_batches_and_the_rest_when_the_request_end
     conversation = p + list(request.output_token_ids)[:-1]
     assert b.serve("B", conversation + [11, 12, 13])[0] == generated // 16 * 16
     assert b.wrong_blocks == 0
+
+
+def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, model_dir):
+    """Requests that decode together fill their blocks together, and each asks for the slots of
+    its next decode batch as they fill: in one step those asks go out as one call per pool (and
+    entry size), not one per request (each a control call on the engine's thread: ~0.2 ms of
+    host time). The supply's own top-up may add one more. Every generated block is saved."""
+    client = store.client()
+    a = make_engine(client, model_dir, block_size=16, num_blocks=1024)
+    asks: list[tuple[int, object]] = []
+    reserve = client.reserve
+
+    def counted(pool, size, count):
+        asks.append((a.steps, pool))
+        return reserve(pool, size, count)
+
+    client.reserve = counted
+    requests = [a.add(f"R{i}", prompt(160, seed=40 + i), max_tokens=300) for i in range(8)]
+    a.run(*requests)
+    a.settle()
+    per_step = Counter(asks)
+    assert max(per_step.values()) <= 2, f"slot asks per (step, pool): {sorted(per_step.values())[-5:]}"
+    stats = a.stats()
+    assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
 
 
 def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(store, model_dir):

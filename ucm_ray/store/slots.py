@@ -29,7 +29,8 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, Pools, SlotGrant
@@ -112,6 +113,7 @@ class SlotSupply:
         self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
         self._steps = 0  # steps since the last full tick
         self._fading = False  # some class's remembered demand still keeps more than 2 slots free
+        self._held: dict[SlotClass, int] | None = None  # inside ``batched``: expected saves not yet asked for
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -123,8 +125,27 @@ class SlotSupply:
     def expect(self, counts: Mapping[SlotClass, int]) -> list[Pending[SlotGrant | None]]:
         """Saves that are coming (a prompt's next chunk): ask for that many more slots now (the
         baseline stays for decode; what ends up unused goes back once idle). Returns the asks
-        posted, for a caller that may wait a moment."""
+        posted, for a caller that may wait a moment; none inside ``batched``, which posts them."""
+        if self._held is not None:
+            for slot_class, count in counts.items():
+                self._held[slot_class] += max(0, count)
+            return []
         return [self._ask(slot_class, count) for slot_class, count in counts.items() if count > 0]
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Expected saves announced inside are asked for on exit, one ask per slot class: a step
+        in which many requests' decode batches fill (requests decoding together cross the same
+        token counts together) posted a call per request and pool, ~0.2 ms of the engine's host
+        time each."""
+        self._held = defaultdict(int)
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for slot_class, count in held.items():
+                if count > 0:
+                    self._ask(slot_class, count)
 
     def unexpect(self, counts: Mapping[SlotClass, int]) -> None:
         """Expected saves that will not happen after all (those blocks were hits): their slots go

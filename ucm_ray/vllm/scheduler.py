@@ -591,6 +591,22 @@ class SchedulerPart:
                 meta.loads[rank].append(job)
             t.loads = None
         meta.fences = self._fences(out, meta.loads)
+        with self._slots.batched():  # the step's expected saves: one slot ask per pool and size
+            self._plan_step(out, meta)
+        now = time.monotonic()
+        for req_id, t in list(self._tracked.items()):
+            # vLLM frees its blocks once told (the worker says so at once): nothing is still to
+            # be copied from them, or no slot came for what is left within HOLD_S
+            if t.finished_at is not None and not t.save_jobs and (not self._unsaved(t)
+                                                                   or now - t.finished_at > HOLD_S):
+                meta.saved_requests.add(req_id)
+                self._drop(req_id)
+        self._observe_step(out, meta, time.perf_counter() - started)
+        return meta
+
+    def _plan_step(self, out: SchedulerOutput, meta: UcmRayConnectorMetadata) -> None:
+        """This step's saves (of blocks filled before it), into ``meta``; slots expected for the
+        prompts whose first token is out and for decode batches as their blocks fill."""
         saves: SaveRowsByRank = defaultdict(_SaveRows)  # made for a rank once it has a row
         saving: list[str] = []  # requests with rows in this step's saves
         for req_id, t in self._tracked.items():
@@ -612,16 +628,6 @@ class SchedulerPart:
             self._plan_every_state(out, states)
         meta.saves = self._dispatch(saves, saving)
         meta.state_saves = self._dispatch(states, [])
-        now = time.monotonic()
-        for req_id, t in list(self._tracked.items()):
-            # vLLM frees its blocks once told (the worker says so at once): nothing is still to
-            # be copied from them, or no slot came for what is left within HOLD_S
-            if t.finished_at is not None and not t.save_jobs and (not self._unsaved(t)
-                                                                   or now - t.finished_at > HOLD_S):
-                meta.saved_requests.add(req_id)
-                self._drop(req_id)
-        self._observe_step(out, meta, time.perf_counter() - started)
-        return meta
 
     def _plan_every_state(self, out: SchedulerOutput, states: SaveRowsByRank) -> None:
         """A hybrid model's states that this step's scheduled requests compute, and slots for
