@@ -222,8 +222,8 @@ def decode_steps(cfg: UcmRayConfig, requests: int, steps: int, model_dir: str) -
         with timed_calls(targets) as timed:
             for _ in range(steps):
                 engine.step()
-        gc.unfreeze()
     finally:
+        gc.unfreeze()
         engine.shutdown()
     spent = {part: sum(sum(calls) for name, calls in timed.items() if name.startswith(f"{part}."))
              for part in ("scheduler", "worker", "vllm")}
