@@ -338,12 +338,12 @@ def pinned_copy(nbytes: int, device: torch.device, repeat: int) -> tuple[float, 
 def kernels_only() -> Iterator[None]:
     """Plans made inside move every part by gather kernels (the path before staged DMA): the
     same run's figures for both paths."""
-    threshold = gather.DMA_STRETCH_BYTES
-    gather.DMA_STRETCH_BYTES = 1 << 62
+    threshold = gather.DMA_COPY_BYTES
+    gather.DMA_COPY_BYTES = 1 << 62
     try:
         yield
     finally:
-        gather.DMA_STRETCH_BYTES = threshold
+        gather.DMA_COPY_BYTES = threshold
 
 
 def timed_loads(bench: WorkerBench, load: Callable[[], None], reps: int) -> float:
@@ -360,9 +360,9 @@ def timed_loads(bench: WorkerBench, load: Callable[[], None], reps: int) -> floa
 
 def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device: torch.device,
                    layout: str, overlap: bool, tag: str = "") -> dict[str, float]:
-    """``tag``: a pass of its own (its own keys) for a layout measured again. Saves and loads
-    of every layer at once are measured both ways (staged DMA, gather kernels); a layer-by-layer
-    load's parts are one layer each, which always go by kernels."""
+    """``tag``: a pass of its own (its own keys) for a layout measured again. Saves, loads of
+    every layer at once and layer-by-layer loads (one strided copy per layer) are measured both
+    ways: staged DMA and gather kernels."""
     bench = WorkerBench(prof, cfg, client, device, layout, tag)
     res: dict[str, float] = {"segments": bench.segments_per_layer_block()}
     nbytes = prof.blocks * prof.kv.entry_bytes
@@ -380,13 +380,17 @@ def measure_layout(prof: Profile, cfg: UcmRayConfig, client: StoreClient, device
         res["load_at_once_gbps"] = nbytes / timed_loads(bench, bench.load_at_once, reps) / 1e9
         with kernels_only():
             res["save_kernels_gbps"] = nbytes / best(bench.save, reps) / 1e9
+            res["load_kernels_gbps"] = nbytes / timed_loads(bench, bench.load, reps) / 1e9
             res["load_at_once_kernels_gbps"] = nbytes / timed_loads(bench, bench.load_at_once, reps) / 1e9
-        log.info("%s: load %.2f GB/s layer by layer, %.2f at once (kernels %.2f), save %.2f GB/s (kernels %.2f) "
-                 "(%d x %d KiB entries, bytes verified)", layout, res["load_gbps"], res["load_at_once_gbps"],
-                 res["load_at_once_kernels_gbps"], res["save_gbps"], res["save_kernels_gbps"], prof.blocks,
-                 prof.kv.entry_bytes >> 10)
+        log.info("%s: load %.2f GB/s layer by layer (kernels %.2f), %.2f at once (kernels %.2f), save %.2f GB/s "
+                 "(kernels %.2f) (%d x %d KiB entries, bytes verified)", layout, res["load_gbps"],
+                 res["load_kernels_gbps"], res["load_at_once_gbps"], res["load_at_once_kernels_gbps"],
+                 res["save_gbps"], res["save_kernels_gbps"], prof.blocks, prof.kv.entry_bytes >> 10)
         if overlap:
             res.update(measure_overlap(prof, bench, device, nbytes / res["load_gbps"] / 1e9, reps))
+            with kernels_only():
+                kernels = measure_overlap(prof, bench, device, nbytes / res["load_kernels_gbps"] / 1e9, reps)
+            res["layer_wait_overlapped_kernels_ms"] = kernels["layer_wait_overlapped_ms"]
             res.update(measure_decode_beside_save(prof, bench, device))
     finally:
         bench.close()
@@ -503,11 +507,13 @@ def data_plane(prof: Profile, device: torch.device, shards: int) -> dict[str, fl
     out.update(pinned_h2d_gbps=h2d, pinned_d2h_gbps=d2h, gpu_load_gbps=vllm["load_gbps"],
                gpu_save_gbps=vllm["save_gbps"], segments_per_layer_block=vllm["segments"],
                gpu_load_vs_pinned_copy=vllm["load_gbps"] / h2d, gpu_save_vs_pinned_copy=vllm["save_gbps"] / d2h,
+               gpu_load_kernels_vs_pinned_copy=vllm["load_kernels_gbps"] / h2d,
                gpu_save_kernels_vs_pinned_copy=vllm["save_kernels_gbps"] / d2h,
                gpu_load_at_once_vs_pinned_copy=vllm["load_at_once_gbps"] / h2d,
                gpu_load_at_once_kernels_vs_pinned_copy=vllm["load_at_once_kernels_gbps"] / h2d,
                hnd_load_vs_pinned_copy=hnd["load_gbps"] / h2d, hnd_save_vs_pinned_copy=hnd["save_gbps"] / d2h)
-    for k in ("layer_compute_ms", "layer_load_ms", "layer_wait_overlapped_ms", "layer_wait_cpu_ms",
+    for k in ("layer_compute_ms", "layer_load_ms", "layer_wait_overlapped_ms", "layer_wait_overlapped_kernels_ms",
+              "layer_wait_cpu_ms",
               "start_load_kv_ms", "decode_beside_save_dma_slowdown", "decode_beside_save_kernels_slowdown"):
         if k in vllm:
             out[k] = vllm[k]

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from ucm_ray.transport import gather
 from ucm_ray.transport.base import Ranges
-from ucm_ray.transport.gather import GatherPlan, line_bytes
+from ucm_ray.transport.gather import DeviceView, GatherPlan, line_bytes, strip_starts
 
 
 def test_line_is_the_largest_common_power_of_two():
@@ -29,8 +30,25 @@ def _ranges(buffers: tuple[torch.Tensor, ...], rows: list[tuple[int, int, int, i
 
 
 def _expect(pool: torch.Tensor, buffers: tuple[torch.Tensor, ...], rows, *, to_pool: bool) -> None:
+    if pool.is_cuda or buffers[0].is_cuda:
+        torch.cuda.synchronize()
     for b, lo, p, n in rows:
-        assert torch.equal(pool[p: p + n], buffers[b][lo: lo + n]), (b, lo, p, n, to_pool)
+        assert torch.equal(pool[p: p + n].cpu(), buffers[b][lo: lo + n].cpu()), (b, lo, p, n, to_pool)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (none present)")])]
+
+
+def _pool(nbytes: int, device: str, fill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool as the plan takes it: (what kernels address, the host memory DMA copies use). On
+    CUDA, page-locked host memory and its mapped view, as a shard's pool."""
+    host = torch.randint(1, 256, (nbytes,), dtype=torch.uint8) if fill else torch.zeros(nbytes, dtype=torch.uint8)
+    if device == "cpu":
+        host = _page_aligned(host)
+        return host, host
+    host = _page_aligned(host.pin_memory())
+    return DeviceView(host.data_ptr(), host.numel(), torch.device("cuda")).tensor, host
 
 
 @pytest.mark.parametrize("run_bytes", [64 << 20, 8192])
@@ -91,21 +109,30 @@ def _entry_rows(slots: list[int], blocks: list[int]) -> list[tuple[int, int, int
             for layer in range(LAYERS) for slot, block in zip(slots, blocks)]
 
 
-def _layer_buffers(fill: bool) -> tuple[torch.Tensor, ...]:
+def _layer_buffers(fill: bool, blocks: int = 16, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     """One buffer per layer, carved from one allocation as vLLM's per-layer caches may lie: at
     addresses a whole number of rows apart, so the plan addresses them as one span."""
-    size = 16 * SEGMENT
-    whole = _page_aligned(torch.randint(1, 256, (LAYERS * size + 8192,), dtype=torch.uint8) if fill
-                          else torch.zeros(LAYERS * size + 8192, dtype=torch.uint8))
+    size = blocks * SEGMENT
+    whole = _page_aligned((torch.randint(1, 256, (LAYERS * size + 8192,), dtype=torch.uint8) if fill
+                           else torch.zeros(LAYERS * size + 8192, dtype=torch.uint8)).to(device))
     return tuple(whole[layer * size: (layer + 1) * size] for layer in range(LAYERS))
 
 
+def _cut_into_batches(run_bytes: int, monkeypatch) -> None:
+    """Below 1 MiB staging batches, a copy of a stretch cut by them carries less than the
+    default bar for DMA: lower it with them, so that such parts still take that path."""
+    if run_bytes < 2 * gather.DMA_COPY_BYTES:
+        monkeypatch.setattr(gather, "DMA_COPY_BYTES", run_bytes // 3)
+
+
 @pytest.mark.parametrize("run_bytes", [64 << 20, 3 * SEGMENT])
-def test_every_layer_of_adjacent_entries_goes_by_dma_and_moves_exactly(run_bytes):
+def test_every_layer_of_adjacent_entries_goes_by_dma_and_moves_exactly(run_bytes, monkeypatch):
     """A save's part (every layer of entries in slots 0-5 and 9-14: two stretches of the pool,
     ~1.1 MiB each) is staged and copied stretch by stretch; small ``run_bytes`` cuts stretches
-    across staging batches. A part of one layer (ranges an entry apart) stays on the kernels.
-    Whatever the path, the bytes land where they belong and nowhere else, both ways."""
+    across staging batches. A part of one layer (ranges an entry apart, 384 KiB a copy) stays
+    on the kernels unless the bar is lowered. Whatever the path, the bytes land where they
+    belong and nowhere else, both ways."""
+    _cut_into_batches(run_bytes, monkeypatch)
     slots, blocks = [*range(6), *range(9, 15)], [5, 1, 12, 7, 0, 3, 9, 15, 2, 11, 4, 8]
     rows = _entry_rows(slots, blocks)
     buffers = _layer_buffers(fill=True)
@@ -118,7 +145,7 @@ def test_every_layer_of_adjacent_entries_goes_by_dma_and_moves_exactly(run_bytes
     back = _layer_buffers(fill=False)
     per_layer = [len(slots) * (layer + 1) for layer in range(LAYERS)]
     layered = GatherPlan.build(pool, _ranges(back, rows), per_layer, run_bytes=run_bytes, host_pool=pool)
-    assert layered is not None and not any(layered.staged(part) for part in range(LAYERS))
+    assert layered is not None and any(layered.staged(part) for part in range(LAYERS)) == (run_bytes < 1 << 20)
     layered.move(1, to_pool=False)
     _expect(pool, back, [row for row in rows if row[0] == 1], to_pool=False)
     assert sum(int(b.count_nonzero()) for b in back) == len(slots) * SEGMENT  # that layer only
@@ -131,10 +158,102 @@ def test_every_layer_of_adjacent_entries_goes_by_dma_and_moves_exactly(run_bytes
 
 
 def test_scattered_entries_stay_on_the_kernels():
-    """Entries an empty slot apart: each stretch is one entry (192 KiB), too short for a copy
-    of its own to pay."""
-    slots = list(range(0, 24, 2))
+    """Entries at irregular gaps: each stretch is one entry (192 KiB) and no two gaps agree, so
+    every copy would carry one entry, too little for a copy of its own to pay."""
+    slots = [0, 2, 5, 9, 14, 20, 27, 35, 44, 54, 65, 77]
     rows = _entry_rows(slots, list(range(len(slots))))
-    pool = _page_aligned(torch.zeros(1 << 23, dtype=torch.uint8))
+    pool = _page_aligned(torch.zeros(1 << 24, dtype=torch.uint8))
     plan = GatherPlan.build(pool, _ranges(_layer_buffers(fill=True), rows), [len(rows)], host_pool=pool)
     assert plan is not None and not plan.staged(0)
+
+
+A = 6  # a pitch, in rows
+
+
+@pytest.mark.parametrize(("starts", "widths", "strips"), [
+    ([0, 6, 12, 18], [2, 2, 2, 2], [0]),                            # one strided copy
+    ([0, 6, 12, 18, 40, 46, 52], [2] * 7, [0, 4]),                  # one odd gap between two runs
+    ([0, 6, 12, 20, 28], [2] * 5, [0, 3]),                          # two pitches: each run its own
+    ([0, 6, 12, 18], [2, 2, 3, 3], [0, 2]),                         # widths differ
+    ([0, 0, 6, 6], [2] * 4, [0, 1, 3]),                             # the same rows twice: never in one copy
+    ([0, 1, 2], [2] * 3, [0, 1, 2]),                                # rows overlap: no copy reads them twice
+])
+def test_strips_are_runs_of_one_width_at_one_pitch(starts, widths, strips):
+    line = 4096
+    got = strip_starts(np.asarray(starts), np.asarray(widths), line)
+    assert got.tolist() == strips
+    assert strip_starts(np.asarray(starts), np.asarray(widths), line, strided=False).tolist() == \
+        list(range(len(starts)))
+
+
+def test_strips_respect_the_pitch_limit_and_narrow_rows():
+    starts, widths = np.asarray([0, 1 << 18, 2 << 18]), np.asarray([1, 1, 1])
+    assert strip_starts(starts, widths, 4096).tolist() == [0]  # 1 GiB apart
+    assert strip_starts(starts, widths, 8192).tolist() == [0, 1, 2]  # 2 GiB apart: past MAX_PITCH
+    assert strip_starts(np.asarray([0, 4, 8]), widths, 1024).tolist() == [0, 1, 2]  # 1 KiB rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("run_bytes", [64 << 20, 5 * SEGMENT])
+def test_one_layer_of_entries_an_entry_apart_goes_by_strided_copies(run_bytes, device, monkeypatch):
+    """One layer's ranges of entries in slots 0-19 and 25-44 lie an entry apart: two strided
+    copies of 1.25 MiB each (a small ``run_bytes`` cuts them across staging batches). Each
+    layer's part lands exactly its own bytes, both ways; every other slot is one strip too."""
+    _cut_into_batches(run_bytes, monkeypatch)
+    slots = [*range(20), *range(25, 45)]
+    blocks = list(np.random.default_rng(5).permutation(48)[:len(slots)])
+    rows = _entry_rows(slots, blocks)
+    buffers = _layer_buffers(fill=True, blocks=48, device=device)
+    mapped, pool = _pool(1 << 24, device)
+    per_layer = [len(slots) * (layer + 1) for layer in range(LAYERS)]
+    plan = GatherPlan.build(mapped, _ranges(buffers, rows), per_layer, run_bytes=run_bytes, host_pool=pool)
+    assert plan is not None and all(plan.staged(part) for part in range(LAYERS))
+    for part in range(LAYERS):
+        plan.move(part, to_pool=True)
+    _expect(pool, buffers, rows, to_pool=True)
+    assert int(pool.count_nonzero()) == sum(n for *_, n in rows)
+    back = _layer_buffers(fill=False, blocks=48, device=device)
+    plan = GatherPlan.build(mapped, _ranges(back, rows), per_layer, run_bytes=run_bytes, host_pool=pool)
+    assert plan is not None
+    plan.move(1, to_pool=False)
+    _expect(pool, back, [row for row in rows if row[0] == 1], to_pool=False)
+    assert sum(int(b.count_nonzero()) for b in back) == len(slots) * SEGMENT  # that layer only
+    for part in (0, 2):
+        plan.move(part, to_pool=False)
+    _expect(pool, back, rows, to_pool=False)
+    every_other = _entry_rows(list(range(0, 80, 2)), blocks)
+    plan = GatherPlan.build(mapped, _ranges(back, every_other), per_layer, run_bytes=run_bytes, host_pool=pool)
+    assert plan is not None and all(plan.staged(part) for part in range(LAYERS))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(8))
+def test_random_steps_move_exactly_whatever_the_path(seed, device, monkeypatch):
+    """Random slots (runs, gaps, a slot loaded into two blocks), parts per layer or all at
+    once, small staging batches, a low bar for DMA (so that parts take either path): loads
+    and saves land the reference's bytes."""
+    monkeypatch.setattr(gather, "DMA_COPY_BYTES", SEGMENT * (1 + seed % 3))
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(8, 40))
+    slots = np.cumsum(rng.choice([0, 1, 1, 1, 2, 5], size=count)).tolist()
+    blocks = rng.permutation(48)[:count].tolist()
+    rows = _entry_rows(slots, blocks)
+    ends = [count * (layer + 1) for layer in range(LAYERS)] if seed % 2 else [len(rows)]
+    run_bytes = int(rng.choice([3 * SEGMENT, 64 << 20]))
+    mapped, pool = _pool(1 << 26, device, fill=True)
+    back = _layer_buffers(fill=False, blocks=48, device=device)
+    plan = GatherPlan.build(mapped, _ranges(back, rows), ends, run_bytes=run_bytes, host_pool=pool)
+    assert plan is not None
+    for part in range(len(ends)):
+        plan.move(part, to_pool=False)
+    _expect(pool, back, rows, to_pool=False)  # a slot loaded twice lands in both blocks
+    distinct = {slot: block for slot, block in zip(slots, blocks)}  # a save writes each slot once
+    saves = _entry_rows(list(distinct), list(distinct.values()))
+    fresh_mapped, fresh = _pool(1 << 26, device)
+    save_ends = [len(saves)] if len(ends) == 1 else [len(distinct) * (layer + 1) for layer in range(LAYERS)]
+    plan = GatherPlan.build(fresh_mapped, _ranges(back, saves), save_ends, run_bytes=run_bytes, host_pool=fresh)
+    assert plan is not None
+    for part in range(len(save_ends)):
+        plan.move(part, to_pool=True)
+    _expect(fresh, back, saves, to_pool=True)  # synchronizes
+    assert int(fresh.count_nonzero()) == sum(n for *_, n in saves)  # loaded bytes are never 0

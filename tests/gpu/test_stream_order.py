@@ -124,16 +124,27 @@ def compute_stream(kind: str) -> torch.cuda.Stream:
     return torch.cuda.Stream() if kind == "own" else torch.cuda.default_stream()
 
 
+@pytest.fixture(params=["layers", "layers_kernels", "at_once"])
+def how(request, monkeypatch) -> str:
+    """How a load moves: ``layers`` (layer by layer, a layer's ranges an entry apart: one strided
+    copy each), ``layers_kernels`` (the same parts by gather kernels, as where the CUDA runtime
+    has no strided copy) or ``at_once`` (every layer before the forward: entries side by side in
+    the pool, one copy)."""
+    if request.param == "layers_kernels":
+        from ucm_ray.transport import gather
+
+        monkeypatch.setattr(gather, "DMA_COPY_BYTES", 1 << 62)
+    return request.param
+
+
 def load_job(desc, how: str = "layers"):
-    """``how``: ``layers`` (layer by layer: one part a layer, gather kernels) or ``at_once`` (every
-    layer before the forward: entries side by side in the pool, so staged DMA copies)."""
+    """A load of every block; ``how`` as the fixture's."""
     from ucm_ray.vllm.metadata import BlockLoads, LoadJob
 
     return LoadJob(1, "req", BlockLoads.of([(0, i, location(desc, i), b"") for i in range(N)]),
                    complete_in_start=how == "at_once")
 
 
-@pytest.mark.parametrize("how", ["layers", "at_once"])
 @pytest.mark.parametrize("stream", ["own", "default"])
 def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_delay, stream, how):
     w, caches, desc = worker
@@ -160,7 +171,6 @@ def test_load_lands_after_the_zeroing_queued_before_it(pool, worker, cycles_for_
         assert torch.equal(got, stored[i * ENTRY:(i + 1) * ENTRY]), f"block {i} differs from the stored entry"
 
 
-@pytest.mark.parametrize("how", ["layers", "at_once"])
 @pytest.mark.parametrize("stream", ["own", "default"])
 def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, stream, how):
     w, caches, desc = worker

@@ -13,16 +13,18 @@ A part moves one of two ways, chosen from its shape:
 - **Gather kernels.** The shard's page-locked pool is also addressable from the GPU (unified
   addressing), so the ranges become rows of a word matrix and one ``index_select`` +
   ``index_copy_`` moves them, reading or writing host memory over PCIe from the kernel itself.
-  A part whose pool ranges lie apart (one layer of many entries: a range an entry apart) goes
-  so.
-- **Staged DMA.** A part whose pool ranges lie side by side in long stretches (every layer of
-  entries in adjacent slots: a save, or a load that lands before the forward) is gathered in
-  device memory in pool order, at HBM speed, and each stretch is one ``cudaMemcpyAsync``: the
-  copy engines move it, and no SM waits on PCIe meanwhile. A gather kernel writing host memory
-  holds its SMs for the whole transfer, beside the decode steps a prompt's save runs next to:
-  on an H200, decode-shaped work beside a 512 MiB save took +102% / +95% longer than alone with
-  the kernels, +4% / -1% with staged DMA (two runs; throughput alike, 0.63-0.71x a pinned copy
-  with the benchmark's host time).
+  A part whose pool ranges lie scattered goes so.
+- **Staged DMA.** A part whose pool ranges form few regular *strips* is gathered in device
+  memory in pool order, at HBM speed, and each strip is one copy on the copy engines, so no SM
+  waits on PCIe meanwhile: a stretch of adjacent ranges (every layer of entries in adjacent
+  slots: a save, or a load that lands before the forward) is one ``cudaMemcpyAsync``, and
+  equal stretches at an equal pitch (one layer of such entries: a range an entry apart) are
+  one strided ``cudaMemcpy2DAsync`` (``cudart``). A gather kernel writing host memory holds its
+  SMs for the whole transfer, beside the decode steps a prompt's save runs next to: on an
+  H200, decode-shaped work beside a 512 MiB save took +102% / +95% longer than alone with the
+  kernels, +4% / -1% with staged DMA (two runs; throughput alike, 0.63-0.71x a pinned copy
+  with the benchmark's host time). Layer by layer, the loads of a store hit run beside the
+  prefill of its uncached tokens the same way.
 
 Rows are ``line`` bytes: the largest power of two up to ``MAX_LINE`` dividing every offset and
 size, so a 16-64 KiB range is one row and the index tensors stay small (with 4 KiB rows a 512
@@ -45,16 +47,21 @@ import numpy as np
 import torch
 
 from ucm_ray.transport.base import Ranges
+from ucm_ray.transport.cudart import copy_2d, has_copy_2d
 
 WORD = 8
 MAX_LINE = 1 << 20
 GATHER_BYTES = 64 << 20
 """Bytes moved per kernel pair, or staged per DMA batch: what is staged in device memory."""
-DMA_STRETCH_BYTES = 1 << 20
+DMA_COPY_BYTES = 1 << 20
 """A part goes by staged DMA when its pool ranges, merged where adjacent, average at least this
-many bytes per stretch (and the plan has the pool as host memory): each stretch costs a copy's
-launch of host time, too much for a layer's 16-64 KiB ranges an entry apart (those stay on the
-kernels), little for whole entries side by side."""
+many bytes per copy (and the plan has the pool as host memory): each copy costs a launch of
+host time, too much for one copy per 16-64 KiB range, little for whole entries side by side or
+one strided copy of a layer's ranges an entry apart."""
+MAX_PITCH = 1 << 30
+"""Bytes between a strided copy's rows at most (the runtime refuses pitches past its limit)."""
+MIN_STRIDED_ROW = 4096
+"""Bytes of a strided copy's rows at least: the copy engines move narrower rows slowly."""
 
 
 class DeviceView:
@@ -129,13 +136,25 @@ class _Kernels:
 
 
 @dataclass(frozen=True)
+class _Strip:
+    """``height`` stretches of ``rows`` rows, ``pitch`` rows apart in the pool from ``pool_row``,
+    packed side by side in staging from ``staging_row``: one (strided) copy."""
+
+    pool_row: int
+    staging_row: int
+    rows: int
+    pitch: int
+    height: int
+
+
+@dataclass(frozen=True)
 class _Staged:
     """Staged DMA: these rows of one span, gathered in pool order in device memory; then each
-    stretch (pool row, staging row, rows) is one copy with the pool as host memory."""
+    strip is one copy with the pool as host memory."""
 
     span: int
     local_rows: torch.Tensor
-    stretches: list[tuple[int, int, int]]
+    strips: list[_Strip]
 
 
 class GatherPlan:
@@ -154,7 +173,6 @@ class GatherPlan:
         spans = _Spans(ranges.buffers, line)
         self._spans = spans.views
         limit = max(1, run_bytes // line)
-        stretch_rows = max(1, DMA_STRETCH_BYTES // line)
         bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
         part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
         span_of = spans.span_of[ranges.buffer_index]
@@ -166,33 +184,42 @@ class GatherPlan:
         pooled = _rows(pool_at[order], counts)
         span_rows: np.ndarray = np.repeat(span_of[order], counts)
         part_rows: np.ndarray = np.repeat(part_of[order], counts)
-        new_group = (np.diff(span_rows) != 0) | (np.diff(part_rows) != 0)
-        groups = np.flatnonzero(new_group) + 1  # where rows of one part and one span begin
-        cuts = np.flatnonzero(new_group | (np.diff(pooled) != 1)) + 1  # where stretches of the pool begin
-        part_at = np.concatenate([[0], np.cumsum(np.bincount(part_rows, minlength=len(ends)))])  # where parts begin
-        self._parts: list[list[_Kernels | _Staged]] = []
+        total = len(pooled)
+        # staging batches: rows of one part and one span, at most ``limit`` of them
+        group_first = np.flatnonzero(np.diff(span_rows, prepend=-1) | np.diff(part_rows, prepend=-1))
+        batches = -(-np.diff(np.append(group_first, total)) // limit)
+        batch_first = np.repeat(group_first, batches) + limit * (
+            np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
+        batch_last = np.append(batch_first[1:], total)
+        # stretches: adjacent pool rows within a batch; strips: copies of stretches
+        begins_batch = np.zeros(total, dtype=bool)
+        begins_batch[batch_first] = True
+        stretch_first = np.flatnonzero(begins_batch | (np.diff(pooled, prepend=-2) != 1))
+        widths = np.diff(np.append(stretch_first, total))
+        starts = pooled[stretch_first]
+        strided = pool.device.type != "cuda" or has_copy_2d()
+        first = strip_starts(starts, widths, line, strided, apart=begins_batch[stretch_first[1:]])
+        heights = np.diff(np.append(first, len(starts)))
+        pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
+        strip_at = stretch_first[first]  # the row where each strip begins
+        part_at = np.searchsorted(part_rows, np.arange(len(ends) + 1))  # where each part's rows begin
+        strips_in = np.diff(np.searchsorted(strip_at, part_at))
+        staged = (np.diff(part_at) >= max(1, DMA_COPY_BYTES // line) * strips_in) & (self._host is not None)
         index = torch.from_numpy(np.stack([local, pooled]))
         if pool.is_cuda:
             index = index.pin_memory().to(pool.device, non_blocking=True)
-        for begin, end in _pairs(part_at.tolist()):
-            if begin == end:
-                self._parts.append([])
+        strip_bounds: list[int] = np.append(np.searchsorted(strip_at, batch_first), len(strip_at)).tolist()
+        strip_rows = list(zip(starts[first].tolist(), strip_at.tolist(), widths[first].tolist(), pitches.tolist(),
+                              heights.tolist()))
+        self._parts: list[list[_Kernels | _Staged]] = [[] for _ in ends]
+        for batch, (at, stop) in enumerate(zip(batch_first.tolist(), batch_last.tolist())):
+            part, span = int(part_rows[at]), int(span_rows[at])
+            if not staged[part]:
+                self._parts[part].append(_Kernels(span, index[0, at:stop], index[1, at:stop]))
                 continue
-            inner = cuts[np.searchsorted(cuts, begin, "right"):np.searchsorted(cuts, end, "left")]
-            staged = self._host is not None and end - begin >= stretch_rows * (len(inner) + 1)
-            part: list[_Kernels | _Staged] = []
-            within = groups[np.searchsorted(groups, begin, "right"):np.searchsorted(groups, end, "left")]
-            for first, last in _pairs([begin, *within.tolist(), end]):
-                span = int(span_rows[first])
-                for at in range(first, last, limit):
-                    stop = min(last, at + limit)
-                    if not staged:
-                        part.append(_Kernels(span, index[0, at:stop], index[1, at:stop]))
-                        continue
-                    edges = inner[np.searchsorted(inner, at, "right"):np.searchsorted(inner, stop, "left")]
-                    part.append(_Staged(span, index[0, at:stop], [(int(pooled[a]), a - at, b - a)
-                                                                  for a, b in _pairs([at, *edges.tolist(), stop])]))
-            self._parts.append(part)
+            self._parts[part].append(_Staged(span, index[0, at:stop], [
+                _Strip(pool_row, row - at, rows, pitch, height)
+                for pool_row, row, rows, pitch, height in strip_rows[strip_bounds[batch]:strip_bounds[batch + 1]]]))
 
     @classmethod
     def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], run_bytes: int = GATHER_BYTES,
@@ -221,15 +248,58 @@ class GatherPlan:
             assert self._host is not None
             if to_pool:
                 staging = local.index_select(0, step.local_rows)
-                for pool_row, at, rows in step.stretches:
-                    self._host[pool_row: pool_row + rows].copy_(staging[at: at + rows], non_blocking=True)
+                for strip in step.strips:
+                    _copy(_strided(self._host, strip), _packed(staging, strip))
             else:
                 staging = local.new_empty((len(step.local_rows), local.shape[1]))
-                for pool_row, at, rows in step.stretches:
-                    staging[at: at + rows].copy_(self._host[pool_row: pool_row + rows], non_blocking=True)
+                for strip in step.strips:
+                    _copy(_packed(staging, strip), _strided(self._host, strip))
                 local.index_copy_(0, step.local_rows, staging)
 
 
-def _pairs(points: list[int]) -> zip[tuple[int, int]]:
-    """Consecutive (start, end) pairs of ``points``."""
-    return zip(points[:-1], points[1:])
+def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: bool = True,
+                 apart: np.ndarray | None = None) -> np.ndarray:
+    """Where strips begin among a batch's stretches (pool rows ``starts``, ``widths`` rows each,
+    in pool order). A strip is stretches of one width at one pitch (the gap from one to the
+    next): one strided copy. Without ``strided`` copies every stretch is its own strip, and
+    ``apart[i]`` keeps stretches i and i + 1 in strips of their own (another batch). Links
+    (stretch i to i+1) are runs of equal pitch; where two runs meet, one of the two links is cut:
+    a lone link (one odd gap between two runs) rather than a run's first link."""
+    count = len(starts)
+    if not strided or count < 2:
+        return np.arange(count)
+    pitch = np.diff(starts)
+    link = ((widths[1:] == widths[:-1]) & (pitch >= widths[:-1]) & (pitch * line <= MAX_PITCH)
+            & (widths[:-1] * line >= MIN_STRIDED_ROW))
+    if apart is not None:
+        link &= ~apart
+    run_start = link.copy()
+    run_start[1:] &= ~(link[:-1] & (pitch[1:] == pitch[:-1]))
+    run_of = np.cumsum(run_start) - 1
+    run_length = np.bincount(run_of[link], minlength=int(run_of[-1]) + 1)
+    meet = np.flatnonzero(run_start[1:] & link[:-1]) + 1  # link i begins a run right after link i-1's
+    keep = link.copy()
+    keep[np.where(run_length[run_of[meet - 1]] == 1, meet - 1, meet)] = False
+    return np.concatenate([[0], np.flatnonzero(~keep) + 1])
+
+
+def _strided(host: torch.Tensor, strip: _Strip) -> torch.Tensor:
+    """The strip's stretches in the pool (rows of words) as one strided 2-D view."""
+    words = host.shape[1]
+    return host.as_strided((strip.height, strip.rows * words), (strip.pitch * words, 1),
+                           host.storage_offset() + strip.pool_row * words)
+
+
+def _packed(staging: torch.Tensor, strip: _Strip) -> torch.Tensor:
+    """The strip's rows in staging, packed, as the same 2-D shape."""
+    rows = strip.rows * strip.height
+    return staging[strip.staging_row: strip.staging_row + rows].view(strip.height, -1)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """An asynchronous copy of one strip; one stretch or CPU tensors by torch, a strided copy to
+    or from the GPU by the CUDA runtime (torch would pack it on the host first)."""
+    if dst.shape[0] > 1 and (dst.is_cuda or src.is_cuda):
+        copy_2d(dst, src)
+    else:
+        dst.copy_(src, non_blocking=True)

@@ -1,0 +1,60 @@
+"""The CUDA runtime's strided copy, ``cudaMemcpy2DAsync``, which torch does not expose.
+
+One layer of a step's entries lies in the pool as rows of one layer block, an entry apart: a
+strided copy moves all of them on the copy engines in one call (torch's ``copy_`` of a strided
+host tensor first packs it on the CPU). It is called through ctypes on the runtime torch
+loaded; without one, ``copy_2d`` is unavailable and such parts stay on the gather kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the addresses (unified addressing)
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime this process loaded (torch's), else the ``nvidia`` wheel's beside torch."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcudart.so" in line:
+                    return ctypes.CDLL(line.split()[-1])
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        for path in sorted(glob.glob(os.path.join(site, "nvidia", "**", "libcudart.so*"), recursive=True)):
+            return ctypes.CDLL(path)
+    except OSError as e:
+        log.info("no CUDA runtime to call (%s): one layer's loads stay on the gather kernels", e)
+    return None
+
+
+def has_copy_2d() -> bool:
+    """Whether ``copy_2d`` can run here."""
+    runtime = _runtime()
+    return runtime is not None and hasattr(runtime, "cudaMemcpy2DAsync")
+
+
+def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Queue ``dst.copy_(src)`` on the current CUDA stream as one strided copy: both are 2-D
+    views of equal shape, contiguous within a row, one on the GPU and one in page-locked host
+    memory. Raises RuntimeError if CUDA refuses it."""
+    runtime = _runtime()
+    assert runtime is not None, "copy_2d without a CUDA runtime (check has_copy_2d)"
+    row_bytes = dst.shape[1] * dst.element_size()
+    stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).cuda_stream
+    rc = runtime.cudaMemcpy2DAsync(
+        ctypes.c_void_p(dst.data_ptr()), ctypes.c_size_t(dst.stride(0) * dst.element_size()),
+        ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(src.stride(0) * src.element_size()),
+        ctypes.c_size_t(row_bytes), ctypes.c_size_t(dst.shape[0]), ctypes.c_int(_MEMCPY_DEFAULT),
+        ctypes.c_void_p(stream))
+    if rc != 0:
+        raise RuntimeError(f"cudaMemcpy2DAsync of {dst.shape[0]} rows of {row_bytes} bytes failed: CUDA error {rc}")
