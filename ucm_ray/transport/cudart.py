@@ -13,6 +13,7 @@ import functools
 import glob
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -37,24 +38,33 @@ def _runtime() -> ctypes.CDLL | None:
     return None
 
 
+@functools.cache
+def _memcpy_2d() -> Any:
+    """``cudaMemcpy2DAsync`` with its argument types declared (plain ints pass straight through),
+    or None."""
+    runtime = _runtime()
+    call = getattr(runtime, "cudaMemcpy2DAsync", None)
+    if call is not None:
+        call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                         ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        call.restype = ctypes.c_int
+    return call
+
+
 def has_copy_2d() -> bool:
     """Whether ``copy_2d`` can run here."""
-    runtime = _runtime()
-    return runtime is not None and hasattr(runtime, "cudaMemcpy2DAsync")
+    return _memcpy_2d() is not None
 
 
 def copy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Queue ``dst.copy_(src)`` on the current CUDA stream as one strided copy: both are 2-D
     views of equal shape, contiguous within a row, one on the GPU and one in page-locked host
     memory. Raises RuntimeError if CUDA refuses it."""
-    runtime = _runtime()
-    assert runtime is not None, "copy_2d without a CUDA runtime (check has_copy_2d)"
+    call = _memcpy_2d()
+    assert call is not None, "copy_2d without a CUDA runtime (check has_copy_2d)"
     row_bytes = dst.shape[1] * dst.element_size()
     stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).cuda_stream
-    rc = runtime.cudaMemcpy2DAsync(
-        ctypes.c_void_p(dst.data_ptr()), ctypes.c_size_t(dst.stride(0) * dst.element_size()),
-        ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(src.stride(0) * src.element_size()),
-        ctypes.c_size_t(row_bytes), ctypes.c_size_t(dst.shape[0]), ctypes.c_int(_MEMCPY_DEFAULT),
-        ctypes.c_void_p(stream))
+    rc = call(dst.data_ptr(), dst.stride(0) * dst.element_size(), src.data_ptr(), src.stride(0) * src.element_size(),
+              row_bytes, dst.shape[0], _MEMCPY_DEFAULT, stream)
     if rc != 0:
         raise RuntimeError(f"cudaMemcpy2DAsync of {dst.shape[0]} rows of {row_bytes} bytes failed: CUDA error {rc}")

@@ -76,18 +76,17 @@ class DeviceView:
 
 
 def line_bytes(values: np.ndarray) -> int:
-    """The row size for these offsets and sizes: 0 when they are not all 8-byte aligned."""
-    common = int(np.gcd.reduce(values)) if len(values) else 0
-    if common == 0 or common % WORD:
-        return 0
-    line = WORD
-    while line * 2 <= MAX_LINE and common % (line * 2) == 0:
-        line *= 2
-    return line
+    """The row size for these offsets and sizes: 0 when they are not all 8-byte aligned. (The
+    largest power of two dividing them all is the lowest bit set in any of them.)"""
+    bits = int(np.bitwise_or.reduce(values)) if len(values) else 0
+    line = min(bits & -bits, MAX_LINE)
+    return line if bits and line >= WORD else 0
 
 
-def _rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def _rows(starts: np.ndarray, counts: np.ndarray, single: bool) -> np.ndarray:
     """Row indices ``starts[i] .. starts[i] + counts[i] - 1`` for every i, concatenated."""
+    if single:
+        return starts
     first = np.cumsum(counts) - counts  # where each range begins in the output
     return np.repeat(starts - first, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
@@ -180,10 +179,11 @@ class GatherPlan:
         counts: np.ndarray = ranges.sizes // line
         order = np.lexsort((pool_at, span_of, part_of))  # per part, per span, in pool order
         counts = counts[order]
-        local = _rows(spans.first_row[ranges.buffer_index[order]] + ranges.local_offsets[order] // line, counts)
-        pooled = _rows(pool_at[order], counts)
-        span_rows: np.ndarray = np.repeat(span_of[order], counts)
-        part_rows: np.ndarray = np.repeat(part_of[order], counts)
+        single = bool((counts == 1).all())  # the usual case: a range is one row (``single``: no expansion)
+        local = _rows(spans.first_row[ranges.buffer_index[order]] + ranges.local_offsets[order] // line, counts, single)
+        pooled = _rows(pool_at[order], counts, single)
+        span_rows: np.ndarray = span_of[order] if single else np.repeat(span_of[order], counts)
+        part_rows: np.ndarray = part_of[order] if single else np.repeat(part_of[order], counts)
         total = len(pooled)
         # staging batches: rows of one part and one span, at most ``limit`` of them
         group_first = np.flatnonzero(np.diff(span_rows, prepend=-1) | np.diff(part_rows, prepend=-1))
@@ -192,7 +192,7 @@ class GatherPlan:
             np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
         batch_last = np.append(batch_first[1:], total)
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
-        begins_batch = np.zeros(total, dtype=bool)
+        begins_batch: np.ndarray = np.zeros(total, dtype=bool)
         begins_batch[batch_first] = True
         stretch_first = np.flatnonzero(begins_batch | (np.diff(pooled, prepend=-2) != 1))
         widths = np.diff(np.append(stretch_first, total))
