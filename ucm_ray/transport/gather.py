@@ -259,10 +259,11 @@ class GatherPlan:
 
 def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: bool = True,
                  apart: np.ndarray | None = None) -> np.ndarray:
-    """Where strips begin among a batch's stretches (pool rows ``starts``, ``widths`` rows each,
-    in pool order). A strip is stretches of one width at one pitch (the gap from one to the
-    next): one strided copy. Without ``strided`` copies every stretch is its own strip, and
-    ``apart[i]`` keeps stretches i and i + 1 in strips of their own (another batch). Links
+    """Where strips begin among stretches (pool rows ``starts``, ``widths`` rows each, in pool
+    order, packed in that order in staging). A strip is stretches of one width at one pitch (the
+    gap from one to the next): one strided copy. Without ``strided`` copies every stretch is its
+    own strip, and ``apart[i]`` keeps stretches i and i + 1 in strips of their own (stretch
+    i + 1 begins another staging batch). Links
     (stretch i to i+1) are runs of equal pitch; where two runs meet, one of the two links is cut:
     a lone link (one odd gap between two runs) rather than a run's first link."""
     count = len(starts)
