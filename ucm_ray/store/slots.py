@@ -112,7 +112,6 @@ class SlotSupply:
         self._sizes: set[int] = set()
         self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
         self._steps = 0  # steps since the last full tick
-        self._fading = False  # some class's remembered demand still keeps more than 2 slots free
         self._held: dict[SlotClass, int] | None = None  # inside ``batched``: expected saves not yet asked for
 
     def want(self, *sizes: int) -> None:
@@ -164,11 +163,14 @@ class SlotSupply:
         """Collect grants that arrived, keep baselines, renew what we hold, give back what
         sat idle. Never blocks. ``pools``: the caller's view of the fleet this step; call it
         once a step. When nothing changed (no slot taken, no ask, return or renewal awaited,
-        nothing to give back, no demand still fading, the same pools) it does this at most
-        every QUIET_TICK_S."""
+        nothing to give back, the same pools) it does this at most every QUIET_TICK_S. Demand
+        fades by the steps since the last full tick, so a skipped tick only delays what a
+        fading demand could cause: a give-back, which waits ``idle_s`` anyway (a full tick on
+        every step while demand faded, ~10 steps after each slot taken, was most decode steps'
+        tick)."""
         now = self._clock()
         self._steps += 1
-        if (not (self._asks or self._used or self._excess or self._returning or self._renewing or self._fading)
+        if (not (self._asks or self._used or self._excess or self._returning or self._renewing)
                 and self._ticked is not None and self._ticked[0] == pools.version
                 and now - self._ticked[1] < QUIET_TICK_S):
             return
@@ -204,7 +206,6 @@ class SlotSupply:
                 elif have > base and now - self._last_take.get(slot_class, now) > self._idle_s:
                     self._give_back(slot_class, self.free_slots(slot_class) - base)
         self._used.clear()  # takes from pools no longer live: nothing to remember them for
-        self._fading = any(1.5 * demand > 1 for demand in self._demand.values())
         self._renew(now)
         self._returning = [answer for answer in self._returning if not answer.poll()]
 
