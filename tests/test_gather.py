@@ -1,5 +1,6 @@
 """The gather plan the CUDA shm path uses, checked with CPU tensors (the same code: only the
-index upload and the stream differ on CUDA)."""
+index upload, the stream and the strided copy's call differ on CUDA); the strided-copy tests
+also run on CUDA tensors where a GPU is present."""
 
 from __future__ import annotations
 
