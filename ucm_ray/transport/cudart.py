@@ -3,16 +3,17 @@
 One layer of a step's entries lies in the pool as rows of one layer block, an entry apart: a
 strided copy moves all of them on the copy engines in one call (torch's ``copy_`` of a strided
 host tensor first packs it on the CPU). It is called through ctypes on the runtime torch
-loaded; without one, ``copy_2d`` is unavailable and such parts stay on the gather kernels.
+loaded (found among the process's mappings); without one, ``copy_2d`` is unavailable and such
+parts stay on the gather kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,20 +23,31 @@ log = logging.getLogger(__name__)
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the addresses (unified addressing)
 
 
+def loaded_runtime(maps: Iterable[str]) -> str | None:
+    """The path of the CUDA runtime library among a process's mappings (``/proc/self/maps``
+    lines): ``libcudart.so.N``, or a wheel's renamed copy (``libcudart-<hash>.so.N``)."""
+    for line in maps:
+        at = line.find("/")
+        if at < 0:
+            continue
+        path = line[at:].rstrip("\n").removesuffix(" (deleted)")
+        name = os.path.basename(path)
+        if name.startswith("libcudart") and ".so" in name:
+            return path
+    return None
+
+
 @functools.cache
 def _runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime this process loaded (torch's), else the ``nvidia`` wheel's beside torch."""
+    """The CUDA runtime torch loaded into this process (never another copy: its streams are
+    torch's), or None: then one layer's loads stay on the gather kernels."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                if "libcudart.so" in line:
-                    return ctypes.CDLL(line.split()[-1])
-        site = os.path.dirname(os.path.dirname(torch.__file__))
-        for path in sorted(glob.glob(os.path.join(site, "nvidia", "**", "libcudart.so*"), recursive=True)):
-            return ctypes.CDLL(path)
+            path = loaded_runtime(maps)
+        return ctypes.CDLL(path) if path is not None else None
     except OSError as e:
         log.info("no CUDA runtime to call (%s): one layer's loads stay on the gather kernels", e)
-    return None
+        return None
 
 
 @functools.cache

@@ -197,7 +197,7 @@ class GatherPlan:
         stretch_first = np.flatnonzero(begins_batch | (np.diff(pooled, prepend=-2) != 1))
         widths = np.diff(np.append(stretch_first, total))
         starts = pooled[stretch_first]
-        strided = pool.device.type != "cuda" or has_copy_2d()
+        strided = not (pool.is_cuda or any(buffer.is_cuda for buffer in ranges.buffers)) or has_copy_2d()
         first = strip_starts(starts, widths, line, strided, apart=begins_batch[stretch_first[1:]])
         heights = np.diff(np.append(first, len(starts)))
         pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
