@@ -84,7 +84,8 @@ def line_bytes(values: np.ndarray) -> int:
 
 
 def _rows(starts: np.ndarray, counts: np.ndarray, single: bool) -> np.ndarray:
-    """Row indices ``starts[i] .. starts[i] + counts[i] - 1`` for every i, concatenated."""
+    """Row indices ``starts[i] .. starts[i] + counts[i] - 1`` for every i, concatenated;
+    ``single``: every count is 1 (the caller knows), so ``starts`` already are they."""
     if single:
         return starts
     first = np.cumsum(counts) - counts  # where each range begins in the output
@@ -179,7 +180,7 @@ class GatherPlan:
         counts: np.ndarray = ranges.sizes // line
         order = np.lexsort((pool_at, span_of, part_of))  # per part, per span, in pool order
         counts = counts[order]
-        single = bool((counts == 1).all())  # the usual case: a range is one row (``single``: no expansion)
+        single = bool((counts == 1).all())  # the usual case, a range one row: nothing to expand
         local = _rows(spans.first_row[ranges.buffer_index[order]] + ranges.local_offsets[order] // line, counts, single)
         pooled = _rows(pool_at[order], counts, single)
         span_rows: np.ndarray = span_of[order] if single else np.repeat(span_of[order], counts)
