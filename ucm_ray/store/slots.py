@@ -80,6 +80,11 @@ FREE_POOL_SHARE = 16
 alone (saves announced ahead are not capped): counted in entries only (``max_free``), a model
 with ~5 MiB entries and 256 sequences would hold more than a 1 GiB pool and evict stored
 prefixes for nothing."""
+REFILL = 2
+"""A class whose free slots fell below its baseline is refilled to this many times the baseline
+(within the pool's share): refilled only to the baseline, one request decoding asked for a slot
+at nearly every block it filled (15 reserve calls for 16 blocks, each a control call on the
+engine's host), though its demand hardly moved."""
 QUIET_TICK_S = 0.05
 """How often a tick with nothing to collect, give back or count (most decode steps) still looks
 at baselines, renewals and idle slots: those move on a scale of seconds, and a full tick on
@@ -91,7 +96,8 @@ class SlotSupply:
 
     def __init__(self, store: BlockStore, *, max_free: int, renew_after_s: float, idle_s: float,
                  usable_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        """``max_free``: the most free slots of one class kept for demand alone; ``usable_s``: how
+        """``max_free``: the most free slots of one class a baseline keeps for demand alone (a
+        refill takes up to ``REFILL`` times the baseline); ``usable_s``: how
         long after its last confirmation a grant's slots may still be written (the reservation
         timeout minus the longest a step's copies may take)."""
         self._store = store
@@ -113,6 +119,7 @@ class SlotSupply:
         self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
         self._steps = 0  # steps since the last full tick
         self._held: dict[SlotClass, int] | None = None  # inside ``batched``: expected saves not yet asked for
+        self._later: dict[SlotClass, int] = defaultdict(int)  # expected saves for the next ``batched``
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -121,13 +128,16 @@ class SlotSupply:
     def free_slots(self, slot_class: SlotClass) -> int:
         return sum(len(g.free) for g in self._free[slot_class])
 
-    def expect(self, counts: Mapping[SlotClass, int]) -> list[Pending[SlotGrant | None]]:
+    def expect(self, counts: Mapping[SlotClass, int], *, later: bool = False) -> list[Pending[SlotGrant | None]]:
         """Saves that are coming (a prompt's next chunk): ask for that many more slots now (the
         baseline stays for decode; what ends up unused goes back once idle). Returns the asks
-        posted, for a caller that may wait a moment; none inside ``batched``, which posts them."""
-        if self._held is not None:
+        posted, for a caller that may wait a moment; none inside ``batched``, which posts them,
+        nor with ``later``: asked for with the next ``batched`` step's asks (requests that finish
+        together between two steps would each post a call per pool)."""
+        held = self._held if self._held is not None else self._later if later else None
+        if held is not None:
             for slot_class, count in counts.items():
-                self._held[slot_class] += max(0, count)
+                held[slot_class] += max(0, count)
             return []
         return [self._ask(slot_class, count) for slot_class, count in counts.items() if count > 0]
 
@@ -137,7 +147,7 @@ class SlotSupply:
         in which many requests' decode batches fill (requests decoding together cross the same
         token counts together) posted a call per request and pool, ~0.2 ms of the engine's host
         time each."""
-        self._held = defaultdict(int)
+        self._held, self._later = self._later, defaultdict(int)
         try:
             yield
         finally:
@@ -201,8 +211,8 @@ class SlotSupply:
                 room = max(1, pools.descriptors[pool].pool_bytes // (size * FREE_POOL_SHARE))
                 base = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
                 have = self.free_slots(slot_class) + self._asked(slot_class)
-                if have < base:
-                    self._ask(slot_class, base - have)
+                if have < base:  # refilled past the baseline: a steady trickle of takes asks now and then
+                    self._ask(slot_class, max(base, min(REFILL * base, room)) - have)
                 elif have > base and now - self._last_take.get(slot_class, now) > self._idle_s:
                     self._give_back(slot_class, self.free_slots(slot_class) - base)
         self._used.clear()  # takes from pools no longer live: nothing to remember them for

@@ -305,15 +305,17 @@ class SchedulerPart:
                         "(%d): no prompt fills one, so nothing is stored or loaded here (vLLM sizes state "
                         "blocks so without prefix caching and mamba_cache_mode='align')", self._lcm, max_len)
 
-    def _expect_saves(self, t: _Tracked, until: int, start: int | None = None) -> list[Pending[Any]]:
+    def _expect_saves(self, t: _Tracked, until: int, start: int | None = None, *,
+                      later: bool = False) -> list[Pending[Any]]:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
-        (``start``: where the last announcement ended, unless blocks must be saved again)."""
+        (``start``: where the last announcement ended, unless blocks must be saved again;
+        ``later``: asked for with the next step's asks)."""
         hashes = t.request.block_hashes
         until = min(until, len(hashes) * self._hash_bs)
         if start is None:
             start = t.expected_until
         t.expected_until = max(t.expected_until, until)
-        return self._slots.expect(self._save_counts(t, start, until))
+        return self._slots.expect(self._save_counts(t, start, until), later=later)
 
     def _save_counts(self, t: _Tracked, start: int, until: int) -> dict[tuple[PoolKey, int], int]:
         """Per (pool, entry size), how many entries saving the prompt's ``[start, until)`` writes."""
@@ -699,8 +701,10 @@ class SchedulerPart:
             if t.waiting_at == (filled, hashed):
                 return False  # as at the last plan: nothing to save yet
             if self._saves_wait(t, filled):
-                if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 8:
-                    self._expect_saves(t, hashed)  # slots for the batch, asked for as its blocks fill
+                if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 2:
+                    # slots for the batch, asked for twice as its blocks fill (the free stock
+                    # covers the rest): each ask is a call per pool (every 2 blocks, it was ~1 per block)
+                    self._expect_saves(t, hashed)
                 t.waiting_at = (filled, hashed)
                 return False  # no block filled since the last plan, or too few past the prompt yet
         t.waiting_at = None
@@ -980,8 +984,8 @@ class SchedulerPart:
         self._release_lookup(t)
         if t.block_ids and self._unsaved(t) and self._store.pools().descriptors:
             t.finished_at = time.monotonic()
-            if t.prompt_expected:  # generated blocks of an unfinished batch: their slots now
-                self._expect_saves(t, len(request.block_hashes) * self._hash_bs)
+            if t.prompt_expected:  # generated blocks of an unfinished batch: slots with the next step's asks
+                self._expect_saves(t, len(request.block_hashes) * self._hash_bs, later=True)
             return True, None
         self._drop(request.request_id)
         return False, None
