@@ -391,7 +391,7 @@ def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks
     """A request decoding alone fills a block every 16 steps; the supply keeps a few free slots
     for it, refilled in bulk, and asks for its decode batch's slots twice a batch: not a reserve
     call per filled block (each ~0.5 ms of the engine's host on this box; it was 36 asks for 39
-    blocks over 2 pools). Every block is still saved."""
+    blocks over 2 pools, 16 now). Every block is still saved."""
     client = store.client()
     a = make_engine(client, model_dir, block_size=16, num_blocks=512)
     a.serve("warm", prompt(160, seed=70), max_tokens=40)  # the prompt's own slots, and a baseline

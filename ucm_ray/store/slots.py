@@ -119,7 +119,7 @@ class SlotSupply:
         self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
         self._steps = 0  # steps since the last full tick
         self._held: dict[SlotClass, int] | None = None  # inside ``batched``: expected saves not yet asked for
-        self._later: dict[SlotClass, int] = defaultdict(int)  # expected saves for the next ``batched``
+        self._later: dict[SlotClass, int] = defaultdict(int)  # expected saves for the next tick to ask for
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -132,7 +132,7 @@ class SlotSupply:
         """Saves that are coming (a prompt's next chunk): ask for that many more slots now (the
         baseline stays for decode; what ends up unused goes back once idle). Returns the asks
         posted, for a caller that may wait a moment; none inside ``batched``, which posts them,
-        nor with ``later``: asked for with the next ``batched`` step's asks (requests that finish
+        nor with ``later``: asked for at the next tick, one ask per class (requests that finish
         together between two steps would each post a call per pool)."""
         held = self._held if self._held is not None else self._later if later else None
         if held is not None:
@@ -147,7 +147,7 @@ class SlotSupply:
         in which many requests' decode batches fill (requests decoding together cross the same
         token counts together) posted a call per request and pool, ~0.2 ms of the engine's host
         time each."""
-        self._held, self._later = self._later, defaultdict(int)
+        self._held = defaultdict(int)
         try:
             yield
         finally:
@@ -180,13 +180,17 @@ class SlotSupply:
         tick)."""
         now = self._clock()
         self._steps += 1
-        if (not (self._asks or self._used or self._excess or self._returning or self._renewing)
+        if (not (self._asks or self._used or self._excess or self._returning or self._renewing or self._later)
                 and self._ticked is not None and self._ticked[0] == pools.version
                 and now - self._ticked[1] < QUIET_TICK_S):
             return
         fade, self._steps = DEMAND_DECAY ** self._steps, 0
         self._ticked = (pools.version, now)
         live = pools.descriptors.keys()
+        later, self._later = self._later, defaultdict(int)
+        for slot_class, count in later.items():
+            if count > 0 and slot_class[0] in live:
+                self._ask(slot_class, count)
         arrived = [ask for ask in self._asks if ask.answer.poll()]
         self._asks = [ask for ask in self._asks if ask not in arrived]
         for ask in arrived:
@@ -211,8 +215,9 @@ class SlotSupply:
                 room = max(1, pools.descriptors[pool].pool_bytes // (size * FREE_POOL_SHARE))
                 base = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
                 have = self.free_slots(slot_class) + self._asked(slot_class)
-                if have < base:  # refilled past the baseline: a steady trickle of takes asks now and then
-                    self._ask(slot_class, max(base, min(REFILL * base, room)) - have)
+                if have < base:  # refilled past the baseline once taken from: a trickle of takes asks now and then
+                    top = max(base, min(REFILL * base, room)) if slot_class in self._last_take else base
+                    self._ask(slot_class, top - have)
                 elif have > base and now - self._last_take.get(slot_class, now) > self._idle_s:
                     self._give_back(slot_class, self.free_slots(slot_class) - base)
         self._used.clear()  # takes from pools no longer live: nothing to remember them for

@@ -309,7 +309,7 @@ class SchedulerPart:
                       later: bool = False) -> list[Pending[Any]]:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
         (``start``: where the last announcement ended, unless blocks must be saved again;
-        ``later``: asked for with the next step's asks)."""
+        ``later``: asked for at the next step's tick)."""
         hashes = t.request.block_hashes
         until = min(until, len(hashes) * self._hash_bs)
         if start is None:
@@ -701,9 +701,10 @@ class SchedulerPart:
             if t.waiting_at == (filled, hashed):
                 return False  # as at the last plan: nothing to save yet
             if self._saves_wait(t, filled):
-                if hashed - t.expected_until >= DECODE_SAVE_TOKENS // 2:
-                    # slots for the batch, asked for twice as its blocks fill (the free stock
-                    # covers the rest): each ask is a call per pool (every 2 blocks, it was ~1 per block)
+                if hashed - t.expected_until >= DECODE_SAVE_TOKENS * 3 // 8:
+                    # slots for the batch, asked for 2-3 times as its blocks fill, the last well
+                    # before the batch is saved (the free stock covers the rest): each ask is a
+                    # call per pool (every 2 blocks, it was ~1 call per block)
                     self._expect_saves(t, hashed)
                 t.waiting_at = (filled, hashed)
                 return False  # no block filled since the last plan, or too few past the prompt yet
@@ -984,7 +985,7 @@ class SchedulerPart:
         self._release_lookup(t)
         if t.block_ids and self._unsaved(t) and self._store.pools().descriptors:
             t.finished_at = time.monotonic()
-            if t.prompt_expected:  # generated blocks of an unfinished batch: slots with the next step's asks
+            if t.prompt_expected:  # generated blocks of an unfinished batch: slots at the next step's tick
                 self._expect_saves(t, len(request.block_hashes) * self._hash_bs, later=True)
             return True, None
         self._drop(request.request_id)

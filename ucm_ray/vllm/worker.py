@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
@@ -612,37 +612,47 @@ class WorkerPart:
         ordered = {pool: e for pool, e in entries.items() if self._pools.stream_ordered(pool, self._device)}
         return ordered, {pool: e for pool, e in entries.items() if pool not in ordered}
 
-    def _prepare(self, entries: _ByPool, parts: list[tuple[tuple[int, int], ...]], *, write: bool) -> _Prepared:
-        """The step's copies with each pool planned once, part k being the layers ``parts[k]``."""
+    def _prepared(self, entries: _ByPool, parts: list[tuple[tuple[int, int], ...]], *,
+                  write: bool) -> Iterator[_Prepared]:
+        """The step's copies, one pool at a time (each planned once, part k being the layers
+        ``parts[k]``); the ranges of every pool are computed together first."""
         every = tuple(layer for part in parts for layer in part)
         try:
             plans = self._ranges(_Batch(every, entries))
         except Exception:  # noqa: BLE001 -- every pool's copies fail, nothing reaches vLLM
             log.exception("ucm-ray: planning a step's %s failed", "saves" if write else "loads")
-            return {pool: None for pool in entries}
-        out: _Prepared = {}
+            yield {pool: None for pool in entries}
+            return
         for pool, by_group in entries.items():
             counts = [sum(len(by_group[g].block_ids) * self._layouts[g].segment_count(i)
                           for g, i in part if g in by_group) for part in parts]
-            out[pool] = self._pools.prepare(pool, plans.get(pool, EMPTY), np.cumsum(counts).tolist(), write=write)
-        return out
+            yield {pool: self._pools.prepare(pool, plans.get(pool, EMPTY), np.cumsum(counts).tolist(), write=write)}
 
     def _post_by_pool(self, entries: _ByPool, parts: list[tuple[tuple[int, int], ...]], *,
                       write: bool) -> list[_Posted]:
-        """Plan and post every part (``parts[k]``: its layers) with one pool, then the next pool:
-        a pool's bytes move while the next one's copies are planned (planning takes ~1 ms a pool
-        on an H200 host for a 16k-token hit, and the copy engines move the bytes at the link's
-        full speed once posted). One posted batch per part, over every pool."""
+        """Plan and post every part (``parts[k]``: its layers) of ``entries``; one posted batch
+        per part, over every pool. One part (a save, or every layer at once) is posted pool by
+        pool as each is planned, so a pool's bytes move while the next one's gather plan is
+        built (~1-2 ms a pool for a 16k-token hit on an H200 host). Layer by layer, every pool is
+        planned first and layer k is posted on every pool before layer k + 1, so the first
+        layers land first."""
         posted = [_Posted(_Batch(layers, entries), write) for layers in parts]
-        for pool in entries:
-            copies = self._prepare({pool: entries[pool]}, parts, write=write)
-            for part, out in enumerate(posted):
-                started = time.perf_counter()
-                transfers, failed = self._pools.post_part(copies, part, write=write)
-                out.transfers += transfers
-                out.failed_pools |= failed
-                out.post_s += time.perf_counter() - started
+        if len(parts) == 1:
+            for copies in self._prepared(entries, parts, write=write):
+                self._post_parts(copies, posted)
+        else:
+            self._post_parts({pool: c for copies in self._prepared(entries, parts, write=write)
+                              for pool, c in copies.items()}, posted)
         return posted
+
+    def _post_parts(self, copies: _Prepared, posted: list[_Posted]) -> None:
+        """Post part k of ``copies`` (every pool in it) into ``posted[k]``, in order of k."""
+        for part, out in enumerate(posted):
+            started = time.perf_counter()
+            transfers, failed = self._pools.post_part(copies, part, write=out.write)
+            out.transfers += transfers
+            out.failed_pools |= failed
+            out.post_s += time.perf_counter() - started
 
     def _count_bytes(self, batches: list[_Batch], what: str) -> None:
         """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
