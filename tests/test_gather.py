@@ -13,6 +13,15 @@ from ucm_ray.transport.base import Ranges
 from ucm_ray.transport.gather import DeviceView, GatherPlan, line_bytes, strip_starts
 
 
+def test_pool_order_is_the_order_of_a_two_key_lexsort():
+    """Ranges are ordered by (part and span, pool row) through one packed sort key; where the
+    two do not fit in 63 bits it falls back to ``lexsort``. Ties keep their order either way."""
+    rng = np.random.default_rng(3)
+    for groups, rows in ((4, 1 << 20), (64, 1 << 40), (1 << 40, 1 << 40), (4, 8)):
+        group, row = rng.integers(0, groups, 5000), rng.integers(0, rows, 5000)
+        assert (gather._pool_order(group, row) == np.lexsort((row, group))).all()
+    assert len(gather._pool_order(np.zeros(0, np.int64), np.zeros(0, np.int64))) == 0
+
 def test_line_is_the_largest_common_power_of_two():
     assert line_bytes(np.asarray([65536, 131072, 4096 * 3])) == 4096
     assert line_bytes(np.asarray([65536, 131072])) == 65536  # a 64 KiB page: one row per range

@@ -178,7 +178,7 @@ class GatherPlan:
         span_of = spans.span_of[ranges.buffer_index]
         pool_at: np.ndarray = ranges.pool_offsets // line
         counts: np.ndarray = ranges.sizes // line
-        order = np.lexsort((pool_at, span_of, part_of))  # per part, per span, in pool order
+        order = _pool_order(part_of * len(spans.views) + span_of, pool_at)  # per part, per span, in pool order
         counts = counts[order]
         single = bool((counts == 1).all())  # the usual case, a range one row: nothing to expand
         local = _rows(spans.first_row[ranges.buffer_index[order]] + ranges.local_offsets[order] // line, counts, single)
@@ -191,7 +191,6 @@ class GatherPlan:
         batches = -(-np.diff(np.append(group_first, total)) // limit)
         batch_first = np.repeat(group_first, batches) + limit * (
             np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
-        batch_last = np.append(batch_first[1:], total)
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
         begins_batch: np.ndarray = np.zeros(total, dtype=bool)
         begins_batch[batch_first] = True
@@ -212,13 +211,15 @@ class GatherPlan:
         strip_bounds: list[int] = np.append(np.searchsorted(strip_at, batch_first), len(strip_at)).tolist()
         strip_rows = list(zip(starts[first].tolist(), strip_at.tolist(), widths[first].tolist(), pitches.tolist(),
                               heights.tolist()))
+        cuts = batch_first[1:].tolist()  # each batch's index rows, cut in one call per side
+        local_rows, pool_rows = torch.tensor_split(index[0], cuts), torch.tensor_split(index[1], cuts)
         self._parts: list[list[_Kernels | _Staged]] = [[] for _ in ends]
-        for batch, (at, stop) in enumerate(zip(batch_first.tolist(), batch_last.tolist())):
-            part, span = int(part_rows[at]), int(span_rows[at])
+        for batch, (at, part, span) in enumerate(zip(batch_first.tolist(), part_rows[batch_first].tolist(),
+                                                     span_rows[batch_first].tolist())):
             if not staged[part]:
-                self._parts[part].append(_Kernels(span, index[0, at:stop], index[1, at:stop]))
+                self._parts[part].append(_Kernels(span, local_rows[batch], pool_rows[batch]))
                 continue
-            self._parts[part].append(_Staged(span, index[0, at:stop], [
+            self._parts[part].append(_Staged(span, local_rows[batch], [
                 _Strip(pool_row, row - at, rows, pitch, height)
                 for pool_row, row, rows, pitch, height in strip_rows[strip_bounds[batch]:strip_bounds[batch + 1]]]))
 
@@ -256,6 +257,18 @@ class GatherPlan:
                 for strip in step.strips:
                     _copy(_packed(staging, strip), _strided(self._host, strip))
                 local.index_copy_(0, step.local_rows, staging)
+
+
+def _pool_order(group: np.ndarray, pool_row: np.ndarray) -> np.ndarray:
+    """The stable order by (``group``, ``pool_row``), both non-negative: one sort of a packed
+    key where both fit in 63 bits (a two-key ``lexsort`` of a step's 8,192 ranges took 160 us,
+    ten times as long, most of it even when they were in order already)."""
+    if not len(group):
+        return np.zeros(0, dtype=np.int64)
+    row_bits = int(pool_row.max()).bit_length()
+    if int(group.max()).bit_length() + row_bits > 63:
+        return np.lexsort((pool_row, group))
+    return np.argsort((group << row_bits) | pool_row, kind="stable")
 
 
 def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: bool = True,
