@@ -233,3 +233,35 @@ def test_a_reader_in_another_process_never_sees_a_torn_or_foreign_entry(path):
     finally:
         writer.stdin.close()  # type: ignore[union-attr]
         writer.wait(timeout=60)
+
+
+def test_one_key_probe_answers_as_the_lookup_does(path):
+    """``generation_of`` (a cold prompt's first-block probe, without arrays) gives what
+    ``lookup`` gives for the same key: listed, unlisted (behind tombstones too), not an answer
+    when the table is full or a bucket is mid-update."""
+    table = PublishedIndex(path, 1 << 20, INCARNATION)
+    index = BlockIndex(1 << 20, lease_s=60, reserve_timeout_s=60, published=table)
+    reader = IndexReader(path, INCARNATION)
+    buckets = table_buckets(1 << 20)
+    n = buckets // 2 + 50  # past what the table takes: the last ones are not listed, misses no answers
+
+    def agree(keys: list[bytes]) -> list[int | None]:
+        found = reader.lookup(keys)
+        assert found is not None
+        expected = [int(g) if known else None for g, known in zip(found.generation, found.known)]
+        assert [reader.generation_of(k) for k in keys] == expected
+        return expected
+
+    token, offsets = index.reserve(OWNER, 64, n)
+    index.commit(OWNER, token, [(key(i), off, None) for i, off in enumerate(offsets)])
+    full = agree([key(i) for i in range(n + 200)])
+    assert None in full and all(g for g in full[: buckets // 2])
+    index.remove([(key(i), offsets[i]) for i in range(0, n, 3)])  # tombstones, then room again
+    again = agree([key(i) for i in range(n + 200)])
+    assert 0 in again and None not in again
+    table._table["seq"][table._where[key(1)]] += 1  # the writer stopped mid-update
+    assert reader.generation_of(key(1)) is None and agree([key(1)]) == [None]
+    with pytest.raises(ValueError, match="16 bytes"):
+        reader.generation_of(b"short")
+    reader.close()
+    table.close()

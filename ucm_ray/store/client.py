@@ -321,10 +321,10 @@ class StoreClient(BlockStore):
             rec = next((shards[j] for j in row if not self._suspects.suspect(shards[j])), None)
             if rec is None:
                 continue
-            found = self._readers.locate(rec.key, [key])
-            if found is None or not found.known[0]:
+            generation = self._readers.generation_of(rec.key, key)
+            if generation is None:
                 continue  # another node's shard, or an index that cannot say: the lookup asks
-            present = bool(found.generation[0])
+            present = bool(generation)
             self._touches.add(rec.key, rec.handle, [key] if present else [], 1)  # counted as a lookup
             if not present:
                 return True

@@ -264,6 +264,34 @@ class IndexReader:
                 return found
         return None
 
+    def generation_of(self, key: bytes) -> int | None:
+        """``lookup`` of one key without arrays: the generation listed for it (0: not listed), or
+        None where the index cannot say (a torn bucket, a rebuild meanwhile, a miss in a table
+        that is not complete). Every cold prompt asks this of its first block; the vectorized
+        probe's fixed cost (~50 numpy calls) was most of that lookup's host time."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"published index keys must be {KEY_BYTES} bytes each")
+        lo, hi = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+        epoch = int(self._header["epoch"][0])
+        if epoch & 1:
+            return None
+        complete = bool(self._header["complete"][0])
+        seqs, mask = self._table["seq"], self.buckets - 1
+        at, answer = lo & mask, None
+        for _ in range(self.buckets):
+            before = int(seqs[at])
+            _, key_lo, key_hi, _, _, generation, _, _ = self._table[at].item()
+            if before & 1 or int(seqs[at]) != before:
+                return None  # mid-update: the vectorized lookup reads it again, or asks the shard
+            if generation == EMPTY:
+                answer = 0 if complete else None
+                break
+            if generation != TOMBSTONE and key_lo == lo and key_hi == hi:
+                answer = generation
+                break
+            at = (at + 1) & mask
+        return answer if int(self._header["epoch"][0]) == epoch else None
+
     def validate(self, keys: Sequence[bytes], generations: Sequence[int] | np.ndarray) -> np.ndarray:
         """Per key, whether the entry of that generation is still listed (its copy is good)."""
         found = self.lookup(keys)
@@ -363,6 +391,12 @@ class IndexReaders:
         reader = self.get(pool)
         listable = all(map(KEY_BYTES.__eq__, map(len, keys)))
         return reader.lookup(keys) if reader is not None and keys and listable else None
+
+    def generation_of(self, pool: PoolKey, key: bytes) -> int | None:
+        """``locate`` of one key: the generation ``pool``'s index lists for it (0: none), or None
+        when this process cannot read that index or it cannot say."""
+        reader = self.get(pool)
+        return reader.generation_of(key) if reader is not None and len(key) == KEY_BYTES else None
 
     def stale(self, locations: Locations, keys: Sequence[bytes], rows: np.ndarray) -> tuple[np.ndarray, set[PoolKey]]:
         """Of copies made from unpinned entries (``rows`` of ``locations``, whose keys are
