@@ -22,6 +22,7 @@ def test_pool_order_is_the_order_of_a_two_key_lexsort():
         assert (gather._pool_order(group, row) == np.lexsort((row, group))).all()
     assert len(gather._pool_order(np.zeros(0, np.int64), np.zeros(0, np.int64))) == 0
 
+
 def test_line_is_the_largest_common_power_of_two():
     assert line_bytes(np.asarray([65536, 131072, 4096 * 3])) == 4096
     assert line_bytes(np.asarray([65536, 131072])) == 65536  # a 64 KiB page: one row per range
