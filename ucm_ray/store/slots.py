@@ -81,10 +81,9 @@ alone (saves announced ahead are not capped): counted in entries only (``max_fre
 with ~5 MiB entries and 256 sequences would hold more than a 1 GiB pool and evict stored
 prefixes for nothing."""
 REFILL = 2
-"""A class whose free slots fell below its baseline is refilled to this many times the baseline
-(within the pool's share): refilled only to the baseline, one request decoding asked for a slot
-at nearly every block it filled (15 reserve calls for 16 blocks, each a control call on the
-engine's host), though its demand hardly moved."""
+"""A class taken from whose free slots fell below its baseline is refilled to this many times the
+baseline (within the pool's share), so a steady trickle of takes (a request decoding) asks now
+and then, not at nearly every slot it takes (each ask a control call on the engine's host)."""
 QUIET_TICK_S = 0.05
 """How often a tick with nothing to collect, give back or count (most decode steps) still looks
 at baselines, renewals and idle slots: those move on a scale of seconds, and a full tick on
