@@ -17,6 +17,14 @@ import psutil
 RUNNING = "local fleet running"
 
 
+def _as_a_background_job() -> None:
+    """In the child before it runs the CLI: SIGINT and SIGQUIT ignored, as a non-interactive
+    shell starts a background job (``ucm-ray up --local &`` in a script): Python then installs no
+    KeyboardInterrupt handler of its own, so only the CLI's handlers make SIGINT stop it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 class LocalFleet:
     """One ``ucm-ray up --local`` process; ``close`` ends whatever of it is still running."""
 
@@ -30,7 +38,7 @@ class LocalFleet:
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "ucm_ray.cli", "up", "--local", *flags],
                                          stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_as_a_background_job)
         self._family: list[psutil.Process] = []
 
     def log(self) -> str:

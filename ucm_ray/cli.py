@@ -50,12 +50,15 @@ def _serve_local(cfg: UcmRayConfig) -> int:
     """The cluster lives in this process: serve until Ctrl-C or SIGTERM (what Kubernetes and
     systemd send), then stop the fleet, unlinking its pools, and the cluster; exit 0 either way.
     SIGTERM replaces Ray's own handler, which exited 1 (or died of the signal) leaving the pools
-    in /dev/shm. A signal during start-up stops what had started."""
+    in /dev/shm; SIGINT gets the same handler, since a process a script starts in the background
+    inherits SIGINT ignored and Python then installs no KeyboardInterrupt handler (``kill -INT``
+    did nothing). A signal during start-up stops what had started."""
     import ray
 
     from ucm_ray.store.fleet import fleet_status, start_fleet, stop_fleet
 
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         start_fleet(cfg)
         print(json.dumps(fleet_status(cfg), indent=2), flush=True)
