@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -236,6 +237,8 @@ class StoreClient(BlockStore):
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
+        self._pools = Pools(0, {}, config.replication)
+        """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
         self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
@@ -273,6 +276,7 @@ class StoreClient(BlockStore):
                         membership.replication, "y" if membership.replication == 1 else "ies",
                         self.config.replication)
         self._membership = membership
+        self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication)
         self._records = {s.key: s for s in membership.shards}
         self.connections.sync(membership.descriptors)
         self._readers.sync(membership.descriptors)
@@ -306,7 +310,7 @@ class StoreClient(BlockStore):
 
     def pools(self) -> Pools:
         self.refresh()
-        return Pools(self._membership.version, self._membership.descriptors, self.replication)
+        return self._pools
 
     def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:
         return [s.key for s in self._membership.shards], self._owner_indices(keys)

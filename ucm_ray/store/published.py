@@ -38,8 +38,10 @@ import logging
 import mmap
 import os
 import platform
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,8 +241,11 @@ class IndexReader:
     RETRIES = 8
 
     def __init__(self, path: str, incarnation: int) -> None:
+        """Maps every page at once (``IndexReaders`` does this off the engine's path): a fresh
+        engine's first lookups otherwise took a page fault per bucket probed (1,024 keys:
+        3-3.5 ms against 0.6 ms once mapped, on a 2-core box)."""
         with open(path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            self._mmap = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
         self._header = np.frombuffer(self._mmap, dtype=HEADER, count=1)
         head = self._header[0]
         if int(head["magic"]) != MAGIC or int(head["incarnation"]) != incarnation:
@@ -359,30 +364,42 @@ class IndexReaders:
         self._node_id = node_id
         self._descriptors: dict[PoolKey, PoolDescriptor] = {}
         self._open: dict[PoolKey, IndexReader | None] = {}
+        self._opening: dict[PoolKey, Future[IndexReader | None]] = {}
 
     def sync(self, descriptors: Mapping[PoolKey, PoolDescriptor]) -> None:
+        """Adopt the pools; this node's new indexes start mapping on a thread of their own (a
+        large pool's index takes milliseconds to map whole), so the next lookup finds them
+        ready."""
         self._descriptors = dict(descriptors)
         for key in [k for k in self._open if k not in self._descriptors]:
             reader = self._open.pop(key)
             if reader is not None:
                 reader.close()
+        for key in [k for k in self._opening if k not in self._descriptors]:
+            self._opening.pop(key).add_done_callback(_close_reader)
+        for key, desc in self._descriptors.items():
+            if key not in self._open and key not in self._opening and self._readable(desc):
+                self._opening[key] = _open_in_background(desc)
 
     def get(self, pool: PoolKey) -> IndexReader | None:
-        """The pool's index, or None: not on this node, none published, or not readable here."""
+        """The pool's index, or None: not on this node, none published, or not readable here
+        (waits for a mapping still being made)."""
         if pool in self._open:
             return self._open[pool]
         desc = self._descriptors.get(pool)
-        reader = None
-        if (ORDERED_LOADS and desc is not None and desc.index_path and self._node_id is not None
-                and desc.node_id == self._node_id):
-            try:
-                reader = IndexReader(desc.index_path, desc.incarnation)
-            except (OSError, ValueError) as e:
-                log.warning("shard %s: its published index is not readable here (%s); looking up through Ray",
-                            pool[0], e)
+        opening = self._opening.pop(pool, None)
+        if opening is not None:
+            reader = opening.result()
+        else:
+            reader = _open_reader(desc) if desc is not None and self._readable(desc) else None
         if desc is not None:
             self._open[pool] = reader
+        elif reader is not None:
+            reader.close()
         return reader
+
+    def _readable(self, desc: PoolDescriptor) -> bool:
+        return bool(ORDERED_LOADS and desc.index_path and self._node_id is not None and desc.node_id == self._node_id)
 
     def locate(self, pool: PoolKey, keys: Sequence[bytes]) -> Found | None:
         """Per key, its entry in ``pool``'s published index (unpinned: validate the copy), and
@@ -422,3 +439,34 @@ class IndexReaders:
 
     def close(self) -> None:
         self.sync({})
+
+
+def _open_in_background(desc: PoolDescriptor) -> Future[IndexReader | None]:
+    """``_open_reader`` on a thread of its own (``mmap`` releases the GIL while it maps): a
+    thread per index, not a pool of them, so a process forked meanwhile inherits no executor
+    whose thread it lacks."""
+    opened: Future[IndexReader | None] = Future()
+
+    def run() -> None:
+        opened.set_running_or_notify_cancel()
+        opened.set_result(_open_reader(desc))
+
+    threading.Thread(target=run, name="ucm-ray-index", daemon=True).start()
+    return opened
+
+
+def _open_reader(desc: PoolDescriptor) -> IndexReader | None:
+    """The pool's index mapped whole (``_readable`` said it publishes one), or None."""
+    try:
+        return IndexReader(desc.index_path or "", desc.incarnation)
+    except Exception as e:  # noqa: BLE001 -- on its own thread too: whatever failed, lookups go through Ray
+        log.warning("shard %s: its published index is not readable here (%s); looking up through Ray",
+                    desc.shard_id, e)
+        return None
+
+
+def _close_reader(opened: Future[IndexReader | None]) -> None:
+    """A mapping made for a pool that left meanwhile."""
+    reader = opened.result()
+    if reader is not None:
+        reader.close()

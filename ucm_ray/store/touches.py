@@ -42,7 +42,10 @@ class TouchSender:
         self._posted: list[ray.ObjectRef] = []
         self._wake = threading.Event()
         self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
+        # started now, not at the first touch: starting a thread waits for it to run, which cost
+        # a fresh engine's first store hit a GIL hand-over or two
+        self._thread = threading.Thread(target=self._run, name="ucm-ray-touches", daemon=True)
+        self._thread.start()
 
     def add(self, pool: PoolKey, handle: ray.actor.ActorHandle, hits: list[bytes], asked: int) -> None:
         """``asked`` keys of ``pool`` were looked up in its published index, ``hits`` found."""
@@ -50,17 +53,13 @@ class TouchSender:
             queued = self._queued.setdefault(pool, _Queued(handle))
             queued.hits.extend(hits)
             queued.asked += asked
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ucm-ray-touches", daemon=True)
-                self._thread.start()
         self._wake.set()
 
     def close(self) -> None:
         """Send what is queued and stop the thread."""
         self._closed.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.join(timeout=5)
         self._send()
 
     def _run(self) -> None:
