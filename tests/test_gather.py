@@ -4,6 +4,9 @@ also run on CUDA tensors where a GPU is present."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +24,28 @@ def test_pool_order_is_the_order_of_a_two_key_lexsort():
         group, row = rng.integers(0, groups, 5000), rng.integers(0, rows, 5000)
         assert (gather._pool_order(group, row) == np.lexsort((row, group))).all()
     assert len(gather._pool_order(np.zeros(0, np.int64), np.zeros(0, np.int64))) == 0
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_plans_over_the_same_buffers_share_their_views_and_keep_no_buffer_alive(count):
+    """An engine plans over the same KV caches every step, so the spans' views are made once
+    (they cost a plan more than a third of its host time); they own nothing, so a cached view
+    never keeps an engine's caches alive after it let them go (say a vLLM engine shut down in
+    a process that goes on), and a plan over new buffers moves their bytes."""
+    pool, _ = _pool(1 << 16, "cpu", fill=True)
+    for _ in range(2):
+        memory = [np.zeros(3 << 12, dtype=np.uint8) for _ in range(count)]  # weakref-able owners of the bytes
+        buffers = tuple(_page_aligned(torch.from_numpy(array)) for array in memory)
+        rows = [(0, 0, 4096, 4096), (count - 1, 4096, 0, 4096)]
+        plans = [GatherPlan.build(pool, _ranges(buffers, rows), [2]) for _ in range(2)]
+        assert plans[0] is not None and plans[1] is not None
+        assert all(a is b for a, b in zip(plans[0]._spans, plans[1]._spans))
+        plans[1].move(0, to_pool=False)
+        _expect(pool, buffers, rows, to_pool=False)
+        alive = [weakref.ref(array) for array in memory]
+        del memory, buffers, plans
+        gc.collect()
+        assert not any(ref() is not None for ref in alive), "a cached view kept a buffer alive"
 
 
 def test_line_is_the_largest_common_power_of_two():

@@ -40,6 +40,7 @@ is one kernel pair, not one per layer, and a plan makes one view per span, not o
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,7 +107,8 @@ def _span_view(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 class _Spans:
     """The local buffers as rows of a few spans: ``views[span_of[b]]`` row ``first_row[b] + r``
-    is row ``r`` of buffer ``b``. A buffer alone in its span is its own view."""
+    is row ``r`` of buffer ``b``. The views own nothing (``_spans_of`` keeps them after the
+    buffers may be gone; a plan keeps its buffers alive)."""
 
     def __init__(self, buffers: Sequence[torch.Tensor], line: int) -> None:
         classes: dict[tuple[torch.device, int], list[int]] = {}
@@ -117,13 +119,31 @@ class _Spans:
         self.views: list[torch.Tensor] = []
         for (device, _), members in classes.items():
             self.span_of[members] = len(self.views)
-            if len(members) == 1:
-                self.views.append(_as_rows(buffers[members[0]], line))
-                continue
             starts = [buffers[b].data_ptr() for b in members]
             base, end = min(starts), max(buffers[b].data_ptr() + buffers[b].numel() for b in members)
             self.first_row[members] = [(start - base) // line for start in starts]
             self.views.append(_as_rows(_span_view(base, end - base, device), line))
+
+
+SPANS_KEPT = 8
+"""Spans of recent buffer sets kept for the next plans: an engine plans over the same KV caches
+every step, and making the views cost each plan more than a third of its host time."""
+_recent_spans: OrderedDict[tuple[int, tuple[int, ...], tuple[int, ...]], _Spans] = OrderedDict()
+
+
+def _spans_of(buffers: Sequence[torch.Tensor], line: int) -> _Spans:
+    """``_Spans(buffers, line)``, made once per buffer set (by address and size: a view of a
+    span owns nothing, so equal keys are the same memory; host and device memory share one
+    address space in a CUDA process)."""
+    key = (line, tuple(b.data_ptr() for b in buffers), tuple(b.numel() for b in buffers))
+    spans = _recent_spans.get(key)
+    if spans is None:
+        spans = _recent_spans[key] = _Spans(buffers, line)
+        if len(_recent_spans) > SPANS_KEPT:
+            _recent_spans.popitem(last=False)
+    else:
+        _recent_spans.move_to_end(key)
+    return spans
 
 
 @dataclass(frozen=True)
@@ -170,7 +190,7 @@ class GatherPlan:
         self._pool = _as_rows(pool, line)
         self._host = _as_rows(host_pool, line) if host_pool is not None else None
         self._buffers = ranges.buffers  # the spans' views own nothing: these keep the memory alive
-        spans = _Spans(ranges.buffers, line)
+        spans = _spans_of(ranges.buffers, line)
         self._spans = spans.views
         limit = max(1, run_bytes // line)
         bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
@@ -178,7 +198,8 @@ class GatherPlan:
         span_of = spans.span_of[ranges.buffer_index]
         pool_at: np.ndarray = ranges.pool_offsets // line
         counts: np.ndarray = ranges.sizes // line
-        order = _pool_order(part_of * len(spans.views) + span_of, pool_at)  # per part, per span, in pool order
+        group = part_of * len(spans.views) + span_of
+        order = _pool_order(group, pool_at)  # per part, per span, in pool order
         counts = counts[order]
         single = bool((counts == 1).all())  # the usual case, a range one row: nothing to expand
         local = _rows(spans.first_row[ranges.buffer_index[order]] + ranges.local_offsets[order] // line, counts, single)
@@ -187,14 +208,16 @@ class GatherPlan:
         part_rows: np.ndarray = part_of[order] if single else np.repeat(part_of[order], counts)
         total = len(pooled)
         # staging batches: rows of one part and one span, at most ``limit`` of them
-        group_first = np.flatnonzero(np.diff(span_rows, prepend=-1) | np.diff(part_rows, prepend=-1))
+        group_first = _starts(group[order] if single else np.repeat(group[order], counts))
         batches = -(-np.diff(np.append(group_first, total)) // limit)
         batch_first = np.repeat(group_first, batches) + limit * (
             np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
         begins_batch: np.ndarray = np.zeros(total, dtype=bool)
         begins_batch[batch_first] = True
-        stretch_first = np.flatnonzero(begins_batch | (np.diff(pooled, prepend=-2) != 1))
+        breaks = begins_batch.copy()
+        breaks[1:] |= pooled[1:] - pooled[:-1] != 1
+        stretch_first = np.flatnonzero(breaks)
         widths = np.diff(np.append(stretch_first, total))
         starts = pooled[stretch_first]
         strided = not (pool.is_cuda or any(buffer.is_cuda for buffer in ranges.buffers)) or has_copy_2d()
@@ -257,6 +280,14 @@ class GatherPlan:
                 for strip in step.strips:
                     _copy(_packed(staging, strip), _strided(self._host, strip))
                 local.index_copy_(0, step.local_rows, staging)
+
+
+def _starts(values: np.ndarray) -> np.ndarray:
+    """Where each run of equal ``values`` begins (0 first; none when empty)."""
+    if not len(values):
+        return np.zeros(0, dtype=np.int64)
+    out = np.flatnonzero(values[1:] != values[:-1]) + 1
+    return np.concatenate(([0], out)) if len(out) else np.zeros(1, dtype=np.int64)
 
 
 def _pool_order(group: np.ndarray, pool_row: np.ndarray) -> np.ndarray:
