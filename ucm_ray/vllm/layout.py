@@ -84,19 +84,42 @@ class GroupLayout:
         segments in order), layer by layer, block by block. ``buffers[buffer_index[k]]`` is layer
         ``indices[k]``'s storage. One array pass for all the layers when they have as many
         segments each (always, within a group of one backend): a step plans every layer at once."""
-        layers = [self.layers[i] for i in indices]
-        if len({len(layer.segment_sizes) for layer in layers}) > 1:
+        shape = self._shape(tuple(indices), tuple(buffer_index))
+        if shape is None:
             return Ranges.concat([self.ranges([i], block_ids, entry_offsets, buffers, [b])
                                   for i, b in zip(indices, buffer_index)])
-        sizes = np.stack([layer.segment_sizes for layer in layers])  # [layers, segments]
-        in_entry = np.asarray([self.layer_offset(i) for i in indices])[:, None] + np.cumsum(sizes, axis=1) - sizes
-        strides = np.asarray([layer.block_stride for layer in layers], dtype=np.int64)
-        starts = np.stack([layer.segment_offsets for layer in layers])
+        sizes, in_entry, strides, starts, homes = shape
         local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]  # [layers, blocks, segments]
         pool = entry_offsets[None, :, None] + in_entry[:, None, :]
-        homes = np.asarray(buffer_index, dtype=np.int64)[:, None, None]
         return Ranges(buffers, np.broadcast_to(homes, local.shape).ravel(), local.ravel(), pool.ravel(),
                       np.broadcast_to(sizes[:, None, :], local.shape).ravel())
+
+    def _shape(self, indices: tuple[int, ...], buffer_index: tuple[int, ...]) -> _RangeShape | None:
+        """What ``ranges`` needs of these layers besides the blocks, made once per layer set (a
+        step asks for the same sets, once per pool); None when their segment counts differ."""
+        key = (indices, buffer_index)
+        if key not in self._shapes:
+            layers = [self.layers[i] for i in indices]
+            if len({len(layer.segment_sizes) for layer in layers}) > 1:
+                self._shapes[key] = None
+            else:
+                sizes = np.stack([layer.segment_sizes for layer in layers])  # [layers, segments]
+                firsts = np.asarray([self.layer_offset(i) for i in indices])[:, None]  # each layer's in an entry
+                in_entry = firsts + np.cumsum(sizes, axis=1) - sizes
+                strides = np.asarray([layer.block_stride for layer in layers], dtype=np.int64)
+                starts = np.stack([layer.segment_offsets for layer in layers])
+                homes = np.asarray(buffer_index, dtype=np.int64)[:, None, None]
+                self._shapes[key] = (sizes, in_entry, strides, starts, homes)
+        return self._shapes[key]
+
+    @cached_property
+    def _shapes(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], _RangeShape | None]:
+        return {}
+
+
+_RangeShape = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Per layer: segment sizes, offsets in an entry, block stride, segment offsets in a block,
+buffer index (see ``GroupLayout.ranges``)."""
 
 
 def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayout:
