@@ -431,7 +431,7 @@ class IndexReaders:
             if reader is None:
                 unreadable.add(pool)
             pool_keys = [keys[row] for row in rows[sel].tolist()]
-            if reader is None or not all(len(key) == KEY_BYTES for key in pool_keys):
+            if reader is None or not all(map(KEY_BYTES.__eq__, map(len, pool_keys))):
                 stale[sel] = True
             else:
                 stale[sel] = ~reader.validate(pool_keys, locations.generation[rows[sel]])
