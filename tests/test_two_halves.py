@@ -322,11 +322,13 @@ def test_the_scheduler_reports_its_host_time_per_step_that_runs_tokens(store, mo
     runs tokens and gave it work (what a host-bound forward waits for); steps that run nothing
     are not counted."""
     a = make_engine(store.client(), model_dir)
-    a.serve("A", prompt(2048), max_tokens=2)  # the prefill (a lookup), then a decode step (saves)
+    a.serve("A", prompt(2048), max_tokens=2)  # the prefill (a lookup), then a decode step
     totals = a.stats()
-    assert totals["schedule_seconds_count"] == 2 and totals["schedule_seconds"] > 0
+    counted = totals["schedule_seconds_count"]
+    # the prefill, and the decode step unless the prompt's save waited there for its slots
+    assert 1 <= counted <= 2 and totals["schedule_seconds"] > 0
     a.settle()  # steps with nothing to run (their hooks' time goes to the next step that runs)
-    assert a.steps > 2 and a.stats()["schedule_seconds_count"] == 2
+    assert a.steps > 2 and a.stats()["schedule_seconds_count"] == counted
 
 
 def test_decode_steps_without_connector_work_hand_vllm_no_stats(store, model_dir):
@@ -361,6 +363,19 @@ def test_generated_blocks_are_saved_in_batches_and_the_rest_when_the_request_end
     conversation = p + list(request.output_token_ids)[:-1]
     assert b.serve("B", conversation + [11, 12, 13])[0] == generated // 16 * 16
     assert b.wrong_blocks == 0
+
+
+def test_a_prompt_the_free_stock_cannot_hold_is_saved_as_one_job_once_its_slots_came(store, model_dir):
+    """A fresh engine keeps a slot or two per pool; a prompt's slots are asked for once its
+    first token is out, and its save waits for them (at most PROMPT_SLOT_WAIT_S) rather than
+    going as two jobs a step or two apart, each planned, posted and committed on its own (~3 ms
+    more of an H200 host's time per 4k prompt)."""
+    a = make_engine(store.client(), model_dir, block_size=16, num_blocks=256)
+    a.serve("A", prompt(40 * 16 + 1, seed=90), max_tokens=2)
+    a.settle()
+    stats = a.stats()
+    assert stats["saved_blocks"] == 40 and not stats.get("saves_dropped")
+    assert stats["save_seconds_count"] == 1, f"the prompt went as {stats['save_seconds_count']} save jobs"
 
 
 def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, model_dir):
@@ -773,7 +788,8 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
     assert "A" not in a.sched.requests, "the request's blocks were never given back to vLLM"
     assert a.stats().get("saves_dropped", 0) == 0
     assert a.stats()["saved_blocks"] == 16
-    assert a.stats()["saves_skipped"] == 16  # per block, not per step it waited
+    # per block, not per step it waited (the free stock may have come in time for a few)
+    assert 0 < a.stats()["saves_skipped"] <= 16
     b = make_engine(store.client(), model_dir)
     assert b.serve("B", prompt(2048))[0] > 0  # another engine hits what was saved
 

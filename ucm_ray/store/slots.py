@@ -154,6 +154,17 @@ class SlotSupply:
             return []
         return [self._ask(slot_class, count) for slot_class, count in counts.items() if count > 0]
 
+    def holds(self, counts: Mapping[SlotClass, int]) -> bool:
+        """Whether the free stock has this many slots of each class now."""
+        return all(self.free_slots(slot_class) >= count for slot_class, count in counts.items() if count > 0)
+
+    def asking(self, counts: Mapping[SlotClass, int]) -> bool:
+        """Whether slots of a class in ``counts`` are asked for and not in yet (held for this
+        step's batch, or posted)."""
+        held = self._held or {}
+        return any(held.get(slot_class, 0) > 0 or self._asked(slot_class) > 0
+                   for slot_class, count in counts.items() if count > 0)
+
     def batched(self) -> _Batched:
         """Expected saves announced inside (``with supply.batched():``) are asked for on exit,
         one ask per slot class: a step in which many requests' decode batches fill (requests
