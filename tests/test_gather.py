@@ -48,6 +48,19 @@ def test_plans_over_the_same_buffers_share_their_views_and_keep_no_buffer_alive(
         assert not any(ref() is not None for ref in alive), "a cached view kept a buffer alive"
 
 
+def test_an_empty_buffer_alone_in_its_span_is_planned():
+    """A buffer of no bytes (none of its rows is ever indexed) gets an empty view."""
+    pool, _ = _pool(1 << 16, "cpu")
+    whole = torch.zeros(1 << 15, dtype=torch.uint8)
+    local = whole[(-whole.data_ptr() % 4096) + 64:]  # 64 bytes past a page: a span of its own
+    ranges = _ranges((local, torch.empty(0, dtype=torch.uint8)), [(0, 0, 0, 4096)])
+    plan = GatherPlan.build(pool, ranges, [1])
+    assert plan is not None
+    local[:4096] = 7
+    plan.move(0, to_pool=True)
+    _expect(pool, (local,), [(0, 0, 0, 4096)], to_pool=True)
+
+
 def test_line_is_the_largest_common_power_of_two():
     assert line_bytes(np.asarray([65536, 131072, 4096 * 3])) == 4096
     assert line_bytes(np.asarray([65536, 131072])) == 65536  # a 64 KiB page: one row per range

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -223,6 +224,28 @@ def test_an_index_is_mapped_whole_before_its_first_lookup(path):
     assert wait_for_mapping(path, present=False) is None
     readers.sync({desc.key: desc})
     readers.sync({})  # left while its mapping may still be being made: unmapped once made
+    assert wait_for_mapping(path, present=False) is None
+    table.close()
+
+
+def test_a_process_forked_while_an_index_is_being_mapped_looks_it_up_at_once(path):
+    """The child of a fork inherits the mapping in progress but not its thread (and a large
+    index takes seconds to map whole): its lookup maps the index as usual instead of waiting."""
+    table = PublishedIndex(path, 2 << 30, INCARNATION)  # a 16 MiB index: tens of ms to map whole
+    table.publish(key(1), 128, 64, None)
+    desc = PoolDescriptor("s0", "node-a", 2 << 30, None, None, None, 0, INCARNATION, index_path=path)
+    readers = IndexReaders("node-a")
+    readers.sync({desc.key: desc})
+    child = os.fork()
+    if child == 0:  # pragma: no cover -- the child reports through its exit status
+        signal.alarm(10)
+        found = readers.locate(desc.key, [key(1)])
+        os._exit(0 if found is not None and found.offset[0] == 128 else 3)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child's lookup hung or failed: {status}"
+    found = readers.locate(desc.key, [key(1)])
+    assert found is not None and found.offset[0] == 128
+    readers.close()
     assert wait_for_mapping(path, present=False) is None
     table.close()
 

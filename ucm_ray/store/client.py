@@ -233,7 +233,6 @@ class StoreClient(BlockStore):
         self.connections = PoolConnections(config.transport, node_id)
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
         self._readers = IndexReaders(node_id if config.local_lookups else None)
-        self._touches = TouchSender()
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
@@ -244,6 +243,7 @@ class StoreClient(BlockStore):
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
             self._apply(first)
+        self._touches = TouchSender()  # last: its thread starts now, and must not outlive a failed start
 
     # --- membership ----------------------------------------------------------------------
 

@@ -240,12 +240,13 @@ class IndexReader:
 
     RETRIES = 8
 
-    def __init__(self, path: str, incarnation: int) -> None:
-        """Maps every page at once (``IndexReaders`` does this off the engine's path): a fresh
-        engine's first lookups otherwise took a page fault per bucket probed (1,024 keys:
-        3-3.5 ms against 0.6 ms once mapped, on a 2-core box)."""
+    def __init__(self, path: str, incarnation: int, *, populate: bool = False) -> None:
+        """``populate``: map every page at once (``IndexReaders`` does so off the engine's
+        path): a fresh engine's first lookups otherwise took a page fault per bucket probed
+        (1,024 keys: 3-3.5 ms against 0.6 ms once mapped, on a 2-core box)."""
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         with open(path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            self._mmap = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
         self._header = np.frombuffer(self._mmap, dtype=HEADER, count=1)
         head = self._header[0]
         if int(head["magic"]) != MAGIC or int(head["incarnation"]) != incarnation:
@@ -382,16 +383,20 @@ class IndexReaders:
                 self._opening[key] = _open_in_background(desc)
 
     def get(self, pool: PoolKey) -> IndexReader | None:
-        """The pool's index, or None: not on this node, none published, or not readable here
-        (waits for a mapping still being made)."""
+        """The pool's index, or None: not on this node, none published, or not readable here.
+        One still being mapped whole is not waited for (a large pool's index takes seconds, and
+        a process forked meanwhile lacks the thread): it is mapped here as usual, and the
+        whole mapping closed once made."""
         if pool in self._open:
             return self._open[pool]
         desc = self._descriptors.get(pool)
         opening = self._opening.pop(pool, None)
-        if opening is not None:
+        if opening is not None and opening.done():
             reader = opening.result()
         else:
-            reader = _open_reader(desc) if desc is not None and self._readable(desc) else None
+            if opening is not None:
+                opening.add_done_callback(_close_reader)
+            reader = _open_reader(desc, populate=False) if desc is not None and self._readable(desc) else None
         if desc is not None:
             self._open[pool] = reader
         elif reader is not None:
@@ -448,17 +453,20 @@ def _open_in_background(desc: PoolDescriptor) -> Future[IndexReader | None]:
     opened: Future[IndexReader | None] = Future()
 
     def run() -> None:
-        opened.set_running_or_notify_cancel()
-        opened.set_result(_open_reader(desc))
+        reader = None
+        try:
+            reader = _open_reader(desc, populate=True)
+        finally:
+            opened.set_result(reader)  # whatever happened: nothing waits on it for ever
 
     threading.Thread(target=run, name="ucm-ray-index", daemon=True).start()
     return opened
 
 
-def _open_reader(desc: PoolDescriptor) -> IndexReader | None:
-    """The pool's index mapped whole (``_readable`` said it publishes one), or None."""
+def _open_reader(desc: PoolDescriptor, *, populate: bool) -> IndexReader | None:
+    """The pool's index (``_readable`` said it publishes one), or None."""
     try:
-        return IndexReader(desc.index_path or "", desc.incarnation)
+        return IndexReader(desc.index_path or "", desc.incarnation, populate=populate)
     except Exception as e:  # noqa: BLE001 -- on its own thread too: whatever failed, lookups go through Ray
         log.warning("shard %s: its published index is not readable here (%s); looking up through Ray",
                     desc.shard_id, e)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,8 @@ def _as_rows(flat: torch.Tensor, line: int) -> torch.Tensor:
 
 def _span_view(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """uint8 bytes at ``address`` without a copy (kept alive by the plan's buffers)."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8, device=device)
     if device.type == "cuda":
         return DeviceView(address, nbytes, device).tensor
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
@@ -128,21 +131,22 @@ class _Spans:
 SPANS_KEPT = 8
 """Spans of recent buffer sets kept for the next plans: an engine plans over the same KV caches
 every step, and making the views cost each plan more than a third of its host time."""
-_recent_spans: OrderedDict[tuple[int, tuple[int, ...], tuple[int, ...]], _Spans] = OrderedDict()
+_recent_spans: OrderedDict[tuple[int, torch.device | None, tuple[int, ...], tuple[int, ...]], _Spans] = OrderedDict()
 
 
 def _spans_of(buffers: Sequence[torch.Tensor], line: int) -> _Spans:
-    """``_Spans(buffers, line)``, made once per buffer set (by address and size: a view of a
-    span owns nothing, so equal keys are the same memory; host and device memory share one
-    address space in a CUDA process)."""
-    key = (line, tuple(b.data_ptr() for b in buffers), tuple(b.numel() for b in buffers))
-    spans = _recent_spans.get(key)
+    """``_Spans(buffers, line)``, made once per buffer set (by device, address and size: a view
+    of a span owns nothing, so equal keys are the same memory). Safe beside another thread
+    doing the same: the worst is a set's spans made twice."""
+    key = (line, buffers[0].device if buffers else None, tuple(b.data_ptr() for b in buffers),
+           tuple(b.numel() for b in buffers))
+    spans = _recent_spans.pop(key, None)
     if spans is None:
-        spans = _recent_spans[key] = _Spans(buffers, line)
-        if len(_recent_spans) > SPANS_KEPT:
+        spans = _Spans(buffers, line)
+    _recent_spans[key] = spans  # the newest last
+    with suppress(KeyError):
+        while len(_recent_spans) > SPANS_KEPT:
             _recent_spans.popitem(last=False)
-    else:
-        _recent_spans.move_to_end(key)
     return spans
 
 

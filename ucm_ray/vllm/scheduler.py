@@ -74,8 +74,8 @@ STATE_SLOT_WAIT_S = 0.5
 """How long a hybrid model's request may wait for the slots of its first chunks' saves, asked for
 once its lookup answered: a state can only be saved in the step that computes it (the next step
 overwrites it), so one whose slot came late is lost for every later reader (a shard answers a
-reserve in a few ms unless it is in trouble). A dense model's request never waits: its blocks
-are saved a step after they are computed, by when the slots are in."""
+reserve in a few ms unless it is in trouble). A dense model's request itself never waits for
+slots (only its first save may, after its first token: ``PROMPT_SLOT_WAIT_S``)."""
 PROMPT_SLOT_WAIT_S = 0.05
 """How long a dense prompt's first save may wait for the slots asked for it when its first
 token came out: saved with what the free stock held, it went as two jobs a step or two apart,
