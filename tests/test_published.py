@@ -185,7 +185,6 @@ def test_readers_map_only_indexes_of_their_own_node(path):
     table.close()
 
 
-
 def mapped_kib(path: str) -> tuple[int, int] | None:
     """(size, resident) in KiB of this process's read-only mapping of ``path`` (a reader's; the
     writer's is read-write); None when it maps none."""
@@ -248,6 +247,7 @@ def test_a_process_forked_while_an_index_is_being_mapped_looks_it_up_at_once(pat
     readers.close()
     assert wait_for_mapping(path, present=False) is None
     table.close()
+
 
 WRITER = textwrap.dedent("""
     import hashlib, sys
