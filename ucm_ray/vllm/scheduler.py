@@ -319,12 +319,16 @@ class SchedulerPart:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
         (``start``: where the last announcement ended, unless blocks must be saved again;
         ``later``: asked for at the next step's tick)."""
-        hashes = t.request.block_hashes
-        until = min(until, len(hashes) * self._hash_bs)
+        return self._slots.expect(self._announce(t, until, start), later=later)
+
+    def _announce(self, t: _Tracked, until: int, start: int | None = None) -> dict[tuple[PoolKey, int], int]:
+        """``_expect_saves``'s counts, per (pool, entry size), with the announcement recorded
+        (``expected_until``), for a caller that asks for them itself."""
+        until = min(until, len(t.request.block_hashes) * self._hash_bs)
         if start is None:
             start = t.expected_until
         t.expected_until = max(t.expected_until, until)
-        return self._slots.expect(self._save_counts(t, start, until), later=later)
+        return self._save_counts(t, start, until)
 
     def _save_counts(self, t: _Tracked, start: int, until: int) -> dict[tuple[PoolKey, int], int]:
         """Per (pool, entry size), how many entries saving the prompt's ``[start, until)`` writes."""
@@ -631,9 +635,7 @@ class SchedulerPart:
                 # start, or all of it); decode blocks take slots from the supply's stock
                 t.prompt_expected = True
                 t.expected_until = max(t.expected_until, self._saved_tokens(t))
-                counts = self._save_counts(t, t.expected_until, t.request.num_prompt_tokens)
-                t.expected_until = max(t.expected_until, min(t.request.num_prompt_tokens,
-                                                             len(t.request.block_hashes) * self._hash_bs))
+                counts = self._announce(t, t.request.num_prompt_tokens)
                 self._slots.expect(counts)
                 if not self._slots.holds(counts):
                     t.awaited, t.awaited_until = counts, time.monotonic() + PROMPT_SLOT_WAIT_S
