@@ -404,9 +404,10 @@ def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, mo
 
 def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks(store, model_dir):
     """A request decoding alone fills a block every 16 steps; the supply keeps a few free slots
-    for it, refilled in bulk, and asks for its decode batch's slots 2-3 times a batch: not a reserve
-    call per filled block (each ~0.5 ms of the engine's host on this box; it was 36 asks for 39
-    blocks over 2 pools, 16 now). Every block is still saved."""
+    for it, refilled in bulk, and announces its decode batch 2-3 times a batch, asking only for
+    what the stock lacks: not a reserve call per filled block (each ~0.5 ms of the engine's host
+    on this box; it was 36 asks for 39 blocks over 2 pools, then 16 with every announcement
+    asked for in full, 9-11 now). Every block is still saved."""
     client = store.client()
     a = make_engine(client, model_dir, block_size=16, num_blocks=512)
     a.serve("warm", prompt(160, seed=70), max_tokens=40)  # the prompt's own slots, and a baseline
@@ -425,7 +426,7 @@ def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks
     filled = (160 + 640 - 1) // 16 - 160 // 16
     stats = a.stats()
     assert stats["saved_blocks"] == (160 + 40 - 1) // 16 + (160 + 640 - 1) // 16 and not stats.get("saves_dropped")
-    assert len(asks) <= filled // 2, f"{len(asks)} slot asks for {filled} blocks filled while decoding: {asks}"
+    assert len(asks) <= filled // 3, f"{len(asks)} slot asks for {filled} blocks filled while decoding: {asks}"
 
 
 def test_a_shard_that_stops_answering_is_a_miss_and_the_engine_keeps_serving(store, model_dir):
