@@ -403,11 +403,11 @@ def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, mo
 
 
 def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks(store, model_dir):
-    """A request decoding alone fills a block every 16 steps; the supply keeps a few free slots
-    for it, refilled in bulk, and announces its decode batch 2-3 times a batch, asking only for
-    what the stock lacks: not a reserve call per filled block (each ~0.5 ms of the engine's host
-    on this box; it was 36 asks for 39 blocks over 2 pools, then 16 with every announcement
-    asked for in full, 9-11 now). Every block is still saved."""
+    """A request decoding alone fills a block every 16 steps and announces its decode batch 2-3
+    times a batch; the supply asks only for what its free stock lacks, and then for as much
+    again: not a reserve call per filled block (each ~0.5 ms of the engine's host on this box;
+    it was 36 asks for 39 blocks over 2 pools, then 15-16 with every announcement asked for in
+    full, 9-11 now, the prompt's and the stock's first included). Every block is still saved."""
     client = store.client()
     a = make_engine(client, model_dir, block_size=16, num_blocks=512)
     a.serve("warm", prompt(160, seed=70), max_tokens=40)  # the prompt's own slots, and a baseline

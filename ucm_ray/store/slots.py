@@ -12,10 +12,14 @@ for decode-time blocks and the next prompts, as many as recent steps used
 would hold hundreds of entries' worth of pool per engine, evicting cached
 data for nothing). Slots are bound to keys only at commit, once the worker
 reported the bytes landed. Free slots nobody used for a while go back to the
-shard, so an idle engine holds little. An expected save is asked for only where the free stock
-lacks it: what it holds beyond the baseline and the saves expected before (``_promised``)
-covers it first, so a request decoding alone, whose batches the refilled stock mostly holds,
-asks a few times per pool and not at every announcement.
+shard, so an idle engine holds little.
+
+Expected saves are asked for only where the free stock lacks them: what it holds beyond the
+baseline and the saves expected before (``_promised``) covers them first, and an ask takes as
+much again as is lacking (within the baseline's cap), which the next announcement then finds
+here. The baseline follows the takes nobody announced. A request decoding alone announced each
+batch 2-3 times, and each announcement was a call per pool; it now asks about once per pool
+every few batches.
 
 Grants are renewed while this engine holds any of their slots, so a slow step
 never loses its slots. A slot is only handed out while its grant is known to
@@ -120,8 +124,9 @@ class SlotSupply:
         self._usable_s = usable_s
         self._excess: dict[SlotClass, int] = defaultdict(int)  # expected slots that will not be used
         self._demand: dict[SlotClass, float] = {}
-        self._used: dict[SlotClass, int] = defaultdict(int)  # takes and shortfalls since the last tick
+        self._used: dict[SlotClass, int] = defaultdict(int)  # unannounced takes and shortfalls since the last tick
         self._base: dict[SlotClass, int] = {}  # free slots kept for demand alone, as of the last full tick
+        self._cap: dict[SlotClass, int] = {}  # the most a baseline may be (``max_free``, the pool's share)
         self._promised: dict[SlotClass, int] = defaultdict(int)  # expected saves not taken yet
         self._renew_after_s = renew_after_s
         self._idle_s = idle_s
@@ -246,6 +251,7 @@ class SlotSupply:
                 demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * fade)
                 self._demand[slot_class] = demand
                 room = max(1, pools.descriptors[pool].pool_bytes // (size * FREE_POOL_SHARE))
+                self._cap[slot_class] = min(self._max_free, room)
                 base = self._base[slot_class] = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
                 have = self.free_slots(slot_class) + self._asked(slot_class)
                 if have < base:  # refilled past the baseline once taken from: a trickle of takes asks now and then
@@ -264,7 +270,7 @@ class SlotSupply:
         slot_class = (pool, size)
         now = self._clock()
         self._last_take[slot_class] = now
-        self._used[slot_class] += count
+        promised = self._promised.get(slot_class, 0)
         queue = self._free[slot_class]
         oldest = now - self._usable_s
         out: list[tuple[int, int]] = []
@@ -278,8 +284,13 @@ class SlotSupply:
             taken = min(count - len(out), len(grant.free))
             grant.in_use += taken
             out.extend((grant.token, grant.free.popleft()) for _ in range(taken))
-        if self._promised.get(slot_class):
-            self._promised[slot_class] = max(0, self._promised[slot_class] - len(out))
+        if promised:
+            self._promised[slot_class] = max(0, promised - len(out))
+        # The baseline is for saves nobody announced (announced ones were asked for), and for
+        # any that found the stock short: without a refill they would wait for one forever.
+        demand = max(count - promised, count - len(out))
+        if demand > 0:
+            self._used[slot_class] += demand
         return out
 
     def settled(self, pool: PoolKey, token: int, count: int = 1) -> None:
@@ -309,12 +320,12 @@ class SlotSupply:
         return sum(ask.count for ask in self._asks if ask.slot_class == slot_class)
 
     def _shortfalls(self, counts: Mapping[SlotClass, int]) -> dict[SlotClass, int]:
-        """Per class, how many of ``counts`` expected saves to ask for: the free slots and asks
-        in flight beyond the baseline and the saves expected before cover the rest. Each ask was
-        a control call per pool on the engine's host (~0.3-0.9 ms); asked for in full at every
-        announcement, a request decoding alone asked 2-3 times per pool per batch while the
-        refilled stock already held the batch. Records ``counts`` as promised until taken. An
-        estimate: a save that finds the stock short waits a step for the refill, nothing is lost."""
+        """Per class, how many slots to ask for ``counts`` expected saves: none where the free
+        slots and asks in flight beyond the baseline and the saves expected before cover them,
+        else what is lacking and as much again (within the baseline's cap), for the next
+        announcement. Each ask is a control call per pool on the engine's host (~0.3-0.9 ms
+        here). Records ``counts`` as promised until taken. An estimate: a save that finds the
+        stock short waits a step for the refill its shortfall asks for, nothing is lost."""
         out: dict[SlotClass, int] = {}
         for slot_class, count in counts.items():
             if count <= 0:
@@ -322,8 +333,9 @@ class SlotSupply:
             spare = (self.free_slots(slot_class) + self._asked(slot_class) - self._base.get(slot_class, 0)
                      - self._promised[slot_class])
             self._promised[slot_class] += count
-            if count > spare:
-                out[slot_class] = count - max(0, spare)
+            lacking = count - max(0, spare)
+            if lacking > 0:  # and as much again, within the baseline's cap: the next announcement finds it here
+                out[slot_class] = lacking + min(lacking, self._cap.get(slot_class, 0))
         return out
 
     def _ask(self, slot_class: SlotClass, count: int) -> Pending[SlotGrant | None]:
