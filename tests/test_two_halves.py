@@ -28,6 +28,7 @@ from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS
+from ucm_ray.vllm.worker import _StepState
 
 
 @pytest.fixture(scope="module")
@@ -400,6 +401,31 @@ def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, mo
     assert max(per_step.values()) <= 2, f"slot asks per (step, pool): {sorted(per_step.values())[-5:]}"
     stats = a.stats()
     assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
+
+
+def test_steps_without_loads_share_one_step_state_that_nothing_writes_into(store, model_dir):
+    """Most decode steps load nothing and save no state: the worker gives them one shared step
+    state, not a new one each (~2 us of an engine's host time a step). A store hit's steps get
+    their own; steps that load, save and fence in between leave the shared one as it was made."""
+    p = prompt(512, seed=90)
+    a = make_engine(store.client(), model_dir, block_size=16)
+    a.serve("A", p, max_tokens=2)
+    a.settle()
+    b = make_engine(store.client(), model_dir, block_size=16)
+    worker = b.worker.worker_part
+    shared: list[bool] = []
+    step = b.step
+
+    def observed() -> None:
+        step()
+        shared.append(worker._step is worker._idle_step)
+
+    b.step = observed
+    ext, _ = b.serve("B", p, max_tokens=300)  # a hit, then blocks saved as it decodes
+    b.settle()
+    assert ext > 0 and b.wrong_blocks == 0 and b.stats()["saved_blocks"] > 0
+    assert not all(shared) and sum(shared) > 250, f"{sum(shared)} of {len(shared)} steps shared"
+    assert worker._idle_step == _StepState()
 
 
 def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks(store, model_dir):

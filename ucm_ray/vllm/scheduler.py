@@ -292,6 +292,7 @@ class SchedulerPart:
         self._ns = engine_namespaces(vllm_config, kv_cache_config, config.namespace, config.model_id)
         self._entry_bytes = [entry_bytes(kv_cache_config, g) for g in range(len(self._groups))]
         self._tracked: dict[str, _Tracked] = {}
+        self._finishing: set[str] = set()  # tracked requests vLLM finished (``finished_at``)
         self._job_ids = itertools.count(1)
         self._loads: dict[int, _LoadInFlight] = {}
         self._saves: dict[int, _SaveInFlight] = {}
@@ -589,31 +590,36 @@ class SchedulerPart:
         self._collect_answers()
         pools = self._store.pools()
         self._slots.tick(pools)
-        meta = UcmRayConnectorMetadata(loads={r: [] for r in range(len(self._ns))})
+        meta = UcmRayConnectorMetadata()
         if pools.version != self._pools_sent:
             meta.pools = dict(pools.descriptors)
             self._pools_sent = pools.version
             self._pin_pools &= set(pools.descriptors)
         self._track_blocks(out)
         loading = [(req_id, t, t.loads) for req_id, t in self._tracked.items() if t.loads is not None]
-        at_once = policy.loads_at_once(out.total_num_scheduled_tokens, sum(t.external_tokens for _, t, _ in loading),
-                                       self._config.load_at_once_ratio)
-        for req_id, t, jobs in loading:
-            # fewer tokens than the FULL-graph threshold: no layer hook may run in this step
-            whole = at_once or out.num_scheduled_tokens.get(req_id, 0) < self.recompute
-            for rank, job in enumerate(jobs):
-                job.complete_in_start = job.complete_in_start or whole
-                meta.loads[rank].append(job)
-            t.loads = None
+        if loading:
+            at_once = policy.loads_at_once(out.total_num_scheduled_tokens,
+                                           sum(t.external_tokens for _, t, _ in loading),
+                                           self._config.load_at_once_ratio)
+            for req_id, t, jobs in loading:
+                # fewer tokens than the FULL-graph threshold: no layer hook may run in this step
+                whole = at_once or out.num_scheduled_tokens.get(req_id, 0) < self.recompute
+                for rank, job in enumerate(jobs):
+                    job.complete_in_start = job.complete_in_start or whole
+                    meta.loads.setdefault(rank, []).append(job)
+                t.loads = None
         meta.fences = self._fences(out, meta.loads)
         with self._slots.batched():  # the step's expected saves: one slot ask per pool and size
             self._plan_step(out, meta)
         now = time.monotonic()
-        for req_id, t in list(self._tracked.items()):
+        for req_id in list(self._finishing):
             # vLLM frees its blocks once told (the worker says so at once): nothing is still to
             # be copied from them, or no slot came for what is left within HOLD_S
-            if t.finished_at is not None and not t.save_jobs and (not self._unsaved(t)
-                                                                   or now - t.finished_at > HOLD_S):
+            finishing = self._tracked.get(req_id)
+            if finishing is None or finishing.finished_at is None:  # tracked anew under its id
+                self._finishing.discard(req_id)
+            elif not finishing.save_jobs and (not self._unsaved(finishing)
+                                              or now - finishing.finished_at > HOLD_S):
                 meta.saved_requests.add(req_id)
                 self._drop(req_id)
         self._observe_step(out, meta, time.perf_counter() - started)
@@ -624,13 +630,15 @@ class SchedulerPart:
         prompts whose first token is out and for decode batches as their blocks fill."""
         saves: SaveRowsByRank = defaultdict(_SaveRows)  # made for a rank once it has a row
         saving: list[str] = []  # requests with rows in this step's saves
+        hybrid = self.hybrid
         for req_id, t in self._tracked.items():
-            if t.finished_at is None and t.request.status != RequestStatus.RUNNING:
-                t.block_ids = []  # waiting, or preempted: its blocks are not (or no longer) its own
-                continue
-            if t.finished_at is None and not t.request.num_output_tokens:
-                continue  # its first token is not out yet: no save of it delays that token
-            if not self.hybrid and not t.prompt_expected:
+            if t.finished_at is None:
+                if t.request.status != RequestStatus.RUNNING:
+                    t.block_ids = []  # waiting, or preempted: its blocks are not (or no longer) its own
+                    continue
+                if not t.request.num_output_tokens:
+                    continue  # its first token is not out yet: no save of it delays that token
+            if not hybrid and not t.prompt_expected:
                 # once, from where its saves begin (vLLM's own cache may have held the prompt's
                 # start, or all of it); decode blocks take slots from the supply's stock
                 t.prompt_expected = True
@@ -646,11 +654,13 @@ class SchedulerPart:
                 t.awaited = None
             if t.block_ids and self._plan_saves(t, saves):
                 saving.append(req_id)
-        states: SaveRowsByRank = defaultdict(_SaveRows)
-        if self.hybrid:
+        if saves:
+            meta.saves = self._dispatch(saves, saving)
+        if hybrid:
+            states: SaveRowsByRank = defaultdict(_SaveRows)
             self._plan_every_state(out, states)
-        meta.saves = self._dispatch(saves, saving)
-        meta.state_saves = self._dispatch(states, [])
+            if states:
+                meta.state_saves = self._dispatch(states, [])
 
     def _plan_every_state(self, out: SchedulerOutput, states: SaveRowsByRank) -> None:
         """A hybrid model's states that this step's scheduled requests compute, and slots for
@@ -1011,6 +1021,7 @@ class SchedulerPart:
         self._release_lookup(t)
         if t.block_ids and self._unsaved(t) and self._store.pools().descriptors:
             t.finished_at = time.monotonic()
+            self._finishing.add(request.request_id)
             if t.prompt_expected:  # generated blocks of an unfinished batch: slots at the next step's tick
                 self._expect_saves(t, len(request.block_hashes) * self._hash_bs, later=True)
             return True, None
@@ -1020,6 +1031,7 @@ class SchedulerPart:
     def _drop(self, req_id: str) -> None:
         """Forget a request; blocks of it still unsaved are never saved."""
         t = self._tracked.pop(req_id)
+        self._finishing.discard(req_id)
         dropped = sum(1 for ready in t.pending.values() if ready)
         if dropped:
             self.stats.add(saves_dropped=dropped)

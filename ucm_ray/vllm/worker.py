@@ -260,7 +260,8 @@ class WorkerPart:
         self._device = torch.device("cpu")
         self._layer_of: dict[str, tuple[int, int]] = {}  # layer name -> (group, index in group)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
-        self._step = _StepState()
+        self._idle_step = _StepState()  # the state of every step without loads or state saves
+        self._step = self._idle_step
         self._saving: list[_SavesPosted] = []
         """Save jobs posted, not yet seen landed (oldest first): they outlive their step."""
         self._fenced: UcmRayConnectorMetadata | None = None  # the step whose fences are in place
@@ -311,8 +312,11 @@ class WorkerPart:
         self.fence(meta)  # where vLLM did not call ``handle_preemptions`` first
         saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
         deadline = time.monotonic() + self._config.transfer_timeout_s
-        self._step = _StepState(loads=meta.loads.get(self._rank, []), deadline=deadline,
-                                state_saves=states if states is not None and len(states) else None)
+        loads, state_saves = meta.loads.get(self._rank), states if states is not None and len(states) else None
+        # A step that loads nothing and saves no state (most decode steps) never writes into its
+        # state: they share one, made once (a new one cost every such step ~2 us of host time).
+        self._step = _StepState(loads=loads or [], deadline=deadline, state_saves=state_saves) \
+            if loads or state_saves is not None else self._idle_step
         if saves is not None and len(saves):
             self._saving.append(self._post_saves(saves, deadline))
 
