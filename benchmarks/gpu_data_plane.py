@@ -29,7 +29,8 @@ prompts cold on an engine C without the connector, A and C side by side taking e
 turn (the tier's cost to a cold request, and whether any first token differs with and without
 it); then A and C decode fresh prompts the same way (what saves running beside decode cost).
 A second engine without the connector, C2, takes every prompt too: its figures against C's
-(``*_noise_<size>``) are what two alike engines differ by on that host, in the same run. Each
+(``*_noise_<size>``) are what two alike engines differ by on that host, in the same run. An
+engine N with a connector that does nothing decodes them too. Each
 engine runs on cores of its own (``engine_cores``).
 Prompts are 8 tokens past a block boundary so that A's repeat is a pure local hit (the store
 holds nothing beyond it).
@@ -51,7 +52,9 @@ Prints ``key=value`` lines, among them ``gpu_load_vs_pinned_copy=``, ``gpu_save_
 ``ttft_store_warm_vs_cold_4k=`` / ``ttft_store_warm_vs_prefix_hit_4k=`` /
 ``ttft_cold_overhead_4k=`` (goal <= 1.05), ``decode_overhead_4k=`` (1 - A's decode tok/s over C's,
 fresh prompts of that size with ``--decode-tokens`` new tokens each; goal <= 0.03), beside each
-``ttft_cold_overhead_noise_4k=`` / ``decode_overhead_noise_4k=`` (C2 against C), and the 16k ones.
+``ttft_cold_overhead_noise_4k=`` / ``decode_overhead_noise_4k=`` (C2 against C),
+``decode_overhead_null_connector_4k=`` (engine N, whose connector does nothing, against C: what
+vLLM's connector hooks cost any connector), and the 16k ones.
 
 Run: ``make gpu-bench`` (both parts) on a GPU machine, or ``python benchmarks/gpu_data_plane.py
 --device cpu --quick [--ttft]`` anywhere as a smoke check (small shapes, plain copies).
@@ -880,6 +883,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     ``step_timing``: then one cold request and one decode more per size, timed part by part
     (``timed_parts``), outside the medians."""
     from ucm_ray.demo import kv_transfer_config
+    from ucm_ray.testing.null_connector import null_kv_transfer_config
     from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
     prof = ttft_profile(device, quick)
@@ -909,7 +913,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(
         profiled_engine_class())
 
-    cores = engine_cores(device, 3)  # A's are B's once A is gone
+    cores = engine_cores(device, 4)  # A's are B's once A is gone
 
     def start(label: str, kv_config: dict[str, Any] | None, cpus: list[int] | None):
         t0 = time.perf_counter()
@@ -928,6 +932,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         a = start("A (connector, store empty)", kv, cores[0])
         plain_engine = start("C (no connector)", None, cores[1])
         other_plain = start("C2 (no connector, a second one: how far two alike engines differ)", None, cores[2])
+        null = start("N (vLLM's connector hooks alone: NullConnector)", null_kv_transfer_config(), cores[3])
         # A's cold requests (a miss and their saves) against the same prompts, new to an engine
         # without the connector: what the tier costs a cold request, and whether it changed an
         # output. Side by side, one prompt each in turn: a run's drift lands on all three.
@@ -946,7 +951,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
         decode: dict[str, dict[str, list]] = {}
         for s, ps in fresh.items():
-            decode[s] = in_turn(trio, ps, lambda engine, p: ray.get(
+            decode[s] = in_turn({**trio, "N": null}, ps, lambda engine, p: ray.get(
                 engine.generate.remote(p, decode_tokens, ignore_eos=True)))
             log.info("%s decode tok/s: %s", s, ", ".join(f"{label} {[round(decode_rate(r), 1) for r in rs]}"
                                                          for label, rs in decode[s].items()))
@@ -964,6 +969,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
             res.update(timed_parts(pair, model, prof, decode_tokens))
         ray.kill(plain_engine)
         ray.kill(other_plain)
+        ray.kill(null)
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
@@ -1017,9 +1023,12 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                     f"ttft_store_warm_{s}_ms": w * 1e3, f"store_hit_tokens_{s}": store_hits[s],
                     f"ttft_store_warm_vs_cold_{s}": w / c, f"ttft_store_warm_vs_other_engines_prefix_hit_{s}": w / h,
                     f"ttft_b_prefix_hit_{s}_ms": o * 1e3, f"ttft_store_warm_vs_prefix_hit_{s}": w / o})
-        with_tier, without, again = (statistics.median(decode_rate(r) for r in decode[s][e]) for e in ("A", "C", "C2"))
+        with_tier, without, again, hooks_only = (statistics.median(decode_rate(r) for r in decode[s][e])
+                                                 for e in ("A", "C", "C2", "N"))
         res.update({f"decode_tok_s_{s}": with_tier, f"decode_tok_s_no_connector_{s}": without,
                     f"decode_overhead_{s}": 1 - with_tier / without,
+                    # a connector that does nothing: what vLLM's hooks cost any connector
+                    f"decode_overhead_null_connector_{s}": 1 - hooks_only / without,
                     # the same figure between two engines without the connector: this host's noise
                     f"decode_overhead_noise_{s}": 1 - again / without,
                     f"ttft_cold_overhead_noise_{s}": statistics.median(ttft_of(r) for r in plain2[s]) / n})
