@@ -835,10 +835,10 @@ def timed_warm(engine: Any, model: str, prof: TtftProfile) -> dict[str, Any]:
 
 
 def engine_cores(device: torch.device, engines: int, per_engine: int = 4) -> list[list[int] | None]:
-    """For each of ``engines`` engines, ``per_engine`` cores of its own, those nearest the GPU
-    first (its NUMA node's, from sysfs), the first two left to the driver and the shards: the
-    engines compared then run on cores alike, not wherever the OS put each one. None for those
-    that find too few cores."""
+    """For each of ``engines`` engines, ``per_engine`` cores of its own (fewer where they would
+    not all fit), those nearest the GPU first (its NUMA node's, from sysfs), the first two left
+    to the driver and the shards: the engines compared then run on cores alike, not wherever the
+    OS put each one. None for those that find too few cores."""
     usable = sorted(os.sched_getaffinity(0))
     near: list[int] = []
     if device.type == "cuda":
@@ -851,6 +851,9 @@ def engine_cores(device: torch.device, engines: int, per_engine: int = 4) -> lis
             near = []
     ordered = near + [c for c in usable if c not in near]
     log.info("cores near the GPU: %s of %s", near or "unknown", usable)
+    # fewer each where all would not fit (4 engines on a 16-core host: 3 each): every engine
+    # compared runs pinned alike (the first run with N left it unpinned, on every core)
+    per_engine = min(per_engine, max(1, (len(usable) - 2) // engines))
     chosen = [ordered[2 + k * per_engine: 2 + (k + 1) * per_engine] for k in range(engines)]
     return [cores if len(cores) == per_engine else None for cores in chosen]
 
