@@ -15,11 +15,12 @@ reported the bytes landed. Free slots nobody used for a while go back to the
 shard, so an idle engine holds little.
 
 Expected saves are asked for only where the free stock lacks them: what it holds beyond the
-baseline and the saves expected before (``_promised``) covers them first, and an ask takes as
-much again as is lacking (within the baseline's cap), which the next announcement then finds
-here. The baseline follows the takes nobody announced. A request decoding alone announced each
-batch 2-3 times, and each announcement was a call per pool; it now asks about once per pool
-every few batches.
+baseline and the saves expected before (promises) covers them first, and an ask takes as much
+again as is lacking (within the baseline's cap), which the next announcement then finds here.
+The baseline follows the takes nobody announced. A request decoding alone announced each batch
+2-3 times, and each announcement was a call per pool; it now asks about once per pool every few
+batches. A promise not taken within ``idle_s`` lapses (its request ended or was dropped without
+those saves), so none holds slots for long.
 
 Grants are renewed while this engine holds any of their slots, so a slow step
 never loses its slots. A slot is only handed out while its grant is known to
@@ -69,6 +70,14 @@ class _Ask:
     count: int
     answer: Pending[SlotGrant | None]
     posted: float
+
+
+@dataclass
+class _Promise:
+    """Expected saves of one announcement not taken yet, and until when they are counted on."""
+
+    count: int
+    until: float
 
 
 @dataclass
@@ -127,7 +136,7 @@ class SlotSupply:
         self._used: dict[SlotClass, int] = defaultdict(int)  # unannounced takes and shortfalls since the last tick
         self._base: dict[SlotClass, int] = {}  # free slots kept for demand alone, as of the last full tick
         self._cap: dict[SlotClass, int] = {}  # the most a baseline may be (``max_free``, the pool's share)
-        self._promised: dict[SlotClass, int] = defaultdict(int)  # expected saves not taken yet
+        self._promises: dict[SlotClass, deque[_Promise]] = defaultdict(deque)  # oldest first
         self._renew_after_s = renew_after_s
         self._idle_s = idle_s
         self._clock = clock
@@ -149,21 +158,40 @@ class SlotSupply:
         self._sizes.update(sizes)
 
     def free_slots(self, slot_class: SlotClass) -> int:
-        return sum(len(g.free) for g in self._free[slot_class])
+        """Free slots that ``take`` would hand out now (not those of a grant that may have lapsed)."""
+        oldest = self._clock() - self._usable_s
+        return sum(len(g.free) for g in self._free[slot_class] if g.confirmed >= oldest)
 
-    def expect(self, counts: Mapping[SlotClass, int], *, later: bool = False) -> list[Pending[SlotGrant | None]]:
-        """Saves that are coming (a prompt's next chunk, a decode batch): ask now for the slots
-        the free stock lacks for them (``_shortfalls``; the baseline stays for decode, and what
-        ends up unused goes back once idle). Returns the asks posted, for a caller that may wait
-        a moment; none inside ``batched``, which posts them, nor with ``later``: asked for at the
+    def expect(self, counts: Mapping[SlotClass, int], *, later: bool = False) -> None:
+        """Saves that are coming (a prompt's next chunk, a decode batch): promised at once (a
+        take in the same step already counts on them), and the slots the free stock lacks for
+        them asked for (``_shortfalls``; the baseline stays for decode, and what ends up unused
+        goes back once idle): now, or inside ``batched`` on its exit, or with ``later`` at the
         next tick, one ask per class (requests that finish together between two steps would each
-        post a call per pool)."""
+        post a call per pool). ``ready`` says when they are here."""
+        until = self._clock() + self._idle_s
+        counts = {slot_class: count for slot_class, count in counts.items() if count > 0}
+        for slot_class, count in counts.items():
+            self._promises[slot_class].append(_Promise(count, until))
         held = self._held if self._held is not None else self._later if later else None
         if held is not None:
             for slot_class, count in counts.items():
-                held[slot_class] += max(0, count)
-            return []
-        return [self._ask(slot_class, count) for slot_class, count in self._shortfalls(counts).items()]
+                held[slot_class] += count
+            return
+        for slot_class, count in self._shortfalls(counts).items():
+            self._ask(slot_class, count)
+
+    def ready(self, counts: Mapping[SlotClass, int]) -> bool:
+        """Whether the slots of ``counts`` are here or answered (the next tick adds them), or no
+        ask that could bring more is still out: an announcement may count on another's ask."""
+        for slot_class, count in counts.items():
+            if count <= 0:
+                continue
+            asks = [ask for ask in self._asks if ask.slot_class == slot_class]
+            answered = sum(ask.count for ask in asks if ask.answer.poll())
+            if self.free_slots(slot_class) + answered < count and any(not ask.answer.poll() for ask in asks):
+                return False
+        return True
 
     def holds(self, counts: Mapping[SlotClass, int]) -> bool:
         """Whether the free stock has this many slots of each class now."""
@@ -197,7 +225,7 @@ class SlotSupply:
         back as soon as they are here."""
         for slot_class, count in counts.items():
             self._excess[slot_class] += count
-            self._promised[slot_class] = max(0, self._promised[slot_class] - count)
+            self._unpromise(slot_class, count)
 
     def abandon_pool(self, pool: PoolKey) -> None:
         """Transfers with ``pool`` failed: write nothing more into it; its grants lapse."""
@@ -227,6 +255,11 @@ class SlotSupply:
         later, self._later = self._later, defaultdict(int)
         for slot_class, count in self._shortfalls({c: n for c, n in later.items() if c[0] in live}).items():
             self._ask(slot_class, count)
+        for slot_class, promises in list(self._promises.items()):
+            while promises and (promises[0].until < now or slot_class[0] not in live):
+                promises.popleft()  # its saves never came (or its pool left)
+            if not promises:
+                del self._promises[slot_class]
         arrived = [ask for ask in self._asks if ask.answer.poll()]
         self._asks = [ask for ask in self._asks if ask not in arrived]
         for ask in arrived:
@@ -235,8 +268,6 @@ class SlotSupply:
                 self._add(grant, ask.posted)
         for key in [k for k in self._grants if k[0] not in live]:
             self._drop(self._grants[key])  # a dead shard or an old incarnation
-        for slot_class in [c for c in self._promised if c[0] not in live]:
-            del self._promised[slot_class]
         for slot_class, count in list(self._excess.items()):
             back = min(count, self.free_slots(slot_class))
             if back:
@@ -257,9 +288,9 @@ class SlotSupply:
                 if have < base:  # refilled past the baseline once taken from: a trickle of takes asks now and then
                     top = max(base, min(REFILL * base, room)) if slot_class in self._last_take else base
                     self._ask(slot_class, top - have)
-                elif have > base and now - self._last_take.get(slot_class, now) > self._idle_s:
+                elif (have > base and now - self._last_take.get(slot_class, now) > self._idle_s
+                      and slot_class not in self._promises):  # not what announced saves count on
                     self._give_back(slot_class, self.free_slots(slot_class) - base)
-                    self._promised.pop(slot_class, None)  # nothing taken for a while: none is coming
         self._used.clear()  # takes from pools no longer live: nothing to remember them for
         self._renew(now)
         self._returning = [answer for answer in self._returning if not answer.poll()]
@@ -270,7 +301,7 @@ class SlotSupply:
         slot_class = (pool, size)
         now = self._clock()
         self._last_take[slot_class] = now
-        promised = self._promised.get(slot_class, 0)
+        promised = self._promised(slot_class)
         queue = self._free[slot_class]
         oldest = now - self._usable_s
         out: list[tuple[int, int]] = []
@@ -285,7 +316,7 @@ class SlotSupply:
             grant.in_use += taken
             out.extend((grant.token, grant.free.popleft()) for _ in range(taken))
         if promised:
-            self._promised[slot_class] = max(0, promised - len(out))
+            self._unpromise(slot_class, len(out), oldest_first=True)
         # The baseline is for saves nobody announced (announced ones were asked for), and for
         # any that found the stock short: without a refill they would wait for one forever.
         demand = max(count - promised, count - len(out))
@@ -319,20 +350,36 @@ class SlotSupply:
     def _asked(self, slot_class: SlotClass) -> int:
         return sum(ask.count for ask in self._asks if ask.slot_class == slot_class)
 
+    def _promised(self, slot_class: SlotClass) -> int:
+        return sum(promise.count for promise in self._promises.get(slot_class, ()))
+
+    def _unpromise(self, slot_class: SlotClass, count: int, *, oldest_first: bool = False) -> None:
+        """``count`` promised saves were taken (oldest first) or will not come (newest first)."""
+        promises = self._promises.get(slot_class)
+        while promises and count > 0:
+            promise = promises[0] if oldest_first else promises[-1]
+            used = min(count, promise.count)
+            promise.count -= used
+            count -= used
+            if not promise.count:
+                promises.popleft() if oldest_first else promises.pop()
+        if promises is not None and not promises:
+            del self._promises[slot_class]
+
     def _shortfalls(self, counts: Mapping[SlotClass, int]) -> dict[SlotClass, int]:
-        """Per class, how many slots to ask for ``counts`` expected saves: none where the free
-        slots and asks in flight beyond the baseline and the saves expected before cover them,
-        else what is lacking and as much again (within the baseline's cap), for the next
-        announcement. Each ask is a control call per pool on the engine's host (~0.3-0.9 ms
-        here). Records ``counts`` as promised until taken. An estimate: a save that finds the
-        stock short waits a step for the refill its shortfall asks for, nothing is lost."""
+        """Per class, how many slots to ask for ``counts`` expected saves, already promised (and
+        maybe partly taken since, in the same step): none where the free slots and asks in
+        flight beyond the baseline and the saves promised before cover them, else what is
+        lacking and as much again (within the baseline's cap), for the next announcement. Each
+        ask is a control call per pool on the engine's host (~0.3-0.9 ms here). An estimate: a
+        save that finds the stock short waits a step for the refill its shortfall asks for."""
         out: dict[SlotClass, int] = {}
         for slot_class, count in counts.items():
             if count <= 0:
                 continue
+            # a take since the promise lowered the free slots and the promises alike
             spare = (self.free_slots(slot_class) + self._asked(slot_class) - self._base.get(slot_class, 0)
-                     - self._promised[slot_class])
-            self._promised[slot_class] += count
+                     - (self._promised(slot_class) - count))
             lacking = count - max(0, spare)
             if lacking > 0:  # and as much again, within the baseline's cap: the next announcement finds it here
                 out[slot_class] = lacking + min(lacking, self._cap.get(slot_class, 0))

@@ -163,14 +163,16 @@ class _SlotAsks:
     be hits, and a full pool evicted other prompts' entries, or this prompt's own, to make room
     for slots handed straight back)."""
 
-    asks: list[Pending[Any]]
+    counts: dict[tuple[PoolKey, int], int]
+    """Slots per (pool, entry size) the chunks' states need."""
     wait_s: float = STATE_SLOT_WAIT_S
     started: float = field(default_factory=time.monotonic)
 
-    def ready(self) -> bool:
-        """The slots are in, or too slow to wait for: then the request runs without them rather
-        than being delayed."""
-        return all(ask.poll() for ask in self.asks) or time.monotonic() - self.started > self.wait_s
+    def ready(self, supply: SlotSupply) -> bool:
+        """The slots are here or answered (asked for by this request or by another whose asks
+        it counts on: a state cannot wait for a slot, it is lost), or too slow to wait for:
+        then the request runs without them rather than being delayed."""
+        return supply.ready(self.counts) or time.monotonic() - self.started > self.wait_s
 
 
 @dataclass
@@ -316,11 +318,13 @@ class SchedulerPart:
                         "blocks so without prefix caching and mamba_cache_mode='align')", self._lcm, max_len)
 
     def _expect_saves(self, t: _Tracked, until: int, start: int | None = None, *,
-                      later: bool = False) -> list[Pending[Any]]:
+                      later: bool = False) -> dict[tuple[PoolKey, int], int]:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
         (``start``: where the last announcement ended, unless blocks must be saved again;
-        ``later``: asked for at the next step's tick)."""
-        return self._slots.expect(self._announce(t, until, start), later=later)
+        ``later``: asked for at the next step's tick); their counts per (pool, entry size)."""
+        counts = self._announce(t, until, start)
+        self._slots.expect(counts, later=later)
+        return counts
 
     def _announce(self, t: _Tracked, until: int, start: int | None = None) -> dict[tuple[PoolKey, int], int]:
         """``_expect_saves``'s counts, per (pool, entry size), with the announcement recorded
@@ -389,9 +393,10 @@ class SchedulerPart:
             # are asked for once its first token is out, as its saves are.
             begin = max(num_computed_tokens, t.hit_tokens) // self._hash_bs * self._hash_bs
             t.expected_until = t.unexpected_until = begin
-            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk) if self.hybrid else [])
+            t.slots = _SlotAsks(self._expect_saves(t, begin + 2 * self._chunk) if self.hybrid else {})
             posted = True
-        if not self._answered(t.slots.ready, grace=posted):
+        slots = t.slots
+        if not self._answered(lambda: slots.ready(self._slots), grace=posted):
             return None, False
         if t.hit_tokens <= num_computed_tokens:
             ext = 0

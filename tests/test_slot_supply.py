@@ -1,0 +1,94 @@
+"""SlotSupply's announced saves on the in-process store, with reserve answers held back (a slow
+shard): asked for only where the free stock lacks them, counted on until taken, and ready only
+once the asks they count on are answered."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ucm_ray.store.blockstore import Pending, PoolKey, SlotGrant
+from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.store.slots import SlotSupply
+
+SIZE = 1 << 16
+
+
+class _Held(Pending[Any]):
+    """A reserve answer that the shard gives only once its store is ``answering``."""
+
+    def __init__(self, store: SlowReserves, answer: Pending[Any]) -> None:
+        self._store, self._answer = store, answer
+
+    def poll(self) -> bool:
+        return self._store.answering
+
+    def result(self) -> Any:
+        return self._answer.result()
+
+
+class SlowReserves(LocalBlockStore):
+    """A client of the in-process shards whose slot grants arrive only while ``answering``."""
+
+    def __init__(self, shared: LocalBlockStore) -> None:
+        super().__init__(_shared=shared)
+        self.answering = True
+        self.asked: list[int] = []
+
+    def reserve(self, pool: PoolKey, size: int, count: int) -> Pending[SlotGrant | None]:
+        self.asked.append(count)
+        return _Held(self, super().reserve(pool, size, count))
+
+
+@pytest.fixture
+def shards() -> Iterator[LocalBlockStore]:
+    local = LocalBlockStore(num_shards=1, pool_bytes=64 << 20)
+    yield local
+    local.shutdown()
+
+
+def _supply(shards: LocalBlockStore) -> tuple[SlowReserves, SlotSupply, tuple[PoolKey, int]]:
+    store = SlowReserves(shards)
+    supply = SlotSupply(store, max_free=8, renew_after_s=20.0, idle_s=20.0, usable_s=50.0)
+    supply.want(SIZE)
+    supply.tick(store.pools())  # the baseline: one free slot, asked for and granted
+    supply.tick(store.pools())
+    pool = next(iter(store.pools().descriptors))
+    return store, supply, (pool, SIZE)
+
+
+def test_an_announcement_counting_on_another_ones_ask_is_ready_only_once_it_is_answered(shards):
+    """Two hybrid requests looked up together: the first one's ask (what it lacks, and as much
+    again) covers the second, which asks nothing. Its states cannot wait for a slot, so it must
+    not run before that ask is answered (it ran at once, and found one slot of 8)."""
+    store, supply, slot_class = _supply(shards)
+    store.answering = False
+    supply.expect({slot_class: 10})
+    asks = len(store.asked)
+    supply.expect({slot_class: 8})
+    assert len(store.asked) == asks, "the first announcement's ask covers the second"
+    assert not supply.ready({slot_class: 8}) and not supply.ready({slot_class: 10})
+    store.answering = True
+    assert supply.ready({slot_class: 8})
+    supply.tick(store.pools())
+    assert len(supply.take(*slot_class, 10)) == 10 and len(supply.take(*slot_class, 8)) == 8
+
+
+def test_a_save_announced_and_taken_in_one_step_leaves_no_promise_behind(shards):
+    """A prompt announced and saved in the same step (its slots were in the free stock): the
+    take consumes the announcement, so a later one that the stock beyond the baseline covers asks
+    nothing (a promise left behind made every later announcement ask twice what it needed)."""
+    store, supply, slot_class = _supply(shards)
+    supply.expect({slot_class: 20})
+    supply.tick(store.pools())
+    assert len(supply.take(*slot_class, 20)) == 20
+    with supply.batched():
+        supply.expect({slot_class: 4})
+        assert len(supply.take(*slot_class, 4)) == 4
+    spare = supply.free_slots(slot_class) - 1  # beyond the baseline of one
+    assert spare > 0
+    asks = len(store.asked)
+    supply.expect({slot_class: spare})
+    assert len(store.asked) == asks, f"asked {store.asked[asks:]} for {spare} slots the stock holds"
