@@ -321,19 +321,15 @@ class SchedulerPart:
                       later: bool = False) -> dict[tuple[PoolKey, int], int]:
         """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
         (``start``: where the last announcement ended, unless blocks must be saved again;
-        ``later``: asked for at the next step's tick); their counts per (pool, entry size)."""
-        counts = self._announce(t, until, start)
-        self._slots.expect(counts, later=later)
-        return counts
-
-    def _announce(self, t: _Tracked, until: int, start: int | None = None) -> dict[tuple[PoolKey, int], int]:
-        """``_expect_saves``'s counts, per (pool, entry size), with the announcement recorded
-        (``expected_until``), for a caller that asks for them itself."""
+        ``later``: asked for at the next step's tick); their counts per (pool, entry size),
+        recorded as announced (``expected_until``)."""
         until = min(until, len(t.request.block_hashes) * self._hash_bs)
         if start is None:
             start = t.expected_until
         t.expected_until = max(t.expected_until, until)
-        return self._save_counts(t, start, until)
+        counts = self._save_counts(t, start, until)
+        self._slots.expect(counts, later=later)
+        return counts
 
     def _save_counts(self, t: _Tracked, start: int, until: int) -> dict[tuple[PoolKey, int], int]:
         """Per (pool, entry size), how many entries saving the prompt's ``[start, until)`` writes."""
@@ -648,8 +644,7 @@ class SchedulerPart:
                 # start, or all of it); decode blocks take slots from the supply's stock
                 t.prompt_expected = True
                 t.expected_until = max(t.expected_until, self._saved_tokens(t))
-                counts = self._announce(t, t.request.num_prompt_tokens)
-                self._slots.expect(counts)
+                counts = self._expect_saves(t, t.request.num_prompt_tokens)
                 if not self._slots.holds(counts):
                     t.awaited, t.awaited_until = counts, time.monotonic() + PROMPT_SLOT_WAIT_S
             if t.awaited is not None:
