@@ -77,7 +77,7 @@ def test_stale_release_after_restart_does_not_unpin_anothers_entry(fleet):
 
 
 def test_slow_writer_never_overwrites_a_committed_block(fleet):
-    from ucm_ray.store.blockstore import Location, Publish
+    from ucm_ray.store.blockstore import Location, Publishes
     from ucm_ray.transport.base import CopyOp, Ranges
 
     cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
@@ -96,13 +96,13 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
     copy = {pool: Ranges.of([CopyOp(g2.offsets[0], theirs)])}
     assert fast.connections.transfer(copy, write=True, timeout_s=10) == set()
     loc2 = Location(pool[0], pool[1], g2.offsets[0], size)
-    assert fast.commit([Publish(k, loc2, g2.token)]).result() == [True]
+    assert fast.commit(Publishes.of([(k, loc2, g2.token)])).result() == [True]
 
     # the late copy lands in its own (quarantined) slot, and its commit is refused
     late = {pool: Ranges.of([CopyOp(g1.offsets[0], mine)])}
     assert slow.connections.transfer(late, write=True, timeout_s=10) == set()
     loc1 = Location(pool[0], pool[1], g1.offsets[0], size)
-    assert slow.commit([Publish(k, loc1, g1.token)]).result() == [False]
+    assert slow.commit(Publishes.of([(k, loc1, g1.token)])).result() == [False]
 
     out = torch.zeros(size, dtype=torch.uint8)
     reader.register_local(out)
@@ -113,7 +113,7 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
 
 
 def test_renewed_reservation_outlives_its_timeout(fleet):
-    from ucm_ray.store.blockstore import Location, Publish
+    from ucm_ray.store.blockstore import Location, Publishes
     from ucm_ray.transport.base import CopyOp, Ranges
 
     cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
@@ -127,7 +127,7 @@ def test_renewed_reservation_outlives_its_timeout(fleet):
         assert w.renew({pool: [g.token]}).result() == set()
     assert w.connections.transfer({pool: Ranges.of([CopyOp(g.offsets[0], data)])}, write=True, timeout_s=10) == set()
     loc = Location(pool[0], pool[1], g.offsets[0], data.numel())
-    assert w.commit([Publish(key(1), loc, g.token)]).result() == [True]
+    assert w.commit(Publishes.of([(key(1), loc, g.token)])).result() == [True]
     time.sleep(1.2)
     assert w.renew({pool: [g.token]}).result() == {(pool, g.token)}  # committed: nothing left to renew
     w.close()

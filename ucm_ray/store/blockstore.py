@@ -128,6 +128,22 @@ class Locations:
         return Locations(self.pools, self.pool[rows], self.offset[rows], self.size[rows], self.checksum[rows],
                          self.generation[rows])
 
+    @classmethod
+    def join(cls, parts: Sequence[Locations]) -> Locations:
+        """The rows of every part, in order, under one pool list."""
+        if not parts:
+            return cls.missing(0)
+        pools: list[PoolKey] = []
+        for part in parts:
+            pools.extend(pool for pool in part.pools if pool not in pools)
+        remapped = []
+        for part in parts:
+            index = np.asarray([pools.index(pool) for pool in part.pools] + [-1], dtype=np.int32)
+            remapped.append(index[part.pool])  # -1 (a miss) reads the appended -1
+        columns = [np.concatenate([getattr(part, name) for part in parts])
+                   for name in ("offset", "size", "checksum", "generation")]
+        return cls(pools, np.concatenate(remapped), *columns)
+
     def __len__(self) -> int:
         return len(self.pool)
 
@@ -164,12 +180,56 @@ class SlotGrant:
 
 
 @dataclass(frozen=True)
-class Publish:
-    """Make ``key`` visible at ``location`` (a slot of grant ``token``) once its bytes landed."""
+class Publishes:
+    """Entries to make visible once their bytes landed, as columns: row i stores ``keys[i]`` in
+    the slot ``locations[i]`` of grant ``tokens[i]``. A prompt's save commits a row per block
+    (1,024 for a 16k-token prompt) from the engine's thread: as objects, built, grouped per
+    grant and pickled row by row, they cost ~5 us a row there (2.5 ms for 512 rows on the
+    2-core box); as columns, grouped by numpy, a few us a grant."""
 
-    key: bytes
-    location: Location
-    token: int
+    keys: Sequence[bytes]
+    locations: Locations
+    tokens: np.ndarray  # int64: the grant of each row's slot
+
+    @classmethod
+    def of(cls, items: Sequence[tuple[bytes, Location, int]]) -> Publishes:
+        """From (key, location, grant token) triples, for callers that commit a few."""
+        return cls([key for key, _, _ in items], Locations.of([loc for _, loc, _ in items]),
+                   np.asarray([token for _, _, token in items], dtype=np.int64))
+
+    @classmethod
+    def join(cls, parts: Sequence[Publishes]) -> Publishes:
+        """One batch of several (their locations' pool lists merged)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls([key for part in parts for key in part.keys], Locations.join([part.locations for part in parts]),
+                   np.concatenate([np.zeros(0, dtype=np.int64)] + [part.tokens for part in parts]))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def by_grant(self) -> dict[tuple[PoolKey, int], np.ndarray]:
+        """The rows of each (pool, grant token), in row order within each."""
+        if not len(self):
+            return {}
+        order = np.lexsort((self.tokens, self.locations.pool))
+        pool, token = self.locations.pool[order], self.tokens[order]
+        starts = np.flatnonzero(np.r_[True, (pool[1:] != pool[:-1]) | (token[1:] != token[:-1])])
+        ends = np.r_[starts[1:], len(order)]
+        return {(self.locations.pools[int(pool[a])], int(token[a])): order[a:b]
+                for a, b in zip(starts.tolist(), ends.tolist())}
+
+
+GrantCommit = tuple[int, list[bytes], np.ndarray, np.ndarray, list[int]]
+"""What a shard's ``commit`` takes per grant: its token, the keys to publish, their slots'
+offsets and checksums (int64 columns, ``NO_CHECKSUM`` where none) and the offsets to free."""
+
+
+def grant_items(keys: Sequence[bytes], offsets: np.ndarray,
+                checksums: np.ndarray) -> list[tuple[bytes, int, int | None]]:
+    """A grant's publishes as ``BlockIndex.commit`` takes them: (key, offset, checksum or None)."""
+    return [(key, offset, None if checksum == NO_CHECKSUM else checksum)
+            for key, offset, checksum in zip(keys, offsets.tolist(), checksums.tolist())]
 
 
 @dataclass(frozen=True)
@@ -260,7 +320,7 @@ class BlockStore(ABC):
         """Extend reservations still held; the result names (pool, token) that had expired."""
 
     @abstractmethod
-    def commit(self, publish: Sequence[Publish],
+    def commit(self, publish: Publishes,
                free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
         """Publish entries whose bytes landed, return unused or failed slots (``free``, per
         (pool, token)); per publish, whether the key is now visible from this write."""

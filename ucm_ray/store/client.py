@@ -39,12 +39,13 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import (
     BlockStore,
     Done,
+    GrantCommit,
     Location,
     Locations,
     Pending,
     PoolKey,
     Pools,
-    Publish,
+    Publishes,
     ReadLease,
     Removal,
     SlotGrant,
@@ -382,32 +383,37 @@ class StoreClient(BlockStore):
 
         return _Fanout(self, calls, finish)
 
-    def commit(self, publish: Sequence[Publish],
+    def commit(self, publish: Publishes,
                free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
-        # per pool, per token: (items, free offsets, index of each item in ``publish``)
-        batches: dict[PoolKey, dict[int, tuple[list, list[int], list[int]]]] = defaultdict(dict)
-        for n, p in enumerate(publish):
-            b = batches[p.location.pool].setdefault(p.token, ([], [], []))
-            b[0].append((p.key, p.location.offset, p.location.checksum))
-            b[2].append(n)
+        # per pool, one batch per grant: (token, keys, offsets, checksums, free offsets); and
+        # the rows of ``publish`` each batch answers for
+        batches: dict[PoolKey, list[GrantCommit]] = defaultdict(list)
+        rows_of: dict[PoolKey, list[np.ndarray]] = defaultdict(list)
+        grants = publish.by_grant()
+        locations = publish.locations
+        for (pool, token), rows in grants.items():
+            batches[pool].append((token, [publish.keys[row] for row in rows.tolist()], locations.offset[rows],
+                                  locations.checksum[rows], list(free.get((pool, token), ()))))
+            rows_of[pool].append(rows)
+        nothing: np.ndarray = np.zeros(0, dtype=np.int64)
         for (pool, token), offsets in free.items():
-            batches[pool].setdefault(token, ([], [], []))[1].extend(offsets)
+            if (pool, token) not in grants:
+                batches[pool].append((token, [], nothing, nothing, list(offsets)))
+                rows_of[pool].append(nothing)
         calls, order = [], []
-        for pool, by_token in batches.items():
+        for pool, grant_batches in batches.items():
             rec = self._records.get(pool)
             if rec is None:
                 continue  # gone: its slots went with it; its publishes stay False
-            calls.append((rec, rec.handle.commit.remote(
-                pool[1], self.owner, [(t, items, offs) for t, (items, offs, _) in by_token.items()])))
-            order.append([idx for _, _, idx in by_token.values()])
+            calls.append((rec, rec.handle.commit.remote(pool[1], self.owner, grant_batches)))
+            order.append(rows_of[pool])
 
         def finish(answers: list[Any]) -> list[bool]:
-            visible = [False] * len(publish)
-            for per_token_idx, got in zip(order, answers):
-                for idx, oks in zip(per_token_idx, got or []):
-                    for n, ok in zip(idx, oks):
-                        visible[n] = ok
-            return visible
+            visible: np.ndarray = np.zeros(len(publish), dtype=bool)
+            for rows_per_grant, got in zip(order, answers):
+                for rows, oks in zip(rows_per_grant, got or []):
+                    visible[rows] = oks
+            return visible.tolist()
 
         return _Fanout(self, calls, finish)
 
@@ -504,15 +510,15 @@ class StoreClient(BlockStore):
         for pool in failed:
             self._failed(pool, "save failed")
         sums = {i: checksum(views[i]) for i, _, _, _ in placed} if self.config.checksum else {}
-        publish, landed, free = [], [], defaultdict(list)
+        publish: list[tuple[bytes, Location, int]] = []
+        landed, free = [], defaultdict(list)
         for i, pool, token, off in placed:
             if pool in failed:
                 free[(pool, token)].append(off)
                 continue
-            loc = Location(pool[0], pool[1], off, views[i].numel(), sums.get(i))
-            publish.append(Publish(keys[i], loc, token))
+            publish.append((keys[i], Location(pool[0], pool[1], off, views[i].numel(), sums.get(i)), token))
             landed.append(i)
-        for i, ok in zip(landed, self.commit(publish, free).result()):
+        for i, ok in zip(landed, self.commit(Publishes.of(publish), free).result()):
             visible[i] = visible[i] or ok
         # A key another writer stored first (a race) is present too.
         missing = [i for i, v in enumerate(visible) if not v]

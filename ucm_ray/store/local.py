@@ -26,10 +26,11 @@ from ucm_ray.store.blockstore import (
     Pending,
     PoolKey,
     Pools,
-    Publish,
+    Publishes,
     ReadLease,
     Removal,
     SlotGrant,
+    grant_items,
 )
 from ucm_ray.store.index import BlockIndex, random_id
 from ucm_ray.store.placement import owners
@@ -191,21 +192,19 @@ class LocalBlockStore(BlockStore):
             lapsed |= {(pool, token) for token, ok in zip(tokens, held) if not ok}
         return Done(lapsed)
 
-    def commit(self, publish: Sequence[Publish],
+    def commit(self, publish: Publishes,
                free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
-        by_grant: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
-        for i, item in enumerate(publish):
-            by_grant[(item.location.pool, item.token)].append(i)
-        visible = [False] * len(publish)
+        by_grant = publish.by_grant()
+        visible: np.ndarray = np.zeros(len(publish), dtype=bool)
         for grant in set(by_grant) | set(free):
             shard = self._live(grant[0])
             if shard is None:
                 continue
-            idx = by_grant.get(grant, [])
-            items = [(publish[i].key, publish[i].location.offset, publish[i].location.checksum) for i in idx]
-            for i, ok in zip(idx, shard.index.commit(self.owner, grant[1], items, list(free.get(grant, ())))):
-                visible[i] = ok
-        return Done(visible)
+            rows = by_grant.get(grant, np.zeros(0, dtype=np.int64))
+            items = grant_items([publish.keys[row] for row in rows.tolist()], publish.locations.offset[rows],
+                                publish.locations.checksum[rows])
+            visible[rows] = shard.index.commit(self.owner, grant[1], items, list(free.get(grant, ())))
+        return Done(visible.tolist())
 
     def remove(self, removals: Sequence[Removal]) -> Pending[int]:
         removed = 0

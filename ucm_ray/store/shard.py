@@ -26,6 +26,7 @@ import ray
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
+from ucm_ray.store.blockstore import GrantCommit, grant_items
 from ucm_ray.store.index import BlockIndex, Key, Slot, random_id
 from ucm_ray.store.published import PublishedIndex, index_path
 from ucm_ray.transport.base import PoolDescriptor
@@ -140,13 +141,12 @@ class CacheShard:
         with self._lock:
             return self._index.renew(owner, tokens)
 
-    def commit(self, incarnation: int, owner: int,
-               batches: Sequence[tuple[int, Sequence[tuple[Key, int, int | None]], Sequence[int]]],
-               ) -> list[list[bool]]:
-        """Per (token, items, free offsets) batch, ``BlockIndex.commit``: one call for all grants."""
+    def commit(self, incarnation: int, owner: int, batches: Sequence[GrantCommit]) -> list[list[bool]]:
+        """Per grant's batch, ``BlockIndex.commit``: one call for all grants."""
         self._check(incarnation)
         with self._lock:
-            return [self._index.commit(owner, token, items, free) for token, items, free in batches]
+            return [self._index.commit(owner, token, grant_items(keys, offsets, checksums), free)
+                    for token, keys, offsets, checksums, free in batches]
 
     def remove(self, incarnation: int, items: Sequence[tuple[Key, int]]) -> int:
         self._check(incarnation)

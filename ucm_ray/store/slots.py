@@ -40,7 +40,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, Pools, SlotGrant
+from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, Pools, Publishes, SlotGrant
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +413,7 @@ class SlotSupply:
                 count -= 1
             self._forget_if_empty(grant)
         if back:
-            self._returning.append(self._store.commit([], dict(back)))
+            self._returning.append(self._store.commit(Publishes.of([]), dict(back)))
 
     def _renew(self, now: float) -> None:
         renewal = self._renewing

@@ -44,7 +44,7 @@ from ucm_ray.store.blockstore import (
     Locations,
     Pending,
     PoolKey,
-    Publish,
+    Publishes,
     ReadLease,
     Removal,
 )
@@ -892,22 +892,18 @@ class SchedulerPart:
             log.info("ucm-ray: a worker cannot read the published index of %s; pinning their entries",
                      sorted(p[0] for p in results.unvalidated_pools - self._pin_pools))
             self._pin_pools |= results.unvalidated_pools
-        publish: list[Publish] = []
+        landed: list[Publishes] = []
         free: dict[tuple[PoolKey, int], list[int]] = defaultdict(list)
         settled: dict[tuple[PoolKey, int], int] = defaultdict(int)
         for job_id, result in results.saves.items():
             job = self._forget_save(job_id)
             if job is None:
                 continue
-            locations, sums = job.locations, result.checksums
-            for row in np.flatnonzero(result.landed).tolist():
-                location = locations[row]
-                assert location is not None
-                if sums is not None:
-                    location = location._replace(checksum=int(sums[row]))
-                token = int(job.tokens[row])
-                publish.append(Publish(job.keys[row], location, token))
-                settled[(location.pool, token)] += 1
+            locations, rows = job.locations, np.flatnonzero(result.landed)
+            stored = locations.take(rows)
+            if result.checksums is not None:
+                stored.checksum = result.checksums[rows].astype(np.int64)
+            landed.append(Publishes([job.keys[row] for row in rows.tolist()], stored, job.tokens[rows]))
             for row in np.flatnonzero(~result.landed).tolist():
                 pool, token = locations.pools[locations.pool[row]], int(job.tokens[row])
                 if result.uncertain:
@@ -915,9 +911,12 @@ class SchedulerPart:
                 else:
                     free[(pool, token)].append(int(locations.offset[row]))
                     settled[(pool, token)] += 1
-        if publish or free:
+        publish = Publishes.join(landed)
+        if len(publish) or free:
             self._answers.append(("commit", self._store.commit(publish, dict(free))))
             self.stats.add(saved_blocks=len(publish))
+            for grant, rows in publish.by_grant().items():
+                settled[grant] += len(rows)
             for (pool, token), count in settled.items():
                 self._slots.settled(pool, token, count)
         pins: list[tuple[PoolKey, list[int]]] = []
@@ -1058,7 +1057,7 @@ class SchedulerPart:
         """Hand unused slots back (best effort: a lapsed grant frees them anyway)."""
         unused = self._slots.close()
         if unused:
-            self._store.commit([], unused).result()
+            self._store.commit(Publishes.of([]), unused).result()
         self._store.close()
 
     def take_stats(self) -> UcmRayStats | None:
