@@ -31,7 +31,10 @@ it); then A and C decode fresh prompts the same way (what saves running beside d
 A second engine without the connector, C2, takes every prompt too: its figures against C's
 (``*_noise_<size>``) are what two alike engines differ by on that host, in the same run. An
 engine N with a connector that does nothing decodes them too. Each
-engine runs on cores of its own (``engine_cores``).
+engine runs on cores of its own (``engine_cores``). Last, B, C, C2 and N each decode
+``--decode-rounds`` batches of ``--decode-batch`` fresh prompts per size served together, in
+turn (``decode_batch_overhead_<size>`` and its ``_noise`` and ``_null_connector`` beside it): a
+serving engine's decode, the prompts' saves running in its first steps.
 Prompts are 8 tokens past a block boundary so that A's repeat is a pure local hit (the store
 holds nothing beyond it).
 
@@ -88,7 +91,7 @@ from data_plane import best  # noqa: E402  # this folder: the same best-of-N tim
 from ttft import in_turn  # noqa: E402  # and the same side-by-side order of engines
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
-from ucm_ray.store.blockstore import Location, Publish  # noqa: E402
+from ucm_ray.store.blockstore import Location, Publishes  # noqa: E402
 from ucm_ray.store.client import StoreClient  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
 from ucm_ray.testing.timing import CONNECTOR_HOOKS, Target, timed_calls  # noqa: E402
@@ -259,7 +262,7 @@ class WorkerBench:
         assert landed[saves.job_id].landed.all(), "a save failed"
 
     def commit(self) -> None:
-        publish = [Publish(k, loc, token) for k, (loc, token) in zip(self.keys, self.save_locations)]
+        publish = Publishes.of([(k, loc, token) for k, (loc, token) in zip(self.keys, self.save_locations)])
         assert all(self.client.commit(publish).result()), "commit refused"
         self.lease = self.client.acquire(self.keys).result()
         assert all(loc is not None for loc in self.lease.locations), "a committed entry is missing"
@@ -608,6 +611,32 @@ def profiled_engine_class():
             result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
             return result
 
+        def decode_batch(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+            """``prompts`` served together, ``max_tokens`` tokens each (EOS ignored), as a serving
+            engine decodes a batch: ``rate``, the tokens per second of the steps after every
+            prompt's first token (on an engine with the connector the prompts' saves run in
+            them), and each request's ``tokens``, in prompt order."""
+            from vllm import SamplingParams
+
+            engine = self.llm.llm_engine
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            self.batches = getattr(self, "batches", 0) + 1
+            rows: dict[str, int] = {}
+            for row, prompt_ids in enumerate(prompts):
+                req_id = f"decode-batch-{self.batches}-{row}"
+                added = engine.add_request(req_id, {"prompt_token_ids": prompt_ids}, params)
+                rows[req_id] = rows[added if isinstance(added, str) else req_id] = row  # some versions add a suffix
+            tokens: list[list[int]] = [[] for _ in prompts]
+            started, at_start = 0.0, 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[rows[out.request_id]] = list(out.outputs[0].token_ids)
+                if not started and all(tokens):
+                    started, at_start = time.perf_counter(), sum(map(len, tokens))
+            rate = (sum(map(len, tokens)) - at_start) / (time.perf_counter() - started)
+            self._flush()
+            return {"tokens": tokens, "rate": rate}
+
         def generate_timed(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
             """A request served (up to its last token) with the engine's step parts and every
             connector hook timed (``perf_counter`` around each, no profiler), and Python's
@@ -878,11 +907,16 @@ def decode_rate(result: dict[str, Any]) -> float:
 
 
 def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
-         profile_dir: str | None = None, decode_tokens: int = 256, step_timing: bool = False) -> dict[str, Any]:
+         profile_dir: str | None = None, decode_tokens: int = 256, step_timing: bool = False,
+         decode_batch: int = 8, decode_rounds: int = 3) -> dict[str, Any]:
     """``profile_dir``: one more prompt per size, served cold by A and store-warm by B under
     torch's profiler (``profiled_engine_class``); traces go there, outside the medians.
     ``decode_tokens``: A and C also decode that many tokens of fresh prompts of each size (A's
     saves of the prompt and of the decoded blocks run meanwhile): ``decode_overhead_<size>``.
+    ``decode_batch`` / ``decode_rounds``: at the end, B (the connector), C, C2 and N each
+    decode ``decode_rounds`` batches of ``decode_batch`` fresh prompts of each size together,
+    in turn (``decode_batch_overhead_<size>``): a serving engine's decode, where one request's
+    host noise weighs less than in a single request's rate.
     ``step_timing``: then one cold request and one decode more per size, timed part by part
     (``timed_parts``), outside the medians."""
     from ucm_ray.demo import kv_transfer_config
@@ -902,6 +936,10 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     # varied by +-15% from one request to the next on the H200 host)
     fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(2 * prompts_per_size + 2)]
              for j, (size, n) in enumerate(prof.sizes.items())}
+    # not counted in the pools' size: saved last, they may evict what nothing reads any more
+    batched = {size: [[synthetic_prompt(model, n, seed=20000 + 1000 * j + 100 * r + i) for i in range(decode_batch)]
+                      for r in range(decode_rounds)]
+               for j, (size, n) in enumerate(prof.sizes.items())} if decode_batch else {}
     # an engine's first prompt of a size ran slower than the next (4k: 36.5 then 24.4 ms with the
     # connector, 25.2 then 19.7 without, on one H200 lease): each engine serves one of each first
     warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
@@ -970,9 +1008,6 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                 log.info("%s cold request of engine A under cProfile: stats in %s", s, path)
         if step_timing:
             res.update(timed_parts(pair, model, prof, decode_tokens))
-        ray.kill(plain_engine)
-        ray.kill(other_plain)
-        ray.kill(null)
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
@@ -1013,7 +1048,14 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                      "trace in %s\n%s", s, ttft_of(result) * 1e3, hits(b) - before, path, result["profile_table"])
         for s, ps in prompts.items():  # B's own prefix cache: the issue's yardstick for a store hit
             own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
-        ray.kill(b)
+        batch_decode: dict[str, dict[str, list]] = {}
+        for s, rounds in batched.items():
+            batch_decode[s] = in_turn({"B": b, "C": plain_engine, "C2": other_plain, "N": null}, rounds,
+                                      lambda engine, batch: ray.get(engine.decode_batch.remote(batch, decode_tokens)))
+            log.info("%s decode tok/s, batches of %d: %s", s, decode_batch, ", ".join(
+                f"{label} {[round(r['rate'], 1) for r in rs]}" for label, rs in batch_decode[s].items()))
+        for engine in (b, plain_engine, other_plain, null):
+            ray.kill(engine)
     identical = all(w["tokens"] == c["tokens"] == n["tokens"]
                     for s in prompts for w, c, n in zip(warm[s], cold[s], plain[s]))
     for s in prompts:
@@ -1035,6 +1077,15 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                     # the same figure between two engines without the connector: this host's noise
                     f"decode_overhead_noise_{s}": 1 - again / without,
                     f"ttft_cold_overhead_noise_{s}": statistics.median(ttft_of(r) for r in plain2[s]) / n})
+    for s, by_engine in batch_decode.items():
+        with_tier, without, again, hooks_only = (statistics.median(r["rate"] for r in by_engine[e])
+                                                 for e in ("B", "C", "C2", "N"))
+        res.update({f"decode_batch_tok_s_{s}": with_tier, f"decode_batch_tok_s_no_connector_{s}": without,
+                    f"decode_batch_overhead_{s}": 1 - with_tier / without,
+                    f"decode_batch_overhead_null_connector_{s}": 1 - hooks_only / without,
+                    f"decode_batch_overhead_noise_{s}": 1 - again / without})
+    res["decode_batch_tokens_identical"] = all(x["tokens"] == y["tokens"] for by_engine in batch_decode.values()
+                                               for x, y in zip(by_engine["B"], by_engine["C"]))
     res["ttft_first_tokens_identical"] = identical
     res["decode_tokens_identical"] = all(x["tokens"] == y["tokens"] for s in decode
                                          for x, y in zip(decode[s]["A"], decode[s]["C"]))
@@ -1056,6 +1107,9 @@ def main() -> None:
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
     ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="tokens decoded per prompt (decode_overhead_*)")
+    ap.add_argument("--decode-batch", type=int, default=8,
+                    help="prompts decoded together per batch at the end (decode_batch_overhead_*; 0: none)")
+    ap.add_argument("--decode-rounds", type=int, default=3, help="batches per size per engine")
     ap.add_argument("--model-dir", default=None, help="where the TTFT model is built (default .models/)")
     ap.add_argument("--profile-dir", default=None,
                     help="also serve one store-warm request per size under torch's profiler; traces go here")
@@ -1092,7 +1146,7 @@ def main() -> None:
             if args.profile_dir:
                 os.makedirs(args.profile_dir, exist_ok=True)
             results.update(ttft(device, args.quick, args.ttft_prompts, args.model_dir, args.profile_dir,
-                                args.decode_tokens, args.step_timing))
+                                args.decode_tokens, args.step_timing, args.decode_batch, args.decode_rounds))
             log.info("TTFT measured in %.1f s", time.perf_counter() - t)
     finally:
         ray.shutdown()
