@@ -31,7 +31,8 @@ it); then A and C decode fresh prompts the same way (what saves running beside d
 A second engine without the connector, C2, takes every prompt too: its figures against C's
 (``*_noise_<size>``) are what two alike engines differ by on that host, in the same run. An
 engine N with a connector that does nothing decodes them too. Each
-engine runs on cores of its own (``engine_cores``). Last, B, C, C2 and N each decode
+engine is measured on the same cores, one at a time, the others parked together on others
+(``engine_cores``, ``turn_cores``). Last, B, C, C2 and N each decode
 ``--decode-rounds`` batches of ``--decode-batch`` fresh prompts per size served together, in
 turn (``decode_batch_overhead_<size>`` and its ``_noise`` and ``_null_connector`` beside it): a
 serving engine's decode, the prompts' saves running in its first steps.
@@ -585,6 +586,14 @@ def profiled_engine_class():
         def affinity(self) -> list[int]:
             return sorted(os.sched_getaffinity(0))
 
+        def pin(self, cpus: list[int]) -> None:
+            """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), cpus)
+                except OSError:
+                    pass  # a thread that ended meanwhile
+
         def generate_profiled(self, prompt_ids: list[int], max_tokens: int, trace_path: str) -> dict[str, Any]:
             import gzip
             import json
@@ -794,7 +803,8 @@ def step_spread(steps: list[float]) -> str:
             + ", ".join(f"{i}: {1e3 * steps[i]:.1f}" for i in slowest))
 
 
-def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_tokens: int) -> dict[str, Any]:
+def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_tokens: int,
+                cores: EngineCores) -> dict[str, Any]:
     """One more cold request and one more decode per size, on A and C, each part of the
     engine's step and each connector hook timed (``generate_timed``): a table per request in
     the log (a cold one's parts in ms per request; a decode's in us per step, and the median
@@ -804,12 +814,17 @@ def timed_parts(pair: dict[str, Any], model: str, prof: TtftProfile, decode_toke
     answered late costs one). The cold prompts are in the store after: ``timed_warm``."""
     out: dict[str, Any] = {}
     for label, engine in pair.items():
-        for name, value in ray.get(engine.launch_probe.remote()).items():
+        with turn_cores(engine, cores):
+            probe = ray.get(engine.launch_probe.remote())
+        for name, value in probe.items():
             out[f"{name}_{label.lower()}"] = value
     for size in prof.sizes:
         for kind, max_tokens in (("cold", 1), ("decode", decode_tokens)):
             prompt = timed_prompt(model, prof, size, max_tokens)
-            got = {label: ray.get(engine.generate_timed.remote(prompt, max_tokens)) for label, engine in pair.items()}
+            got = {}
+            for label, engine in pair.items():
+                with turn_cores(engine, cores):
+                    got[label] = ray.get(engine.generate_timed.remote(prompt, max_tokens))
             timed = {label: r["timed"] for label, r in got.items()}
             steps = {label: max(1, len(parts["vllm.engine.step"])) for label, parts in timed.items()}
             rows = parts_table(timed, per_step=kind == "decode")
@@ -863,11 +878,22 @@ def timed_warm(engine: Any, model: str, prof: TtftProfile) -> dict[str, Any]:
     return out
 
 
-def engine_cores(device: torch.device, engines: int, per_engine: int = 4) -> list[list[int] | None]:
-    """For each of ``engines`` engines, ``per_engine`` cores of its own (fewer where they would
-    not all fit), those nearest the GPU first (its NUMA node's, from sysfs), the first two left
-    to the driver and the shards: the engines compared then run on cores alike, not wherever the
-    OS put each one. None for those that find too few cores."""
+@dataclass(frozen=True)
+class EngineCores:
+    """Where the engines compared run: the one measured on ``turn``, the others parked on
+    ``parked`` (None: the host has too few cores to pin; every engine runs anywhere). Engines
+    pinned each to cores of its own differed by up to 30% in one run, the same engines in every
+    round (a batch decode's C2 and N against C: -0.32 and -0.31): cores differ, so every
+    engine is measured on the same ones, one engine at a time."""
+
+    turn: list[int] | None
+    parked: list[int] | None
+
+
+def engine_cores(device: torch.device, per_engine: int = 4) -> EngineCores:
+    """``per_engine`` cores to measure on, those nearest the GPU first (its NUMA node's, from
+    sysfs), the first two left to the driver and the shards, and as many for the engines not
+    measured meanwhile (idle: they share theirs)."""
     usable = sorted(os.sched_getaffinity(0))
     near: list[int] = []
     if device.type == "cuda":
@@ -880,11 +906,30 @@ def engine_cores(device: torch.device, engines: int, per_engine: int = 4) -> lis
             near = []
     ordered = near + [c for c in usable if c not in near]
     log.info("cores near the GPU: %s of %s", near or "unknown", usable)
-    # fewer each where all would not fit (4 engines on a 16-core host: 3 each): every engine
-    # compared runs pinned alike (the first run with N left it unpinned, on every core)
-    per_engine = min(per_engine, max(1, (len(usable) - 2) // engines))
-    chosen = [ordered[2 + k * per_engine: 2 + (k + 1) * per_engine] for k in range(engines)]
-    return [cores if len(cores) == per_engine else None for cores in chosen]
+    per_engine = min(per_engine, (len(usable) - 2) // 2)
+    if per_engine < 2:
+        return EngineCores(None, None)
+    return EngineCores(ordered[2:2 + per_engine], ordered[2 + per_engine:2 + 2 * per_engine])
+
+
+@contextmanager
+def turn_cores(engine: Any, cores: EngineCores) -> Iterator[None]:
+    """``engine`` on the cores every engine is measured on, parked again after."""
+    if cores.turn:
+        ray.get(engine.pin.remote(cores.turn))
+    try:
+        yield
+    finally:
+        if cores.parked:
+            ray.get(engine.pin.remote(cores.parked))
+
+
+def on_turn(cores: EngineCores, measure: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``measure(engine, item)`` (for ``in_turn``) with the engine on the turn cores."""
+    def pinned(engine: Any, item: Any) -> Any:
+        with turn_cores(engine, cores):
+            return measure(engine, item)
+    return pinned
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -954,7 +999,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(
         profiled_engine_class())
 
-    cores = engine_cores(device, 4)  # A's are B's once A is gone
+    cores = engine_cores(device)
 
     def start(label: str, kv_config: dict[str, Any] | None, cpus: list[int] | None):
         t0 = time.perf_counter()
@@ -970,10 +1015,10 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
 
     res: dict[str, Any] = {}
     with running_fleet(cfg):
-        a = start("A (connector, store empty)", kv, cores[0])
-        plain_engine = start("C (no connector)", None, cores[1])
-        other_plain = start("C2 (no connector, a second one: how far two alike engines differ)", None, cores[2])
-        null = start("N (vLLM's connector hooks alone: NullConnector)", null_kv_transfer_config(), cores[3])
+        a = start("A (connector, store empty)", kv, cores.parked)
+        plain_engine = start("C (no connector)", None, cores.parked)
+        other_plain = start("C2 (no connector, a second one: how far two alike engines differ)", None, cores.parked)
+        null = start("N (vLLM's connector hooks alone: NullConnector)", null_kv_transfer_config(), cores.parked)
         # A's cold requests (a miss and their saves) against the same prompts, new to an engine
         # without the connector: what the tier costs a cold request, and whether it changed an
         # output. Side by side, one prompt each in turn: a run's drift lands on all three.
@@ -982,7 +1027,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         cold, plain, plain2 = {}, {}, {}
         for s, ps in prompts.items():
             before = ray.get(a.connector_totals.remote())["scheduler"]
-            got = in_turn(trio, ps, lambda engine, p: ray.get(engine.generate.remote(p, 1)))
+            got = in_turn(trio, ps, on_turn(cores, lambda engine, p: ray.get(engine.generate.remote(p, 1))))
             cold[s], plain[s], plain2[s] = got["A"], got["C"], got["C2"]
             after = ray.get(a.connector_totals.remote())["scheduler"]
             # the connector's scheduler hooks' host time (lookups, plans, results), per request
@@ -992,66 +1037,71 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
         log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in plain.items()})
         decode: dict[str, dict[str, list]] = {}
         for s, ps in fresh.items():
-            decode[s] = in_turn({**trio, "N": null}, ps, lambda engine, p: ray.get(
-                engine.generate.remote(p, decode_tokens, ignore_eos=True)))
+            decode[s] = in_turn({**trio, "N": null}, ps, on_turn(cores, lambda engine, p: ray.get(
+                engine.generate.remote(p, decode_tokens, ignore_eos=True))))
             log.info("%s decode tok/s: %s", s, ", ".join(f"{label} {[round(decode_rate(r), 1) for r in rs]}"
                                                          for label, rs in decode[s].items()))
         if profile_dir:  # one more decode each under cProfile: where A's extra host time per step goes
             probe = synthetic_prompt(model, min(prof.sizes.values()), seed=4242)
             for label, engine in pair.items():
                 path = os.path.join(profile_dir, f"decode_{label}.prof")
-                rate = decode_rate(ray.get(engine.generate_cprofiled.remote(probe, decode_tokens, path)))
+                with turn_cores(engine, cores):
+                    rate = decode_rate(ray.get(engine.generate_cprofiled.remote(probe, decode_tokens, path)))
                 log.info("decode of engine %s under cProfile: %.1f tok/s, stats in %s", label, rate, path)
-            for j, (s, n) in enumerate(prof.sizes.items()):  # and a cold request of each size on A
-                path = os.path.join(profile_dir, f"cold_A_{s}.prof")
-                ray.get(a.generate_cprofiled.remote(synthetic_prompt(model, n, seed=4343 + j), 1, path))
-                log.info("%s cold request of engine A under cProfile: stats in %s", s, path)
+            with turn_cores(a, cores):
+                for j, (s, n) in enumerate(prof.sizes.items()):  # and a cold request of each size on A
+                    path = os.path.join(profile_dir, f"cold_A_{s}.prof")
+                    ray.get(a.generate_cprofiled.remote(synthetic_prompt(model, n, seed=4343 + j), 1, path))
+                    log.info("%s cold request of engine A under cProfile: stats in %s", s, path)
         if step_timing:
-            res.update(timed_parts(pair, model, prof, decode_tokens))
+            res.update(timed_parts(pair, model, prof, decode_tokens, cores))
         saved = ray.get(a.connector_totals.remote())["scheduler"]
         log.info("A saved %d blocks, dropped %d (no write slot before the request ended)",
                  saved.get("saved_blocks", 0), saved.get("saves_dropped", 0))
-        for s, p in profiled.items():  # cold, under the profiler: where a cold request's time goes
-            assert profile_dir is not None
-            path = os.path.join(profile_dir, f"trace_cold_{s}.json.gz")
-            result = ray.get(a.generate_profiled.remote(p, 1, path))
-            log.info("profiled %s cold request: TTFT %.1f ms under the profiler, trace in %s\n%s", s,
-                     ttft_of(result) * 1e3, path, result["profile_table"])
+        with turn_cores(a, cores):
+            for s, p in profiled.items():  # cold, under the profiler: where a cold request's time goes
+                assert profile_dir is not None
+                path = os.path.join(profile_dir, f"trace_cold_{s}.json.gz")
+                result = ray.get(a.generate_profiled.remote(p, 1, path))
+                log.info("profiled %s cold request: TTFT %.1f ms under the profiler, trace in %s\n%s", s,
+                         ttft_of(result) * 1e3, path, result["profile_table"])
         before = hits(a)
-        local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
+        with turn_cores(a, cores):
+            local = {s: [ray.get(a.generate.remote(p, 1)) for p in ps] for s, ps in prompts.items()}
         assert hits(a) == before, "the store added to A's own prefix hit; the prompts should leave it nothing"
         ray.kill(a)
-        b = start("B (connector, fresh process)", kv, cores[0])
+        b = start("B (connector, fresh process)", kv, cores.parked)
         warm, store_hits, own = {}, {}, {}
-        for s, ps in prompts.items():
-            before = hits(b)
-            warm[s], store_hits[s] = [], 0
-            for p in ps:
+        with turn_cores(b, cores):  # B alone: every measurement of it on the turn cores
+            for s, ps in prompts.items():
                 before = hits(b)
-                worker_before = ray.get(b.connector_totals.remote())["worker"]
-                warm[s].append(ray.get(b.generate.remote(p, 1)))
-                got = hits(b) - before
-                store_hits[s] += got
-                worker = ray.get(b.connector_totals.remote())["worker"]
-                moved = {k: worker.get(k, 0) - worker_before.get(k, 0)
-                         for k in ("loaded_blocks", "load_failures", "stale_loads", "load_seconds")}
-                log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens, worker %s", s,
-                         len(p), ttft_of(warm[s][-1]) * 1e3, got, moved)
-        if step_timing:
-            res.update(timed_warm(b, model, prof))
-        for s, p in profiled.items():
-            assert profile_dir is not None
-            path = os.path.join(profile_dir, f"trace_store_warm_{s}.json.gz")
-            before = hits(b)
-            result = ray.get(b.generate_profiled.remote(p, 1, path))
-            log.info("profiled %s store-warm request: TTFT %.1f ms under the profiler, store hit %d tokens, "
-                     "trace in %s\n%s", s, ttft_of(result) * 1e3, hits(b) - before, path, result["profile_table"])
-        for s, ps in prompts.items():  # B's own prefix cache: the issue's yardstick for a store hit
-            own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
+                warm[s], store_hits[s] = [], 0
+                for p in ps:
+                    before = hits(b)
+                    worker_before = ray.get(b.connector_totals.remote())["worker"]
+                    warm[s].append(ray.get(b.generate.remote(p, 1)))
+                    got = hits(b) - before
+                    store_hits[s] += got
+                    worker = ray.get(b.connector_totals.remote())["worker"]
+                    moved = {k: worker.get(k, 0) - worker_before.get(k, 0)
+                             for k in ("loaded_blocks", "load_failures", "stale_loads", "load_seconds")}
+                    log.info("%s prompt of %d tokens: store-warm TTFT %.1f ms, store hit %d tokens, worker %s", s,
+                             len(p), ttft_of(warm[s][-1]) * 1e3, got, moved)
+            if step_timing:
+                res.update(timed_warm(b, model, prof))
+            for s, p in profiled.items():
+                assert profile_dir is not None
+                path = os.path.join(profile_dir, f"trace_store_warm_{s}.json.gz")
+                before = hits(b)
+                result = ray.get(b.generate_profiled.remote(p, 1, path))
+                log.info("profiled %s store-warm request: TTFT %.1f ms under the profiler, store hit %d tokens, "
+                         "trace in %s\n%s", s, ttft_of(result) * 1e3, hits(b) - before, path, result["profile_table"])
+            for s, ps in prompts.items():  # B's own prefix cache: the issue's yardstick for a store hit
+                own[s] = [ray.get(b.generate.remote(p, 1)) for p in ps]
         batch_decode: dict[str, dict[str, list]] = {}
         for s, rounds in batched.items():
-            batch_decode[s] = in_turn({"B": b, "C": plain_engine, "C2": other_plain, "N": null}, rounds,
-                                      lambda engine, batch: ray.get(engine.decode_batch.remote(batch, decode_tokens)))
+            batch_decode[s] = in_turn({"B": b, "C": plain_engine, "C2": other_plain, "N": null}, rounds, on_turn(
+                cores, lambda engine, batch: ray.get(engine.decode_batch.remote(batch, decode_tokens))))
             log.info("%s decode tok/s, batches of %d: %s", s, decode_batch, ", ".join(
                 f"{label} {[round(r['rate'], 1) for r in rs]}" for label, rs in batch_decode[s].items()))
         for engine in (b, plain_engine, other_plain, null):
