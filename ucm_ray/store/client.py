@@ -55,6 +55,7 @@ from ucm_ray.store.directory import Membership, ShardRecord
 from ucm_ray.store.feed import MembershipFeed
 from ucm_ray.store.index import random_id
 from ucm_ray.store.placement import owners as place
+from ucm_ray.store.poster import CallPoster
 from ucm_ray.store.published import IndexReaders
 from ucm_ray.store.shard import WrongIncarnation
 from ucm_ray.store.touches import TouchSender
@@ -118,9 +119,10 @@ class Suspects:
 
 
 class _Fanout(Pending[T]):
-    """One posted call per shard; ``finish`` merges the answers (None: that shard failed)."""
+    """One call per shard, queued to the client's ``CallPoster``; ``finish`` merges the answers
+    (None: that shard failed)."""
 
-    def __init__(self, client: StoreClient, calls: list[tuple[ShardRecord, ray.ObjectRef]],
+    def __init__(self, client: StoreClient, calls: list[tuple[ShardRecord, Future[ray.ObjectRef]]],
                  finish: Callable[[list[Any]], T]) -> None:
         self._client = client
         self._calls = calls
@@ -131,20 +133,35 @@ class _Fanout(Pending[T]):
         self._done = False
 
     def poll(self) -> bool:
-        """Never waits. The first poll makes a future per call (~45 us each); every later one
-        only reads them (a ``ray.wait`` on a call in flight cost ~85 us per poll, every step)."""
+        """Never waits. The first poll once every call is posted makes a future per call (~45 us
+        each); every later one only reads them (a ``ray.wait`` on a call in flight cost ~85 us
+        per poll, every step)."""
         if self._done or not self._calls:
             return True
+        if time.monotonic() > self._deadline:
+            return True
         if self._arrived is None:
-            self._arrived = [ref.future() for _, ref in self._calls]
-        return all(f.done() for f in self._arrived) or time.monotonic() > self._deadline
+            if not all(posted.done() for _, posted in self._calls):
+                return False
+            if any(posted.exception() is not None for _, posted in self._calls):
+                return True  # ``result`` answers None for those at once
+            self._arrived = [posted.result().future() for _, posted in self._calls]
+        return all(f.done() for f in self._arrived)
 
     def result(self) -> T:
         if not self._done:
-            answers = [self._client._get(rec, ref, self._deadline) for rec, ref in self._calls]
+            answers = [self._answer(rec, posted) for rec, posted in self._calls]
             self._value = self._finish(answers)
             self._done = True
         return self._value  # type: ignore[return-value]
+
+    def _answer(self, record: ShardRecord, posted: Future[ray.ObjectRef]) -> Any:
+        try:
+            ref = posted.result(timeout=max(0.001, self._deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 -- not posted in time, or posting it raised
+            self._client._failed(record.key, f"call not posted: {type(e).__name__}")
+            return None
+        return self._client._get(record, ref, self._deadline)
 
 
 class _Acquire(Pending[ReadLease]):
@@ -244,7 +261,9 @@ class StoreClient(BlockStore):
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
             self._apply(first)
-        self._touches = TouchSender()  # last: its thread starts now, and must not outlive a failed start
+        # last: their threads start now, and must not outlive a failed start
+        self._touches = TouchSender()
+        self._poster = CallPoster()
 
     # --- membership ----------------------------------------------------------------------
 
@@ -343,7 +362,7 @@ class StoreClient(BlockStore):
             if rec is None:
                 gone.add(pool)  # dead, or an old incarnation: its pins went with it
             elif ids:
-                calls.append((rec, rec.handle.release.remote(pool[1], self.owner, list(ids))))
+                calls.append((rec, self._poster.post(rec.handle.release, pool[1], self.owner, list(ids))))
 
         def finish(answers: list[Any]) -> set[PoolKey]:
             return gone | {rec.key for (rec, _), a in zip(calls, answers) if a is None or not all(a)}
@@ -354,7 +373,7 @@ class StoreClient(BlockStore):
         rec = self._records.get(pool)
         if rec is None or count <= 0 or self._suspects.suspect(rec):
             return Done(None)
-        ref = rec.handle.reserve.remote(pool[1], self.owner, [(size, count)])
+        posted = self._poster.post(rec.handle.reserve, pool[1], self.owner, [(size, count)])
 
         def finish(answers: list[Any]) -> SlotGrant | None:
             if answers[0] is None or not answers[0][0][1]:
@@ -362,7 +381,7 @@ class StoreClient(BlockStore):
             token, offsets = answers[0][0]
             return SlotGrant(pool, token, size, offsets)
 
-        return _Fanout(self, [(rec, ref)], finish)
+        return _Fanout(self, [(rec, posted)], finish)
 
     def renew(self, grants: Mapping[PoolKey, Sequence[int]]) -> Pending[set[tuple[PoolKey, int]]]:
         expired: set[tuple[PoolKey, int]] = set()
@@ -372,7 +391,7 @@ class StoreClient(BlockStore):
             if rec is None:
                 expired.update((pool, t) for t in tokens)
             elif tokens:
-                calls.append((rec, rec.handle.renew.remote(pool[1], self.owner, list(tokens))))
+                calls.append((rec, self._poster.post(rec.handle.renew, pool[1], self.owner, list(tokens))))
                 asked.append(list(tokens))
 
         def finish(answers: list[Any]) -> set[tuple[PoolKey, int]]:
@@ -405,7 +424,7 @@ class StoreClient(BlockStore):
             rec = self._records.get(pool)
             if rec is None:
                 continue  # gone: its slots went with it; its publishes stay False
-            calls.append((rec, rec.handle.commit.remote(pool[1], self.owner, grant_batches)))
+            calls.append((rec, self._poster.post(rec.handle.commit, pool[1], self.owner, grant_batches)))
             order.append(rows_of[pool])
 
         def finish(answers: list[Any]) -> list[bool]:
@@ -421,7 +440,7 @@ class StoreClient(BlockStore):
         items: dict[PoolKey, list[tuple[bytes, int]]] = defaultdict(list)
         for r in removals:
             items[r.location.pool].append((r.key, r.location.offset))
-        calls = [(self._records[p], self._records[p].handle.remove.remote(p[1], its))
+        calls = [(self._records[p], self._poster.post(self._records[p].handle.remove, p[1], its))
                  for p, its in items.items() if p in self._records]
         return _Fanout(self, calls, lambda answers: sum(a or 0 for a in answers))
 
@@ -430,6 +449,7 @@ class StoreClient(BlockStore):
 
     def close(self) -> None:
         try:
+            self._poster.close()  # what the engine queued is posted (its last commits)
             self._touches.close()
         finally:
             self.connections.close()
@@ -458,7 +478,7 @@ class StoreClient(BlockStore):
                 idx[pool] = (rec, [ix[u] for u in unknown])
             else:
                 del idx[pool]
-        calls = [(rec, rec.handle.contains.remote(rec.pool.incarnation, [keys[i] for i in ix]))
+        calls = [(rec, self._poster.post(rec.handle.contains, rec.pool.incarnation, [keys[i] for i in ix]))
                  for rec, ix in idx.values()]
         asked = [ix for _, ix in idx.values()]
 
