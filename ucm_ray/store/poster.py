@@ -11,15 +11,12 @@ the engine's thread waits for the device (which releases the GIL).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 import ray
-
-log = logging.getLogger(__name__)
 
 
 class CallPoster:
