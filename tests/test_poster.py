@@ -3,8 +3,6 @@ engine queued them, failures reported per call, nothing queued lost when the cli
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import ray
 
@@ -40,9 +38,9 @@ def test_calls_reach_the_actor_in_the_order_queued(ray_cluster):
 def test_a_call_that_cannot_be_posted_fails_alone(ray_cluster):
     recorder = Recorder.remote()
     poster = CallPoster()
-    unpostable = poster.post(recorder.add, threading.Lock())  # Ray cannot serialize a lock
+    unpostable = poster.post(recorder.add, 1, 2)  # Ray checks the method's signature as it posts
     after = poster.post(recorder.add, 7)
-    with pytest.raises(Exception, match="(?i)pickle|serializ"):
+    with pytest.raises(TypeError, match="too many positional arguments"):
         unpostable.result(timeout=30)
     assert ray.get(after.result(timeout=30)) == 7
     poster.close()
