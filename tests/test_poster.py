@@ -3,8 +3,11 @@ engine queued them, failures reported per call, nothing queued lost when the cli
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
+import torch
 
 from tests.store_helpers import block, key
 from ucm_ray.store.blockstore import Location, Publishes
@@ -62,3 +65,62 @@ def test_a_commit_queued_just_before_close_is_still_made(fleet):
     reader = StoreClient(cfg)
     assert reader.lookup([key(1)]) == [True]
     reader.close()
+
+
+def test_a_call_queued_after_close_fails_at_once(ray_cluster):
+    recorder = Recorder.remote()
+    poster = CallPoster()
+    poster.close()
+    late = poster.post(recorder.add, 1)
+    assert late.done() and isinstance(late.exception(), RuntimeError)
+
+
+@ray.remote(num_cpus=0)
+class Slow:
+    def answer(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_fanout_with_one_call_unposted_still_polls_the_others_without_waiting(fleet):
+    from ucm_ray.store.client import _Fanout
+
+    client = StoreClient(fleet(num_shards=1))
+    record = client.membership.shards[0]
+    slow = Slow.remote()
+    unposted = client._poster.post(slow.answer, 1, 2)  # a signature Ray refuses as it posts
+    in_flight = client._poster.post(slow.answer, 2.0)
+    fanout = _Fanout(client, [(record, unposted), (record, in_flight)], lambda answers: answers)
+    started = time.monotonic()
+    while not fanout.poll():
+        time.sleep(0.01)
+    assert time.monotonic() - started > 1.5, "poll said done while a call was still answering"
+    waited = time.monotonic()
+    assert fanout.result() == [None, 2.0]
+    assert time.monotonic() - waited < 0.5  # ``result`` after a True poll does not wait
+    client.close()
+
+
+def test_a_lookup_right_after_a_commit_of_the_same_client_finds_the_key(fleet):
+    """The commit is queued to the poster, the lookup (pinned: a shard call) posted at once: it
+    must still reach the shard after the commit (it overtook it in 156 of 200 tries before)."""
+    cfg = fleet(num_shards=1)
+    client = StoreClient(cfg)
+    count, size = 50, 4096
+    data = torch.arange(count * size, dtype=torch.int64).to(torch.uint8)
+    client.register_local(data)
+    (pool,) = client.owners([key(0)])[0]
+    grant = client.reserve(pool, size, count).result()
+    assert grant is not None and len(grant.offsets) == count
+    ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
+    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
+    missed = 0
+    for i, offset in enumerate(grant.offsets):
+        committed = client.commit(Publishes.of([(key(i, "fresh"), Location(pool[0], pool[1], offset, size),
+                                                 grant.token)]))
+        lease = client.acquire([key(i, "fresh")], pin=[pool]).result()
+        missed += lease.locations[0] is None
+        client.release(lease.lease_ids).result()
+        assert committed.result() == [True]
+    assert missed == 0, f"{missed} of {count} lookups overtook this client's own commit"
+    client.close()

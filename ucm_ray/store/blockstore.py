@@ -212,6 +212,7 @@ class Publishes:
         """The rows of each (pool, grant token), in row order within each."""
         if not len(self):
             return {}
+        assert (self.locations.pool >= 0).all(), "a publish without a slot"
         order = np.lexsort((self.tokens, self.locations.pool))
         pool, token = self.locations.pool[order], self.tokens[order]
         starts = np.flatnonzero(np.r_[True, (pool[1:] != pool[:-1]) | (token[1:] != token[:-1])])

@@ -143,9 +143,8 @@ class _Fanout(Pending[T]):
         if self._arrived is None:
             if not all(posted.done() for _, posted in self._calls):
                 return False
-            if any(posted.exception() is not None for _, posted in self._calls):
-                return True  # ``result`` answers None for those at once
-            self._arrived = [posted.result().future() for _, posted in self._calls]
+            # a call that could not be posted is answered None by ``result`` at once
+            self._arrived = [posted.result().future() for _, posted in self._calls if posted.exception() is None]
         return all(f.done() for f in self._arrived)
 
     def result(self) -> T:
@@ -209,6 +208,8 @@ class _Acquire(Pending[ReadLease]):
                     continue
                 ix = [ix[u] for u in unknown]
                 keys = [keys[u] for u in unknown]
+            # posted at once (the step waits for its answer), after what this client queued
+            c._poster.drain(c.config.lookup_timeout_s)
             self._calls.append((rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, c.owner, keys)))
         self._arrived = None
 

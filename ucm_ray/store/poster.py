@@ -11,6 +11,7 @@ the engine's thread waits for the device (which releases the GIL).
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from concurrent.futures import Future
@@ -21,11 +22,16 @@ import ray
 
 class CallPoster:
     """``post`` queues a call to an actor's method; its future holds the call's object ref once
-    the thread posted it (or the exception posting raised)."""
+    the thread posted it (or the exception posting raised). Only the client's owner posts (the
+    engine's scheduler thread)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[ray.ObjectRef], Any, tuple[Any, ...]] | None] = \
-            queue.SimpleQueue()
+        # (number, future, method or None for a marker, args); None stops the thread
+        self._queue: queue.SimpleQueue[tuple[int, Future[Any], Any, tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._numbers = itertools.count(1)
+        self._queued_through = 0  # the number of the last call queued
+        self._posted_through = 0  # ... and of the last one the thread posted
+        self._closed = False
         # started now, not at the first call: starting a thread waits for it to run
         self._thread = threading.Thread(target=self._run, name="ucm-ray-calls", daemon=True)
         self._thread.start()
@@ -33,18 +39,37 @@ class CallPoster:
     def post(self, method: Any, *args: Any) -> Future[ray.ObjectRef]:
         """``method.remote(*args)``, posted by the thread (``method``: an actor handle's method)."""
         posted: Future[ray.ObjectRef] = Future()
-        self._queue.put((posted, method, args))
+        if self._closed:
+            posted.set_exception(RuntimeError("the store client is closed"))
+            return posted
+        self._queued_through = number = next(self._numbers)
+        self._queue.put((number, posted, method, args))
         return posted
 
+    def drain(self, timeout_s: float) -> None:
+        """Return once every call queued so far is posted: a call made directly after it (a
+        lookup, whose answer the step waits for) then reaches a shard after them, as in program
+        order (a lookup that overtook this client's commit of the same key missed it)."""
+        if self._posted_through >= self._queued_through or self._closed:
+            return
+        marker: Future[Any] = Future()
+        self._queue.put((next(self._numbers), marker, None, ()))
+        try:
+            marker.result(timeout=timeout_s)
+        except TimeoutError:
+            pass  # the lookup goes anyway: at worst it misses what was just committed
+
     def close(self) -> None:
-        """Post what is queued, then stop the thread."""
+        """Post what is queued, then stop the thread; later calls fail at once."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            posted, method, args = item
+            number, posted, method, args = item
             try:
-                posted.set_result(method.remote(*args))
+                posted.set_result(None if method is None else method.remote(*args))
             except Exception as e:  # noqa: BLE001 -- the caller reads it as that shard's failure
                 posted.set_exception(e)
+            self._posted_through = number
