@@ -582,6 +582,7 @@ def profiled_engine_class():
             if cpus:
                 os.sched_setaffinity(0, cpus)
             super().__init__(model_dir, kv, **engine_kwargs)
+            self.batches = 0  # ``decode_batch`` calls so far: its request ids
 
         def affinity(self) -> list[int]:
             return sorted(os.sched_getaffinity(0))
@@ -629,7 +630,7 @@ def profiled_engine_class():
 
             engine = self.llm.llm_engine
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            self.batches = getattr(self, "batches", 0) + 1
+            self.batches += 1
             rows: dict[str, int] = {}
             for row, prompt_ids in enumerate(prompts):
                 req_id = f"decode-batch-{self.batches}-{row}"
