@@ -12,9 +12,9 @@ def test_joined_batches_group_their_rows_per_pool_and_grant_in_row_order():
     second = Publishes.of([(b"d", Location("s1", 2, 0, 64, 9), 20), (b"e", Location("s0", 1, 192, 64, None), 11),
                            (b"f", Location("s0", 1, 256, 64, None), 10)])
     joined = Publishes.join([first, second])
-    grants = {grant: rows.tolist() for grant, rows in joined.by_grant().items()}
+    grants = {grant: rows.tolist() for grant, rows in joined.grants.items()}
     assert grants == {(("s0", 1), 10): [0, 2, 5], (("s0", 1), 11): [4], (("s1", 2), 20): [1, 3]}
-    rows = joined.by_grant()[(("s0", 1), 10)]
+    rows = joined.grants[(("s0", 1), 10)]
     items = grant_items([joined.keys[row] for row in rows.tolist()], joined.locations.offset[rows],
                         joined.locations.checksum[rows])
     assert items == [(b"a", 0, 7), (b"c", 128, None), (b"f", 256, None)]
@@ -25,6 +25,6 @@ def test_joined_batches_group_their_rows_per_pool_and_grant_in_row_order():
 
 
 def test_nothing_to_publish_has_no_grants():
-    assert Publishes.of([]).by_grant() == {}
+    assert Publishes.of([]).grants == {}
     assert len(Publishes.join([])) == 0
     assert Publishes.join([]).tokens.dtype == np.int64

@@ -25,6 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -208,8 +209,10 @@ class Publishes:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def by_grant(self) -> dict[tuple[PoolKey, int], np.ndarray]:
-        """The rows of each (pool, grant token), in row order within each."""
+    @cached_property
+    def grants(self) -> dict[tuple[PoolKey, int], np.ndarray]:
+        """The rows of each (pool, grant token), in row order within each; grouped once (the
+        scheduler counts what settled per grant, and the client sends a batch per grant)."""
         if not len(self):
             return {}
         assert (self.locations.pool >= 0).all(), "a publish without a slot"

@@ -409,7 +409,7 @@ class StoreClient(BlockStore):
         # the rows of ``publish`` each batch answers for
         batches: dict[PoolKey, list[GrantCommit]] = defaultdict(list)
         rows_of: dict[PoolKey, list[np.ndarray]] = defaultdict(list)
-        grants = publish.by_grant()
+        grants = publish.grants
         locations = publish.locations
         for (pool, token), rows in grants.items():
             batches[pool].append((token, [publish.keys[row] for row in rows.tolist()], locations.offset[rows],

@@ -194,7 +194,7 @@ class LocalBlockStore(BlockStore):
 
     def commit(self, publish: Publishes,
                free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
-        by_grant = publish.by_grant()
+        by_grant = publish.grants
         visible: np.ndarray = np.zeros(len(publish), dtype=bool)
         for grant in set(by_grant) | set(free):
             shard = self._live(grant[0])

@@ -919,7 +919,7 @@ class SchedulerPart:
         if len(publish) or free:
             self._answers.append(("commit", self._store.commit(publish, dict(free))))
             self.stats.add(saved_blocks=len(publish))
-            for grant, rows in publish.by_grant().items():
+            for grant, rows in publish.grants.items():
                 settled[grant] += len(rows)
             for (pool, token), count in settled.items():
                 self._slots.settled(pool, token, count)
