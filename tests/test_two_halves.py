@@ -355,11 +355,11 @@ def test_generated_blocks_are_saved_in_batches_and_the_rest_when_the_request_end
     generated = 200 + 700 - 1  # the last token is sampled, never computed
     stats = a.stats()
     assert stats["saved_blocks"] == generated // 16 and stats.get("saves_dropped", 0) == 0
-    # a job each: the prompt's 12 blocks at its first token (and those whose slots came a step
-    # late, the next step), 2 batches of 16 generated ones and the other 12 at the end (a job
-    # per filled block: 45)
+    # a job each: the prompt's 12 blocks at its first token, 2 batches of 16 generated ones and
+    # the other 12 at the end; any of them whose slots came a step late (a loaded machine) is
+    # finished by one more job the next step (a job per filled block: 45)
     batches = -(-(generated // 16 - 200 // 16) // (DECODE_SAVE_TOKENS // 16))
-    assert 1 + batches <= stats["save_seconds_count"] <= 2 + batches
+    assert 1 + batches <= stats["save_seconds_count"] <= 2 * (1 + batches)
     b = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
     conversation = p + list(request.output_token_ids)[:-1]
     assert b.serve("B", conversation + [11, 12, 13])[0] == generated // 16 * 16
