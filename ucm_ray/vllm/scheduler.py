@@ -350,12 +350,16 @@ class SchedulerPart:
         if not keys:
             return {}
         pools, owners = self._store.placement(keys)
-        entry_bytes = np.asarray(sizes, dtype=np.int64)
-        span = int(entry_bytes.max()) + 1
-        # (owner, size) of every replica of every key, counted as one int64 each: a 16k-token
-        # prompt has ~1,000 keys (counted with placement: 430 -> 108 us for 1,024 on the 2-core box)
-        pairs, counts = np.unique(owners * span + entry_bytes[:, None], return_counts=True)
-        return {(pools[pair // span], pair % span): count for pair, count in zip(pairs.tolist(), counts.tolist())}
+        distinct = set(sizes)  # a model's groups have one or two entry sizes
+        out: dict[tuple[PoolKey, int], int] = {}
+        for size in distinct:
+            # every replica of every key of this size, counted per owner: one ``bincount``
+            # (``np.unique`` of (owner, size) pairs sorted them first: ~25 us more for the few
+            # keys of a decode batch's announcement, which every decoding request makes)
+            rows = owners if len(distinct) == 1 else owners[np.asarray(sizes) == size]
+            counts = np.bincount(rows.ravel(), minlength=len(pools)).tolist()
+            out.update(((pools[pool_at], size), count) for pool_at, count in enumerate(counts) if count)
+        return out
 
     @property
     def namespaces(self) -> list[bytes]:
@@ -636,7 +640,18 @@ class SchedulerPart:
         saves: SaveRowsByRank = defaultdict(_SaveRows)  # made for a rank once it has a row
         saving: list[str] = []  # requests with rows in this step's saves
         hybrid = self.hybrid
+        hash_bs = self._hash_bs
         for req_id, t in self._tracked.items():
+            request = t.request
+            if t.waiting_at is not None and t.finished_at is None and not t.pending and t.awaited is None:
+                # ``_plan_saves``'s first answer, asked before anything else of a running
+                # request whose blocks waited at the last plan (most decode steps): with many
+                # requests decoding, visiting each one was the scheduler hook's largest cost
+                hashed = len(request.block_hashes) * hash_bs
+                computed = request.num_computed_tokens
+                if t.waiting_at == (min(computed, hashed), hashed) and request.status == RequestStatus.RUNNING:
+                    t.computed = computed
+                    continue
             if t.finished_at is None:
                 if t.request.status != RequestStatus.RUNNING:
                     t.block_ids = []  # waiting, or preempted: its blocks are not (or no longer) its own
