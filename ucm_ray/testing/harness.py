@@ -313,8 +313,9 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
                 extra: dict | None = None, failure_policy: str = "recompute",
                 sliding_window: int | None = None, state_block_size: int | None = None,
-                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16) -> Engine:
+                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
+    ``max_seqs``: requests running at once (vLLM's ``max_num_seqs``).
     ``state_block_size``: the hybrid's state blocks, when not the attention block size.
     ``num_layers``, ``kv_heads``, ``head_size``: the attention layers' KV (one layer's block is
     ``block_size * kv_heads * head_size * 2 * 4`` bytes; a benchmark sizes it as a model's)."""
@@ -333,7 +334,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                  mamba_cache_mode="align" if hybrid else "none",
                                  prefix_caching_hash_algo=hash_algo),
         scheduler_config=SchedulerConfig(max_model_len=MAX_LEN, is_encoder_decoder=False,
-                                         max_num_batched_tokens=max_batched, max_num_seqs=8,
+                                         max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                                          enable_chunked_prefill=True),
         device_config=DeviceConfig("cpu"), speculative_config=spec,
         kv_transfer_config=KVTransferConfig(kv_connector="HarnessConnector",
