@@ -1,0 +1,160 @@
+"""Diagnostic (GPU): what slows an engine's first decode steps after a long prompt's save.
+
+On an H200 (vLLM 0.26, ``gpu_data_plane.py --step-timing``) an engine with the connector took
+117 ms for the first 8 decode steps after a 16k-token prompt against 30 ms without it (one
+step 53.9 ms), vLLM's ``execute_model`` +63 ms and ``sample_tokens`` +41 ms, while our hooks'
+host time in those steps was ~3 ms (the save's post 2.1 ms). The 512 MiB save itself moves in
+~10-15 ms. This script serves fresh 16k-token prompts on one engine with the connector (A) and
+one without (C), each followed by ``--decode`` tokens, and switches one suspect at a time on A
+between requests:
+
+- ``base``: as shipped;
+- ``switch``: Python's thread switch interval 0.2 ms instead of 5 ms (another thread of ours
+  holding the GIL: the commit's call poster, the copy thread);
+- ``no-saves``: the scheduler plans no save (nothing is copied or committed): whether the
+  stall comes from saving at all;
+- ``kernels``: every save part by gather kernels instead of staged DMA (the copy engines: a
+  sampled token's device-to-host copy queued behind the save's);
+- ``sync``: the host waits for the device right after posting a save (the stall moved to one
+  known place, or gone if it came from overlap).
+
+Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
+engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
+cProfile (stats in ``$OUT`` or /tmp). Nothing here is a benchmark figure; the variants patch
+one engine's objects in place and are undone before the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import ray
+import ray.cloudpickle
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_data_plane as bench  # noqa: E402
+
+from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.fleet import running_fleet  # noqa: E402
+
+log = logging.getLogger("bench.stall")
+ray.cloudpickle.register_pickle_by_value(bench)  # the engine class is built there; workers lack the module
+
+VARIANTS = ("base", "switch", "no-saves", "kernels", "sync")
+PARTS = ("vllm.engine.step", "vllm.executor.execute_model", "vllm.executor.sample_tokens", "vllm.scheduler.schedule",
+         "vllm.scheduler.update_from_output", "vllm.output.process_outputs")
+
+
+def stall_engine_class() -> type:
+    """The GPU benchmark's engine with ``variant(name)``: one suspect switched on (``base``
+    switches every one off)."""
+
+    class StallEngine(bench.profiled_engine_class()):  # type: ignore[misc]
+        def variant(self, name: str) -> str:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            from ucm_ray.transport import gather
+
+            scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part
+            worker = get_kv_transfer_group().worker_part
+            sys.setswitchinterval(0.0002 if name == "switch" else 0.005)
+            scheduler.__dict__.pop("_plan_saves", None)
+            worker.__dict__.pop("_post_saves", None)
+            gather.DMA_COPY_BYTES = (1 << 62) if name == "kernels" else (1 << 20)
+            if name == "no-saves":
+                scheduler._plan_saves = lambda tracked, saves: False
+            elif name == "sync":
+                post = type(worker)._post_saves
+
+                def post_and_wait(saves: Any, deadline: float) -> Any:
+                    posted = post(worker, saves, deadline)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    return posted
+
+                worker._post_saves = post_and_wait
+            return name
+
+    return StallEngine
+
+
+def first_steps(label: str, result: dict[str, Any]) -> str:
+    timed = result["timed"]
+    rows = [f"{label}: TTFT {bench.ttft_of(result) * 1e3:.1f} ms"]
+    rows += [f"   {part}: {bench.step_spread(timed.get(part, [])[1:])}" for part in PARTS]
+    ours = {name: 1e3 * sum(calls[1:9]) for name, calls in timed.items() if name.startswith(("ours.", "in.", "gc."))}
+    rows.append("   ours in decode steps 1-8 (ms): " + ", ".join(
+        f"{name} {ms:.2f}" for name, ms in sorted(ours.items(), key=lambda kv: -kv[1])[:12] if ms > 0))
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decode", type=int, default=24, help="tokens decoded after each prompt")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument("--profile-tokens", type=int, default=200, help="tokens of the cProfiled 4k decodes (0: none)")
+    ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a smoke check of the script, small shapes)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from ucm_ray.demo import kv_transfer_config
+    from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; run with --device cpu for a smoke check")
+    prof = bench.ttft_profile(device, False)
+    model = str(make_tiny_model(bench.REPO / ".models" / "bench-1b", **prof.model))
+    long = prof.sizes["16k"]
+    ray.init(num_cpus=8, num_gpus=int(device.type == "cuda"), include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False,
+             namespace="ucm_ray_gpu_stall")
+    cfg = UcmRayConfig(num_shards=2, ray_namespace="ucm_ray_gpu_stall_tier", transport="shm",
+                       pool_bytes=40 * long * prof.kv_bytes_per_token // 2)
+    kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, "layerwise": True})
+    remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(stall_engine_class())
+    cores = bench.engine_cores(device)
+    out_dir = os.environ.get("OUT", tempfile.gettempdir())
+    try:
+        with running_fleet(cfg):
+            engines = {}
+            for label, kv_config in (("A", kv), ("C", None)):
+                started = time.perf_counter()
+                engine = remote.remote(model, kv_config, cpus=cores.parked, **prof.engine)
+                for seed, n in ((9999, 64), (9000, prof.sizes["4k"]), (9001, long)):
+                    ray.get(engine.generate.remote(synthetic_prompt(model, n, seed=seed), 1))
+                log.info("engine %s up in %.1f s", label, time.perf_counter() - started)
+                engines[label] = engine
+            order = [("C", "base"), *[("A", name) for name in args.variants.split(",")], ("C", "base"), ("A", "base")]
+            for seed, (label, name) in enumerate(order, start=500):
+                if label == "A":
+                    ray.get(engines["A"].variant.remote(name))
+                with bench.turn_cores(engines[label], cores):
+                    result = ray.get(engines[label].generate_timed.remote(synthetic_prompt(model, long, seed=seed),
+                                                                          args.decode))
+                log.info("%s", first_steps(f"{label} {name}", result))
+            ray.get(engines["A"].variant.remote("base"))
+            for label, engine in engines.items():
+                if not args.profile_tokens:
+                    break
+                path = os.path.join(out_dir, f"decode_{label}.prof")
+                with bench.turn_cores(engine, cores):
+                    result = ray.get(engine.generate_cprofiled.remote(
+                        synthetic_prompt(model, prof.sizes["4k"], seed=777), args.profile_tokens, path))
+                log.info("4k decode of %s under cProfile: %.1f tok/s, stats in %s", label, bench.decode_rate(result),
+                         path)
+            for engine in engines.values():
+                ray.kill(engine)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
