@@ -724,11 +724,14 @@ class SchedulerPart:
             if t is not None:
                 t.block_ids = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_ids is None and req_id not in resumed:
+                continue  # no block allocated to it this step (most decode steps)
             t = self._tracked.get(req_id)
             if t is None:
                 continue
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
                 # new blocks: what was pending is saved once recomputed (or never, if it was not)
                 t.pending = dict.fromkeys(t.pending, False)
