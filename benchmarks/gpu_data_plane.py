@@ -70,8 +70,10 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import json
 import logging
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -543,7 +545,23 @@ class TtftProfile:
     kv_bytes_per_token: int
 
 
-def ttft_profile(device: torch.device, quick: bool) -> TtftProfile:
+LLAMA_8B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                vocab_size=2048, max_position_embeddings=4096 + 512, dtype="bfloat16")
+"""Llama-3.1-8B's layers with a small vocabulary (~7B parameters): a decode step of ~6-8 ms on
+an H200, where the 1B's is ~1.5 ms and host-bound; 128 KiB of KV per token, 64 KiB per layer
+block of 16 tokens (the issue's block size)."""
+
+
+def ttft_profile(device: torch.device, quick: bool, shape: str = "1b") -> TtftProfile:
+    if shape == "8b":
+        if device.type != "cuda":
+            raise SystemExit("--shape 8b needs a GPU")
+        # vLLM's dummy weights (random, made on the device): writing ~14 GB of random weights
+        # took longer than the measurement; a decode's speed does not depend on their values
+        engine = dict(dtype="bfloat16", block_size=16, max_model_len=4096 + 512, enforce_eager=False,
+                      compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}, gpu_memory_utilization=0.28,
+                      load_format="dummy")
+        return TtftProfile(LLAMA_8B, {"4k": 4096 + 8}, engine, GPU_ENGINE_ENV, 0.2, 32 * 2 * 8 * 128 * 2)
     if device.type == "cuda":
         # Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads, 8 KV heads of 64) with a small
         # vocabulary: ~1.0B parameters, built in well under a minute; 32 KiB of KV per token.
@@ -561,6 +579,34 @@ def ttft_profile(device: torch.device, quick: bool) -> TtftProfile:
     # vLLM on CPU: blocks are multiples of 32 (the Engine's default is 128)
     return TtftProfile(model, {"4k": 512 + 8, "16k": 1024 + 8}, {}, {**ENGINE_ENV, "PYTHONHASHSEED": "0"}, 0,
                        4 * 2 * 2 * 64 * 4)
+
+
+def bench_model(prof: TtftProfile, model_dir: str | None) -> str:
+    """The TTFT and decode model's directory (built once, reused): the profile's random weights,
+    or for ``load_format="dummy"`` a config of its shape and a tokenizer only (a small model of
+    the same vocabulary is built and its config's shape replaced; no weight file is written)."""
+    from ucm_ray.tiny_model import MARKER_NAME, make_tiny_model
+
+    dummy = prof.engine.get("load_format") == "dummy"
+    name = "bench-{num_layers}x{hidden_size}".format(**prof.model) + ("-dummy" if dummy else "")
+    out = Path(model_dir or REPO / ".models" / name)
+    if not dummy:
+        return str(make_tiny_model(out, **prof.model))
+    if (out / "config.json").is_file():
+        return str(out)
+    small = make_tiny_model(out.with_name(out.name + "-tokenizer"), vocab_size=prof.model["vocab_size"],
+                            max_position_embeddings=prof.model["max_position_embeddings"], dtype=prof.model["dtype"])
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(small, staging, ignore=shutil.ignore_patterns("*.safetensors*", MARKER_NAME))
+    config = json.loads((staging / "config.json").read_text())
+    shape = prof.model
+    config.update(num_hidden_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+                  num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
+                  intermediate_size=shape["intermediate_size"], head_dim=shape["hidden_size"] // shape["num_heads"])
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    staging.rename(out)
+    return str(out)
 
 
 PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py", "sched/scheduler.py")
@@ -952,6 +998,19 @@ def decode_rate(result: dict[str, Any]) -> float:
     return (len(result["tokens"]) - 1) / (result["seconds"] - ttft_of(result))
 
 
+def start_engine(remote: Any, model: str, prof: TtftProfile, label: str, kv_config: dict[str, Any] | None,
+                 cpus: list[int] | None, warmup: list[list[int]]) -> Any:
+    """An engine actor, up once it served each ``warmup`` prompt (an engine's first prompt of a
+    size ran slower than the next)."""
+    started = time.perf_counter()
+    engine = remote.remote(model, kv_config, cpus=cpus, **prof.engine)
+    for prompt_ids in warmup:
+        ray.get(engine.generate.remote(prompt_ids, 1))
+    log.info("engine %s up in %.1f s on cores %s", label, time.perf_counter() - started,
+             ray.get(engine.affinity.remote()))
+    return engine
+
+
 def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
          profile_dir: str | None = None, decode_tokens: int = 256, step_timing: bool = False,
          decode_batch: int = 8, decode_rounds: int = 3) -> dict[str, Any]:
@@ -967,12 +1026,11 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     (``timed_parts``), outside the medians."""
     from ucm_ray.demo import kv_transfer_config
     from ucm_ray.testing.null_connector import null_kv_transfer_config
-    from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+    from ucm_ray.tiny_model import synthetic_prompt
 
     prof = ttft_profile(device, quick)
-    name = "bench-1b" if device.type == "cuda" else "bench-tiny"
     t = time.perf_counter()
-    model = str(make_tiny_model(model_dir or REPO / ".models" / name, **prof.model))
+    model = bench_model(prof, model_dir)
     log.info("model %s ready in %.1f s", model, time.perf_counter() - t)
     prompts = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + i) for i in range(prompts_per_size)]
                for j, (size, n) in enumerate(prof.sizes.items())}
@@ -1003,13 +1061,7 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     cores = engine_cores(device)
 
     def start(label: str, kv_config: dict[str, Any] | None, cpus: list[int] | None):
-        t0 = time.perf_counter()
-        engine = remote.remote(model, kv_config, cpus=cpus, **prof.engine)
-        for prompt_ids in warmup:
-            ray.get(engine.generate.remote(prompt_ids, 1))
-        log.info("engine %s up in %.1f s on cores %s", label, time.perf_counter() - t0,
-                 ray.get(engine.affinity.remote()))
-        return engine
+        return start_engine(remote, model, prof, label, kv_config, cpus, warmup)
 
     def hits(engine) -> int:
         return ray.get(engine.connector_totals.remote())["scheduler"].get("hit_tokens", 0)
@@ -1143,6 +1195,69 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     return res
 
 
+def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_tokens: int, decode_batch: int,
+                decode_rounds: int) -> dict[str, Any]:
+    """``--decode-only``: engines A (the connector, its saves running), C (none) and N (a
+    connector that does nothing) of the ``shape`` profile decode fresh prompts one at a time,
+    then ``decode_rounds`` batches of ``decode_batch`` prompts each, in turn on the same cores:
+    ``decode_overhead_<shape>_<size>``, ``decode_batch_overhead_<shape>_<size>`` and their
+    ``_null_connector`` (N against C). No TTFT part: with an 8B model the five engines of
+    ``--ttft`` do not start within one device call."""
+    from ucm_ray.demo import kv_transfer_config
+    from ucm_ray.testing.null_connector import null_kv_transfer_config
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    prof = ttft_profile(device, False, shape)
+    started = time.perf_counter()
+    model = bench_model(prof, None)
+    log.info("model %s ready in %.1f s", model, time.perf_counter() - started)
+    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(prompts_per_size)]
+             for j, (size, n) in enumerate(prof.sizes.items())}
+    batched = {size: [[synthetic_prompt(model, n, seed=20000 + 1000 * j + 100 * r + i) for i in range(decode_batch)]
+                      for r in range(decode_rounds)]
+               for j, (size, n) in enumerate(prof.sizes.items())} if decode_batch else {}
+    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
+                                                          for j, n in enumerate(prof.sizes.values())]
+    tokens = (sum(len(p) for p in warmup) + sum(len(p) + decode_tokens for ps in fresh.values() for p in ps)
+              + sum(len(p) + decode_tokens for rounds in batched.values() for batch in rounds for p in batch))
+    cfg = UcmRayConfig(num_shards=2, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
+                       pool_bytes=int(tokens * prof.kv_bytes_per_token * 1.2) // 2 + (64 << 20))
+    kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, "layerwise": True})
+    remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(
+        profiled_engine_class())
+    cores = engine_cores(device)
+    res: dict[str, Any] = {}
+    with running_fleet(cfg):
+        engines = {label: start_engine(remote, model, prof, label, kv_config, cores.parked, warmup)
+                   for label, kv_config in (("A", kv), ("C", None), ("N", null_kv_transfer_config()))}
+        for s, ps in fresh.items():
+            single = in_turn(engines, ps, on_turn(cores, lambda engine, p: ray.get(
+                engine.generate.remote(p, decode_tokens, ignore_eos=True))))
+            log.info("%s %s decode tok/s: %s", shape, s, ", ".join(
+                f"{label} {[round(decode_rate(r), 1) for r in rs]}" for label, rs in single.items()))
+            rate = {label: statistics.median(decode_rate(r) for r in rs) for label, rs in single.items()}
+            res.update({f"decode_tok_s_{shape}_{s}": rate["A"], f"decode_tok_s_no_connector_{shape}_{s}": rate["C"],
+                        f"decode_overhead_{shape}_{s}": 1 - rate["A"] / rate["C"],
+                        f"decode_overhead_null_connector_{shape}_{s}": 1 - rate["N"] / rate["C"],
+                        f"decode_tokens_identical_{shape}_{s}": all(
+                            x["tokens"] == y["tokens"] for x, y in zip(single["A"], single["C"]))})
+        for s, rounds in batched.items():
+            together = in_turn(engines, rounds, on_turn(cores, lambda engine, batch: ray.get(
+                engine.decode_batch.remote(batch, decode_tokens))))
+            log.info("%s %s decode tok/s, batches of %d: %s", shape, s, decode_batch, ", ".join(
+                f"{label} {[round(r['rate'], 1) for r in rs]}" for label, rs in together.items()))
+            rate = {label: statistics.median(r["rate"] for r in rs) for label, rs in together.items()}
+            res.update({f"decode_batch_tok_s_{shape}_{s}": rate["A"],
+                        f"decode_batch_tok_s_no_connector_{shape}_{s}": rate["C"],
+                        f"decode_batch_overhead_{shape}_{s}": 1 - rate["A"] / rate["C"],
+                        f"decode_batch_overhead_null_connector_{shape}_{s}": 1 - rate["N"] / rate["C"]})
+        saved = ray.get(engines["A"].connector_totals.remote())["scheduler"]
+        res[f"decode_saved_blocks_{shape}"] = saved.get("saved_blocks", 0)
+        for engine in engines.values():
+            ray.kill(engine)
+    return res
+
+
 # --- driver --------------------------------------------------------------------------------
 
 def leftover_pools(cluster: str) -> list[str]:
@@ -1156,6 +1271,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small shapes: a smoke check, not a measurement")
     ap.add_argument("--ttft", action="store_true", help="also measure TTFT cold / prefix hit / store-warm")
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only decode with and without the connector (engines A, C, N; decode_overhead_<shape>_*)")
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b",
+                    help="--decode-only's model: the 1B of --ttft, or Llama-3.1-8B's layers (dummy weights)")
     ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
     ap.add_argument("--decode-tokens", type=int, default=256, help="tokens decoded per prompt (decode_overhead_*)")
     ap.add_argument("--decode-batch", type=int, default=8,
@@ -1170,6 +1289,8 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=1, help="shards of the data-plane fleet")
     ap.add_argument("--blocks", type=int, default=None, help="entries moved per pass (default 256; quick 8)")
     args = ap.parse_args()
+    if args.shape != "1b" and not args.decode_only:
+        ap.error("--shape applies to --decode-only")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -1186,7 +1307,12 @@ def main() -> None:
              namespace="ucm_ray_gpu_bench")
     cluster = cluster_tag()
     try:
-        if not args.ttft_only:
+        if args.decode_only:
+            t = time.perf_counter()
+            results.update(decode_only(device, args.shape, 2 * args.ttft_prompts + 2, args.decode_tokens,
+                                       args.decode_batch, args.decode_rounds))
+            log.info("decode measured in %.1f s", time.perf_counter() - t)
+        elif not args.ttft_only:
             t = time.perf_counter()
             results.update(data_plane(prof, device, args.shards))
             log.info("data plane measured in %.1f s", time.perf_counter() - t)

@@ -104,13 +104,13 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ucm_ray.demo import kv_transfer_config
-    from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+    from ucm_ray.tiny_model import synthetic_prompt
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; run with --device cpu for a smoke check")
     prof = bench.ttft_profile(device, False)
-    model = str(make_tiny_model(bench.REPO / ".models" / "bench-1b", **prof.model))
+    model = bench.bench_model(prof, None)
     long = prof.sizes["16k"]
     ray.init(num_cpus=8, num_gpus=int(device.type == "cuda"), include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level="WARNING",
