@@ -20,8 +20,15 @@ between requests:
 
 Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
-cProfile (stats in ``$OUT`` or /tmp). Nothing here is a benchmark figure; the variants patch
-one engine's objects in place and are undone before the next.
+cProfile (stats in ``$OUT`` or /tmp). ``--batch N`` serves batches of N fresh prompts instead
+(``decode_batch``: rates only), ``--shape 8b`` on Llama-3.1-8B's layers (dummy weights, 4k
+prompts). Nothing here is a benchmark figure; the variants patch one engine's objects in place
+and are undone before the next.
+
+First run (H200, 1B, 16k prompts, 2026-12-03): the 117-vs-30 ms stall did not recur. C's first
+8 decode steps took 97-101 ms as well (vLLM's own: a 54 ms and a 25 ms step), A's 107-108 ms as
+shipped and 101 ms without saves; the switch interval, gather kernels and a host wait after the
+post did not help (115-128 ms).
 """
 
 from __future__ import annotations
@@ -101,6 +108,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--profile-tokens", type=int, default=200, help="tokens of the cProfiled 4k decodes (0: none)")
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a smoke check of the script, small shapes)")
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="the model (gpu_data_plane.py's profiles)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="serve batches of this many fresh prompts instead of one request (rates only)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ucm_ray.demo import kv_transfer_config
@@ -109,15 +119,16 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; run with --device cpu for a smoke check")
-    prof = bench.ttft_profile(device, False)
+    prof = bench.ttft_profile(device, False, args.shape)
     model = bench.bench_model(prof, None)
-    long = prof.sizes["16k"]
+    long = max(prof.sizes.values())
+    batch = max(1, args.batch)
     ray.init(num_cpus=8, num_gpus=int(device.type == "cuda"), include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False,
              namespace="ucm_ray_gpu_stall")
     cfg = UcmRayConfig(num_shards=2, ray_namespace="ucm_ray_gpu_stall_tier", transport="shm",
-                       pool_bytes=40 * long * prof.kv_bytes_per_token // 2)
+                       pool_bytes=(40 + 12 * batch) * (long + args.decode) * prof.kv_bytes_per_token // 2)
     kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, "layerwise": True})
     remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(stall_engine_class())
     cores = bench.engine_cores(device)
@@ -137,6 +148,11 @@ def main() -> None:
                 if label == "A":
                     ray.get(engines["A"].variant.remote(name))
                 with bench.turn_cores(engines[label], cores):
+                    if args.batch:
+                        prompts = [synthetic_prompt(model, long, seed=1000 * seed + i) for i in range(args.batch)]
+                        rate = ray.get(engines[label].decode_batch.remote(prompts, args.decode))["rate"]
+                        log.info("%s %s: a batch of %d decodes %.1f tok/s", label, name, args.batch, rate)
+                        continue
                     result = ray.get(engines[label].generate_timed.remote(synthetic_prompt(model, long, seed=seed),
                                                                           args.decode))
                 log.info("%s", first_steps(f"{label} {name}", result))
