@@ -47,6 +47,12 @@ gpu-test:
 gpu-bench:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_data_plane.py --ttft
 
+# Same machine: decode with and without the connector on Llama-3.1-8B's layers (dummy weights;
+# single requests and batches of 8), engines A, C and N only (~4 minutes on an H200).
+.PHONY: gpu-bench-decode
+gpu-bench-decode:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_data_plane.py --decode-only --shape 8b --ttft-prompts 2
+
 bench: venv
 	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/ttft.py
