@@ -122,13 +122,15 @@ def main() -> None:
     prof = bench.ttft_profile(device, False, args.shape)
     model = bench.bench_model(prof, None)
     long = max(prof.sizes.values())
-    batch = max(1, args.batch)
     ray.init(num_cpus=8, num_gpus=int(device.type == "cuda"), include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False,
              namespace="ucm_ray_gpu_stall")
+    # three turns' saves (older ones are evicted): an engine maps and page-locks every pool at
+    # start, which took minutes for the 78 GB that keeping every turn's 8B batch would need
+    per_turn = max(1, args.batch) * (long + args.decode) * prof.kv_bytes_per_token
     cfg = UcmRayConfig(num_shards=2, ray_namespace="ucm_ray_gpu_stall_tier", transport="shm",
-                       pool_bytes=(40 + 12 * batch) * (long + args.decode) * prof.kv_bytes_per_token // 2)
+                       pool_bytes=3 * per_turn // 2 + (64 << 20))
     kv = kv_transfer_config({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, "layerwise": True})
     remote = ray.remote(num_cpus=0, num_gpus=prof.num_gpus, runtime_env={"env_vars": prof.env})(stall_engine_class())
     cores = bench.engine_cores(device)
