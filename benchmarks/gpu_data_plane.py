@@ -998,6 +998,25 @@ def decode_rate(result: dict[str, Any]) -> float:
     return (len(result["tokens"]) - 1) / (result["seconds"] - ttft_of(result))
 
 
+def decode_prompts(model: str, prof: TtftProfile, per_size: int, batch: int, rounds: int
+                   ) -> tuple[dict[str, list[list[int]]], dict[str, list[list[list[int]]]], list[list[int]]]:
+    """(``per_size`` fresh prompts per size, in no cache nor the store; ``rounds`` batches of
+    ``batch`` prompts per size; an engine's warm-up prompts: a short one and one of each size,
+    since an engine's first prompt of a size ran slower than the next: 4k 36.5 then 24.4 ms with
+    the connector, 25.2 then 19.7 without, on one H200 lease)."""
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    sizes = list(prof.sizes.items())
+    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(per_size)]
+             for j, (size, n) in enumerate(sizes)}
+    batched = {size: [[synthetic_prompt(model, n, seed=20000 + 1000 * j + 100 * r + i) for i in range(batch)]
+                      for r in range(rounds)]
+               for j, (size, n) in enumerate(sizes)} if batch else {}
+    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
+                                                          for j, (_, n) in enumerate(sizes)]
+    return fresh, batched, warmup
+
+
 def start_engine(remote: Any, model: str, prof: TtftProfile, label: str, kv_config: dict[str, Any] | None,
                  cpus: list[int] | None, warmup: list[list[int]]) -> Any:
     """An engine actor, up once it served each ``warmup`` prompt (an engine's first prompt of a
@@ -1036,18 +1055,10 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
                for j, (size, n) in enumerate(prof.sizes.items())}
     profiled = {size: synthetic_prompt(model, n, seed=100 * (j + 1) + 99)
                 for j, (size, n) in enumerate(prof.sizes.items())} if profile_dir else {}
-    # decode: prompts in no cache nor the store; more of them than TTFT prompts (a decode's rate
-    # varied by +-15% from one request to the next on the H200 host)
-    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(2 * prompts_per_size + 2)]
-             for j, (size, n) in enumerate(prof.sizes.items())}
-    # not counted in the pools' size: saved last, they may evict what nothing reads any more
-    batched = {size: [[synthetic_prompt(model, n, seed=20000 + 1000 * j + 100 * r + i) for i in range(decode_batch)]
-                      for r in range(decode_rounds)]
-               for j, (size, n) in enumerate(prof.sizes.items())} if decode_batch else {}
-    # an engine's first prompt of a size ran slower than the next (4k: 36.5 then 24.4 ms with the
-    # connector, 25.2 then 19.7 without, on one H200 lease): each engine serves one of each first
-    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
-                                                          for j, n in enumerate(prof.sizes.values())]
+    # decode: more prompts than TTFT prompts (a decode's rate varied by +-15% from one request to
+    # the next on the H200 host); batches not counted in the pools' size: saved last, they may
+    # evict what nothing reads any more
+    fresh, batched, warmup = decode_prompts(model, prof, 2 * prompts_per_size + 2, decode_batch, decode_rounds)
     tokens = (sum(len(p) for p in warmup) + sum(len(p) for ps in prompts.values() for p in ps)
               + sum(len(p) for p in profiled.values())
               + sum(len(p) + decode_tokens for ps in fresh.values() for p in ps))
@@ -1205,19 +1216,12 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
     ``--ttft`` do not start within one device call."""
     from ucm_ray.demo import kv_transfer_config
     from ucm_ray.testing.null_connector import null_kv_transfer_config
-    from ucm_ray.tiny_model import synthetic_prompt
 
     prof = ttft_profile(device, False, shape)
     started = time.perf_counter()
     model = bench_model(prof, None)
     log.info("model %s ready in %.1f s", model, time.perf_counter() - started)
-    fresh = {size: [synthetic_prompt(model, n, seed=100 * (j + 1) + 50 + i) for i in range(prompts_per_size)]
-             for j, (size, n) in enumerate(prof.sizes.items())}
-    batched = {size: [[synthetic_prompt(model, n, seed=20000 + 1000 * j + 100 * r + i) for i in range(decode_batch)]
-                      for r in range(decode_rounds)]
-               for j, (size, n) in enumerate(prof.sizes.items())} if decode_batch else {}
-    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
-                                                          for j, n in enumerate(prof.sizes.values())]
+    fresh, batched, warmup = decode_prompts(model, prof, prompts_per_size, decode_batch, decode_rounds)
     tokens = (sum(len(p) for p in warmup) + sum(len(p) + decode_tokens for ps in fresh.values() for p in ps)
               + sum(len(p) + decode_tokens for rounds in batched.values() for batch in rounds for p in batch))
     cfg = UcmRayConfig(num_shards=2, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
