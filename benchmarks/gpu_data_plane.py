@@ -78,7 +78,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -667,11 +667,13 @@ def profiled_engine_class():
             result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
             return result
 
-        def decode_batch(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        def decode_batch(self, prompts: list[list[int]], max_tokens: int, timed: bool = False) -> dict[str, Any]:
             """``prompts`` served together, ``max_tokens`` tokens each (EOS ignored), as a serving
             engine decodes a batch: ``rate``, the tokens per second of the steps after every
             prompt's first token (on an engine with the connector the prompts' saves run in
-            them), and each request's ``tokens``, in prompt order."""
+            them), and each request's ``tokens``, in prompt order. ``timed``: the steps after
+            the first tokens with their parts timed as in ``generate_timed`` (``result["timed"]``;
+            the timers' own cost is in ``rate`` too)."""
             from vllm import SamplingParams
 
             engine = self.llm.llm_engine
@@ -684,14 +686,34 @@ def profiled_engine_class():
                 rows[req_id] = rows[added if isinstance(added, str) else req_id] = row  # some versions add a suffix
             tokens: list[list[int]] = [[] for _ in prompts]
             started, at_start = 0.0, 0
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    tokens[rows[out.request_id]] = list(out.outputs[0].token_ids)
-                if not started and all(tokens):
-                    started, at_start = time.perf_counter(), sum(map(len, tokens))
-            rate = (sum(map(len, tokens)) - at_start) / (time.perf_counter() - started)
+            parts: dict[str, list[float]] = {}
+            with ExitStack() as timers:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        tokens[rows[out.request_id]] = list(out.outputs[0].token_ids)
+                    if not started and all(tokens):
+                        started, at_start = time.perf_counter(), sum(map(len, tokens))
+                        parts = timers.enter_context(timed_calls(self._timed_targets())) if timed else {}
+                rate = (sum(map(len, tokens)) - at_start) / (time.perf_counter() - started)
             self._flush()
-            return {"tokens": tokens, "rate": rate}
+            return {"tokens": tokens, "rate": rate, "timed": parts}
+
+        def _timed_targets(self) -> list[Target]:
+            """The engine's step parts and every connector hook (either half), and our code
+            inside the hooks (``inner_parts``)."""
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+            engine = self.llm.llm_engine
+            core = engine.engine_core.engine_core
+            worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+            return [
+                (engine, ("step",), "vllm.engine"), (core, ("step_fn",), "vllm.core"),
+                (core.scheduler, ("schedule", "update_from_output"), "vllm.scheduler"),
+                (core.model_executor, ("execute_model", "sample_tokens"), "vllm.executor"),
+                (engine.output_processor, ("process_outputs",), "vllm.output"),
+                (engine.logger_manager, ("record",), "vllm.stat_loggers"),
+                *inner_parts(core.scheduler.connector, worker),
+                (core.scheduler.connector, CONNECTOR_HOOKS, "ours.scheduler"), (worker, CONNECTOR_HOOKS, "ours.worker")]
 
         def generate_timed(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
             """A request served (up to its last token) with the engine's step parts and every
@@ -701,19 +723,6 @@ def profiled_engine_class():
             Which parts an engine with the connector spends more host time in."""
             import gc
 
-            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-            engine = self.llm.llm_engine
-            core = engine.engine_core.engine_core
-            worker = get_kv_transfer_group() if has_kv_transfer_group() else None
-            targets: list[Target] = [
-                (engine, ("step",), "vllm.engine"), (core, ("step_fn",), "vllm.core"),
-                (core.scheduler, ("schedule", "update_from_output"), "vllm.scheduler"),
-                (core.model_executor, ("execute_model", "sample_tokens"), "vllm.executor"),
-                (engine.output_processor, ("process_outputs",), "vllm.output"),
-                (engine.logger_manager, ("record",), "vllm.stat_loggers"),
-                *inner_parts(core.scheduler.connector, worker),
-                (core.scheduler.connector, CONNECTOR_HOOKS, "ours.scheduler"), (worker, CONNECTOR_HOOKS, "ours.worker")]
             collections: dict[str, list[float]] = {}
             collecting: dict[str, float] = {}
 
@@ -727,7 +736,7 @@ def profiled_engine_class():
             gc.callbacks.append(on_gc)
             threads_before = thread_cpu_seconds()
             try:
-                with timed_calls(targets) as timed:
+                with timed_calls(self._timed_targets()) as timed:
                     result = self.generate(prompt_ids, max_tokens, ignore_eos=True, flush=False)
                 threads_after = thread_cpu_seconds()
             finally:

@@ -21,9 +21,9 @@ between requests:
 Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
 cProfile (stats in ``$OUT`` or /tmp). ``--batch N`` serves batches of N fresh prompts instead
-(``decode_batch``: rates only), ``--shape 8b`` on Llama-3.1-8B's layers (dummy weights, 4k
-prompts). Nothing here is a benchmark figure; the variants patch one engine's objects in place
-and are undone before the next.
+(``decode_batch``: rates, then one batch of A and of C with their step parts timed), ``--shape
+8b`` on Llama-3.1-8B's layers (dummy weights, 4k prompts). Nothing here is a benchmark figure;
+the variants patch one engine's objects in place and are undone before the next.
 
 First run (H200, 1B, 16k prompts, 2026-12-03): the 117-vs-30 ms stall did not recur. C's first
 8 decode steps took 97-101 ms as well (vLLM's own: a 54 ms and a 25 ms step), A's 107-108 ms as
@@ -102,6 +102,23 @@ def first_steps(label: str, result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def timed_batches(engines: dict[str, Any], cores: Any, model: str, prompt_tokens: int,
+                  args: argparse.Namespace) -> None:
+    """One more batch on A (as shipped) and on C with every step part and hook timed: per
+    decode step, where A's extra time goes (our hooks' host time, or vLLM's parts waiting on
+    the device longer)."""
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    timed = {}
+    for round_index, label in enumerate(("A", "C")):
+        prompts = [synthetic_prompt(model, prompt_tokens, seed=7000 + 100 * round_index + i) for i in range(args.batch)]
+        with bench.turn_cores(engines[label], cores):
+            result = ray.get(engines[label].decode_batch.remote(prompts, args.decode, True))
+        log.info("%s timed batch of %d: %.1f tok/s", label, args.batch, result["rate"])
+        timed[label] = result["timed"]
+    log.info("per decode step of the timed batches (us):\n%s", "\n".join(bench.parts_table(timed, per_step=True)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", type=int, default=24, help="tokens decoded after each prompt")
@@ -110,7 +127,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a smoke check of the script, small shapes)")
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="the model (gpu_data_plane.py's profiles)")
     ap.add_argument("--batch", type=int, default=0,
-                    help="serve batches of this many fresh prompts instead of one request (rates only)")
+                    help="serve batches of this many fresh prompts instead of one request")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ucm_ray.demo import kv_transfer_config
@@ -159,6 +176,8 @@ def main() -> None:
                                                                           args.decode))
                 log.info("%s", first_steps(f"{label} {name}", result))
             ray.get(engines["A"].variant.remote("base"))
+            if args.batch:
+                timed_batches(engines, cores, model, long, args)
             for label, engine in engines.items():
                 if not args.profile_tokens:
                     break
