@@ -667,13 +667,17 @@ def profiled_engine_class():
             result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
             return result
 
-        def decode_batch(self, prompts: list[list[int]], max_tokens: int, timed: bool = False) -> dict[str, Any]:
+        def decode_batch(self, prompts: list[list[int]], max_tokens: int, timed: bool = False,
+                         stats_path: str | None = None) -> dict[str, Any]:
             """``prompts`` served together, ``max_tokens`` tokens each (EOS ignored), as a serving
             engine decodes a batch: ``rate``, the tokens per second of the steps after every
             prompt's first token (on an engine with the connector the prompts' saves run in
-            them), and each request's ``tokens``, in prompt order. ``timed``: the steps after
-            the first tokens with their parts timed as in ``generate_timed`` (``result["timed"]``;
-            the timers' own cost is in ``rate`` too)."""
+            them), and each request's ``tokens``, in prompt order. The steps after the first
+            tokens are measured too (their cost is in ``rate``): ``timed``, their parts timed as
+            in ``generate_timed`` (``result["timed"]``); ``stats_path``, under cProfile (the
+            engine's thread), its stats dumped there."""
+            import cProfile
+
             from vllm import SamplingParams
 
             engine = self.llm.llm_engine
@@ -694,6 +698,11 @@ def profiled_engine_class():
                     if not started and all(tokens):
                         started, at_start = time.perf_counter(), sum(map(len, tokens))
                         parts = timers.enter_context(timed_calls(self._timed_targets())) if timed else {}
+                        if stats_path:
+                            profiler = cProfile.Profile()
+                            profiler.enable()
+                            timers.callback(profiler.dump_stats, stats_path)
+                            timers.callback(profiler.disable)
                 rate = (sum(map(len, tokens)) - at_start) / (time.perf_counter() - started)
             self._flush()
             return {"tokens": tokens, "rate": rate, "timed": parts}

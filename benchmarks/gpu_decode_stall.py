@@ -21,7 +21,8 @@ between requests:
 Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
 cProfile (stats in ``$OUT`` or /tmp). ``--batch N`` serves batches of N fresh prompts instead
-(``decode_batch``: rates, then one batch of A and of C with their step parts timed), ``--shape
+(``decode_batch``: rates, then one batch of A and of C with their step parts timed, and one
+under cProfile unless ``--profile-tokens 0``), ``--shape
 8b`` on Llama-3.1-8B's layers (dummy weights, 4k prompts). Nothing here is a benchmark figure;
 the variants patch one engine's objects in place and are undone before the next.
 
@@ -117,13 +118,24 @@ def timed_batches(engines: dict[str, Any], cores: Any, model: str, prompt_tokens
         log.info("%s timed batch of %d: %.1f tok/s", label, args.batch, result["rate"])
         timed[label] = result["timed"]
     log.info("per decode step of the timed batches (us):\n%s", "\n".join(bench.parts_table(timed, per_step=True)))
+    if not args.profile_tokens:
+        return
+    out_dir = os.environ.get("OUT", tempfile.gettempdir())
+    for round_index, label in enumerate(("A", "C")):
+        prompts = [synthetic_prompt(model, prompt_tokens, seed=7500 + 100 * round_index + i) for i in range(args.batch)]
+        path = os.path.join(out_dir, f"batch_{label}.prof")
+        with bench.turn_cores(engines[label], cores):
+            result = ray.get(engines[label].decode_batch.remote(prompts, args.decode, False, path))
+        log.info("%s batch of %d under cProfile: %.1f tok/s, stats in %s", label, args.batch, result["rate"], path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", type=int, default=24, help="tokens decoded after each prompt")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    ap.add_argument("--profile-tokens", type=int, default=200, help="tokens of the cProfiled 4k decodes (0: none)")
+    ap.add_argument("--profile-tokens", type=int, default=200,
+                    help="tokens of the cProfiled 4k decodes (0: none; with --batch, any other: one batch of A and "
+                    "of C under cProfile)")
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a smoke check of the script, small shapes)")
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="the model (gpu_data_plane.py's profiles)")
     ap.add_argument("--batch", type=int, default=0,
@@ -179,7 +191,7 @@ def main() -> None:
             if args.batch:
                 timed_batches(engines, cores, model, long, args)
             for label, engine in engines.items():
-                if not args.profile_tokens:
+                if not args.profile_tokens or args.batch:
                     break
                 path = os.path.join(out_dir, f"decode_{label}.prof")
                 with bench.turn_cores(engine, cores):
