@@ -132,7 +132,8 @@ def timed_batches(engines: dict[str, Any], cores: Any, model: str, prompt_tokens
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", type=int, default=24, help="tokens decoded after each prompt")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"A's, in turn: of {', '.join(VARIANTS)}; C: a turn of engine C")
     ap.add_argument("--profile-tokens", type=int, default=200,
                     help="tokens of the cProfiled 4k decodes (0: none; with --batch, any other: one batch of A and "
                     "of C under cProfile)")
@@ -174,7 +175,8 @@ def main() -> None:
                     ray.get(engine.generate.remote(synthetic_prompt(model, n, seed=seed), 1))
                 log.info("engine %s up in %.1f s", label, time.perf_counter() - started)
                 engines[label] = engine
-            order = [("C", "base"), *[("A", name) for name in args.variants.split(",")], ("C", "base"), ("A", "base")]
+            turns = [("C", "base") if name == "C" else ("A", name) for name in args.variants.split(",")]
+            order = [("C", "base"), *turns, ("C", "base"), ("A", "base")]
             for seed, (label, name) in enumerate(order, start=500):
                 if label == "A":
                     ray.get(engines["A"].variant.remote(name))
