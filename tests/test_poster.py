@@ -33,7 +33,7 @@ def test_calls_reach_the_actor_in_the_order_queued(ray_cluster):
     recorder = Recorder.remote()
     poster = CallPoster()
     posted = [poster.post(recorder.add, n) for n in range(300)]
-    assert [ray.get(p.result(timeout=30)) for p in posted] == list(range(300))
+    assert [p.result(timeout=30).answer.result(timeout=30) for p in posted] == list(range(300))
     assert ray.get(recorder.all.remote()) == list(range(300))
     poster.close()
 
@@ -45,7 +45,7 @@ def test_a_call_that_cannot_be_posted_fails_alone(ray_cluster):
     after = poster.post(recorder.add, 7)
     with pytest.raises(TypeError, match="too many positional arguments"):
         unpostable.result(timeout=30)
-    assert ray.get(after.result(timeout=30)) == 7
+    assert after.result(timeout=30).answer.result(timeout=30) == 7
     poster.close()
 
 
@@ -98,6 +98,31 @@ def test_a_fanout_with_one_call_unposted_still_polls_the_others_without_waiting(
     waited = time.monotonic()
     assert fanout.result() == [None, 2.0]
     assert time.monotonic() - waited < 0.5  # ``result`` after a True poll does not wait
+    client.close()
+
+
+@ray.remote(num_cpus=0)
+class Failing:
+    def answer(self) -> None:
+        raise ValueError("refused")
+
+
+def test_a_fanout_answers_none_for_a_call_that_raised_or_outlived_its_deadline(fleet):
+    """Each posted call's answer is a future that the poster's thread made: one that raised, or
+    one still running at the deadline, is that shard's failure (the shard turns suspect), and
+    ``result`` does not wait past the deadline."""
+    from ucm_ray.store.client import _Fanout
+
+    client = StoreClient(fleet(num_shards=1, lookup_timeout_s=1.0))
+    record = client.membership.shards[0]
+    raised = _Fanout(client, [(record, client._poster.post(Failing.remote().answer))], lambda answers: answers)
+    assert raised.result() == [None]
+    assert client._suspects.suspect(record)
+    late = _Fanout(client, [(record, client._poster.post(Slow.remote().answer, 5.0))], lambda answers: answers)
+    started = time.monotonic()
+    assert late.result() == [None]
+    assert time.monotonic() - started < 2.5
+    assert late.poll()  # answered: never polled as pending again
     client.close()
 
 

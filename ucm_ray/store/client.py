@@ -55,7 +55,7 @@ from ucm_ray.store.directory import Membership, ShardRecord
 from ucm_ray.store.feed import MembershipFeed
 from ucm_ray.store.index import random_id
 from ucm_ray.store.placement import owners as place
-from ucm_ray.store.poster import CallPoster
+from ucm_ray.store.poster import CallPoster, PostedCall
 from ucm_ray.store.published import IndexReaders
 from ucm_ray.store.shard import WrongIncarnation
 from ucm_ray.store.touches import TouchSender
@@ -122,30 +122,25 @@ class _Fanout(Pending[T]):
     """One call per shard, queued to the client's ``CallPoster``; ``finish`` merges the answers
     (None: that shard failed)."""
 
-    def __init__(self, client: StoreClient, calls: list[tuple[ShardRecord, Future[ray.ObjectRef]]],
+    def __init__(self, client: StoreClient, calls: list[tuple[ShardRecord, Future[PostedCall]]],
                  finish: Callable[[list[Any]], T]) -> None:
         self._client = client
         self._calls = calls
-        self._arrived: list[Future] | None = None  # made by the first poll: ``result`` alone needs none
         self._finish = finish
         self._deadline = time.monotonic() + client.config.lookup_timeout_s
         self._value: T | None = None
         self._done = False
 
     def poll(self) -> bool:
-        """Never waits. The first poll once every call is posted makes a future per call (~45 us
-        each); every later one only reads them (a ``ray.wait`` on a call in flight cost ~85 us
-        per poll, every step)."""
+        """Never waits, and only reads futures (a ``ray.wait`` on a call in flight cost ~85 us
+        per poll, every step). A call that could not be posted is answered None by ``result``
+        at once."""
         if self._done or not self._calls:
             return True
         if time.monotonic() > self._deadline:
             return True
-        if self._arrived is None:
-            if not all(posted.done() for _, posted in self._calls):
-                return False
-            # a call that could not be posted is answered None by ``result`` at once
-            self._arrived = [posted.result().future() for _, posted in self._calls if posted.exception() is None]
-        return all(f.done() for f in self._arrived)
+        return all(posted.done() and (posted.exception() is not None or posted.result().answer.done())
+                   for _, posted in self._calls)
 
     def result(self) -> T:
         if not self._done:
@@ -154,13 +149,13 @@ class _Fanout(Pending[T]):
             self._done = True
         return self._value  # type: ignore[return-value]
 
-    def _answer(self, record: ShardRecord, posted: Future[ray.ObjectRef]) -> Any:
+    def _answer(self, record: ShardRecord, posted: Future[PostedCall]) -> Any:
         try:
-            ref = posted.result(timeout=max(0.001, self._deadline - time.monotonic()))
+            call = posted.result(timeout=max(0.001, self._deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 -- not posted in time, or posting it raised
             self._client._failed(record.key, f"call not posted: {type(e).__name__}")
             return None
-        return self._client._get(record, ref, self._deadline)
+        return self._client._get(record, call.answer, self._deadline)
 
 
 class _Acquire(Pending[ReadLease]):
@@ -313,11 +308,16 @@ class StoreClient(BlockStore):
         shards = self._membership.shards
         return [[shards[j] for j in row] for row in self._owner_indices(keys).tolist()] if keys else []
 
-    def _get(self, record: ShardRecord, ref: ray.ObjectRef, deadline: float) -> Any:
-        """The answer of a shard call, or None (the shard is then suspect) when it failed, timed
-        out by ``deadline``, or refused our incarnation (then the membership is refetched)."""
+    def _get(self, record: ShardRecord, answer: ray.ObjectRef | Future[Any], deadline: float) -> Any:
+        """The answer of a shard call (its ref, or the future of a posted one), or None (the
+        shard is then suspect) when it failed, timed out by ``deadline``, or refused our
+        incarnation (then the membership is refetched)."""
+        timeout = max(0.001, deadline - time.monotonic())
         try:
-            return ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+            return answer.result(timeout=timeout) if isinstance(answer, Future) else ray.get(answer, timeout=timeout)
+        except TimeoutError:  # a future's wait (``ray.get``'s is a RayError)
+            self._failed(record.key, "GetTimeoutError")
+            return None
         except RayError as e:
             refused = isinstance(e, RayTaskError) and isinstance(e.cause, WrongIncarnation)
             self._failed(record.key, "refused a stale incarnation" if refused else type(e).__name__)
