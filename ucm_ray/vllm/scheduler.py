@@ -735,19 +735,17 @@ class SchedulerPart:
                 t.block_ids = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
-        if not resumed and cached.new_block_ids.count(None) == len(cached.new_block_ids):
-            return  # no block allocated to a running request (most decode steps): one C-level scan
-        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if new_ids is None and req_id not in resumed:
-                continue  # no block allocated to it this step (most decode steps)
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids) if resumed else ():
             t = self._tracked.get(req_id)
-            if t is None:
-                continue
-            if req_id in resumed:
+            if t is not None and req_id in resumed:
                 t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
                 # new blocks: what was pending is saved once recomputed (or never, if it was not)
                 t.pending = dict.fromkeys(t.pending, False)
-            elif new_ids is not None:
+        # requests allocated a block this step (a few in a decode step), picked out without
+        # Python per request: ``compress`` keeps the pairs whose ids are not None
+        for req_id, new_ids in itertools.compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids):
+            t = self._tracked.get(req_id)
+            if t is not None and req_id not in resumed:
                 for group, ids in enumerate(new_ids):
                     t.block_ids[group].extend(ids)
 
