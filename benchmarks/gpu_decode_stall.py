@@ -30,6 +30,18 @@ First run (H200, 1B, 16k prompts, 2026-12-03): the 117-vs-30 ms stall did not re
 8 decode steps took 97-101 ms as well (vLLM's own: a 54 ms and a 25 ms step), A's 107-108 ms as
 shipped and 101 ms without saves; the switch interval, gather kernels and a host wait after the
 post did not help (115-128 ms).
+
+Batches of 8 at 8B (``--shape 8b --batch 8 --decode 256``, H200, 2026-12-03, two leases):
+- Before the call poster made the answers' futures (package code ``7b64af3``): C 1401 / 1462,
+  A 1377 / 1399 / 1396, A without saves 1416 / 1417 tok/s. Timed: A's step 285 us longer than
+  C's, and our hooks took 284 us of A's step (the plan 158, the save's post 60 per step on
+  average; a quiet step's hooks ~100 us): the gap is our host time.
+- After (``CallPoster`` futures, scheduler trims), another lease's (slower) host: C 1426 / 1427
+  / 1425, A 1378 / 1377 / 1374 (3.5%), A without saves 1399 / 1393 (2.1%). Timed: A's step 213
+  us longer, our hooks 283 us (the plan 135: slot ticks 40 -> 22 and answers 30 -> 13 us a step;
+  the save's post 76, of which gather plans 34). Under cProfile C's engine thread waited for the
+  device (``Event.synchronize``) 1.09 ms a step, A's 0.66 ms: part of our host time now overlaps
+  the device, the rest is still on the step's critical path.
 """
 
 from __future__ import annotations
