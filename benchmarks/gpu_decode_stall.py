@@ -22,9 +22,9 @@ Per request it logs the decode steps' spread (the first 8 steps' sum is the figu
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
 cProfile (stats in ``$OUT`` or /tmp). ``--batch N`` serves batches of N fresh prompts instead
 (``decode_batch``: rates, then one batch of A and of C with their step parts timed, and one
-under cProfile unless ``--profile-tokens 0``), ``--shape
-8b`` on Llama-3.1-8B's layers (dummy weights, 4k prompts). Nothing here is a benchmark figure;
-the variants patch one engine's objects in place and are undone before the next.
+under cProfile unless ``--profile-tokens 0``), ``--shape 8b`` on Llama-3.1-8B's layers (dummy
+weights, 4k prompts). Nothing here is a benchmark figure; the variants patch one engine's
+objects in place and are undone before the next.
 
 First run (H200, 1B, 16k prompts, 2026-12-03): the 117-vs-30 ms stall did not recur. C's first
 8 decode steps took 97-101 ms as well (vLLM's own: a 54 ms and a 25 ms step), A's 107-108 ms as

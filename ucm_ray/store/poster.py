@@ -29,8 +29,9 @@ import ray
 
 @dataclass(frozen=True)
 class PostedCall:
-    """A call the thread posted: its object ref, and its answer as a future that Ray fulfils (the
-    value, or the error the call raised) once it is in."""
+    """A call the thread posted: its answer as a future that Ray fulfils (the value, or the error
+    the call raised) once it is in, and its object ref, held so the answer stays referenced in
+    Ray until it is read."""
 
     ref: ray.ObjectRef
     answer: Future[Any]
