@@ -18,12 +18,19 @@ from ucm_ray.transport.gather import DeviceView, GatherPlan, line_bytes, strip_s
 
 def test_pool_order_is_the_order_of_a_two_key_lexsort():
     """Ranges are ordered by (part and span, pool row) through one packed sort key; where the
-    two do not fit in 63 bits it falls back to ``lexsort``. Ties keep their order either way."""
+    two do not fit in 63 bits it falls back to ``lexsort``. Ties keep their order either way;
+    ranges already in that order (ties included) need none (None)."""
     rng = np.random.default_rng(3)
     for groups, rows in ((4, 1 << 20), (64, 1 << 40), (1 << 40, 1 << 40), (4, 8)):
         group, row = rng.integers(0, groups, 5000), rng.integers(0, rows, 5000)
         assert (gather._pool_order(group, row) == np.lexsort((row, group))).all()
-    assert len(gather._pool_order(np.zeros(0, np.int64), np.zeros(0, np.int64))) == 0
+        in_order = np.lexsort((row, group))
+        order = gather._pool_order(group[in_order], row[in_order])
+        assert order is None or (order == np.arange(5000)).all()
+    assert gather._pool_order(np.zeros(5, np.int64), np.asarray([0, 1, 1, 2, 7])) is None
+    assert gather._pool_order(np.asarray([0, 0, 1]), np.asarray([5, 6, 0])) is None
+    assert gather._pool_order(np.asarray([1, 0]), np.asarray([0, 5])).tolist() == [1, 0]
+    assert gather._pool_order(np.zeros(0, np.int64), np.zeros(0, np.int64)) is None
 
 
 @pytest.mark.parametrize("count", [1, 2])

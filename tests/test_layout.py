@@ -1,5 +1,6 @@
 """Layout derivation from real tensors of the shapes vLLM hands over (CPU tensors, same shapes)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,25 @@ def test_permuted_view_of_a_dense_block_is_one_raw_range():
     assert torch.equal(seg, physical[2].contiguous().view(torch.uint8).view(-1))
     seg.fill_(0)  # writes through into the cache
     assert physical[2].abs().sum() == 0 and physical[1].abs().sum() > 0
+
+
+def test_ranges_by_entry_are_the_same_copies_in_the_order_the_pool_holds_them():
+    """A batch moved as one part lists every layer of an entry together (``by_entry``): the
+    same (buffer, local, pool, size) copies as layer by layer, now in pool order when the
+    entries' offsets rise, so a gather plan needs no sort."""
+    caches = {f"l{i}": torch.randn(2, N, 4, 2, 8) for i in range(3)}  # K and V apart: 2 segments
+    (layout,) = build_layouts(caches, [list(caches)], N)
+    buffers = tuple(base_buffers(caches))
+    index = [next(b for b, buf in enumerate(buffers) if buf.data_ptr() == caches[f"l{i}"].data_ptr())
+             for i in range(3)]
+    block_ids, offsets = np.asarray([4, 1, 3]), np.asarray([0, 1, 5]) * layout.entry_bytes
+    by_layer = layout.ranges([0, 1, 2], block_ids, offsets, buffers, index)
+    by_entry = layout.ranges([0, 1, 2], block_ids, offsets, buffers, index, by_entry=True)
+
+    def copies(ranges):
+        return [tuple(int(col[i]) for col in (ranges.buffer_index, ranges.local_offsets, ranges.pool_offsets,
+                                              ranges.sizes)) for i in range(len(ranges))]
+
+    assert sorted(copies(by_entry)) == sorted(copies(by_layer)) and len(by_entry) == 3 * 3 * 2
+    assert by_entry.pool_offsets.tolist() == sorted(by_entry.pool_offsets.tolist())
+    assert by_layer.pool_offsets.tolist() != sorted(by_layer.pool_offsets.tolist())

@@ -204,15 +204,20 @@ class GatherPlan:
         counts: np.ndarray = ranges.sizes // line
         group = part_of * len(spans.views) + span_of
         order = _pool_order(group, pool_at)  # per part, per span, in pool order
-        counts = counts[order]
+
+        def ordered(values: np.ndarray) -> np.ndarray:
+            return values if order is None else values[order]
+
+        counts = ordered(counts)
         single = bool((counts == 1).all())  # the usual case, a range one row: nothing to expand
-        local = _rows(spans.first_row[ranges.buffer_index[order]] + ranges.local_offsets[order] // line, counts, single)
-        pooled = _rows(pool_at[order], counts, single)
-        span_rows: np.ndarray = span_of[order] if single else np.repeat(span_of[order], counts)
-        part_rows: np.ndarray = part_of[order] if single else np.repeat(part_of[order], counts)
+        local = _rows(spans.first_row[ordered(ranges.buffer_index)] + ordered(ranges.local_offsets) // line, counts,
+                      single)
+        pooled = _rows(ordered(pool_at), counts, single)
+        span_rows: np.ndarray = ordered(span_of) if single else np.repeat(ordered(span_of), counts)
+        part_rows: np.ndarray = ordered(part_of) if single else np.repeat(ordered(part_of), counts)
         total = len(pooled)
         # staging batches: rows of one part and one span, at most ``limit`` of them
-        group_first = _starts(group[order] if single else np.repeat(group[order], counts))
+        group_first = _starts(ordered(group) if single else np.repeat(ordered(group), counts))
         batches = -(-np.diff(np.append(group_first, total)) // limit)
         batch_first = np.repeat(group_first, batches) + limit * (
             np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
@@ -294,16 +299,19 @@ def _starts(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], out)) if len(out) else np.zeros(1, dtype=np.int64)
 
 
-def _pool_order(group: np.ndarray, pool_row: np.ndarray) -> np.ndarray:
-    """The stable order by (``group``, ``pool_row``), both non-negative: one sort of a packed
-    key where both fit in 63 bits (a two-key ``lexsort`` of a step's 8,192 ranges took 160 us,
-    ten times as long, most of it even when they were in order already)."""
+def _pool_order(group: np.ndarray, pool_row: np.ndarray) -> np.ndarray | None:
+    """The stable order by (``group``, ``pool_row``), both non-negative; None when they are in
+    that order already (the worker lists a step's ranges so: the sort and every reordering of a
+    16k-range plan's columns were ~40% of its host time). One sort of a packed key where both
+    fit in 63 bits (a two-key ``lexsort`` of a step's 8,192 ranges took 160 us, ten times as
+    long, most of it even when they were in order already)."""
     if not len(group):
-        return np.zeros(0, dtype=np.int64)
+        return None
     row_bits = int(pool_row.max()).bit_length()
     if int(group.max()).bit_length() + row_bits > 63:
         return np.lexsort((pool_row, group))
-    return np.argsort((group << row_bits) | pool_row, kind="stable")
+    key = (group << row_bits) | pool_row
+    return None if bool((key[1:] >= key[:-1]).all()) else np.argsort(key, kind="stable")
 
 
 def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: bool = True,

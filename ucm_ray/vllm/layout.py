@@ -78,21 +78,31 @@ class GroupLayout:
         return len(self.layers[index].segment_sizes)
 
     def ranges(self, indices: Sequence[int], block_ids: np.ndarray, entry_offsets: np.ndarray,
-               buffers: tuple[torch.Tensor, ...], buffer_index: Sequence[int]) -> Ranges:
+               buffers: tuple[torch.Tensor, ...], buffer_index: Sequence[int], *,
+               by_entry: bool = False) -> Ranges:
         """Layers ``indices`` (in that order) of these blocks <-> the same layers of the entries
         starting at ``entry_offsets`` in a pool (an entry holds its layers in order, each layer's
-        segments in order), layer by layer, block by block. ``buffers[buffer_index[k]]`` is layer
-        ``indices[k]``'s storage. One array pass for all the layers when they have as many
-        segments each (always, within a group of one backend): a step plans every layer at once."""
+        segments in order), layer by layer, block by block; ``by_entry``: block by block, each
+        block's layers in turn (the order of the bytes in the pool when ``entry_offsets`` rise
+        and ``indices`` are every layer, in order: a gather plan over every layer at once then
+        needs no sort). ``buffers[buffer_index[k]]`` is layer ``indices[k]``'s storage. One
+        array pass for all the layers when they have as many segments each (always, within a
+        group of one backend): a step plans every layer at once."""
         shape = self._shape(tuple(indices), tuple(buffer_index))
         if shape is None:
             return Ranges.concat([self.ranges([i], block_ids, entry_offsets, buffers, [b])
                                   for i, b in zip(indices, buffer_index)])
         sizes, in_entry, strides, starts, homes = shape
-        local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]  # [layers, blocks, segments]
-        pool = entry_offsets[None, :, None] + in_entry[:, None, :]
+        if by_entry:  # [blocks, layers, segments]
+            local = block_ids[:, None, None] * strides[None, :, None] + starts[None, :, :]
+            pool = entry_offsets[:, None, None] + in_entry[None, :, :]
+            homes, sizes = homes[:, 0, :][None], sizes[None]
+        else:  # [layers, blocks, segments]
+            local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]
+            pool = entry_offsets[None, :, None] + in_entry[:, None, :]
+            sizes = sizes[:, None, :]
         return Ranges(buffers, np.broadcast_to(homes, local.shape).ravel(), local.ravel(), pool.ravel(),
-                      np.broadcast_to(sizes[:, None, :], local.shape).ravel())
+                      np.broadcast_to(sizes, local.shape).ravel())
 
     def _shape(self, indices: tuple[int, ...], buffer_index: tuple[int, ...]) -> _RangeShape | None:
         """What ``ranges`` needs of these layers besides the blocks, made once per layer set (a

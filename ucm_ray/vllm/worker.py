@@ -115,12 +115,14 @@ def _group_tags(entries: _ByPool, group: int) -> set[_Tag]:
 
 def _group_entries(pools: list[PoolKey], pool_of: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
                    offsets: np.ndarray, tags: list[_Tag] | None = None) -> _ByPool:
-    """Entries given as columns (``pool_of``: index into ``pools``), split per pool and group."""
+    """Entries given as columns (``pool_of``: index into ``pools``), split per pool and group,
+    each in pool order (so a plan over every layer lists its ranges as the pool holds them)."""
     out: _ByPool = {}
     for index, pool in enumerate(pools):
         in_pool = pool_of == index
         for g in np.unique(groups[in_pool]).tolist():
             rows = np.flatnonzero(in_pool & (groups == g))
+            rows = rows[np.argsort(offsets[rows], kind="stable")]
             out.setdefault(pool, {})[g] = _Entries(block_ids[rows], offsets[rows],
                                                    [] if tags is None else [tags[i] for i in rows.tolist()])
     return out
@@ -622,7 +624,7 @@ class WorkerPart:
         ``parts[k]``); the ranges of every pool are computed together first."""
         every = tuple(layer for part in parts for layer in part)
         try:
-            plans = self._ranges(_Batch(every, entries))
+            plans = self._ranges(_Batch(every, entries), by_entry=len(parts) == 1)
         except Exception:  # noqa: BLE001 -- every pool's copies fail, nothing reaches vLLM
             log.exception("ucm-ray: planning a step's %s failed", "saves" if write else "loads")
             yield {pool: None for pool in entries}
@@ -669,14 +671,16 @@ class WorkerPart:
         for pool, nbytes in by_pool.items():
             self.stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})
 
-    def _ranges(self, batch: _Batch) -> dict[PoolKey, Ranges]:
+    def _ranges(self, batch: _Batch, *, by_entry: bool = False) -> dict[PoolKey, Ranges]:
         """The batch's copies per pool: per layer (in the batch's order), every entry's segments,
-        as arrays; each run of one group's layers in one pass."""
+        as arrays; each run of one group's layers in one pass (``by_entry``: the run's layers
+        entry by entry, for a batch moved as one part)."""
         runs = [(g, [i for _, i in run]) for g, run in groupby(batch.layers, key=lambda layer: layer[0])]
         out = {}
         for pool, by_group in batch.entries.items():
             parts = [self._layouts[g].ranges(indices, by_group[g].block_ids, by_group[g].pool_offsets, self._buffers,
-                                             [self._buffer_of[self._layouts[g].layers[i].name] for i in indices])
+                                             [self._buffer_of[self._layouts[g].layers[i].name] for i in indices],
+                                             by_entry=by_entry)
                      for g, indices in runs if g in by_group]
             if parts:
                 out[pool] = Ranges.concat(parts)
