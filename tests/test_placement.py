@@ -47,3 +47,10 @@ def test_short_keys_rejected():
 
     with pytest.raises(ValueError, match="digest"):
         owners([b"abc"], ["s0"], 1)
+
+
+def test_the_primary_alone_is_the_first_of_the_replica_order():
+    """One replica is placed without sorting the scores: the same shard the full order puts first."""
+    ks, shards = keys(5000), [f"s{i}" for i in range(7)]
+    assert np.array_equal(owners(ks, shards, 1), owners(ks, shards, 7)[:, :1])
+    assert owners(ks, shards, 1).shape == (5000, 1)

@@ -62,4 +62,6 @@ def owners(keys: Sequence[bytes], shard_ids: Sequence[str], replication: int) ->
     words = key_words(keys)
     salts = _salts(tuple(shard_ids))
     scores = _splitmix64(words[:, None] ^ salts[None, :])
+    if r == 1:  # the primary only (no replicas, the default): a quarter of a row sort's cost
+        return np.argmax(scores, axis=1)[:, None]
     return np.argsort(scores, axis=1)[:, ::-1][:, :r]
