@@ -287,13 +287,21 @@ def test_one_layer_of_entries_an_entry_apart_goes_by_strided_copies(run_bytes, d
 def test_random_steps_move_exactly_whatever_the_path(seed, device, monkeypatch):
     """Random slots (runs, gaps, a slot loaded into two blocks), parts per layer or all at
     once, small staging batches, a low bar for DMA (so that parts take either path): loads
-    and saves land the reference's bytes."""
+    and saves land the reference's bytes. Every fourth step lists its ranges in pool order, as
+    the worker does for a part of every layer: planned without a sort."""
     monkeypatch.setattr(gather, "DMA_COPY_BYTES", SEGMENT * (1 + seed % 3))
     rng = np.random.default_rng(seed)
     count = int(rng.integers(8, 40))
     slots = np.cumsum(rng.choice([0, 1, 1, 1, 2, 5], size=count)).tolist()
     blocks = rng.permutation(48)[:count].tolist()
-    rows = _entry_rows(slots, blocks)
+    in_pool_order = seed % 4 == 0  # one part (``ends`` below)
+
+    def listed(rows: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+        return sorted(rows, key=lambda row: row[2]) if in_pool_order else rows
+
+    rows = listed(_entry_rows(slots, blocks))
+    if in_pool_order:
+        assert gather._pool_order(None, np.asarray([row[2] for row in rows]) // SEGMENT) is None
     ends = [count * (layer + 1) for layer in range(LAYERS)] if seed % 2 else [len(rows)]
     run_bytes = int(rng.choice([3 * SEGMENT, 64 << 20]))
     mapped, pool = _pool(1 << 26, device, fill=True)
@@ -304,7 +312,7 @@ def test_random_steps_move_exactly_whatever_the_path(seed, device, monkeypatch):
         plan.move(part, to_pool=False)
     _expect(pool, back, rows, to_pool=False)  # a slot loaded twice lands in both blocks
     distinct = {slot: block for slot, block in zip(slots, blocks)}  # a save writes each slot once
-    saves = _entry_rows(list(distinct), list(distinct.values()))
+    saves = listed(_entry_rows(list(distinct), list(distinct.values())))
     fresh_mapped, fresh = _pool(1 << 26, device)
     save_ends = [len(saves)] if len(ends) == 1 else [len(distinct) * (layer + 1) for layer in range(LAYERS)]
     plan = GatherPlan.build(fresh_mapped, _ranges(back, saves), save_ends, run_bytes=run_bytes, host_pool=fresh)

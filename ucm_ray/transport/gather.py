@@ -197,12 +197,16 @@ class GatherPlan:
         spans = _spans_of(ranges.buffers, line)
         self._spans = spans.views
         limit = max(1, run_bytes // line)
-        bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
-        part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
-        span_of = spans.span_of[ranges.buffer_index]
         pool_at: np.ndarray = ranges.pool_offsets // line
         counts: np.ndarray = ranges.sizes // line
-        group = part_of * len(spans.views) + span_of
+        # ranges are grouped per part, per span (None: one part over one span, as a save or a
+        # load of every layer at once is: the pool rows alone order them)
+        group: np.ndarray | None = None
+        if len(ends) > 1 or len(spans.views) > 1:
+            bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
+            part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
+            span_of = spans.span_of[ranges.buffer_index]
+            group = part_of * len(spans.views) + span_of
         order = _pool_order(group, pool_at)  # per part, per span, in pool order
 
         def ordered(values: np.ndarray) -> np.ndarray:
@@ -213,11 +217,18 @@ class GatherPlan:
         local = _rows(spans.first_row[ordered(ranges.buffer_index)] + ordered(ranges.local_offsets) // line, counts,
                       single)
         pooled = _rows(ordered(pool_at), counts, single)
-        span_rows: np.ndarray = ordered(span_of) if single else np.repeat(ordered(span_of), counts)
-        part_rows: np.ndarray = ordered(part_of) if single else np.repeat(ordered(part_of), counts)
         total = len(pooled)
+        span_rows: np.ndarray
+        part_rows: np.ndarray
+        group_first: np.ndarray
+        if group is None:
+            span_rows = part_rows = np.zeros(total, dtype=np.int64)
+            group_first = np.zeros(min(total, 1), dtype=np.int64)
+        else:
+            span_rows = ordered(span_of) if single else np.repeat(ordered(span_of), counts)
+            part_rows = ordered(part_of) if single else np.repeat(ordered(part_of), counts)
+            group_first = _starts(ordered(group) if single else np.repeat(ordered(group), counts))
         # staging batches: rows of one part and one span, at most ``limit`` of them
-        group_first = _starts(ordered(group) if single else np.repeat(ordered(group), counts))
         batches = -(-np.diff(np.append(group_first, total)) // limit)
         batch_first = np.repeat(group_first, batches) + limit * (
             np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
@@ -229,7 +240,7 @@ class GatherPlan:
         stretch_first = np.flatnonzero(breaks)
         widths = np.diff(np.append(stretch_first, total))
         starts = pooled[stretch_first]
-        strided = not (pool.is_cuda or any(buffer.is_cuda for buffer in ranges.buffers)) or has_copy_2d()
+        strided = not (pool.is_cuda or ranges.device.type == "cuda") or has_copy_2d()
         first = strip_starts(starts, widths, line, strided, apart=begins_batch[stretch_first[1:]])
         heights = np.diff(np.append(first, len(starts)))
         pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
@@ -299,18 +310,21 @@ def _starts(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], out)) if len(out) else np.zeros(1, dtype=np.int64)
 
 
-def _pool_order(group: np.ndarray, pool_row: np.ndarray) -> np.ndarray | None:
-    """The stable order by (``group``, ``pool_row``), both non-negative; None when they are in
-    that order already (the worker lists a step's ranges so: the sort and every reordering of a
-    16k-range plan's columns were ~40% of its host time). One sort of a packed key where both
-    fit in 63 bits (a two-key ``lexsort`` of a step's 8,192 ranges took 160 us, ten times as
-    long, most of it even when they were in order already)."""
-    if not len(group):
+def _pool_order(group: np.ndarray | None, pool_row: np.ndarray) -> np.ndarray | None:
+    """The stable order by (``group``, ``pool_row``), both non-negative (``group`` None: all in
+    one); None when they are in that order already (the worker lists a step's ranges so: the
+    sort and every reordering of a 16k-range plan's columns were ~40% of its host time). One
+    sort of a packed key where both fit in 63 bits (a two-key ``lexsort`` of a step's 8,192
+    ranges took 160 us, ten times as long, most of it even when they were in order already)."""
+    if not len(pool_row):
         return None
-    row_bits = int(pool_row.max()).bit_length()
-    if int(group.max()).bit_length() + row_bits > 63:
-        return np.lexsort((pool_row, group))
-    key = (group << row_bits) | pool_row
+    if group is None:
+        key = pool_row
+    else:
+        row_bits = int(pool_row.max()).bit_length()
+        if int(group.max()).bit_length() + row_bits > 63:
+            return np.lexsort((pool_row, group))
+        key = (group << row_bits) | pool_row
     return None if bool((key[1:] >= key[:-1]).all()) else np.argsort(key, kind="stable")
 
 
