@@ -614,6 +614,38 @@ PROFILED_SOURCES = ("ucm_ray", "kv_connector", "gpu_model_runner.py", "core.py",
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "ac2g", "gpu_user_annotation"}
 
 
+def _device_profiler() -> Any:
+    """torch's profiler over the host (every thread's ops, where this torch can) and the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    extra: dict[str, Any] = {}
+    try:  # every thread's ops (the copy thread's too)
+        extra["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        pass
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=activities, with_stack=True, **extra)
+
+
+def _export_trace(prof: Any, trace_path: str) -> str:
+    """The profile as a gzipped Chrome trace at ``trace_path``, kept to the device, annotations
+    and our code, vLLM's engine step and scheduler (``PROFILED_SOURCES``); its table of ops."""
+    import gzip
+
+    raw = trace_path + ".raw.json"
+    prof.export_chrome_trace(raw)
+    with open(raw) as f:
+        trace = json.load(f)
+    os.unlink(raw)
+    kept = [e for e in trace.get("traceEvents", []) if e.get("ph") == "M" or e.get("cat") in DEVICE_CATEGORIES
+            or e.get("cat") == "user_annotation"
+            or (e.get("cat") == "python_function" and any(s in e.get("name", "") for s in PROFILED_SOURCES))]
+    with gzip.open(trace_path, "wt") as f:
+        json.dump({"traceEvents": kept}, f)
+    table: str = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+    return table
+
+
 def profiled_engine_class():
     """The demo's engine with one more method: a request served under torch's profiler, every
     thread and the GPU's streams, its trace trimmed to our code, the engine step and the device
@@ -642,40 +674,24 @@ def profiled_engine_class():
                     pass  # a thread that ended meanwhile
 
         def generate_profiled(self, prompt_ids: list[int], max_tokens: int, trace_path: str) -> dict[str, Any]:
-            import gzip
-            import json
-
-            from torch.profiler import ProfilerActivity, profile
-
-            extra: dict[str, Any] = {}
-            try:  # every thread's ops (the copy thread's too), where this torch can
-                extra["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-            except (AttributeError, TypeError):
-                pass
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, **extra) as prof:
+            with _device_profiler() as prof:
                 result = self.generate(prompt_ids, max_tokens)
-            raw = trace_path + ".raw.json"
-            prof.export_chrome_trace(raw)
-            with open(raw) as f:
-                trace = json.load(f)
-            os.unlink(raw)
-            kept = [e for e in trace.get("traceEvents", []) if e.get("ph") == "M" or e.get("cat") in DEVICE_CATEGORIES
-                    or e.get("cat") == "user_annotation"
-                    or (e.get("cat") == "python_function" and any(s in e.get("name", "") for s in PROFILED_SOURCES))]
-            with gzip.open(trace_path, "wt") as f:
-                json.dump({"traceEvents": kept}, f)
-            result["profile_table"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+            result["profile_table"] = _export_trace(prof, trace_path)
             return result
 
         def decode_batch(self, prompts: list[list[int]], max_tokens: int, timed: bool = False,
-                         stats_path: str | None = None) -> dict[str, Any]:
+                         stats_path: str | None = None, trace_path: str | None = None,
+                         trace_steps: int = 32) -> dict[str, Any]:
             """``prompts`` served together, ``max_tokens`` tokens each (EOS ignored), as a serving
             engine decodes a batch: ``rate``, the tokens per second of the steps after every
             prompt's first token (on an engine with the connector the prompts' saves run in
             them), and each request's ``tokens``, in prompt order. The steps after the first
             tokens are measured too (their cost is in ``rate``): ``timed``, their parts timed as
             in ``generate_timed`` (``result["timed"]``); ``stats_path``, under cProfile (the
-            engine's thread), its stats dumped there."""
+            engine's thread), its stats dumped there; ``trace_path``, the last ``trace_steps``
+            decode steps under torch's profiler (host and device timelines, as
+            ``generate_profiled`` keeps them; ``result["profile_table"]``): whether a step's
+            extra time is the host's or the device's."""
             import cProfile
 
             from vllm import SamplingParams
@@ -691,8 +707,11 @@ def profiled_engine_class():
             tokens: list[list[int]] = [[] for _ in prompts]
             started, at_start = 0.0, 0
             parts: dict[str, list[float]] = {}
+            traced = None
             with ExitStack() as timers:
                 while engine.has_unfinished_requests():
+                    if trace_path and traced is None and started and min(map(len, tokens)) >= max_tokens - trace_steps:
+                        traced = timers.enter_context(_device_profiler())
                     for out in engine.step():
                         tokens[rows[out.request_id]] = list(out.outputs[0].token_ids)
                     if not started and all(tokens):
@@ -705,7 +724,10 @@ def profiled_engine_class():
                             timers.callback(profiler.disable)
                 rate = (sum(map(len, tokens)) - at_start) / (time.perf_counter() - started)
             self._flush()
-            return {"tokens": tokens, "rate": rate, "timed": parts}
+            result = {"tokens": tokens, "rate": rate, "timed": parts}
+            if traced is not None and trace_path:
+                result["profile_table"] = _export_trace(traced, trace_path)
+            return result
 
         def _timed_targets(self) -> list[Target]:
             """The engine's step parts and every connector hook (either half), and our code

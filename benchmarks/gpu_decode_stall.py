@@ -22,9 +22,10 @@ Per request it logs the decode steps' spread (the first 8 steps' sum is the figu
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
 cProfile (stats in ``$OUT`` or /tmp). ``--batch N`` serves batches of N fresh prompts instead
 (``decode_batch``: rates, then one batch of A and of C with their step parts timed, and one
-under cProfile unless ``--profile-tokens 0``), ``--shape 8b`` on Llama-3.1-8B's layers (dummy
-weights, 4k prompts). Nothing here is a benchmark figure; the variants patch one engine's
-objects in place and are undone before the next.
+under cProfile unless ``--profile-tokens 0``; ``--trace-steps K``: one more of each with its
+last K decode steps under torch's profiler, host and device timelines in ``$OUT``), ``--shape
+8b`` on Llama-3.1-8B's layers (dummy weights, 4k prompts). Nothing here is a benchmark figure;
+the variants patch one engine's objects in place and are undone before the next.
 
 First run (H200, 1B, 16k prompts, 2026-12-03): the 117-vs-30 ms stall did not recur. C's first
 8 decode steps took 97-101 ms as well (vLLM's own: a 54 ms and a 25 ms step), A's 107-108 ms as
@@ -130,9 +131,17 @@ def timed_batches(engines: dict[str, Any], cores: Any, model: str, prompt_tokens
         log.info("%s timed batch of %d: %.1f tok/s", label, args.batch, result["rate"])
         timed[label] = result["timed"]
     log.info("per decode step of the timed batches (us):\n%s", "\n".join(bench.parts_table(timed, per_step=True)))
+    out_dir = os.environ.get("OUT", tempfile.gettempdir())
+    for round_index, label in enumerate(("A", "C") if args.trace_steps else ()):
+        prompts = [synthetic_prompt(model, prompt_tokens, seed=7300 + 100 * round_index + i) for i in range(args.batch)]
+        path = os.path.join(out_dir, f"batch_{label}.trace.json.gz")
+        with bench.turn_cores(engines[label], cores):
+            result = ray.get(engines[label].decode_batch.remote(prompts, args.decode, trace_path=path,
+                                                                trace_steps=args.trace_steps))
+        log.info("%s batch of %d, its last %d steps under torch's profiler: %.1f tok/s, trace in %s\n%s", label,
+                 args.batch, args.trace_steps, result["rate"], path, result.get("profile_table", ""))
     if not args.profile_tokens:
         return
-    out_dir = os.environ.get("OUT", tempfile.gettempdir())
     for round_index, label in enumerate(("A", "C")):
         prompts = [synthetic_prompt(model, prompt_tokens, seed=7500 + 100 * round_index + i) for i in range(args.batch)]
         path = os.path.join(out_dir, f"batch_{label}.prof")
@@ -153,6 +162,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="the model (gpu_data_plane.py's profiles)")
     ap.add_argument("--batch", type=int, default=0,
                     help="serve batches of this many fresh prompts instead of one request")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="with --batch: one more batch of A and of C, its last this many decode steps under torch's "
+                    "profiler (host and device timelines, batch_A/C.trace.json.gz in $OUT)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ucm_ray.demo import kv_transfer_config
