@@ -61,6 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_data_plane as bench  # noqa: E402
+import trace_steps  # noqa: E402
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.fleet import running_fleet  # noqa: E402
@@ -132,14 +133,17 @@ def timed_batches(engines: dict[str, Any], cores: Any, model: str, prompt_tokens
         timed[label] = result["timed"]
     log.info("per decode step of the timed batches (us):\n%s", "\n".join(bench.parts_table(timed, per_step=True)))
     out_dir = os.environ.get("OUT", tempfile.gettempdir())
+    traces = {}
     for round_index, label in enumerate(("A", "C") if args.trace_steps else ()):
         prompts = [synthetic_prompt(model, prompt_tokens, seed=7300 + 100 * round_index + i) for i in range(args.batch)]
-        path = os.path.join(out_dir, f"batch_{label}.trace.json.gz")
+        traces[label] = path = os.path.join(out_dir, f"batch_{label}.trace.json.gz")
         with bench.turn_cores(engines[label], cores):
             result = ray.get(engines[label].decode_batch.remote(prompts, args.decode, trace_path=path,
                                                                 trace_steps=args.trace_steps))
         log.info("%s batch of %d, its last %d steps under torch's profiler: %.1f tok/s, trace in %s\n%s", label,
                  args.batch, args.trace_steps, result["rate"], path, result.get("profile_table", ""))
+    if traces:
+        log.info("traced steps, host against device:\n%s", trace_steps.summary(traces))
     if not args.profile_tokens:
         return
     for round_index, label in enumerate(("A", "C")):
