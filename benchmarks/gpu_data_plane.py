@@ -839,7 +839,7 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
         part = worker.worker_part
         out.append((part, ("_start_loads", "_post_by_pool", "_post_parts", "_ranges", "_count_bytes", "_split",
                            "_finish_loads", "_land", "_compute_ready", "_order_compute", "_validate_unpinned",
-                           "_post_saves", "_poll_saves", "fence"), "in.worker"))
+                           "_post_saves", "_post_ordered", "_poll_saves", "fence"), "in.worker"))
         out.append((part._pools, ("prepare", "post_part"), "in.pools"))
     return out
 

@@ -95,8 +95,8 @@ def stall_engine_class() -> type:
             elif name == "sync":
                 post = type(worker)._post_saves
 
-                def post_and_wait(saves: Any, deadline: float) -> Any:
-                    posted = post(worker, saves, deadline)
+                def post_and_wait(saves: Any, deadline: float, **later: Any) -> Any:
+                    posted = post(worker, saves, deadline)  # at once, not after the forward
                     if torch.cuda.is_available():
                         torch.cuda.synchronize()
                     return posted

@@ -4,8 +4,8 @@ What orders the worker's side-stream copies against the forward pass (``ucm_ray.
 ``ucm_ray.transport.shm``). Shared-memory copies on CUDA are posted from the engine's own thread:
 1. ``_CudaCopies.post``: the pool's stream ``wait_stream``s the *calling thread's current stream*
    (the compute stream) before it queues a copy: a load runs after work already queued (e.g.
-   vLLM zeroing fresh blocks), a save (posted at the next step's ``bind``) after the forward
-   that wrote its blocks.
+   vLLM zeroing fresh blocks), a save (taken at the next step's ``bind``, posted once that
+   step's forward is queued) after the forward that wrote its blocks.
 2. ``WorkerPart.wait_for_layer_load``: the compute stream waits for the event recorded after
    the layer's copies (``_CudaEventTransfer.order_stream``), so the layer's compute queued
    after it reads landed bytes, with no host wait.
@@ -264,3 +264,30 @@ def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker
     for i in range(N):
         assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], expected[i]), \
             f"block {i}: the save copied bytes the next step's forward wrote"
+
+
+def test_a_save_is_posted_once_the_steps_forward_is_queued(pool, worker):
+    """``bind`` only takes a step's save job: planning its copies (an 8B save's gather plans
+    took ~1-2 ms of an H200 host) before the forward's launch held the device back. They are
+    planned and queued in ``wait_for_save``, after the forward, while the device runs it."""
+    from ucm_ray.store.blockstore import Locations
+    from ucm_ray.vllm.metadata import BlockSaves
+
+    w, caches, desc = worker
+    for i, t in enumerate(caches.values()):
+        t.view(torch.uint8).view(-1).copy_(random_bytes(N * PAGE, seed=40 + i).cuda())
+    pool.tensor.zero_()
+    torch.cuda.synchronize()
+    saves = BlockSaves(300, torch.zeros(N, dtype=torch.int64).numpy(), torch.arange(N).numpy(),
+                       Locations.of([location(desc, i) for i in range(N)]))
+    w.bind(meta(desc, saves={0: saves}))
+    w.start_load_kv()
+    torch.cuda.synchronize()  # whatever bind queued has run by now
+    assert not bool(pool.tensor.any()), "bind queued the save's copies ahead of the step's forward"
+    w.wait_for_save()  # the forward was queued: now the save is
+    torch.cuda.synchronize()
+    results = w.build_worker_meta()
+    assert results is not None and results.saves[300].landed.all()
+    for i in (0, N // 2, N - 1):
+        assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], entry_bytes(caches, i)), \
+            f"block {i}: the saved entry differs from the KV"

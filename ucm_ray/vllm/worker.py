@@ -22,11 +22,14 @@ FULL-CUDA-graph threshold, non-layerwise mode, and the hit's last block, into
 whose tail vLLM writes the recomputed tokens before any hook runs): the host
 waits for them, or on stream-ordered pools the compute stream does.
 
-Saves are taken late: ``bind`` posts, every layer at once, the attention blocks
-that earlier steps filled (their KV is written: the copies queue behind the
-compute stream's work so far, on their own stream; a copy thread's pools get them
-after the step's loads). On stream-ordered pools they move while this step and
-the next ones compute: no step waits for them, and at each hook the host looks,
+Saves are taken late: ``bind`` takes a job, every layer at once, of the attention
+blocks that earlier steps filled (their KV is written, and nothing writes them
+while their request runs). A copy thread's pools get it after the step's loads;
+stream-ordered pools once the step's forward is queued (``wait_for_save``): the
+host plans their copies while the device computes, not before the launch, and
+the copies queue behind the compute stream's work so far, on their own stream.
+On stream-ordered pools they move while the next steps compute: no step waits
+for them, and at each hook the host looks,
 without waiting, for jobs that landed (or missed their deadline) and reports
 their results. The copy thread's saves are waited for at the end of their step
 (that thread needs the GIL between copies: ``_poll_saves``). The
@@ -196,10 +199,10 @@ class _Posted:
 
 @dataclass(eq=False)
 class _SavesPosted:
-    """A save job posted: batches on stream-ordered pools, and the copy thread's tasks (handed
-    to it after the step's loads, which must not queue behind them: ``threaded``). It lands
-    when it lands: the host looks at each hook without waiting, and takes it as failed once
-    ``deadline`` passed."""
+    """A save job: batches on stream-ordered pools (posted once the step's forward is queued:
+    ``ordered``), and the copy thread's tasks (handed to it after the step's loads, which must
+    not queue behind them: ``threaded``). It lands when it lands: the host looks at each hook
+    without waiting, and takes it as failed once ``deadline`` passed."""
 
     saves: BlockSaves
     layers: tuple[tuple[int, int], ...]
@@ -207,6 +210,11 @@ class _SavesPosted:
     futures: list[Future]
     threaded: _ByPool
     deadline: float
+    ordered: _ByPool = field(default_factory=dict)
+    """Entries on stream-ordered pools not posted yet. Planning them is host time (an 8B save's
+    gather plans ~1-2 ms on an H200 host): before the forward's launch it held the device back,
+    after it the host plans while the device computes. The blocks were written by earlier steps
+    and no step writes them while their request runs, so the copies may follow the forward."""
     posted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -320,7 +328,7 @@ class WorkerPart:
         self._step = _StepState(loads=loads or [], deadline=deadline, state_saves=state_saves) \
             if loads or state_saves is not None else self._idle_step
         if saves is not None and len(saves):
-            self._saving.append(self._post_saves(saves, deadline))
+            self._saving.append(self._post_saves(saves, deadline, ordered_later=True))
 
     def start_load_kv(self) -> None:
         step = self._step
@@ -416,6 +424,8 @@ class WorkerPart:
             self._finish_loads()
 
     def wait_for_save(self) -> None:
+        for saves in self._saving:  # the forward is queued: the host plans them while it runs
+            self._post_ordered(saves)
         self._finish_posted_loads()
         step = self._step
         unwaited = set(step.load_futures) | set(step.layer_loads)
@@ -491,18 +501,25 @@ class WorkerPart:
             self.stats.add(deadline_misses=1)
             return None
 
-    def _post_saves(self, saves: BlockSaves, deadline: float) -> _SavesPosted:
-        """Post every layer of a save job's blocks at once: one batch per pool, queued behind
-        the compute stream's work so far (which wrote the blocks)."""
+    def _post_saves(self, saves: BlockSaves, deadline: float, *, ordered_later: bool = False) -> _SavesPosted:
+        """A save job, every layer of its blocks at once: one batch per pool, queued behind the
+        compute stream's work so far (which wrote the blocks); ``ordered_later``: its
+        stream-ordered pools' batches wait for ``_post_ordered`` (after the step's forward)."""
         entries = _save_entries(saves)
         layers = tuple((gl.group, i) for gl in self._layouts
                        if any(gl.group in by_group for by_group in entries.values()) for i in range(len(gl.layers)))
         ordered, threaded = self._split(entries)
-        out = _SavesPosted(saves, layers, [], [], threaded, deadline)
-        if ordered:
-            out.posted += self._post_by_pool(ordered, [layers], write=True)
+        out = _SavesPosted(saves, layers, [], [], threaded, deadline, ordered)
+        if not ordered_later:
+            self._post_ordered(out)
         self._count_bytes([_Batch(layers, entries)], "saved")
         return out
+
+    def _post_ordered(self, saves: _SavesPosted) -> None:
+        """Post a save job's batches on stream-ordered pools, if not yet posted."""
+        if saves.ordered:
+            ordered, saves.ordered = saves.ordered, {}
+            saves.posted += self._post_by_pool(ordered, [saves.layers], write=True)
 
     def _hand_to_copier(self, saves: _SavesPosted) -> None:
         """The copy thread's part of a save job, once the step's loads are queued there."""
@@ -524,6 +541,7 @@ class WorkerPart:
             return  # most decode steps
         for saves in self._saving:  # a step without ``start_load_kv`` (one that runs no tokens)
             self._hand_to_copier(saves)
+            self._post_ordered(saves)  # this step's forward is queued (or, at ``bind``, the last one's)
         now = time.monotonic()
         landing = [saves for saves in self._saving
                    if (step_end and (self._config.checksum or saves.futures)) or now >= saves.deadline
@@ -553,6 +571,8 @@ class WorkerPart:
         if not fenced:
             return
         self.stats.add(save_fences=len(fenced))
+        for saves in fenced:
+            self._post_ordered(saves)
         host = [saves for saves in fenced
                 if saves.futures or saves.threaded or not all([self._order_compute(p) for p in saves.posted])]
         for saves in host:
@@ -561,7 +581,7 @@ class WorkerPart:
 
     def _saves_done(self, saves: _SavesPosted) -> bool:
         """Whether every copy of a save job is over (never waits)."""
-        if saves.threaded or not all(future.done() for future in saves.futures):
+        if saves.threaded or saves.ordered or not all(future.done() for future in saves.futures):
             return False
         batches = saves.posted + [future.result() for future in saves.futures if not future.cancelled()]
         try:
@@ -572,6 +592,7 @@ class WorkerPart:
     def _land_saves(self, saves: _SavesPosted) -> None:
         """Wait (within the job's deadline) for a save job's copies; its result per row."""
         self._hand_to_copier(saves)
+        self._post_ordered(saves)
         posted, failed, uncertain = list(saves.posted), False, False
         for future in saves.futures:
             batch = self._posted_by_deadline(future, saves.deadline)
