@@ -54,3 +54,14 @@ def test_the_primary_alone_is_the_first_of_the_replica_order():
     ks, shards = keys(5000), [f"s{i}" for i in range(7)]
     assert np.array_equal(owners(ks, shards, 1), owners(ks, shards, 7)[:, :1])
     assert owners(ks, shards, 1).shape == (5000, 1)
+
+
+def test_scores_are_splitmix64_as_published():
+    """Every engine and shard must place a key alike, whatever numpy does: the scores are the
+    published splitmix64 sequence (seed 0: e220a8397b1dcdaf, 6e789e6aa1b965f4, 06c45d188009454f)."""
+    from ucm_ray.store.placement import _splitmix64
+
+    golden = 0x9E3779B97F4A7C15
+    states = np.array([0, golden, 2 * golden % 2**64], dtype=np.uint64)
+    assert [int(v) for v in _splitmix64(states)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert [int(v) for v in states] == [0, golden, 2 * golden % 2**64], "the input is left as it was"
