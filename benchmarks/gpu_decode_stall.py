@@ -43,6 +43,11 @@ Batches of 8 at 8B (``--shape 8b --batch 8 --decode 256``, H200, 2026-12-03, two
   the save's post 76, of which gather plans 34). Under cProfile C's engine thread waited for the
   device (``Event.synchronize``) 1.09 ms a step, A's 0.66 ms: part of our host time now overlaps
   the device, the rest is still on the step's critical path.
+- Device trace (``--trace-steps 32``, package code ``de61b43``, 2026-12-04): the device did the
+  same work in A's and C's steps (busy 4,667 vs 4,673 us median, nothing of ours on other
+  streams in those steps), and vLLM's own functions took no longer in A; A's step was longer
+  by our hooks (the scheduler's plan in ``schedule``, the worker's in ``execute_model``) and
+  the launch came later (+130 us median). The gap is host time, and the device idles for it.
 """
 
 from __future__ import annotations
