@@ -10,7 +10,7 @@ from ucm_ray.demo import ENGINE_ENV
 from ucm_ray.demo import kv_transfer_config as kv_transfer
 from ucm_ray.testing.engines import ProbedEngine
 
-__all__ = ["ENGINE_ENV", "EngineProcess", "kv_transfer"]
+__all__ = ["ENGINE_ENV", "EngineProcess", "kv_transfer", "logprob_drift"]
 
 
 class _ProbedEngine(ProbedEngine):
@@ -50,6 +50,13 @@ class _ProbedEngine(ProbedEngine):
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def logprob_drift(got: list[float], expected: list[float]) -> float:
+    """The largest difference between two outputs' logprobs, token by token. A warm engine that
+    computes a prompt's tail in another batch shape than the reference's single prefill differs
+    by fp32 rounding (~1e-6); a wrong block moves the logprobs by ~1e-2."""
+    return max(abs(x - y) for x, y in zip(got, expected, strict=True))
 
 
 EngineProcess = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(_ProbedEngine)

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import ray
 
-from tests.e2e_helpers import ENGINE_ENV, EngineProcess, kv_transfer
+from tests.e2e_helpers import ENGINE_ENV, EngineProcess, kv_transfer, logprob_drift
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_hybrid_model, make_tiny_model, synthetic_prompt
 
@@ -231,7 +231,7 @@ def assert_same(out: dict[str, Any], expected: dict[str, Any], what: Any) -> Non
     differ by up to ~1.5e-6 (a few ulps: its kernels round differently for another batch shape). A
     wrong block moves the logprobs by ~1e-2."""
     assert out["tokens"] == expected["tokens"], what
-    drift = max(abs(x - y) for x, y in zip(out["logprobs"], expected["logprobs"], strict=True))
+    drift = logprob_drift(out["logprobs"], expected["logprobs"])
     log.info("%s: logprobs drift %.3g", what, drift)
     assert drift < 1e-4, (what, f"logprobs drift {drift}")
 

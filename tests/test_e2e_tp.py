@@ -25,7 +25,7 @@ import pytest
 import ray
 import torch
 
-from tests.e2e_helpers import kv_transfer
+from tests.e2e_helpers import kv_transfer, logprob_drift
 from ucm_ray import policy
 from ucm_ray.store.blockstore import Removal
 from ucm_ray.store.client import StoreClient
@@ -166,7 +166,7 @@ def test_tp2_ranks_store_their_own_heads_and_hit_together(shared, tiny, prompts,
     # The 40-token tail runs in another batch shape than the reference's one prefill: logprobs
     # agree to fp32 rounding (measured 0 here with TP=2, ~1e-6 with TP=1; a wrong or missing
     # shard of heads moves them by ~1e-2).
-    drift = max(abs(x - y) for x, y in zip(hit["logprobs"], ref["outputs"][0]["logprobs"]))
+    drift = logprob_drift(hit["logprobs"], ref["outputs"][0]["logprobs"])
     log.info("TP=2 hit: logprobs drift %.3g from the TP=2 reference", drift)
     assert drift < 1e-4, f"logprobs drift {drift}"
     assert miss["tokens"] == ref["outputs"][1]["tokens"] and miss["logprobs"] == ref["outputs"][1]["logprobs"]

@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from tests.e2e_helpers import EngineProcess, kv_transfer
+from tests.e2e_helpers import EngineProcess, kv_transfer, logprob_drift
 from tests.store_helpers import restart_shard
 from ucm_ray import policy
 from ucm_ray.store.client import StoreClient
@@ -74,7 +74,7 @@ def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, pro
     assert out["tokens"] == baseline[(seed, "P+s")]
     # Finer than tokens: the logprobs match to fp32 rounding (the suffix runs in another batch
     # shape than the reference's single prefill; measured 1e-6). A wrong block moves them ~1e-2.
-    drift = max(abs(x - y) for x, y in zip(out["logprobs"], baseline[(seed, "P+s", "logprobs")]))
+    drift = logprob_drift(out["logprobs"], baseline[(seed, "P+s", "logprobs")])
     assert drift < 1e-4, f"logprobs drift {drift}"
 
     # B re-serves P itself: 19 blocks from its own cache, the last from the store minus the recompute
@@ -206,6 +206,6 @@ def test_shard_restarted_under_the_same_name_never_changes_an_output(ray_cluster
         totals = ray.get(a.connector_totals.remote())
         assert totals["scheduler"]["hit_tokens"] - before == 2560  # all of it from the store
         assert out["tokens"] == baseline[(7, "P+s")]
-        drift = max(abs(x - y) for x, y in zip(out["logprobs"], baseline[(7, "P+s", "logprobs")]))
+        drift = logprob_drift(out["logprobs"], baseline[(7, "P+s", "logprobs")])
         assert drift < 1e-4, f"logprobs drift {drift}"
         ray.kill(a)
