@@ -291,3 +291,62 @@ def test_a_save_is_posted_once_the_steps_forward_is_queued(pool, worker):
     for i in (0, N // 2, N - 1):
         assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], entry_bytes(caches, i)), \
             f"block {i}: the saved entry differs from the KV"
+
+
+def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(pool, cycles_for_delay):
+    """A step's save job with a same-node pool (shared memory: queued after the forward, on the
+    device) and another node's (NIXL: the copy thread's, waited for by the host at the step's end
+    so that thread gets the GIL). The step's end waits for the NIXL part only: waiting for the
+    whole job held the host for the whole forward. Both parts land, with the blocks' bytes."""
+    import uuid
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.blockstore import Location, Locations
+    from ucm_ray.transport.base import PoolDescriptor
+    from ucm_ray.transport.nixl import NixlPoolExporter
+    from ucm_ray.vllm.metadata import BlockSaves, UcmRayConnectorMetadata
+    from ucm_ray.vllm.worker import WorkerPart
+
+    caches = kv_caches()
+    for i, t in enumerate(caches.values()):
+        t.view(torch.uint8).view(-1).copy_(random_bytes(N * PAGE, seed=50 + i).cuda())
+    pool.tensor.zero_()
+    remote = torch.zeros(N * ENTRY, dtype=torch.uint8)  # another node's pool, reached over NIXL
+    exporter = NixlPoolExporter(remote, f"ucmr-gpu-mixed-{uuid.uuid4().hex[:8]}")
+    shm_desc = PoolDescriptor("shard-0", "this-node", pool.size, pool.path, None, None, pool.tensor.data_ptr(),
+                              incarnation=7)
+    nixl_desc = exporter.descriptor("shard-1", "other-node", incarnation=8)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(layer_names=list(caches), kv_cache_spec=spec)])
+    w = WorkerPart(config, UcmRayConfig(transport="auto", transfer_timeout_s=30.0), 0, "this-node")
+    try:
+        w.register_kv_caches(caches)
+        half = N // 2
+        places = [Location(shm_desc.shard_id, shm_desc.incarnation, i * ENTRY, ENTRY) for i in range(half)] + \
+                 [Location(nixl_desc.shard_id, nixl_desc.incarnation, i * ENTRY, ENTRY) for i in range(half, N)]
+        saves = BlockSaves(400, torch.zeros(N, dtype=torch.int64).numpy(), torch.arange(N).numpy(),
+                           Locations.of(places))
+        torch.cuda.synchronize()
+        expected = [entry_bytes(caches, i) for i in range(N)]
+        w.bind(UcmRayConnectorMetadata(pools={shm_desc.key: shm_desc, nixl_desc.key: nixl_desc}, saves={0: saves}))
+        w.start_load_kv()  # the NIXL part goes to the copy thread
+        torch.cuda._sleep(cycles_for_delay)  # the step's forward, ~0.3 s
+        forward_done = torch.cuda.Event()
+        forward_done.record()
+        w.wait_for_save()  # the step's end: the shared-memory part is queued now, after the forward
+        assert not forward_done.query(), "the step's end waited for its forward (the job's shared-memory part)"
+        torch.cuda.synchronize()
+        results = w.build_worker_meta()
+        assert results is not None and 400 in results.saves, "the save job never landed"
+        assert results.saves[400].landed.all(), f"rows not landed: {(~results.saves[400].landed).sum()}"
+        for i in (0, half - 1):
+            assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], expected[i]), f"block {i} (shm) differs"
+        for i in (half, N - 1):
+            assert torch.equal(remote[i * ENTRY:(i + 1) * ENTRY], expected[i]), f"block {i} (NIXL) differs"
+    finally:
+        w.shutdown()
+        exporter.close()
+
