@@ -63,7 +63,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from itertools import groupby, repeat
 
@@ -542,14 +542,31 @@ class WorkerPart:
         for saves in self._saving:  # a step without ``start_load_kv`` (one that runs no tokens)
             self._hand_to_copier(saves)
             self._post_ordered(saves)  # this step's forward is queued (or, at ``bind``, the last one's)
+        if step_end and not self._config.checksum:
+            for saves in self._saving:
+                self._wait_threaded(saves)
         now = time.monotonic()
         landing = [saves for saves in self._saving
-                   if (step_end and (self._config.checksum or saves.futures)) or now >= saves.deadline
-                   or self._saves_done(saves)]
+                   if (step_end and self._config.checksum) or now >= saves.deadline or self._saves_done(saves)]
         for saves in landing:
             self._land_saves(saves)
         if landing:
             self._saving = [saves for saves in self._saving if saves not in landing]
+
+    def _wait_threaded(self, saves: _SavesPosted) -> None:
+        """Wait (within the job's deadline) for the copy thread's part of a save job, posts and
+        transfers, and not for its stream-ordered part: that part is queued after the step's
+        forward, so waiting for it (landing the job at step end) held the host for the whole
+        forward. A failure or a missed deadline is taken when the job lands (a transfer's
+        ``wait`` may be called again)."""
+        for future in saves.futures:
+            try:
+                posted = future.result(timeout=max(0.0, saves.deadline - time.monotonic()))
+            except FutureTimeout:
+                return  # past its deadline: it lands (failed) in this poll
+            for _, transfer in posted.transfers:
+                with suppress(Exception):
+                    transfer.wait(max(0.0, saves.deadline - time.monotonic()))
 
     def _land_every_save(self) -> None:
         """Wait for every save job still copying (the pools' mappings are about to change)."""
