@@ -124,12 +124,15 @@ def test_serve_app_shares_one_tier_between_two_models(model, tmp_path):
         serve.send_signal(signal.SIGINT)  # what Ctrl-C (or ``kill -INT``) sends
         try:
             serve.wait(timeout=60)
+            killed = False
         except subprocess.TimeoutExpired:
             serve.kill()
+            serve.wait()
+            killed = True
         stopped_s = time.monotonic() - stopping
         print(f"serve: stopped {stopped_s:.0f} s after Ctrl-C", flush=True)
         cluster.close()
-    assert serve.returncode != -signal.SIGKILL, f"`ucm-ray serve` ignored SIGINT: killed after {stopped_s:.0f} s"
+    assert not killed, f"`ucm-ray serve` ignored SIGINT: killed after {stopped_s:.0f} s"
     deadline = time.monotonic() + 15
     while glob.glob(f"/dev/shm/ucmray-{namespace}-*") and time.monotonic() < deadline:
         time.sleep(0.5)
