@@ -120,6 +120,10 @@ def cmd_serve(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
     if args.address:
         command += ["--address", args.address]
     sys.stdout.flush()
+    # ``serve run`` stops its apps on KeyboardInterrupt, which Python raises only if SIGINT was
+    # not ignored when it started: a script's background job (``ucm-ray serve ... &``) inherits
+    # it ignored, and ``kill -INT`` did nothing (the exec keeps an ignored signal ignored)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execv(sys.executable, command)
     return 0  # not reached
 
