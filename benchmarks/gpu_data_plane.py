@@ -706,6 +706,7 @@ def profiled_engine_class():
                 rows[req_id] = rows[added if isinstance(added, str) else req_id] = row  # some versions add a suffix
             tokens: list[list[int]] = [[] for _ in prompts]
             started, at_start = 0.0, 0
+            step_ends: list[float] = []  # after each step from the first tokens on (``step_s``)
             parts: dict[str, list[float]] = {}
             traced = None
             with ExitStack() as timers:
@@ -714,6 +715,8 @@ def profiled_engine_class():
                         traced = timers.enter_context(_device_profiler())
                     for out in engine.step():
                         tokens[rows[out.request_id]] = list(out.outputs[0].token_ids)
+                    if started:
+                        step_ends.append(time.perf_counter())
                     if not started and all(tokens):
                         started, at_start = time.perf_counter(), sum(map(len, tokens))
                         parts = timers.enter_context(timed_calls(self._timed_targets())) if timed else {}
@@ -724,7 +727,8 @@ def profiled_engine_class():
                             timers.callback(profiler.disable)
                 rate = (sum(map(len, tokens)) - at_start) / (time.perf_counter() - started)
             self._flush()
-            result = {"tokens": tokens, "rate": rate, "timed": parts}
+            result = {"tokens": tokens, "rate": rate, "timed": parts,
+                      "step_s": np.diff([started, *step_ends]).tolist()}
             if traced is not None and trace_path:
                 result["profile_table"] = _export_trace(traced, trace_path)
             return result
@@ -1246,6 +1250,15 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     return res
 
 
+def step_windows(results: list[dict[str, Any]]) -> str:
+    """Mean decode step (ms) of batches in three windows, each batch's steps after its first
+    tokens: where an engine's extra time goes (its prompts' saves are planned and move in the
+    first steps, decode saves later)."""
+    windows = ((0, 16), (16, 64), (64, None))
+    return " / ".join(f"{1e3 * statistics.mean(x for r in results for x in r['step_s'][begin:end]):.3f}"
+                      for begin, end in windows)
+
+
 def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_tokens: int, decode_batch: int,
                 decode_rounds: int) -> dict[str, Any]:
     """``--decode-only``: engines A (the connector, its saves running), C (none) and N (a
@@ -1290,6 +1303,8 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
                 engine.decode_batch.remote(batch, decode_tokens))))
             log.info("%s %s decode tok/s, batches of %d: %s", shape, s, decode_batch, ", ".join(
                 f"{label} {[round(r['rate'], 1) for r in rs]}" for label, rs in together.items()))
+            log.info("%s %s batch decode, mean step (ms) in steps 1-16 / 17-64 / 65-: %s", shape, s, "; ".join(
+                f"{label} {step_windows(rs)}" for label, rs in together.items()))
             rate = {label: statistics.median(r["rate"] for r in rs) for label, rs in together.items()}
             res.update({f"decode_batch_tok_s_{shape}_{s}": rate["A"],
                         f"decode_batch_tok_s_no_connector_{shape}_{s}": rate["C"],
