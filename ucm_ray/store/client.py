@@ -190,7 +190,9 @@ class _Acquire(Pending[ReadLease]):
             rank[take] = r
         self._rank[idx] = np.where(chosen < 0, self._owners.shape[1], rank)
         self._calls = []
-        for shard in np.unique(chosen[chosen >= 0]).tolist():
+        # the shards chosen, by ``bincount``: ``np.unique``'s first call in a process imports
+        # ``numpy.ma`` (~10 ms on a fresh engine's first lookup, which its request waits for)
+        for shard in np.flatnonzero(np.bincount(chosen[chosen >= 0])).tolist():
             rec = self._shards[shard]
             ix = idx[chosen == shard].tolist()
             keys = [self._keys[i] for i in ix]

@@ -119,11 +119,13 @@ def _group_tags(entries: _ByPool, group: int) -> set[_Tag]:
 def _group_entries(pools: list[PoolKey], pool_of: np.ndarray, groups: np.ndarray, block_ids: np.ndarray,
                    offsets: np.ndarray, tags: list[_Tag] | None = None) -> _ByPool:
     """Entries given as columns (``pool_of``: index into ``pools``), split per pool and group,
-    each in pool order (so a plan over every layer lists its ranges as the pool holds them)."""
+    each in pool order (so a plan over every layer lists its ranges as the pool holds them).
+    (The groups present by ``bincount``: ``np.unique``'s first call in a process imports
+    ``numpy.ma``, ~10 ms of a fresh engine's first save or store hit.)"""
     out: _ByPool = {}
     for index, pool in enumerate(pools):
         in_pool = pool_of == index
-        for g in np.unique(groups[in_pool]).tolist():
+        for g in np.flatnonzero(np.bincount(groups[in_pool])).tolist():
             rows = np.flatnonzero(in_pool & (groups == g))
             rows = rows[np.argsort(offsets[rows], kind="stable")]
             out.setdefault(pool, {})[g] = _Entries(block_ids[rows], offsets[rows],
