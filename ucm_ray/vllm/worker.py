@@ -32,7 +32,9 @@ On stream-ordered pools they move while the next steps compute: no step waits
 for them, and at each hook the host looks,
 without waiting, for jobs that landed (or missed their deadline) and reports
 their results. The copy thread's saves are waited for at the end of their step
-(that thread needs the GIL between copies: ``_poll_saves``). The
+(that thread needs the GIL between copies: ``_poll_saves``), and only they: a job
+with parts on both kinds of pool (a multi-node fleet's) lands once its
+stream-ordered part has too. The
 scheduler plans a request's saves once its first token is out, so neither the
 copies nor the host work of saving delay a cold request's first token. (Saved in
 the same step, layer by layer, a cold 4k-token request on an H200 took 2.1x as
