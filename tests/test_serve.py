@@ -96,7 +96,7 @@ def test_serve_app_shares_one_tier_between_two_models(model, tmp_path):
     config_file.write_text(yaml.safe_dump(serve_config(model, port, namespace)))
     log = tmp_path / "serve.log"
     started = time.monotonic()
-    # started as a script's background job is (``ucm-ray serve ... &``): with SIGINT ignored
+    # started the way a script starts a background job (``ucm-ray serve ... &``): SIGINT ignored
     serve = subprocess.Popen([sys.executable, "-m", "ucm_ray.cli", "serve", str(config_file),
                               "--address", cluster.address], cwd=ROOT, env=cluster_env(), stdin=subprocess.DEVNULL,
                              stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
