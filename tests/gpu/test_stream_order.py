@@ -79,23 +79,34 @@ def kv_caches() -> dict[str, torch.Tensor]:
             for i in range(LAYERS)}
 
 
-@pytest.fixture
-def worker(pool):
+def make_worker(caches: dict[str, torch.Tensor], **config):
+    """A worker on node "this-node" over ``caches`` (its ``UcmRayConfig`` from ``config``)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.transport.base import PoolDescriptor
     from ucm_ray.vllm.worker import WorkerPart
 
-    caches = kv_caches()
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-    config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(layer_names=list(caches), kv_cache_spec=spec)])
-    w = WorkerPart(config, UcmRayConfig(transport="shm"), 0, "this-node")
+    kv_config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(layer_names=list(caches), kv_cache_spec=spec)])
+    w = WorkerPart(kv_config, UcmRayConfig(**config), 0, "this-node")
     w.register_kv_caches(caches)
-    desc = PoolDescriptor("shard-0", "this-node", pool.size, pool.path, None, None, pool.tensor.data_ptr(),
+    return w
+
+
+def shm_descriptor(pool):
+    """The stand-alone pool described the way its shard would (on "this-node")."""
+    from ucm_ray.transport.base import PoolDescriptor
+
+    return PoolDescriptor("shard-0", "this-node", pool.size, pool.path, None, None, pool.tensor.data_ptr(),
                           incarnation=7)
-    yield w, caches, desc
+
+
+@pytest.fixture
+def worker(pool):
+    caches = kv_caches()
+    w = make_worker(caches, transport="shm")
+    yield w, caches, shm_descriptor(pool)
     w.shutdown()
 
 
@@ -300,14 +311,9 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     whole job held the host for the whole forward. Both parts land, with the blocks' bytes."""
     import uuid
 
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    from ucm_ray.config import UcmRayConfig
     from ucm_ray.store.blockstore import Location, Locations
-    from ucm_ray.transport.base import PoolDescriptor
     from ucm_ray.transport.nixl import NixlPoolExporter
     from ucm_ray.vllm.metadata import BlockSaves, UcmRayConnectorMetadata
-    from ucm_ray.vllm.worker import WorkerPart
 
     caches = kv_caches()
     for i, t in enumerate(caches.values()):
@@ -315,15 +321,10 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     pool.tensor.zero_()
     remote = torch.zeros(N * ENTRY, dtype=torch.uint8)  # another node's pool, reached over NIXL
     exporter = NixlPoolExporter(remote, f"ucmr-gpu-mixed-{uuid.uuid4().hex[:8]}")
-    shm_desc = PoolDescriptor("shard-0", "this-node", pool.size, pool.path, None, None, pool.tensor.data_ptr(),
-                              incarnation=7)
+    shm_desc = shm_descriptor(pool)
     nixl_desc = exporter.descriptor("shard-1", "other-node", incarnation=8)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-    config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(layer_names=list(caches), kv_cache_spec=spec)])
-    w = WorkerPart(config, UcmRayConfig(transport="auto", transfer_timeout_s=30.0), 0, "this-node")
+    w = make_worker(caches, transport="auto", transfer_timeout_s=30.0)
     try:
-        w.register_kv_caches(caches)
         half = N // 2
         places = [Location(shm_desc.shard_id, shm_desc.incarnation, i * ENTRY, ENTRY) for i in range(half)] + \
                  [Location(nixl_desc.shard_id, nixl_desc.incarnation, i * ENTRY, ENTRY) for i in range(half, N)]
@@ -349,4 +350,3 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     finally:
         w.shutdown()
         exporter.close()
-
