@@ -79,7 +79,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -654,24 +654,48 @@ def profiled_engine_class():
 
     class ProfiledEngine(Engine):
         def __init__(self, model_dir: str, kv: dict[str, Any] | None, cpus: list[int] | None = None,
-                     **engine_kwargs: Any) -> None:
+                     serving: bool = False, **engine_kwargs: Any) -> None:
             """``cpus``: the cores this engine's threads may run on, set before vLLM starts any
-            (each engine its own, near the GPU): one engine's host time is not another's."""
+            (each engine its own, near the GPU): one engine's host time is not another's.
+            ``serving``: vLLM's engine core (scheduler and worker) in a process of its own, as
+            ``vllm serve`` and Ray Serve run it, not in this one: requests are then added and
+            outputs detokenized here while the engine core steps on (the step parts cannot be
+            timed, nor the connector's counters read, from here)."""
             if cpus:
                 os.sched_setaffinity(0, cpus)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if serving else "0"
+            self.serving = serving
             super().__init__(model_dir, kv, **engine_kwargs)
             self.batches = 0  # ``decode_batch`` calls so far: its request ids
+
+        def scheduling(self) -> str:
+            """How vLLM runs this engine's steps (what its decode rate depends on)."""
+            config = self.llm.llm_engine.vllm_config
+            return (f"engine core {'in a process of its own' if self.serving else 'in-process'}, "
+                    f"async scheduling {config.scheduler_config.async_scheduling}")
+
+        def _flush(self) -> None:
+            if not self.serving:  # a serving engine core steps on by itself while it has requests
+                super()._flush()
 
         def affinity(self) -> list[int]:
             return sorted(os.sched_getaffinity(0))
 
         def pin(self, cpus: list[int]) -> None:
-            """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
-            for tid in os.listdir("/proc/self/task"):
+            """Every thread of this process and of its children (a serving engine core's)
+            onto ``cpus`` (threads started later inherit it)."""
+            import psutil
+
+            for pid in [os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))]:
                 try:
-                    os.sched_setaffinity(int(tid), cpus)
+                    threads = os.listdir(f"/proc/{pid}/task")
                 except OSError:
-                    pass  # a thread that ended meanwhile
+                    continue  # a child that ended meanwhile
+                for tid in threads:
+                    try:
+                        os.sched_setaffinity(int(tid), cpus)
+                    except OSError:
+                        pass  # a thread that ended meanwhile
 
         def generate_profiled(self, prompt_ids: list[int], max_tokens: int, trace_path: str) -> dict[str, Any]:
             with _device_profiler() as prof:
@@ -1255,18 +1279,22 @@ def step_windows(results: list[dict[str, Any]]) -> str:
     tokens: where an engine's extra time goes (its prompts' saves are planned and move in the
     first steps, decode saves later)."""
     windows = ((0, 16), (16, 64), (64, None))
-    return " / ".join(f"{1e3 * statistics.mean(x for r in results for x in r['step_s'][begin:end]):.3f}"
-                      for begin, end in windows)
+    means = []
+    for begin, end in windows:
+        steps = [x for r in results for x in r["step_s"][begin:end]]
+        means.append(f"{1e3 * statistics.mean(steps):.3f}" if steps else "-")  # fewer tokens than the window
+    return " / ".join(means)
 
 
 def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_tokens: int, decode_batch: int,
-                decode_rounds: int) -> dict[str, Any]:
+                decode_rounds: int, serving: bool = False) -> dict[str, Any]:
     """``--decode-only``: engines A (the connector, its saves running), C (none) and N (a
     connector that does nothing) of the ``shape`` profile decode fresh prompts one at a time,
     then ``decode_rounds`` batches of ``decode_batch`` prompts each, in turn on the same cores:
     ``decode_overhead_<shape>_<size>``, ``decode_batch_overhead_<shape>_<size>`` and their
     ``_null_connector`` (N against C). No TTFT part: with an 8B model the five engines of
-    ``--ttft`` do not start within one device call."""
+    ``--ttft`` do not start within one device call. ``serving``: every engine's core in a
+    process of its own (``vllm serve``'s way; the figures' names end in ``_serving``)."""
     from ucm_ray.demo import kv_transfer_config
     from ucm_ray.testing.null_connector import null_kv_transfer_config
 
@@ -1284,19 +1312,25 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
         profiled_engine_class())
     cores = engine_cores(device)
     res: dict[str, Any] = {}
+    engine_kwargs = {**prof.engine, "serving": serving}
+    mode = "_serving" if serving else ""
     with running_fleet(cfg):
-        engines = {label: start_engine(remote, model, prof, label, kv_config, cores.parked, warmup)
+        engines = {label: start_engine(remote, model, replace(prof, engine=engine_kwargs), label, kv_config,
+                                       cores.parked, warmup)
                    for label, kv_config in (("A", kv), ("C", None), ("N", null_kv_transfer_config()))}
+        for label, engine in engines.items():
+            log.info("engine %s: %s", label, ray.get(engine.scheduling.remote()))
         for s, ps in fresh.items():
             single = in_turn(engines, ps, on_turn(cores, lambda engine, p: ray.get(
                 engine.generate.remote(p, decode_tokens, ignore_eos=True))))
             log.info("%s %s decode tok/s: %s", shape, s, ", ".join(
                 f"{label} {[round(decode_rate(r), 1) for r in rs]}" for label, rs in single.items()))
             rate = {label: statistics.median(decode_rate(r) for r in rs) for label, rs in single.items()}
-            res.update({f"decode_tok_s_{shape}_{s}": rate["A"], f"decode_tok_s_no_connector_{shape}_{s}": rate["C"],
-                        f"decode_overhead_{shape}_{s}": 1 - rate["A"] / rate["C"],
-                        f"decode_overhead_null_connector_{shape}_{s}": 1 - rate["N"] / rate["C"],
-                        f"decode_tokens_identical_{shape}_{s}": all(
+            res.update({f"decode_tok_s_{shape}_{s}{mode}": rate["A"],
+                        f"decode_tok_s_no_connector_{shape}_{s}{mode}": rate["C"],
+                        f"decode_overhead_{shape}_{s}{mode}": 1 - rate["A"] / rate["C"],
+                        f"decode_overhead_null_connector_{shape}_{s}{mode}": 1 - rate["N"] / rate["C"],
+                        f"decode_tokens_identical_{shape}_{s}{mode}": all(
                             x["tokens"] == y["tokens"] for x, y in zip(single["A"], single["C"]))})
         for s, rounds in batched.items():
             together = in_turn(engines, rounds, on_turn(cores, lambda engine, batch: ray.get(
@@ -1306,12 +1340,15 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
             log.info("%s %s batch decode, mean step (ms) in steps 1-16 / 17-64 / 65-: %s", shape, s, "; ".join(
                 f"{label} {step_windows(rs)}" for label, rs in together.items()))
             rate = {label: statistics.median(r["rate"] for r in rs) for label, rs in together.items()}
-            res.update({f"decode_batch_tok_s_{shape}_{s}": rate["A"],
-                        f"decode_batch_tok_s_no_connector_{shape}_{s}": rate["C"],
-                        f"decode_batch_overhead_{shape}_{s}": 1 - rate["A"] / rate["C"],
-                        f"decode_batch_overhead_null_connector_{shape}_{s}": 1 - rate["N"] / rate["C"]})
-        saved = ray.get(engines["A"].connector_totals.remote())["scheduler"]
-        res[f"decode_saved_blocks_{shape}"] = saved.get("saved_blocks", 0)
+            res.update({f"decode_batch_tok_s_{shape}_{s}{mode}": rate["A"],
+                        f"decode_batch_tok_s_no_connector_{shape}_{s}{mode}": rate["C"],
+                        f"decode_batch_overhead_{shape}_{s}{mode}": 1 - rate["A"] / rate["C"],
+                        f"decode_batch_overhead_null_connector_{shape}_{s}{mode}": 1 - rate["N"] / rate["C"],
+                        f"decode_batch_tokens_identical_{shape}_{s}{mode}": all(
+                            x["tokens"] == y["tokens"] for x, y in zip(together["A"], together["C"]))})
+        if not serving:  # the counters live in the engine core's process
+            saved = ray.get(engines["A"].connector_totals.remote())["scheduler"]
+            res[f"decode_saved_blocks_{shape}"] = saved.get("saved_blocks", 0)
         for engine in engines.values():
             ray.kill(engine)
     return res
@@ -1332,6 +1369,8 @@ def main() -> None:
     ap.add_argument("--ttft-only", action="store_true", help="only the TTFT part")
     ap.add_argument("--decode-only", action="store_true",
                     help="only decode with and without the connector (engines A, C, N; decode_overhead_<shape>_*)")
+    ap.add_argument("--serving", action="store_true",
+                    help="--decode-only with each engine's core in a process of its own, as `vllm serve` runs it")
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b",
                     help="--decode-only's model: the 1B of --ttft, or Llama-3.1-8B's layers (dummy weights)")
     ap.add_argument("--ttft-prompts", type=int, default=2, help="prompts per size (medians are printed)")
@@ -1369,7 +1408,7 @@ def main() -> None:
         if args.decode_only:
             t = time.perf_counter()
             results.update(decode_only(device, args.shape, 2 * args.ttft_prompts + 2, args.decode_tokens,
-                                       args.decode_batch, args.decode_rounds))
+                                       args.decode_batch, args.decode_rounds, args.serving))
             log.info("decode measured in %.1f s", time.perf_counter() - t)
         elif not args.ttft_only:
             t = time.perf_counter()
