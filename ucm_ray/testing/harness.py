@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import ray
@@ -54,8 +54,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.blockstore import BlockStore, PoolKey
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
+from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 
@@ -75,7 +76,12 @@ class HarnessConnector(UcmRayConnector):
 
     def node_id(self, config: UcmRayConfig) -> str:
         """The node of the store's pools: the harness's one process stands for every role on it."""
-        return _next_node.pop()
+        self._harness_node = _next_node.pop()
+        return self._harness_node
+
+    def fleet_pools(self, config: UcmRayConfig) -> Mapping[PoolKey, PoolDescriptor] | None:
+        """An in-process store has no directory: its pools reach the worker with the first step."""
+        return None if self._harness_node == LOCAL_NODE else super().fleet_pools(config)
 
 
 def write_model_dir(path: str) -> str:

@@ -4,12 +4,14 @@ A thin adapter: the scheduler role delegates to ``SchedulerPart`` (which owns th
 block lifecycle through a ``StoreClient``), the worker role to ``WorkerPart``
 (which only moves bytes). Each process joins the Ray cluster first when vLLM
 runs it outside Ray: the scheduler to reach the shards, the worker to know its
-node (same-node pools are mapped, others reached over NIXL).
+node (same-node pools are mapped, others reached over NIXL) and, once, the
+pools to open as the engine starts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -22,8 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.blockstore import BlockStore, PoolKey
 from ucm_ray.store.client import StoreClient
+from ucm_ray.store.feed import MembershipFeed
+from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.vllm.compat import (
     PROM_METRICS_HOOK,
     KVConnectorTransferResults,
@@ -162,6 +166,13 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_part.register_kv_caches(kv_caches)
+        self.worker_part.open_pools(self.fleet_pools(self.ucm_config))
+
+    def fleet_pools(self, config: UcmRayConfig) -> Mapping[PoolKey, PoolDescriptor] | None:
+        """The fleet's pools as its directory lists them now (None where no directory answers:
+        the engine started before its fleet); read once, as the engine starts."""
+        membership = MembershipFeed(config.ray_namespace, config.lookup_timeout_s).fetch()
+        return membership.descriptors if membership is not None else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
