@@ -48,10 +48,13 @@ gpu-bench:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_data_plane.py --ttft
 
 # Same machine: decode with and without the connector on Llama-3.1-8B's layers (dummy weights;
-# single requests and batches of 8), engines A, C and N only (~4 minutes on an H200).
+# single requests and batches of 8), engines A, C and N only: first with vLLM's engine core in
+# each engine's process (its step parts can be timed there), then in a process of its own, as
+# `vllm serve` and Ray Serve run it (`*_serving` figures); ~4 + ~8 minutes on an H200.
 .PHONY: gpu-bench-decode
 gpu-bench-decode:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_data_plane.py --decode-only --shape 8b --ttft-prompts 2
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_data_plane.py --decode-only --shape 8b --ttft-prompts 2 --serving
 
 bench: venv
 	$(PY) benchmarks/data_plane.py

@@ -1286,6 +1286,16 @@ def step_windows(results: list[dict[str, Any]]) -> str:
     return " / ".join(means)
 
 
+def decode_figures(kind: str, tail: str, rate: dict[str, float], runs: dict[str, list[dict[str, Any]]]
+                   ) -> dict[str, Any]:
+    """``<kind>_*_<tail>``: A's and C's decode rates, A's and N's overhead against C, and whether
+    A decoded C's tokens (``runs``: each engine's results, in the same order)."""
+    return {f"{kind}_tok_s_{tail}": rate["A"], f"{kind}_tok_s_no_connector_{tail}": rate["C"],
+            f"{kind}_overhead_{tail}": 1 - rate["A"] / rate["C"],
+            f"{kind}_overhead_null_connector_{tail}": 1 - rate["N"] / rate["C"],
+            f"{kind}_tokens_identical_{tail}": all(x["tokens"] == y["tokens"] for x, y in zip(runs["A"], runs["C"]))}
+
+
 def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_tokens: int, decode_batch: int,
                 decode_rounds: int, serving: bool = False) -> dict[str, Any]:
     """``--decode-only``: engines A (the connector, its saves running), C (none) and N (a
@@ -1326,12 +1336,7 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
             log.info("%s %s decode tok/s: %s", shape, s, ", ".join(
                 f"{label} {[round(decode_rate(r), 1) for r in rs]}" for label, rs in single.items()))
             rate = {label: statistics.median(decode_rate(r) for r in rs) for label, rs in single.items()}
-            res.update({f"decode_tok_s_{shape}_{s}{mode}": rate["A"],
-                        f"decode_tok_s_no_connector_{shape}_{s}{mode}": rate["C"],
-                        f"decode_overhead_{shape}_{s}{mode}": 1 - rate["A"] / rate["C"],
-                        f"decode_overhead_null_connector_{shape}_{s}{mode}": 1 - rate["N"] / rate["C"],
-                        f"decode_tokens_identical_{shape}_{s}{mode}": all(
-                            x["tokens"] == y["tokens"] for x, y in zip(single["A"], single["C"]))})
+            res.update(decode_figures("decode", f"{shape}_{s}{mode}", rate, single))
         for s, rounds in batched.items():
             together = in_turn(engines, rounds, on_turn(cores, lambda engine, batch: ray.get(
                 engine.decode_batch.remote(batch, decode_tokens))))
@@ -1340,12 +1345,7 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
             log.info("%s %s batch decode, mean step (ms) in steps 1-16 / 17-64 / 65-: %s", shape, s, "; ".join(
                 f"{label} {step_windows(rs)}" for label, rs in together.items()))
             rate = {label: statistics.median(r["rate"] for r in rs) for label, rs in together.items()}
-            res.update({f"decode_batch_tok_s_{shape}_{s}{mode}": rate["A"],
-                        f"decode_batch_tok_s_no_connector_{shape}_{s}{mode}": rate["C"],
-                        f"decode_batch_overhead_{shape}_{s}{mode}": 1 - rate["A"] / rate["C"],
-                        f"decode_batch_overhead_null_connector_{shape}_{s}{mode}": 1 - rate["N"] / rate["C"],
-                        f"decode_batch_tokens_identical_{shape}_{s}{mode}": all(
-                            x["tokens"] == y["tokens"] for x, y in zip(together["A"], together["C"]))})
+            res.update(decode_figures("decode_batch", f"{shape}_{s}{mode}", rate, together))
         if not serving:  # the counters live in the engine core's process
             saved = ray.get(engines["A"].connector_totals.remote())["scheduler"]
             res[f"decode_saved_blocks_{shape}"] = saved.get("saved_blocks", 0)
