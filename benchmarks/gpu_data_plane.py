@@ -678,6 +678,22 @@ def profiled_engine_class():
             if not self.serving:  # a serving engine core steps on by itself while it has requests
                 super()._flush()
 
+        def close(self) -> list[str]:
+            """Stop a serving engine core's processes; the shared-memory files they had mapped
+            (vLLM's queues in /dev/shm), for the caller to remove those still there once this
+            actor is gone: killed, the actor left them all; shut down first, one per engine."""
+            import psutil
+
+            mapped: set[str] = set()
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    with open(f"/proc/{child.pid}/maps") as maps:
+                        mapped |= {line.split()[-1] for line in maps if "/dev/shm/psm_" in line}
+                except OSError:
+                    continue  # a child that ended meanwhile
+            self.llm.llm_engine.engine_core.shutdown()
+            return sorted(mapped)
+
         def affinity(self) -> list[int]:
             return sorted(os.sched_getaffinity(0))
 
@@ -1349,8 +1365,14 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
         if not serving:  # the counters live in the engine core's process
             saved = ray.get(engines["A"].connector_totals.remote())["scheduler"]
             res[f"decode_saved_blocks_{shape}"] = saved.get("saved_blocks", 0)
+        shared = [path for paths in ray.get([engine.close.remote() for engine in engines.values()]) for path in paths]
         for engine in engines.values():
             ray.kill(engine)
+    left = [path for path in shared if os.path.exists(path)]
+    for path in left:
+        os.unlink(path)
+    if left:
+        log.info("removed %d shared-memory file(s) the engines' cores left in /dev/shm", len(left))
     return res
 
 
