@@ -315,9 +315,14 @@ class WorkerPart:
         (a pool restarted meanwhile is closed and its new incarnation opened then)."""
         if not pools:
             return
+        self._adopt_pools(pools)
+        self._open_pools()
+
+    def _adopt_pools(self, pools: Mapping[PoolKey, PoolDescriptor]) -> None:
+        """Make ``pools`` the current ones for copies and for validating unpinned loads (old
+        incarnations' mappings are closed here, before any copy)."""
         self._pools.sync(pools)
         self._indexes.sync(pools)
-        self._open_pools()
 
     # --- per step ------------------------------------------------------------------------
 
@@ -331,8 +336,7 @@ class WorkerPart:
         self._poll_saves(step_end=False)
         if meta.pools is not None:
             self._land_every_save()  # no copy may still use a mapping that closes now
-            self._pools.sync(meta.pools)  # before any copy: old incarnations are closed here
-            self._indexes.sync(meta.pools)
+            self._adopt_pools(meta.pools)
             self._copier.submit(self._open_pools)  # ahead of this step's copies, on their thread
         # the scheduler learned that their saves landed: vLLM may free their blocks now
         self._finished_sending |= meta.saved_requests
