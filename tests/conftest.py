@@ -16,7 +16,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 @pytest.fixture(scope="session", autouse=True)
 def vllm_leftovers():
     """Remove the files vLLM's processes left behind during this session (``tests.leftovers``)."""
-    from tests.leftovers import remove_unused, vllm_files
+    from tests.support.leftovers import remove_unused, vllm_files
 
     before = vllm_files()
     yield

@@ -8,8 +8,9 @@ import pytest
 import ray
 import torch
 
-from tests.e2e_helpers import EngineProcess, kv_transfer, logprob_drift
-from tests.store_helpers import restart_shard
+from tests.support import ROOT
+from tests.support.e2e_helpers import EngineProcess, kv_transfer, logprob_drift
+from tests.support.store_helpers import restart_shard
 from ucm_ray import policy
 from ucm_ray.store.client import StoreClient
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
@@ -135,8 +136,8 @@ def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, 
     req.write_text(json.dumps({"prompt": p, "kv": connector(
         shared, ray_address=ray.get_runtime_context().gcs_address)}))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.mp_engine_main", tiny, str(req)], env=env,
-                          capture_output=True, text=True, timeout=480, cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tests.support.mp_engine_main", tiny, str(req)], env=env,
+                          capture_output=True, text=True, timeout=480, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])

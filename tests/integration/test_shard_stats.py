@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from tests.store_helpers import ClientProcess, key, read_back
+from tests.support.store_helpers import ClientProcess, key, read_back
 from ucm_ray.cli import _summary
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.fleet import fleet_status

@@ -14,7 +14,7 @@ import tempfile
 import textwrap
 import time
 
-from tests.store_helpers import shard_pid
+from tests.support.store_helpers import shard_pid
 
 
 def _gone(paths: list[str], timeout_s: float = 10.0) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from tests.store_helpers import SIZES, ClientProcess, arena, block, key, read_back
+from tests.support.store_helpers import SIZES, ClientProcess, arena, block, key, read_back
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.fleet import fleet_status, shard_name, stop_fleet
 

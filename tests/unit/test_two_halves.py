@@ -12,11 +12,11 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from vllm.config import ParallelConfig
 
+from tests.support import ROOT
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import Location
 from ucm_ray.store.index import random_id
@@ -743,7 +743,7 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
         store.shutdown()
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     log = run.stdout + run.stderr
     assert "ucm-ray scheduler: groups" in log and "recompute=4" in log, log[-2000:]

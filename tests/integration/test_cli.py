@@ -10,7 +10,7 @@ import sys
 
 import ray
 
-from tests.store_helpers import ClientProcess, key, read_back
+from tests.support.store_helpers import ClientProcess, key, read_back
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.client import StoreClient
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,10 +28,11 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # as a script: the tests package and ucm_ray from this checkout
 
-from tests.private_cluster import PrivateCluster, cluster_env, free_port  # noqa: E402
+from tests.support.private_cluster import PrivateCluster, cluster_env, free_port  # noqa: E402
+from tests.support.prometheus import DASHBOARD, as_ray_name, dashboard_exprs, parse_samples, promql_metric_names  # noqa: E402
 from ucm_ray import policy  # noqa: E402
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt  # noqa: E402
 
@@ -44,152 +44,9 @@ MAX_NUM_SEQS = 4
 """Each engine keeps up to this many free write slots per pool for decode-time saves: small, so
 the small pools hold data rather than slots."""
 SHARD_COUNTERS = ("lookups", "hits", "evictions", "commits")
-DASHBOARD = ROOT / "deploy/grafana/ucm-ray.json"
 
 
 # --- Prometheus text and PromQL ------------------------------------------------------------
-
-def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(sample name, labels, value) of every sample of a Prometheus text exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [(s.name, dict(s.labels), float(s.value))
-            for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def as_ray_name(vllm_name: str) -> str:
-    """What Ray exports for a metric vLLM's Ray stat logger records (``vllm:x`` -> ``ray_vllm_x``)."""
-    return "ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", vllm_name)
-
-
-_PROMQL_WORDS = {
-    "sum", "avg", "min", "max", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values",
-    "group", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "inf", "nan", "le",
-}
-
-
-def promql_metric_names(expr: str) -> set[str]:
-    """Metric names an expression selects: identifiers left once strings, label matchers, ranges,
-    grouping clauses, function calls, Grafana variables and keywords are taken out."""
-    s = re.sub(r'"(?:[^"\\]|\\.)*"', " ", expr)
-    s = re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", " ", s)
-    s = re.sub(r"\{[^}]*\}", " ", s)
-    s = re.sub(r"\[[^\]]*\]", " ", s)
-    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
-    s = re.sub(r"(?<![A-Za-z0-9_:])\d+(\.\d*)?([eE][+-]?\d+)?", " ", s)  # numbers: 0.99, 1e-9
-    names = set()
-    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
-        rest = s[m.end():].lstrip()
-        word = m.group()
-        if rest.startswith("(") or word.lower() in _PROMQL_WORDS or re.fullmatch(r"\d+[smhdwy]", word):
-            continue
-        names.add(word)
-    return names
-
-
-def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
-    exprs = []
-    for panel in dashboard["panels"]:
-        for inner in [panel, *panel.get("panels", [])]:
-            exprs += [t["expr"] for t in inner.get("targets", []) if t.get("expr")]
-    for var in dashboard.get("templating", {}).get("list", []):
-        query = var.get("query")
-        if var.get("type") == "query" and query:
-            text = query.get("query", "") if isinstance(query, dict) else query
-            m = re.match(r"label_values\((.*),\s*[A-Za-z_]+\)$", text.strip())
-            if m:
-                exprs.append(m.group(1))
-    return exprs
-
-
-def test_promql_name_extraction():
-    expr = ('histogram_quantile(0.99, sum by (le, model_name) (rate(ray_vllm_ucm_ray_load_seconds_bucket'
-            '{model_name=~"$model"}[$__rate_interval]))) / on(shard) group_left sum without (WorkerId) '
-            '(ray_ucm_ray_shard_capacity_bytes{shard="a:b"}) * 100 > bool 1e-9')
-    assert promql_metric_names(expr) == {"ray_vllm_ucm_ray_load_seconds_bucket", "ray_ucm_ray_shard_capacity_bytes"}
-
-
-def test_dashboard_is_grafana_json_with_the_panels_the_issue_asks_for():
-    dashboard = json.loads(DASHBOARD.read_text())
-    titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
-    for wanted in ("hit rate", "hit tokens", "load gb/s", "load latency", "pool use", "evictions",
-                   "failed loads", "ttft"):
-        assert wanted in titles, f"no panel about {wanted!r} in {titles}"
-    assert all(promql_metric_names(e) for e in dashboard_exprs(dashboard))
-    assert dashboard["uid"] == "ucm-ray" and dashboard["schemaVersion"] >= 30
-
-
-def test_every_recorded_counter_is_documented():
-    """The Prometheus help texts (``stats.COUNTERS``) cover every name the two connector halves
-    record, so no counter reaches /metrics without saying what it counts."""
-    import ast
-
-    from ucm_ray.vllm.stats import COUNTERS, DURATIONS, TRANSPORT_BYTES
-
-    recorded = set()
-    for part in ("scheduler", "worker"):
-        tree = ast.parse((ROOT / f"ucm_ray/vllm/{part}.py").read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr in ("add", "observe") and "stats" in ast.unparse(node.func.value):
-                recorded |= {kw.arg for kw in node.keywords if kw.arg}
-                recorded |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
-    assert recorded, "no stats.add(...) found: the parts moved?"
-    undocumented = {n for n in recorded if n not in COUNTERS and n not in DURATIONS and not TRANSPORT_BYTES.match(n)}
-    assert not undocumented, f"add these to ucm_ray.vllm.stats.COUNTERS: {sorted(undocumented)}"
-
-
-def test_stats_aggregate_and_prometheus_observe():
-    """Counters sum and durations concatenate across workers; observe() turns one interval into
-    counters, per-transport bytes and histogram observations (a real prometheus_client registry)."""
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-    from ucm_ray.vllm.prom import UcmRayPromMetrics
-    from ucm_ray.vllm.stats import UcmRayStats
-
-    worker0, worker1 = UcmRayStats(), UcmRayStats()
-    worker0.add(loaded_shm_bytes=100, loaded_copy_bytes=100, loaded_blocks=2)
-    worker0.observe("load_seconds", 0.004)
-    worker1.add(loaded_nixl_bytes=50, loaded_copy_bytes=50, loaded_blocks=1, load_failures=1)
-    worker1.observe("load_seconds", 0.2)
-    merged = worker0.take().aggregate(worker1.take())
-    assert merged.data == {"loaded_shm_bytes": 100, "loaded_nixl_bytes": 50, "loaded_copy_bytes": 150,
-                           "loaded_blocks": 3, "load_failures": 1, "load_seconds": [0.004, 0.2]}
-    assert worker0.totals["load_seconds_count"] == 1 and worker0.is_empty()
-    reduced = merged.reduce()
-    assert reduced["load_seconds_count"] == 2 and reduced["load_p99_ms"] == 200.0
-
-    registry = CollectorRegistry()
-
-    def bound(cls):
-        class Bound(cls):
-            def __init__(self, *a, **kw):
-                super().__init__(*a, registry=registry, **kw)
-        return Bound
-
-    types = {cls: bound(cls) for cls in (Counter, Gauge, Histogram)}
-
-    class _Config:
-        kv_transfer_config = None
-
-    prom = UcmRayPromMetrics(_Config(), types, ["model_name", "engine"], {0: ["m", "0"]})
-    prom.observe(merged.data, 0)
-    samples = parse_samples(generate_latest(registry).decode())
-
-    def value(name: str, **labels: str) -> float:
-        [v] = [v for n, lab, v in samples if n == name and lab == {"model_name": "m", "engine": "0", **labels}]
-        return v
-
-    assert value("vllm:ucm_ray_loaded_bytes_total", transport="shm") == 100
-    assert value("vllm:ucm_ray_loaded_bytes_total", transport="nixl") == 50
-    assert value("vllm:ucm_ray_loaded_blocks_total") == 3
-    assert value("vllm:ucm_ray_load_failures_total") == 1
-    assert value("vllm:ucm_ray_hit_tokens_total") == 0  # exists before it moves
-    assert value("vllm:ucm_ray_load_seconds_count") == 2
-    assert value("vllm:ucm_ray_load_seconds_bucket", le="0.005") == 1
-    assert value("vllm:ucm_ray_save_seconds_count") == 0
-    assert not any(n.startswith("vllm:ucm_ray_loaded_copy_bytes") for n, _, _ in samples)  # = sum of transports
 
 
 # --- engine B: a Ray actor with Ray Serve LLM's stat logger ---------------------------------

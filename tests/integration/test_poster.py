@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from tests.store_helpers import block, key
+from tests.support.store_helpers import block, key
 from ucm_ray.store.blockstore import Location, Publishes
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.poster import CallPoster

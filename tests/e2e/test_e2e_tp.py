@@ -25,7 +25,8 @@ import pytest
 import ray
 import torch
 
-from tests.e2e_helpers import kv_transfer, logprob_drift
+from tests.support import ROOT
+from tests.support.e2e_helpers import kv_transfer, logprob_drift
 from ucm_ray import policy
 from ucm_ray.store.blockstore import Removal
 from ucm_ray.store.client import StoreClient
@@ -33,7 +34,6 @@ from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 128
 PREFIX = 8 * BLOCK  # full blocks of each prompt
 LAYERS = 8  # the tiny model's defaults: 8 layers, 2 kv heads of 64
@@ -85,8 +85,8 @@ def run_engine(tmp_path, name: str, model: str, kv, engine: dict, prompts: list[
     request.write_text(json.dumps({"model": model, "kv": kv, "engine": engine, "prompts": prompts,
                                    "keys_of": list(keys_of),
                                    "kv_of": None if kv_of is None else [kv_of, PROBED_LAYERS]}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "tests.tp_engine_main", str(request), str(out_dir)], env=env,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_engine_main", str(request), str(out_dir)], env=env,
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     (out_dir / "engine.log").write_text(proc.stdout + proc.stderr)  # kept with pytest's tmp dirs

@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from tests.store_helpers import arena, block, key, read_back, restart_shard, shard_pid
+from tests.support.store_helpers import arena, block, key, read_back, restart_shard, shard_pid
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.fleet import fleet_status, shard_name
 from ucm_ray.store.shard import WrongIncarnation

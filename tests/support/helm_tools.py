@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+from ucm_ray.serve.check import BUILDER, load_serve_config
+
 CHART = ROOT / "helm" / "ucm-ray"
 CI_VALUES = CHART / "ci"
 HELM_ENV = "UCM_RAY_HELM"
@@ -104,3 +106,30 @@ def crd_schema(plural: str, version: str = "v1") -> dict[str, Any]:
     docs = [d for d in yaml.load_all((path / f"ray.io_{plural}.yaml").read_text(), Loader=_Loader) if d]
     crd = next(d for d in docs if d.get("kind") == "CustomResourceDefinition")
     return next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
+
+
+VALUES = {"defaults": (), "gpu": (CI_VALUES / "gpu-values.yaml",),
+          "autoscaling": (CI_VALUES / "autoscaling-values.yaml",)}
+"""The ci value files each chart check renders with, by name."""
+
+
+def group_values(name: str) -> dict:
+    """The chart's values with a ci file merged in, as Helm merges them (maps deeply)."""
+    def merge(base: dict, top: dict) -> dict:
+        return {**base, **{k: merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                           for k, v in top.items()}}
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for f in VALUES[name]:
+        values = merge(values, yaml.safe_load(Path(f).read_text()) or {})
+    return values
+
+
+def serve_app(rayservice: dict, tmp_path: Path) -> dict:
+    """serveConfigV2 through the code path of `serve run` / `ucm-ray serve`: Serve's schema first."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(rayservice["spec"]["serveConfigV2"])
+    config = load_serve_config(path)
+    (app,) = config["applications"]
+    assert app["import_path"] == BUILDER
+    return app

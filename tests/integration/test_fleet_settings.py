@@ -11,7 +11,7 @@ import logging
 
 import ray
 
-from tests.store_helpers import arena, key, read_back
+from tests.support.store_helpers import arena, key, read_back
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.directory import DIRECTORY_NAME
 from ucm_ray.store.fleet import fleet_status

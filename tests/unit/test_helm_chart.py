@@ -7,20 +7,27 @@ would (Serve's schema, the builder's checks, Ray Serve LLM's app)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from tests.helm_tools import CHART, CI_VALUES, ROOT, crd_schema, helm, one, quantity_bytes, render, template
+from tests.support.helm_tools import (
+    CHART,
+    ROOT,
+    VALUES,
+    crd_schema,
+    group_values,
+    helm,
+    one,
+    quantity_bytes,
+    render,
+    template,
+)
 from ucm_ray.config import parse_size
 from ucm_ray.serve import prepare_app
-from ucm_ray.serve.check import BUILDER, load_serve_config
 
-VALUES = {"defaults": (), "gpu": (CI_VALUES / "gpu-values.yaml",),
-          "autoscaling": (CI_VALUES / "autoscaling-values.yaml",)}
 K8S_VERSIONS = ("1.25", kubernetes_validate.latest_version())  # Chart.yaml's kubeVersion floor, the newest
 BUILT_IN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1", "rbac.authorization.k8s.io/v1"}
 
@@ -28,18 +35,6 @@ BUILT_IN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/
 @pytest.fixture(scope="module", params=list(VALUES))
 def rendered(request) -> tuple[str, list[dict]]:
     return request.param, render(*VALUES[request.param])
-
-
-def group_values(name: str) -> dict:
-    """The chart's values with a ci file merged in, as Helm merges them (maps deeply)."""
-    def merge(base: dict, top: dict) -> dict:
-        return {**base, **{k: merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-                           for k, v in top.items()}}
-
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    for f in VALUES[name]:
-        values = merge(values, yaml.safe_load(Path(f).read_text()) or {})
-    return values
 
 
 def pod_templates(rayservice: dict) -> dict[str, dict]:
@@ -51,16 +46,6 @@ def shm_bytes(template: dict) -> int:
     (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "shared-mem"]
     assert volume["emptyDir"]["medium"] == "Memory"
     return quantity_bytes(volume["emptyDir"]["sizeLimit"])
-
-
-def serve_app(rayservice: dict, tmp_path: Path) -> dict:
-    """serveConfigV2 through the code path of `serve run` / `ucm-ray serve`: Serve's schema first."""
-    path = tmp_path / "serve.yaml"
-    path.write_text(rayservice["spec"]["serveConfigV2"])
-    config = load_serve_config(path)
-    (app,) = config["applications"]
-    assert app["import_path"] == BUILDER
-    return app
 
 
 @pytest.mark.parametrize("name", list(VALUES))
@@ -249,29 +234,6 @@ def test_defaults_mirror_the_gpu_example():
     example = yaml.safe_load((ROOT / "deploy/serve/gpu-example.yaml").read_text())
     assert prepare_app(ours["applications"][0]["args"]) == prepare_app(example["applications"][0]["args"])
     assert (ours["proxy_location"], ours["http_options"]) == (example["proxy_location"], example["http_options"])
-
-
-def test_serve_config_loads_and_builds(rendered, ray_cluster, tmp_path):
-    from ray.serve.llm import build_openai_app
-
-    name, objects = rendered
-    values = group_values(name)
-    app = serve_app(one(objects, "RayService"), tmp_path)
-    serving, tier = prepare_app(app["args"])
-    (entry,) = serving["llm_configs"]
-    model = values["model"]
-    assert entry["model_loading_config"] == {"model_id": model["id"], "model_source": model["source"]}
-    assert entry["engine_kwargs"]["tensor_parallel_size"] == model["tensorParallelSize"]
-    assert entry["engine_kwargs"]["kv_transfer_config"]["kv_connector"] == "UcmRayConnector"
-    assert entry["runtime_env"]["env_vars"]["PYTHONHASHSEED"] == "0"
-    assert entry["placement_group_config"]["strategy"] == "STRICT_PACK"
-    assert len(entry["placement_group_config"]["bundles"]) == model["tensorParallelSize"]
-    scaling = entry["deployment_config"]["autoscaling_config"]
-    assert (scaling["min_replicas"], scaling["max_replicas"]) == (model["autoscaling"]["minReplicas"],
-                                                                  model["autoscaling"]["maxReplicas"])
-    assert tier.shards_per_node == values["tier"]["shards_per_node"]
-    assert tier.config.replication == values["tier"].get("replication", 1)
-    assert type(build_openai_app(serving)).__name__ == "Application"
 
 
 def test_monitoring_is_off_by_default_and_renders_when_on():

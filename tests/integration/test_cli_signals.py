@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.local_fleet import LocalFleet
+from tests.support.local_fleet import LocalFleet
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

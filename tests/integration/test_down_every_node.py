@@ -12,18 +12,16 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from tests.private_cluster import PrivateCluster, cluster_env
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+from tests.support.private_cluster import PrivateCluster, cluster_env
 
 
 def test_down_runs_a_cleanup_task_on_every_node():
     t0 = time.monotonic()
     cluster = PrivateCluster([{"num_cpus": 1} for _ in range(3)])
     try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests/down_driver.py"), cluster.address],
+        done = subprocess.run([sys.executable, str(ROOT / "tests/support/down_driver.py"), cluster.address],
                               capture_output=True, text=True, timeout=120, env=cluster_env(), cwd=ROOT)
     finally:
         cluster.close()

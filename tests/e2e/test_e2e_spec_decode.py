@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import ray
 
-from tests.e2e_helpers import ENGINE_ENV, EngineProcess, kv_transfer, logprob_drift
+from tests.support.e2e_helpers import ENGINE_ENV, EngineProcess, kv_transfer, logprob_drift
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_hybrid_model, make_tiny_model, synthetic_prompt
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.private_cluster import PrivateCluster, cluster_env
+from tests.support import ROOT
+from tests.support.private_cluster import PrivateCluster, cluster_env
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parent.parent
+
 BLOCK, DOCUMENT = 128, 3072
 
 
@@ -30,7 +30,7 @@ def model(tmp_path_factory):
 def test_engine_reads_its_node_over_shm_and_other_nodes_over_nixl(model):
     cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
     try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests/multinode_driver.py"), cluster.address, model,
+        done = subprocess.run([sys.executable, str(ROOT / "tests/support/multinode_driver.py"), cluster.address, model,
                                str(DOCUMENT)], capture_output=True, text=True, timeout=600, env=cluster_env(), cwd=ROOT)
     finally:
         cluster.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.e2e_helpers import EngineProcess, kv_transfer
+from tests.support.e2e_helpers import EngineProcess, kv_transfer
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_hybrid_model, synthetic_prompt
 

@@ -12,7 +12,7 @@ import time
 import ray
 import torch
 
-from tests.store_helpers import arena, key, read_back, shard_pid
+from tests.support.store_helpers import arena, key, read_back, shard_pid
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.directory import DIRECTORY_NAME
 from ucm_ray.store.fleet import start_fleet, stop_fleet

@@ -24,11 +24,11 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.private_cluster import PrivateCluster, cluster_env, free_port
+from tests.support import ROOT
+from tests.support.private_cluster import PrivateCluster, cluster_env, free_port
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128
 DOCUMENT, QUESTION = 2000, 40
 

@@ -14,7 +14,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from tests.local_fleet import LocalFleet
+from tests.support.local_fleet import LocalFleet
 from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
 
 NOBODY = 65534

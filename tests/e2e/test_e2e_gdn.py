@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.e2e_helpers import EngineProcess, kv_transfer
+from tests.support.e2e_helpers import EngineProcess, kv_transfer
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_gdn_model, synthetic_prompt
 

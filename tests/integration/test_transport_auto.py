@@ -18,7 +18,7 @@ import os
 import pytest
 import ray
 
-from tests.store_helpers import ClientProcess, block, key, read_back
+from tests.support.store_helpers import ClientProcess, block, key, read_back
 from ucm_ray.store.client import StoreClient
 from ucm_ray.store.fleet import shard_name, start_fleet, stop_fleet
 from ucm_ray.transport.shm import pool_prefix
