@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from pathlib import Path
@@ -247,42 +247,60 @@ class UcmRayConfig:
         return dataclasses.asdict(self)
 
 
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE_WORDS + _FALSE_WORDS:
+        return value.lower() in _TRUE_WORDS
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:  # not an integer, or more digits than Python converts
+            pass
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}: {value!r} is out of range") from None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected a number, got {value!r}")
+
+
+def _as_str(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+_COERCIONS: dict[Any, Callable[[str, Any], Any]] = {
+    "bool": _as_bool, bool: _as_bool, "int": _as_int, int: _as_int,
+    "float": _as_float, float: _as_float, "str": _as_str, str: _as_str,
+}
+
+
 def _coerce(f: dataclasses.Field, value: Any) -> Any:
     """Turn a dict/YAML/CLI value into the field's type, or say which key is wrong."""
-    key, typ = f.name, f.type
-    if key == "pool_bytes":
-        return parse_size(value, key)
-    if typ in ("bool", bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if typ in ("int", int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:  # not an integer, or more digits than Python converts
-                pass
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if typ in ("float", float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:
-                raise ConfigError(f"{key}: {value!r} is out of range") from None
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if typ in ("str", str):
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    return value
+    if f.name == "pool_bytes":
+        return parse_size(value, f.name)
+    coerce = _COERCIONS.get(f.type)
+    return coerce(f.name, value) if coerce else value
