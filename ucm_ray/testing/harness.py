@@ -54,9 +54,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore, PoolKey
+from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 

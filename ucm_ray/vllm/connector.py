@@ -24,10 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore, PoolKey
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.feed import MembershipFeed
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.engine.feed import MembershipFeed
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.vllm.compat import (
     PROM_METRICS_HOOK,
     KVConnectorTransferResults,
