@@ -36,10 +36,10 @@ class StoreClient(RayBlockStore):
         idx: dict[PoolKey, tuple[ShardRecord, list[int]]] = {}
         for i, row in enumerate(self._owner_records(keys)):
             for rec in row:
-                if not self.access.suspects.suspect(rec):
+                if not self._suspects.suspect(rec):
                     idx.setdefault(rec.key, (rec, []))[1].append(i)
         for pool, (rec, ix) in list(idx.items()):  # same-node shards: their published index says
-            found = self.access.readers.locate(pool, [keys[i] for i in ix])
+            found = self._readers.locate(pool, [keys[i] for i in ix])
             if found is None:
                 continue
             for i in np.flatnonzero(found.generation).tolist():
@@ -83,7 +83,7 @@ class StoreClient(RayBlockStore):
         wanted: dict[PoolKey, tuple[ShardRecord, dict[int, list[int]]]] = {}
         for i, row in zip(todo, self._owner_records([keys[i] for i in todo])):
             for rec in row:
-                if not self.access.suspects.suspect(rec):
+                if not self._suspects.suspect(rec):
                     wanted.setdefault(rec.key, (rec, defaultdict(list)))[1][views[i].numel()].append(i)
         deadline = time.monotonic() + self.config.lookup_timeout_s
         calls = [(rec, by_size, rec.handle.reserve.remote(
@@ -155,7 +155,7 @@ class StoreClient(RayBlockStore):
         lost = [loc is not None and ok[i] and loc.pool in failed for i, loc in enumerate(locs)]
         untrusted = failed | self.release(lease.lease_ids).result()
         unpinned = np.flatnonzero(lease.locations.generation.astype(bool) & np.asarray(ok, dtype=bool))
-        stale_rows, _ = self.access.readers.stale(lease.locations, keys, unpinned)
+        stale_rows, _ = self._readers.stale(lease.locations, keys, unpinned)
         stale = set(unpinned[stale_rows].tolist())
         corrupt = []
         for i, loc in enumerate(locs):
