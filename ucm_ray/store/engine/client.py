@@ -80,6 +80,27 @@ class StoreClient(RayBlockStore):
         views = [as_bytes(t) for t in tensors]
         visible = self.lookup(keys)
         todo = [i for i, v in enumerate(visible) if not v]
+        placed = self._reserve(keys, views, todo)
+        ops: dict[PoolKey, list[CopyOp]] = defaultdict(list)
+        for i, pool, _, off in placed:
+            ops[pool].append(CopyOp(off, views[i]))
+        failed = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=True,
+                                           timeout_s=self.config.transfer_timeout_s)
+        for pool in failed:
+            self.access.failed(pool, "save failed")
+        for i, ok in self._commit_landed(keys, views, placed, failed):
+            visible[i] = visible[i] or ok
+        # A key another writer stored first (a race) is present too.
+        missing = [i for i, v in enumerate(visible) if not v]
+        if missing:
+            for i, found in zip(missing, self.lookup([keys[i] for i in missing])):
+                visible[i] = found
+        return visible
+
+    def _reserve(self, keys: Sequence[bytes], views: list[torch.Tensor],
+                 todo: list[int]) -> list[tuple[int, PoolKey, int, int]]:
+        """Slots for the keys ``todo`` on each of their owners that is not suspect, one call per
+        shard for all sizes: (key index, pool, grant token, offset) per slot granted."""
         wanted: dict[PoolKey, tuple[ShardRecord, dict[int, list[int]]]] = {}
         for i, row in zip(todo, self._owner_records([keys[i] for i in todo])):
             for rec in row:
@@ -89,17 +110,16 @@ class StoreClient(RayBlockStore):
         calls = [(rec, by_size, rec.handle.reserve.remote(
             rec.pool.incarnation, self.owner, [(size, len(ix)) for size, ix in by_size.items()]))
             for rec, by_size in wanted.values()]
-        ops: dict[PoolKey, list[CopyOp]] = defaultdict(list)
-        placed: list[tuple[int, PoolKey, int, int]] = []  # key index, pool, token, offset
+        placed: list[tuple[int, PoolKey, int, int]] = []
         for rec, by_size, ref in calls:
             for ix, (token, offsets) in zip(by_size.values(), self.access.answer(rec, ref, deadline) or []):
-                for i, off in zip(ix, offsets):
-                    ops[rec.key].append(CopyOp(off, views[i]))
-                    placed.append((i, rec.key, token, off))
-        failed = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=True,
-                                           timeout_s=self.config.transfer_timeout_s)
-        for pool in failed:
-            self.access.failed(pool, "save failed")
+                placed.extend((i, rec.key, token, off) for i, off in zip(ix, offsets))
+        return placed
+
+    def _commit_landed(self, keys: Sequence[bytes], views: list[torch.Tensor],
+                       placed: list[tuple[int, PoolKey, int, int]], failed: set[PoolKey]) -> list[tuple[int, bool]]:
+        """Publish the slots whose copy landed, free those of ``failed`` pools; per key index
+        published, whether the key is now visible from this write."""
         sums = {i: checksum(views[i]) for i, _, _, _ in placed} if self.config.checksum else {}
         publish: list[tuple[bytes, Location, int]] = []
         landed, free = [], defaultdict(list)
@@ -109,14 +129,7 @@ class StoreClient(RayBlockStore):
                 continue
             publish.append((keys[i], Location(pool[0], pool[1], off, views[i].numel(), sums.get(i)), token))
             landed.append(i)
-        for i, ok in zip(landed, self.commit(Publishes.of(publish), free).result()):
-            visible[i] = visible[i] or ok
-        # A key another writer stored first (a race) is present too.
-        missing = [i for i, v in enumerate(visible) if not v]
-        if missing:
-            for i, found in zip(missing, self.lookup([keys[i] for i in missing])):
-                visible[i] = found
-        return visible
+        return list(zip(landed, self.commit(Publishes.of(publish), free).result()))
 
     def get(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Fill ``tensors`` from the store; per key, whether its bytes are valid. An entry with a
