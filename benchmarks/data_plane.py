@@ -54,10 +54,13 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from ucm_ray.config import UcmRayConfig, parse_size  # noqa: E402
-from ucm_ray.store.blockstore import PoolKey  # noqa: E402
-from ucm_ray.store.client import StoreClient  # noqa: E402
-from ucm_ray.store.fleet import running_fleet  # noqa: E402
-from ucm_ray.transport.base import CopyOp, Ranges  # noqa: E402
+from ucm_ray.store.engine.client import StoreClient  # noqa: E402
+from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
+from ucm_ray.transport.base import (  # noqa: E402
+    CopyOp,
+    PoolKey,  # noqa: E402
+    Ranges,
+)
 
 log = logging.getLogger("bench")
 BATCH = 64

@@ -94,9 +94,9 @@ from data_plane import best  # noqa: E402  # this folder: the same best-of-N tim
 from ttft import in_turn  # noqa: E402  # and the same side-by-side order of engines
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
-from ucm_ray.store.blockstore import Location, Publishes  # noqa: E402
-from ucm_ray.store.client import StoreClient  # noqa: E402
-from ucm_ray.store.fleet import running_fleet  # noqa: E402
+from ucm_ray.store.engine.client import StoreClient  # noqa: E402
+from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
+from ucm_ray.store.types import Location, Publishes  # noqa: E402
 from ucm_ray.testing.timing import CONNECTOR_HOOKS, Target, timed_calls  # noqa: E402
 from ucm_ray.transport import gather  # noqa: E402
 from ucm_ray.transport.shm import cluster_tag, pool_prefix  # noqa: E402
@@ -246,7 +246,7 @@ class WorkerBench:
     def save(self, beside: Callable[[], None] | None = None) -> None:
         """One step's save of blocks [0, n) (every layer) into the granted slots; ``beside``: work
         queued on the compute stream right after the save is posted, as the next steps' would."""
-        from ucm_ray.store.blockstore import Locations
+        from ucm_ray.store.types import Locations
         from ucm_ray.vllm.metadata import BlockSaves
 
         n = len(self.save_locations)
@@ -865,13 +865,13 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
     host time goes. Class attributes are patched on the class (every instance), and put back."""
     if scheduler is None and worker is None:
         return []
-    from ucm_ray.store.client import _Acquire
+    from ucm_ray.store.engine.acquire import Acquire
     from ucm_ray.transport import gather, shm
 
     out: list[Target] = [
         (gather.GatherPlan, ("__init__", "move"), "in.gather"),
         (shm._CudaCopies, ("__init__", "post"), "in.shm_copies"),
-        (_Acquire, ("__init__", "poll", "result"), "in.acquire"),
+        (Acquire, ("__init__", "poll", "result"), "in.acquire"),
     ]
     if scheduler is not None:
         part = scheduler.scheduler_part

@@ -69,7 +69,7 @@ import gpu_data_plane as bench  # noqa: E402
 import trace_steps  # noqa: E402
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
-from ucm_ray.store.fleet import running_fleet  # noqa: E402
+from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
 
 log = logging.getLogger("bench.stall")
 ray.cloudpickle.register_pickle_by_value(bench)  # the engine class is built there; workers lack the module

@@ -124,8 +124,8 @@ def main() -> None:
     from ucm_ray.config import UcmRayConfig
     from ucm_ray.serve import build_app
     from ucm_ray.serve.app import Tier
-    from ucm_ray.store.directory import DIRECTORY_NAME
-    from ucm_ray.store.fleet import fleet_status, start_fleet_per_node, stop_fleet
+    from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet
+    from ucm_ray.store.types import DIRECTORY_NAME
     from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
     model = str(make_tiny_model(ROOT / ".models" / "tiny"))

@@ -48,7 +48,7 @@ import ray
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
-from ucm_ray.store.fleet import running_fleet
+from ucm_ray.store.shard.fleet import running_fleet
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 log = logging.getLogger("bench.ttft")

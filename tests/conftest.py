@@ -53,7 +53,7 @@ def fleet_config(ray_cluster):
 @pytest.fixture
 def fleet(fleet_config):
     """Start a shard fleet; stop it (and unlink its pools) after the test."""
-    from ucm_ray.store.fleet import start_fleet, stop_fleet
+    from ucm_ray.store.shard.fleet import start_fleet, stop_fleet
 
     started = []
 

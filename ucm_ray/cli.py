@@ -36,7 +36,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
-    from ucm_ray.store.fleet import fleet_status, start_fleet
+    from ucm_ray.store.shard.fleet import fleet_status, start_fleet
 
     _connect(args, cfg)
     if args.local:
@@ -55,7 +55,7 @@ def _serve_local(cfg: UcmRayConfig) -> int:
     did nothing). A signal during start-up stops what had started."""
     import ray
 
-    from ucm_ray.store.fleet import fleet_status, start_fleet, stop_fleet
+    from ucm_ray.store.shard.fleet import fleet_status, start_fleet, stop_fleet
 
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
@@ -81,7 +81,7 @@ def _serve_local(cfg: UcmRayConfig) -> int:
 
 
 def cmd_status(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
-    from ucm_ray.store.fleet import fleet_status
+    from ucm_ray.store.shard.fleet import fleet_status
 
     _connect(args, cfg)
     try:
@@ -97,7 +97,7 @@ def cmd_status(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
 
 
 def cmd_down(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
-    from ucm_ray.store.fleet import stop_fleet
+    from ucm_ray.store.shard.fleet import stop_fleet
 
     _connect(args, cfg)
     print(f"stopped {stop_fleet(cfg)} shard(s)")

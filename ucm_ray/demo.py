@@ -108,7 +108,7 @@ def run_demo(model_dir: str | None = None, *, num_requests: int = 3, prefix_toke
     import ray
 
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import start_fleet, stop_fleet
+    from ucm_ray.store.shard.fleet import start_fleet, stop_fleet
     from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
     for k, v in ENGINE_ENV.items():

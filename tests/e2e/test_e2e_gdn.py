@@ -64,7 +64,7 @@ def gdn(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(ray_cluster):
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
+    from ucm_ray.store.shard.fleet import running_fleet
 
     with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=64 << 20, ray_namespace="e2e_gdn")) as cfg:
         yield cfg

@@ -43,7 +43,7 @@ def lfm2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(ray_cluster):
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
+    from ucm_ray.store.shard.fleet import running_fleet
 
     with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_hybrid")) as cfg:
         yield cfg

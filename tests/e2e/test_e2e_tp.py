@@ -28,8 +28,8 @@ import torch
 from tests.support import ROOT
 from tests.support.e2e_helpers import kv_transfer, logprob_drift
 from ucm_ray import policy
-from ucm_ray.store.blockstore import Removal
-from ucm_ray.store.client import StoreClient
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.types import Removal
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 pytestmark = pytest.mark.e2e
@@ -50,7 +50,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(ray_cluster):
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
+    from ucm_ray.store.shard.fleet import running_fleet
 
     with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=128 << 20, ray_namespace="e2e_tp")) as cfg:
         yield cfg

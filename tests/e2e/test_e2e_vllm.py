@@ -12,7 +12,7 @@ from tests.support import ROOT
 from tests.support.e2e_helpers import EngineProcess, kv_transfer, logprob_drift
 from tests.support.store_helpers import restart_shard
 from ucm_ray import policy
-from ucm_ray.store.client import StoreClient
+from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shared(ray_cluster):
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
+    from ucm_ray.store.shard.fleet import running_fleet
 
     with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_vllm")) as cfg:
         yield cfg
@@ -189,7 +189,7 @@ def test_shard_restarted_under_the_same_name_never_changes_an_output(ray_cluster
     again); engine C fills the new pool. A's loads from it must be the new pool's bytes: the
     old code read them through A's mapping of the dead pool and changed A's output."""
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
+    from ucm_ray.store.shard.fleet import running_fleet
 
     with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="e2e_restart")) as cfg:
         a = EngineProcess.remote(tiny, connector(cfg))

@@ -93,7 +93,7 @@ def _driver(address: str, model: str, kv: dict[str, Any]) -> None:
 
     from ucm_ray.config import UcmRayConfig
     from ucm_ray.demo import ENGINE_ENV
-    from ucm_ray.store.fleet import fleet_status
+    from ucm_ray.store.shard.fleet import fleet_status
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     config = UcmRayConfig.from_dict(kv["kv_connector_extra_config"])

@@ -48,7 +48,7 @@ def cluster(request):
 def fleet(cluster, request):
     """Two shards of 1 GiB, shared memory only (one node)."""
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import running_fleet
+    from ucm_ray.store.shard.fleet import running_fleet
 
     name = request.module.__name__.rsplit(".", 1)[-1]
     with running_fleet(UcmRayConfig(num_shards=2, pool_bytes=1 << 30, transport="shm",

@@ -111,7 +111,7 @@ def worker(pool):
 
 
 def location(desc, i: int):
-    from ucm_ray.store.blockstore import Location
+    from ucm_ray.store.types import Location
 
     return Location(desc.shard_id, desc.incarnation, i * ENTRY, ENTRY)
 
@@ -208,7 +208,7 @@ def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, s
 
 @pytest.mark.parametrize("stream", ["own", "default"])
 def test_save_reads_the_blocks_after_the_step_that_wrote_them(pool, worker, cycles_for_delay, stream):
-    from ucm_ray.store.blockstore import Locations
+    from ucm_ray.store.types import Locations
     from ucm_ray.vllm.metadata import BlockSaves
 
     w, caches, desc = worker
@@ -245,7 +245,7 @@ def test_a_step_that_reuses_blocks_a_save_still_reads_runs_after_it(pool, worker
     writes the blocks. Here the save sits behind a long kernel (the previous step's forward,
     ~0.3 s, on another stream) and the next step runs on a stream of its own: unordered, its
     write lands at once and the save copies the new bytes."""
-    from ucm_ray.store.blockstore import Locations
+    from ucm_ray.store.types import Locations
     from ucm_ray.vllm.metadata import BlockSaves, UcmRayConnectorMetadata
 
     w, caches, desc = worker
@@ -281,7 +281,7 @@ def test_a_save_is_posted_once_the_steps_forward_is_queued(pool, worker):
     """``bind`` only takes a step's save job: planning its copies (an 8B save's gather plans
     took ~1-2 ms of an H200 host) before the forward's launch held the device back. They are
     planned and queued in ``wait_for_save``, after the forward, while the device runs it."""
-    from ucm_ray.store.blockstore import Locations
+    from ucm_ray.store.types import Locations
     from ucm_ray.vllm.metadata import BlockSaves
 
     w, caches, desc = worker
@@ -311,7 +311,7 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     whole job held the host for the whole forward. Both parts land, with the blocks' bytes."""
     import uuid
 
-    from ucm_ray.store.blockstore import Location, Locations
+    from ucm_ray.store.types import Location, Locations
     from ucm_ray.transport.nixl import NixlPoolExporter
     from ucm_ray.vllm.metadata import BlockSaves, UcmRayConnectorMetadata
 

@@ -12,7 +12,7 @@ import ray
 
 from tests.support.store_helpers import ClientProcess, key, read_back
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.client import StoreClient
+from ucm_ray.store.engine.client import StoreClient
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -13,9 +13,9 @@ import ray
 import torch
 
 from tests.support.store_helpers import arena, key, read_back, shard_pid
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.directory import DIRECTORY_NAME
-from ucm_ray.store.fleet import start_fleet, stop_fleet
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.fleet import start_fleet, stop_fleet
+from ucm_ray.store.types import DIRECTORY_NAME
 
 
 def directory(cfg):

@@ -12,9 +12,9 @@ import logging
 import ray
 
 from tests.support.store_helpers import arena, key, read_back
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.directory import DIRECTORY_NAME
-from ucm_ray.store.fleet import fleet_status
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.fleet import fleet_status
+from ucm_ray.store.types import DIRECTORY_NAME
 
 N = 12
 
@@ -26,7 +26,7 @@ def _entries(cfg) -> list[int]:
 def test_client_writes_as_many_copies_as_the_fleet_was_started_with(fleet, caplog):
     cfg = fleet(num_shards=2, replication=2, transport="shm", pool_bytes=8 << 20)
     engine_cfg = dataclasses.replace(cfg, replication=1)  # what an engine's own JSON says
-    with caplog.at_level(logging.WARNING, logger="ucm_ray.store.client"):
+    with caplog.at_level(logging.WARNING, logger="ucm_ray.store.engine.ray_store"):
         client = StoreClient(engine_cfg)
         try:
             buf, views = arena(N)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import ray
 
-from ucm_ray.store.fleet import fleet_status
+from ucm_ray.store.shard.fleet import fleet_status
 from ucm_ray.transport import nixl
 
 

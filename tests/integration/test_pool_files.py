@@ -122,7 +122,7 @@ def test_two_clusters_prefixes_never_match_each_other(tmp_path):
 def test_a_fleet_leaves_another_clusters_live_pools_alone(ray_cluster, tmp_path):
     """Two Ray clusters on one host, one Ray namespace: this session's and a ``up --local``."""
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import start_fleet, stop_fleet
+    from ucm_ray.store.shard.fleet import start_fleet, stop_fleet
 
     ns = f"t{uuid.uuid4().hex[:8]}"
     shm = tmp_path / "shm"

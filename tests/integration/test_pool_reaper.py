@@ -38,7 +38,7 @@ def test_pool_of_a_killed_shard_that_never_restarts_is_unlinked(fleet):
 SCRIPT = textwrap.dedent("""
     import glob, json, ray, sys
     from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.fleet import start_fleet
+    from ucm_ray.store.shard.fleet import start_fleet
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR",
              _temp_dir=sys.argv[1])
     cfg = UcmRayConfig(num_shards=2, pool_bytes=16 << 20, transport="shm", ray_namespace=sys.argv[2])

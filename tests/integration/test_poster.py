@@ -10,9 +10,9 @@ import ray
 import torch
 
 from tests.support.store_helpers import block, key
-from ucm_ray.store.blockstore import Location, Publishes
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.poster import CallPoster
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.engine.poster import CallPoster
+from ucm_ray.store.types import Location, Publishes
 from ucm_ray.transport.base import CopyOp, Ranges
 
 
@@ -83,14 +83,14 @@ class Slow:
 
 
 def test_a_fanout_with_one_call_unposted_still_polls_the_others_without_waiting(fleet):
-    from ucm_ray.store.client import _Fanout
+    from ucm_ray.store.engine.calls import Fanout
 
     client = StoreClient(fleet(num_shards=1))
     record = client.membership.shards[0]
     slow = Slow.remote()
-    unposted = client._poster.post(slow.answer, 1, 2)  # a signature Ray refuses as it posts
-    in_flight = client._poster.post(slow.answer, 2.0)
-    fanout = _Fanout(client, [(record, unposted), (record, in_flight)], lambda answers: answers)
+    unposted = client.access.poster.post(slow.answer, 1, 2)  # a signature Ray refuses as it posts
+    in_flight = client.access.poster.post(slow.answer, 2.0)
+    fanout = Fanout(client.access, [(record, unposted), (record, in_flight)], lambda answers: answers)
     started = time.monotonic()
     while not fanout.poll():
         time.sleep(0.01)
@@ -111,14 +111,15 @@ def test_a_fanout_answers_none_for_a_call_that_raised_or_outlived_its_deadline(f
     """Each posted call's answer is a future that the poster's thread made: one that raised, or
     one still running at the deadline, is that shard's failure (the shard turns suspect), and
     ``result`` does not wait past the deadline."""
-    from ucm_ray.store.client import _Fanout
+    from ucm_ray.store.engine.calls import Fanout
 
     client = StoreClient(fleet(num_shards=1, lookup_timeout_s=1.0))
+    access = client.access
     record = client.membership.shards[0]
-    raised = _Fanout(client, [(record, client._poster.post(Failing.remote().answer))], lambda answers: answers)
+    raised = Fanout(access, [(record, access.poster.post(Failing.remote().answer))], lambda answers: answers)
     assert raised.result() == [None]
-    assert client._suspects.suspect(record)
-    late = _Fanout(client, [(record, client._poster.post(Slow.remote().answer, 5.0))], lambda answers: answers)
+    assert access.suspects.suspect(record)
+    late = Fanout(access, [(record, access.poster.post(Slow.remote().answer, 5.0))], lambda answers: answers)
     started = time.monotonic()
     assert late.result() == [None]
     assert time.monotonic() - started < 2.5

@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from ucm_ray.config import ConfigError
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.fleet import fleet_status
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.fleet import fleet_status
 from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
 
 

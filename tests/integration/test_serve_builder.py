@@ -18,7 +18,7 @@ from ucm_ray.config import ConfigError, UcmRayConfig
 from ucm_ray.serve import prepare_app
 from ucm_ray.serve.app import CONNECTOR
 from ucm_ray.serve.check import load_serve_config
-from ucm_ray.store.fleet import FleetStartError, fleet_actor_names, start_fleet, start_fleet_per_node, stop_fleet
+from ucm_ray.store.shard.fleet import FleetStartError, fleet_actor_names, start_fleet, start_fleet_per_node, stop_fleet
 
 ENGINE = {"model_loading_config": {"model_id": "m", "model_source": "/models/m"},
           "placement_group_config": {"bundles": [{"CPU": 1}]}}

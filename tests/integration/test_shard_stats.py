@@ -14,9 +14,9 @@ import ray
 
 from tests.support.store_helpers import ClientProcess, key, read_back
 from ucm_ray.cli import _summary
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.fleet import fleet_status
-from ucm_ray.store.touches import FLUSH_S
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.engine.touches import FLUSH_S
+from ucm_ray.store.shard.fleet import fleet_status
 
 
 def _totals(cfg) -> tuple[int, int]:

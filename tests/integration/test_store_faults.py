@@ -14,9 +14,9 @@ import ray
 import torch
 
 from tests.support.store_helpers import arena, block, key, read_back, restart_shard, shard_pid
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.fleet import fleet_status, shard_name
-from ucm_ray.store.shard import WrongIncarnation
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.fleet import fleet_status, shard_name
+from ucm_ray.store.types import WrongIncarnation
 
 
 def test_restarted_shard_never_serves_wrong_bytes(fleet):
@@ -77,7 +77,7 @@ def test_stale_release_after_restart_does_not_unpin_anothers_entry(fleet):
 
 
 def test_slow_writer_never_overwrites_a_committed_block(fleet):
-    from ucm_ray.store.blockstore import Location, Publishes
+    from ucm_ray.store.types import Location, Publishes
     from ucm_ray.transport.base import CopyOp, Ranges
 
     cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)
@@ -113,7 +113,7 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
 
 
 def test_renewed_reservation_outlives_its_timeout(fleet):
-    from ucm_ray.store.blockstore import Location, Publishes
+    from ucm_ray.store.types import Location, Publishes
     from ucm_ray.transport.base import CopyOp, Ranges
 
     cfg = fleet(num_shards=1, reserve_timeout_s=1.0, transfer_timeout_s=0.5)

@@ -11,8 +11,8 @@ import ray
 import torch
 
 from tests.support.store_helpers import SIZES, ClientProcess, arena, block, key, read_back
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.fleet import fleet_status, shard_name, stop_fleet
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.fleet import fleet_status, shard_name, stop_fleet
 
 
 @pytest.mark.parametrize("transport", ["shm", "nixl"])

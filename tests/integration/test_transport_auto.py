@@ -19,8 +19,8 @@ import pytest
 import ray
 
 from tests.support.store_helpers import ClientProcess, block, key, read_back
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.fleet import shard_name, start_fleet, stop_fleet
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.fleet import shard_name, start_fleet, stop_fleet
 from ucm_ray.transport.shm import pool_prefix
 
 NIXL_NAMES = ("nixl", "nixl_cu12", "nixl_cu13")

@@ -12,9 +12,9 @@ import sys
 
 import ray
 
-import ucm_ray.store.fleet as fleet
+import ucm_ray.store.shard.fleet as fleet
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.directory import SHARD_PREFIX
+from ucm_ray.store.shard.directory import SHARD_PREFIX
 from ucm_ray.transport.shm import pool_prefix
 
 

@@ -13,7 +13,7 @@ import ray
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
-from ucm_ray.store.fleet import fleet_status, start_fleet_per_node, stop_fleet
+from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet
 from ucm_ray.tiny_model import synthetic_prompt
 
 

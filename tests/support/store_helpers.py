@@ -10,8 +10,8 @@ import time
 import ray
 import torch
 
-from ucm_ray.store.directory import DIRECTORY_NAME
-from ucm_ray.store.fleet import shard_name, start_fleet
+from ucm_ray.store.shard.fleet import shard_name, start_fleet
+from ucm_ray.store.types import DIRECTORY_NAME
 
 SIZES = (4096, 12288, 65536, 1000, 131072, 777)
 
@@ -56,7 +56,7 @@ class ClientProcess:
 
     def __init__(self, config: dict) -> None:
         from ucm_ray.config import UcmRayConfig
-        from ucm_ray.store.client import StoreClient
+        from ucm_ray.store.engine.client import StoreClient
 
         self.client = StoreClient(UcmRayConfig.from_dict(config))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ucm_ray.config import ConfigError
-from ucm_ray.store.capacity import check_pool_fits, free_bytes, human_bytes
+from ucm_ray.store.shard.capacity import check_pool_fits, free_bytes, human_bytes
 from ucm_ray.transport.shm import SharedPool
 
 NOBODY = 65534

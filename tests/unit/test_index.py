@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from ucm_ray.store.allocator import ExtentAllocator
-from ucm_ray.store.index import BlockIndex
+from ucm_ray.store.shard.allocator import ExtentAllocator
+from ucm_ray.store.shard.index import BlockIndex
 
 
 class Clock:

@@ -18,8 +18,10 @@ import uuid
 import numpy as np
 import pytest
 
-from ucm_ray.store.index import BlockIndex
-from ucm_ray.store.published import IndexReader, IndexReaders, PublishedIndex, index_path, table_buckets
+from ucm_ray.store.engine.published_reader import IndexReader, IndexReaders
+from ucm_ray.store.published_layout import index_path, table_buckets
+from ucm_ray.store.shard.index import BlockIndex
+from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.transport.base import PoolDescriptor
 
 INCARNATION = 0x5EED
@@ -251,7 +253,7 @@ def test_a_process_forked_while_an_index_is_being_mapped_looks_it_up_at_once(pat
 
 WRITER = textwrap.dedent("""
     import hashlib, sys
-    from ucm_ray.store.published import PublishedIndex
+    from ucm_ray.store.shard.published_writer import PublishedIndex
 
     def key(i):
         return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()

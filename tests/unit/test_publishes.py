@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ucm_ray.store.blockstore import NO_CHECKSUM, Location, Publishes, grant_items
+from ucm_ray.store.types import NO_CHECKSUM, Location, Publishes, grant_items
 
 
 def test_joined_batches_group_their_rows_per_pool_and_grant_in_row_order():

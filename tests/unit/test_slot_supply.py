@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from ucm_ray.store.blockstore import Pending, PoolKey, SlotGrant
+from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.store.local import LocalBlockStore
-from ucm_ray.store.slots import SlotSupply
+from ucm_ray.store.types import Pending, SlotGrant
+from ucm_ray.transport.base import PoolKey
 
 SIZE = 1 << 16
 

@@ -18,11 +18,10 @@ from vllm.config import ParallelConfig
 
 from tests.support import ROOT
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import Location
-from ucm_ray.store.index import random_id
+from ucm_ray.store.engine.published_reader import IndexReaders
+from ucm_ray.store.engine.slots import QUIET_TICK_S
 from ucm_ray.store.local import LocalBlockStore
-from ucm_ray.store.published import IndexReaders
-from ucm_ray.store.slots import QUIET_TICK_S
+from ucm_ray.store.types import Location, random_id
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt, write_model_dir
 from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import Transfer, TransferError

@@ -158,7 +158,7 @@ def _first_error(error: ValueError) -> str:
 
 def ensure_fleet(tier: Tier) -> UcmRayConfig:
     """Start (or find) the shard fleet; returns the config with the fleet's size."""
-    from ucm_ray.store.fleet import start_fleet, start_fleet_per_node
+    from ucm_ray.store.shard.fleet import start_fleet, start_fleet_per_node
 
     if tier.shards_per_node is None:
         start_fleet(tier.config)

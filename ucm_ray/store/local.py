@@ -1,5 +1,8 @@
 """LocalBlockStore: the BlockStore rules in one process, without Ray.
 
+It runs both halves of the store in one process: the shard side's ``BlockIndex`` and
+published-index writer, and the engine side's published-index readers, which is why it
+lives beside them at ``store/`` rather than in ``store/engine/`` or ``store/shard/``.
 Shards here are plain objects: a real shared-memory pool file (so workers reach
 it through the same ``PoolConnections`` as a Ray shard's) and the same
 ``BlockIndex``. Calls answer at once. It exists so that both halves of the
@@ -18,24 +21,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ucm_ray.store.blockstore import (
-    BlockStore,
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.published_reader import IndexReaders
+from ucm_ray.store.placement import owners
+from ucm_ray.store.published_layout import index_path
+from ucm_ray.store.shard.index import BlockIndex
+from ucm_ray.store.shard.published_writer import PublishedIndex
+from ucm_ray.store.types import (
     Done,
     Location,
     Locations,
     Pending,
-    PoolKey,
     Pools,
     Publishes,
     ReadLease,
     Removal,
     SlotGrant,
     grant_items,
+    random_id,
 )
-from ucm_ray.store.index import BlockIndex, random_id
-from ucm_ray.store.placement import owners
-from ucm_ray.store.published import IndexReaders, PublishedIndex, index_path
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.transport.shm import SharedPool
 
 LOCAL_NODE = "local"

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 import torch
@@ -54,9 +55,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore, PoolKey
+from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 
@@ -64,24 +65,33 @@ MAX_LEN = 16384
 PARTIAL = -1.0
 """What the stand-in forward writes into a block it filled only partly."""
 
-_next_store: list[BlockStore] = []
-_next_node: list[str] = []
+STORE_KEY = "harness_store"
+"""The extra-config key that hands an engine's connector its store (any ``BlockStore``)."""
+NODE_KEY = "harness_node"
+"""... and the node its worker stands on (``LOCAL_NODE`` for an in-process store)."""
 
 
 class HarnessConnector(UcmRayConnector):
-    """The real connector, handed the store the harness chose instead of joining Ray."""
+    """The real connector, handed the store the harness chose (in its extra config) instead of
+    joining Ray."""
+
+    subclass_extra_keys = (STORE_KEY, NODE_KEY)
+
+    def _harness_setting(self, key: str) -> Any:
+        return self._vllm_config.kv_transfer_config.kv_connector_extra_config[key]
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
-        return _next_store.pop()
+        store: BlockStore = self._harness_setting(STORE_KEY)
+        return store
 
     def node_id(self, config: UcmRayConfig) -> str:
         """The node of the store's pools: the harness's one process stands for every role on it."""
-        self._harness_node = _next_node.pop()
-        return self._harness_node
+        node: str = self._harness_setting(NODE_KEY)
+        return node
 
     def fleet_pools(self, config: UcmRayConfig) -> Mapping[PoolKey, PoolDescriptor] | None:
         """An in-process store has no directory: its pools reach the worker with the first step."""
-        return None if self._harness_node == LOCAL_NODE else super().fleet_pools(config)
+        return None if self._harness_setting(NODE_KEY) == LOCAL_NODE else super().fleet_pools(config)
 
 
 def write_model_dir(path: str) -> str:
@@ -333,7 +343,9 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec, prompt_lookup_max=3,
                                  prompt_lookup_min=1, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
-    extra = {**(config or UcmRayConfig()).to_dict(), "layerwise": layerwise, **(extra or {})}
+    node = LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id()
+    extra = {**(config or UcmRayConfig()).to_dict(), "layerwise": layerwise, **(extra or {}),
+             STORE_KEY: store, NODE_KEY: node}
     vcfg = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
@@ -368,19 +380,10 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
     kcfg.hash_block_size = block_size
     kcfg.cache_hit_alignment_tokens = block_size
-    _next_store.append(store)
-    try:
-        sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg,
-                          structured_output_manager=StructuredOutputManager(vcfg),
-                          block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
-                          hash_block_size=block_size, log_stats=True)
-    finally:
-        _next_store.clear()
-    _next_node.append(LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id())
-    try:
-        worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
-    finally:
-        _next_node.clear()
+    sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg, structured_output_manager=StructuredOutputManager(vcfg),
+                      block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
+                      hash_block_size=block_size, log_stats=True)
+    worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
     kv = {n: torch.zeros(num_blocks, kv_heads, block_size, 2 * head_size, dtype=torch.float32) for n in layers}
     layer_groups = [(n, 0, True) for n in layers]
     if hybrid:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 PoolKey = tuple[str, int]
-"""(shard id, incarnation): one start of one shard's pool (the same alias as ``store.blockstore``)."""
+"""(shard id, incarnation): one start of one shard's pool."""
 
 
 class TransferError(RuntimeError):
@@ -138,7 +138,7 @@ class PoolDescriptor:
     pool_base_addr: int
     incarnation: int = 0
     index_path: str | None = None
-    """The shard's published index (``store.published``), which same-node readers map."""
+    """The shard's published index (``store.published_layout``), which same-node readers map."""
 
     @property
     def key(self) -> PoolKey:

@@ -24,10 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore, PoolKey
-from ucm_ray.store.client import StoreClient
-from ucm_ray.store.feed import MembershipFeed
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.engine.feed import MembershipFeed
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.vllm.compat import (
     PROM_METRICS_HOOK,
     KVConnectorTransferResults,
@@ -83,13 +83,17 @@ def _tp_rank() -> int:
 
 
 class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
+    subclass_extra_keys: tuple[str, ...] = ()
+    """Keys of the extra config that a subclass reads itself (the test harness hands its store
+    so), left out of the ucm-ray settings."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         log_with_vllm()
         check_one_compute_stream(vllm_config.parallel_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self.ucm_config = UcmRayConfig.from_dict(extra)
+        self.ucm_config = UcmRayConfig.from_dict(extra, ignore=self.subclass_extra_keys)
         self._scheduler: SchedulerPart | None = None
         self._worker: WorkerPart | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ucm_ray.store.blockstore import Location, Locations, PoolKey
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.store.types import Location, Locations
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.vllm.compat import KVConnectorWorkerMetadata
 
 

@@ -38,17 +38,10 @@ from vllm.v1.request import RequestStatus
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_keys, state_key
-from ucm_ray.store.blockstore import (
-    NO_CHECKSUM,
-    BlockStore,
-    Locations,
-    Pending,
-    PoolKey,
-    Publishes,
-    ReadLease,
-    Removal,
-)
-from ucm_ray.store.slots import SlotSupply
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.store.types import NO_CHECKSUM, Locations, Pending, Publishes, ReadLease, Removal
+from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.compat import block_hashes_vary_per_process, check_async_loads_reportable
 from ucm_ray.vllm.layout import entry_bytes
 from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata

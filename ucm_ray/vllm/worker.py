@@ -74,10 +74,10 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import NO_CHECKSUM, PoolKey
 from ucm_ray.store.checksum import checksum
-from ucm_ray.store.published import IndexReaders
-from ucm_ray.transport.base import EMPTY, PoolDescriptor, PreparedCopies, Ranges, Transfer
+from ucm_ray.store.engine.published_reader import IndexReaders
+from ucm_ray.store.types import NO_CHECKSUM
+from ucm_ray.transport.base import EMPTY, PoolDescriptor, PoolKey, PreparedCopies, Ranges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_async_loads_reportable
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes

@@ -152,7 +152,7 @@ counts the node's CPUs).
 
 {{/*
 Shards a group's pods host: tier.shards_per_node where the group's Ray CPUs are > 0 and at least
-tier.shard_cpus (ucm_ray.store.fleet.shard_nodes), else 0. Argument: the group's values.
+tier.shard_cpus (ucm_ray.store.shard.fleet.shard_nodes), else 0. Argument: the group's values.
 */}}
 {{- define "ucm-ray.shardsOn" -}}
 {{- $cpus := include "ucm-ray.millicpus" .group | int64 -}}

@@ -26,18 +26,15 @@ import ray
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
-from ucm_ray.store.blockstore import GrantCommit, grant_items
-from ucm_ray.store.index import BlockIndex, Key, Slot, random_id
-from ucm_ray.store.published import PublishedIndex, index_path
+from ucm_ray.store.published_layout import index_path
+from ucm_ray.store.shard.index import BlockIndex, Key
+from ucm_ray.store.shard.published_writer import PublishedIndex
+from ucm_ray.store.types import GrantCommit, Slot, WrongIncarnation, grant_items, random_id
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
-
-
-class WrongIncarnation(RuntimeError):
-    """A call meant for another start of this shard (the client's membership is stale)."""
 
 
 @ray.remote(concurrency_groups={"watch": 1})

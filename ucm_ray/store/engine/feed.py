@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from ucm_ray.store.directory import DIRECTORY_NAME, Membership
+from ucm_ray.store.types import DIRECTORY_NAME, Membership
 
 log = logging.getLogger(__name__)
 

@@ -28,30 +28,16 @@ Rules that keep readers from ever seeing wrong bytes:
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ucm_ray.store.allocator import ExtentAllocator
-from ucm_ray.store.published import PublishedIndex
+from ucm_ray.store.shard.allocator import ExtentAllocator
+from ucm_ray.store.shard.published_writer import PublishedIndex
+from ucm_ray.store.types import Slot, random_id
 
 Key = bytes
-
-
-def random_id() -> int:
-    """A fresh random 63-bit id (never 0): guessing or reusing one across restarts is hopeless."""
-    return secrets.randbits(63) or 1
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a committed entry's bytes live in the pool."""
-
-    offset: int
-    size: int
-    checksum: int | None = None
 
 
 @dataclass(eq=False)

@@ -40,7 +40,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ucm_ray.store.blockstore import BlockStore, Pending, PoolKey, Pools, Publishes, SlotGrant
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.types import Pending, Pools, Publishes, SlotGrant
+from ucm_ray.transport.base import PoolKey
 
 log = logging.getLogger(__name__)
 

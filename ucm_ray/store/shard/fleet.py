@@ -26,9 +26,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.capacity import check_pool_fits
-from ucm_ray.store.directory import DIRECTORY_NAME, SHARD_PREFIX, ShardDirectory
-from ucm_ray.store.shard import CacheShard
+from ucm_ray.store.shard.capacity import check_pool_fits
+from ucm_ray.store.shard.directory import SHARD_PREFIX, ShardDirectory
+from ucm_ray.store.shard.shard import CacheShard
+from ucm_ray.store.types import DIRECTORY_NAME
 from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)

@@ -1,238 +1,42 @@
-"""A shard's index, published read-only in shared memory: same-node lookups without a Ray call.
+"""Same-node lookups in shards' published indexes, without a Ray call: the readers' side.
 
-A lookup through Ray costs a round trip (~1 ms here, several on a busy host),
-and a store-warm prompt pays it before vLLM may schedule it. But on one node
-the shard and its readers share memory: the shard keeps a copy of its
-key -> entry map in a ``/dev/shm`` file that readers map read-only, so a miss
-is answered in microseconds and a hit needs no pin.
+A shard lists its committed entries in a shared-memory table
+(``store.shard.published_writer``; layout and concurrency rules in
+``store.published_layout``) that readers on its node map read-only.
 
 Pins are replaced by *validation*. Every published entry has a generation,
 unique within one incarnation of the shard. A reader notes it at lookup,
 copies the bytes without a pin, then looks the key up again: the same
 generation means the entry stayed listed the whole time, so its slot was never
 freed, never handed to a writer, and the bytes copied are the entry's (a slot
-is unlisted here before the shard can grant it to anyone). Another generation
+is unlisted before the shard can grant it to anyone). Another generation
 or none is a failed load (vLLM recomputes, ``get`` reports a miss): never wrong
 bytes. Readers tell the shard what they read, off the critical path
-(``CacheShard.touch``), so read entries stay recently used and are evicted last.
-
-The table: open addressing with linear probing over 64-byte buckets after a
-64-byte header, keys are 16-byte digests (``keys.KEY_BYTES``, uniformly
-spread, so their low word picks the bucket). One writer, the shard, under its
-lock; any number of readers in other processes, never blocked:
-- per bucket a seqlock: ``seq`` odd while the writer changes it; a reader
-  takes a bucket only if ``seq`` was even and the same before and after;
-- a rebuild (dropping tombstones) makes the header's ``epoch`` odd until done;
-  a reader whose lookup saw the epoch change looks again;
-- when the table is too full to take an entry, ``complete`` is cleared: a miss
-  is then not an answer, and the reader asks the shard through Ray.
-
-These rules rely on x86's ordering of plain loads and stores (total store
-order); elsewhere (aarch64) no reader maps the table and lookups go through
-Ray, as between nodes.
+(``CacheShard.touch``, through ``store.engine.touches``), so read entries stay
+recently used and are evicted last.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-import os
 import platform
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ucm_ray.keys import KEY_BYTES
-from ucm_ray.store.blockstore import NO_CHECKSUM, Locations
+from ucm_ray.store.published_layout import BUCKET, EMPTY, HEADER, MAGIC, TOMBSTONE, key_halves
+from ucm_ray.store.types import NO_CHECKSUM, Found, Locations
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
 
-BUCKET: np.dtype = np.dtype([("seq", "<u8"), ("key_lo", "<u8"), ("key_hi", "<u8"), ("offset", "<i8"),
-                   ("size", "<i8"), ("generation", "<u8"), ("checksum", "<i8"), ("unused", "<u8")])
-HEADER: np.dtype = np.dtype([("magic", "<u8"), ("epoch", "<u8"), ("buckets", "<u8"), ("complete", "<u8"),
-                   ("incarnation", "<u8"), ("unused", "<u8", 3)])
-FIELDS = ("key_lo", "key_hi", "offset", "size", "generation", "checksum")
-"""A bucket's fields between ``seq`` and the unused word, in order."""
-MAGIC = 0x31584449_59415255  # "URAYIDX1"
-EMPTY = 0
-TOMBSTONE = np.uint64(2**64 - 1)
-MAX_LOAD = 0.5
-"""Live entries per bucket beyond which the table takes no more (probe chains stay short)."""
-BYTES_PER_BUCKET = 16 << 10
-"""Pool bytes per bucket: entries of 32 KiB and up all fit at ``MAX_LOAD``; smaller ones fit
-until the table is full, then lookups of what did not fit go through Ray."""
 ORDERED_LOADS = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 """Whether this CPU keeps plain loads and stores in order, as the seqlocks need (x86)."""
-
-
-def table_buckets(pool_bytes: int) -> int:
-    """Buckets for a pool of ``pool_bytes``: a power of two, at least 1024."""
-    want = max(1024, 2 * pool_bytes // BYTES_PER_BUCKET)
-    return 1 << (want - 1).bit_length()
-
-
-def index_bytes(pool_bytes: int) -> int:
-    """Size of the index file of a pool of ``pool_bytes`` (1/128 to 1/64 of it, at least 64 KiB)."""
-    return HEADER.itemsize + table_buckets(pool_bytes) * BUCKET.itemsize
-
-
-def index_path(pool_path: str) -> str:
-    """The index file of a pool file (same directory and prefix: stale-pool cleanup covers it)."""
-    return pool_path + "-index"
-
-
-def _words(keys: Sequence[bytes]) -> np.ndarray:
-    """Keys as an ``[n, 2]`` array of little-endian words."""
-    blob = b"".join(keys)
-    if len(blob) != KEY_BYTES * len(keys):
-        raise ValueError(f"published index keys must be {KEY_BYTES} bytes each")
-    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
-
-
-class PublishedIndex:
-    """The shard's side: a table it alone writes (called under the shard's lock)."""
-
-    def __init__(self, path: str, pool_bytes: int, incarnation: int) -> None:
-        self.path = path
-        self.buckets = table_buckets(pool_bytes)
-        size = index_bytes(pool_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)  # zero pages, reserved now: all buckets empty
-                self._mmap = mmap.mmap(fd, size)
-            except OSError as e:
-                os.unlink(path)
-                raise OSError(e.errno, f"cannot reserve {size} bytes for shard index {path}: {e.strerror}") from e
-        finally:
-            os.close(fd)
-        self._header = np.frombuffer(self._mmap, dtype=HEADER, count=1)
-        self._table = np.frombuffer(self._mmap, dtype=BUCKET, offset=HEADER.itemsize, count=self.buckets)
-        self._mask = self.buckets - 1
-        self._where: dict[bytes, int] = {}  # key -> its bucket
-        self._tombstones = 0
-        self._generation = 0
-        self._header[0] = (MAGIC, 0, self.buckets, 1, incarnation, (0, 0, 0))
-
-    def publish(self, key: bytes, offset: int, size: int, checksum: int | None) -> int:
-        """List a committed entry; its generation, or 0 when it is not listed: the table has no
-        room for it (then readers ask the shard for what they do not find), or the key is not a
-        ``KEY_BYTES`` digest (readers never look such keys up here)."""
-        if len(key) != KEY_BYTES:
-            return 0
-        if key in self._where:  # never two buckets for one key: the older would outlive its slot
-            self.unpublish(key)
-        if len(self._where) + 1 > MAX_LOAD * self.buckets:
-            self._header["complete"] = 0
-            return 0
-        if len(self._where) + self._tombstones + 1 > 0.75 * self.buckets:
-            self._rebuild()
-        self._generation += 1
-        lo, hi = (int(w) for w in _words([key])[0])
-        at = lo & self._mask
-        while self._table["generation"][at] not in (EMPTY, TOMBSTONE):
-            at = (at + 1) & self._mask
-        if self._table["generation"][at] == TOMBSTONE:
-            self._tombstones -= 1
-        self._write(at, (lo, hi, offset, size, self._generation, NO_CHECKSUM if checksum is None else checksum))
-        self._where[key] = at
-        return self._generation
-
-    def unpublish(self, key: bytes) -> None:
-        """Unlist an entry (evicted or removed) before its slot can go to anyone else."""
-        at = self._where.pop(key, None)
-        if at is None:
-            return
-        row = self._table[at]
-        self._write(at, (row["key_lo"], row["key_hi"], row["offset"], row["size"], TOMBSTONE, row["checksum"]))
-        self._tombstones += 1
-
-    def refill(self, entries: Iterable[tuple[bytes, int, int, int | None]]) -> dict[bytes, int]:
-        """Publish committed entries that found no room before (``complete`` again once all of
-        them are in); their generations. The shard calls it when unlisting made room."""
-        out: dict[bytes, int] = {}
-        for key, offset, size, checksum in entries:
-            if len(key) != KEY_BYTES:
-                continue  # never listed (readers ask the shard for such keys): nothing waits on it
-            generation = self.publish(key, offset, size, checksum)
-            if not generation:
-                return out
-            out[key] = generation
-        self._header["complete"] = 1
-        return out
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    @property
-    def complete(self) -> bool:
-        return bool(self._header["complete"][0])
-
-    @property
-    def wants_refill(self) -> bool:
-        """Incomplete, and room for a fifth of the table since: worth a refill."""
-        return not self.complete and len(self._where) < 0.8 * MAX_LOAD * self.buckets
-
-    def close(self) -> None:
-        del self._header, self._table  # the views, so the mapping can close
-        try:
-            self._mmap.close()
-        except BufferError:
-            log.warning("index %s still has live views; leaving the mapping to the GC", self.path)
-        Path(self.path).unlink(missing_ok=True)
-
-    def _write(self, at: int, fields: tuple) -> None:
-        """One bucket under its seqlock: odd while it changes (stores stay in order on x86)."""
-        seq = int(self._table["seq"][at])
-        self._table["seq"][at] = seq + 1
-        self._table[at] = (seq + 1, *fields, 0)
-        self._table["seq"][at] = seq + 2
-
-    def _rebuild(self) -> None:
-        """Drop tombstones: every live entry placed again while ``epoch`` is odd, as arrays (a
-        Python loop over a large table held the shard's lock for seconds). Entries sorted by home
-        bucket take ``max(home, previous + 1)``; those pushed past the end take the first free
-        buckets from the start, where every bucket before them is taken: each entry's probe chain
-        from its home stays unbroken, which is all linear probing needs."""
-        keys = list(self._where)
-        live = self._table[np.fromiter(self._where.values(), dtype=np.int64, count=len(keys))].copy()
-        self._header["epoch"] += 1
-        home = (live["key_lo"] & np.uint64(self._mask)).astype(np.int64)
-        order = np.argsort(home, kind="stable")
-        steps: np.ndarray = np.arange(len(order), dtype=np.int64)
-        at = np.maximum.accumulate(home[order] - steps) + steps if len(order) else steps
-        wrapped = at >= self.buckets
-        if wrapped.any():
-            free = np.setdiff1d(np.arange(self.buckets, dtype=np.int64), at[~wrapped], assume_unique=True)
-            at[wrapped] = free[: int(wrapped.sum())]
-        rows = live[order]
-        rows["seq"] = 0
-        self._table["seq"] += 2  # every bucket even and changed: no reader keeps a read from before
-        self._table["generation"] = EMPTY
-        seqs = self._table["seq"][at]
-        self._table[at] = rows
-        self._table["seq"][at] = seqs
-        self._where = {keys[i]: int(pos) for i, pos in zip(order.tolist(), at.tolist())}
-        self._tombstones = 0
-        self._header["epoch"] += 1
-
-
-@dataclass(frozen=True)
-class Found:
-    """A lookup's answer, per key: ``generation`` 0 is a miss; ``known`` False means the table
-    could not say (it is incomplete and the key is not in it): ask the shard."""
-
-    generation: np.ndarray
-    offset: np.ndarray
-    size: np.ndarray
-    checksum: np.ndarray
-    known: np.ndarray
 
 
 class IndexReader:
@@ -259,7 +63,7 @@ class IndexReader:
 
     def lookup(self, keys: Sequence[bytes]) -> Found | None:
         """Per key, the listed entry, read consistently; None if the shard kept rebuilding."""
-        words = _words(keys)
+        words = key_halves(keys)
         for _ in range(self.RETRIES):
             epoch = int(self._header["epoch"][0])
             if epoch & 1:

@@ -17,50 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.actor import ActorHandle
 
-from ucm_ray.store.index import random_id
-from ucm_ray.transport.base import PoolDescriptor, PoolKey
+from ucm_ray.store.types import Membership, ShardRecord, random_id
+from ucm_ray.transport.base import PoolDescriptor
 
 log = logging.getLogger(__name__)
 
-DIRECTORY_NAME = "ucm_ray_directory"
 SHARD_PREFIX = "ucm_ray_shard_"
 LONG_POLL_S = 30.0
 """How long a ``wait_for_change`` call waits when nothing changes (then it is re-posted)."""
-
-
-@dataclass(frozen=True)
-class ShardRecord:
-    shard_id: str
-    handle: ActorHandle
-    pool: PoolDescriptor
-    """Carries the shard's incarnation: a restarted shard is a new record."""
-
-    @property
-    def key(self) -> PoolKey:
-        return self.pool.key
-
-
-@dataclass(frozen=True)
-class Membership:
-    version: int
-    shards: tuple[ShardRecord, ...]
-    replication: int | None = None
-    """Copies per block, as the fleet was started with; None: the directory does not say
-    (a client then uses its own setting)."""
-
-    @property
-    def shard_ids(self) -> list[str]:
-        return [s.shard_id for s in self.shards]
-
-    @property
-    def descriptors(self) -> dict[PoolKey, PoolDescriptor]:
-        return {s.key: s.pool for s in self.shards}
 
 
 @ray.remote

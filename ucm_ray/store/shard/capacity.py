@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from ucm_ray.config import ConfigError
-from ucm_ray.store.published import index_bytes
+from ucm_ray.store.published_layout import index_bytes
 
 _UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 

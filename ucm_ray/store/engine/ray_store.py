@@ -1,0 +1,260 @@
+"""RayBlockStore: the Ray implementation of ``BlockStore``.
+
+Control calls are batched: one Ray call per shard per operation, whatever the
+number of keys, queued to a thread of the client's own (``poster``). Bytes never
+travel through Ray: the caller copies them through ``PoolConnections`` (shared
+memory for same-node shards, NIXL otherwise) between a pin or a reservation and
+its release or commit.
+
+Failure rules:
+- A shard that errors, times out, or refuses an incarnation is a miss, never an
+  error the caller sees (``calls``), and turns suspect for a backoff
+  (``suspects``); placement stays over the full membership, so a hiccup never
+  moves keys. Only the directory (Ray's death signal) or a new incarnation
+  removes a shard.
+- Pools are keyed by (shard id, incarnation): a restarted shard is a new pool,
+  and the mapping of its predecessor is closed when the membership that shows
+  it arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import ray
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.acquire import Acquire
+from ucm_ray.store.engine.calls import Fanout, ShardAccess
+from ucm_ray.store.engine.feed import MembershipFeed
+from ucm_ray.store.engine.poster import CallPoster
+from ucm_ray.store.engine.published_reader import IndexReaders
+from ucm_ray.store.engine.suspects import Suspects
+from ucm_ray.store.engine.touches import TouchSender
+from ucm_ray.store.placement import owners as place
+from ucm_ray.store.types import (
+    Done,
+    GrantCommit,
+    Membership,
+    Pending,
+    Pools,
+    Publishes,
+    ReadLease,
+    Removal,
+    ShardRecord,
+    SlotGrant,
+    random_id,
+)
+from ucm_ray.transport.base import PoolKey
+from ucm_ray.transport.pools import PoolConnections
+
+log = logging.getLogger(__name__)
+
+
+class RayBlockStore(BlockStore):
+    """``BlockStore`` over shard actors: membership from the directory, one Ray call per shard
+    per operation, posted from the client's own thread."""
+
+    def __init__(self, config: UcmRayConfig, *, directory: ray.actor.ActorHandle | None = None) -> None:
+        self.config = config
+        self.owner = random_id()
+        node_id = ray.get_runtime_context().get_node_id()
+        self.connections = PoolConnections(config.transport, node_id)
+        """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
+        self._readers = IndexReaders(node_id if config.local_lookups else None)
+        self._suspects = Suspects()
+        self._records: dict[PoolKey, ShardRecord] = {}
+        self._membership = Membership(0, ())
+        self._pools = Pools(0, {}, config.replication)
+        """``pools()``'s answer, made once per membership: the scheduler asks every step."""
+        self._replication_warned = False
+        self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
+        first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
+        if first is not None:
+            self._apply(first)
+        # last: its threads start now, and must not outlive a failed start
+        self.access = ShardAccess(self.owner, config.lookup_timeout_s, self._suspects, self._readers,
+                                  TouchSender(), CallPoster())
+        """What this client's calls go through (its ``Acquire`` and ``Fanout`` calls take it)."""
+
+    # --- membership ----------------------------------------------------------------------
+
+    @property
+    def membership(self) -> Membership:
+        return self._membership
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Adopt a membership change if one was pushed (never blocks: the scheduler calls this
+        on its hot path); ``force`` asks the directory now and waits for the answer."""
+        membership = self._feed.fetch() if force else self._feed.poll(self._membership.version)
+        if membership is not None and membership.version != self._membership.version:
+            self._apply(membership)
+
+    @property
+    def replication(self) -> int:
+        """Copies per block: the fleet's (from the directory), this client's own setting only
+        when the directory does not say."""
+        fleet = self._membership.replication
+        return fleet if fleet is not None else self.config.replication
+
+    def _apply(self, membership: Membership) -> None:
+        """Adopt a membership; old incarnations' mappings are closed before any later use."""
+        if (membership.replication is not None and membership.replication != self.config.replication
+                and not self._replication_warned):
+            self._replication_warned = True
+            log.warning("replication: the fleet in Ray namespace %r keeps %d cop%s per block; this "
+                        "engine's setting (%d) is ignored (replication is set by `ucm-ray up` or the "
+                        "Serve app's tier, not per engine)", self.config.ray_namespace,
+                        membership.replication, "y" if membership.replication == 1 else "ies",
+                        self.config.replication)
+        self._membership = membership
+        self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication)
+        self._records = {s.key: s for s in membership.shards}
+        self.connections.sync(membership.descriptors)
+        self._readers.sync(membership.descriptors)
+        self._suspects.retain(set(self._records))
+
+    def _owner_indices(self, keys: Sequence[bytes]) -> np.ndarray:
+        """``[key, replica]``: each key's owners over the FULL membership, best first, as indices
+        into ``membership.shards`` (suspects included: a shard's hiccup must not move keys)."""
+        return place(keys, [s.shard_id for s in self._membership.shards], self.replication)
+
+    def _owner_records(self, keys: Sequence[bytes]) -> list[list[ShardRecord]]:
+        """As ``_owner_indices``, as records."""
+        shards = self._membership.shards
+        return [[shards[j] for j in row] for row in self._owner_indices(keys).tolist()] if keys else []
+
+    # --- BlockStore ----------------------------------------------------------------------
+
+    def pools(self) -> Pools:
+        self.refresh()
+        return self._pools
+
+    def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:
+        return [s.key for s in self._membership.shards], self._owner_indices(keys)
+
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+        keys = list(keys)
+        return Acquire(self.access, keys, pin, self._membership.shards, self._owner_indices(keys))
+
+    def surely_absent(self, keys: Sequence[bytes]) -> bool:
+        shards = self._membership.shards
+        for key, row in zip(keys, self._owner_indices(keys).tolist() if keys else []):
+            # the owner ``acquire`` would ask: the first replica not suspect
+            rec = next((shards[j] for j in row if not self._suspects.suspect(shards[j])), None)
+            if rec is None:
+                continue
+            generation = self._readers.generation_of(rec.key, key)
+            if generation is None:
+                continue  # another node's shard, or an index that cannot say: the lookup asks
+            present = bool(generation)
+            self.access.touches.add(rec.key, rec.handle, [key] if present else [], 1)  # counted as a lookup
+            if not present:
+                return True
+        return False
+
+    def release(self, lease_ids: Mapping[PoolKey, Sequence[int]]) -> Pending[set[PoolKey]]:
+        gone: set[PoolKey] = set()
+        calls = []
+        for pool, ids in lease_ids.items():
+            rec = self._records.get(pool)
+            if rec is None:
+                gone.add(pool)  # dead, or an old incarnation: its pins went with it
+            elif ids:
+                calls.append((rec, self.access.poster.post(rec.handle.release, pool[1], self.owner, list(ids))))
+
+        def finish(answers: list[Any]) -> set[PoolKey]:
+            return gone | {rec.key for (rec, _), a in zip(calls, answers) if a is None or not all(a)}
+
+        return Fanout(self.access, calls, finish)
+
+    def reserve(self, pool: PoolKey, size: int, count: int) -> Pending[SlotGrant | None]:
+        rec = self._records.get(pool)
+        if rec is None or count <= 0 or self._suspects.suspect(rec):
+            return Done(None)
+        posted = self.access.poster.post(rec.handle.reserve, pool[1], self.owner, [(size, count)])
+
+        def finish(answers: list[Any]) -> SlotGrant | None:
+            if answers[0] is None or not answers[0][0][1]:
+                return None
+            token, offsets = answers[0][0]
+            return SlotGrant(pool, token, size, offsets)
+
+        return Fanout(self.access, [(rec, posted)], finish)
+
+    def renew(self, grants: Mapping[PoolKey, Sequence[int]]) -> Pending[set[tuple[PoolKey, int]]]:
+        expired: set[tuple[PoolKey, int]] = set()
+        calls, asked = [], []
+        for pool, tokens in grants.items():
+            rec = self._records.get(pool)
+            if rec is None:
+                expired.update((pool, t) for t in tokens)
+            elif tokens:
+                calls.append((rec, self.access.poster.post(rec.handle.renew, pool[1], self.owner, list(tokens))))
+                asked.append(list(tokens))
+
+        def finish(answers: list[Any]) -> set[tuple[PoolKey, int]]:
+            out = set(expired)
+            for (rec, _), tokens, ok in zip(calls, asked, answers):
+                out.update((rec.key, t) for i, t in enumerate(tokens) if ok is None or not ok[i])
+            return out
+
+        return Fanout(self.access, calls, finish)
+
+    def commit(self, publish: Publishes,
+               free: Mapping[tuple[PoolKey, int], Sequence[int]] = {}) -> Pending[list[bool]]:
+        # per pool, one batch per grant: (token, keys, offsets, checksums, free offsets); and
+        # the rows of ``publish`` each batch answers for
+        batches: dict[PoolKey, list[GrantCommit]] = defaultdict(list)
+        rows_of: dict[PoolKey, list[np.ndarray]] = defaultdict(list)
+        grants = publish.grants
+        locations = publish.locations
+        for (pool, token), rows in grants.items():
+            batches[pool].append((token, [publish.keys[row] for row in rows.tolist()], locations.offset[rows],
+                                  locations.checksum[rows], list(free.get((pool, token), ()))))
+            rows_of[pool].append(rows)
+        nothing: np.ndarray = np.zeros(0, dtype=np.int64)
+        for (pool, token), offsets in free.items():
+            if (pool, token) not in grants:
+                batches[pool].append((token, [], nothing, nothing, list(offsets)))
+                rows_of[pool].append(nothing)
+        calls, order = [], []
+        for pool, grant_batches in batches.items():
+            rec = self._records.get(pool)
+            if rec is None:
+                continue  # gone: its slots went with it; its publishes stay False
+            calls.append((rec, self.access.poster.post(rec.handle.commit, pool[1], self.owner, grant_batches)))
+            order.append(rows_of[pool])
+
+        def finish(answers: list[Any]) -> list[bool]:
+            visible: np.ndarray = np.zeros(len(publish), dtype=bool)
+            for rows_per_grant, got in zip(order, answers):
+                for rows, oks in zip(rows_per_grant, got or []):
+                    visible[rows] = oks
+            return visible.tolist()
+
+        return Fanout(self.access, calls, finish)
+
+    def remove(self, removals: Sequence[Removal]) -> Pending[int]:
+        items: dict[PoolKey, list[tuple[bytes, int]]] = defaultdict(list)
+        for r in removals:
+            items[r.location.pool].append((r.key, r.location.offset))
+        calls = [(self._records[p], self.access.poster.post(self._records[p].handle.remove, p[1], its))
+                 for p, its in items.items() if p in self._records]
+        return Fanout(self.access, calls, lambda answers: sum(a or 0 for a in answers))
+
+    def suspect(self, pool: PoolKey) -> None:
+        self.access.failed(pool, "a worker's transfer failed")
+
+    def close(self) -> None:
+        try:
+            self.access.close()  # what the engine queued is posted (its last commits)
+        finally:
+            self.connections.close()
+            self._readers.close()
