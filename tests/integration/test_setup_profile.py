@@ -15,15 +15,15 @@ import re
 import shutil
 import subprocess
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PYPI = "https://pypi.org/simple"
+from tests.support import ROOT
+
+REPO = ROOT
 # The oldest x86-64 Linux the profile's wheels install on (llguidance 1.7 needs glibc 2.31):
 # Ubuntu 20.04, Debian 11 and every later release resolve to the same or newer wheels.
 TARGET_PLATFORM = "x86_64-manylinux_2_31"
@@ -38,25 +38,31 @@ def test_makefile_accepts_the_claimed_pythons():
     assert match and match.group(1).split() == CLAIMED_PYTHONS, "Makefile: PYTHON_VERSIONS"
 
 
+def isolated_env() -> dict[str, str]:
+    """This environment without pip's or uv's settings: their default index (PyPI) alone."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("UV_", "PIP_"))}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
 def pypi_unreachable() -> str | None:
     """Why PyPI cannot be asked (the tests skip then, as for absent hardware), or None."""
-    try:
-        urllib.request.urlopen(f"{PYPI}/pip/", timeout=10).close()
-    except OSError as exc:
-        return f"PyPI ({PYPI}) unreachable: {exc}"
-    return None
+    asked = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "pip", "--isolated",
+                            "--no-cache-dir", "--timeout", "10", "--retries", "0"],
+                           env=isolated_env(), capture_output=True, text=True, timeout=60)
+    return None if asked.returncode == 0 else f"PyPI unreachable: {asked.stderr.strip()[-300:]}"
 
 
 def resolve(cache: Path, python_version: str, *sources: str) -> subprocess.CompletedProcess[str]:
     """`uv pip compile` of SOURCES for one Python on the target platform, from PyPI only.
 
-    uv reads no pip configuration; `--no-config` and an environment without UV_*/PIP_* drop its
-    own; `--only-binary :all:` makes a missing wheel a failure, as for pip on a user's machine."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(("UV_", "PIP_"))}
-    env["UV_CACHE_DIR"] = str(cache)
+    uv reads no pip configuration and its default index is PyPI; `--no-config` and an environment
+    without UV_*/PIP_* drop its own; `--only-binary :all:` makes a missing wheel a failure, as for
+    pip on a user's machine."""
+    env = {**isolated_env(), "UV_CACHE_DIR": str(cache)}
     command = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--no-config",
                "--no-python-downloads", "--python", sys.executable, "--python-version", python_version,
-               "--python-platform", TARGET_PLATFORM, "--index-url", PYPI, "--only-binary", ":all:",
+               "--python-platform", TARGET_PLATFORM, "--only-binary", ":all:",
                "--no-header", "--no-annotate", *sources]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
 
