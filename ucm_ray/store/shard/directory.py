@@ -137,7 +137,7 @@ class ShardDirectory:
             await handle.wait_until_death.remote()
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # RayActorError and friends: the shard is gone
+        except Exception as e:  # noqa: BLE001 -- RayActorError and friends: the shard is gone
             log.warning("shard %s died: %s", shard_id, type(e).__name__)
         record = self._shards.get(shard_id)
         if record is not None and record.handle._actor_id == handle._actor_id:

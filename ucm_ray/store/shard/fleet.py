@@ -100,7 +100,7 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
         for name, handle in shards:
             try:
                 ray.get(directory.register.remote(name, handle), timeout=timeout_s)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- whatever it was, one line that names the shard
                 raise FleetStartError(f"shard {name} did not start: {_root_cause(e)}") from None
     except FleetStartError:
         created = [(n, h) for n, h in shards if n not in existing]
@@ -150,7 +150,7 @@ def fleet_status(config: UcmRayConfig, *, timeout_s: float = 10.0) -> dict[str, 
     for s in membership.shards:
         try:
             stats.append(ray.get(s.handle.stats.remote(), timeout=timeout_s))
-        except Exception as e:  # a dying shard is reported, not fatal for status
+        except Exception as e:  # noqa: BLE001 -- a dying shard is reported, not fatal for status
             stats.append({"shard_id": s.shard_id, "error": type(e).__name__})
     return {"version": membership.version, "shards": stats}
 
@@ -200,7 +200,7 @@ def remove_stale_pools_everywhere(config: UcmRayConfig, *, timeout_s: float = 30
     for ref in ready:
         try:
             node_id, removed = ray.get(ref)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- one node's clean-up failing must not stop the others'
             log.warning("stale-pool cleanup failed on a node: %s", _root_cause(e))
             continue
         done[node_id] = removed
@@ -216,6 +216,6 @@ def remove_stale_pools_everywhere(config: UcmRayConfig, *, timeout_s: float = 30
 def _shutdown(name: str, handle: ray.actor.ActorHandle, timeout_s: float) -> None:
     try:
         ray.get(handle.shutdown.remote(), timeout=timeout_s)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- stopping goes on: the actor is killed next whatever failed
         log.warning("shard %s did not shut down cleanly: %s", name, type(e).__name__)
     ray.kill(handle)
