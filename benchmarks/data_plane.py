@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -53,6 +54,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.measure import best, keys_for  # noqa: E402
 from ucm_ray.config import UcmRayConfig, parse_size  # noqa: E402
 from ucm_ray.store.engine.client import StoreClient  # noqa: E402
 from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
@@ -73,24 +75,10 @@ as a model's entries are of a real pool (with 64 MiB entries the free slots the 
 keep for their next saves took the pools' room and evicted what A had just saved)."""
 
 
-def best(fn, repeat: int) -> float:
-    """Best-of-N seconds: the machine is shared and noisy, the minimum is the signal."""
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 @ray.remote(num_cpus=0)
 class Sink:
     def take(self, arrays: list) -> int:
         return sum(a.nbytes for a in arrays)
-
-
-def keys_for(tag: str, n: int) -> list[bytes]:
-    return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(n)]
 
 
 def measure_size(block: int, clients: dict[str, StoreClient], repeat: int) -> dict[str, float]:

@@ -40,16 +40,19 @@ import logging
 import math
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from ucm_ray.config import UcmRayConfig
-from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
-from ucm_ray.store.shard.fleet import running_fleet
-from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
+from benchmarks.measure import in_turn  # noqa: E402
+from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config  # noqa: E402
+from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
+from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt  # noqa: E402
 
 log = logging.getLogger("bench.ttft")
 
@@ -75,18 +78,6 @@ def decode_rate(engine: Any, prompt: list[int], probe: list[int], new_tokens: in
     if produced < 2 or decode_s <= 0:
         return math.nan
     return (produced - 1) / decode_s
-
-
-def in_turn(engines: dict[str, Any], items: list, measure: Callable[[Any, Any], Any]) -> dict[str, list]:
-    """Per item, every system's engine once, the order rotating from item to item, so the box's
-    drift (tens of percent between minutes here) falls on every system alike: each system's
-    results in item order."""
-    names = list(engines)
-    got: dict[str, list] = {name: [] for name in names}
-    for i, item in enumerate(items):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            got[name].append(measure(engines[name], item))
-    return got
 
 
 def interleaved(engines: dict[str, Any], items: list, measure: Callable[[Any, Any], float]) -> dict[str, float]:

@@ -52,12 +52,12 @@ def test_second_call_is_noop(model_dir: Path) -> None:
 
 
 def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ucm_ray.tiny_model as tm
+    import ucm_ray.tiny_model.build as tiny_build
 
     def boom(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-build
 
-    monkeypatch.setattr(tm, "_train_tokenizer", boom)
+    monkeypatch.setattr(tiny_build, "train_tokenizer", boom)
     with pytest.raises(KeyboardInterrupt):
         make_tiny_model(tmp_path / "m", **PARAMS)
     assert not (tmp_path / "m").exists()
