@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, KeysView, Mapping
 from dataclasses import dataclass, field
 
 from ucm_ray.store.blockstore import BlockStore
@@ -247,9 +247,7 @@ class SlotSupply:
         tick)."""
         now = self._clock()
         self._steps += 1
-        if (not (self._asks or self._used or self._excess or self._returning or self._renewing or self._later)
-                and self._ticked is not None and self._ticked[0] == pools.version
-                and now - self._ticked[1] < QUIET_TICK_S):
+        if self._quiet(pools, now):
             return
         fade, self._steps = DEMAND_DECAY ** self._steps, 0
         self._ticked = (pools.version, now)
@@ -257,19 +255,40 @@ class SlotSupply:
         later, self._later = self._later, defaultdict(int)
         for slot_class, count in self._shortfalls({c: n for c, n in later.items() if c[0] in live}).items():
             self._ask(slot_class, count)
+        self._expire_promises(live, now)
+        self._take_arrived(live)
+        for key in [k for k in self._grants if k[0] not in live]:
+            self._drop(self._grants[key])  # a dead shard or an old incarnation
+        self._give_excess_back()
+        for pool in live:
+            for size in self._sizes:
+                self._rebalance((pool, size), pools.descriptors[pool].pool_bytes, fade, now)
+        self._used.clear()  # takes from pools no longer live: nothing to remember them for
+        self._renew(now)
+        self._returning = [answer for answer in self._returning if not answer.poll()]
+
+    def _quiet(self, pools: Pools, now: float) -> bool:
+        """Nothing changed since a full tick less than QUIET_TICK_S ago, over the same pools."""
+        return (not (self._asks or self._used or self._excess or self._returning or self._renewing or self._later)
+                and self._ticked is not None and self._ticked[0] == pools.version
+                and now - self._ticked[1] < QUIET_TICK_S)
+
+    def _expire_promises(self, live: KeysView[PoolKey], now: float) -> None:
         for slot_class, promises in list(self._promises.items()):
             while promises and (promises[0].until < now or slot_class[0] not in live):
                 promises.popleft()  # its saves never came (or its pool left)
             if not promises:
                 del self._promises[slot_class]
+
+    def _take_arrived(self, live: KeysView[PoolKey]) -> None:
         arrived = [ask for ask in self._asks if ask.answer.poll()]
         self._asks = [ask for ask in self._asks if ask not in arrived]
         for ask in arrived:
             grant = ask.answer.result()
             if grant is not None and grant.offsets and grant.pool in live:
                 self._add(grant, ask.posted)
-        for key in [k for k in self._grants if k[0] not in live]:
-            self._drop(self._grants[key])  # a dead shard or an old incarnation
+
+    def _give_excess_back(self) -> None:
         for slot_class, count in list(self._excess.items()):
             back = min(count, self.free_slots(slot_class))
             if back:
@@ -278,24 +297,21 @@ class SlotSupply:
                 del self._excess[slot_class]  # nothing more of it is on its way
             else:
                 self._excess[slot_class] = count - back
-        for pool in live:
-            for size in self._sizes:
-                slot_class = (pool, size)
-                demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * fade)
-                self._demand[slot_class] = demand
-                room = max(1, pools.descriptors[pool].pool_bytes // (size * FREE_POOL_SHARE))
-                self._cap[slot_class] = min(self._max_free, room)
-                base = self._base[slot_class] = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
-                have = self.free_slots(slot_class) + self._asked(slot_class)
-                if have < base:  # refilled past the baseline once taken from: a trickle of takes asks now and then
-                    top = max(base, min(REFILL * base, room)) if slot_class in self._last_take else base
-                    self._ask(slot_class, top - have)
-                elif (have > base and now - self._last_take.get(slot_class, now) > self._idle_s
-                      and slot_class not in self._promises):  # not what announced saves count on
-                    self._give_back(slot_class, self.free_slots(slot_class) - base)
-        self._used.clear()  # takes from pools no longer live: nothing to remember them for
-        self._renew(now)
-        self._returning = [answer for answer in self._returning if not answer.poll()]
+
+    def _rebalance(self, slot_class: SlotClass, pool_bytes: int, fade: float, now: float) -> None:
+        """Follow the demand: ask up to the baseline, give back what sat idle above it."""
+        demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * fade)
+        self._demand[slot_class] = demand
+        room = max(1, pool_bytes // (slot_class[1] * FREE_POOL_SHARE))
+        self._cap[slot_class] = min(self._max_free, room)
+        base = self._base[slot_class] = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
+        have = self.free_slots(slot_class) + self._asked(slot_class)
+        if have < base:  # refilled past the baseline once taken from: a trickle of takes asks now and then
+            top = max(base, min(REFILL * base, room)) if slot_class in self._last_take else base
+            self._ask(slot_class, top - have)
+        elif (have > base and now - self._last_take.get(slot_class, now) > self._idle_s
+              and slot_class not in self._promises):  # not what announced saves count on
+            self._give_back(slot_class, self.free_slots(slot_class) - base)
 
     def take(self, pool: PoolKey, size: int, count: int = 1) -> list[tuple[int, int]]:
         """Up to ``count`` free slots (token, offset) of ``size`` on ``pool``; fewer (the rest of
