@@ -356,7 +356,7 @@ def test_a_decode_step_plans_only_the_requests_whose_blocks_filled(store, model_
         a.step()
     for _ in range(4):
         a.step()  # the prompts' saves planned
-    with timed_calls([(part, ("_plan_saves",), "scheduler")]) as timed:
+    with timed_calls([(part.saves, ("_plan_saves",), "scheduler")]) as timed:
         for _ in range(64):
             a.step()
     assert len(timed["scheduler._plan_saves"]) <= 8 * (2 * 64 // 16 + 2)
@@ -876,7 +876,7 @@ def test_a_prompt_vllm_holds_whole_asks_for_no_write_slots(store, model_dir):
     a.serve("first", p)
     a.settle()
     asked: list[int] = []
-    supply = a.connector.scheduler_part._slots
+    supply = a.connector.scheduler_part.slots
     expect = supply.expect
 
     def counting(counts, **how):
@@ -921,10 +921,10 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
     fenced: list[set[int]] = []
 
     def check(engine, meta) -> None:
-        assert meta.fences <= set(sp._saves), "a fence named a save whose result was already in"
+        assert meta.fences <= set(sp.saves.jobs.in_flight), "a fence named a save whose result was already in"
         posted_now = {job.job_id for job in meta.saves.values()}
         targets = [block for job in meta.loads.get(0, []) for block in job.blocks.block_ids.tolist()]
-        for job_id, job in sp._saves.items():  # a load into a block a save still reads waits for it
+        for job_id, job in sp.saves.jobs.in_flight.items():  # a load into a block a save still reads waits for it
             if job_id not in posted_now and set(job.block_ids.tolist()) & set(targets):
                 assert job_id in meta.fences, "a load target was not fenced"
         fenced.append(set(meta.fences))
@@ -933,7 +933,7 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
     x = a.add("X", prompt(1280, seed=3), max_tokens=400)
     y = a.add("Y", prompt(1280, seed=4), max_tokens=400)
     a.run(x, y)
-    copying = {req_id for job in sp._saves.values() for req_id in job.requests} & {"X", "Y"}
+    copying = {req_id for job in sp.saves.jobs.in_flight.values() for req_id in job.requests} & {"X", "Y"}
     assert copying, "the requests ended with no save in flight: the scenario tests nothing"
     assert all(req_id in a.sched.requests for req_id in copying), "vLLM freed blocks a save was still reading"
     a.settle()
