@@ -28,7 +28,7 @@ from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
-from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS
+from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S
 from ucm_ray.vllm.worker import _StepState
 
 
@@ -507,10 +507,10 @@ def test_an_idle_engine_gives_its_unused_slots_back(store, model_dir):
     a.serve("A", prompt(4096, seed=5), max_tokens=1)  # 32 blocks; slots for 2 chunks were asked
     a.settle()
     entry = 2 * 128 * 2 * 16 * 4 * 2  # K+V x tokens x heads x head size x fp32 x layers
-    time.sleep(1.2)
+    a.clock.advance(1.2)
     for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
         a.step()
-    time.sleep(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
+    a.clock.advance(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
     a.step()
     a.settle()
     assert _held_slot_bytes(store) <= 2 * 2 * entry
@@ -633,6 +633,7 @@ def test_blocks_whose_request_ends_before_a_slot_came_are_counted_as_dropped(sto
     store.set_answering("local_shard_0", False)
     a = make_engine(store.client(), model_dir)
     a.serve("A", prompt(2048))
+    a.clock.advance(HOLD_S)
     a.settle()  # steps until vLLM freed the blocks
     dropped = a.stats().get("saves_dropped", 0)
     store.set_answering("local_shard_0", True)
@@ -723,7 +724,7 @@ def test_a_lookup_redone_after_the_prefix_was_evicted_claims_no_hit(store, model
     part = b.connector.scheduler_part
     assert part.get_num_new_matched_tokens(request, 0)[0] == 2046  # the hit (read unpinned)
     _evict_everything_and_overwrite(store)
-    time.sleep(0.15)  # past lease_s / 2 in the queue: the next ask looks the prompt up again
+    b.clock.advance(0.15)  # past lease_s / 2 in the queue: the next ask looks the prompt up again
     assert part.get_num_new_matched_tokens(request, 0)[0] == 0
     b.run(request)
     assert b.wrong_blocks == 0 and b.failed_loads == 0
@@ -1048,7 +1049,7 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         a.settle()
         for _ in range(5):
             a.step()  # ticks: the free stock the demand asks for is granted (a full tick each)
-            time.sleep(QUIET_TICK_S * 1.2)
+            a.clock.advance(QUIET_TICK_S * 1.2)
         a.settle()
         b = make_engine(store.client(), model_dir)
         ext, _ = b.serve("B", p)

@@ -12,7 +12,8 @@ without having been reported to vLLM as a failed load. That is the promise
 ("never a wrong byte") as a number a test can assert.
 
 The store is any ``BlockStore``: the in-process ``LocalBlockStore`` (fast,
-and it plays faults) or a Ray ``StoreClient``.
+and it plays faults) or a Ray ``StoreClient``. Each engine's scheduler half runs on a clock
+of its own (``Engine.clock``) that a test advances past a timeout instead of sleeping.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore, PoolKey
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
@@ -65,6 +67,7 @@ PARTIAL = -1.0
 """What the stand-in forward writes into a block it filled only partly."""
 
 _next_store: list[BlockStore] = []
+_next_clock: list[AdvancingClock] = []
 _next_node: list[str] = []
 
 
@@ -73,6 +76,9 @@ class HarnessConnector(UcmRayConnector):
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         return _next_store.pop()
+
+    def clock(self) -> AdvancingClock:
+        return _next_clock.pop()
 
     def node_id(self, config: UcmRayConfig) -> str:
         """The node of the store's pools: the harness's one process stands for every role on it."""
@@ -115,6 +121,8 @@ class Engine:
     layer_groups: list[tuple[str, int, bool]]  # (layer name, group, attention?) in forward order
     block_size: int
     hasher: object
+    clock: AdvancingClock = field(default_factory=AdvancingClock)
+    """The scheduler half's clock: ``clock.advance(s)`` stands for ``s`` seconds going by."""
     steps: int = 0
     deferred: dict[str, int] = field(default_factory=dict)  # steps a request waited on its lookup
     first: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (computed, scheduled)
@@ -368,7 +376,9 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
     kcfg.hash_block_size = block_size
     kcfg.cache_hit_alignment_tokens = block_size
+    clock = AdvancingClock()
     _next_store.append(store)
+    _next_clock.append(clock)
     try:
         sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg,
                           structured_output_manager=StructuredOutputManager(vcfg),
@@ -376,6 +386,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                           hash_block_size=block_size, log_stats=True)
     finally:
         _next_store.clear()
+        _next_clock.clear()
     _next_node.append(LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id())
     try:
         worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
@@ -389,7 +400,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
         layer_groups.append((f"model.layers.{num_layers}.mixer", 1, False))
     worker.register_kv_caches(kv)
     init_none_hash(sha256)
-    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256))
+    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256), clock)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
