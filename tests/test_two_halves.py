@@ -28,7 +28,7 @@ from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
-from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S
+from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import _StepState
 
 
@@ -817,6 +817,39 @@ def test_a_worker_that_cannot_read_a_pools_index_fails_once_then_gets_pinned_ent
     b.settle()
     assert b.failed_loads == 16 and b.stats()["stale_loads"] == 16  # B2's pinned loads all landed
     assert b.stats()["loaded_blocks"] == 16
+
+
+def test_a_request_passes_through_its_phases_in_order(store, model_dir):
+    """The scheduler half's record of a request: looked up, loading where vLLM took a store hit
+    (until the step's plan hands its loads to the workers), running, and finishing (its blocks
+    held) while blocks it computed are unsaved; forgotten once they are saved."""
+    a = make_engine(store.client(), model_dir)
+    part_a = a.connector.scheduler_part
+    p = prompt(2048)
+    a.run(a.add("A", p, max_tokens=1))  # its prompt's blocks are saved after its only token
+    assert part_a.phase_of("A") is Phase.FINISHING
+    a.settle()
+    assert part_a.phase_of("A") is None
+    b = make_engine(store.client(), model_dir)
+    part_b = b.connector.scheduler_part
+    request = b.add("B", p + [3] * 40)
+    assert part_b.phase_of("B") is None
+    assert part_b.get_num_new_matched_tokens(request, 0)[0] == 2048
+    assert part_b.phase_of("B") is Phase.LOOKUP
+    at_dispatch: list[Phase | None] = []
+    dispatch = part_b.loads.dispatch
+
+    def observed(out, meta) -> None:
+        at_dispatch.append(part_b.phase_of("B"))
+        dispatch(out, meta)
+
+    part_b.loads.dispatch = observed
+    while "B" not in b.first:
+        b.step()
+    assert at_dispatch[-1] is Phase.LOADING and part_b.phase_of("B") is Phase.RUNNING
+    b.run(request)
+    b.settle()
+    assert part_b.phase_of("B") is None and b.wrong_blocks == 0 and b.loaded_blocks["B"] == 16
 
 
 def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_are_saved(store, model_dir):

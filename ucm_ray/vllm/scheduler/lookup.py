@@ -17,7 +17,7 @@ import numpy as np
 
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.blockstore import BlockStore, PoolKey
+from ucm_ray.store.blockstore import BlockStore, PoolKey, ReadLease
 from ucm_ray.store.slots import SlotSupply
 from ucm_ray.vllm.scheduler.answers import StoreAnswers
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
@@ -185,7 +185,7 @@ class Lookups:
         return self._store.surely_absent([tracked.attn_keys(rank, group, range(1))[0]
                                           for rank in range(len(geometry.namespaces))])
 
-    def _hit_tokens(self, leases: list, lookup: Lookup) -> int:
+    def _hit_tokens(self, leases: list[ReadLease], lookup: Lookup) -> int:
         """Stage 1 (longest attention prefix over all ranks and groups), then for hybrid
         models stage 2 (furthest LCM boundary whose state every rank and state group has)."""
         if not leases:

@@ -22,7 +22,7 @@ from ucm_ray.vllm.scheduler.answers import StoreAnswers
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
 from ucm_ray.vllm.scheduler.loads import LoadPlanner
 from ucm_ray.vllm.scheduler.lookup import Lookups
-from ucm_ray.vllm.scheduler.request import TrackedRequests
+from ucm_ray.vllm.scheduler.request import Phase, TrackedRequests
 from ucm_ray.vllm.scheduler.results import Results
 from ucm_ray.vllm.scheduler.save_jobs import SaveJobs
 from ucm_ray.vllm.scheduler.saves import SavePlanner
@@ -85,6 +85,11 @@ class SchedulerPart:
     @property
     def hybrid(self) -> bool:
         return self.geometry.hybrid
+
+    def phase_of(self, req_id: str) -> Phase | None:
+        """The phase of a request this half tracks (None: not asked about yet, or forgotten)."""
+        tracked = self._requests.get(req_id)
+        return None if tracked is None else tracked.phase
 
     @property
     def recompute(self) -> int:

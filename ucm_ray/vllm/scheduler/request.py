@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -318,17 +317,10 @@ class TrackedRequests:
             tracked = self.by_id.get(req_id)
             if tracked is not None and req_id in resumed:
                 tracked.resume([list(ids) for ids in new_ids] if new_ids is not None else [])
-        self._append_block_ids(_with_new_blocks(cached.req_ids, cached.new_block_ids), resumed)
-
-    def _append_block_ids(self, allocated: Iterable[tuple[str, tuple[list[int], ...]]], resumed: set[str]) -> None:
-        for req_id, new_ids in allocated:
+        # requests allocated a block this step (a few in a decode step), picked out without
+        # Python per request: ``compress`` keeps the pairs whose ids are not None
+        for req_id, new_ids in itertools.compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids):
             tracked = self.by_id.get(req_id)
             if tracked is not None and req_id not in resumed:
                 for group, ids in enumerate(new_ids):
                     tracked.block_ids[group].extend(ids)
-
-
-def _with_new_blocks(req_ids: list[str], new_block_ids: list) -> Iterable[tuple[str, tuple[list[int], ...]]]:
-    """The requests allocated a block this step (a few in a decode step), picked out without
-    Python per request: ``compress`` keeps the pairs whose ids are not None."""
-    return itertools.compress(zip(req_ids, new_block_ids), new_block_ids)
