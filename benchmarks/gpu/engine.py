@@ -77,11 +77,15 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
         (Acquire, ("__init__", "poll", "result"), "in.acquire"),
     ]
     if scheduler is not None:
+        from ucm_ray.vllm.scheduler.request import TrackedRequest
+
         part = scheduler.scheduler_part
-        out.append((part, ("_post_lookup", "_first_block_absent", "_hit_tokens", "_attn_keys", "_answered",
-                           "_expect_saves", "_plan_saves", "_bind", "_dispatch", "_take_results",
-                           "_collect_answers"), "in.scheduler"))
-        out.append((part._slots, ("tick", "expect"), "in.slots"))
+        out.append((part.lookups, ("_post", "_first_block_absent", "_hit_tokens", "_answered"), "in.scheduler"))
+        out.append((TrackedRequest, ("attn_keys",), "in.scheduler"))
+        out.append((part.saves, ("expect", "_plan_saves"), "in.scheduler"))
+        out.append((part.saves.jobs, ("bind", "dispatch"), "in.scheduler"))
+        out.append((part.results, ("take", "collect"), "in.scheduler"))
+        out.append((part.slots, ("tick", "expect"), "in.slots"))
     if worker is not None:
         part = worker.worker_part
         out.append((part, ("_start_loads", "_post_by_pool", "_post_parts", "_ranges", "_count_bytes", "_split",

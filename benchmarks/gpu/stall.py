@@ -76,14 +76,14 @@ class StallEngine(ProfiledEngine):
 
         from ucm_ray.transport import gather
 
-        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part
+        saves = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part.saves
         worker = get_kv_transfer_group().worker_part
         sys.setswitchinterval(0.0002 if name == "switch" else 0.005)
-        scheduler.__dict__.pop("_plan_saves", None)
+        saves.__dict__.pop("_plan_saves", None)
         worker.__dict__.pop("_post_saves", None)
         gather.DMA_COPY_BYTES = (1 << 62) if name == "kernels" else (1 << 20)
         if name == "no-saves":
-            scheduler._plan_saves = lambda tracked, saves: False
+            saves._plan_saves = lambda tracked, rows: False
         elif name == "sync":
             post = type(worker)._post_saves
 

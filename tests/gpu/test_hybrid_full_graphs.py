@@ -75,8 +75,9 @@ def groups(handle) -> dict:
     """The connector's view of the kv-cache groups (a closure: Ray ships it by value)."""
     def probe(eng):
         part = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part
-        return {"lcm": part._lcm, "block_sizes": list(part._bs), "attn": list(part._attn),
-                "states": list(part._states)}
+        geometry = part.geometry
+        return {"lcm": geometry.lcm, "block_sizes": list(geometry.block_sizes), "attn": list(geometry.attn),
+                "states": list(geometry.states)}
 
     return ray.get(handle.__ray_call__.remote(probe))
 

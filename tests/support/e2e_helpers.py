@@ -20,7 +20,7 @@ class _ProbedEngine(ProbedEngine):
         """The store keys this engine uses for the prompt's full blocks (rank 0, group 0)."""
         from ucm_ray.keys import block_key
 
-        ns = self._core().scheduler.connector.scheduler_part._ns[0]
+        ns = self._core().scheduler.connector.scheduler_part.namespaces[0]
         return [block_key(ns, h, 0) for h in self._hashes(prompt_ids)]
 
     def cached_kv(self, prompt_ids: list[int], layer: int) -> list[bytes | None]:

@@ -27,7 +27,7 @@ from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import Transfer, TransferError
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
-from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS
+from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import _StepState
 
 
@@ -355,7 +355,7 @@ def test_a_decode_step_plans_only_the_requests_whose_blocks_filled(store, model_
         a.step()
     for _ in range(4):
         a.step()  # the prompts' saves planned
-    with timed_calls([(part, ("_plan_saves",), "scheduler")]) as timed:
+    with timed_calls([(part.saves, ("_plan_saves",), "scheduler")]) as timed:
         for _ in range(64):
             a.step()
     assert len(timed["scheduler._plan_saves"]) <= 8 * (2 * 64 // 16 + 2)
@@ -506,10 +506,10 @@ def test_an_idle_engine_gives_its_unused_slots_back(store, model_dir):
     a.serve("A", prompt(4096, seed=5), max_tokens=1)  # 32 blocks; slots for 2 chunks were asked
     a.settle()
     entry = 2 * 128 * 2 * 16 * 4 * 2  # K+V x tokens x heads x head size x fp32 x layers
-    time.sleep(1.2)
+    a.clock.advance(1.2)
     for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
         a.step()
-    time.sleep(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
+    a.clock.advance(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
     a.step()
     a.settle()
     assert _held_slot_bytes(store) <= 2 * 2 * entry
@@ -632,6 +632,7 @@ def test_blocks_whose_request_ends_before_a_slot_came_are_counted_as_dropped(sto
     store.set_answering("local_shard_0", False)
     a = make_engine(store.client(), model_dir)
     a.serve("A", prompt(2048))
+    a.clock.advance(HOLD_S)
     a.settle()  # steps until vLLM freed the blocks
     dropped = a.stats().get("saves_dropped", 0)
     store.set_answering("local_shard_0", True)
@@ -722,7 +723,7 @@ def test_a_lookup_redone_after_the_prefix_was_evicted_claims_no_hit(store, model
     part = b.connector.scheduler_part
     assert part.get_num_new_matched_tokens(request, 0)[0] == 2046  # the hit (read unpinned)
     _evict_everything_and_overwrite(store)
-    time.sleep(0.15)  # past lease_s / 2 in the queue: the next ask looks the prompt up again
+    b.clock.advance(0.15)  # past lease_s / 2 in the queue: the next ask looks the prompt up again
     assert part.get_num_new_matched_tokens(request, 0)[0] == 0
     b.run(request)
     assert b.wrong_blocks == 0 and b.failed_loads == 0
@@ -817,6 +818,39 @@ def test_a_worker_that_cannot_read_a_pools_index_fails_once_then_gets_pinned_ent
     assert b.stats()["loaded_blocks"] == 16
 
 
+def test_a_request_passes_through_its_phases_in_order(store, model_dir):
+    """The scheduler half's record of a request: looked up, loading where vLLM took a store hit
+    (until the step's plan hands its loads to the workers), running, and finishing (its blocks
+    held) while blocks it computed are unsaved; forgotten once they are saved."""
+    a = make_engine(store.client(), model_dir)
+    part_a = a.connector.scheduler_part
+    p = prompt(2048)
+    a.run(a.add("A", p, max_tokens=1))  # its prompt's blocks are saved after its only token
+    assert part_a.phase_of("A") is Phase.FINISHING
+    a.settle()
+    assert part_a.phase_of("A") is None
+    b = make_engine(store.client(), model_dir)
+    part_b = b.connector.scheduler_part
+    request = b.add("B", p + [3] * 40)
+    assert part_b.phase_of("B") is None
+    assert part_b.get_num_new_matched_tokens(request, 0)[0] == 2048
+    assert part_b.phase_of("B") is Phase.LOOKUP
+    at_dispatch: list[Phase | None] = []
+    dispatch = part_b.loads.dispatch
+
+    def observed(out, meta) -> None:
+        at_dispatch.append(part_b.phase_of("B"))
+        dispatch(out, meta)
+
+    part_b.loads.dispatch = observed
+    while "B" not in b.first:
+        b.step()
+    assert at_dispatch[-1] is Phase.LOADING and part_b.phase_of("B") is Phase.RUNNING
+    b.run(request)
+    b.settle()
+    assert part_b.phase_of("B") is None and b.wrong_blocks == 0 and b.loaded_blocks["B"] == 16
+
+
 def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_are_saved(store, model_dir):
     """A request of one token computes its whole prompt in its last step. Its write slots came
     late (here: the shards granted none until it ended; on a loaded box a grant can take longer
@@ -875,7 +909,7 @@ def test_a_prompt_vllm_holds_whole_asks_for_no_write_slots(store, model_dir):
     a.serve("first", p)
     a.settle()
     asked: list[int] = []
-    supply = a.connector.scheduler_part._slots
+    supply = a.connector.scheduler_part.slots
     expect = supply.expect
 
     def counting(counts, **how):
@@ -920,10 +954,10 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
     fenced: list[set[int]] = []
 
     def check(engine, meta) -> None:
-        assert meta.fences <= set(sp._saves), "a fence named a save whose result was already in"
+        assert meta.fences <= set(sp.saves.jobs.in_flight), "a fence named a save whose result was already in"
         posted_now = {job.job_id for job in meta.saves.values()}
         targets = [block for job in meta.loads.get(0, []) for block in job.blocks.block_ids.tolist()]
-        for job_id, job in sp._saves.items():  # a load into a block a save still reads waits for it
+        for job_id, job in sp.saves.jobs.in_flight.items():  # a load into a block a save still reads waits for it
             if job_id not in posted_now and set(job.block_ids.tolist()) & set(targets):
                 assert job_id in meta.fences, "a load target was not fenced"
         fenced.append(set(meta.fences))
@@ -932,7 +966,7 @@ def test_saves_that_land_late_hold_their_blocks_and_a_step_reusing_one_waits_for
     x = a.add("X", prompt(1280, seed=3), max_tokens=400)
     y = a.add("Y", prompt(1280, seed=4), max_tokens=400)
     a.run(x, y)
-    copying = {req_id for job in sp._saves.values() for req_id in job.requests} & {"X", "Y"}
+    copying = {req_id for job in sp.saves.jobs.in_flight.values() for req_id in job.requests} & {"X", "Y"}
     assert copying, "the requests ended with no save in flight: the scenario tests nothing"
     assert all(req_id in a.sched.requests for req_id in copying), "vLLM freed blocks a save was still reading"
     a.settle()
@@ -1047,7 +1081,7 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         a.settle()
         for _ in range(5):
             a.step()  # ticks: the free stock the demand asks for is granted (a full tick each)
-            time.sleep(QUIET_TICK_S * 1.2)
+            a.clock.advance(QUIET_TICK_S * 1.2)
         a.settle()
         b = make_engine(store.client(), model_dir)
         ext, _ = b.serve("B", p)

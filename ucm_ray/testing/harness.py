@@ -12,7 +12,8 @@ without having been reported to vLLM as a failed load. That is the promise
 ("never a wrong byte") as a number a test can assert.
 
 The store is any ``BlockStore``: the in-process ``LocalBlockStore`` (fast,
-and it plays faults) or a Ray ``StoreClient``.
+and it plays faults) or a Ray ``StoreClient``. Each engine's scheduler half runs on a clock
+of its own (``Engine.clock``) that a test advances past a timeout instead of sleeping.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
@@ -68,14 +70,16 @@ PARTIAL = -1.0
 STORE_KEY = "harness_store"
 """The extra-config key that hands an engine's connector its store (any ``BlockStore``)."""
 NODE_KEY = "harness_node"
-"""... and the node its worker stands on (``LOCAL_NODE`` for an in-process store)."""
+"""... the node its worker stands on (``LOCAL_NODE`` for an in-process store)."""
+CLOCK_KEY = "harness_clock"
+"""... and its scheduler half's clock (an ``AdvancingClock`` the test moves on)."""
 
 
 class HarnessConnector(UcmRayConnector):
     """The real connector, handed the store the harness chose (in its extra config) instead of
     joining Ray."""
 
-    subclass_extra_keys = (STORE_KEY, NODE_KEY)
+    subclass_extra_keys = (STORE_KEY, NODE_KEY, CLOCK_KEY)
 
     def _harness_setting(self, key: str) -> Any:
         return self._vllm_config.kv_transfer_config.kv_connector_extra_config[key]
@@ -83,6 +87,10 @@ class HarnessConnector(UcmRayConnector):
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         store: BlockStore = self._harness_setting(STORE_KEY)
         return store
+
+    def clock(self) -> AdvancingClock:
+        clock: AdvancingClock = self._harness_setting(CLOCK_KEY)
+        return clock
 
     def node_id(self, config: UcmRayConfig) -> str:
         """The node of the store's pools: the harness's one process stands for every role on it."""
@@ -125,6 +133,8 @@ class Engine:
     layer_groups: list[tuple[str, int, bool]]  # (layer name, group, attention?) in forward order
     block_size: int
     hasher: object
+    clock: AdvancingClock = field(default_factory=AdvancingClock)
+    """The scheduler half's clock: ``clock.advance(s)`` stands for ``s`` seconds going by."""
     steps: int = 0
     deferred: dict[str, int] = field(default_factory=dict)  # steps a request waited on its lookup
     first: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (computed, scheduled)
@@ -344,8 +354,9 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                  prompt_lookup_min=1, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
     node = LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id()
+    clock = AdvancingClock()
     extra = {**(config or UcmRayConfig()).to_dict(), "layerwise": layerwise, **(extra or {}),
-             STORE_KEY: store, NODE_KEY: node}
+             STORE_KEY: store, NODE_KEY: node, CLOCK_KEY: clock}
     vcfg = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,
@@ -392,7 +403,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
         layer_groups.append((f"model.layers.{num_layers}.mixer", 1, False))
     worker.register_kv_caches(kv)
     init_none_hash(sha256)
-    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256))
+    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256), clock)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

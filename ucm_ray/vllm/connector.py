@@ -11,7 +11,8 @@ pools to open as the engine starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -98,7 +99,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerPart | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerPart(vllm_config, kv_cache_config, self.ucm_config,
-                                            self.open_store(self.ucm_config))
+                                            self.open_store(self.ucm_config), clock=self.clock())
         else:
             self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(),
                                       self.node_id(self.ucm_config))
@@ -107,6 +108,11 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
         join_ray(config)
         return StoreClient(config)
+
+    def clock(self) -> Callable[[], float]:
+        """The scheduler's clock for its deadlines and timeouts (the test harness substitutes one
+        a test advances)."""
+        return time.monotonic
 
     def node_id(self, config: UcmRayConfig) -> str:
         """The node this worker runs on: pools on it are mapped, others reached over NIXL."""

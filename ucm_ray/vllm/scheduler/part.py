@@ -1,0 +1,209 @@
+"""SchedulerPart: vLLM's scheduler-side connector hooks, each running the parts in order.
+
+The parts: ``lookup`` (a request's hit, pinned), ``loads`` (load jobs and fences), ``saves``
+and ``save_jobs`` (what each step saves into slots announced ahead), ``results`` (what the
+workers and the store answered), over one record per request (``request``: its phase) and
+the engine's cache ``geometry``. ``timing`` counts the hooks' host time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.store.types import Publishes
+from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.scheduler.answers import StoreAnswers
+from ucm_ray.vllm.scheduler.geometry import CacheGeometry
+from ucm_ray.vllm.scheduler.loads import LoadPlanner
+from ucm_ray.vllm.scheduler.lookup import Lookups
+from ucm_ray.vllm.scheduler.request import Phase, TrackedRequests
+from ucm_ray.vllm.scheduler.results import Results
+from ucm_ray.vllm.scheduler.save_jobs import SaveJobs
+from ucm_ray.vllm.scheduler.saves import SavePlanner
+from ucm_ray.vllm.scheduler.timing import HostTimer, host_timed
+from ucm_ray.vllm.stats import UcmRayStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__package__)
+
+
+class SchedulerPart:
+    """The scheduler half of the connector: owner of the block lifecycle."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: UcmRayConfig,
+                 store: BlockStore, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time of every deadline and timeout here and in the slot supply (a test
+        advances its own instead of sleeping)."""
+        self.geometry = CacheGeometry.of(vllm_config, kv_cache_config, config)
+        self._store = store
+        self._clock = clock
+        self.stats = UcmRayStats()
+        self.timer = HostTimer(self.stats)
+        self.slots = SlotSupply(store, max_free=vllm_config.scheduler_config.max_num_seqs,
+                                renew_after_s=config.reserve_timeout_s / 3, idle_s=config.reserve_timeout_s / 3,
+                                usable_s=config.reserve_timeout_s - config.transfer_timeout_s, clock=clock)
+        self.slots.want(*self.geometry.entry_bytes)
+        self._requests = TrackedRequests(self.geometry, self.stats)
+        self._answers = StoreAnswers(store, self.stats)
+        job_ids = itertools.count(1)  # load and save jobs share one sequence
+        save_jobs = SaveJobs(store, self.slots, self.geometry.entry_bytes, self._requests, job_ids, clock)
+        self.saves = SavePlanner(self.geometry, store, self.slots, self._requests, save_jobs, self.stats, clock)
+        self.lookups = Lookups(self.geometry, config, store, self.slots, self._requests, self.saves, self._answers,
+                               self.stats, clock)
+        self.loads = LoadPlanner(self.geometry, config, self._requests, save_jobs, job_ids, clock)
+        self.results = Results(self.geometry, config, store, self._requests, self.lookups, self.loads, self.saves,
+                               self._answers, self.slots, self.stats, clock)
+        self._pools_sent: int | None = None
+        geometry = self.geometry
+        log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
+                 geometry.attn, geometry.states, geometry.block_sizes, geometry.lcm, geometry.hash_block_size,
+                 geometry.recompute)
+        max_len = vllm_config.model_config.max_model_len
+        if geometry.hybrid and geometry.lcm >= max_len:
+            log.warning("ucm-ray: this hybrid model's LCM block is %d tokens, not shorter than max_model_len "
+                        "(%d): no prompt fills one, so nothing is stored or loaded here (vLLM sizes state "
+                        "blocks so without prefix caching and mamba_cache_mode='align')", geometry.lcm, max_len)
+
+    @property
+    def namespaces(self) -> list[bytes]:
+        """Per tp rank, the namespace digest mixed into this engine's keys."""
+        return list(self.geometry.namespaces)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.geometry.hybrid
+
+    def phase_of(self, req_id: str) -> Phase | None:
+        """The phase of a request this half tracks (None: not asked about yet, or forgotten)."""
+        tracked = self._requests.get(req_id)
+        return None if tracked is None else tracked.phase
+
+    @property
+    def recompute(self) -> int:
+        """Prompt tokens vLLM computes itself after a dense hit (a test may force another rule)."""
+        return self.geometry.recompute
+
+    @recompute.setter
+    def recompute(self, tokens: int) -> None:
+        self.geometry.recompute = tokens
+
+    # --- vLLM's hooks ----------------------------------------------------------------------
+
+    @host_timed
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.lookups.matched(request, num_computed_tokens)
+
+    @host_timed
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return
+        lookup = tracked.lookup
+        if lookup is None or not lookup.answered:
+            tracked.allocated()  # no lookup, or the second call of an async load
+            self.saves.skip(tracked, tracked.local_tokens)
+            return
+        if num_external_tokens <= 0:
+            self.lookups.release(tracked)
+            tracked.allocated()
+            self.saves.skip(tracked, tracked.local_tokens)
+            return
+        start = tracked.local_tokens
+        end = start + num_external_tokens
+        loads = self.loads.plan(tracked, lookup, blocks.get_block_ids(), start, end)
+        tracked.start_loading(num_external_tokens)  # the pins now belong to the load jobs
+        self.saves.skip(tracked, end)
+        tracked.last_state_pos = max(tracked.last_state_pos, tracked.hit_tokens if self.hybrid else 0)
+        self.stats.add(load_blocks=len(loads[0].blocks))
+
+    def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
+        """The step's plan: the store's answers and the pools first, then the block ids the
+        output hands out, the loads and their fences, the saves (one slot ask per pool and size
+        for the step's expected saves), and the finished requests whose blocks vLLM may free."""
+        started = self.timer.clock()
+        self.results.collect()
+        meta = UcmRayConnectorMetadata()
+        self._sync_pools(meta)
+        self._requests.take_block_ids(out)
+        self.loads.dispatch(out, meta)
+        meta.fences = self.loads.fences(out, meta.loads)
+        with self.slots.batched():
+            self.saves.plan_step(out, meta)
+        meta.saved_requests.update(self._requests.release_held(self._clock()))
+        self.timer.observe_step(out.total_num_scheduled_tokens, meta.carries_work(), self.timer.clock() - started)
+        return meta
+
+    def _sync_pools(self, meta: UcmRayConnectorMetadata) -> None:
+        """The slot supply's tick, and the fleet's pools to the workers when they changed."""
+        pools = self._store.pools()
+        self.slots.tick(pools)
+        if pools.version != self._pools_sent:
+            meta.pools = dict(pools.descriptors)
+            self._pools_sent = pools.version
+            self.lookups.keep_pools(set(pools.descriptors))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        results = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(results, UcmRayWorkerMetadata):  # None: a step whose workers had nothing to say
+            self._take_results(results)
+
+    @host_timed
+    def _take_results(self, results: UcmRayWorkerMetadata) -> None:
+        self.results.take(results)
+
+    @host_timed
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks of the request still to be saved (those its last step filled, and generated
+        blocks short of a DECODE_SAVE_TOKENS batch) keep it: vLLM holds its blocks until the next
+        step saved them and reported it ``finished_sending``. Otherwise (or with no pool to save
+        into) they are freed at once."""
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return False, None
+        self.lookups.release(tracked)
+        if tracked.block_ids and tracked.unsaved() and self._store.pools().descriptors:
+            self._requests.finish(tracked, self._clock())
+            if tracked.prompt_expected:  # generated blocks of an unfinished batch: slots at the next step's tick
+                self.saves.expect(tracked, tracked.hashed_tokens(), later=True)
+            return True, None
+        self._requests.drop(request.request_id)
+        return False, None
+
+    # --- tools, tests and shutdown ---------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until the store answered every commit, release and removal posted so far (tools
+        and tests that hand a prefix to another engine right away; the engine never waits)."""
+        deadline = self._clock() + timeout_s
+        while self._answers.waiting and self._clock() < deadline:
+            time.sleep(0.001)
+            self.results.collect()
+
+    def settled(self) -> bool:
+        """No job waits for a worker's result and no control call for the store's answer."""
+        return not (self.loads.in_flight or self.saves.jobs.in_flight or not self._answers.idle
+                    or self._requests.any_finishing())
+
+    def shutdown(self) -> None:
+        """Hand unused slots back (best effort: a lapsed grant frees them anyway)."""
+        unused = self.slots.close()
+        if unused:
+            self._store.commit(Publishes.of([]), unused).result()
+        self._store.close()
+
+    def take_stats(self) -> UcmRayStats | None:
+        return self.stats.take()

@@ -1,0 +1,327 @@
+"""One request as the scheduler half sees it: an explicit phase, and what each phase keeps.
+
+A request is looked up (LOOKUP), loads its hit if vLLM took one (LOADING, until the step's
+plan hands its load jobs to the workers), runs while its blocks are saved as they fill
+(RUNNING), and, where vLLM finished it with blocks unsaved or still being copied, is held until
+they are (FINISHING). A request vLLM preempts stays RUNNING until vLLM asks for its hit again.
+The request's methods own these transitions and answer the questions the parts ask of it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.v1.request import RequestStatus
+
+from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.store.types import Pending, ReadLease
+from ucm_ray.transport.base import PoolKey
+from ucm_ray.vllm.scheduler.geometry import CacheGeometry
+from ucm_ray.vllm.stats import UcmRayStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+STATE_SLOT_WAIT_S = 0.5
+"""How long a hybrid model's request may wait for the slots of its first chunks' saves, asked for
+once its lookup answered: a state can only be saved in the step that computes it (the next step
+overwrites it), so one whose slot came late is lost for every later reader; a shard answers a
+reserve within a round trip unless it is in trouble. A dense model's request itself never waits
+for slots (only its first save may, after its first token: ``PROMPT_SLOT_WAIT_S``)."""
+HOLD_S = 1.0
+"""How long a finished request's blocks may be kept for saves still waiting for write slots;
+then they are dropped (``saves_dropped``) and vLLM frees the blocks. A grant takes a round trip,
+but an engine's first ones take longer (docs/performance-log.md, "Figures moved out of code")."""
+
+SlotCounts = dict[tuple[PoolKey, int], int]
+"""Slots per (pool, entry size)."""
+BlockAt = tuple[int, int, int]
+"""(group, rank, block index) of one of a request's attention blocks."""
+
+
+class Phase(enum.Enum):
+    LOOKUP = "lookup"
+    """vLLM asked for its hit: its lookup (and a hybrid's first slots) may be in flight."""
+    LOADING = "loading"
+    """vLLM allocated for its hit: load jobs planned, handed to the workers by the next plan."""
+    RUNNING = "running"
+    """vLLM computes it (or preempted it: vLLM's status says): its blocks are saved as they fill."""
+    FINISHING = "finishing"
+    """vLLM finished it while blocks of it were unsaved or being copied: held until they landed,
+    or ``HOLD_S``."""
+
+
+@dataclass
+class Lookup:
+    """One request's lookup: per tp rank, the keys asked for and the pins that came back."""
+
+    futures: list[Pending[ReadLease]]
+    attn_keys: list[list[list[bytes]]]  # [rank][attention group][block]
+    state_keys: list[list[list[bytes]]]  # [rank][state group][lcm boundary - 1]
+    started: float
+    leases: list[ReadLease] | None = None
+
+    def ready(self) -> bool:
+        return all(f.poll() for f in self.futures)
+
+    @property
+    def answered(self) -> bool:
+        """Whether the pins were taken (every rank answered, and the answers were read)."""
+        return self.leases is not None
+
+    def take_answers(self) -> list[ReadLease]:
+        self.leases = [f.result() for f in self.futures]
+        return self.leases
+
+    def flat_keys(self, rank: int) -> list[bytes]:
+        """The keys of one rank's acquire, in the order they were asked for."""
+        return [key for keys in self.attn_keys[rank] + self.state_keys[rank] for key in keys]
+
+
+@dataclass
+class SlotAsks:
+    """Slots asked for the saves of a hybrid request's first chunks, once its lookup said where
+    its saves begin (asked for with the lookup, they were also asked for blocks that turn out to
+    be hits, and a full pool evicted other prompts' entries, or this prompt's own, to make room
+    for slots handed straight back)."""
+
+    counts: SlotCounts
+    """Slots per (pool, entry size) the chunks' states need."""
+    started: float
+    wait_s: float = STATE_SLOT_WAIT_S
+
+    def ready(self, supply: SlotSupply, now: float) -> bool:
+        """The slots are here or answered (asked for by this request or by another whose asks
+        it counts on: a state cannot wait for a slot, it is lost), or too slow to wait for:
+        then the request runs without them rather than being delayed."""
+        return supply.ready(self.counts) or now - self.started > self.wait_s
+
+
+@dataclass(eq=False)
+class TrackedRequest:
+    """A request vLLM asked about, from its lookup until vLLM may free its blocks."""
+
+    request: Request
+    geometry: CacheGeometry
+    phase: Phase = Phase.LOOKUP
+    lookup: Lookup | None = None
+    """LOOKUP: the pins it holds until a load job takes them, or it is released."""
+    slot_asks: SlotAsks | None = None  # set once, when its first lookup answered
+    hit_tokens: int = 0  # LCM/block-aligned prefix found in the store
+    local_tokens: int = 0  # vLLM's block-aligned local hit at lookup time
+    external_tokens: int = 0  # what vLLM took from the store at allocation (its loads bring them)
+    block_ids: list[list[int]] = field(default_factory=list)  # per group, as the scheduler output says
+    saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
+    last_state_pos: int = 0
+    pending: dict[BlockAt, bool] = field(default_factory=dict)
+    """(group, rank, block index) of attention blocks still to save, and whether their bytes are
+    valid yet (a block whose load failed is not, until a step recomputes it)."""
+    keys: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+    """(rank, attention group) -> the keys of the request's first blocks (``attn_keys``)."""
+    expected_until: int = 0  # saves of tokens below this were announced to the slot supply
+    unexpected_until: int = 0  # ... and those below this were taken back (hits) or used by saves
+    computed: int = 0  # vLLM's computed tokens at the last save plan
+    waiting_at: tuple[int, int] | None = None
+    """(filled, hashed tokens) when the last plan found the request's blocks waiting for a later
+    one: until either moves, its answer stands (most decode steps). Only set while nothing is
+    pending and it is not finishing (``finish`` and ``save_again`` clear it)."""
+    prompt_expected: bool = False  # a dense prompt's saves were announced to the slot supply
+    awaited: SlotCounts | None = None
+    """Slots per (pool, entry size) that a dense prompt's first save waits for, until
+    ``awaited_until`` (``PROMPT_SLOT_WAIT_S``), where the free stock lacked them."""
+    awaited_until: float = 0.0
+    finished_at: float = 0.0
+    """FINISHING: when vLLM finished it (vLLM keeps its blocks until the scheduler knows they
+    landed and reports the request ``finished_sending``: an idle engine would look no more)."""
+    save_jobs: set[int] = field(default_factory=set)
+    """Save jobs with blocks of the request whose results are not in yet."""
+
+    # --- transitions ----------------------------------------------------------------------
+
+    def ask(self, local_tokens: int) -> None:
+        """vLLM asks for its hit (again, after a preemption): vLLM's own hit is ``local_tokens``."""
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.LOOKUP
+        self.local_tokens = local_tokens
+
+    def start_loading(self, external_tokens: int) -> None:
+        """vLLM allocated for ``external_tokens`` of the hit: the pins now belong to load jobs."""
+        self.phase = Phase.LOADING
+        self.external_tokens = external_tokens
+        self.lookup = None
+
+    def allocated(self) -> None:
+        """vLLM allocated for it without a hit to load (or again, for an asynchronous load)."""
+        if self.phase is Phase.LOOKUP:
+            self.phase = Phase.RUNNING
+
+    def loads_dispatched(self) -> None:
+        """Its load jobs were handed to the workers."""
+        self.phase = Phase.RUNNING
+
+    def finish(self, now: float) -> None:
+        """vLLM finished it while blocks of it are unsaved: held for them."""
+        self.phase = Phase.FINISHING
+        self.finished_at = now
+        self.waiting_at = None
+
+    def resume(self, block_ids: list[list[int]]) -> None:
+        """vLLM resumed it (after a preemption) with new blocks: what was pending is saved once
+        recomputed (or never, if it was not)."""
+        self.block_ids = block_ids
+        self.pending = dict.fromkeys(self.pending, False)
+
+    def save_again(self, group: int, rank: int, index: int) -> None:
+        """A block whose load failed: saved once a step recomputed it (its bytes are garbage until then)."""
+        self.pending[(group, rank, index)] = False
+        self.waiting_at = None
+
+    def await_slots(self, counts: SlotCounts, until: float) -> None:
+        """Its prompt's first save waits for these slots, at most until ``until``."""
+        self.awaited, self.awaited_until = counts, until
+
+    # --- questions ------------------------------------------------------------------------
+
+    @property
+    def finishing(self) -> bool:
+        return self.phase is Phase.FINISHING
+
+    def lookup_expired(self, now: float, max_age_s: float) -> bool:
+        """Whether its lookup waited so long in the queue that its pins may lapse."""
+        return self.lookup is not None and now - self.lookup.started > max_age_s
+
+    def hashed_tokens(self) -> int:
+        """Tokens of its full (hashed) blocks."""
+        return len(self.request.block_hashes) * self.geometry.hash_block_size
+
+    def attn_keys(self, rank: int, group: int, blocks: range | list[int]) -> list[bytes]:
+        """The keys of these blocks of an attention group on one rank, derived once per request:
+        its lookup, the slot counts of its chunks and its saves all ask for them."""
+        known = self.keys.setdefault((rank, group), [])
+        needed = max(blocks, default=-1) + 1
+        if needed > len(known):
+            known.extend(self.geometry.attn_block_keys(rank, group, self.request.block_hashes,
+                                                       range(len(known), needed)))
+        if isinstance(blocks, range) and blocks.step == 1:
+            return known[blocks.start:blocks.stop]
+        return [known[i] for i in blocks]
+
+    def saved_tokens(self) -> int:
+        """Tokens below which every attention group's blocks are saved or need no save."""
+        sizes = self.geometry.block_sizes
+        return min((self.saved_blocks.get(g, 0) * sizes[g] for g in self.geometry.attn), default=0)
+
+    def unsaved(self) -> bool:
+        """Whether blocks the request computed are still to be saved, or being copied."""
+        computed = min(self.request.num_computed_tokens, self.hashed_tokens())
+        sizes = self.geometry.block_sizes
+        return (any(computed // sizes[g] > self.saved_blocks.get(g, 0) for g in self.geometry.attn)
+                or any(self.pending.values()) or bool(self.save_jobs))
+
+    def plan_stands(self) -> bool:
+        """Whether the last plan's answer for a running request stands: its blocks waited then,
+        and neither its filled nor its hashed tokens moved since (most decode steps). Asked of
+        every request every step, before anything else: with many requests decoding, visiting
+        each one was the scheduler hook's largest cost."""
+        if self.waiting_at is None:
+            return False
+        request = self.request
+        hashed = len(request.block_hashes) * self.geometry.hash_block_size
+        computed = request.num_computed_tokens
+        if self.waiting_at != (min(computed, hashed), hashed) or request.status != RequestStatus.RUNNING:
+            return False
+        self.computed = computed
+        return True
+
+    def may_save(self) -> bool:
+        """Whether blocks of it may be saved in this step: it runs and its first token is out (no
+        save delays that token), or it is finishing. A request vLLM does not run loses its block
+        ids: waiting, or preempted, its blocks are not (or no longer) its own."""
+        if self.phase is Phase.FINISHING:
+            return True
+        if self.request.status != RequestStatus.RUNNING:
+            self.block_ids = []
+            return False
+        return bool(self.request.num_output_tokens)
+
+    def hold_over(self, now: float) -> bool:
+        """Finishing, whether vLLM may free its blocks: nothing is still to be copied from them,
+        or no slot came for what is left within HOLD_S."""
+        return not self.save_jobs and (not self.unsaved() or now - self.finished_at > HOLD_S)
+
+    def dropped_saves(self) -> int:
+        """Blocks still to save whose bytes were valid: never saved if it is forgotten now."""
+        return sum(1 for ready in self.pending.values() if ready)
+
+
+class TrackedRequests:
+    """The requests the scheduler half tracks, by id, and which of them vLLM finished."""
+
+    def __init__(self, geometry: CacheGeometry, stats: UcmRayStats) -> None:
+        self._geometry = geometry
+        self._stats = stats
+        self.by_id: dict[str, TrackedRequest] = {}
+        self._finishing: set[str] = set()  # ids of requests that were finishing when last seen
+
+    def track(self, request: Request) -> TrackedRequest:
+        """The request's record: a new one for a request not seen before under its id."""
+        tracked = self.by_id.get(request.request_id)
+        if tracked is None or tracked.request is not request:
+            tracked = self.by_id[request.request_id] = TrackedRequest(request, self._geometry)
+        return tracked
+
+    def get(self, req_id: str) -> TrackedRequest | None:
+        return self.by_id.get(req_id)
+
+    def finish(self, tracked: TrackedRequest, now: float) -> None:
+        tracked.finish(now)
+        self._finishing.add(tracked.request.request_id)
+
+    def drop(self, req_id: str) -> None:
+        """Forget a request; blocks of it still unsaved are never saved."""
+        tracked = self.by_id.pop(req_id)
+        self._finishing.discard(req_id)
+        dropped = tracked.dropped_saves()
+        if dropped:
+            self._stats.add(saves_dropped=dropped)
+
+    def release_held(self, now: float) -> list[str]:
+        """The finishing requests whose blocks vLLM may free now (``hold_over``), forgotten."""
+        released = []
+        for req_id in list(self._finishing):
+            tracked = self.by_id.get(req_id)
+            if tracked is None or not tracked.finishing:  # tracked anew under its id
+                self._finishing.discard(req_id)
+            elif tracked.hold_over(now):
+                released.append(req_id)
+                self.drop(req_id)
+        return released
+
+    def any_finishing(self) -> bool:
+        return any(tracked.finishing for tracked in self.by_id.values())
+
+    def take_block_ids(self, out: SchedulerOutput) -> None:
+        """Each running request's block ids, from the scheduler output alone (vLLM 0.26 never
+        binds its cache manager to a connector): new requests list all, cached ones append,
+        resumed ones start over."""
+        for new in out.scheduled_new_reqs:
+            tracked = self.by_id.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids) if resumed else ():
+            tracked = self.by_id.get(req_id)
+            if tracked is not None and req_id in resumed:
+                tracked.resume([list(ids) for ids in new_ids] if new_ids is not None else [])
+        # requests allocated a block this step (a few in a decode step), picked out without
+        # Python per request: ``compress`` keeps the pairs whose ids are not None
+        for req_id, new_ids in itertools.compress(zip(cached.req_ids, cached.new_block_ids), cached.new_block_ids):
+            tracked = self.by_id.get(req_id)
+            if tracked is not None and req_id not in resumed:
+                for group, ids in enumerate(new_ids):
+                    tracked.block_ids[group].extend(ids)

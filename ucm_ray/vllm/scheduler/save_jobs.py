@@ -1,0 +1,151 @@
+"""Save jobs: planned blocks bound to granted write slots, sent to the workers as one job per
+rank, and remembered until a worker reports them (or never will)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.store.types import NO_CHECKSUM, Locations
+from ucm_ray.transport.base import PoolKey
+from ucm_ray.vllm.metadata import BlockSaves
+from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID
+from ucm_ray.vllm.scheduler.request import TrackedRequests
+
+SaveRow = tuple[int, int, int, bytes]
+"""(rank, group, vLLM block id, key) of a block to save."""
+
+
+@dataclass
+class SaveRows:
+    """One rank's saves of one step, gathered block by block; sent as ``BlockSaves`` columns."""
+
+    groups: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    pools: list[PoolKey] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the grant of each row's slot
+
+    def add(self, group: int, block_id: int, key: bytes, pool: PoolKey, offset: int, size: int, token: int) -> None:
+        self.groups.append(group)
+        self.block_ids.append(block_id)
+        self.keys.append(key)
+        self.pools.append(pool)
+        self.offsets.append(offset)
+        self.sizes.append(size)
+        self.tokens.append(token)
+
+
+SaveRowsByRank = defaultdict[int, SaveRows]
+"""A step's save rows per tp rank (a rank without rows has no entry)."""
+
+
+def save_rows() -> SaveRowsByRank:
+    """A step's save rows, empty (made for a rank once it has a row)."""
+    return defaultdict(SaveRows)
+
+
+@dataclass
+class SaveInFlight:
+    """A dispatched save job: per row, the key it stores and the grant of its slot; the vLLM
+    blocks it copies (a step that allocates one of them again waits for it: ``fences``) and the
+    requests they belong to."""
+
+    keys: list[bytes]
+    locations: Locations
+    tokens: np.ndarray
+    block_ids: np.ndarray
+    requests: list[str]
+    dispatched: float
+
+
+class SaveJobs:
+    """Binds a step's planned blocks to slots, dispatches them as jobs, and keeps the jobs
+    whose results are not in yet (``in_flight``, by job id)."""
+
+    def __init__(self, store: BlockStore, slots: SlotSupply, entry_bytes: list[int], requests: TrackedRequests,
+                 job_ids: Iterator[int], clock: Callable[[], float]) -> None:
+        self._store = store
+        self._slots = slots
+        self._entry_bytes = entry_bytes
+        self._requests = requests
+        self._job_ids = job_ids
+        self._clock = clock
+        self.in_flight: dict[int, SaveInFlight] = {}
+
+    def bind(self, saves: SaveRowsByRank, rows: list[SaveRow]) -> np.ndarray:
+        """Bind granted slots on the owners of each (rank, group, vLLM block id, key) to it, as
+        rows of its rank's saves. Per row, whether any replica got a slot (vLLM's placeholder
+        block counts as saved: it holds no data of the request); those without wait."""
+        bound = np.asarray([block_id == NULL_BLOCK_ID for _, _, block_id, _ in rows], dtype=bool)
+        real = np.flatnonzero(~bound)
+        if not len(real):
+            return bound
+        real_rows = real.tolist()
+        pools, owners = self._store.placement([rows[i][3] for i in real_rows])
+        sizes = [self._entry_bytes[rows[i][1]] for i in real_rows]
+        for replica in range(owners.shape[1]):
+            # rows per slot class, in row order (``np.unique(axis=1)`` was slower, and its first
+            # call in a process imported ``numpy.ma``)
+            classes: dict[tuple[int, int], list[int]] = defaultdict(list)
+            for row, pool_at, size in zip(real_rows, owners[:, replica].tolist(), sizes):
+                classes[(pool_at, size)].append(row)
+            for (pool_at, size), members in sorted(classes.items()):
+                slots = self._slots.take(pools[pool_at], size, len(members))
+                for row, (token, offset) in zip(members, slots):
+                    rank, group, block_id, key = rows[row]
+                    saves[rank].add(group, block_id, key, pools[pool_at], offset, size, token)
+                bound[members[:len(slots)]] = True
+        return bound
+
+    def dispatch(self, saves: SaveRowsByRank, requests: list[str]) -> dict[int, BlockSaves]:
+        """Per rank, its rows as one save job (remembered until the worker reports it), each
+        job held by ``requests`` (whose blocks it copies) until it is."""
+        out: dict[int, BlockSaves] = {}
+        for rank, rows in saves.items():
+            pools = list(dict.fromkeys(rows.pools))
+            at = {pool: index for index, pool in enumerate(pools)}
+            n = len(rows.keys)
+            locations = Locations(pools, np.asarray([at[pool] for pool in rows.pools], dtype=np.int32),
+                                  np.asarray(rows.offsets, dtype=np.int64), np.asarray(rows.sizes, dtype=np.int64),
+                                  np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=np.uint64))
+            job = BlockSaves(next(self._job_ids), np.asarray(rows.groups, dtype=np.int64),
+                             np.asarray(rows.block_ids, dtype=np.int64), locations)
+            self.in_flight[job.job_id] = SaveInFlight(rows.keys, locations, np.asarray(rows.tokens, dtype=np.int64),
+                                                      job.block_ids, requests, self._clock())
+            for req_id in requests:
+                self._requests.by_id[req_id].save_jobs.add(job.job_id)
+            out[rank] = job
+        return out
+
+    def forget(self, job_id: int) -> SaveInFlight | None:
+        """A save job whose result is in (or never will be): its requests no longer wait for it."""
+        job = self.in_flight.pop(job_id, None)
+        for req_id in job.requests if job is not None else []:
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.save_jobs.discard(job_id)
+        return job
+
+    def abandon_overdue(self, dispatched_before: float) -> None:
+        """Jobs whose worker never reported: a copy may still land, so their slots are
+        quarantined, never reused."""
+        for job_id in [j for j, job in self.in_flight.items() if job.dispatched < dispatched_before]:
+            job = self.forget(job_id)
+            assert job is not None
+            for pool, token in zip(job.locations.pool.tolist(), job.tokens.tolist()):
+                self._slots.abandon(job.locations.pools[pool], token)
+
+    def fenced(self, reused_block_ids: list[int]) -> set[int]:
+        """Jobs still copying any of these blocks."""
+        if not self.in_flight or not reused_block_ids:
+            return set()
+        reused = np.asarray(reused_block_ids, dtype=np.int64)
+        return {job_id for job_id, job in self.in_flight.items() if np.isin(job.block_ids, reused).any()}

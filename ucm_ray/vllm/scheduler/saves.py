@@ -1,0 +1,276 @@
+"""Save planning: which blocks each step saves, and the slots announced for them ahead.
+
+A prompt's blocks are saved from the step after its first token, beside that step's forward
+pass, so no save delays a cold request's first token; generated blocks are saved
+DECODE_SAVE_TOKENS at a time, the rest when the request ends. Saves go into write slots granted
+ahead of time (``SlotSupply``): a prompt's saves are announced once its first token is out (a
+hybrid's first chunks once its lookup answered, as its states are saved when computed), a
+decode batch's as its blocks fill. A hybrid model's states are saved in the step that computes
+them, or lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ucm_ray import policy
+from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
+from ucm_ray.vllm.scheduler.geometry import CacheGeometry
+from ucm_ray.vllm.scheduler.request import BlockAt, SlotCounts, TrackedRequest, TrackedRequests
+from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRow, SaveRowsByRank, save_rows
+from ucm_ray.vllm.stats import UcmRayStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+PROMPT_SLOT_WAIT_S = 0.05
+"""How long a dense prompt's first save may wait for the slots asked for it when its first token
+came out: saved with what the free stock held, it would go as two jobs a step or two apart, each
+planned, posted and committed (a call per shard) on its own. A grant takes a round trip; an ask
+that fails ends the wait too."""
+DECODE_SAVE_TOKENS = 256
+"""Tokens a request generates before their blocks are saved, as one job (the rest at its end):
+every save job costs the engine host time (planning, posting the copies, the results and their
+commit), a sizeable share of a small model's decode step, so saving each block as it filled
+slowed decode. A prompt's blocks are saved as soon as its first token is out, whatever their
+number."""
+
+
+class SavePlanner:
+    """Plans each step's saves into ``meta`` and tells the slot supply which saves are coming."""
+
+    def __init__(self, geometry: CacheGeometry, store: BlockStore, slots: SlotSupply, requests: TrackedRequests,
+                 jobs: SaveJobs, stats: UcmRayStats, clock: Callable[[], float]) -> None:
+        self._geometry = geometry
+        self._store = store
+        self._slots = slots
+        self._requests = requests
+        self.jobs = jobs
+        self._stats = stats
+        self._clock = clock
+
+    # --- announcements to the slot supply ---------------------------------------------------
+
+    def expect(self, tracked: TrackedRequest, until: int, start: int | None = None, *,
+               later: bool = False) -> SlotCounts:
+        """Tell the slot supply which saves the prompt's tokens ``[start, until)`` bring
+        (``start``: where the last announcement ended, unless blocks must be saved again;
+        ``later``: asked for at the next step's tick); their counts per (pool, entry size),
+        recorded as announced (``expected_until``)."""
+        until = min(until, tracked.hashed_tokens())
+        if start is None:
+            start = tracked.expected_until
+        tracked.expected_until = max(tracked.expected_until, until)
+        counts = self.counts(tracked, start, until)
+        self._slots.expect(counts, later=later)
+        return counts
+
+    def counts(self, tracked: TrackedRequest, start: int, until: int) -> SlotCounts:
+        """Per (pool, entry size), how many entries saving the prompt's ``[start, until)`` writes."""
+        until = min(until, tracked.hashed_tokens())
+        if until <= start:
+            return {}
+        keys, sizes = self._keys_between(tracked, start, until)
+        if not keys:
+            return {}
+        pools, owners = self._store.placement(keys)
+        distinct = set(sizes)  # a model's groups have one or two entry sizes
+        out: SlotCounts = {}
+        for size in distinct:
+            # every replica of every key of this size, counted per owner: one ``bincount``
+            # (``np.unique`` of (owner, size) pairs was slower, and every decoding request
+            # makes such an announcement)
+            rows = owners if len(distinct) == 1 else owners[np.asarray(sizes) == size]
+            counts = np.bincount(rows.ravel(), minlength=len(pools)).tolist()
+            out.update(((pools[pool_at], size), count) for pool_at, count in enumerate(counts) if count)
+        return out
+
+    def _keys_between(self, tracked: TrackedRequest, start: int, until: int) -> tuple[list[bytes], list[int]]:
+        """The keys (and entry sizes) of the blocks and states of the prompt's ``[start, until)``."""
+        geometry = self._geometry
+        hashes = tracked.request.block_hashes
+        keys: list[bytes] = []
+        sizes: list[int] = []
+        for rank in range(len(geometry.namespaces)):
+            for g in geometry.attn:
+                blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
+                keys.extend(tracked.attn_keys(rank, g, blocks))
+                sizes.extend([geometry.entry_bytes[g]] * len(blocks))
+            for g in geometry.states:
+                for pos in range((start // geometry.lcm + 1) * geometry.lcm, until + 1, geometry.lcm):
+                    keys.append(geometry.state_key(rank, hashes, g, pos))
+                    sizes.append(geometry.entry_bytes[g])
+        return keys, sizes
+
+    def skip(self, tracked: TrackedRequest, until: int) -> None:
+        """Blocks up to token ``until`` came from vLLM's own cache or the store (a loaded tail
+        block whole): no save, and the slots expected for them go back. (A block vLLM's cache
+        shares with a request loading it this very step may yet fail to load: saving it here
+        could publish garbage.)"""
+        for g in self._geometry.attn:
+            tracked.saved_blocks[g] = max(tracked.saved_blocks.get(g, 0), -(-until // self._geometry.block_sizes[g]))
+        skipped = min(until, tracked.expected_until)
+        if skipped > tracked.unexpected_until:
+            self._slots.unexpect(self.counts(tracked, tracked.unexpected_until, skipped))
+            tracked.unexpected_until = skipped
+
+    # --- the step's plan --------------------------------------------------------------------
+
+    def plan_step(self, out: SchedulerOutput, meta: UcmRayConnectorMetadata) -> None:
+        """This step's saves (of blocks filled before it), into ``meta``; slots expected for the
+        prompts whose first token is out and for decode batches as their blocks fill."""
+        saves = save_rows()
+        saving: list[str] = []  # requests with rows in this step's saves
+        for req_id, tracked in self._requests.by_id.items():
+            if tracked.plan_stands():
+                continue  # as at the last plan (most decode steps)
+            if self._plan_request(tracked, saves):
+                saving.append(req_id)
+        if saves:
+            meta.saves = self.jobs.dispatch(saves, saving)
+        if self._geometry.hybrid:
+            states = save_rows()
+            self._plan_every_state(out, states)
+            if states:
+                meta.state_saves = self.jobs.dispatch(states, [])
+
+    def _plan_request(self, tracked: TrackedRequest, saves: SaveRowsByRank) -> bool:
+        """One request's saves of this step; whether any block of it is in them."""
+        if not tracked.may_save():
+            return False
+        if not self._geometry.hybrid and not tracked.prompt_expected:
+            self._announce_prompt(tracked)
+        if tracked.awaited is not None:
+            if self._slots_on_their_way(tracked.awaited, tracked.awaited_until):
+                return False  # saved whole, as one job, once they are here
+            tracked.awaited = None
+        return bool(tracked.block_ids) and self._plan_saves(tracked, saves)
+
+    def _announce_prompt(self, tracked: TrackedRequest) -> None:
+        """Once, from where its saves begin (vLLM's own cache may have held the prompt's start, or
+        all of it); decode blocks take slots from the supply's stock. Its first save waits for
+        the slots the free stock lacks, at most PROMPT_SLOT_WAIT_S."""
+        tracked.prompt_expected = True
+        tracked.expected_until = max(tracked.expected_until, tracked.saved_tokens())
+        counts = self.expect(tracked, tracked.request.num_prompt_tokens)
+        if not self._slots.holds(counts):
+            tracked.await_slots(counts, self._clock() + PROMPT_SLOT_WAIT_S)
+
+    def _slots_on_their_way(self, counts: SlotCounts, until: float) -> bool:
+        return not self._slots.holds(counts) and self._slots.asking(counts) and self._clock() < until
+
+    def _plan_saves(self, tracked: TrackedRequest, saves: SaveRowsByRank) -> bool:
+        """Blocks that the steps before this one filled (and hashed), copied while this one runs
+        (generated ones once a batch is full or the request ended: ``_saves_wait``); blocks
+        still pending (no slot yet, or recomputed after a failed load) first. Their owners are
+        placed in one call for the whole request (not one per block). Whether any block of it
+        is in this step's saves."""
+        computed = tracked.request.num_computed_tokens  # before this step: vLLM advances it after planning
+        since, tracked.computed = min(tracked.computed, computed), computed
+        hashed = tracked.hashed_tokens()
+        filled = min(computed, hashed)
+        if not tracked.pending and not tracked.finishing and self._still_waiting(tracked, filled, hashed):
+            return False
+        tracked.waiting_at = None
+        wanted, pending = self._wanted(tracked, since, filled)
+        # the slots expected for what is planned now are used: a resumed request's local hit
+        # must not hand them back (``skip``), or the free stock would drain
+        tracked.unexpected_until = max(tracked.unexpected_until, min(tracked.saved_tokens(), tracked.expected_until))
+        if not wanted:
+            return False
+        bound = self.jobs.bind(saves, wanted)
+        waiting = 0
+        for block, ok in zip(pending, bound.tolist()):
+            if ok:
+                tracked.pending.pop(block, None)
+            else:  # no slot yet: the block stays resident while the request runs (or is held)
+                waiting += not tracked.pending.get(block, False)  # counted once, not at every retry
+                tracked.pending[block] = True
+        if waiting:
+            self._stats.add(saves_skipped=waiting)
+        return bool(bound.any())
+
+    def _still_waiting(self, tracked: TrackedRequest, filled: int, hashed: int) -> bool:
+        """Whether a running request's blocks wait for a later plan (``_saves_wait``), recorded
+        as its plan's answer until its filled or hashed tokens move (``waiting_at``)."""
+        if tracked.waiting_at == (filled, hashed):
+            return True  # as at the last plan: nothing to save yet
+        if not self._saves_wait(tracked, filled):
+            return False
+        if hashed - tracked.expected_until >= DECODE_SAVE_TOKENS * 3 // 8:
+            # slots for the batch, asked for 2-3 times as its blocks fill, the last well before
+            # the batch is saved (the free stock covers the rest): each ask is a call per pool
+            self.expect(tracked, hashed)
+        tracked.waiting_at = (filled, hashed)
+        return True  # no block filled since the last plan, or too few past the prompt yet
+
+    def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> tuple[list[SaveRow], list[BlockAt]]:
+        """The blocks to save now, as rows, and the (group, rank, block index) of each: those
+        filled since the last plan, and pending ones now valid (first)."""
+        wanted: list[SaveRow] = []  # rank, group, vLLM block id, key
+        pending: list[BlockAt] = []  # where each is
+        for g in self._geometry.attn:
+            size = self._geometry.block_sizes[g]
+            full = filled // size
+            first = tracked.saved_blocks.get(g, 0)
+            computed_now = range(since // size, full)
+            for rank in range(len(self._geometry.namespaces)):
+                retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
+                               if pg == g and pr == rank and i < full and (ready or i in computed_now))
+                blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
+                    wanted.append((rank, g, tracked.block_ids[g][i], key))
+                    pending.append((g, rank, i))
+            tracked.saved_blocks[g] = max(first, full)
+        return wanted, pending
+
+    def _saves_wait(self, tracked: TrackedRequest, filled: int) -> bool:
+        """Whether a running request's blocks filled up to token ``filled`` wait for a later
+        plan: no block filled since the last one, or every group's prompt blocks are planned and
+        fewer than DECODE_SAVE_TOKENS generated tokens are unsaved (counted in tokens over all
+        groups, so groups of different block sizes save in the same step)."""
+        sizes, saved = self._geometry.block_sizes, tracked.saved_blocks
+        if all(filled // sizes[g] <= saved.get(g, 0) for g in self._geometry.attn):
+            return True
+        prompt = tracked.request.num_prompt_tokens
+        if any(saved.get(g, 0) < prompt // sizes[g] for g in self._geometry.attn):
+            return False
+        return filled - tracked.saved_tokens() < DECODE_SAVE_TOKENS
+
+    # --- a hybrid model's states --------------------------------------------------------------
+
+    def _plan_every_state(self, out: SchedulerOutput, states: SaveRowsByRank) -> None:
+        """A hybrid model's states that this step's scheduled requests compute, and slots for
+        the next chunk of a prompt while this one runs."""
+        for req_id, n_sched in out.num_scheduled_tokens.items():
+            scheduled = self._requests.get(req_id)
+            if scheduled is None or not scheduled.block_ids:
+                continue
+            end = scheduled.request.num_computed_tokens + n_sched
+            self._plan_states(scheduled, end, states)
+            if end < scheduled.request.num_prompt_tokens:
+                self.expect(scheduled, end + 2 * self._geometry.chunk_tokens)
+
+    def _plan_states(self, tracked: TrackedRequest, end: int, saves: SaveRowsByRank) -> None:
+        """The mamba states at the LCM boundaries this step's chunk reaches (up to token ``end``),
+        saved after its forward: the next step overwrites them."""
+        geometry = self._geometry
+        hashes = tracked.request.block_hashes
+        wanted: list[SaveRow] = []
+        for pos in policy.state_dump_positions(tracked.request.num_computed_tokens, end, geometry.lcm):
+            if pos > tracked.hashed_tokens() or pos <= tracked.last_state_pos:
+                continue
+            for rank in range(len(geometry.namespaces)):
+                for g in geometry.states:
+                    wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
+                                   geometry.state_key(rank, hashes, g, pos)))
+            tracked.last_state_pos = pos
+        if wanted:
+            lost = int((~self.jobs.bind(saves, wanted)).sum())  # a state cannot wait: it is lost
+            if lost:
+                self._stats.add(saves_skipped=lost)
