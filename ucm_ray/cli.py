@@ -74,7 +74,7 @@ def _serve_local(cfg: UcmRayConfig) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             stop_fleet(cfg)
-        except Exception as e:  # never hide why we are stopping
+        except Exception as e:  # noqa: BLE001 -- never hide why we are stopping
             log.warning("the local fleet did not stop cleanly: %s", e)
         ray.shutdown()
     return 0
