@@ -56,7 +56,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore, PoolKey
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
+from ucm_ray.store.published import IndexReaders
 from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 
@@ -69,7 +71,21 @@ _next_node: list[str] = []
 
 
 class HarnessConnector(UcmRayConnector):
-    """The real connector, handed the store the harness chose instead of joining Ray."""
+    """The real connector, handed the store the harness chose instead of joining Ray, and (on
+    the worker) the test's doubles of its pool connections and index readers, if any."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, *,
+                 pool_connections: type[PoolConnections] = PoolConnections,
+                 index_readers: Callable[[str], IndexReaders] = IndexReaders) -> None:
+        self._pool_connections = pool_connections
+        self._index_readers = index_readers
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def pool_connections(self, config: UcmRayConfig, node_id: str) -> PoolConnections:
+        return self._pool_connections(config.transport, node_id)
+
+    def index_readers(self, node_id: str) -> IndexReaders:
+        return self._index_readers(node_id)
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         return _next_store.pop()
@@ -319,8 +335,12 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
                 extra: dict | None = None, failure_policy: str = "recompute",
                 sliding_window: int | None = None, state_block_size: int | None = None,
-                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8) -> Engine:
+                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8,
+                pool_connections: type[PoolConnections] = PoolConnections,
+                index_readers: Callable[[str], IndexReaders] = IndexReaders) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
+    ``pool_connections``, ``index_readers``: what its worker reaches the pools and reads their
+    indexes with (a test's double: a pool that fails, an index on another node).
     ``max_seqs``: requests running at once (vLLM's ``max_num_seqs``).
     ``state_block_size``: the hybrid's state blocks, when not the attention block size.
     ``num_layers``, ``kv_heads``, ``head_size``: the attention layers' KV (one layer's block is
@@ -378,7 +398,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
         _next_store.clear()
     _next_node.append(LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id())
     try:
-        worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+        worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg, pool_connections=pool_connections,
+                                  index_readers=index_readers)
     finally:
         _next_node.clear()
     kv = {n: torch.zeros(num_blocks, kv_heads, block_size, 2 * head_size, dtype=torch.float32) for n in layers}
