@@ -7,6 +7,8 @@ another thread cost more host time than the copies and fought the engine's threa
 GIL. The other pools (CPU, where a post is the copy itself; NIXL) get their batches from one
 copy thread, and the host waits for them. Whatever has not been posted or landed by the
 step's deadline is failed: a hung pool delays a forward pass by one deadline at most.
+(Stream-ordered copies are kernels reading or writing mapped host memory: they cannot hang on
+a pool, and the host waits for their events without a timeout.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ thread's pools get it after the step's loads; stream-ordered pools once the step
 queued, so the host plans their copies while the device computes and the copies queue behind
 the compute stream's work, on their own stream. Jobs on stream-ordered pools outlive their
 step: at each hook the host looks, without waiting, for jobs that landed (or missed their
-deadline). The copy thread's saves are waited for at the end of their step. Blocks stay put
+deadline). The copy thread's saves are waited for at the end of their step, and only they: a
+job with parts on both kinds of pool (a multi-node fleet's) lands once its stream-ordered part
+has too. The scheduler plans a request's saves once its first token is out, so neither the
+copies nor the host work of saving delay a cold request's first token. Blocks stay put
 while a save reads them: a step that reuses a block a save may still read names that job in
 its ``fences``, and whatever writes the block waits for the job first. Mamba states are saved
 after the forward that computes them and waited for at once: the next step overwrites them.
