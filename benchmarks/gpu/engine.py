@@ -87,10 +87,17 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
         out.append((part.results, ("take", "collect"), "in.scheduler"))
         out.append((part.slots, ("tick", "expect"), "in.slots"))
     if worker is not None:
+        from ucm_ray.vllm.worker import loads
+        from ucm_ray.vllm.worker.plan import KvCaches
+
         part = worker.worker_part
-        out.append((part, ("_start_loads", "_post_by_pool", "_post_parts", "_ranges", "_count_bytes", "_split",
-                           "_finish_loads", "_land", "_compute_ready", "_order_compute", "_validate_unpinned",
-                           "_post_saves", "_post_ordered", "_poll_saves", "fence"), "in.worker"))
+        out.append((part, ("fence",), "in.worker"))
+        out.append((loads, ("plan_loads",), "in.plan"))
+        out.append((KvCaches, ("ranges",), "in.plan"))
+        out.append((part._loads, ("start", "_finish", "_land", "_validate_unpinned"), "in.loads"))
+        out.append((part._copies, ("post_by_pool", "_post_parts", "count_bytes", "compute_ready", "order_compute"),
+                    "in.copies"))
+        out.append((part._saves, ("_job", "_post_ordered", "poll"), "in.saves"))
         out.append((part._pools, ("prepare", "post_part"), "in.pools"))
     return out
 

@@ -76,24 +76,24 @@ class StallEngine(ProfiledEngine):
 
         from ucm_ray.transport import gather
 
-        saves = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part.saves
-        worker = get_kv_transfer_group().worker_part
+        scheduler_saves = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part.saves
+        worker_saves = get_kv_transfer_group().worker_part._saves
         sys.setswitchinterval(0.0002 if name == "switch" else 0.005)
-        saves.__dict__.pop("_plan_saves", None)
-        worker.__dict__.pop("_post_saves", None)
+        scheduler_saves.__dict__.pop("_plan_saves", None)
+        worker_saves.__dict__.pop("_job", None)
         gather.DMA_COPY_BYTES = (1 << 62) if name == "kernels" else (1 << 20)
         if name == "no-saves":
-            saves._plan_saves = lambda tracked, rows: False
+            scheduler_saves._plan_saves = lambda tracked, rows: False
         elif name == "sync":
-            post = type(worker)._post_saves
+            job = type(worker_saves)._job
 
             def post_and_wait(saves: Any, deadline: float, **later: Any) -> Any:
-                posted = post(worker, saves, deadline)  # at once, not after the forward
+                posted = job(worker_saves, saves, deadline)  # at once, not after the forward
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 return posted
 
-            worker._post_saves = post_and_wait
+            worker_saves._job = post_and_wait
         return name
 
 

@@ -25,10 +25,11 @@ from ucm_ray.store.types import Location, random_id
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt, write_model_dir
 from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import Transfer, TransferError
+from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
-from ucm_ray.vllm.worker import _StepState
+from ucm_ray.vllm.worker import StepState
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +258,12 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-    b = make_engine(store.client(), model_dir)
 
-    def broken_post(by_pool, *, write):
-        raise ZeroDivisionError("a bug nobody listed")
+    class BrokenPosts(PoolConnections):
+        def post(self, by_pool, *, write):
+            raise ZeroDivisionError("a bug nobody listed")
 
-    b.worker.worker_part._pools.post = broken_post
+    b = make_engine(store.client(), model_dir, pool_connections=BrokenPosts)
     assert b.serve("B", p)[0] == 2048 - 5 + 3  # hit claimed (2048 - recompute 2) ...
     assert b.wrong_blocks == 0 and b.failed_loads == 16  # ... then every block failed and recomputed
 
@@ -273,9 +274,6 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-    b = make_engine(store.client(), model_dir, config=cfg)
-
-    real_post = b.worker.worker_part._pools.post
 
     class Hung(Transfer):
         """What a read from a pool that never answers does: time out."""
@@ -287,12 +285,13 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
             time.sleep(timeout_s or 0.0)
             raise TransferError("the pool never answered")
 
-    def hung_post(by_pool, *, write):
-        if write:
-            return real_post(by_pool, write=write)
-        return [(pool, Hung()) for pool in by_pool], set()
+    class HungLoads(PoolConnections):
+        def post(self, by_pool, *, write):
+            if write:
+                return super().post(by_pool, write=write)
+            return [(pool, Hung()) for pool in by_pool], set()
 
-    b.worker.worker_part._pools.post = hung_post
+    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=HungLoads)
     started = time.monotonic()
     b.serve("B", p + prompt(1024, seed=77))  # a long new part: the hit is loaded layer by layer
     took = time.monotonic() - started
@@ -447,7 +446,7 @@ def test_steps_without_loads_share_one_step_state_that_nothing_writes_into(store
     b.settle()
     assert ext > 0 and b.wrong_blocks == 0 and b.stats()["saved_blocks"] > 0
     assert not all(shared) and sum(shared) > 250, f"{sum(shared)} of {len(shared)} steps shared"
-    assert worker._idle_step == _StepState()
+    assert worker._idle_step == StepState()
 
 
 def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks(store, model_dir):
@@ -807,8 +806,7 @@ def test_a_worker_that_cannot_read_a_pools_index_fails_once_then_gets_pinned_ent
     a.serve("A1", p1)
     a.serve("A2", p2)
     a.settle()
-    b = make_engine(store.client(), model_dir)
-    b.worker.worker_part._indexes = IndexReaders("another-node")
+    b = make_engine(store.client(), model_dir, index_readers=lambda node_id: IndexReaders("another-node"))
     b.serve("B1", p1 + [3] * 40)
     b.settle()
     assert b.wrong_blocks == 0 and b.failed_loads == 16

@@ -57,9 +57,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
+from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
 from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
+from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 
@@ -77,12 +79,26 @@ CLOCK_KEY = "harness_clock"
 
 class HarnessConnector(UcmRayConnector):
     """The real connector, handed the store the harness chose (in its extra config) instead of
-    joining Ray."""
+    joining Ray, and (on the worker) the test's doubles of its pool connections and index readers,
+    if any (constructor arguments: the harness builds the worker half itself)."""
 
     subclass_extra_keys = (STORE_KEY, NODE_KEY, CLOCK_KEY)
 
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, *,
+                 pool_connections: type[PoolConnections] = PoolConnections,
+                 index_readers: Callable[[str], IndexReaders] = IndexReaders) -> None:
+        self._pool_connections = pool_connections
+        self._index_readers = index_readers
+        super().__init__(vllm_config, role, kv_cache_config)
+
     def _harness_setting(self, key: str) -> Any:
         return self._vllm_config.kv_transfer_config.kv_connector_extra_config[key]
+
+    def pool_connections(self, config: UcmRayConfig, node_id: str) -> PoolConnections:
+        return self._pool_connections(config.transport, node_id)
+
+    def index_readers(self, node_id: str) -> IndexReaders:
+        return self._index_readers(node_id)
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         store: BlockStore = self._harness_setting(STORE_KEY)
@@ -339,8 +355,12 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 layerwise: bool = True, hash_algo: str = "sha256", config: UcmRayConfig | None = None,
                 extra: dict | None = None, failure_policy: str = "recompute",
                 sliding_window: int | None = None, state_block_size: int | None = None,
-                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8) -> Engine:
+                num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8,
+                pool_connections: type[PoolConnections] = PoolConnections,
+                index_readers: Callable[[str], IndexReaders] = IndexReaders) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
+    ``pool_connections``, ``index_readers``: what its worker reaches the pools and reads their
+    indexes with (a test's double: a pool that fails, an index on another node).
     ``max_seqs``: requests running at once (vLLM's ``max_num_seqs``).
     ``state_block_size``: the hybrid's state blocks, when not the attention block size.
     ``num_layers``, ``kv_heads``, ``head_size``: the attention layers' KV (one layer's block is
@@ -394,7 +414,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg, structured_output_manager=StructuredOutputManager(vcfg),
                       block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
                       hash_block_size=block_size, log_stats=True)
-    worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg, pool_connections=pool_connections,
+                              index_readers=index_readers)
     kv = {n: torch.zeros(num_blocks, kv_heads, block_size, 2 * head_size, dtype=torch.float32) for n in layers}
     layer_groups = [(n, 0, True) for n in layers]
     if hybrid:

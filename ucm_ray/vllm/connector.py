@@ -28,7 +28,9 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.engine.feed import MembershipFeed
+from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
+from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import (
     PROM_METRICS_HOOK,
     KVConnectorTransferResults,
@@ -101,8 +103,10 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerPart(vllm_config, kv_cache_config, self.ucm_config,
                                             self.open_store(self.ucm_config), clock=self.clock())
         else:
-            self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(),
-                                      self.node_id(self.ucm_config))
+            node = self.node_id(self.ucm_config)
+            self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(), node,
+                                      pools=self.pool_connections(self.ucm_config, node),
+                                      indexes=self.index_readers(node))
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -117,6 +121,15 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     def node_id(self, config: UcmRayConfig) -> str:
         """The node this worker runs on: pools on it are mapped, others reached over NIXL."""
         return join_ray(config)
+
+    def pool_connections(self, config: UcmRayConfig, node_id: str) -> PoolConnections:
+        """The worker's transports to the fleet's pools (the test harness may substitute a double)."""
+        return PoolConnections(config.transport, node_id)
+
+    def index_readers(self, node_id: str) -> IndexReaders:
+        """The worker's readers of the pools' published indexes, which validate unpinned loads
+        (the test harness may substitute readers of another node)."""
+        return IndexReaders(node_id)
 
     @property
     def requires_kv_delivery(self) -> bool:

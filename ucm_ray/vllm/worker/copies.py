@@ -1,0 +1,235 @@
+"""Copy execution: posting batches to the pools and waiting for them, within a deadline.
+
+Two kinds of pool take copies differently. Stream-ordered pools (shared memory mapped for
+CUDA) take every layer of a step at once, planned once and posted from the engine's own
+thread, and the compute stream waits for each layer's event: planning layer by layer on
+another thread cost more host time than the copies and fought the engine's thread for the
+GIL. The other pools (CPU, where a post is the copy itself; NIXL) get their batches from one
+copy thread, and the host waits for them. Whatever has not been posted or landed by the
+step's deadline is failed: a hung pool delays a forward pass by one deadline at most.
+(Stream-ordered copies are kernels reading or writing mapped host memory: they cannot hang on
+a pool, and the host waits for their events without a timeout.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ucm_ray.transport.base import EMPTY, PoolDescriptor, PoolKey, PreparedCopies, Transfer
+from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.vllm.stats import UcmRayStats
+from ucm_ray.vllm.worker.plan import Batch, ByPool, KvCaches, Layer, Tag, split_entries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Posted:
+    """A batch posted (or not: ``failed_pools``, ``failed``): what a wait needs to see it land
+    and take its failures."""
+
+    batch: Batch
+    write: bool
+    transfers: list[tuple[PoolKey, Transfer]] = field(default_factory=list)
+    failed_pools: set[PoolKey] = field(default_factory=set)
+    failed: bool = False
+    """Nothing of the batch was posted (an error, or the step's deadline had passed)."""
+    post_s: float = 0.0
+
+    @property
+    def failed_tags(self) -> set[Tag]:
+        return self.batch.tags() if self.failed else set()
+
+
+Prepared = dict[PoolKey, PreparedCopies | None]
+"""A step's copies with each stream-ordered pool, planned once (None: that pool could not be)."""
+
+
+class Copier:
+    """Posts batches and waits for them: stream-ordered pools from the calling thread, the
+    others from one copy thread. Makes no control call."""
+
+    def __init__(self, pools: PoolConnections, transfer_timeout_s: float, stats: UcmRayStats) -> None:
+        self._pools = pools
+        self._timeout_s = transfer_timeout_s
+        self._stats = stats
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
+        self.caches = KvCaches.unregistered()
+
+    # --- set-up --------------------------------------------------------------------------
+
+    def register(self, caches: KvCaches) -> None:
+        """The KV caches vLLM registered: copies read and write them (registered with the pools)."""
+        self.caches = caches
+        for buffer in caches.buffers:
+            self._pools.register_local(buffer)
+
+    def sync(self, pools: Mapping[PoolKey, PoolDescriptor]) -> None:
+        """Make ``pools`` the current ones (old incarnations' mappings are closed here)."""
+        self._pools.sync(pools)
+
+    def open_pools(self) -> None:
+        """Open every current pool (mapped, page-locked) under this worker's device."""
+        with self._on_device():
+            self._pools.open_all()
+
+    def open_pools_later(self) -> None:
+        """``open_pools`` on the copy thread, ahead of the copies queued after it."""
+        self._thread.submit(self.open_pools)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+        self._pools.close()
+
+    # --- streams -------------------------------------------------------------------------
+
+    def stream_ordered(self, pool: PoolKey) -> bool:
+        return self._pools.stream_ordered(pool, self.caches.device)
+
+    def split(self, entries: ByPool) -> tuple[ByPool, ByPool]:
+        """(stream-ordered pools' entries, the copy thread's)."""
+        return split_entries(entries, self.stream_ordered)
+
+    def compute_ready(self) -> torch.cuda.Event | None:
+        """On CUDA, an event after the work queued so far on the compute stream: a side-stream
+        copy must not read a layer's KV before its attention wrote it, nor load into a block
+        before vLLM's zeroing of fresh blocks ran."""
+        if self.caches.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def order_compute(self, posted: Posted) -> bool:
+        """Make the compute stream wait for ``posted`` on the device; False if some transfer
+        needs the host to wait (then the caller must wait for it now)."""
+        stream = torch.cuda.current_stream(self.caches.device)
+        return all([transfer.order_stream(stream) for _, transfer in posted.transfers])
+
+    # --- stream-ordered pools: planned once, posted from this thread -----------------------
+
+    def post_by_pool(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> list[Posted]:
+        """Plan and post every part (``parts[k]``: its layers) of ``entries``; one posted batch
+        per part, over every pool. One part (a save, or every layer at once) is posted pool by
+        pool as each is planned, so a pool's bytes move while the next one's gather plan is
+        built. Layer by layer, every pool is planned first and layer k is posted on every pool
+        before layer k + 1, so the first layers land first."""
+        posted = [Posted(Batch(layers, entries), write) for layers in parts]
+        if len(parts) == 1:
+            for copies in self._prepared(entries, parts, write=write):
+                self._post_parts(copies, posted)
+        else:
+            self._post_parts({pool: prepared for copies in self._prepared(entries, parts, write=write)
+                              for pool, prepared in copies.items()}, posted)
+        return posted
+
+    def _prepared(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> Iterator[Prepared]:
+        """The step's copies, one pool at a time (each planned once, part k being the layers
+        ``parts[k]``); the ranges of every pool are computed together first."""
+        every = tuple(layer for part in parts for layer in part)
+        try:
+            plans = self.caches.ranges(Batch(every, entries), by_entry=len(parts) == 1)
+        except Exception:  # noqa: BLE001 -- every pool's copies fail, nothing reaches vLLM
+            log.exception("ucm-ray: planning a step's %s failed", "saves" if write else "loads")
+            yield {pool: None for pool in entries}
+            return
+        for pool, by_group in entries.items():
+            ends = np.cumsum(self.caches.segment_counts(by_group, parts)).tolist()
+            yield {pool: self._pools.prepare(pool, plans.get(pool, EMPTY), ends, write=write)}
+
+    def _post_parts(self, copies: Prepared, posted: list[Posted]) -> None:
+        """Post part k of ``copies`` (every pool in it) into ``posted[k]``, in order of k."""
+        for part, out in enumerate(posted):
+            started = time.perf_counter()
+            transfers, failed = self._pools.post_part(copies, part, write=out.write)
+            out.transfers += transfers
+            out.failed_pools |= failed
+            out.post_s += time.perf_counter() - started
+
+    # --- the copy thread -----------------------------------------------------------------
+
+    def move_later(self, deadline: float, batch: Batch, *, write: bool,
+                   ready: torch.cuda.Event | None = None) -> Future[Posted]:
+        """``move`` on the copy thread, behind what is queued there."""
+        return self._thread.submit(self.move, deadline, batch, write, ready)
+
+    def move_each_later(self, deadline: float, batches: list[Batch],
+                        ready: torch.cuda.Event | None) -> list[Future[Posted]]:
+        """Load ``batches`` in order in one copy-thread task, each batch's future set as soon as
+        it is posted (a task per batch cost its hand-off per batch, and the link idled meanwhile)."""
+        posted: list[Future[Posted]] = [Future() for _ in batches]
+        self._thread.submit(self._move_each, deadline, batches, ready, posted)
+        return posted
+
+    def move(self, deadline: float, batch: Batch, write: bool, ready: torch.cuda.Event | None = None) -> Posted:
+        """Copy-thread task: post one batch per pool and return without waiting for them to land,
+        so the next batch is planned and posted while this one moves. Any exception fails the
+        whole batch instead of reaching vLLM, and nothing starts once ``deadline`` passed (its
+        loads were reported failed by then)."""
+        started = time.perf_counter()
+        try:
+            # vLLM's KV caches are inference tensors; the copy thread is ours and starts on device 0.
+            with torch.inference_mode(), self._on_device():
+                if ready is not None:
+                    ready.synchronize()
+                if time.monotonic() >= deadline:
+                    return Posted(batch, write, failed=True)
+                started = time.perf_counter()
+                transfers, failed_pools = self._pools.post(self.caches.ranges(batch), write=write)
+                return Posted(batch, write, transfers, failed_pools, post_s=time.perf_counter() - started)
+        except Exception:
+            log.exception("ucm-ray: a %s batch failed on the copy thread", "save" if write else "load")
+            return Posted(batch, write, failed=True, post_s=time.perf_counter() - started)
+
+    def _move_each(self, deadline: float, batches: list[Batch], ready: torch.cuda.Event | None,
+                   posted: list[Future[Posted]]) -> None:
+        """Copy-thread task: load ``batches`` in order, setting each one's future once posted. A
+        future given up on before its turn (the deadline) is cancelled: skipped."""
+        for batch, future in zip(batches, posted):
+            if future.set_running_or_notify_cancel():
+                future.set_result(self.move(deadline, batch, False, ready))
+
+    def _on_device(self) -> AbstractContextManager:
+        device = self.caches.device
+        return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+    # --- waits ---------------------------------------------------------------------------
+
+    def posted_by_deadline(self, future: Future[Posted], deadline: float) -> Posted | None:
+        """A copy task's batch once posted, or None when ``deadline`` passed first (the task is
+        cancelled unless it already runs; one not ``cancelled()`` may still land)."""
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            future.cancel()
+            log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed", self._timeout_s)
+            self._stats.add(deadline_misses=1)
+            return None
+
+    def wait(self, posted: Posted, deadline: float) -> set[PoolKey]:
+        """Wait on the host (until ``deadline``) for a posted batch to land: the pools that failed it."""
+        return posted.failed_pools | self._pools.wait(
+            posted.transfers, write=posted.write, timeout_s=max(0.0, deadline - time.monotonic()))
+
+    # --- counters ------------------------------------------------------------------------
+
+    def count_bytes(self, batches: list[Batch], what: str) -> None:
+        """``loaded_copy_bytes`` and ``loaded_shm_bytes``, ``saved_nixl_bytes``, ...: how much,
+        and which path the bytes took (a step's load batches counted together)."""
+        by_pool: dict[PoolKey, int] = defaultdict(int)
+        for batch in batches:
+            for pool, nbytes in batch.nbytes_by_pool(self.caches.layouts).items():
+                by_pool[pool] += nbytes
+        self._stats.add(**{f"{what}_copy_bytes": sum(by_pool.values())})
+        for pool, nbytes in by_pool.items():
+            self._stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})

@@ -1,0 +1,146 @@
+"""``WorkerPart``: the connector's worker role, vLLM's worker hooks in order over the worker's parts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.engine.published_reader import IndexReaders
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
+from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.vllm.compat import check_async_loads_reportable
+from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.stats import UcmRayStats
+from ucm_ray.vllm.worker.copies import Copier
+from ucm_ray.vllm.worker.loads import StepLoads
+from ucm_ray.vllm.worker.plan import KvCaches
+from ucm_ray.vllm.worker.results import WorkerResults
+from ucm_ray.vllm.worker.saves import SavesInFlight
+from ucm_ray.vllm.worker.step import LoadPhase, StepState
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPart:
+    """``pools`` and ``indexes``: how this worker reaches the fleet's pools and reads their
+    published indexes (by default those of ``node_id``; tests hand in doubles)."""
+
+    def __init__(self, kv_cache_config, config: UcmRayConfig, tp_rank: int, node_id: str | None = None, *,
+                 pools: PoolConnections | None = None, indexes: IndexReaders | None = None) -> None:
+        check_async_loads_reportable(len(kv_cache_config.kv_cache_groups))
+        self._config = config
+        self._kv_cache_config = kv_cache_config
+        self._rank = tp_rank
+        self.stats = UcmRayStats()
+        self._pools = PoolConnections(config.transport, node_id) if pools is None else pools
+        self._indexes = IndexReaders(node_id) if indexes is None else indexes
+        self._results = WorkerResults()
+        self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats)
+        self._loads = StepLoads(self._copies, self._indexes, self._results, self.stats, layerwise=config.layerwise)
+        self._saves = SavesInFlight(self._copies, self._results, self.stats, checksums=config.checksum)
+        self._idle_step = StepState()  # the state of every step without loads or state saves
+        self._step = self._idle_step
+        self._fenced: UcmRayConnectorMetadata | None = None  # the step whose fences are in place
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = KvCaches.build(kv_caches, self._kv_cache_config)
+        self._copies.register(caches)
+        log.info("ucm-ray worker rank %d: %s", self._rank,
+                 ", ".join(f"group {layout.group}: {len(layout.layers)} layers x "
+                           f"{layout.layers[0].block_bytes if layout.layers else 0} B/block"
+                           for layout in caches.layouts))
+
+    def open_pools(self, pools: Mapping[PoolKey, PoolDescriptor] | None) -> None:
+        """Open the fleet's pools (mapped whole; on CUDA page-locked too) and their published
+        indexes as the engine starts (``pools``: the directory's list; None where none
+        answered): left to the first step's metadata, a fresh engine's first store hit paid for
+        opening them. The first step's metadata still decides what stays open (a pool restarted
+        meanwhile is closed and its new incarnation opened then)."""
+        if not pools:
+            return
+        self._adopt_pools(pools)
+        self._copies.open_pools()
+
+    def _adopt_pools(self, pools: Mapping[PoolKey, PoolDescriptor]) -> None:
+        """Make ``pools`` the current ones for copies and for validating unpinned loads (old
+        incarnations' mappings are closed here, before any copy)."""
+        self._copies.sync(pools)
+        self._indexes.sync(pools)
+
+    # --- per step ------------------------------------------------------------------------
+
+    def bind(self, meta: UcmRayConnectorMetadata) -> None:
+        if self._step.phase is LoadPhase.POSTED:
+            # No results were asked for since the last step posted them: its execution failed,
+            # and its output with it. Land them (their blocks may be reused now); their block
+            # ids are not vLLM's to redo in this step, so failures go to the scheduler only.
+            log.warning("ucm-ray: a step's loads were never reported to vLLM (its execution failed?)")
+            self._loads.finish_posted(self._step, to_vllm=False)
+        self._saves.poll(step_end=False)
+        if meta.pools is not None:
+            self._saves.land_all()  # no copy may still use a mapping that closes now
+            self._adopt_pools(meta.pools)
+            self._copies.open_pools_later()  # ahead of this step's copies, on their thread
+        # the scheduler learned that their saves landed: vLLM may free their blocks now
+        self._results.saved_requests(meta.saved_requests)
+        self.fence(meta)  # where vLLM did not call ``handle_preemptions`` first
+        saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
+        deadline = time.monotonic() + self._config.transfer_timeout_s
+        loads, state_saves = meta.loads.get(self._rank), states if states is not None and len(states) else None
+        # A step that loads nothing and saves no state (most decode steps) never writes into its
+        # state: they share one, made once.
+        self._step = StepState.bound(loads or [], deadline, state_saves) \
+            if loads or state_saves is not None else self._idle_step
+        if saves is not None and len(saves):
+            self._saves.post(saves, deadline)
+
+    def fence(self, meta: UcmRayConnectorMetadata) -> None:
+        """This step reuses blocks that these save jobs may still be reading (freed and
+        allocated again, say to a preempted request's successor): whatever writes them must
+        come after the copies. vLLM calls ``handle_preemptions`` (this) before it zeroes or
+        copies into the step's new blocks, and before the forward and the step's loads."""
+        if meta is self._fenced:
+            return  # ``handle_preemptions`` did, before ``bind``
+        self._fenced = meta
+        self._saves.fence(meta.fences)
+
+    def start_load_kv(self) -> None:
+        if self._step.phase is LoadPhase.PLANNED:
+            self._loads.start(self._step)
+        self._saves.loads_queued()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._loads.wait_for_layer(self._step, layer_name)
+
+    def wait_for_save(self) -> None:
+        self._saves.forward_queued()
+        step = self._step
+        self._loads.finish_posted(step)
+        self._loads.fail_unwaited(step)
+        states = step.take_state_saves()
+        if states is not None:
+            self._saves.save_now(states, step.deadline)
+        self._saves.poll(step_end=True)
+
+    def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
+        self._saves.poll(step_end=True)
+        return self._results.take_meta()
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending: their saves landed, finished receiving, of which failed)."""
+        self._loads.finish_posted(self._step)
+        self._saves.poll(step_end=True)
+        return self._results.take_transfers()
+
+    def load_errors(self) -> set[int]:
+        self._loads.finish_posted(self._step)
+        return self._results.take_load_errors()
+
+    def shutdown(self) -> None:
+        self._saves.land_all()
+        self._copies.shutdown()
+        self._indexes.close()

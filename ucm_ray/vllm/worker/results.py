@@ -1,0 +1,72 @@
+"""What the worker reports: per job to the scheduler, and to vLLM what it must redo or may free.
+
+The scheduler commits, frees and releases from the per-job results (``build_worker_meta``);
+the worker decides nothing from them.
+"""
+
+from __future__ import annotations
+
+from ucm_ray.store.types import Location
+from ucm_ray.transport.base import PoolKey
+from ucm_ray.vllm.metadata import LoadJob, SaveResult, UcmRayWorkerMetadata
+
+
+class WorkerResults:
+    """Results gathered since they were last taken."""
+
+    def __init__(self) -> None:
+        self._meta = UcmRayWorkerMetadata()
+        self._load_errors: set[int] = set()
+        self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    # --- gathered ------------------------------------------------------------------------
+
+    def pools_failed(self, pools: set[PoolKey]) -> None:
+        self._meta.failed_pools |= pools
+
+    def pools_unvalidated(self, pools: set[PoolKey]) -> None:
+        self._meta.unvalidated_pools |= pools
+
+    def corrupt(self, location: Location) -> None:
+        self._meta.corrupt.append(location)
+
+    def load_done(self, job: LoadJob, bad: list[int], *, to_vllm: bool) -> None:
+        """A load job is over, ``bad`` (vLLM block ids) failed. An async job's request is
+        finished or failed receiving; a synchronous job's failed blocks go to vLLM when
+        ``to_vllm`` (it may only be told in the step that loaded them)."""
+        if job.is_async:
+            (self._failed_recving if bad or job.failed else self._finished_recving).add(job.req_id)
+        elif to_vllm:
+            self._load_errors.update(bad)
+        self._meta.loads_done.add(job.job_id)
+        if bad:
+            self._meta.load_failures[job.job_id] = bad
+
+    def save_done(self, job_id: int, result: SaveResult) -> None:
+        self._meta.saves[job_id] = result
+
+    def saved_requests(self, req_ids: set[str]) -> None:
+        """The scheduler learned that their saves landed: vLLM may free their blocks now."""
+        self._finished_sending |= req_ids
+
+    # --- taken ---------------------------------------------------------------------------
+
+    def take_meta(self) -> UcmRayWorkerMetadata | None:
+        """The per-job results for the scheduler; None when there are none (most decode steps:
+        nothing allocated, nothing for vLLM to carry)."""
+        if self._meta.is_empty():
+            return None
+        out, self._meta = self._meta, UcmRayWorkerMetadata()
+        return out
+
+    def take_transfers(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending: their saves landed, finished receiving, of which failed)."""
+        sending, done, failed = self._finished_sending, self._finished_recving, self._failed_recving
+        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        return sending, done | failed, failed
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
