@@ -80,23 +80,23 @@ def served(handle, prompt: list[int]) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def prompts(model):
+def prompts(gpu_model):
     from ucm_ray.tiny_model import synthetic_prompt
 
-    return {name: synthetic_prompt(model, N // 4, seed=seed) * 4 for name, seed in (("P", 41), ("Q", 42))}
+    return {name: synthetic_prompt(gpu_model, N // 4, seed=seed) * 4 for name, seed in (("P", 41), ("Q", 42))}
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts, cluster):
-    ref = engine(model, None)
+def reference(gpu_model, prompts, gpu_cluster):
+    ref = engine(gpu_model, None)
     out = {name: ray.get(ref.generate.remote(p, MAX_TOKENS))["tokens"] for name, p in prompts.items()}
     ray.kill(ref)
     return out
 
 
 @pytest.fixture(scope="module")
-def stored(model, prompts, fleet, reference):
-    a = engine(model, kv_config(fleet))
+def stored(gpu_model, prompts, gpu_fleet, reference):
+    a = engine(gpu_model, kv_config(gpu_fleet))
     assert set_recompute(a, None) == policy.recompute_tokens(True, K)  # k read from vLLM's config
     for name, p in prompts.items():
         out, delta = served(a, p)
@@ -107,11 +107,11 @@ def stored(model, prompts, fleet, reference):
 
 
 @pytest.fixture(scope="module")
-def engine_b(model, fleet, stored):
+def engine_b(gpu_model, gpu_fleet, stored):
     """Loads layer by layer (``load_at_once_ratio: 0``): a hit that leaves 2 + k (or, in the
     counterfactual, 1 + k) tokens alone in its step would otherwise load at once, before the
     forward, and these tests are about the layer hooks under speculation."""
-    b = engine(model, kv_config(fleet, load_at_once_ratio=0))
+    b = engine(gpu_model, kv_config(gpu_fleet, load_at_once_ratio=0))
     yield b
     ray.kill(b)
 
