@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.support.vllm_recovery import xfail_where_recovery_is_known_inexact
 from ucm_ray import policy
 
 pytestmark = pytest.mark.gpu
@@ -77,20 +78,14 @@ def test_seed_rule_hits_and_outputs_equal_an_engine_without_the_connector(gpu_mo
     assert out["tokens"] == reference[n]
 
 
-V2_RUNNER_RECOVERY = ("vLLM 0.26's V2 model runner: after the connector fails the hook-less step's loads, vLLM "
-                      "logs 'Recovered from KV load failure' yet the first token still differs from the "
-                      "reference (919 and 820 against 2038 in two runs, async scheduling on and off); with "
-                      "the V1 runner the same test passes")
-
-
-@pytest.mark.parametrize("runner", ["0", pytest.param("1", marks=pytest.mark.xfail(strict=True,
-                                                                                   reason=V2_RUNNER_RECOVERY))])
+@pytest.mark.parametrize("runner", ["0", "1"])
 def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(gpu_model, prompt, gpu_fleet, reference, stored,
-                                                                     runner):
+                                                                     runner, request):
     """Loads layer by layer (``load_at_once_ratio: 0``), as a hit beside many decodes in one
     step would: alone in its step the 1-token step would load at once (the next test)."""
     b = engine(gpu_model, kv_config(gpu_fleet, load_at_once_ratio=0), recompute=1,
                env={"VLLM_USE_V2_MODEL_RUNNER": runner}, async_scheduling=False)
+    xfail_where_recovery_is_known_inexact(request, b)  # [1] on vLLM 0.26: strict xfail
     out = ray.get(b.generate.remote(prompt[:1024]))
     got = totals(b)
     ray.kill(b)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.support.vllm_recovery import xfail_where_recovery_is_known_inexact
 from ucm_ray import policy
 
 pytestmark = pytest.mark.gpu
@@ -125,7 +126,13 @@ def test_speculation_keeps_two_plus_k_tokens_and_outputs_equal(prompts, referenc
     assert out["tokens"] == reference["P"]
 
 
-def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, engine_b):
+def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, engine_b, request):
+    """vLLM recomputes what the connector failed, so the tokens equal the reference's, as they do
+    without speculation (``test_full_cuda_graphs``, V1 runner); strict xfail only where the
+    recovery is known to be inexact (vLLM 0.26's V2 runner: ``tests.support.vllm_recovery``).
+    Once (H200, 2026-11-30) the V1 runner's tokens differed here too, and a later run passed: a
+    difference now fails, as the wrong output it is."""
+    xfail_where_recovery_is_known_inexact(request, engine_b)
     set_recompute(engine_b, 1 + K)  # the counterfactual: leaves 1 + k = 3 tokens, a uniform-decode step
     try:
         out, got = served(engine_b, prompts["Q"])
@@ -135,8 +142,4 @@ def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, 
     assert got.get("unwaited_layer_loads", 0) > 0, \
         "vLLM ran the 3-token step with layer hooks: no FULL graph replay (has the uniform-decode rule changed?)"
     assert got.get("load_failures", 0) > 0  # caught: vLLM recomputed those blocks
-    if out["tokens"] != reference["Q"]:
-        # Seen on the H200 (vLLM 0.26, V1 runner, n-gram k=2): vLLM logs "Recovered from KV load
-        # failure" and recomputes, yet the tokens differ from the reference; without speculation
-        # the same recovery is exact (test_full_cuda_graphs). The policy's 2 + k never gets here.
-        pytest.xfail("vLLM 0.26's recovery from a failed load under n-gram speculation is not exact")
+    assert out["tokens"] == reference["Q"]
