@@ -73,7 +73,8 @@ def test_seed_rule_hits_and_outputs_equal_an_engine_without_the_connector(gpu_mo
     out = ray.get(b.generate.remote(prompt[:n]))
     got = totals(b)
     ray.kill(b)
-    assert got["hit_tokens"] == policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True))
+    hit = policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True))
+    assert got["hit_tokens"] == hit and out["cached"] == hit  # ours, and vLLM's own count
     assert got.get("load_failures", 0) == 0 and got.get("unwaited_layer_loads", 0) == 0
     assert out["tokens"] == reference[n]
 
@@ -104,5 +105,6 @@ def test_a_one_token_step_alone_loads_its_hit_before_the_full_graph_replay(gpu_m
     got = totals(b)
     ray.kill(b)
     assert got["hit_tokens"] == 1023 and got["loaded_blocks"] == 1024 // BLOCK
+    assert out["cached"] == 1023  # vLLM's own count
     assert got.get("unwaited_layer_loads", 0) == 0 and got.get("load_failures", 0) == 0
     assert out["tokens"] == reference[1024]

@@ -121,6 +121,7 @@ def test_speculation_keeps_two_plus_k_tokens_and_outputs_equal(prompts, referenc
     assert set_recompute(engine_b, None) == 2 + K
     out, got = served(engine_b, prompts["P"])
     assert got["hit_tokens"] == policy.dense_external_hit(N, 0, N, policy.recompute_tokens(True, K)) == N - 2 - K
+    assert out["cached"] == N - 2 - K  # vLLM's own count
     assert got["loaded_blocks"] == N // BLOCK
     assert got.get("load_failures", 0) == 0 and got.get("unwaited_layer_loads", 0) == 0  # hooks ran
     assert out["tokens"] == reference["P"]
