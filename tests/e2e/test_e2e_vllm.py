@@ -90,9 +90,18 @@ def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, pro
 
 
 def test_no_hits_across_prompts_or_dtypes(shared, tiny, prompts):
+    """A bf16 engine finds nothing of what a float32 engine stored; the control first: what was
+    stored is there to be found, by a fresh float32 engine (else "no hits" would hold vacuously)."""
     a = EngineProcess.remote(tiny, connector(shared))
     ray.get(a.generate.remote(prompts[3][:2560]))
+    assert ray.get(a.connector_totals.remote())["scheduler"]["saved_blocks"] == 20
     ray.kill(a)
+    same = EngineProcess.remote(tiny, connector(shared))  # same dtype, nothing local
+    control = ray.get(same.generate.remote(prompts[3][:2560]))
+    hit = policy.dense_external_hit(2560, 0, 2560, policy.recompute_tokens(True))
+    assert ray.get(same.connector_totals.remote())["scheduler"]["hit_tokens"] == hit == 2558
+    assert control["cached"] == hit  # vLLM's own count
+    ray.kill(same)
     other = EngineProcess.remote(tiny, connector(shared), dtype="bfloat16")
     same_tokens = ray.get(other.generate.remote(prompts[3][:2560]))  # other dtype: other namespace
     fresh = synthetic_prompt(tiny, 1500, seed=99)
