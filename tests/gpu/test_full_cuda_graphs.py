@@ -66,14 +66,16 @@ def stored(gpu_model, prompt, gpu_fleet):
     return True
 
 
-@pytest.mark.parametrize("n", [1024, 1024 + 5])
+# The seed's rule (ucm PR 1130's table, with R = 2 for layerwise loads): a full hit of 1024 stored
+# tokens leaves 2 to compute; 5 tokens beyond them are enough, nothing trimmed.
+@pytest.mark.parametrize("n, hit", [(1024, 1022), (1024 + 5, 1024)], ids=["1024", "1029"])
 def test_seed_rule_hits_and_outputs_equal_an_engine_without_the_connector(gpu_model, prompt, gpu_fleet, reference,
-                                                                          stored, n):
+                                                                          stored, n, hit):
     b = engine(gpu_model, kv_config(gpu_fleet))
     out = ray.get(b.generate.remote(prompt[:n]))
     got = totals(b)
     ray.kill(b)
-    hit = policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True))
+    assert policy.dense_external_hit(n, 0, 1024, policy.recompute_tokens(True)) == hit  # the policy, as the seed
     assert got["hit_tokens"] == hit and out["cached"] == hit  # ours, and vLLM's own count
     assert got.get("load_failures", 0) == 0 and got.get("unwaited_layer_loads", 0) == 0
     assert out["tokens"] == reference[n]
