@@ -71,6 +71,7 @@ def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, pro
     out = ray.get(b.generate.remote(p, 8, True))  # P plus a 40-token suffix
     totals = ray.get(b.connector_totals.remote())
     assert totals["scheduler"]["hit_tokens"] == policy.dense_external_hit(2600, 0, 2560, recompute) == 2560
+    assert out["cached"] == 2560  # vLLM's own count: B's cache was empty, all of it came from the store
     assert totals["worker"]["loaded_blocks"] == 20 and totals["worker"].get("load_failures", 0) == 0
     assert out["tokens"] == baseline[(seed, "P+s")]
     # Finer than tokens: the logprobs match to fp32 rounding (the suffix runs in another batch
@@ -83,19 +84,30 @@ def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, pro
     totals2 = ray.get(b.connector_totals.remote())
     assert totals2["scheduler"]["hit_tokens"] - totals["scheduler"]["hit_tokens"] == \
         policy.dense_external_hit(2560, 2432, 2560, recompute) == 128 - recompute
+    assert again["cached"] == 2432 + 128 - recompute  # vLLM's own count: its 19 blocks and the store's tail
     assert again["tokens"] == baseline[(seed, "P")]
     ray.kill(b)
 
 
 def test_no_hits_across_prompts_or_dtypes(shared, tiny, prompts):
+    """A bf16 engine finds nothing of what a float32 engine stored; the control first: what was
+    stored is there to be found, by a fresh float32 engine (else "no hits" would hold vacuously)."""
     a = EngineProcess.remote(tiny, connector(shared))
     ray.get(a.generate.remote(prompts[3][:2560]))
+    assert ray.get(a.connector_totals.remote())["scheduler"]["saved_blocks"] == 20
     ray.kill(a)
+    same = EngineProcess.remote(tiny, connector(shared))  # same dtype, nothing local
+    control = ray.get(same.generate.remote(prompts[3][:2560]))
+    hit = policy.dense_external_hit(2560, 0, 2560, policy.recompute_tokens(True))
+    assert ray.get(same.connector_totals.remote())["scheduler"]["hit_tokens"] == hit == 2558
+    assert control["cached"] == hit  # vLLM's own count
+    ray.kill(same)
     other = EngineProcess.remote(tiny, connector(shared), dtype="bfloat16")
-    ray.get(other.generate.remote(prompts[3][:2560]))  # same tokens, other dtype: other namespace
+    same_tokens = ray.get(other.generate.remote(prompts[3][:2560]))  # other dtype: other namespace
     fresh = synthetic_prompt(tiny, 1500, seed=99)
-    ray.get(other.generate.remote(fresh))  # nothing shared at all
+    unrelated = ray.get(other.generate.remote(fresh))  # nothing shared at all
     assert ray.get(other.connector_totals.remote())["scheduler"]["hit_tokens"] == 0
+    assert same_tokens["cached"] == unrelated["cached"] == 0  # vLLM's own count
     ray.kill(other)
 
 
@@ -181,6 +193,7 @@ def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
     totals = ray.get(c.connector_totals.remote())
     assert out["tokens"] == expected and totals["worker"].get("load_failures", 0) == 0
     assert totals["scheduler"]["hit_tokens"] == 2560
+    assert out["cached"] == 2560  # vLLM's own count: C's cache was empty
     ray.kill(c)
 
 
@@ -206,6 +219,7 @@ def test_shard_restarted_under_the_same_name_never_changes_an_output(ray_cluster
         out = ray.get(a.generate.remote(prompts[7], 8, True))
         totals = ray.get(a.connector_totals.remote())
         assert totals["scheduler"]["hit_tokens"] - before == 2560  # all of it from the store
+        assert out["cached"] == 2560  # vLLM's own count: A never computed prompt 7
         assert out["tokens"] == baseline[(7, "P+s")]
         drift = logprob_drift(out["logprobs"], baseline[(7, "P+s", "logprobs")])
         assert drift < 1e-4, f"logprobs drift {drift}"

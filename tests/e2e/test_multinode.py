@@ -40,6 +40,7 @@ def test_engine_reads_its_node_over_shm_and_other_nodes_over_nixl(model):
     expected = policy.dense_external_hit(result["num_tokens"], 0, DOCUMENT // BLOCK * BLOCK,
                                          policy.recompute_tokens(True))
     assert result["hit_tokens"] == expected == DOCUMENT
+    assert result["cached"] == DOCUMENT  # vLLM's own count: B's cache was empty, all of it came from the store
     assert result["tokens"] == result["reference"]
     worker = result["worker"]
     print(f"multinode: hit_tokens={result['hit_tokens']} loaded_shm_bytes={worker.get('loaded_shm_bytes', 0)} "

@@ -22,8 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The fixtures below are named gpu_* so that none shares a name with a root fixture
+# (``tests/conftest.py``'s function-scoped ``fleet`` factory): on the H200, a run of several GPU
+# modules resolved ``fleet`` to the root one ("ScopeMismatch ... fleet", "'function' object has no
+# attribute 'ray_namespace'").
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def gpu_model(tmp_path_factory):
     """The tiny dense model in bf16 (FlashAttention 3 takes only fp16 or bf16)."""
     from ucm_ray.tiny_model import make_tiny_model
 
@@ -32,12 +38,20 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(request):
-    """A Ray cluster for one test module, its ``ENV`` (a module-level dict) in this process's
-    environment first (engines get it through their runtime_env too)."""
+def gpu_cluster(request):
+    """Ray for one test module, its ``ENV`` (a module-level dict) in this process's environment
+    first (engines get it through their runtime_env too). Where this session already runs Ray
+    (the root ``ray_cluster``, for integration tests run in the same session), that cluster is
+    used and left to its owner: a second ``ray.init`` fails, and a shutdown here would end it
+    under the session fixture."""
     import ray
 
     os.environ.update(request.module.ENV)
+    if ray.is_initialized():
+        gpus = ray.cluster_resources().get("GPU", 0)
+        assert gpus >= 1, f"this session's Ray cluster has {gpus} GPU; the GPU tests need one"
+        yield
+        return
     name = request.module.__name__.rsplit(".", 1)[-1]
     ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, namespace=f"ucm_{name}", logging_level="WARNING")
     yield
@@ -45,7 +59,7 @@ def cluster(request):
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster, request):
+def gpu_fleet(gpu_cluster, request):
     """Two shards of 1 GiB, shared memory only (one node)."""
     from ucm_ray.config import UcmRayConfig
     from ucm_ray.store.shard.fleet import running_fleet

@@ -90,23 +90,23 @@ def served(handle, prompt: list[int]) -> tuple[dict, dict]:
     return out, delta
 
 
-def test_refused_where_a_failed_hybrid_load_cannot_be_reported(lfm2, fleet):
+def test_refused_where_a_failed_hybrid_load_cannot_be_reported(lfm2, gpu_fleet):
     if async_failures_reportable():
         pytest.skip("this vLLM reports failed asynchronous loads: hybrid models are served (tests below)")
-    a = engine(lfm2, kv_config(fleet))
+    a = engine(lfm2, kv_config(gpu_fleet))
     with pytest.raises(ray.exceptions.RayActorError) as err:
         ray.get(a.connector_totals.remote(), timeout=600)
     assert "cannot be told that an asynchronous load failed" in str(err.value), str(err.value)[-2000:]
 
 
 @pytest.fixture(scope="module")
-def stored(lfm2, fleet):
+def stored(lfm2, gpu_fleet):
     """Engine A: learns the group layout, computes P cold and saves it; then exits."""
     if not async_failures_reportable():
         pytest.skip(NO_FAILED_RECVING)
     from ucm_ray.tiny_model import synthetic_prompt
 
-    a = engine(lfm2, kv_config(fleet))
+    a = engine(lfm2, kv_config(gpu_fleet))
     layout = groups(a)
     lcm = layout["lcm"]
     assert layout["states"] and layout["attn"], layout  # really a hybrid cache
@@ -121,7 +121,7 @@ def stored(lfm2, fleet):
 
 
 @pytest.fixture(scope="module")
-def reference(lfm2, stored, cluster):
+def reference(lfm2, stored, gpu_cluster):
     ref = engine(lfm2, None)
     out = {name: ray.get(ref.generate.remote(p, MAX_TOKENS, True)) for name, p in stored["prompts"].items()}
     ray.kill(ref)
@@ -136,7 +136,7 @@ def expected_hit(num_tokens: int, states_at: set[int], attention_lcm_blocks: int
     return policy.hybrid_hit_blocks(min(attention_lcm_blocks, max_blocks), avail) * lcm
 
 
-def test_fresh_engine_loads_prefix_and_states_before_the_full_graph_forward(lfm2, fleet, stored, reference):
+def test_fresh_engine_loads_prefix_and_states_before_the_full_graph_forward(lfm2, gpu_fleet, stored, reference):
     layout, k = stored["layout"], stored["k"]
     lcm, bs = layout["lcm"], layout["block_sizes"]
     p, ps = stored["prompts"]["P"], stored["prompts"]["P+s"]
@@ -146,7 +146,7 @@ def test_fresh_engine_loads_prefix_and_states_before_the_full_graph_forward(lfm2
     # A's cold P equals the reference's P (the connector changes nothing while it only saves).
     assert stored["a_out"]["tokens"] == reference["P"]["tokens"]
 
-    b = engine(lfm2, kv_config(fleet))
+    b = engine(lfm2, kv_config(gpu_fleet))
     try:
         out, delta = served(b, ps)
     finally:

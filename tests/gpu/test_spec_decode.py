@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.support.vllm_recovery import xfail_where_recovery_is_known_inexact
 from ucm_ray import policy
 
 pytestmark = pytest.mark.gpu
@@ -80,23 +81,23 @@ def served(handle, prompt: list[int]) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def prompts(model):
+def prompts(gpu_model):
     from ucm_ray.tiny_model import synthetic_prompt
 
-    return {name: synthetic_prompt(model, N // 4, seed=seed) * 4 for name, seed in (("P", 41), ("Q", 42))}
+    return {name: synthetic_prompt(gpu_model, N // 4, seed=seed) * 4 for name, seed in (("P", 41), ("Q", 42))}
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts, cluster):
-    ref = engine(model, None)
+def reference(gpu_model, prompts, gpu_cluster):
+    ref = engine(gpu_model, None)
     out = {name: ray.get(ref.generate.remote(p, MAX_TOKENS))["tokens"] for name, p in prompts.items()}
     ray.kill(ref)
     return out
 
 
 @pytest.fixture(scope="module")
-def stored(model, prompts, fleet, reference):
-    a = engine(model, kv_config(fleet))
+def stored(gpu_model, prompts, gpu_fleet, reference):
+    a = engine(gpu_model, kv_config(gpu_fleet))
     assert set_recompute(a, None) == policy.recompute_tokens(True, K)  # k read from vLLM's config
     for name, p in prompts.items():
         out, delta = served(a, p)
@@ -107,11 +108,11 @@ def stored(model, prompts, fleet, reference):
 
 
 @pytest.fixture(scope="module")
-def engine_b(model, fleet, stored):
+def engine_b(gpu_model, gpu_fleet, stored):
     """Loads layer by layer (``load_at_once_ratio: 0``): a hit that leaves 2 + k (or, in the
     counterfactual, 1 + k) tokens alone in its step would otherwise load at once, before the
     forward, and these tests are about the layer hooks under speculation."""
-    b = engine(model, kv_config(fleet, load_at_once_ratio=0))
+    b = engine(gpu_model, kv_config(gpu_fleet, load_at_once_ratio=0))
     yield b
     ray.kill(b)
 
@@ -120,12 +121,19 @@ def test_speculation_keeps_two_plus_k_tokens_and_outputs_equal(prompts, referenc
     assert set_recompute(engine_b, None) == 2 + K
     out, got = served(engine_b, prompts["P"])
     assert got["hit_tokens"] == policy.dense_external_hit(N, 0, N, policy.recompute_tokens(True, K)) == N - 2 - K
+    assert out["cached"] == N - 2 - K  # vLLM's own count
     assert got["loaded_blocks"] == N // BLOCK
     assert got.get("load_failures", 0) == 0 and got.get("unwaited_layer_loads", 0) == 0  # hooks ran
     assert out["tokens"] == reference["P"]
 
 
-def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, engine_b):
+def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, engine_b, request):
+    """vLLM recomputes what the connector failed, so the tokens equal the reference's, as they do
+    without speculation (``test_full_cuda_graphs``, V1 runner); strict xfail only where the
+    recovery is known to be inexact (vLLM 0.26's V2 runner: ``tests.support.vllm_recovery``).
+    Once (H200, 2026-11-30) the V1 runner's tokens differed here too, and a later run passed: a
+    difference now fails, as the wrong output it is."""
+    xfail_where_recovery_is_known_inexact(request, engine_b)
     set_recompute(engine_b, 1 + K)  # the counterfactual: leaves 1 + k = 3 tokens, a uniform-decode step
     try:
         out, got = served(engine_b, prompts["Q"])
@@ -135,8 +143,4 @@ def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, 
     assert got.get("unwaited_layer_loads", 0) > 0, \
         "vLLM ran the 3-token step with layer hooks: no FULL graph replay (has the uniform-decode rule changed?)"
     assert got.get("load_failures", 0) > 0  # caught: vLLM recomputed those blocks
-    if out["tokens"] != reference["Q"]:
-        # Seen on the H200 (vLLM 0.26, V1 runner, n-gram k=2): vLLM logs "Recovered from KV load
-        # failure" and recomputes, yet the tokens differ from the reference; without speculation
-        # the same recovery is exact (test_full_cuda_graphs). The policy's 2 + k never gets here.
-        pytest.xfail("vLLM 0.26's recovery from a failed load under n-gram speculation is not exact")
+    assert out["tokens"] == reference["Q"]

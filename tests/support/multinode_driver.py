@@ -39,8 +39,9 @@ def main(address: str, model: str, document_tokens: int) -> None:
         totals = ray.get(reader.connector_totals.remote())
         shards = {s["shard_id"]: s["node_id"] for s in fleet_status(config)["shards"]}
         print(json.dumps({"shard_nodes": shards, "num_tokens": len(second), "tokens": answer["tokens"],
-                          "reference": expected["tokens"], "hit_tokens": totals["scheduler"].get("hit_tokens", 0),
-                          "worker": totals["worker"]}), flush=True)
+                          "cached": answer["cached"], "reference": expected["tokens"],
+                          "hit_tokens": totals["scheduler"].get("hit_tokens", 0), "worker": totals["worker"]}),
+              flush=True)
     finally:
         stop_fleet(config)
         ray.shutdown()
