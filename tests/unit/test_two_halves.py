@@ -24,7 +24,7 @@ from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt, write_model_dir
 from ucm_ray.testing.timing import timed_calls
-from ucm_ray.transport.base import Transfer, TransferError
+from ucm_ray.transport.base import PoolKey, Transfer, TransferError
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
@@ -553,6 +553,30 @@ def test_a_step_that_runs_no_layer_hook_fails_its_layer_loads(store, model_dir):
     assert c.failed_loads == 0 and c.wrong_blocks == 0
 
 
+def slot_ledger(client: LocalBlockStore) -> tuple[set[tuple[PoolKey, int]], set[tuple[PoolKey, int]]]:
+    """The (pool, offset) slots granted to ``client``, and those it has since filled or given back
+    (both through its own calls: an in-process store answers a reserve at once)."""
+    granted: set[tuple[PoolKey, int]] = set()
+    settled: set[tuple[PoolKey, int]] = set()
+    reserve, commit = client.reserve, client.commit
+
+    def recording_reserve(pool, size, count):
+        pending = reserve(pool, size, count)
+        grant = pending.result()
+        if grant is not None:
+            granted.update((grant.pool, offset) for offset in grant.offsets)
+        return pending
+
+    def recording_commit(publish, free={}):  # noqa: B006 -- the store's own default, never mutated
+        locations = publish.locations
+        settled.update((locations.pools[pool], int(offset)) for pool, offset in zip(locations.pool, locations.offset))
+        settled.update((pool, offset) for (pool, _), offsets in free.items() for offset in offsets)
+        return commit(publish, free)
+
+    client.reserve, client.commit = recording_reserve, recording_commit  # type: ignore[method-assign]
+    return granted, settled
+
+
 def test_an_idle_engine_never_writes_into_slots_that_may_have_lapsed(model_dir):
     """vLLM runs no step while an engine has no request, so nothing renews its free slots; they
     lapse, are quarantined, then handed to another engine. When the idle engine wakes, it must
@@ -560,16 +584,22 @@ def test_an_idle_engine_never_writes_into_slots_that_may_have_lapsed(model_dir):
     store = LocalBlockStore(num_shards=2, pool_bytes=4 << 20, reserve_timeout_s=1.0, lease_s=1.0)
     try:
         cfg = UcmRayConfig(reserve_timeout_s=1.0, transfer_timeout_s=0.4, lease_s=1.0)
-        b = make_engine(store.client(), model_dir, config=cfg)
+        b_client, c_client = store.client(), store.client()
+        b_granted, b_settled = slot_ledger(b_client)
+        c_granted, _ = slot_ledger(c_client)
+        b = make_engine(b_client, model_dir, config=cfg)
         b.serve("B0", prompt(2048, seed=1), max_tokens=1)  # B keeps a few free slots
         b.settle()
-        c = make_engine(store.client(), model_dir, config=cfg)
+        b_free = b_granted - b_settled
+        c = make_engine(c_client, model_dir, config=cfg)
         for i in range(6):  # B idles for 3 s while C keeps the shards busy
             time.sleep(0.5)
             c.serve(f"Cx{i}", prompt(200, seed=40 + i), max_tokens=1)
         pc = prompt(3072, seed=2)
         c.serve("C", pc, max_tokens=1)  # C's slots may be B's lapsed ones
         c.settle()
+        # The hazard happened: slots B held free lapsed and were granted to C.
+        assert b_free and b_free & c_granted, "none of B's free slots was granted again: the test shows nothing"
         b.serve("B1", prompt(3072, seed=3), max_tokens=1)
         b.settle()
         assert b.stats().get("commits_not_visible", 0) == 0
@@ -603,7 +633,11 @@ def test_a_local_hit_on_blocks_another_request_is_loading_is_never_saved(store, 
     r1, r2 = b.add("R1", p + [3] * 300), b.add("R2", p + [4] * 300)
     b.run(r1, r2)
     b.settle()
-    assert restarted and b.wrong_blocks == 0
+    # The hazard happened: R1's loads failed, and R2's prefix came from vLLM's own cache over
+    # every block R1 was loading (R2 loaded none of its own).
+    assert restarted and b.failed_loads > 0 and "R2" not in b.loaded_blocks
+    assert b.first["R2"][0] >= b.loaded_blocks["R1"] * 128 == b.stats()["local_hit_tokens"]
+    assert b.wrong_blocks == 0
     c = make_engine(store.client(), model_dir)
     c.serve("C", p)
     assert c.wrong_blocks == 0
