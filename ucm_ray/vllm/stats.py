@@ -23,6 +23,9 @@ COUNTERS: dict[str, str] = {
     # scheduler side: lookups and the hit policy
     "lookups": "Requests whose tier lookup was answered (the scheduler asked every owning shard once).",
     "lookups_skipped": "Requests not looked up: vLLM's own prefix cache held every block the tier could add.",
+    "idle_schedule_us": "Host time (us) of the connector's scheduler hooks in steps that ran no tokens while no "
+                        "request waited for a lookup (vLLM stepping while saves land): no forward waited for it, "
+                        "so schedule_seconds leaves it out.",
     "lookups_deferred": "Times a request was put back in the queue because its lookup was still in flight.",
     "query_tokens": "Prompt tokens of the requests looked up.",
     "hit_tokens": "Prompt tokens the tier provides (external hit after the hit policy): loaded, not computed.",

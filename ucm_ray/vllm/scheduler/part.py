@@ -105,7 +105,10 @@ class SchedulerPart:
 
     @host_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.lookups.matched(request, num_computed_tokens)
+        matched = self.lookups.matched(request, num_computed_tokens)
+        if matched[0] is None:  # asked again next step: the request waits on the store
+            self.timer.request_waits = True
+        return matched
 
     @host_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
