@@ -114,7 +114,10 @@ class WorkerPart:
         self._saves.loads_queued()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._loads.wait_for_layer(self._step, layer_name)
+        """Only a step whose loads were posted layer by layer has any for a layer's hook (most
+        steps load nothing: vLLM calls this for every layer of every step)."""
+        if self._step.phase is LoadPhase.BY_LAYER:
+            self._loads.wait_for_layer(self._step, layer_name)
 
     def wait_for_save(self) -> None:
         self._saves.forward_queued()
