@@ -66,7 +66,7 @@ def _configs(args: argparse.Namespace) -> list[WorkloadSpec]:
     nodes = args.nodes or nodes
     blocks = args.block_size or blocks
     routers = args.router or routers
-    requests = args.requests or (2000 if args.full else 300)
+    requests = args.requests or (1000 if args.full else 300)
     return [WorkloadSpec(nodes=n, block_size=b, requests=requests, router=r, seed=args.seed)
             for n in nodes for b in blocks for r in routers]
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nodes", type=int, action="append")
     ap.add_argument("--block-size", type=int, action="append", choices=[16, 128])
     ap.add_argument("--router", action="append", choices=list(ROUTERS))
-    ap.add_argument("--requests", type=int, default=0, help="default 300, 2,000 with --full")
+    ap.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-fraction", type=float, default=0.5,
                     help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
