@@ -1,0 +1,101 @@
+"""One configuration (nodes, block size, router): the workload once, every design over it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from benchmarks.scale.cluster import Cluster, Placement, owners_under, shard_ids
+from benchmarks.scale.designs import DESIGNS, Design, DesignParams
+from benchmarks.scale.metrics import Movement, Row, summarise
+from benchmarks.scale.workload import BYTES_PER_TOKEN, Workload, WorkloadSpec
+
+JOIN_TRIALS = 3
+JOIN_SAMPLE = 20_000
+"""Anchors placed under the grown membership per join trial (a sample, weighted by entries)."""
+
+
+@dataclass
+class ConfigResult:
+    spec: WorkloadSpec
+    pool_tokens: int
+    unique_tokens: int
+    rows: list[Row]
+    evictions: dict[str, int]
+    seconds: float
+
+
+def pool_tokens_for(unique_tokens: int, nodes: int, pool_fraction: float, min_pool_tokens: int) -> int:
+    """Per node: ``pool_fraction`` of the workload's distinct tokens spread over the nodes, and at
+    least ``min_pool_tokens`` (a writer's node must hold a whole long prompt)."""
+    return max(int(pool_fraction * unique_tokens / nodes), min_pool_tokens)
+
+
+def movement(design: Design, cluster: Cluster) -> Movement:
+    """Keys moved or lost when one node leaves (each node in turn) or a new one joins, in units
+    of 1/N of the distinct keys held. A leave loses the data whose only copy was there (moved, for
+    designs whose data follows its anchor: the same keys) and moves the index entries it owned."""
+    n = cluster.nodes
+    copies: Counter[bytes] = Counter(k for held in cluster.stored for k in held)
+    total = len(copies)
+    if not total:
+        return Movement(0.0, 0.0, 0.0)
+    affected = np.zeros(n)
+    for node, held in enumerate(cluster.stored):
+        affected[node] = sum(copies[k] == 1 for k in held)
+    keys, anchors = design.entries()
+    if keys:
+        anchor_home = cluster.placement.primary(anchors)
+        for key, home in zip(keys, anchor_home.tolist()):
+            if not (copies.get(key) == 1 and key in cluster.stored[home]):  # not counted as data already
+                affected[home] += 1
+    unit = total / n
+    return Movement(float(affected.mean() / unit), float(affected.max() / unit),
+                    _join(design, cluster, keys, anchors) / unit)
+
+
+def _join(design: Design, cluster: Cluster, keys: list[bytes], anchors: list[bytes]) -> float:
+    """Mean entries whose anchor's owner becomes a new node (data too where it follows the anchor)."""
+    if not anchors:
+        return 0.0
+    weight = Counter(anchors)
+    unique = sorted(weight)
+    rng = np.random.default_rng(len(unique))
+    if len(unique) > JOIN_SAMPLE:
+        unique = [unique[i] for i in rng.choice(len(unique), JOIN_SAMPLE, replace=False)]
+    w = np.array([weight[a] for a in unique], dtype=float)
+    moved = []
+    for trial in range(JOIN_TRIALS):
+        ids = shard_ids(cluster.nodes) + [f"node-join-{trial}"]
+        new_owner = owners_under(unique, ids) == cluster.nodes
+        moved.append(float(w[new_owner].sum() / w.sum()) * len(keys))
+    return float(np.mean(moved))
+
+
+def run_config(spec: WorkloadSpec, params: DesignParams, pool_fraction: float, min_pool_tokens: int,
+               progress: bool) -> ConfigResult:
+    started = time.perf_counter()
+    requests = Workload(spec).requests()
+    unique_tokens = len({k for r in requests for k in r.keys}) * spec.block_size
+    pool_tokens = pool_tokens_for(unique_tokens, spec.nodes, pool_fraction, min_pool_tokens)
+    placement = Placement(shard_ids(spec.nodes))
+    rows: list[Row] = []
+    evictions: dict[str, int] = {}
+    baseline: float | None = None
+    for cls in DESIGNS:
+        cluster = Cluster(spec.nodes, pool_tokens * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = cls(cluster, replace(params, seed=spec.seed))
+        design.run(requests, progress=max(len(requests) // 4, 1) if progress else 0)
+        row = summarise(design.name, design.stats, movement(design, cluster), baseline)
+        if baseline is None:
+            baseline = row.hit_rate
+        rows.append(row)
+        evictions[design.name] = cluster.evictions()
+        if progress:
+            logging.info("nodes=%d block=%d router=%s: %s done (%.0f s so far)", spec.nodes, spec.block_size,
+                         spec.router, design.name, time.perf_counter() - started)
+    return ConfigResult(spec, pool_tokens, unique_tokens, rows, evictions, time.perf_counter() - started)

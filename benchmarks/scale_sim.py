@@ -1,0 +1,113 @@
+"""Scale-out simulation (issue 40, part 1): placement and index designs at 10 to 1,000 nodes.
+
+Drives the project's real rendezvous placement (``ucm_ray.store.placement.owners``), store keys
+(``ucm_ray.keys.block_keys``) and shard index (``BlockIndex``: capacity, LRU eviction, two-phase
+writes; one per node, with an injected clock) with a seeded workload of hot system prompts
+(Zipf), multi-turn chats extending their own prefix, and 8k-128k documents asked about
+repeatedly (Zipf 1.1); 8 engines per node, one shard per node; router random or sticky.
+
+Designs (``benchmarks/scale/designs.py``): (a) per-block rendezvous placement, today's;
+(b) data on the writer's node + an index entry per key at ``owners(key)``; (c) runs of
+``--segment-blocks`` blocks placed at ``owners(first block's key)``; (d) data on the writer's
+node + a prefix-rooted index: a family's entries at ``owners(root)``, the root being the first
+block after the longest match in a hot-prefix table learned online and replicated on every node;
+hot families get ``index_replicas`` index owners and their blocks are copied on read.
+
+Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
+shards asked; same node 0); shards touched per request; MiB sent off the node per request by
+saves and by loads; hot-spot ratios (hottest node over the mean of all nodes) of calls received
+(lookups + index messages) and of bytes served to other nodes; keys moved or lost on a leave
+(mean, worst node) and moved on a join, in units of 1/N of the keys held; hit rate (hit tokens
+over prompt tokens) and its difference in points from (a); index messages and KiB per request
+(updates, removals, table broadcasts); stale entries met per request. What eviction does to each
+design: ``benchmarks/scale/designs.py``'s docstring and ``docs/scaling.md``.
+
+The last line, for (d) at the largest run: ``scale_sim: nodes=<N> lookup_calls_p99=<n>
+save_bytes_off_node_per_request=<bytes> hot_spot=<ratio> moved_worst_node_x_1_over_n=<ratio>
+hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
+
+Run: ``python benchmarks/scale_sim.py`` (10 and 50 nodes, block 128, a few seconds) or
+``--full`` (10, 100, 1,000 nodes x block 16, 128 x random, sticky; ``make bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
+
+from benchmarks.scale.designs import DesignParams, PrefixRooted  # noqa: E402
+from benchmarks.scale.metrics import Row, format_table  # noqa: E402
+from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
+from benchmarks.scale.workload import ROUTERS, WorkloadSpec  # noqa: E402
+
+
+def _out(line: str) -> None:
+    print(line, flush=True)
+
+
+def result_line(nodes: int, row: Row, block_bytes_per_mib: int = 2**20) -> str:
+    """The issue's summary line for one design's row."""
+    return (f"scale_sim: nodes={nodes} lookup_calls_p99={row.calls_p99:.0f} "
+            f"save_bytes_off_node_per_request={row.save_off_mib * block_bytes_per_mib:.0f} "
+            f"hot_spot={row.hot_spot:.2f} moved_worst_node_x_1_over_n={row.leave_worst:.2f} "
+            f"hit_rate_delta={row.hit_delta_points:+.2f}")
+
+
+def _configs(args: argparse.Namespace) -> list[WorkloadSpec]:
+    if args.full:
+        nodes, blocks, routers = [10, 100, 1000], [16, 128], list(ROUTERS)
+    else:
+        nodes, blocks, routers = [10, 50], [128], ["random"]
+    nodes = args.nodes or nodes
+    blocks = args.block_size or blocks
+    routers = args.router or routers
+    requests = args.requests or (1000 if args.full else 300)
+    return [WorkloadSpec(nodes=n, block_size=b, requests=requests, router=r, seed=args.seed)
+            for n in nodes for b in blocks for r in routers]
+
+
+def _print(result: ConfigResult) -> None:
+    s = result.spec
+    _out(f"\n### nodes={s.nodes} block={s.block_size} router={s.router} requests={s.requests}: "
+         f"pool {result.pool_tokens} tokens/node, workload {result.unique_tokens} distinct tokens, "
+         f"{result.seconds:.1f} s")
+    _out("evictions: " + ", ".join(f"{k} {v}" for k, v in result.evictions.items()))
+    for line in format_table(result.rows):
+        _out(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="10, 100, 1,000 nodes x both block sizes x both routers")
+    ap.add_argument("--nodes", type=int, action="append")
+    ap.add_argument("--block-size", type=int, action="append", choices=[16, 128])
+    ap.add_argument("--router", action="append", choices=list(ROUTERS))
+    ap.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool-fraction", type=float, default=0.5,
+                    help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
+    ap.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
+    ap.add_argument("--segment-blocks", type=int, default=64)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    params = DesignParams(segment_blocks=args.segment_blocks)
+    started = time.perf_counter()
+    results = []
+    for spec in _configs(args):
+        result = run_config(spec, params, args.pool_fraction, args.min_pool_tokens, progress=True)
+        _print(result)
+        results.append(result)
+    _out(f"\nruntime {time.perf_counter() - started:.0f} s")
+    largest = max(results, key=lambda r: (r.spec.nodes, -r.spec.block_size))
+    chosen = next(row for row in largest.rows if row.design == PrefixRooted.name)
+    _out(f"(largest run: block {largest.spec.block_size}, router {largest.spec.router})")
+    _out(result_line(largest.spec.nodes, chosen))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The scale-out simulation (benchmarks/scale_sim.py) at its small size: real owners, keys and
+BlockIndex driven by the seeded workload; what the designs must show, not fixed numbers."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from benchmarks.scale.cluster import Placement, owners_under, shard_ids
+from benchmarks.scale.designs import DesignParams, PerBlock, PrefixRooted
+from benchmarks.scale.metrics import Row
+from benchmarks.scale.runner import ConfigResult, run_config
+from benchmarks.scale.workload import Workload, WorkloadSpec
+from benchmarks.scale_sim import result_line
+
+REQUESTS = 150
+
+
+def _run(nodes: int, pool_fraction: float = 0.5, min_pool_tokens: int = 262144) -> ConfigResult:
+    spec = WorkloadSpec(nodes=nodes, block_size=128, requests=REQUESTS, seed=3)
+    return run_config(spec, DesignParams(), pool_fraction, min_pool_tokens, progress=False)
+
+
+def _row(result: ConfigResult, name: str) -> Row:
+    return next(r for r in result.rows if r.design == name)
+
+
+@pytest.fixture(scope="module")
+def small() -> ConfigResult:
+    return _run(10, pool_fraction=0.3, min_pool_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def larger() -> ConfigResult:
+    return _run(60)
+
+
+def test_workload_is_deterministic_for_a_seed() -> None:
+    spec = WorkloadSpec(nodes=10, block_size=128, requests=40, seed=5)
+    first, again = Workload(spec).requests(), Workload(spec).requests()
+    assert [(r.engine, r.keys) for r in first] == [(r.engine, r.keys) for r in again]
+    other = Workload(WorkloadSpec(nodes=10, block_size=128, requests=40, seed=6)).requests()
+    assert [r.keys for r in other] != [r.keys for r in first]
+    assert {r.kind for r in first} == {"chat", "doc", "oneoff"}
+
+
+def test_per_block_lookups_grow_with_nodes_while_rooted_stay_within_two(small: ConfigResult,
+                                                                        larger: ConfigResult) -> None:
+    assert _row(larger, PerBlock.name).calls_p99 > 2 * _row(small, PerBlock.name).calls_p99
+    for result in (small, larger):
+        assert _row(result, PrefixRooted.name).calls_p99 <= 2
+
+
+def test_rooted_sends_no_save_bytes_off_node(small: ConfigResult, larger: ConfigResult) -> None:
+    for result in (small, larger):
+        assert _row(result, PrefixRooted.name).save_off_mib == 0
+        assert _row(result, PerBlock.name).save_off_mib > 0
+
+
+def test_eviction_happened_where_the_pool_is_small(small: ConfigResult) -> None:
+    assert all(n > 0 for n in small.evictions.values()), small.evictions
+
+
+def test_a_leave_moves_about_one_nth_of_keys_under_the_real_owners() -> None:
+    nodes = 40
+    keys = Workload(WorkloadSpec(nodes=nodes, block_size=128, requests=30, seed=1)).requests()
+    unique = list(dict.fromkeys(k for r in keys for k in r.keys))
+    before = Placement(shard_ids(nodes)).primary(unique)
+    fractions = []
+    for leaving in (0, 7, 23):
+        ids = [s for i, s in enumerate(shard_ids(nodes)) if i != leaving]
+        after = np.array([int(ids[j].split("-")[1]) for j in owners_under(unique, ids)])
+        moved = before != after
+        assert np.all(before[moved] == leaving)  # only the leaving node's keys move
+        fractions.append(moved.mean() * nodes)
+    assert 0.7 < float(np.mean(fractions)) < 1.3, fractions
+
+
+def test_per_block_movement_reported_near_one(larger: ConfigResult) -> None:
+    row = _row(larger, PerBlock.name)
+    assert row.leave_mean == pytest.approx(1.0, abs=0.01)
+    assert 0.6 < row.join_mean < 1.4
+
+
+def test_with_room_for_everything_every_design_hits_as_per_block() -> None:
+    result = _run(10, min_pool_tokens=1 << 26)
+    assert all(n == 0 for n in result.evictions.values()), result.evictions
+    base = _row(result, PerBlock.name).hit_rate
+    assert base > 0.3
+    for row in result.rows:
+        assert row.hit_rate == pytest.approx(base, abs=1e-9), row.design
+
+
+def test_result_line_parses(larger: ConfigResult) -> None:
+    line = result_line(60, _row(larger, PrefixRooted.name))
+    m = re.fullmatch(r"scale_sim: nodes=(\d+) lookup_calls_p99=(\d+) save_bytes_off_node_per_request=(\d+) "
+                     r"hot_spot=([\d.]+) moved_worst_node_x_1_over_n=([\d.]+) hit_rate_delta=([+-][\d.]+)", line)
+    assert m, line
+    assert int(m[1]) == 60 and int(m[2]) <= 2 and int(m[3]) == 0
+
+
+def test_the_small_size_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.scale_sim import main
+
+    main(["--requests", "100"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert sum(line.startswith("| a per-block") for line in lines) == 2  # 10 and 50 nodes
+    assert lines[-1].startswith("scale_sim: nodes=50 lookup_calls_p99=")
