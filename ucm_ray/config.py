@@ -52,6 +52,9 @@ TIMEOUT_LIMITS: dict[str, tuple[float, float]] = {
 }
 MAX_LOAD_AT_ONCE_RATIO = 1 << 20
 """A step computing one token beside a million loaded: past that the rule is off in effect (use 0)."""
+MAX_PD_WAIT_S = 600.0
+"""A decode held longer than this for its prefill's saves is surely a mistake: recomputing the
+longest prompt takes less."""
 MAX_SHARD_CPUS = 1024.0
 MIN_FRACTIONAL_CPUS = 0.0001
 """Ray refuses a non-zero resource quantity below 0.0001."""
@@ -134,6 +137,12 @@ class UcmRayConfig:
     failed load, recomputed). False: every lookup is a Ray call that pins what it finds."""
     shm_dir: str = "/dev/shm"
     shard_cpus: float = 0.5
+    pd_wait_s: float = 2.0
+    """How long a decode engine waits for the saves its prefill announced (prefill/decode
+    through the tier) before it takes what is there and recomputes the rest (counted as
+    ``handoff_timeouts``); 0: never wait. The prefill saves its prompt in the step after its
+    response and keeps blocks waiting for write slots at most 1 s (``HOLD_S``): past that
+    plus the copies and the commit, waiting longer would mostly wait for saves that never come."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, key: str, allowed: str) -> None:
@@ -170,6 +179,8 @@ class UcmRayConfig:
         for key, (lo, hi) in TIMEOUT_LIMITS.items():
             v = getattr(self, key)
             need(is_num(v) and lo <= v <= hi, key, f"a number of seconds between {lo:g} and {hi:g}")
+        need(is_num(self.pd_wait_s) and 0 <= self.pd_wait_s <= MAX_PD_WAIT_S, "pd_wait_s",
+             f"a number of seconds between 0 (never wait) and {MAX_PD_WAIT_S:g}")
         need(is_num(self.shard_cpus) and (self.shard_cpus == 0 or MIN_FRACTIONAL_CPUS <= self.shard_cpus
                                           <= MAX_SHARD_CPUS),
              "shard_cpus", f"0 or a number of CPUs between {MIN_FRACTIONAL_CPUS:g} and {MAX_SHARD_CPUS:g}")

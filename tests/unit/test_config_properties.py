@@ -82,6 +82,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "local_lookups": draw(st.booleans()),
         "shm_dir": draw(st.sampled_from(["/dev/shm", _EXISTING_DIR])),
         "shard_cpus": draw(st.one_of(st.just(0.0), _seconds(0.0001, 1024))),
+        "pd_wait_s": draw(st.one_of(st.just(0.0), _seconds(0.0001, 600))),
     }
     written: dict[str, object] = {}
     for key, value in meant.items():
@@ -183,6 +184,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
     "transfer_timeout_s": _bad_seconds(0.01, 3600),
     "lease_s": _bad_seconds(0.1, 86400),
     "reserve_timeout_s": _bad_seconds(0.1, 86400),
+    "pd_wait_s": _bad_seconds(0.0, 600),
     "shm_dir": st.one_of(st.sampled_from(["", "dev/shm", "/nonexistent/ucm", "/dev/null", "/dev/shm\0",
                                           "./tmp"]),
                          st.text(max_size=10).filter(lambda s: not s.startswith("/")), _NOT_A_STRING),
