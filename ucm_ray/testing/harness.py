@@ -157,6 +157,9 @@ class Engine:
     loaded_blocks: dict[str, int] = field(default_factory=dict)  # req -> blocks the plan loads
     prefill_computed: dict[str, int] = field(default_factory=dict)  # req -> prompt tokens computed
     resumed_at: dict[str, list[int]] = field(default_factory=dict)  # req -> computed tokens at each resume
+    transfer_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """req -> the ``kv_transfer_params`` vLLM's output carried when the request finished (what a
+    PD proxy hands the decode engine)."""
     wrong_blocks: int = 0
     """Loaded blocks whose bytes differed from what computing them writes, NOT reported as failed."""
     failed_loads: int = 0
@@ -176,9 +179,13 @@ class Engine:
     def connector(self) -> UcmRayConnector:
         return self.sched.connector
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2,
+            kv_transfer_params: dict[str, Any] | None = None) -> Request:
+        """``kv_transfer_params``: what a PD proxy sends with the request (vLLM reads them from
+        the sampling params' ``extra_args``)."""
+        extra_args = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         req = Request(request_id=req_id, prompt_token_ids=tokens, pooling_params=None,
-                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra_args),
                       block_hasher=self.hasher)
         self.sched.add_request(req)
         return req
@@ -226,12 +233,15 @@ class Engine:
         for rid in ids:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-        self.sched.update_from_output(out, ModelRunnerOutput(
+        outputs = self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None, failed_recving=results.failed_recving,
                 invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)))
+        self.transfer_params.update((output.request_id, output.kv_transfer_params)
+                                    for engine_outputs in outputs.values() for output in engine_outputs.outputs
+                                    if output.kv_transfer_params is not None)
 
     def run(self, *reqs: Request, timeout_s: float = 120.0) -> None:
         """Step until the requests finish. Bounded by time, not steps: while a lookup is in

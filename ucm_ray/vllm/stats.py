@@ -42,6 +42,13 @@ COUNTERS: dict[str, str] = {
     "commits_not_visible": "Saved blocks that did not become visible (another engine stored the key first, "
                            "or the grant had lapsed).",
     "lapsed_leases": "Read pins found lapsed at release (should stay 0).",
+    # scheduler side: prefill/decode through the tier
+    "handoffs": "Decode requests whose kv_transfer_params carried a prefill's announcement (in this engine's "
+                "namespace): their lookup waited for the prefill's saves, at most pd_wait_s.",
+    "handoff_timeouts": "Decode requests that waited pd_wait_s for their prefill's saves and took a shorter hit "
+                        "(vLLM recomputed the rest).",
+    "handoff_namespace_mismatches": "Decode requests whose prefill's announcement named another namespace (or "
+                                    "could not be read): ignored, their keys could never match this engine's.",
     # worker side: bytes and outcomes
     "loaded_copy_bytes": "Bytes copied from shard pools into vLLM's KV cache (all transports).",
     "saved_copy_bytes": "Bytes copied from vLLM's KV cache into shard pools (all transports).",
@@ -79,6 +86,8 @@ DURATIONS: dict[str, str] = {
                         "allocation, a finished request, loads or saves to plan, workers' results): host time "
                         "in the connector's scheduler hooks since the previous step's plan. Decode steps with "
                         "none of that (most) record nothing.",
+    "handoff_wait_seconds": "Per decode request that carried a prefill's announcement: from its first lookup "
+                            "to the hit the prefill announced being there, or pd_wait_s passing.",
 }
 """Every duration the connector may record (``observe``), exported as histograms."""
 

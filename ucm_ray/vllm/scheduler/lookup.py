@@ -3,7 +3,9 @@
 A lookup is posted once per request (one call per shard per tp rank) and never waited on:
 ``matched`` answers ``None`` ("ask again") until it lands. Lookups *pin* what they find, so
 nothing vLLM was promised can be evicted before the worker copies it. A prompt whose first
-block the store surely lacks (this node's published indexes say so) asks for nothing more.
+block the store surely lacks (this node's published indexes say so) asks for nothing more. A
+decode whose prefill announced its saves (``handoff``) is looked up again, with a backoff and
+its pins released meanwhile, until the hit they give is there or ``pd_wait_s`` passed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ucm_ray.store.types import ReadLease
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.scheduler.answers import StoreAnswers
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
+from ucm_ray.vllm.scheduler.handoff import Handoffs
 from ucm_ray.vllm.scheduler.request import Lookup, SlotAsks, TrackedRequest, TrackedRequests
 from ucm_ray.vllm.scheduler.saves import SavePlanner
 from ucm_ray.vllm.stats import UcmRayStats
@@ -41,8 +44,8 @@ class Lookups:
     """Posts each request's lookup, reads its hit, and releases pins no load took over."""
 
     def __init__(self, geometry: CacheGeometry, config: UcmRayConfig, store: BlockStore, slots: SlotSupply,
-                 requests: TrackedRequests, saves: SavePlanner, answers: StoreAnswers, stats: UcmRayStats,
-                 clock: Callable[[], float]) -> None:
+                 requests: TrackedRequests, saves: SavePlanner, answers: StoreAnswers, handoffs: Handoffs,
+                 stats: UcmRayStats, clock: Callable[[], float]) -> None:
         self._geometry = geometry
         self._config = config
         self._store = store
@@ -50,6 +53,7 @@ class Lookups:
         self._requests = requests
         self._saves = saves
         self._answers = answers
+        self._handoffs = handoffs
         self._stats = stats
         self._clock = clock
         self._pin_pools: set[PoolKey] = set()  # pools some worker cannot validate unpinned loads of
@@ -57,15 +61,20 @@ class Lookups:
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: the tokens the store adds to vLLM's own hit,
         and whether they load asynchronously; ``None`` while the lookup (or a hybrid's first
-        slots) is still on its way."""
-        tracked = self._requests.track(request)
+        slots, or a prefill's announced saves) is still on its way."""
+        tracked = self._track(request)
         tracked.ask(num_computed_tokens)
         if tracked.lookup_expired(self._clock(), self._config.lease_s / 2):
             self.release(tracked)  # waited so long in the queue that its pins may lapse: look again
+        handoff = tracked.handoff
+        if handoff is not None and not handoff.may_look(self._clock()):
+            return None, False  # its prefill's saves were not there yet: no store call before the backoff
         posted = tracked.lookup is None
         if posted:
             tracked.lookup = self._post(tracked, num_computed_tokens)
             if tracked.lookup is None:
+                if handoff is not None:  # nothing the store could add: nothing to wait for
+                    self._handoffs.settle(handoff, self._clock(), short=False)
                 return 0, False
         lookup = tracked.lookup
         assert lookup is not None
@@ -73,6 +82,9 @@ class Lookups:
             return None, False
         if not lookup.answered:
             tracked.hit_tokens = self._hit_tokens(lookup.take_answers(), lookup)
+            if self._handoff_waits(tracked, num_computed_tokens):
+                self.release(tracked)  # looked up again after the backoff
+                return None, False
         if tracked.slot_asks is None:
             tracked.slot_asks = self._ask_slots(tracked, num_computed_tokens)
             posted = True
@@ -81,6 +93,27 @@ class Lookups:
             return None, False
         external = self._external_tokens(tracked, num_computed_tokens)
         return external, self._geometry.async_loads and external > 0
+
+    def _track(self, request: Request) -> TrackedRequest:
+        """The request's record; a new one reads what its prefill announced, if anything."""
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or tracked.request is not request:
+            tracked = self._requests.track(request)
+            tracked.handoff = self._handoffs.announced(request, self._clock())
+        return tracked
+
+    def _handoff_waits(self, tracked: TrackedRequest, num_computed_tokens: int) -> bool:
+        """Whether the request waits on for its prefill's saves: the hit (the policy applied) is
+        short of what the announced tokens would give, and ``pd_wait_s`` has not passed."""
+        handoff = tracked.handoff
+        if handoff is None or not handoff.waiting:
+            return False
+        expected = min(handoff.tokens, self._lookup_cap(tracked.request, tracked.hashed_tokens()))
+        if self._geometry.hybrid:
+            expected = expected // self._geometry.lcm * self._geometry.lcm
+        short = (self._policy_hit(tracked.request, num_computed_tokens, tracked.hit_tokens)
+                 < self._policy_hit(tracked.request, num_computed_tokens, expected))
+        return self._handoffs.waits(handoff, short, self._clock())
 
     def release(self, tracked: TrackedRequest) -> None:
         """Unpin a lookup no load job took over (no hit used, or never scheduled); one still in
@@ -108,28 +141,35 @@ class Lookups:
     def _ask_slots(self, tracked: TrackedRequest, num_computed_tokens: int) -> SlotAsks:
         """Saves begin where vLLM's cache and the store's hit end. A hybrid's states are saved
         as its chunks compute them: slots for its first chunks now. A dense prompt's slots are
-        asked for once its first token is out, as its saves are."""
+        asked for once its first token is out, as its saves are; a PD prefill's now (its decode
+        waits for them)."""
         geometry = self._geometry
         begin = max(num_computed_tokens, tracked.hit_tokens) // geometry.hash_block_size * geometry.hash_block_size
         tracked.expected_until = tracked.unexpected_until = begin
-        counts = self._saves.expect(tracked, begin + 2 * geometry.chunk_tokens) if geometry.hybrid else {}
-        return SlotAsks(counts, started=self._clock())
+        if geometry.hybrid:
+            return SlotAsks(self._saves.expect(tracked, begin + 2 * geometry.chunk_tokens), started=self._clock())
+        if self._handoffs.hands_off(tracked.request):
+            self._saves.expect_prompt_early(tracked)  # its decode waits for these saves
+        return SlotAsks({}, started=self._clock())
 
     def _external_tokens(self, tracked: TrackedRequest, num_computed_tokens: int) -> int:
         """The tokens vLLM may take from the store (the hit policy applied), counted."""
         request = tracked.request
-        if tracked.hit_tokens <= num_computed_tokens:
-            external = 0
-        elif self._geometry.hybrid:
-            external = tracked.hit_tokens - num_computed_tokens  # truncated before the lookup: nothing to trim
-        else:
-            external = policy.dense_external_hit(request.num_tokens, num_computed_tokens, tracked.hit_tokens,
-                                                 self._geometry.recompute)
+        external = self._policy_hit(request, num_computed_tokens, tracked.hit_tokens)
         self._stats.add(lookups=1, query_tokens=request.num_tokens, hit_tokens=external,
                         local_hit_tokens=num_computed_tokens,
                         miss_tokens=request.num_tokens - num_computed_tokens - external,
                         recompute_trimmed_tokens=max(0, tracked.hit_tokens - num_computed_tokens - external))
         return external
+
+    def _policy_hit(self, request: Request, num_computed_tokens: int, hit_tokens: int) -> int:
+        """The tokens a store hit of ``hit_tokens`` adds to vLLM's own, the hit policy applied."""
+        if hit_tokens <= num_computed_tokens:
+            return 0
+        if self._geometry.hybrid:
+            return hit_tokens - num_computed_tokens  # truncated before the lookup: nothing to trim
+        return policy.dense_external_hit(request.num_tokens, num_computed_tokens, hit_tokens,
+                                         self._geometry.recompute)
 
     def _answered(self, ready: Callable[[], bool], *, grace: bool) -> bool:
         """Whether ``ready`` holds (within LOOKUP_GRACE_S when ``grace``: just posted, most answers
@@ -150,11 +190,7 @@ class Lookups:
         request = tracked.request
         hashes = request.block_hashes
         full_tokens = tracked.hashed_tokens()
-        if geometry.hybrid:
-            max_lcm = policy.hybrid_max_hit_blocks(request.num_tokens, geometry.recompute, geometry.lcm)
-            max_tokens = min(max_lcm * geometry.lcm, full_tokens)
-        else:
-            max_tokens = full_tokens
+        max_tokens = self._lookup_cap(request, full_tokens)
         if max_tokens <= 0:
             return None
         if local_tokens >= full_tokens:  # nothing to load, nor to save in the prefill
@@ -173,6 +209,15 @@ class Lookups:
             flat = [key for keys in per_group + per_state for key in keys]
             futures.append(self._store.acquire(flat, self._pin_pools))
         return Lookup(futures, attn_keys, state_keys, started=self._clock())
+
+    def _lookup_cap(self, request: Request, full_tokens: int) -> int:
+        """The most prompt tokens a lookup asks for: the full blocks (``full_tokens``); a hybrid's
+        truncated to the LCM boundaries its policy may hit."""
+        geometry = self._geometry
+        if not geometry.hybrid:
+            return full_tokens
+        max_lcm = policy.hybrid_max_hit_blocks(request.num_tokens, geometry.recompute, geometry.lcm)
+        return min(max_lcm * geometry.lcm, full_tokens)
 
     def _first_block_absent(self, tracked: TrackedRequest) -> bool:
         """Whether the store surely lacks the prompt's first block on some rank (a hit is a

@@ -21,6 +21,7 @@ from ucm_ray.store.types import Publishes
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler.answers import StoreAnswers
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
+from ucm_ray.vllm.scheduler.handoff import Handoffs
 from ucm_ray.vllm.scheduler.loads import LoadPlanner
 from ucm_ray.vllm.scheduler.lookup import Lookups
 from ucm_ray.vllm.scheduler.request import Phase, TrackedRequests
@@ -62,8 +63,9 @@ class SchedulerPart:
         job_ids = itertools.count(1)  # load and save jobs share one sequence
         save_jobs = SaveJobs(store, self.slots, self.geometry.entry_bytes, self._requests, job_ids, clock)
         self.saves = SavePlanner(self.geometry, store, self.slots, self._requests, save_jobs, self.stats, clock)
+        self.handoffs = Handoffs(self.geometry, config, self.stats)
         self.lookups = Lookups(self.geometry, config, store, self.slots, self._requests, self.saves, self._answers,
-                               self.stats, clock)
+                               self.handoffs, self.stats, clock)
         self.loads = LoadPlanner(self.geometry, config, self._requests, save_jobs, job_ids, clock)
         self.results = Results(self.geometry, config, store, self._requests, self.lookups, self.loads, self.saves,
                                self._answers, self.slots, self.stats, clock)
@@ -173,18 +175,20 @@ class SchedulerPart:
         """Blocks of the request still to be saved (those its last step filled, and generated
         blocks short of a DECODE_SAVE_TOKENS batch) keep it: vLLM holds its blocks until the next
         step saved them and reported it ``finished_sending``. Otherwise (or with no pool to save
-        into) they are freed at once."""
+        into) they are freed at once. A PD prefill's params tell its decode what to wait for
+        (``handoff``)."""
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             return False, None
+        params = self.handoffs.prefill_params(tracked)
         self.lookups.release(tracked)
         if tracked.block_ids and tracked.unsaved() and self._store.pools().descriptors:
             self._requests.finish(tracked, self._clock())
             if tracked.prompt_expected:  # generated blocks of an unfinished batch: slots at the next step's tick
                 self.saves.expect(tracked, tracked.hashed_tokens(), later=True)
-            return True, None
+            return True, params
         self._requests.drop(request.request_id)
-        return False, None
+        return False, params
 
     # --- tools, tests and shutdown ---------------------------------------------------------
 

@@ -37,6 +37,12 @@ HOLD_S = 1.0
 then they are dropped (``saves_dropped``) and vLLM frees the blocks. A grant takes a round trip,
 but an engine's first ones take longer (docs/performance-log.md, "Figures moved out of code")."""
 
+FIRST_LOOK_AGAIN_S = 0.002
+"""A decode waiting for its prefill's saves looks again after this, then after twice as long
+each time, up to LOOK_AGAIN_MAX_S: a prefill's saves usually land within a step or two of its
+response, and looking at every scheduler step would cost a store call per step."""
+LOOK_AGAIN_MAX_S = 0.05
+
 SlotCounts = dict[tuple[PoolKey, int], int]
 """Slots per (pool, entry size)."""
 BlockAt = tuple[int, int, int]
@@ -83,6 +89,31 @@ class Lookup:
 
 
 @dataclass
+class Handoff:
+    """A decode request's wait for what its prefill announced it saves (``kv_transfer_params``):
+    its lookup is redone, with a backoff, until the hit those tokens give is there or
+    ``pd_wait_s`` passed since the first lookup."""
+
+    tokens: int
+    """Block-aligned prompt tokens the prefill announced."""
+    started: float
+    """When vLLM first asked for the request's hit."""
+    look_again_at: float = 0.0
+    """No lookup before this (the backoff)."""
+    backoff_s: float = FIRST_LOOK_AGAIN_S
+    waiting: bool = True
+    """Until the expected hit was there, or the wait ran out: then the hit is what it is."""
+
+    def may_look(self, now: float) -> bool:
+        return not self.waiting or now >= self.look_again_at
+
+    def look_later(self, now: float) -> None:
+        """The hit was short: look again after the backoff, doubled for the next time."""
+        self.look_again_at = now + self.backoff_s
+        self.backoff_s = min(2 * self.backoff_s, LOOK_AGAIN_MAX_S)
+
+
+@dataclass
 class SlotAsks:
     """Slots asked for the saves of a hybrid request's first chunks, once its lookup said where
     its saves begin (asked for with the lookup, they were also asked for blocks that turn out to
@@ -111,6 +142,8 @@ class TrackedRequest:
     lookup: Lookup | None = None
     """LOOKUP: the pins it holds until a load job takes them, or it is released."""
     slot_asks: SlotAsks | None = None  # set once, when its first lookup answered
+    handoff: Handoff | None = None
+    """A decode's wait for its prefill's saves (LOOKUP), where its params announced them."""
     hit_tokens: int = 0  # LCM/block-aligned prefix found in the store
     local_tokens: int = 0  # vLLM's block-aligned local hit at lookup time
     external_tokens: int = 0  # what vLLM took from the store at allocation (its loads bring them)
@@ -132,7 +165,8 @@ class TrackedRequest:
     prompt_expected: bool = False  # a dense prompt's saves were announced to the slot supply
     awaited: SlotCounts | None = None
     """Slots per (pool, entry size) that a dense prompt's first save waits for, until
-    ``awaited_until`` (``PROMPT_SLOT_WAIT_S``), where the free stock lacked them."""
+    ``awaited_until`` (``PROMPT_SLOT_WAIT_S``), where the free stock lacked them (a PD
+    prefill's from its lookup on, when they were asked for: ``expect_prompt_early``)."""
     awaited_until: float = 0.0
     finished_at: float = 0.0
     """FINISHING: when vLLM finished it (vLLM keeps its blocks until the scheduler knows they

@@ -4,8 +4,9 @@ A prompt's blocks are saved from the step after its first token, beside that ste
 pass, so no save delays a cold request's first token; generated blocks are saved
 DECODE_SAVE_TOKENS at a time, the rest when the request ends. Saves go into write slots granted
 ahead of time (``SlotSupply``): a prompt's saves are announced once its first token is out (a
-hybrid's first chunks once its lookup answered, as its states are saved when computed), a
-decode batch's as its blocks fill. A hybrid model's states are saved in the step that computes
+hybrid's first chunks, and a PD prefill's prompt, once its lookup answered: the states are
+saved when computed, and the decode waits for the prefill's saves), a decode batch's as its
+blocks fill. A hybrid model's states are saved in the step that computes
 them, or lost.
 """
 
@@ -154,12 +155,23 @@ class SavePlanner:
     def _announce_prompt(self, tracked: TrackedRequest) -> None:
         """Once, from where its saves begin (vLLM's own cache may have held the prompt's start, or
         all of it); decode blocks take slots from the supply's stock. Its first save waits for
-        the slots the free stock lacks, at most PROMPT_SLOT_WAIT_S."""
+        the slots the free stock lacks, at most PROMPT_SLOT_WAIT_S (a PD prefill's were asked
+        for at its lookup: ``expect_prompt_early``)."""
         tracked.prompt_expected = True
         tracked.expected_until = max(tracked.expected_until, tracked.saved_tokens())
         counts = self.expect(tracked, tracked.request.num_prompt_tokens)
+        for slot_class, count in (tracked.awaited or {}).items():
+            counts[slot_class] = counts.get(slot_class, 0) + count
+        tracked.awaited = None
         if not self._slots.holds(counts):
             tracked.await_slots(counts, self._clock() + PROMPT_SLOT_WAIT_S)
+
+    def expect_prompt_early(self, tracked: TrackedRequest) -> None:
+        """A PD prefill's prompt saves (``do_remote_decode``), announced once its lookup answered
+        instead of at its first token: that token is its last, the decode it hands off to waits
+        for these saves, and slots asked for only then would add a round trip before the first
+        of them. The request itself waits for none of them (they still begin after its token)."""
+        tracked.awaited = self.expect(tracked, tracked.request.num_prompt_tokens)
 
     def _slots_on_their_way(self, counts: SlotCounts, until: float) -> bool:
         return not self._slots.holds(counts) and self._slots.asking(counts) and self._clock() < until
