@@ -60,13 +60,20 @@ def _store_looks(engine: Engine) -> list[str]:
 def test_a_pd_prefill_returns_the_prompt_tokens_it_saves_under_our_own_key(store, model_dir):
     """The prefill's output carries, under ``ucm_ray`` (so vLLM's MultiConnector cannot clash),
     the block-aligned prompt tokens it saves and its namespace; a request that no decode
-    continues gets no params. Its prompt is saved in the steps after its token, its blocks held
-    until then."""
+    continues gets no params. Its blocks are held until saved, and its prompt is saved whole in
+    the very step after its token: its write slots were asked for at its lookup (a request's
+    are asked for at its first token, so a fresh engine's first save waits a step for them)."""
     a = make_engine(store.client(), model_dir)
     part = a.connector.scheduler_part
+    saved_per_step: list[int] = []
+    a.before_worker = lambda engine, meta: saved_per_step.append(sum(len(job.block_ids)
+                                                                     for job in meta.saves.values()))
     params = _prefill(a, "P", prompt(PROMPT, seed=41))
     assert params == {"ucm_ray": {"tokens": 2048, "namespace": part.namespaces[0].hex()}}
     assert "P" in a.sched.requests, "vLLM freed the prefill's blocks before they were saved"
+    prompt_steps = len(saved_per_step)
+    a.step()
+    assert saved_per_step[:prompt_steps] == [0] * prompt_steps and saved_per_step[prompt_steps] == 16
     a.run(a.add("plain", prompt(PROMPT, seed=42), max_tokens=1))
     assert "plain" not in a.transfer_params
     a.settle()

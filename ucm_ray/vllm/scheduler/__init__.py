@@ -13,10 +13,15 @@ reports per-job results through vLLM's worker-to-scheduler metadata; from them t
 commits the entries that landed, frees the slots that did not, releases pins and removes
 entries that failed their checksum. The worker makes no control call at all.
 
+A prefill whose decode runs on another engine (``do_remote_decode``) announces in its
+``kv_transfer_params`` the prompt tokens it saves; the decode's lookup waits for them, at most
+``pd_wait_s`` (``handoff``).
+
 Modules, each importing only those listed before it: ``geometry`` (the cache's groups and keys, the
-start-up checks), ``request`` (a request's explicit phase), ``timing``, ``answers`` (control
-calls in flight), ``save_jobs``, ``saves``, ``lookup``, ``loads``, ``results``, and ``part``
-(the façade vLLM's hooks call).
+start-up checks), ``request`` (a request's explicit phase), ``handoff`` (what a PD prefill
+announces, how long its decode waits), ``timing``, ``answers`` (control calls in flight),
+``save_jobs``, ``saves``, ``lookup``, ``loads``, ``results``, and ``part`` (the façade vLLM's
+hooks call).
 """
 
 from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID, engine_namespaces
