@@ -67,33 +67,33 @@ def _configs(args: argparse.Namespace) -> list[WorkloadSpec]:
     blocks = args.block_size or blocks
     routers = args.router or routers
     requests = args.requests or (1000 if args.full else 300)
-    return [WorkloadSpec(nodes=n, block_size=b, requests=requests, router=r, seed=args.seed)
-            for n in nodes for b in blocks for r in routers]
+    return [WorkloadSpec(nodes=count, block_size=block, requests=requests, router=router, seed=args.seed)
+            for count in nodes for block in blocks for router in routers]
 
 
 def _print(result: ConfigResult) -> None:
-    s = result.spec
-    _out(f"\n### nodes={s.nodes} block={s.block_size} router={s.router} requests={s.requests}: "
+    spec = result.spec
+    _out(f"\n### nodes={spec.nodes} block={spec.block_size} router={spec.router} requests={spec.requests}: "
          f"pool {result.pool_tokens} tokens/node, workload {result.unique_tokens} distinct tokens, "
          f"{result.seconds:.1f} s")
-    _out("evictions: " + ", ".join(f"{k} {v}" for k, v in result.evictions.items()))
+    _out("evictions: " + ", ".join(f"{name} {count}" for name, count in result.evictions.items()))
     for line in format_table(result.rows):
         _out(line)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--full", action="store_true", help="10, 100, 1,000 nodes x both block sizes x both routers")
-    ap.add_argument("--nodes", type=int, action="append")
-    ap.add_argument("--block-size", type=int, action="append", choices=[16, 128])
-    ap.add_argument("--router", action="append", choices=list(ROUTERS))
-    ap.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pool-fraction", type=float, default=0.5,
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="10, 100, 1,000 nodes x both block sizes x both routers")
+    parser.add_argument("--nodes", type=int, action="append")
+    parser.add_argument("--block-size", type=int, action="append", choices=[16, 128])
+    parser.add_argument("--router", action="append", choices=list(ROUTERS))
+    parser.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pool-fraction", type=float, default=0.5,
                     help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
-    ap.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
-    ap.add_argument("--segment-blocks", type=int, default=64)
-    args = ap.parse_args(argv)
+    parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
+    parser.add_argument("--segment-blocks", type=int, default=64)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     params = DesignParams(segment_blocks=args.segment_blocks)
     started = time.perf_counter()
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         _print(result)
         results.append(result)
     _out(f"\nruntime {time.perf_counter() - started:.0f} s")
-    largest = max(results, key=lambda r: (r.spec.nodes, -r.spec.block_size))
+    largest = max(results, key=lambda result: (result.spec.nodes, -result.spec.block_size))
     chosen = next(row for row in largest.rows if row.design == PrefixRooted.name)
     _out(f"(largest run: block {largest.spec.block_size}, router {largest.spec.router})")
     _out(result_line(largest.spec.nodes, chosen))
