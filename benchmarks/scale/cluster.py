@@ -93,6 +93,14 @@ class Cluster:
         """Which of ``keys`` node's pool holds (a read: it makes them recently used)."""
         return self.pools[node].contains(keys) if keys else []
 
+    def read(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
+        """Read each key from the node beside it (they hold it): one batch per pool, in order."""
+        per_node: dict[int, list[bytes]] = {}
+        for key, node in zip(keys, nodes):
+            per_node.setdefault(node, []).append(key)
+        for node, batch in per_node.items():
+            self.pools[node].contains(batch)
+
     def store(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Save ``keys`` into node's pool (reserve, then commit, as a writer does): (the keys
         stored, the keys the pool evicted for them)."""

@@ -193,7 +193,9 @@ class WriterDesign(Design):
 
     def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
         """The hit: the longest prefix whose blocks a listed copy still holds (a copy on the
-        reader's node first, else a random listed one); each block's source node."""
+        reader's node first, else a random listed one); each block's source node. Validity is
+        read from the pools' mirrors, then each source pool's hits are read in one batch (the
+        same recency order as one read per block: a pool sees its own blocks in prompt order)."""
         sources: list[int] = []
         for key in req.keys:
             source = self._valid_copy(key, req.node, tally)
@@ -201,23 +203,31 @@ class WriterDesign(Design):
                 break
             sources.append(source)
         hit = len(sources)
+        self.cluster.read(req.keys[:hit], sources)
         tally.hit_tokens = hit * self.cluster.block_tokens
-        block_bytes = self.cluster.block_bytes
-        for source in sources:
-            if source != req.node:
-                tally.load_off_bytes += block_bytes
-                tally.touched.add(source)
-                self.stats.bytes_served[source] += block_bytes
+        remote = np.asarray(sources, dtype=np.int64)
+        remote = remote[remote != req.node]
+        if remote.size:
+            tally.load_off_bytes += int(remote.size) * self.cluster.block_bytes
+            tally.touched.update(np.unique(remote).tolist())
+            np.add.at(self.stats.bytes_served, remote, self.cluster.block_bytes)
         return hit, sources
 
     def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
         listed = self.locs.get(key)
         if not listed:
             return None
+        held = self.cluster.stored
+        if len(listed) == 1:  # no draw: a permutation of one takes nothing from the generator
+            where = listed[0]
+            if key in held[where]:
+                return where
+            tally.stale += 1
+            return None
         order = [node] if node in listed else []
         order += [listed[position] for position in self.rng.permutation(len(listed)) if listed[position] != node]
         for where in order:
-            if self.cluster.has(where, [key])[0]:
+            if key in held[where]:
                 return where
             tally.stale += 1
         return None
