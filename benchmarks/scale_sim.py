@@ -40,10 +40,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 
-from benchmarks.scale.designs import DesignParams, PrefixRooted  # noqa: E402
+from benchmarks.scale.designs import CopyOnSecondRead, DesignParams  # noqa: E402
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
 from benchmarks.scale.workload import ROUTERS, WorkloadSpec  # noqa: E402
+
+PICKED = CopyOnSecondRead
+"""The design the numbers pick (docs/scaling.md): the last line is its row at the largest run."""
 
 
 def _out(line: str) -> None:
@@ -58,7 +61,24 @@ def result_line(nodes: int, row: Row, block_bytes_per_mib: int = 2**20) -> str:
             f"hit_rate_delta={row.hit_delta_points:+.2f}")
 
 
+PRESSURE_FRACTION = 0.3
+DISTINCT_TOKENS_PER_REQUEST = 6000
+"""What the seed-0 workload adds per request (6.3M distinct tokens per 1,000 requests), rounded down."""
+
+
+def _pressure_requests(nodes: int, floor_tokens: int) -> int:
+    """Enough requests that the pools, ``PRESSURE_FRACTION`` of the distinct tokens, are above the
+    floor on every node (so the fraction, not the floor, sets the pool: pools fill)."""
+    return -(-nodes * floor_tokens // int(PRESSURE_FRACTION * DISTINCT_TOKENS_PER_REQUEST))
+
+
 def _configs(args: argparse.Namespace) -> list[WorkloadSpec]:
+    if args.pressure:
+        nodes, blocks, routers = [100, 1000], [128], ["random"]
+        nodes = args.nodes or nodes
+        return [WorkloadSpec(nodes=count, block_size=block, router=router, seed=args.seed,
+                             requests=args.requests or _pressure_requests(count, args.min_pool_tokens))
+                for count in nodes for block in args.block_size or blocks for router in args.router or routers]
     if args.full:
         nodes, blocks, routers = [10, 100, 1000], [16, 128], list(ROUTERS)
     else:
@@ -90,10 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pool-fraction", type=float, default=0.5,
-                    help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
+                        help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
     parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
     parser.add_argument("--segment-blocks", type=int, default=64)
+    parser.add_argument("--pressure", action="store_true",
+                        help=f"pools full: {PRESSURE_FRACTION} of the distinct tokens, at least one longest "
+                             "prompt per node, enough requests for that; 100 and 1,000 nodes, block 128, random")
     args = parser.parse_args(argv)
+    if args.pressure:
+        args.pool_fraction = PRESSURE_FRACTION
+        args.min_pool_tokens = WorkloadSpec(nodes=1).max_prompt_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     params = DesignParams(segment_blocks=args.segment_blocks)
     started = time.perf_counter()
@@ -104,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(result)
     _out(f"\nruntime {time.perf_counter() - started:.0f} s")
     largest = max(results, key=lambda result: (result.spec.nodes, -result.spec.block_size))
-    chosen = next(row for row in largest.rows if row.design == PrefixRooted.name)
+    chosen = next(row for row in largest.rows if row.design == PICKED.name)
     _out(f"(largest run: block {largest.spec.block_size}, router {largest.spec.router})")
     _out(result_line(largest.spec.nodes, chosen))
 

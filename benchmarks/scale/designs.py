@@ -45,7 +45,7 @@ class DesignParams:
     index_replicas: int = 3
     """(d): index owners of a hot family (top-r of ``owners``)."""
     max_copies: int = 8
-    """(d): copies of a block an index lists (replicas beyond are local-only, not registered)."""
+    """(d), (e): copies of a block an index lists (replicas beyond are local-only, not registered)."""
     seed: int = 0
 
 
@@ -353,18 +353,25 @@ class PrefixRooted(WriterDesign):
 
     def _replicate_hot(self, req: Request, tally: RequestTally, hit: int, sources: list[int], hot_blocks: int,
                        root: bytes | None, index_owners: tuple[int, ...]) -> None:
-        """A reader keeps a local copy of a hot block it loaded from another node (a local save)."""
+        """A reader keeps a local copy of a block it loaded from another node (a local save: the
+        bytes are already on the reader's node) when ``copy_positions`` says so."""
         hot_family = root is not None and root in self.hot_roots
-        remote = [position for position in range(hit)
-                  if sources[position] != req.node and (position < hot_blocks or hot_family)]
+        remote = self.copy_positions(req, hit, sources, hot_blocks, hot_family)
         if not remote:
             return
         stored, evicted = self.cluster.store(req.node, [req.keys[position] for position in remote])
+        tally.copy_bytes += len(stored) * self.cluster.block_bytes
         self._evicted.extend((req.node, key) for key in evicted)
         fresh = [key for key in stored if len(self.locs.get(key, ())) < self.params.max_copies]
         for key in fresh:
             self.locs.setdefault(key, []).append(req.node)
         self._register_entries(req.node, tally, fresh, index_owners)
+
+    def copy_positions(self, req: Request, hit: int, sources: list[int], hot_blocks: int,
+                       hot_family: bool) -> list[int]:
+        """(d): the remote blocks of the hot-prefix table or of a family learned hot."""
+        return [position for position in range(hit)
+                if sources[position] != req.node and (position < hot_blocks or hot_family)]
 
     def _register(self, req: Request, tally: RequestTally, stored: list[bytes], root: bytes | None,
                   index_owners: tuple[int, ...]) -> None:
@@ -437,4 +444,33 @@ class PrefixRooted(WriterDesign):
         return keys, [self.under[key] for key in keys]
 
 
-DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted)
+class CopyOnSecondRead(PrefixRooted):
+    """(e) (d)'s index and table; a block is also copied into the reader's pool (and listed)
+    when a second session loads it from another node, so a shared document spreads as soon as two
+    users want it instead of after a learned window. A session re-reading its own history (a chat's
+    next turn) does not count: that is one user, and copying it would only fill pools. Copies stop
+    at ``max_copies`` listed. The copy is a local save of bytes the reader already loaded: no
+    extra bytes cross nodes; it costs pool room and one index message per copied run."""
+
+    name = "e rooted+copy 2nd reader"
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self.first_reader: dict[bytes, int] = {}
+        """Key -> the session that first loaded it from another node."""
+
+    def copy_positions(self, req: Request, hit: int, sources: list[int], hot_blocks: int,
+                       hot_family: bool) -> list[int]:
+        positions = []
+        for position in range(hit):
+            if sources[position] == req.node:
+                continue
+            key = req.keys[position]
+            first = self.first_reader.setdefault(key, req.session)
+            shared = first != req.session and len(self.locs.get(key, ())) < self.params.max_copies
+            if shared or position < hot_blocks or hot_family:
+                positions.append(position)
+        return positions
+
+
+DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted, CopyOnSecondRead)

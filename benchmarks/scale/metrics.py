@@ -22,6 +22,8 @@ class RequestTally:
     """Remote nodes this request's lookup, loads and saves reached."""
     save_off_bytes: int = 0
     load_off_bytes: int = 0
+    copy_bytes: int = 0
+    """Bytes a reader wrote into its own pool as a replica of what it loaded ((d), (e))."""
     index_msgs: int = 0
     index_bytes: int = 0
     stale: int = 0
@@ -37,6 +39,7 @@ class DesignStats:
     touched: list[int] = field(default_factory=list)
     save_off: list[int] = field(default_factory=list)
     load_off: list[int] = field(default_factory=list)
+    copy_bytes: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
     index_msgs: int = 0
@@ -56,6 +59,7 @@ class DesignStats:
         self.touched.append(len(tally.touched))
         self.save_off.append(tally.save_off_bytes)
         self.load_off.append(tally.load_off_bytes)
+        self.copy_bytes += tally.copy_bytes
         self.prompt_tokens += tally.prompt_tokens
         self.hit_tokens += tally.hit_tokens
         self.index_msgs += tally.index_msgs
@@ -88,6 +92,7 @@ class Row:
     touched_mean: float
     save_off_mib: float
     load_off_mib: float
+    copy_mib: float
     hot_calls: float
     hot_bytes: float
     leave_mean: float
@@ -120,6 +125,7 @@ def summarise(name: str, stats: DesignStats, moved: Movement, baseline_hit: floa
                touched_mean=float(np.mean(stats.touched)),
                save_off_mib=float(np.mean(stats.save_off)) / 2**20,
                load_off_mib=float(np.mean(stats.load_off)) / 2**20,
+               copy_mib=stats.copy_bytes / requests / 2**20,
                hot_calls=_hot(stats.calls_received), hot_bytes=_hot(stats.bytes_served),
                leave_mean=moved.leave_mean, leave_worst=moved.leave_worst, join_mean=moved.join_mean,
                hit_rate=hit, hit_delta_points=100 * (hit - (hit if baseline_hit is None else baseline_hit)),
@@ -127,9 +133,9 @@ def summarise(name: str, stats: DesignStats, moved: Movement, baseline_hit: floa
                stale_per_req=stats.stale / requests)
 
 
-HEADER = ("design", "calls p50", "calls p99", "touched", "save off MiB", "load off MiB", "hot calls",
-          "hot bytes", "leave mean", "leave worst", "join mean", "hit %", "d hit pts", "idx msgs",
-          "idx KiB", "stale")
+HEADER = ("design", "calls p50", "calls p99", "touched", "save off MiB", "load off MiB", "copy MiB",
+          "hot calls", "hot bytes", "leave mean", "leave worst", "join mean", "hit %", "d hit pts",
+          "idx msgs", "idx KiB", "stale")
 
 
 def format_table(rows: list[Row]) -> list[str]:
@@ -137,7 +143,8 @@ def format_table(rows: list[Row]) -> list[str]:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for row in rows:
         cells = [row.design, f"{row.calls_p50:.0f}", f"{row.calls_p99:.0f}", f"{row.touched_mean:.1f}",
-                 f"{row.save_off_mib:.1f}", f"{row.load_off_mib:.1f}", f"{row.hot_calls:.1f}", f"{row.hot_bytes:.1f}",
+                 f"{row.save_off_mib:.1f}", f"{row.load_off_mib:.1f}", f"{row.copy_mib:.1f}",
+                 f"{row.hot_calls:.1f}", f"{row.hot_bytes:.1f}",
                  f"{row.leave_mean:.2f}", f"{row.leave_worst:.2f}", f"{row.join_mean:.2f}", f"{100 * row.hit_rate:.1f}",
                  f"{row.hit_delta_points:+.1f}", f"{row.index_msgs:.1f}", f"{row.index_kib:.1f}",
                  f"{row.stale_per_req:.2f}"]
