@@ -11,23 +11,26 @@ Designs (``benchmarks/scale/designs.py``): (a) per-block rendezvous placement, t
 ``--segment-blocks`` blocks placed at ``owners(first block's key)``; (d) data on the writer's
 node + a prefix-rooted index: a family's entries at ``owners(root)``, the root being the first
 block after the longest match in a hot-prefix table learned online and replicated on every node;
-hot families get ``index_replicas`` index owners and their blocks are copied on read.
+hot families get ``index_replicas`` index owners and their blocks are copied on read; (e) is (d)
+plus a copy into the reader's pool when a second session loads a block from another node.
 
 Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
 shards asked; same node 0); shards touched per request; MiB sent off the node per request by
 saves and by loads; hot-spot ratios (hottest node over the mean of all nodes) of calls received
 (lookups + index messages) and of bytes served to other nodes; keys moved or lost on a leave
 (mean, worst node) and moved on a join, in units of 1/N of the keys held; hit rate (hit tokens
-over prompt tokens) and its difference in points from (a); index messages and KiB per request
-(updates, removals, table broadcasts); stale entries met per request. What eviction does to each
+over prompt tokens) and its difference in points from (a); MiB a reader copied into its own
+pool per request ((d), (e)); index messages and KiB per request (updates, removals, table
+broadcasts); stale entries met per request. What eviction does to each
 design: ``benchmarks/scale/designs.py``'s docstring and ``docs/scaling.md``.
 
-The last line, for (d) at the largest run: ``scale_sim: nodes=<N> lookup_calls_p99=<n>
-save_bytes_off_node_per_request=<bytes> hot_spot=<ratio> moved_worst_node_x_1_over_n=<ratio>
-hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
+The last line, for the picked design (``PICKED``, (e)) at the largest run: ``scale_sim:
+nodes=<N> lookup_calls_p99=<n> save_bytes_off_node_per_request=<bytes> hot_spot=<ratio>
+moved_worst_node_x_1_over_n=<ratio> hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
 
 Run: ``python benchmarks/scale_sim.py`` (10 and 50 nodes, block 128, a few seconds) or
-``--full`` (10, 100, 1,000 nodes x block 16, 128 x random, sticky; ``make bench``).
+``--full`` (10, 100, 1,000 nodes x block 16, 128 x random, sticky; ``make bench``) or
+``--pressure`` (pools full: 0.3 of the distinct tokens, at least one 128k prompt per node).
 """
 
 from __future__ import annotations

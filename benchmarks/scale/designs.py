@@ -194,8 +194,10 @@ class WriterDesign(Design):
     def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
         """The hit: the longest prefix whose blocks a listed copy still holds (a copy on the
         reader's node first, else a random listed one); each block's source node. Validity is
-        read from the pools' mirrors, then each source pool's hits are read in one batch (the
-        same recency order as one read per block: a pool sees its own blocks in prompt order)."""
+        read from the pools' mirrors, then each source pool's hits are read in one batch, as the
+        real shard reads a prompt: ``contains`` makes the batch's head the most recently used, so
+        the tail is evicted first (one read per block, as before, made the tail the most recent;
+        the small-size output is the same, the 10-node block-16 tables are not)."""
         sources: list[int] = []
         for key in req.keys:
             source = self._valid_copy(key, req.node, tally)
