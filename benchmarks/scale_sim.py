@@ -11,23 +11,26 @@ Designs (``benchmarks/scale/designs.py``): (a) per-block rendezvous placement, t
 ``--segment-blocks`` blocks placed at ``owners(first block's key)``; (d) data on the writer's
 node + a prefix-rooted index: a family's entries at ``owners(root)``, the root being the first
 block after the longest match in a hot-prefix table learned online and replicated on every node;
-hot families get ``index_replicas`` index owners and their blocks are copied on read.
+hot families get ``index_replicas`` index owners and their blocks are copied on read; (e) is (d)
+plus a copy into the reader's pool when a second session loads a block from another node.
 
 Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
 shards asked; same node 0); shards touched per request; MiB sent off the node per request by
 saves and by loads; hot-spot ratios (hottest node over the mean of all nodes) of calls received
 (lookups + index messages) and of bytes served to other nodes; keys moved or lost on a leave
 (mean, worst node) and moved on a join, in units of 1/N of the keys held; hit rate (hit tokens
-over prompt tokens) and its difference in points from (a); index messages and KiB per request
-(updates, removals, table broadcasts); stale entries met per request. What eviction does to each
+over prompt tokens) and its difference in points from (a); MiB a reader copied into its own
+pool per request ((d), (e)); index messages and KiB per request (updates, removals, table
+broadcasts); stale entries met per request. What eviction does to each
 design: ``benchmarks/scale/designs.py``'s docstring and ``docs/scaling.md``.
 
-The last line, for (d) at the largest run: ``scale_sim: nodes=<N> lookup_calls_p99=<n>
-save_bytes_off_node_per_request=<bytes> hot_spot=<ratio> moved_worst_node_x_1_over_n=<ratio>
-hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
+The last line, for the picked design (``PICKED``, (e)) at the largest run: ``scale_sim:
+nodes=<N> lookup_calls_p99=<n> save_bytes_off_node_per_request=<bytes> hot_spot=<ratio>
+moved_worst_node_x_1_over_n=<ratio> hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
 
 Run: ``python benchmarks/scale_sim.py`` (10 and 50 nodes, block 128, a few seconds) or
-``--full`` (10, 100, 1,000 nodes x block 16, 128 x random, sticky; ``make bench``).
+``--full`` (10, 100, 1,000 nodes x block 16, 128 x random, sticky; ``make bench``) or
+``--pressure`` (pools full: 0.3 of the distinct tokens, at least one 128k prompt per node).
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 
-from benchmarks.scale.designs import DesignParams, PrefixRooted  # noqa: E402
+from benchmarks.scale.designs import CopyOnSecondRead, DesignParams  # noqa: E402
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
 from benchmarks.scale.workload import ROUTERS, WorkloadSpec  # noqa: E402
+
+PICKED = CopyOnSecondRead
+"""The design the numbers pick (docs/scaling.md): the last line is its row at the largest run."""
 
 
 def _out(line: str) -> None:
@@ -58,7 +64,24 @@ def result_line(nodes: int, row: Row, block_bytes_per_mib: int = 2**20) -> str:
             f"hit_rate_delta={row.hit_delta_points:+.2f}")
 
 
+PRESSURE_FRACTION = 0.3
+DISTINCT_TOKENS_PER_REQUEST = 6000
+"""What the seed-0 workload adds per request (6.3M distinct tokens per 1,000 requests), rounded down."""
+
+
+def _pressure_requests(nodes: int, floor_tokens: int) -> int:
+    """Enough requests that the pools, ``PRESSURE_FRACTION`` of the distinct tokens, are above the
+    floor on every node (so the fraction, not the floor, sets the pool: pools fill)."""
+    return -(-nodes * floor_tokens // int(PRESSURE_FRACTION * DISTINCT_TOKENS_PER_REQUEST))
+
+
 def _configs(args: argparse.Namespace) -> list[WorkloadSpec]:
+    if args.pressure:
+        nodes, blocks, routers = [100, 1000], [128], ["random"]
+        nodes = args.nodes or nodes
+        return [WorkloadSpec(nodes=count, block_size=block, router=router, seed=args.seed,
+                             requests=args.requests or _pressure_requests(count, args.min_pool_tokens))
+                for count in nodes for block in args.block_size or blocks for router in args.router or routers]
     if args.full:
         nodes, blocks, routers = [10, 100, 1000], [16, 128], list(ROUTERS)
     else:
@@ -67,33 +90,39 @@ def _configs(args: argparse.Namespace) -> list[WorkloadSpec]:
     blocks = args.block_size or blocks
     routers = args.router or routers
     requests = args.requests or (1000 if args.full else 300)
-    return [WorkloadSpec(nodes=n, block_size=b, requests=requests, router=r, seed=args.seed)
-            for n in nodes for b in blocks for r in routers]
+    return [WorkloadSpec(nodes=count, block_size=block, requests=requests, router=router, seed=args.seed)
+            for count in nodes for block in blocks for router in routers]
 
 
 def _print(result: ConfigResult) -> None:
-    s = result.spec
-    _out(f"\n### nodes={s.nodes} block={s.block_size} router={s.router} requests={s.requests}: "
+    spec = result.spec
+    _out(f"\n### nodes={spec.nodes} block={spec.block_size} router={spec.router} requests={spec.requests}: "
          f"pool {result.pool_tokens} tokens/node, workload {result.unique_tokens} distinct tokens, "
          f"{result.seconds:.1f} s")
-    _out("evictions: " + ", ".join(f"{k} {v}" for k, v in result.evictions.items()))
+    _out("evictions: " + ", ".join(f"{name} {count}" for name, count in result.evictions.items()))
     for line in format_table(result.rows):
         _out(line)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--full", action="store_true", help="10, 100, 1,000 nodes x both block sizes x both routers")
-    ap.add_argument("--nodes", type=int, action="append")
-    ap.add_argument("--block-size", type=int, action="append", choices=[16, 128])
-    ap.add_argument("--router", action="append", choices=list(ROUTERS))
-    ap.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pool-fraction", type=float, default=0.5,
-                    help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
-    ap.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
-    ap.add_argument("--segment-blocks", type=int, default=64)
-    args = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="10, 100, 1,000 nodes x both block sizes x both routers")
+    parser.add_argument("--nodes", type=int, action="append")
+    parser.add_argument("--block-size", type=int, action="append", choices=[16, 128])
+    parser.add_argument("--router", action="append", choices=list(ROUTERS))
+    parser.add_argument("--requests", type=int, default=0, help="default 300, 1,000 with --full")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pool-fraction", type=float, default=0.5,
+                        help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
+    parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
+    parser.add_argument("--segment-blocks", type=int, default=64)
+    parser.add_argument("--pressure", action="store_true",
+                        help=f"pools full: {PRESSURE_FRACTION} of the distinct tokens, at least one longest "
+                             "prompt per node, enough requests for that; 100 and 1,000 nodes, block 128, random")
+    args = parser.parse_args(argv)
+    if args.pressure:
+        args.pool_fraction = PRESSURE_FRACTION
+        args.min_pool_tokens = WorkloadSpec(nodes=1).max_prompt_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     params = DesignParams(segment_blocks=args.segment_blocks)
     started = time.perf_counter()
@@ -103,8 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         _print(result)
         results.append(result)
     _out(f"\nruntime {time.perf_counter() - started:.0f} s")
-    largest = max(results, key=lambda r: (r.spec.nodes, -r.spec.block_size))
-    chosen = next(row for row in largest.rows if row.design == PrefixRooted.name)
+    largest = max(results, key=lambda result: (result.spec.nodes, -result.spec.block_size))
+    chosen = next(row for row in largest.rows if row.design == PICKED.name)
     _out(f"(largest run: block {largest.spec.block_size}, router {largest.spec.router})")
     _out(result_line(largest.spec.nodes, chosen))
 

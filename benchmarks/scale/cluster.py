@@ -41,7 +41,7 @@ class _EvictionLog(PublishedIndex):
 
 
 def shard_ids(nodes: int) -> list[str]:
-    return [f"node-{i}" for i in range(nodes)]
+    return [f"node-{index}" for index in range(nodes)]
 
 
 class Placement:
@@ -54,17 +54,17 @@ class Placement:
 
     def primary(self, keys: Sequence[bytes]) -> np.ndarray:
         """The owner of each key (index into ``ids``)."""
-        missing = list(dict.fromkeys(k for k in keys if k not in self._primary))
+        missing = list(dict.fromkeys(key for key in keys if key not in self._primary))
         for at in range(0, len(missing), _CHUNK):
             part = missing[at:at + _CHUNK]
             self._primary.update(zip(part, owners(part, self.ids, 1)[:, 0].tolist()))
-        return np.fromiter((self._primary[k] for k in keys), dtype=np.int64, count=len(keys))
+        return np.fromiter((self._primary[key] for key in keys), dtype=np.int64, count=len(keys))
 
-    def top(self, key: bytes, r: int) -> tuple[int, ...]:
-        """The best ``r`` owners of ``key``, best first."""
-        got = self._top.get((key, r))
+    def top(self, key: bytes, replicas: int) -> tuple[int, ...]:
+        """The best ``replicas`` owners of ``key``, best first."""
+        got = self._top.get((key, replicas))
         if got is None:
-            got = self._top[(key, r)] = tuple(owners([key], self.ids, r)[0].tolist())
+            got = self._top[(key, replicas)] = tuple(owners([key], self.ids, replicas)[0].tolist())
         return got
 
 
@@ -93,17 +93,25 @@ class Cluster:
         """Which of ``keys`` node's pool holds (a read: it makes them recently used)."""
         return self.pools[node].contains(keys) if keys else []
 
+    def read(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
+        """Read each key from the node beside it (they hold it): one batch per pool, in order."""
+        per_node: dict[int, list[bytes]] = {}
+        for key, node in zip(keys, nodes):
+            per_node.setdefault(node, []).append(key)
+        for node, batch in per_node.items():
+            self.pools[node].contains(batch)
+
     def store(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Save ``keys`` into node's pool (reserve, then commit, as a writer does): (the keys
         stored, the keys the pool evicted for them)."""
-        keys = [k for k in dict.fromkeys(keys) if k not in self.stored[node]]
+        keys = [key for key in dict.fromkeys(keys) if key not in self.stored[node]]
         if not keys:
             return [], []
         pool = self.pools[node]
         token, offsets = pool.reserve(WRITER, self.block_bytes, len(keys))
         stored = keys[:len(offsets)]
         if offsets:
-            pool.commit(WRITER, token, [(k, off, None) for k, off in zip(stored, offsets)])
+            pool.commit(WRITER, token, [(key, offset, None) for key, offset in zip(stored, offsets)])
         log = self._logs[node]
         evicted, log.evicted = log.evicted, []
         self.stored[node].difference_update(evicted)

@@ -45,7 +45,7 @@ class DesignParams:
     index_replicas: int = 3
     """(d): index owners of a hot family (top-r of ``owners``)."""
     max_copies: int = 8
-    """(d): copies of a block an index lists (replicas beyond are local-only, not registered)."""
+    """(d), (e): copies of a block an index lists (replicas beyond are local-only, not registered)."""
     seed: int = 0
 
 
@@ -57,8 +57,8 @@ class Design(ABC):
     """Whether a block's data lives where its index entry's anchor is placed (then a join moves data)."""
 
     def __init__(self, cluster: Cluster, params: DesignParams) -> None:
-        self.c = cluster
-        self.p = params
+        self.cluster = cluster
+        self.params = params
         self.stats = DesignStats(cluster.nodes)
         self.rng = np.random.default_rng(params.seed)
 
@@ -79,15 +79,15 @@ class Design(ABC):
         return None
 
     def run(self, requests: Sequence[Request], progress: int = 0) -> None:
-        for i, req in enumerate(requests, 1):
+        for served, req in enumerate(requests, 1):
             self.stats.add(self.serve(req))
-            self.c.tick()
-            if i % self.p.removal_every == 0:
+            self.cluster.tick()
+            if served % self.params.removal_every == 0:
                 self.flush()
-            if i % self.p.window == 0:
+            if served % self.params.window == 0:
                 self.roll_window()
-            if progress and i % progress == 0:
-                logging.info("%s: %d/%d requests", self.name, i, len(requests))
+            if progress and served % progress == 0:
+                logging.info("%s: %d/%d requests", self.name, served, len(requests))
         self.flush()
 
 
@@ -104,33 +104,33 @@ class PlacedDesign(Design):
         """The key each block is placed by."""
 
     def homes(self, keys: Sequence[bytes]) -> np.ndarray:
-        return self.c.placement.primary(self.anchors(keys))
+        return self.cluster.placement.primary(self.anchors(keys))
 
     def serve(self, req: Request) -> RequestTally:
-        t = RequestTally(prompt_tokens=req.tokens)
-        keys, node, bb = req.keys, req.node, self.c.block_bytes
+        tally = RequestTally(prompt_tokens=req.tokens)
+        keys, node, block_bytes = req.keys, req.node, self.cluster.block_bytes
         homes = self.homes(keys)
         remote = set(np.unique(homes).tolist()) - {node}
-        t.lookup_calls = len(remote)
-        t.touched |= remote
-        for h in remote:
-            self.stats.calls_received[h] += 1
+        tally.lookup_calls = len(remote)
+        tally.touched |= remote
+        for remote_node in remote:
+            self.stats.calls_received[remote_node] += 1
         present: np.ndarray = np.zeros(len(keys), dtype=bool)
         groups = self._groups(homes)
-        for home, idx in groups:
-            present[idx] = self.c.has(home, [keys[i] for i in idx])
+        for home, positions in groups:
+            present[positions] = self.cluster.has(home, [keys[position] for position in positions])
         hit = _first_false(present)
-        t.hit_tokens = hit * self.c.block_tokens
+        tally.hit_tokens = hit * self.cluster.block_tokens
         loaded = homes[:hit]
-        off = loaded[loaded != node]
-        t.load_off_bytes = int(off.size) * bb
-        np.add.at(self.stats.bytes_served, off, bb)
-        for home, idx in groups:
-            todo = [keys[i] for i in idx if i >= hit and not present[i]]
-            stored, _ = self.c.store(home, todo)
+        served_from = loaded[loaded != node]
+        tally.load_off_bytes = int(served_from.size) * block_bytes
+        np.add.at(self.stats.bytes_served, served_from, block_bytes)
+        for home, positions in groups:
+            todo = [keys[position] for position in positions if position >= hit and not present[position]]
+            stored, _ = self.cluster.store(home, todo)
             if home != node:
-                t.save_off_bytes += len(stored) * bb
-        return t
+                tally.save_off_bytes += len(stored) * block_bytes
+        return tally
 
     @staticmethod
     def _groups(homes: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -139,7 +139,7 @@ class PlacedDesign(Design):
         return [(int(homes[part[0]]), part) for part in np.split(order, bounds)]
 
     def entries(self) -> tuple[list[bytes], list[bytes]]:
-        keys = [k for held in self.c.stored for k in held]
+        keys = [key for held in self.cluster.stored for key in held]
         return keys, self.anchors_of_stored(keys)
 
     def anchors_of_stored(self, keys: list[bytes]) -> list[bytes]:
@@ -166,18 +166,18 @@ class PerSegment(PlacedDesign):
         self._anchor: dict[bytes, bytes] = {}
 
     def anchors(self, keys: Sequence[bytes]) -> list[bytes]:
-        s = self.p.segment_blocks
-        out = [keys[(i // s) * s] for i in range(len(keys))]
+        seg_blocks = self.params.segment_blocks
+        out = [keys[(position // seg_blocks) * seg_blocks] for position in range(len(keys))]
         self._anchor.update(zip(keys, out))
         return out
 
     def homes(self, keys: Sequence[bytes]) -> np.ndarray:
-        s = self.p.segment_blocks
+        seg_blocks = self.params.segment_blocks
         self.anchors(keys)
-        return np.repeat(self.c.placement.primary(keys[::s]), s)[:len(keys)]
+        return np.repeat(self.cluster.placement.primary(keys[::seg_blocks]), seg_blocks)[:len(keys)]
 
     def anchors_of_stored(self, keys: list[bytes]) -> list[bytes]:
-        return [self._anchor[k] for k in keys]
+        return [self._anchor[key] for key in keys]
 
 
 class WriterDesign(Design):
@@ -191,43 +191,55 @@ class WriterDesign(Design):
         self.locs: dict[bytes, list[int]] = {}
         self._evicted: list[tuple[int, bytes]] = []
 
-    def walk(self, req: Request, t: RequestTally) -> tuple[int, list[int]]:
+    def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
         """The hit: the longest prefix whose blocks a listed copy still holds (a copy on the
-        reader's node first, else a random listed one); each block's source node."""
+        reader's node first, else a random listed one); each block's source node. Validity is
+        read from the pools' mirrors, then each source pool's hits are read in one batch, as the
+        real shard reads a prompt: ``contains`` makes the batch's head the most recently used, so
+        the tail is evicted first (one read per block, as before, made the tail the most recent;
+        the small-size output is the same, the 10-node block-16 tables are not)."""
         sources: list[int] = []
         for key in req.keys:
-            source = self._valid_copy(key, req.node, t)
+            source = self._valid_copy(key, req.node, tally)
             if source is None:
                 break
             sources.append(source)
         hit = len(sources)
-        t.hit_tokens = hit * self.c.block_tokens
-        bb = self.c.block_bytes
-        for source in sources:
-            if source != req.node:
-                t.load_off_bytes += bb
-                t.touched.add(source)
-                self.stats.bytes_served[source] += bb
+        self.cluster.read(req.keys[:hit], sources)
+        tally.hit_tokens = hit * self.cluster.block_tokens
+        remote = np.asarray(sources, dtype=np.int64)
+        remote = remote[remote != req.node]
+        if remote.size:
+            tally.load_off_bytes += int(remote.size) * self.cluster.block_bytes
+            tally.touched.update(np.unique(remote).tolist())
+            np.add.at(self.stats.bytes_served, remote, self.cluster.block_bytes)
         return hit, sources
 
-    def _valid_copy(self, key: bytes, node: int, t: RequestTally) -> int | None:
+    def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
         listed = self.locs.get(key)
         if not listed:
             return None
-        order = [node] if node in listed else []
-        order += [listed[i] for i in self.rng.permutation(len(listed)) if listed[i] != node]
-        for where in order:
-            if self.c.has(where, [key])[0]:
+        held = self.cluster.stored
+        if len(listed) == 1:  # no draw: a permutation of one takes nothing from the generator
+            where = listed[0]
+            if key in held[where]:
                 return where
-            t.stale += 1
+            tally.stale += 1
+            return None
+        order = [node] if node in listed else []
+        order += [listed[position] for position in self.rng.permutation(len(listed)) if listed[position] != node]
+        for where in order:
+            if key in held[where]:
+                return where
+            tally.stale += 1
         return None
 
     def save_local(self, req: Request, keys: Sequence[bytes]) -> list[bytes]:
         """Store on the requester's node and list the copies; evictions queue removals."""
-        stored, evicted = self.c.store(req.node, keys)
+        stored, evicted = self.cluster.store(req.node, keys)
         for key in stored:
             self.locs.setdefault(key, []).append(req.node)
-        self._evicted.extend((req.node, k) for k in evicted)
+        self._evicted.extend((req.node, key) for key in evicted)
         return stored
 
     def take_evicted(self) -> list[tuple[int, bytes]]:
@@ -248,29 +260,29 @@ class WriterSharded(WriterDesign):
     name = "b writer+sharded idx"
 
     def serve(self, req: Request) -> RequestTally:
-        t = RequestTally(prompt_tokens=req.tokens)
-        homes = self.c.placement.primary(req.keys)
+        tally = RequestTally(prompt_tokens=req.tokens)
+        homes = self.cluster.placement.primary(req.keys)
         remote = set(np.unique(homes).tolist()) - {req.node}
-        t.lookup_calls = len(remote)
-        t.touched |= remote
-        for h in remote:
-            self.stats.calls_received[h] += 1
-        hit, _ = self.walk(req, t)
+        tally.lookup_calls = len(remote)
+        tally.touched |= remote
+        for remote_node in remote:
+            self.stats.calls_received[remote_node] += 1
+        hit, _ = self.walk(req, tally)
         stored = self.save_local(req, req.keys[hit:])
-        for home, count in Counter(self.c.placement.primary(stored).tolist()).items():
-            self.stats.message(home, t, count, req.node)
-        return t
+        for home, count in Counter(self.cluster.placement.primary(stored).tolist()).items():
+            self.stats.message(home, tally, count, req.node)
+        return tally
 
     def flush(self) -> None:
         batch = self.take_evicted()
         if not batch:
             return
-        t = RequestTally()
-        homes = self.c.placement.primary([k for _, k in batch])
-        for (node, home), count in Counter(zip((n for n, _ in batch), homes.tolist())).items():
-            self.stats.message(home, t, count, node)
-        self.stats.index_msgs += t.index_msgs
-        self.stats.index_bytes += t.index_bytes
+        tally = RequestTally()
+        homes = self.cluster.placement.primary([key for _, key in batch])
+        for (node, home), count in Counter(zip((sender for sender, _ in batch), homes.tolist())).items():
+            self.stats.message(home, tally, count, node)
+        self.stats.index_msgs += tally.index_msgs
+        self.stats.index_bytes += tally.index_bytes
 
     def entries(self) -> tuple[list[bytes], list[bytes]]:
         keys = list(self.locs)
@@ -295,27 +307,27 @@ class PrefixRooted(WriterDesign):
         self.extra_calls = 0
 
     def serve(self, req: Request) -> RequestTally:
-        t = RequestTally(prompt_tokens=req.tokens)
+        tally = RequestTally(prompt_tokens=req.tokens)
         keys = req.keys
-        h = 0
-        while h < len(keys) and keys[h] in self.hot:
-            h += 1
-        root = keys[h] if h < len(keys) else None
+        hot_blocks = 0
+        while hot_blocks < len(keys) and keys[hot_blocks] in self.hot:
+            hot_blocks += 1
+        root = keys[hot_blocks] if hot_blocks < len(keys) else None
         index_owners: tuple[int, ...] = ()
         if root is not None:
-            index_owners = self._lookup_family(req, t, h, root)
-        hit, sources = self.walk(req, t)
-        self._replicate_hot(req, t, hit, sources, h, root, index_owners)
+            index_owners = self._lookup_family(req, tally, hot_blocks, root)
+        hit, sources = self.walk(req, tally)
+        self._replicate_hot(req, tally, hit, sources, hot_blocks, root, index_owners)
         stored = self.save_local(req, keys[hit:])
-        self._register(req, t, stored, root, index_owners)
+        self._register(req, tally, stored, root, index_owners)
         self._learn(req)
-        return t
+        return tally
 
     def _owners_of(self, root: bytes) -> tuple[int, ...]:
-        r = self.p.index_replicas if root in self.hot_roots else 1
-        return self.c.placement.top(root, r)
+        replicas = self.params.index_replicas if root in self.hot_roots else 1
+        return self.cluster.placement.top(root, replicas)
 
-    def _lookup_family(self, req: Request, t: RequestTally, h: int, root: bytes) -> tuple[int, ...]:
+    def _lookup_family(self, req: Request, tally: RequestTally, hot_blocks: int, root: bytes) -> tuple[int, ...]:
         """Ask the root's index owner (0 calls when it is this node); entries a table change left
         under an older root cost a call to that root's owner and move to this root."""
         node = req.node
@@ -323,87 +335,97 @@ class PrefixRooted(WriterDesign):
         index_owners = self._owners_of(root)
         if node not in index_owners:
             asked = index_owners[int(self.rng.integers(len(index_owners)))]
-            t.lookup_calls += 1
-            t.touched.add(asked)
+            tally.lookup_calls += 1
+            tally.touched.add(asked)
             self.stats.calls_received[asked] += 1
-        older: dict[bytes, int] = Counter(self.under[k] for k in req.keys[h:] if self.under.get(k, root) != root)
+        family = req.keys[hot_blocks:]
+        older: dict[bytes, int] = Counter(self.under[key] for key in family if self.under.get(key, root) != root)
         for old_root, count in older.items():
-            old_owner = self.c.placement.top(old_root, 1)[0]
+            old_owner = self.cluster.placement.top(old_root, 1)[0]
             if old_owner != node:
-                t.lookup_calls += 1
-                t.touched.add(old_owner)
+                tally.lookup_calls += 1
+                tally.touched.add(old_owner)
                 self.stats.calls_received[old_owner] += 1
             for owner in index_owners:
-                self.stats.message(owner, t, count, old_owner)
-        for k in req.keys[h:]:
-            if k in self.under:
-                self.under[k] = root
+                self.stats.message(owner, tally, count, old_owner)
+        for key in req.keys[hot_blocks:]:
+            if key in self.under:
+                self.under[key] = root
         return index_owners
 
-    def _replicate_hot(self, req: Request, t: RequestTally, hit: int, sources: list[int], h: int,
+    def _replicate_hot(self, req: Request, tally: RequestTally, hit: int, sources: list[int], hot_blocks: int,
                        root: bytes | None, index_owners: tuple[int, ...]) -> None:
-        """A reader keeps a local copy of a hot block it loaded from another node (a local save)."""
+        """A reader keeps a local copy of a block it loaded from another node (a local save: the
+        bytes are already on the reader's node) when ``copy_positions`` says so."""
         hot_family = root is not None and root in self.hot_roots
-        remote = [i for i in range(hit) if sources[i] != req.node and (i < h or hot_family)]
+        remote = self.copy_positions(req, hit, sources, hot_blocks, hot_family)
         if not remote:
             return
-        stored, evicted = self.c.store(req.node, [req.keys[i] for i in remote])
-        self._evicted.extend((req.node, k) for k in evicted)
-        fresh = [k for k in stored if len(self.locs.get(k, ())) < self.p.max_copies]
+        stored, evicted = self.cluster.store(req.node, [req.keys[position] for position in remote])
+        tally.copy_bytes += len(stored) * self.cluster.block_bytes
+        self._evicted.extend((req.node, key) for key in evicted)
+        fresh = [key for key in stored if len(self.locs.get(key, ())) < self.params.max_copies]
         for key in fresh:
             self.locs.setdefault(key, []).append(req.node)
-        self._register_entries(req.node, t, fresh, index_owners)
+        self._register_entries(req.node, tally, fresh, index_owners)
 
-    def _register(self, req: Request, t: RequestTally, stored: list[bytes], root: bytes | None,
+    def copy_positions(self, req: Request, hit: int, sources: list[int], hot_blocks: int,
+                       hot_family: bool) -> list[int]:
+        """(d): the remote blocks of the hot-prefix table or of a family learned hot."""
+        return [position for position in range(hit)
+                if sources[position] != req.node and (position < hot_blocks or hot_family)]
+
+    def _register(self, req: Request, tally: RequestTally, stored: list[bytes], root: bytes | None,
                   index_owners: tuple[int, ...]) -> None:
         for key in stored:
             if key not in self.hot and root is not None:
                 self.under[key] = root
-        self._register_entries(req.node, t, stored, index_owners)
+        self._register_entries(req.node, tally, stored, index_owners)
 
-    def _register_entries(self, node: int, t: RequestTally, keys: list[bytes], index_owners: tuple[int, ...]) -> None:
-        hot = sum(k in self.hot for k in keys)
+    def _register_entries(self, node: int, tally: RequestTally, keys: list[bytes],
+                          index_owners: tuple[int, ...]) -> None:
+        hot = sum(key in self.hot for key in keys)
         if hot:
-            self._broadcast(node, t, hot)
+            self._broadcast(node, tally, hot)
         if len(keys) > hot:
             for owner in index_owners:
-                self.stats.message(owner, t, len(keys) - hot, node)
+                self.stats.message(owner, tally, len(keys) - hot, node)
 
-    def _broadcast(self, sender: int, t: RequestTally, entries: int) -> None:
+    def _broadcast(self, sender: int, tally: RequestTally, entries: int) -> None:
         """A change to the replicated table: one message to every other node."""
-        others = self.c.nodes - 1
+        others = self.cluster.nodes - 1
         self.stats.calls_received += 1
         self.stats.calls_received[sender] -= 1
-        t.index_msgs += others
-        t.index_bytes += others * entries * 32
+        tally.index_msgs += others
+        tally.index_bytes += others * entries * 32
 
     def _learn(self, req: Request) -> None:
         """Count distinct sessions per leading block; at ``hot_sessions`` it joins the table."""
-        scan = self.p.hot_scan_tokens // self.c.block_tokens
+        scan = self.params.hot_scan_tokens // self.cluster.block_tokens
         promoted = 0
         for key in req.keys[:scan]:
             if key in self.hot:
                 continue
             seen = self._seen[key]
             seen.add(req.session)
-            if len(seen) >= self.p.hot_sessions and len(self.hot) < self.p.hot_table_blocks:
+            if len(seen) >= self.params.hot_sessions and len(self.hot) < self.params.hot_table_blocks:
                 self.hot[key] = req.index
                 self.under.pop(key, None)
                 promoted += 1
         if promoted:
-            t = RequestTally()
-            self._broadcast(req.node, t, promoted)
-            self.stats.index_msgs += t.index_msgs
-            self.stats.index_bytes += t.index_bytes
+            tally = RequestTally()
+            self._broadcast(req.node, tally, promoted)
+            self.stats.index_msgs += tally.index_msgs
+            self.stats.index_bytes += tally.index_bytes
 
     def roll_window(self) -> None:
         self._seen.clear()
-        self.hot_roots = {r for r, n in self._root_lookups.items() if n >= self.p.hot_root_lookups}
+        self.hot_roots = {root for root, count in self._root_lookups.items() if count >= self.params.hot_root_lookups}
         self._root_lookups.clear()
 
     def flush(self) -> None:
         batch = self.take_evicted()
-        t = RequestTally()
+        tally = RequestTally()
         per_pair: Counter[tuple[int, int]] = Counter()
         hot_senders: Counter[int] = Counter()
         for node, key in batch:
@@ -413,15 +435,44 @@ class PrefixRooted(WriterDesign):
                 for owner in self._owners_of(self.under[key]):
                     per_pair[(node, owner)] += 1
         for (node, owner), count in per_pair.items():
-            self.stats.message(owner, t, count, node)
+            self.stats.message(owner, tally, count, node)
         for node, count in hot_senders.items():
-            self._broadcast(node, t, count)
-        self.stats.index_msgs += t.index_msgs
-        self.stats.index_bytes += t.index_bytes
+            self._broadcast(node, tally, count)
+        self.stats.index_msgs += tally.index_msgs
+        self.stats.index_bytes += tally.index_bytes
 
     def entries(self) -> tuple[list[bytes], list[bytes]]:
-        keys = [k for k in self.under if k in self.locs]
-        return keys, [self.under[k] for k in keys]
+        keys = [key for key in self.under if key in self.locs]
+        return keys, [self.under[key] for key in keys]
 
 
-DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted)
+class CopyOnSecondRead(PrefixRooted):
+    """(e) (d)'s index and table; a block is also copied into the reader's pool (and listed)
+    when a second session loads it from another node, so a shared document spreads as soon as two
+    users want it instead of after a learned window. A session re-reading its own history (a chat's
+    next turn) does not count: that is one user, and copying it would only fill pools. Copies stop
+    at ``max_copies`` listed. The copy is a local save of bytes the reader already loaded: no
+    extra bytes cross nodes; it costs pool room and one index message per copied run."""
+
+    name = "e rooted+copy 2nd reader"
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self.first_reader: dict[bytes, int] = {}
+        """Key -> the session that first loaded it from another node."""
+
+    def copy_positions(self, req: Request, hit: int, sources: list[int], hot_blocks: int,
+                       hot_family: bool) -> list[int]:
+        positions = []
+        for position in range(hit):
+            if sources[position] == req.node:
+                continue
+            key = req.keys[position]
+            first = self.first_reader.setdefault(key, req.session)
+            shared = first != req.session and len(self.locs.get(key, ())) < self.params.max_copies
+            if shared or position < hot_blocks or hot_family:
+                positions.append(position)
+        return positions
+
+
+DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted, CopyOnSecondRead)

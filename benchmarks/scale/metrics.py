@@ -22,6 +22,8 @@ class RequestTally:
     """Remote nodes this request's lookup, loads and saves reached."""
     save_off_bytes: int = 0
     load_off_bytes: int = 0
+    copy_bytes: int = 0
+    """Bytes a reader wrote into its own pool as a replica of what it loaded ((d), (e))."""
     index_msgs: int = 0
     index_bytes: int = 0
     stale: int = 0
@@ -37,6 +39,7 @@ class DesignStats:
     touched: list[int] = field(default_factory=list)
     save_off: list[int] = field(default_factory=list)
     load_off: list[int] = field(default_factory=list)
+    copy_bytes: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
     index_msgs: int = 0
@@ -51,24 +54,25 @@ class DesignStats:
         self.calls_received = np.zeros(self.nodes)
         self.bytes_served = np.zeros(self.nodes)
 
-    def add(self, t: RequestTally) -> None:
-        self.lookup_calls.append(t.lookup_calls)
-        self.touched.append(len(t.touched))
-        self.save_off.append(t.save_off_bytes)
-        self.load_off.append(t.load_off_bytes)
-        self.prompt_tokens += t.prompt_tokens
-        self.hit_tokens += t.hit_tokens
-        self.index_msgs += t.index_msgs
-        self.index_bytes += t.index_bytes
-        self.stale += t.stale
+    def add(self, tally: RequestTally) -> None:
+        self.lookup_calls.append(tally.lookup_calls)
+        self.touched.append(len(tally.touched))
+        self.save_off.append(tally.save_off_bytes)
+        self.load_off.append(tally.load_off_bytes)
+        self.copy_bytes += tally.copy_bytes
+        self.prompt_tokens += tally.prompt_tokens
+        self.hit_tokens += tally.hit_tokens
+        self.index_msgs += tally.index_msgs
+        self.index_bytes += tally.index_bytes
+        self.stale += tally.stale
 
-    def message(self, node: int, t: RequestTally, entries: int, sender: int) -> None:
+    def message(self, node: int, tally: RequestTally, entries: int, sender: int) -> None:
         """An index message of ``entries`` entries from ``sender`` to ``node`` (free when same node)."""
         if node == sender or entries <= 0:
             return
         self.calls_received[node] += 1
-        t.index_msgs += 1
-        t.index_bytes += entries * INDEX_ENTRY_BYTES
+        tally.index_msgs += 1
+        tally.index_bytes += entries * INDEX_ENTRY_BYTES
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Row:
     touched_mean: float
     save_off_mib: float
     load_off_mib: float
+    copy_mib: float
     hot_calls: float
     hot_bytes: float
     leave_mean: float
@@ -111,33 +116,37 @@ def _hot(per_node: np.ndarray) -> float:
     return float(per_node.max()) / mean if mean else 0.0
 
 
-def summarise(name: str, s: DesignStats, moved: Movement, baseline_hit: float | None) -> Row:
-    n = max(len(s.lookup_calls), 1)
-    hit = s.hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+def summarise(name: str, stats: DesignStats, moved: Movement, baseline_hit: float | None) -> Row:
+    requests = max(len(stats.lookup_calls), 1)
+    hit = stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
     return Row(design=name,
-               calls_p50=float(np.percentile(s.lookup_calls, 50)),
-               calls_p99=float(np.percentile(s.lookup_calls, 99)),
-               touched_mean=float(np.mean(s.touched)),
-               save_off_mib=float(np.mean(s.save_off)) / 2**20,
-               load_off_mib=float(np.mean(s.load_off)) / 2**20,
-               hot_calls=_hot(s.calls_received), hot_bytes=_hot(s.bytes_served),
+               calls_p50=float(np.percentile(stats.lookup_calls, 50)),
+               calls_p99=float(np.percentile(stats.lookup_calls, 99)),
+               touched_mean=float(np.mean(stats.touched)),
+               save_off_mib=float(np.mean(stats.save_off)) / 2**20,
+               load_off_mib=float(np.mean(stats.load_off)) / 2**20,
+               copy_mib=stats.copy_bytes / requests / 2**20,
+               hot_calls=_hot(stats.calls_received), hot_bytes=_hot(stats.bytes_served),
                leave_mean=moved.leave_mean, leave_worst=moved.leave_worst, join_mean=moved.join_mean,
                hit_rate=hit, hit_delta_points=100 * (hit - (hit if baseline_hit is None else baseline_hit)),
-               index_msgs=s.index_msgs / n, index_kib=s.index_bytes / n / 1024, stale_per_req=s.stale / n)
+               index_msgs=stats.index_msgs / requests, index_kib=stats.index_bytes / requests / 1024,
+               stale_per_req=stats.stale / requests)
 
 
-HEADER = ("design", "calls p50", "calls p99", "touched", "save off MiB", "load off MiB", "hot calls",
-          "hot bytes", "leave mean", "leave worst", "join mean", "hit %", "d hit pts", "idx msgs",
-          "idx KiB", "stale")
+HEADER = ("design", "calls p50", "calls p99", "touched", "save off MiB", "load off MiB", "copy MiB",
+          "hot calls", "hot bytes", "leave mean", "leave worst", "join mean", "hit %", "d hit pts",
+          "idx msgs", "idx KiB", "stale")
 
 
 def format_table(rows: list[Row]) -> list[str]:
     """A markdown table, one row per design."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for r in rows:
-        cells = [r.design, f"{r.calls_p50:.0f}", f"{r.calls_p99:.0f}", f"{r.touched_mean:.1f}",
-                 f"{r.save_off_mib:.1f}", f"{r.load_off_mib:.1f}", f"{r.hot_calls:.1f}", f"{r.hot_bytes:.1f}",
-                 f"{r.leave_mean:.2f}", f"{r.leave_worst:.2f}", f"{r.join_mean:.2f}", f"{100 * r.hit_rate:.1f}",
-                 f"{r.hit_delta_points:+.1f}", f"{r.index_msgs:.1f}", f"{r.index_kib:.1f}", f"{r.stale_per_req:.2f}"]
+    for row in rows:
+        cells = [row.design, f"{row.calls_p50:.0f}", f"{row.calls_p99:.0f}", f"{row.touched_mean:.1f}",
+                 f"{row.save_off_mib:.1f}", f"{row.load_off_mib:.1f}", f"{row.copy_mib:.1f}",
+                 f"{row.hot_calls:.1f}", f"{row.hot_bytes:.1f}",
+                 f"{row.leave_mean:.2f}", f"{row.leave_worst:.2f}", f"{row.join_mean:.2f}", f"{100 * row.hit_rate:.1f}",
+                 f"{row.hit_delta_points:+.1f}", f"{row.index_msgs:.1f}", f"{row.index_kib:.1f}",
+                 f"{row.stale_per_req:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

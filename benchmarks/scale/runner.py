@@ -39,21 +39,21 @@ def movement(design: Design, cluster: Cluster) -> Movement:
     """Keys moved or lost when one node leaves (each node in turn) or a new one joins, in units
     of 1/N of the distinct keys held. A leave loses the data whose only copy was there (moved, for
     designs whose data follows its anchor: the same keys) and moves the index entries it owned."""
-    n = cluster.nodes
-    copies: Counter[bytes] = Counter(k for held in cluster.stored for k in held)
+    nodes = cluster.nodes
+    copies: Counter[bytes] = Counter(key for held in cluster.stored for key in held)
     total = len(copies)
     if not total:
         return Movement(0.0, 0.0, 0.0)
-    affected = np.zeros(n)
+    affected = np.zeros(nodes)
     for node, held in enumerate(cluster.stored):
-        affected[node] = sum(copies[k] == 1 for k in held)
+        affected[node] = sum(copies[key] == 1 for key in held)
     keys, anchors = design.entries()
     if keys:
         anchor_home = cluster.placement.primary(anchors)
         for key, home in zip(keys, anchor_home.tolist()):
             if not (copies.get(key) == 1 and key in cluster.stored[home]):  # not counted as data already
                 affected[home] += 1
-    unit = total / n
+    unit = total / nodes
     return Movement(float(affected.mean() / unit), float(affected.max() / unit),
                     _join(design, cluster, keys, anchors) / unit)
 
@@ -66,13 +66,13 @@ def _join(design: Design, cluster: Cluster, keys: list[bytes], anchors: list[byt
     unique = sorted(weight)
     rng = np.random.default_rng(len(unique))
     if len(unique) > JOIN_SAMPLE:
-        unique = [unique[i] for i in rng.choice(len(unique), JOIN_SAMPLE, replace=False)]
-    w = np.array([weight[a] for a in unique], dtype=float)
+        unique = [unique[index] for index in rng.choice(len(unique), JOIN_SAMPLE, replace=False)]
+    weights = np.array([weight[anchor] for anchor in unique], dtype=float)
     moved = []
     for trial in range(JOIN_TRIALS):
         ids = shard_ids(cluster.nodes) + [f"node-join-{trial}"]
         new_owner = owners_under(unique, ids) == cluster.nodes
-        moved.append(float(w[new_owner].sum() / w.sum()) * len(keys))
+        moved.append(float(weights[new_owner].sum() / weights.sum()) * len(keys))
     return float(np.mean(moved))
 
 
@@ -80,15 +80,15 @@ def run_config(spec: WorkloadSpec, params: DesignParams, pool_fraction: float, m
                progress: bool) -> ConfigResult:
     started = time.perf_counter()
     requests = Workload(spec).requests()
-    unique_tokens = len({k for r in requests for k in r.keys}) * spec.block_size
+    unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
     pool_tokens = pool_tokens_for(unique_tokens, spec.nodes, pool_fraction, min_pool_tokens)
     placement = Placement(shard_ids(spec.nodes))
     rows: list[Row] = []
     evictions: dict[str, int] = {}
     baseline: float | None = None
-    for cls in DESIGNS:
+    for design_class in DESIGNS:
         cluster = Cluster(spec.nodes, pool_tokens * BYTES_PER_TOKEN, spec.block_bytes, placement)
-        design = cls(cluster, replace(params, seed=spec.seed))
+        design = design_class(cluster, replace(params, seed=spec.seed))
         design.run(requests, progress=max(len(requests) // 4, 1) if progress else 0)
         row = summarise(design.name, design.stats, movement(design, cluster), baseline)
         if baseline is None:

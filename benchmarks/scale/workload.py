@@ -81,9 +81,9 @@ class _Chain:
         return len(self.keys)  # in blocks; see Workload.tokens_of
 
 
-def _zipf_weights(n: int, a: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, n + 1) ** a
-    return w / w.sum()
+def _zipf_weights(count: int, exponent: float) -> np.ndarray:
+    weights = 1.0 / np.arange(1, count + 1) ** exponent
+    return weights / weights.sum()
 
 
 def _units(rng: np.random.Generator, lo_tokens: int, hi_tokens: int, log: bool = False) -> int:
@@ -118,7 +118,7 @@ class Workload:
         self._next_session = 0
 
     def requests(self) -> list[Request]:
-        return [self._request(i) for i in range(self.spec.requests)]
+        return [self._request(index) for index in range(self.spec.requests)]
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -189,10 +189,10 @@ class Workload:
         room = self.spec.max_prompt_tokens // self.spec.block_size - len(chain.keys)
         blocks = min(tokens // self.spec.block_size, max(room, 0))
         parent = chain.hashes[-1] if chain.hashes else b"\0" * 32
-        seg = segment.to_bytes(8, "little")
+        segment_id = segment.to_bytes(8, "little")
         new = []
-        for j in range(blocks):
-            parent = hashlib.sha256(parent + seg + j.to_bytes(4, "little")).digest()
+        for block in range(blocks):
+            parent = hashlib.sha256(parent + segment_id + block.to_bytes(4, "little")).digest()
             new.append(parent)
         return _Chain(chain.hashes + new, chain.keys + block_keys(self._ns, new, 0))
 

@@ -8,11 +8,11 @@ import re
 import numpy as np
 import pytest
 
-from benchmarks.scale.cluster import Placement, owners_under, shard_ids
-from benchmarks.scale.designs import DesignParams, PerBlock, PrefixRooted
-from benchmarks.scale.metrics import Row
+from benchmarks.scale.cluster import Cluster, Placement, owners_under, shard_ids
+from benchmarks.scale.designs import CopyOnSecondRead, DesignParams, PerBlock, PrefixRooted
+from benchmarks.scale.metrics import Movement, Row, summarise
 from benchmarks.scale.runner import ConfigResult, run_config
-from benchmarks.scale.workload import Workload, WorkloadSpec
+from benchmarks.scale.workload import BYTES_PER_TOKEN, Workload, WorkloadSpec
 from benchmarks.scale_sim import result_line
 
 REQUESTS = 150
@@ -50,12 +50,14 @@ def test_per_block_lookups_grow_with_nodes_while_rooted_stay_within_two(small: C
                                                                         larger: ConfigResult) -> None:
     assert _row(larger, PerBlock.name).calls_p99 > 2 * _row(small, PerBlock.name).calls_p99
     for result in (small, larger):
-        assert _row(result, PrefixRooted.name).calls_p99 <= 2
+        for rooted in (PrefixRooted, CopyOnSecondRead):
+            assert _row(result, rooted.name).calls_p99 <= 2
 
 
 def test_rooted_sends_no_save_bytes_off_node(small: ConfigResult, larger: ConfigResult) -> None:
     for result in (small, larger):
         assert _row(result, PrefixRooted.name).save_off_mib == 0
+        assert _row(result, CopyOnSecondRead.name).save_off_mib == 0
         assert _row(result, PerBlock.name).save_off_mib > 0
 
 
@@ -94,7 +96,7 @@ def test_with_room_for_everything_every_design_hits_as_per_block() -> None:
 
 
 def test_result_line_parses(larger: ConfigResult) -> None:
-    line = result_line(60, _row(larger, PrefixRooted.name))
+    line = result_line(60, _row(larger, CopyOnSecondRead.name))
     m = re.fullmatch(r"scale_sim: nodes=(\d+) lookup_calls_p99=(\d+) save_bytes_off_node_per_request=(\d+) "
                      r"hot_spot=([\d.]+) moved_worst_node_x_1_over_n=([\d.]+) hit_rate_delta=([+-][\d.]+)", line)
     assert m, line
@@ -104,7 +106,25 @@ def test_result_line_parses(larger: ConfigResult) -> None:
 def test_the_small_size_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks.scale_sim import main
 
-    main(["--requests", "100"])
+    main(["--requests", "60"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert sum(line.startswith("| a per-block") for line in lines) == 2  # 10 and 50 nodes
     assert lines[-1].startswith("scale_sim: nodes=50 lookup_calls_p99=")
+
+
+def test_copy_on_second_reader_spreads_a_popular_document_that_rooted_serves_from_its_writer() -> None:
+    """One document most requests ask about, random routing, pools that never evict: (d) serves it
+    from the node that wrote it until its family is learned hot; (e) copies it at the second
+    session that loads it, so the bytes served by the hottest node fall."""
+    spec = WorkloadSpec(nodes=40, block_size=128, requests=80, seed=2, documents=2, doc_zipf=4.0,
+                        doc_share=0.8, chat_share=0.1)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    hot_bytes = {}
+    for design_class in (PrefixRooted, CopyOnSecondRead):
+        cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = design_class(cluster, DesignParams())
+        design.run(requests)
+        assert cluster.evictions() == 0
+        hot_bytes[design_class.name] = summarise(design.name, design.stats, Movement(0, 0, 0), None).hot_bytes
+    assert hot_bytes[CopyOnSecondRead.name] < 0.6 * hot_bytes[PrefixRooted.name], hot_bytes
