@@ -20,3 +20,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if uses:
                 raise pytest.UsageError(f"{item.nodeid} is in the unit tier but uses {sorted(uses)}: "
                                         "move it to tests/integration or tests/e2e")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A model directory for the two-halves harness (vLLM's real scheduler, no weights loaded)."""
+    from ucm_ray.testing.harness import write_model_dir  # vLLM: imported by the tests that use it only
+
+    return write_model_dir(str(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def store():
+    """Both halves of the store in this process: two shards' pools, unlinked afterwards."""
+    from ucm_ray.store.local import LocalBlockStore
+
+    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20)
+    yield local
+    local.shutdown()

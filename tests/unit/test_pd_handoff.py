@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.local import LocalBlockStore
-from ucm_ray.testing.harness import Engine, make_engine, prompt, write_model_dir
+from ucm_ray.testing.harness import Engine, make_engine, prompt
 from ucm_ray.vllm.scheduler import HOLD_S
 
 PROMPT = 2048 + 100
@@ -21,18 +18,6 @@ PROMPT = 2048 + 100
 PD_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
 """What Ray Serve LLM's PD proxy sends the prefill (vLLM's own PD proxies send the same keys)."""
 SHARDS = ("local_shard_0", "local_shard_1")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(str(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture
-def store():
-    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20)
-    yield local
-    local.shutdown()
 
 
 def _prefill(engine: Engine, req_id: str, tokens: list[int]) -> dict:

@@ -22,7 +22,7 @@ from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.slots import QUIET_TICK_S
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
-from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt, write_model_dir
+from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt
 from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey, Transfer, TransferError
 from ucm_ray.transport.pools import PoolConnections
@@ -30,19 +30,6 @@ from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import StepState
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(str(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture
-def store():
-    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20)
-    yield local
-    local.shutdown()
-
 
 # Seed table 1: QwQ-32B-like, block 128, k = 3, layerwise (recompute 5), 8192 tokens cached.
 # (request B length, external hit tokens returned, tokens vLLM computes)
