@@ -26,7 +26,8 @@ from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt
 from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey, Transfer, TransferError
 from ucm_ray.transport.pools import PoolConnections
-from ucm_ray.vllm.compat import check_one_compute_stream
+from ucm_ray.vllm import compat
+from ucm_ray.vllm.compat import ASYNC_LOAD_FAILURES_REPORTABLE, check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import StepState
@@ -104,6 +105,21 @@ HYBRID_ROWS = [
 ]
 
 
+needs_failed_recving = pytest.mark.skipif(
+    not ASYNC_LOAD_FAILURES_REPORTABLE,
+    reason="this vLLM (0.26) has no failed_recving, so the connector refuses hybrid (multi-group) caches: "
+           "test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load checks that; vLLM >= 0.32 runs this")
+
+
+def test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load(store, model_dir, monkeypatch):
+    """vLLM 0.26 can only report an asynchronous load done: the worker half refuses a hybrid cache
+    at start-up (there for real; elsewhere with the capability taken away)."""
+    monkeypatch.setattr(compat, "ASYNC_LOAD_FAILURES_REPORTABLE", False)
+    with pytest.raises(ValueError, match="cannot be told that an asynchronous load failed"):
+        make_engine(store.client(), model_dir, block_size=2048, hybrid=True)
+
+
+@needs_failed_recving
 @pytest.mark.parametrize("a_len, a_chunk, k, n, ext, computed", HYBRID_ROWS)
 def test_hybrid_seed_tables(store, model_dir, a_len, a_chunk, k, n, ext, computed):
     p = prompt(8200, seed=a_len + a_chunk + k)
@@ -753,9 +769,8 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
     """vLLM sets up only its own logger: the connector's INFO lines (the recompute rule, the
     worker's layout) must reach the engine's log like vLLM's, not vanish."""
     code = textwrap.dedent(f"""
-        from vllm.config.logging import LoggingConfig
-        from vllm.logger import configure_logging
-        configure_logging(LoggingConfig())  # what an engine process does first
+        from ucm_ray.vllm.compat import configure_engine_logging
+        configure_engine_logging()  # what an engine process does first
         from ucm_ray.store.local import LocalBlockStore
         from ucm_ray.testing.harness import make_engine
         store = LocalBlockStore(num_shards=1, pool_bytes=16 << 20)
@@ -770,6 +785,7 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
     assert "ucm-ray worker rank 0" in log, log[-2000:]
 
 
+@needs_failed_recving
 def test_a_hybrid_whose_lcm_block_no_prompt_fills_is_named_at_start_up(store, model_dir, caplog):
     """State blocks as long as the model (vLLM's sizing without align mode) leave the tier
     nothing to do: said once at start-up, not discovered from empty counters."""

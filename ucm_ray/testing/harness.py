@@ -47,11 +47,10 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheTensor,
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -62,6 +61,7 @@ from ucm_ray.store.local import LOCAL_NODE, LocalBlockStore
 from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.vllm.compat import connector_output, layer_kv_cache_tensor, transfer_results
 from ucm_ray.vllm.connector import UcmRayConnector
 from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 
@@ -221,13 +221,13 @@ class Engine:
         if out.total_num_scheduled_tokens:
             worker.wait_for_save()  # vLLM 0.26 calls none in a step without tokens: saves land anyway
         errors = worker.get_block_ids_with_load_errors()
-        results = worker.get_transfer_results(out.finished_req_ids)
+        sending, recving, failed = transfer_results(worker, out.finished_req_ids)
         worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
         for req_id, blocks in mismatched.items():
-            if req_id not in results.failed_recving:
+            if req_id not in failed:
                 self.wrong_blocks += len(blocks - errors)
-        self.failed_loads += len(errors) + len(results.failed_recving)
+        self.failed_loads += len(errors) + len(failed)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -235,10 +235,7 @@ class Engine:
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         outputs = self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None, failed_recving=results.failed_recving,
-                invalid_block_ids=errors, kv_connector_worker_meta=worker_meta)))
+            kv_connector_output=connector_output(sending, recving, failed, errors, worker_meta)))
         self.transfer_params.update((output.request_id, output.kv_transfer_params)
                                     for engine_outputs in outputs.values() for output in engine_outputs.outputs
                                     if output.kv_transfer_params is not None)
@@ -416,8 +413,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                           mamba_cache_mode="align", page_size_padded=attn.page_size_bytes)
         groups.append(KVCacheGroupSpec([f"model.layers.{num_layers}.mixer"], mamba))
     page = attn.page_size_bytes
-    tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page)
-               for g in groups for n in g.layer_names]
+    tensors = [layer_kv_cache_tensor(n, page, num_blocks) for g in groups for n in g.layer_names]
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
     kcfg.hash_block_size = block_size
     kcfg.cache_hit_alignment_tokens = block_size

