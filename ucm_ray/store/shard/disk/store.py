@@ -106,6 +106,7 @@ class DiskStore:
         self._layout = Layout(nfiles, file_bytes)
         self.stats = DiskStats(capacity_bytes=nfiles * file_bytes)
         self._entries: OrderedDict[bytes, DiskSlot] = OrderedDict()  # LRU first
+        self._gone: list[bytes] = []  # keys dropped since take_gone(): the pool's copies are dirty again
         self._listed: set[tuple[int, int]] = set()  # (file, offset) of slots the durable manifest lists
         self._retired: list[DiskSlot] = []
         self._allocs = [ExtentAllocator(file_bytes, DIRECT_ALIGN) for _ in range(nfiles)]
@@ -276,6 +277,12 @@ class DiskStore:
         self._drop(key)
         return True
 
+    def take_gone(self) -> list[bytes]:
+        """Keys evicted or dropped since the last call (the owner's pool must stop counting on
+        the disk copies of these)."""
+        gone, self._gone = self._gone, []
+        return gone
+
     def checkpoint(self) -> None:
         """Make every entry written so far survive a crash, and reuse retired slots: data files
         fsynced, then the manifest replaced atomically. A no-op when nothing changed."""
@@ -366,6 +373,7 @@ class DiskStore:
 
     def _drop(self, key: bytes) -> None:
         slot = self._entries.pop(key)
+        self._gone.append(key)
         self._dirty = True
         if (slot.file, slot.offset) in self._listed:
             self._retired.append(slot)  # the durable manifest names it: keep it until the next one
