@@ -30,6 +30,9 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 TRANSPORTS = ("auto", "shm", "nixl")
+DISK_WRITE_POLICIES = ("back", "through")
+DISK_IO = ("auto", "posix")
+"""``nixl`` (NIXL's POSIX backend) is not built yet; ``auto`` is plain ``preadv``/``pwritev`` until it is."""
 
 # Names that end up in Ray actor namespaces, shared-memory file names and block keys: a safe
 # character set, not starting with '.' or '-' (so never '..', a hidden file or a CLI flag).
@@ -55,6 +58,9 @@ MAX_LOAD_AT_ONCE_RATIO = 1 << 20
 MAX_PD_WAIT_S = 600.0
 """A decode held longer than this for its prefill's saves is surely a mistake: recomputing the
 longest prompt takes less."""
+MAX_DISK_BYTES = 1 << 50
+"""1 PiB per shard: more than any node's disks today; a larger value is a typo."""
+MAX_DISK_ROOTS = 64
 MAX_SHARD_CPUS = 1024.0
 MIN_FRACTIONAL_CPUS = 0.0001
 """Ray refuses a non-zero resource quantity below 0.0001."""
@@ -143,6 +149,19 @@ class UcmRayConfig:
     ``handoff_timeouts``); 0: never wait. The prefill saves its prompt in the step after its
     response and keeps blocks waiting for write slots at most 1 s (``HOLD_S``): past that
     plus the copies and the commit, waiting longer would mostly wait for saves that never come."""
+    disk_dir: str = ""
+    """The capacity tier behind each shard's pool: a directory, or several separated by commas
+    (one per NVMe drive, say), where each shard keeps a few preallocated files. Empty: no disk
+    tier (the default). A string rather than a list so that YAML, flags and the Helm chart carry
+    it like every other key."""
+    disk_bytes: int = 0
+    """Bytes of disk each shard may use, over all roots (accepts '500GiB'); never exceeded."""
+    disk_write_policy: str = "back"
+    """back: entries are written to disk ahead of their eviction from the pool; through: every
+    committed entry is written too."""
+    disk_io: str = "auto"
+    """How bytes reach the disk: posix (``preadv``/``pwritev``, ``O_DIRECT`` where the file system
+    takes it); auto picks the best that works here (posix for now)."""
 
     def __post_init__(self) -> None:
         def need(cond: bool, key: str, allowed: str) -> None:
@@ -189,6 +208,7 @@ class UcmRayConfig:
         # paths that shards publish, but a config naming a missing directory is wrong anywhere.
         need(isinstance(self.shm_dir, str) and "\0" not in self.shm_dir and os.path.isabs(self.shm_dir)
              and os.path.isdir(self.shm_dir), "shm_dir", "an existing directory, as an absolute path")
+        self._check_disk(need)
         # Relations, after every value is valid on its own (so an error names the key at fault).
         # A pin must outlive the copies it protects: lookups older than lease_s / 2 are redone
         # before their loads are dispatched, and a step's copies end by transfer_timeout_s.
@@ -197,6 +217,31 @@ class UcmRayConfig:
         # Likewise a write slot must outlive the copies into it.
         need(self.reserve_timeout_s >= 2 * self.transfer_timeout_s, "reserve_timeout_s",
              f"at least 2 x transfer_timeout_s ({2 * self.transfer_timeout_s:g})")
+
+    @property
+    def disk_roots(self) -> tuple[str, ...]:
+        """``disk_dir``'s directories, in order (empty: no disk tier)."""
+        return tuple(p.strip() for p in self.disk_dir.split(",") if p.strip())
+
+    def _check_disk(self, need: Callable[[bool, str, str], None]) -> None:
+        # Existence is checked where the config is built, as for shm_dir: on the node running
+        # `ucm-ray up` and on each shard's node.
+        need(isinstance(self.disk_dir, str) and "\0" not in self.disk_dir, "disk_dir",
+             "a directory or a comma-separated list of them")
+        roots = self.disk_roots
+        need(len(roots) <= MAX_DISK_ROOTS and len(set(roots)) == len(roots)
+             and all(os.path.isabs(r) and os.path.isdir(r) for r in roots), "disk_dir",
+             f"empty (no disk tier) or up to {MAX_DISK_ROOTS} distinct existing directories, "
+             "as absolute paths separated by commas")
+        need(isinstance(self.disk_bytes, int) and not isinstance(self.disk_bytes, bool)
+             and 0 <= self.disk_bytes <= MAX_DISK_BYTES, "disk_bytes",
+             f"a whole number of bytes between 0 and {MAX_DISK_BYTES} (1 PiB)")
+        need(self.disk_write_policy in DISK_WRITE_POLICIES, "disk_write_policy", " | ".join(DISK_WRITE_POLICIES))
+        need(self.disk_io in DISK_IO, "disk_io", " | ".join(DISK_IO) + " (nixl is not built yet)")
+        # Relations: a tier needs both its place and its size; each file holds at least one 4 KiB slot.
+        need(not roots or self.disk_bytes >= 4096 * len(roots), "disk_bytes",
+             f"at least {4096 * len(roots)} (4 KiB per disk_dir root) when disk_dir is set")
+        need(bool(roots) or self.disk_bytes == 0, "disk_bytes", "0 when disk_dir is empty (no disk tier)")
 
     # --- loading -------------------------------------------------------------------------
 
@@ -311,7 +356,7 @@ _COERCIONS: dict[Any, Callable[[str, Any], Any]] = {
 
 def _coerce(f: dataclasses.Field, value: Any) -> Any:
     """Turn a dict/YAML/CLI value into the field's type, or say which key is wrong."""
-    if f.name == "pool_bytes":
+    if f.name in ("pool_bytes", "disk_bytes"):
         return parse_size(value, f.name)
     coerce = _COERCIONS.get(f.type)
     return coerce(f.name, value) if coerce else value

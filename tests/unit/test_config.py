@@ -70,6 +70,15 @@ def test_a_lease_shorter_than_two_step_deadlines_is_refused():
     ({"load_at_once_ratio": -1}, ["load_at_once_ratio", "between 0 (never) and"]),
     ({"load_at_once_ratio": 2.5}, ["load_at_once_ratio", "integer"]),
     ({"load_at_once_ratio": True}, ["load_at_once_ratio"]),
+    ({"disk_dir": "relative/dir", "disk_bytes": "1GiB"}, ["disk_dir", "absolute paths"]),
+    ({"disk_dir": "/nonexistent/ucm", "disk_bytes": "1GiB"}, ["disk_dir", "existing directories"]),
+    ({"disk_dir": "/tmp,/tmp", "disk_bytes": "1GiB"}, ["disk_dir", "distinct"]),
+    ({"disk_dir": "/tmp"}, ["disk_bytes", "at least 4096", "when disk_dir is set"]),
+    ({"disk_bytes": "1GiB"}, ["disk_bytes", "0 when disk_dir is empty"]),
+    ({"disk_dir": "/tmp", "disk_bytes": "1025TiB"}, ["disk_bytes", "1 PiB"]),
+    ({"disk_dir": "/tmp", "disk_bytes": "1.5"}, ["disk_bytes", "whole number of bytes"]),
+    ({"disk_write_policy": "around"}, ["disk_write_policy", "back | through"]),
+    ({"disk_io": "nixl"}, ["disk_io", "auto | posix", "nixl is not built yet"]),
     ({"bad\nkey": 1}, ["'bad\\nkey'", "allowed keys"]),    # shown on one line
     ({3: 1}, ["3", "allowed keys"]),                          # a YAML int key, sorted beside str keys
     ({3: 1, "a": 2}, ["3", "a", "allowed keys"]),
@@ -80,6 +89,16 @@ def test_bad_input_names_the_key(data, names):
     for n in names:
         assert n in str(e.value)
     assert len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_the_disk_tier_is_off_by_default_and_takes_several_roots(tmp_path):
+    assert UcmRayConfig().disk_roots == () and UcmRayConfig().disk_bytes == 0
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    cfg = UcmRayConfig.from_dict({"disk_dir": f"{a}, {b}", "disk_bytes": "500GiB", "disk_write_policy": "through"})
+    assert cfg.disk_roots == (str(a), str(b)) and cfg.disk_bytes == 500 << 30
+    assert (cfg.disk_write_policy, cfg.disk_io) == ("through", "auto")
 
 
 def test_whole_sizes_are_fine():

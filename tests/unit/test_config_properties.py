@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucm_ray.config import TRANSPORTS, ConfigError, UcmRayConfig
+from ucm_ray.config import DISK_IO, DISK_WRITE_POLICIES, TRANSPORTS, ConfigError, UcmRayConfig
 
 FAST = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -60,6 +60,8 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
     num_shards = draw(st.integers(1, 1024))
     pool_raw, pool = draw(_pool_bytes())
     transfer = draw(_seconds(0.01, 3600))
+    disk_dir = draw(st.sampled_from(["", _EXISTING_DIR, f"{_EXISTING_DIR},/dev/shm", f" {_EXISTING_DIR} ,"]))
+    disk_roots = [p for p in disk_dir.split(",") if p.strip()]
     meant: dict[str, object] = {
         "namespace": draw(_names(128)),
         "ray_namespace": draw(_names(64)),
@@ -83,6 +85,10 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "shm_dir": draw(st.sampled_from(["/dev/shm", _EXISTING_DIR])),
         "shard_cpus": draw(st.one_of(st.just(0.0), _seconds(0.0001, 1024))),
         "pd_wait_s": draw(st.one_of(st.just(0.0), _seconds(0.0001, 600))),
+        "disk_dir": disk_dir,
+        "disk_bytes": draw(st.integers(4096 * len(disk_roots), 1 << 50)) if disk_roots else 0,
+        "disk_write_policy": draw(st.sampled_from(DISK_WRITE_POLICIES)),
+        "disk_io": draw(st.sampled_from(DISK_IO)),
     }
     written: dict[str, object] = {}
     for key, value in meant.items():
@@ -95,7 +101,8 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         else:
             written[key] = value
     keep = draw(st.sets(st.sampled_from(sorted(meant))))  # any subset of keys may be left out
-    keep |= {"lease_s", "reserve_timeout_s", "transfer_timeout_s", "num_shards", "replication"}
+    keep |= {"lease_s", "reserve_timeout_s", "transfer_timeout_s", "num_shards", "replication",
+             "disk_dir", "disk_bytes"}  # a disk tier needs both
     return {k: written[k] for k in keep}, {k: meant[k] for k in keep}
 
 
@@ -192,6 +199,12 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
                             st.floats(min_value=1e-9, max_value=0.0001, exclude_max=True),
                             st.floats(min_value=1024, exclude_min=True, allow_nan=False), _NON_FINITE,
                             _GARBAGE, st.none()),
+    "disk_dir": st.one_of(st.sampled_from(["tmp", "/nonexistent/ucm", "/dev/null", "/tmp\0", "/tmp,/tmp",
+                                           "/tmp,relative", ",/nonexistent"]), st.integers(), st.just(True)),
+    "disk_bytes": st.one_of(st.integers(max_value=-1), st.integers(min_value=(1 << 50) + 1),
+                            st.sampled_from(["-1", "2PiB", "1.5", "lots"]), st.just(True), st.none(), _NON_FINITE),
+    "disk_write_policy": st.one_of(_GARBAGE.filter(lambda s: s not in DISK_WRITE_POLICIES), _NOT_A_STRING),
+    "disk_io": st.one_of(st.sampled_from(["nixl", "gds", ""]), _NOT_A_STRING),
 }
 
 
@@ -229,10 +242,11 @@ def test_any_invalid_flag_is_one_line_naming_its_key(case):
     bad = written[key]
     if isinstance(bad, bool) or not isinstance(bad, (str, int, float)) or (
             not isinstance(bad, str)
-            and key in ("namespace", "ray_namespace", "ray_address", "transport", "shm_dir", "model_id")):
+            and key in ("namespace", "ray_namespace", "ray_address", "transport", "shm_dir", "model_id",
+                        "disk_dir", "disk_write_policy", "disk_io")):
         # what a flag can carry that is still invalid: "" for every key but model_id (where it
         # means "the model's path"), which refuses a tab
-        bad = "\t" if key == "model_id" else ""
+        bad = {"model_id": "\t", "disk_dir": "relative"}.get(key, "")
     if key in ("layerwise", "checksum", "local_lookups"):
         written.pop(key)  # on/off flags take no value: argparse itself refuses anything else
         bad_yaml = {key: bad}

@@ -54,6 +54,24 @@ class ExtentAllocator:
             return start
         return None
 
+    def take(self, offset: int, size: int) -> None:
+        """Mark the extent at ``offset`` used: a restarted owner re-adopting extents a record
+        (the disk tier's manifest) says are in use. Raises ValueError unless the whole extent
+        is free and aligned, so two records claiming one byte cannot both be adopted."""
+        length = self.rounded(size)
+        if size <= 0 or offset < 0 or offset % self.align:
+            raise ValueError(f"cannot take offset {offset} size {size} (align {self.align})")
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset + length > self._starts[i] + self._lengths[i]:
+            raise ValueError(f"offset {offset} size {size} is not inside one free hole")
+        hole, span = self._starts[i], self._lengths[i]
+        del self._starts[i], self._lengths[i]
+        for at, rest in ((offset + length, hole + span - offset - length), (hole, offset - hole)):
+            if rest:
+                self._starts.insert(i, at)
+                self._lengths.insert(i, rest)
+        self.free_bytes -= length
+
     def free(self, offset: int, size: int) -> None:
         length = self.rounded(size)
         i = bisect.bisect_left(self._starts, offset)

@@ -38,6 +38,8 @@ from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.types import Slot, random_id
 
 Key = bytes
+CLEAN_SCAN = 64
+"""How many of the coldest unpinned entries eviction looks through for a clean one."""
 
 
 @dataclass(eq=False)
@@ -48,6 +50,8 @@ class _Entry:
     """False once removed: invisible, its slot freed when the last pin goes."""
     generation: int = 0
     """Its generation in the published index (0: not published, the table was full)."""
+    clean: bool = False
+    """A copy of its bytes is on the disk tier: evicting it loses nothing."""
 
 
 @dataclass
@@ -88,6 +92,8 @@ class IndexStats:
     removals: int = 0
     expired_leases: int = 0
     expired_reservations: int = 0
+    evicted_dirty: int = 0
+    """Evictions, while a disk tier runs, of entries with no copy on disk (demotion fell behind)."""
 
 
 class BlockIndex:
@@ -95,10 +101,13 @@ class BlockIndex:
 
     def __init__(self, capacity: int, *, lease_s: float, reserve_timeout_s: float,
                  align: int = 64, clock: Callable[[], float] = time.monotonic,
-                 published: PublishedIndex | None = None) -> None:
+                 published: PublishedIndex | None = None, prefer_clean: bool = False) -> None:
         """``published``: the shared-memory copy of this index that same-node readers look up
-        without a call (kept in step here: listed at commit, unlisted before a slot is freed)."""
+        without a call (kept in step here: listed at commit, unlisted before a slot is freed).
+        ``prefer_clean``: a disk tier runs behind this pool; eviction takes the least recently
+        used entry that has a copy on disk, among the ``CLEAN_SCAN`` coldest, before a dirty one."""
         self._published = published
+        self._prefer_clean = prefer_clean
         self._alloc = ExtentAllocator(capacity, align)
         self._lease_s = lease_s
         self._reserve_timeout_s = reserve_timeout_s
@@ -256,6 +265,48 @@ class BlockIndex:
             n += 1
         return n
 
+    # --- the disk tier ---------------------------------------------------------------------
+
+    def demotion_batch(self, owner: int, low_bytes: int, max_bytes: int) -> tuple[int, list[tuple[Key, Slot]]]:
+        """The dirty entries among the coldest ``used - low_bytes`` bytes (at most ``max_bytes``
+        of them), pinned under a lease of ``owner`` so their slots stay put while their bytes go
+        to disk; (lease id, [(key, slot)]). Empty when the pool holds no more than ``low_bytes``.
+        Admission is this rule: an entry reaches disk only once it has aged to the cold end of a
+        pool above its watermark (write-through asks with ``low_bytes`` 0: every dirty entry)."""
+        self._expire()
+        lease = self._fresh_id(self._leases)
+        cold = self._used - low_bytes
+        picked: list[_Entry] = []
+        items: list[tuple[Key, Slot]] = []
+        taken = 0
+        for key, e in self._entries.items():
+            if cold <= 0 or taken >= max_bytes:
+                break
+            cold -= e.slot.size
+            if e.clean:
+                continue
+            e.pinned_by.add(lease)
+            picked.append(e)
+            items.append((key, e.slot))
+            taken += e.slot.size
+        if picked:
+            self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, picked)
+        return lease, items
+
+    def mark_clean(self, items: Sequence[tuple[Key, int]]) -> None:
+        """Each (key, offset) whose entry is still at that offset now has a copy on disk."""
+        for key, offset in items:
+            e = self._entries.get(key)
+            if e is not None and e.slot.offset == offset:
+                e.clean = True
+
+    def mark_dirty(self, keys: Sequence[Key]) -> None:
+        """The disk tier no longer holds ``keys``: their pool entries are the only copies again."""
+        for key in keys:
+            e = self._entries.get(key)
+            if e is not None:
+                e.clean = False
+
     # --- accounting ----------------------------------------------------------------------
 
     def stats(self) -> IndexStats:
@@ -290,10 +341,12 @@ class BlockIndex:
         if self._alloc.rounded(size) > self._alloc.capacity:
             return None
         while True:
-            victim = next((k for k, e in self._entries.items() if not e.pinned_by), None)
+            victim = self._victim()
             if victim is None:
                 return None
             e = self._entries.pop(victim)
+            if self._prefer_clean and not e.clean:
+                self._counters.evicted_dirty += 1
             self._unpublish(victim)
             self._alloc.free(e.slot.offset, e.slot.size)
             self._used -= e.slot.size
@@ -302,6 +355,26 @@ class BlockIndex:
             off = self._alloc.alloc(size)
             if off is not None:
                 return off
+
+    def _victim(self) -> Key | None:
+        """The least recently used unpinned entry; with a disk tier, the least recently used
+        clean one among the ``CLEAN_SCAN`` coldest unpinned, if any (bounded: a pool whose tail
+        is all dirty must not cost a scan of the whole index per eviction)."""
+        first: Key | None = None
+        seen = 0
+        for k, e in self._entries.items():
+            if e.pinned_by:
+                continue
+            if first is None:
+                first = k
+                if not self._prefer_clean:
+                    break
+            if e.clean:
+                return k
+            seen += 1
+            if seen >= CLEAN_SCAN:
+                break
+        return first
 
     def _unpublish(self, key: Key) -> None:
         """Unlist ``key`` from the published index before its slot can be freed; publish what

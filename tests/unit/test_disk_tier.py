@@ -1,0 +1,179 @@
+"""The disk tier behind a real ``BlockIndex`` and a pool (an anonymous mapping, as the shard's
+segment is): demotion ahead of eviction, eviction of clean entries first, promotion on a hit,
+write-through, and the disk's own evictions handed back to the index. No Ray: the shard's
+wiring is the next step."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from ucm_ray.store.shard.disk import DiskStore
+from ucm_ray.store.shard.disk.store import shard_dir
+from ucm_ray.store.shard.disk.tier import DiskTier
+from ucm_ray.store.shard.index import BlockIndex
+
+SLOT = 8192
+WRITER, READER = 11, 22
+
+
+def key(i: int) -> bytes:
+    return b"blk-%d" % i
+
+
+def payload(i: int) -> torch.Tensor:
+    return torch.randint(0, 256, (SLOT,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+
+
+class Shard:
+    """What the shard actor holds, without the actor: a pool, its index, a lock, a disk tier."""
+
+    def __init__(self, root: str, pool_slots: int, disk_slots: int, *, prefer_clean: bool = True,
+                 **tier_args) -> None:
+        self.mapping = mmap.mmap(-1, pool_slots * SLOT)
+        self.pool = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self.index = BlockIndex(pool_slots * SLOT, lease_s=60, reserve_timeout_s=60, prefer_clean=prefer_clean)
+        self.lock = threading.Lock()
+        self.disk = DiskStore([root], "s0", disk_slots * SLOT)
+        self.tier = DiskTier(self.index, self.pool, self.disk, self.lock, **tier_args)
+
+    def write(self, i: int) -> None:
+        with self.lock:
+            token, offs = self.index.reserve(WRITER, SLOT, 1)
+            assert offs, "no room in the pool"
+            self.pool[offs[0]:offs[0] + SLOT] = payload(i)
+            assert self.index.commit(WRITER, token, [(key(i), offs[0], None)]) == [True]
+
+    def read(self, i: int) -> torch.Tensor | None:
+        with self.lock:
+            lease, slots = self.index.acquire(READER, [key(i)])
+            slot = slots[0]
+            out = None if slot is None else self.pool[slot.offset:slot.offset + slot.size].clone()
+            self.index.release(READER, [lease])
+        return out
+
+    def offset_of(self, i: int) -> int:
+        with self.lock:
+            lease, slots = self.index.acquire(READER, [key(i)])
+            self.index.release(READER, [lease])
+        assert slots[0] is not None
+        return slots[0].offset
+
+    def in_pool(self, *ids: int) -> list[bool]:
+        with self.lock:
+            return self.index.contains([key(i) for i in ids])
+
+
+def test_eviction_takes_a_clean_entry_before_a_colder_dirty_one(tmp_path):
+    s = Shard(str(tmp_path), 4, 16)
+    for i in range(4):
+        s.write(i)
+    s.index.mark_clean([(key(2), s.offset_of(2))])
+    s.write(4)
+    assert s.in_pool(0, 1, 2, 3, 4) == [True, True, False, True, True]
+    assert s.index.stats().evicted_dirty == 0
+
+
+def test_without_a_disk_tier_eviction_is_plain_lru(tmp_path):
+    s = Shard(str(tmp_path), 4, 16, prefer_clean=False)
+    for i in range(4):
+        s.write(i)
+    s.index.mark_clean([(key(2), s.offset_of(2))])
+    s.write(4)
+    assert s.in_pool(0, 1, 2, 3, 4)[0] is False
+
+
+def test_demotion_starts_above_the_high_watermark_and_cleans_the_cold_end(tmp_path):
+    s = Shard(str(tmp_path), 8, 64, high=0.5, low=0.25)
+    for i in range(4):
+        s.write(i)
+    assert s.tier.demote_once() == 0  # 4 of 8 slots used: not above the high watermark
+    for i in range(4, 6):
+        s.write(i)
+    assert s.tier.demote_once() == 4 * SLOT  # used 6, low 2: the 4 coldest go to disk
+    assert s.tier.on_disk([key(i) for i in range(6)]) == [True] * 4 + [False] * 2
+    assert s.tier.demote_once() == 0  # the cold end is clean already
+
+
+def test_a_store_holding_5x_its_pool_serves_any_of_it(tmp_path):
+    s = Shard(str(tmp_path), 8, 64)
+    n = 40
+    for i in range(n):
+        s.write(i)
+        s.tier.demote_once()  # what the shard's demotion thread does between saves
+    assert s.index.stats().evicted_dirty == 0 and s.index.stats().evictions >= n - 8
+    assert all(s.tier.on_disk([key(i)])[0] or s.in_pool(i)[0] for i in range(n))
+    order = list(range(n))
+    random.Random(7).shuffle(order)
+    for i in order:
+        assert s.tier.promote([key(i)]) == [True], i
+        got = s.read(i)
+        assert got is not None and torch.equal(got, payload(i)), i
+    assert s.tier.stats.promoted >= n - 8
+    assert s.index.stats().evicted_dirty == 0  # promoted entries are clean: evicting them loses nothing
+
+
+def test_without_demotion_evicted_entries_are_gone(tmp_path):
+    s = Shard(str(tmp_path), 8, 64)
+    for i in range(20):
+        s.write(i)
+    assert s.index.stats().evicted_dirty == 12
+    assert s.tier.promote([key(0)]) == [False] and s.tier.stats.promote_misses == 1
+
+
+def test_write_through_demotes_every_commit(tmp_path):
+    s = Shard(str(tmp_path), 8, 64, write_through=True)
+    for i in range(3):
+        s.write(i)
+    assert s.tier.demote_once() == 3 * SLOT
+    assert s.tier.on_disk([key(0), key(1), key(2)]) == [True] * 3
+
+
+def test_a_flipped_byte_on_disk_is_not_promoted(tmp_path):
+    s = Shard(str(tmp_path), 4, 16, write_through=True)
+    s.write(0)
+    s.tier.demote_once()
+    for i in range(1, 5):
+        s.write(i)  # evicts 0 (clean)
+    assert s.in_pool(0) == [False]
+    path = os.path.join(shard_dir(str(tmp_path), "s0"), "data-0")
+    with open(path, "r+b") as f:  # key 0 is the disk's first entry
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 1]))
+    assert s.tier.promote([key(0)]) == [False]
+    st = s.index.stats()
+    # the slot reserved for it (one entry was evicted for room) went back: nothing pending, nothing leaked
+    assert s.in_pool(0) == [False] and st.pending_bytes == 0 and st.used_bytes == 3 * SLOT == 4 * SLOT - SLOT
+    s.write(9)
+    assert s.index.stats().evictions == st.evictions  # the freed slot took it
+    assert s.disk.snapshot().corrupt == 1 and s.tier.on_disk([key(0)]) == [False]
+
+
+def test_what_the_disk_evicts_is_dirty_again_in_the_pool(tmp_path):
+    """A disk smaller than what it is asked to keep evicts; the pool's copies of those keys are
+    then the only ones, so the pool's eviction must not take them as if they were on disk."""
+    s = Shard(str(tmp_path), 4, 2, write_through=True)
+    for i in range(2):
+        s.write(i)
+    s.tier.demote_once()  # 0 and 1 on disk
+    for i in range(2, 4):
+        s.write(i)
+    s.tier.demote_once()  # 2 and 3 on disk; the disk (2 slots) evicted 0 and 1
+    assert s.tier.on_disk([key(i) for i in range(4)]) == [False, False, True, True]
+    s.write(4)  # evicts the coldest clean entry (2), not 0
+    assert s.in_pool(0, 1, 2, 3, 4) == [True, True, False, True, True]
+    assert s.index.stats().evicted_dirty == 0
+    assert s.tier.promote([key(2)]) == [True] and torch.equal(s.read(2), payload(2))
+
+
+def test_watermarks_are_checked():
+    with pytest.raises(ValueError, match="watermarks"):
+        DiskTier(BlockIndex(SLOT, lease_s=1, reserve_timeout_s=1), torch.empty(0), None,  # type: ignore[arg-type]
+                 threading.Lock(), high=0.5, low=0.7)

@@ -1,0 +1,428 @@
+"""One shard's disk tier: large preallocated files, fixed slots, LRU, a manifest, adoption.
+
+Why it looks like this:
+- A few large files per shard (one per root, ``files_per_root`` each), slots handed out by the
+  pool's own ``ExtentAllocator`` at 4 KiB alignment: no file per block, no per-block metadata
+  I/O; a lookup is a dict probe and never touches the disk.
+- The bound: the files are preallocated to ``capacity`` bytes in all (rounded down to 4 KiB per
+  file) and never grow; slots live inside them, so the tier cannot pass ``disk_bytes``.
+- Crash consistency without a journal: the manifest lists (key, slot, CRC32) as of one
+  generation and is replaced atomically (data files fsynced, manifest written to a temporary
+  name and fsynced, renamed over the old one, directory fsynced). A restarted store adopts what
+  the manifest lists, in a new generation; whatever was written after it is not listed and its
+  slots are free again: lost, never leaked. A slot the current manifest lists is not reused
+  before the next manifest is durable (an entry evicted meanwhile *retires* its slot), so a
+  manifest never names bytes that were overwritten after it.
+- Every read verifies the entry's CRC32 before a byte is served (``store.checksum``), adopted
+  or not: a flipped byte on disk is a miss and the entry is dropped.
+- A failing disk (ENOSPC, EIO, any OSError on the tier's files) turns the tier off with one log
+  line and a counter; the caller goes on with DRAM only. Files are left for the operator.
+- One store per directory: an exclusive ``flock`` on a lock file; a second store (another shard
+  configured on the same files, or a stale copy of this one) is refused with ``DiskInUse``.
+
+Not thread-safe: the owner serialises calls (the shard's demotion thread).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ucm_ray.store.checksum import checksum
+from ucm_ray.store.shard.allocator import ExtentAllocator
+from ucm_ray.store.shard.disk.fileops import DIRECT_ALIGN, FileOps, aligned_buffer, round_up
+from ucm_ray.store.shard.disk.manifest import DiskSlot, Layout, Manifest, ManifestError, decode, encode
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest"
+LOCK = "lock"
+EVICT_AHEAD = 16
+"""When a write finds no room, evict until 1/16 of the tier is free (or retired) and write one
+manifest: evicted slots that the durable manifest lists are reusable only after the next one,
+so evicting ahead keeps that to one manifest per 1/16 of the capacity written, not one per write."""
+
+
+class DiskInUse(RuntimeError):
+    """Another store (in this process or another) holds this directory's lock."""
+
+
+@dataclass
+class DiskStats:
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    """Bytes of slots holding entries, plus retired slots awaiting the next manifest."""
+    entries: int = 0
+    enabled: bool = True
+    direct_io: bool = True
+    writes: int = 0
+    written_bytes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    dropped_writes: int = 0
+    """Writes refused: the entry is larger than one data file."""
+    corrupt: int = 0
+    """Reads whose bytes did not match the entry's CRC32 (the entry was dropped)."""
+    io_errors: int = 0
+    adopted: int = 0
+    """Entries re-adopted from the manifest at start."""
+    refused_at_adoption: int = 0
+    """Manifest records that were out of bounds or overlapped another (never served)."""
+    manifests: int = 0
+    generation: int = 0
+
+
+def shard_dir(root: str, shard_id: str) -> str:
+    return os.path.join(root, f"ucm-ray-disk-{shard_id}")
+
+
+class DiskStore:
+    def __init__(self, roots: Sequence[str], shard_id: str, capacity: int, *,
+                 files_per_root: int = 1, ops: FileOps | None = None) -> None:
+        """Open (creating and preallocating) ``shard_id``'s files under each of ``roots``, lock
+        them, and adopt what the last manifest lists. Raises ``DiskInUse`` when another store
+        holds them, ValueError when ``capacity`` leaves a file under 4 KiB; a disk error while
+        preallocating leaves the tier off (``enabled`` False), as one later would."""
+        if not roots or files_per_root < 1:
+            raise ValueError("the disk tier needs at least one root and one file per root")
+        self._ops = ops or FileOps()
+        self._shard_id = shard_id
+        self._dirs = [shard_dir(r, shard_id) for r in roots]
+        self._home = self._dirs[0]
+        nfiles = len(roots) * files_per_root
+        file_bytes = capacity // nfiles // DIRECT_ALIGN * DIRECT_ALIGN
+        if file_bytes < DIRECT_ALIGN:
+            raise ValueError(f"disk_bytes {capacity} leaves less than {DIRECT_ALIGN} bytes for each of {nfiles} files")
+        self._layout = Layout(nfiles, file_bytes)
+        self.stats = DiskStats(capacity_bytes=nfiles * file_bytes)
+        self._entries: OrderedDict[bytes, DiskSlot] = OrderedDict()  # LRU first
+        self._gone: list[bytes] = []  # keys dropped since take_gone(): the pool's copies are dirty again
+        self._listed: set[tuple[int, int]] = set()  # (file, offset) of slots the durable manifest lists
+        self._retired: list[DiskSlot] = []
+        self._allocs = [ExtentAllocator(file_bytes, DIRECT_ALIGN) for _ in range(nfiles)]
+        self._fds: list[int] = []
+        self._next_file = 0
+        self._dirty = False
+        self._bounce = aligned_buffer(DIRECT_ALIGN)
+        for d in self._dirs:
+            os.makedirs(d, exist_ok=True)
+        self._lock_fd = self._lock()
+        try:
+            self._open_files(files_per_root)
+            if self.stats.enabled:
+                self._adopt()
+        except BaseException:
+            self.close(checkpoint=False)
+            raise
+
+    # --- set-up --------------------------------------------------------------------------
+
+    def _lock(self) -> int:
+        fd = os.open(os.path.join(self._home, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskInUse(f"disk tier {self._home} is in use by another shard (its lock is held)") from None
+        return fd
+
+    def _open_files(self, files_per_root: int) -> None:
+        direct_all = True
+        try:
+            for d in self._dirs:
+                for i in range(files_per_root):
+                    fd, direct = self._ops.open_data(os.path.join(d, f"data-{i}"), self._layout.file_bytes)
+                    self._fds.append(fd)
+                    direct_all &= direct
+        except OSError as e:
+            self._turn_off(e, "preallocating its files")
+            return
+        self.stats.direct_io = direct_all
+        if not direct_all:
+            log.info("disk tier %s: O_DIRECT refused by the file system, using buffered I/O", self._home)
+
+    def _adopt(self) -> None:
+        path = os.path.join(self._home, MANIFEST)
+        try:
+            os.unlink(path + ".tmp")  # a manifest that was being written when the last store died
+        except FileNotFoundError:
+            pass
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return
+        try:
+            manifest = decode(data)
+        except (ManifestError, ValueError, IndexError) as e:
+            log.warning("disk tier %s: manifest unreadable (%s); starting empty", self._home, e)
+            return
+        if manifest.layout != self._layout:
+            log.warning("disk tier %s: manifest describes %s, configured %s; starting empty",
+                        self._home, manifest.layout, self._layout)
+            return
+        for key, slot in manifest.entries:
+            if key in self._entries or not self._fits(slot, manifest.generation):
+                self.stats.refused_at_adoption += 1
+                continue
+            try:
+                self._allocs[slot.file].take(slot.offset, slot.size)
+            except ValueError:
+                self.stats.refused_at_adoption += 1
+                continue
+            self._entries[key] = slot
+            self._listed.add((slot.file, slot.offset))
+            self.stats.used_bytes += round_up(slot.size)
+        self.stats.adopted = len(self._entries)
+        self.stats.generation = manifest.generation + 1
+        log.info("disk tier %s: adopted %d entries from generation %d", self._home, len(self._entries),
+                 manifest.generation)
+
+    def _fits(self, slot: DiskSlot, generation: int) -> bool:
+        return (0 <= slot.file < self._layout.files and slot.size > 0 and slot.offset % DIRECT_ALIGN == 0
+                and slot.offset + round_up(slot.size) <= self._layout.file_bytes and slot.generation <= generation)
+
+    # --- reads ---------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.stats.enabled
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """No I/O: a dict probe per key (lookups must not wait on the disk)."""
+        return [k in self._entries for k in keys]
+
+    def size_of(self, key: bytes) -> int | None:
+        slot = self._entries.get(key)
+        return None if slot is None else slot.size
+
+    def keys(self) -> list[bytes]:
+        """Least recently used first."""
+        return list(self._entries)
+
+    def get(self, key: bytes, out: torch.Tensor) -> bool:
+        """Read ``key``'s bytes into ``out`` (contiguous uint8, the entry's size) and verify them;
+        False for a miss, a corrupt entry (then dropped) or a tier that is off."""
+        slot = self._entries.get(key) if self.stats.enabled else None
+        if slot is None:
+            self.stats.misses += 1
+            return False
+        if out.dtype != torch.uint8 or out.numel() != slot.size or not out.is_contiguous():
+            raise ValueError(f"out must be {slot.size} contiguous bytes, got {out.dtype} x {out.numel()}")
+        try:
+            self._read(slot, out)
+        except OSError as e:
+            self._turn_off(e, "reading")
+            return False
+        self.stats.reads += 1
+        self.stats.read_bytes += slot.size
+        if checksum(out) != slot.checksum:
+            self.stats.corrupt += 1
+            log.warning("disk tier %s: entry at file %d offset %d failed its checksum; dropped",
+                        self._home, slot.file, slot.offset)
+            self._drop(key)
+            return False
+        self._entries.move_to_end(key)
+        self.stats.hits += 1
+        return True
+
+    # --- writes --------------------------------------------------------------------------
+
+    def put(self, key: bytes, data: torch.Tensor) -> bool:
+        """Write ``data`` (contiguous uint8) under ``key``, evicting least recently used entries
+        for room. True when the entry is now on disk (written now or already there)."""
+        if not self.stats.enabled:
+            return False
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        size = data.numel()
+        if data.dtype != torch.uint8 or not data.is_contiguous() or size <= 0:
+            raise ValueError(f"data must be contiguous, non-empty uint8, got {data.dtype} x {size}")
+        try:
+            placed = self._allocate(size)
+            if placed is None:
+                self.stats.dropped_writes += 1
+                return False
+            file, offset = placed
+            slot = DiskSlot(file, offset, size, checksum(data), self.stats.generation)
+            try:
+                self._write(slot, data)
+            except BaseException:
+                self._allocs[file].free(offset, size)
+                raise
+        except OSError as e:
+            self._turn_off(e, "writing")
+            return False
+        self._entries[key] = slot
+        self.stats.used_bytes += round_up(size)
+        self.stats.writes += 1
+        self.stats.written_bytes += size
+        self._dirty = True
+        return True
+
+    def remove(self, key: bytes) -> bool:
+        if key not in self._entries:
+            return False
+        self._drop(key)
+        return True
+
+    def take_gone(self) -> list[bytes]:
+        """Keys evicted or dropped since the last call (the owner's pool must stop counting on
+        the disk copies of these)."""
+        gone, self._gone = self._gone, []
+        return gone
+
+    def checkpoint(self) -> None:
+        """Make every entry written so far survive a crash, and reuse retired slots: data files
+        fsynced, then the manifest replaced atomically. A no-op when nothing changed."""
+        if not self.stats.enabled or not (self._dirty or self._retired):
+            return
+        entries = list(self._entries.items())
+        manifest = Manifest(self._layout, self.stats.generation, entries)
+        path = os.path.join(self._home, MANIFEST)
+        try:
+            for fd in self._fds:
+                self._ops.fsync(fd)
+            self._ops.write_synced(path + ".tmp", encode(manifest))
+            self._ops.replace(path + ".tmp", path)
+            self._ops.fsync_dir(self._home)
+        except OSError as e:
+            self._turn_off(e, "writing its manifest")
+            return
+        self._listed = {(s.file, s.offset) for _, s in entries}
+        for slot in self._retired:
+            self._allocs[slot.file].free(slot.offset, slot.size)
+            self.stats.used_bytes -= round_up(slot.size)
+        self._retired.clear()
+        self._dirty = False
+        self.stats.manifests += 1
+        self.stats.generation += 1
+
+    def close(self, *, checkpoint: bool = True) -> None:
+        """Write a last manifest (unless told not to), close the files, release the lock."""
+        if checkpoint and self._fds:
+            self.checkpoint()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def snapshot(self) -> DiskStats:
+        s = DiskStats(**vars(self.stats))
+        s.entries = len(self._entries)
+        return s
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _allocate(self, size: int) -> tuple[int, int] | None:
+        if round_up(size) > self._layout.file_bytes:
+            return None
+        placed = self._alloc_any(size)
+        if placed is not None:
+            return placed
+        # No room: evict ahead, make the retired slots reusable with one manifest, retry.
+        target = max(round_up(size), self.stats.capacity_bytes // EVICT_AHEAD)
+        while placed is None:
+            free = sum(a.free_bytes for a in self._allocs)
+            retired = sum(round_up(s.size) for s in self._retired)
+            while self._entries and free + retired < target:
+                slot = self._evict()
+                if (slot.file, slot.offset) in self._listed:
+                    retired += round_up(slot.size)
+                else:
+                    free += round_up(slot.size)
+            if self._retired:
+                self.checkpoint()
+                if not self.stats.enabled:
+                    return None
+            placed = self._alloc_any(size)
+            if placed is None and not self._entries:
+                return None  # fragmented beyond use: cannot happen with one entry size
+            target += round_up(size)
+        return placed
+
+    def _alloc_any(self, size: int) -> tuple[int, int] | None:
+        n = len(self._allocs)
+        for i in range(n):
+            file = (self._next_file + i) % n
+            off = self._allocs[file].alloc(size)
+            if off is not None:
+                self._next_file = (file + 1) % n  # spread writes over the roots' disks
+                return file, off
+        return None
+
+    def _evict(self) -> DiskSlot:
+        key = next(iter(self._entries))
+        slot = self._entries[key]
+        self._drop(key)
+        self.stats.evictions += 1
+        return slot
+
+    def _drop(self, key: bytes) -> None:
+        slot = self._entries.pop(key)
+        self._gone.append(key)
+        self._dirty = True
+        if (slot.file, slot.offset) in self._listed:
+            self._retired.append(slot)  # the durable manifest names it: keep it until the next one
+            return
+        self._allocs[slot.file].free(slot.offset, slot.size)
+        self.stats.used_bytes -= round_up(slot.size)
+
+    def _bounce_of(self, size: int) -> memoryview:
+        need = round_up(size)
+        if len(self._bounce) < need:
+            self._bounce = aligned_buffer(need)  # the old one goes with its last view (a traceback may hold one)
+        return memoryview(self._bounce)[:need]
+
+    @staticmethod
+    def _direct_view(t: torch.Tensor) -> memoryview | None:
+        """The tensor's own bytes when they can go to the disk as they are (aligned address and
+        length), else None (they go through the bounce buffer)."""
+        if t.data_ptr() % DIRECT_ALIGN or t.numel() % DIRECT_ALIGN:
+            return None
+        return memoryview(t.numpy()).cast("B")
+
+    def _write(self, slot: DiskSlot, data: torch.Tensor) -> None:
+        view = self._direct_view(data)
+        if view is None:
+            view = self._bounce_of(slot.size)
+            view[:slot.size] = memoryview(data.numpy()).cast("B")
+            view[slot.size:] = bytes(len(view) - slot.size)
+        done = self._ops.pwritev(self._fds[slot.file], [view], slot.offset)
+        if done != len(view):
+            raise OSError(errno.EIO, f"short write: {done} of {len(view)} bytes")
+
+    def _read(self, slot: DiskSlot, out: torch.Tensor) -> None:
+        view = self._direct_view(out)
+        direct = view is not None
+        if view is None:
+            view = self._bounce_of(slot.size)
+        done = self._ops.preadv(self._fds[slot.file], [view], slot.offset)
+        if done != len(view):
+            raise OSError(errno.EIO, f"short read: {done} of {len(view)} bytes")
+        if not direct:
+            memoryview(out.numpy()).cast("B")[:] = view[:slot.size]
+
+    def _turn_off(self, e: OSError, doing: str) -> None:
+        self.stats.io_errors += 1
+        if not self.stats.enabled:
+            return
+        self.stats.enabled = False
+        self._entries.clear()
+        self._retired.clear()
+        name = errno.errorcode.get(e.errno or 0, str(e.errno))
+        log.error("disk tier %s turned off: %s while %s (%s); the DRAM tier goes on", self._home, name, doing, e)
+

@@ -1,0 +1,127 @@
+"""Moves entries between a shard's pool and its ``DiskStore``: demotion ahead of eviction,
+promotion back into the pool on a hit.
+
+Why this shape: the pool stays the only place block bytes are read from (engines copy from it
+as today); the disk only ever talks to the pool. Demotion copies the coldest dirty entries of a
+pool above its high watermark until its coldest ``used - low`` bytes are all on disk, so the
+index's eviction (``prefer_clean``) finds clean entries and a save never waits on the disk.
+Both directions take the index lock only to pick, pin, commit or release, never across the
+disk I/O: the shard's control calls go on while bytes move.
+
+Write-back admission: an entry reaches disk only once it has aged to the cold end of a pool above
+its watermark (a block read again before then never costs a disk write); ``through`` admits every
+committed entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from ucm_ray.store.shard.disk.store import DiskStore
+from ucm_ray.store.shard.index import BlockIndex, Key
+from ucm_ray.store.types import random_id
+
+
+@dataclass
+class TierStats:
+    demoted: int = 0
+    demoted_bytes: int = 0
+    promoted: int = 0
+    promoted_bytes: int = 0
+    promote_misses: int = 0
+    """Keys asked to be promoted that the disk did not hold, or whose bytes failed their check."""
+
+
+class DiskTier:
+    def __init__(self, index: BlockIndex, pool: torch.Tensor, store: DiskStore,
+                 index_lock: AbstractContextManager, *, write_through: bool = False,
+                 high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20) -> None:
+        """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
+        shard's control calls. Watermarks are fractions of the pool's capacity."""
+        if not 0 <= low <= high <= 1:
+            raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
+        self._index = index
+        self._pool = pool
+        self._store = store
+        self._lock = index_lock
+        self._disk_lock = threading.Lock()  # DiskStore is not thread-safe
+        capacity = index.stats().capacity_bytes
+        self._high = 0 if write_through else int(high * capacity)
+        self._low = 0 if write_through else int(low * capacity)
+        self._batch_bytes = batch_bytes
+        self._owner = random_id()
+        self.stats = TierStats()
+
+    def demote_once(self) -> int:
+        """One batch: the pool's coldest dirty entries to disk. Returns the bytes written (0 when
+        the pool is under its high watermark or everything cold is clean)."""
+        with self._lock:
+            if self._index.stats().used_bytes <= self._high:
+                return 0
+            lease, items = self._index.demotion_batch(self._owner, self._low, self._batch_bytes)
+        done: list[tuple[Key, int]] = []
+        gone: list[Key] = []
+        written = 0
+        try:
+            with self._disk_lock:
+                for key, slot in items:
+                    if self._store.put(key, self._pool[slot.offset:slot.offset + slot.size]):
+                        done.append((key, slot.offset))
+                        written += slot.size
+                if done:
+                    self._store.checkpoint()  # what is marked clean survives a crash of the shard
+                gone = self._store.take_gone()
+        finally:
+            with self._lock:
+                self._index.mark_clean(done)
+                self._index.mark_dirty(gone)
+                self._index.release(self._owner, [lease])
+        self.stats.demoted += len(done)
+        self.stats.demoted_bytes += written
+        return written
+
+    def on_disk(self, keys: Sequence[Key]) -> list[bool]:
+        """Which keys the disk holds (a dict probe, no I/O): lookups report these as disk hits."""
+        with self._disk_lock:
+            return self._store.contains(keys)
+
+    def promote(self, keys: Sequence[Key]) -> list[bool]:
+        """Bring ``keys`` from disk into the pool, head first; per key, whether it is in the pool
+        now (already there, or read and committed). A key whose bytes fail their check is dropped
+        from disk and reported False (the engine recomputes it)."""
+        with self._lock:
+            present = self._index.contains(keys)
+        out = list(present)
+        for i, key in enumerate(keys):
+            if out[i]:
+                continue
+            with self._disk_lock:
+                size = self._store.size_of(key)
+            if size is None:  # not on disk either: a miss, whatever follows it
+                self.stats.promote_misses += 1
+                continue
+            with self._lock:
+                token, offsets = self._index.reserve(self._owner, size, 1)
+            if not offsets:
+                break  # the pool has no room even after eviction: later keys are useless without this one
+            offset = offsets[0]
+            with self._disk_lock:
+                ok = self._store.get(key, self._pool[offset:offset + size])
+            with self._lock:
+                if ok:
+                    out[i] = self._index.commit(self._owner, token, [(key, offset, None)])[0]
+                    self._index.mark_clean([(key, offset)])
+                    out[i] = out[i] or self._index.contains([key])[0]  # a writer committed it meanwhile
+                else:
+                    self._index.commit(self._owner, token, [], [offset])
+            if ok:
+                self.stats.promoted += 1
+                self.stats.promoted_bytes += size
+            else:
+                self.stats.promote_misses += 1
+        return out
