@@ -12,10 +12,11 @@ import sys
 import pytest
 import yaml
 
+from tests.support import ROOT
 from ucm_ray.config import ConfigError
 from ucm_ray.serve import prepare_pd_app
 from ucm_ray.serve.app import CONNECTOR
-from ucm_ray.serve.check import check_serve_config
+from ucm_ray.serve.check import check_serve_config, load_serve_config
 
 ENGINE = {"model_loading_config": {"model_id": "m", "model_source": "/models/m"},
           "engine_kwargs": {"dtype": "float32", "block_size": 16},
@@ -97,3 +98,25 @@ def test_ucm_ray_serve_checks_pd_files(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("ucm-ray:")]
     assert len(errors) == 1 and "dtype is 'float32' for the prefill, 'float16' for the decode" in errors[0], \
         done.stderr[-2000:]
+
+
+def test_gpu_pd_example_parses_and_builds(ray_cluster):
+    from ray.serve.llm import build_pd_openai_app
+
+    config = load_serve_config(ROOT / "deploy/serve/gpu-pd-example.yaml")
+    serving, tier = prepare_pd_app(config["applications"][0]["args"])
+    assert tier.shards_per_node == 1 and tier.config.pool_bytes == 64 << 30
+    replicas = {}
+    for role in ("prefill_config", "decode_config"):
+        entry = serving[role]
+        assert entry["engine_kwargs"]["tensor_parallel_size"] == 2
+        assert entry["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_both"
+        autoscaling = entry["deployment_config"]["autoscaling_config"]
+        replicas[role] = (autoscaling["min_replicas"], autoscaling["max_replicas"])
+    assert replicas == {"prefill_config": (2, 6), "decode_config": (2, 8)}
+    app = build_pd_openai_app(serving)
+    assert type(app).__name__ == "Application"
+
+
+def test_tiny_cpu_pd_file_passes_the_check():
+    assert check_serve_config(ROOT / "deploy/serve/tiny-cpu-pd.yaml") == "http://127.0.0.1:8000"
