@@ -23,7 +23,7 @@ from openai import OpenAI
 
 from tests.support import ROOT
 from tests.support.private_cluster import PrivateCluster, cluster_env, free_port
-from tests.support.serve_run import pools_left, start_serve, stop_serve, wait_ready
+from tests.support.serve_run import pools_left, scrape, start_serve, stop_serve, wait_metric, wait_ready
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
@@ -86,6 +86,13 @@ def test_pd_app_decode_loads_the_prefills_blocks_without_a_pause(model, tmp_path
         cached = details.cached_tokens if details else None
         log.info("decode's cached prompt tokens %s, policy's prediction %d", cached, expected)
         assert cached == expected, f"the decode's cached prompt tokens {cached}, the policy says {expected}"
+        # Ray's PD proxy carried the prefill's announcement to the decode (our counter, read from
+        # Ray's export of the decode engine's stats), and the decode did not give up waiting
+        metrics = cluster.info["metrics_ports"][0]
+        handoffs = wait_metric(metrics, "ray_vllm_ucm_ray_handoffs", "tiny", 1)
+        assert handoffs == 1, f"decode requests with a prefill's announcement: {handoffs}, expected 1"
+        timeouts = scrape(metrics, "ray_vllm_ucm_ray_handoff_timeouts", "tiny")
+        assert timeouts in (None, 0), f"the decode waited pd_wait_s in vain {timeouts} time(s)"
         stdout, _ = reference.communicate(timeout=300)
         assert reference.returncode == 0, "the reference engine failed"
         assert list(out.choices[0].token_ids) == json.loads(stdout.splitlines()[-1]), \
