@@ -30,6 +30,7 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 TRANSPORTS = ("auto", "shm", "nixl")
+PLACEMENTS = ("writer_local", "per_block")
 DISK_WRITE_POLICIES = ("back", "through")
 DISK_IO = ("auto", "posix")
 """``nixl`` (NIXL's POSIX backend) is not built yet; ``auto`` is plain ``preadv``/``pwritev`` until it is."""
@@ -117,6 +118,11 @@ class UcmRayConfig:
     pool_bytes: int = 1 << 30
     """Size of each shard's preallocated pool (accepts '1GiB')."""
     replication: int = 1
+    placement: str = "writer_local"
+    """Where a block's bytes go. writer_local: a shard on the writer's node (replicas elsewhere),
+    and a hint at the owner of the prompt's first block tells other nodes where it is; per_block:
+    every block at the owner of its own key (one prompt spread over every node). Identical on one
+    node. A fleet-wide setting, like replication: the fleet's wins over an engine's."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
@@ -191,6 +197,7 @@ class UcmRayConfig:
         need(is_int(self.replication) and 1 <= self.replication <= self.num_shards, "replication",
              f"an integer between 1 and num_shards ({self.num_shards})")
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
+        need(self.placement in PLACEMENTS, "placement", " | ".join(PLACEMENTS))
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
         for key in ("layerwise", "checksum", "local_lookups"):

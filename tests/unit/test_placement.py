@@ -2,7 +2,7 @@ import hashlib
 
 import numpy as np
 
-from ucm_ray.store.placement import owners
+from ucm_ray.store.placement import owners, writer_owners
 
 
 def keys(n, seed=0):
@@ -65,3 +65,23 @@ def test_scores_are_splitmix64_as_published():
     states = np.array([0, golden, 2 * golden % 2**64], dtype=np.uint64)
     assert [int(v) for v in _splitmix64(states)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
     assert [int(v) for v in states] == [0, golden, 2 * golden % 2**64], "the input is left as it was"
+
+
+def test_writer_local_primary_is_on_the_writers_node_and_replicas_elsewhere():
+    ks = keys(2000)
+    shards = [f"s{i}" for i in range(6)]
+    local = [False, True, False, True, False, False]
+    placed = writer_owners(ks, shards, local, 3)
+    assert placed.shape == (2000, 3)
+    assert set(placed[:, 0].tolist()) == {1, 3}  # both local shards share the primaries
+    assert not np.isin(placed[:, 1:], [1, 3]).any()  # replicas never on the writer's node
+    assert all(len(set(row)) == 3 for row in placed.tolist())
+    # the primary among local shards is rendezvous over them alone: a same-node reader agrees
+    assert np.array_equal(placed[:, 0], np.asarray([1, 3])[owners(ks, ["s1", "s3"], 1)[:, 0]])
+
+
+def test_writer_local_is_per_block_on_one_node_or_without_a_local_shard():
+    ks = keys(500)
+    shards = [f"s{i}" for i in range(4)]
+    for local in ([True] * 4, [False] * 4):
+        assert np.array_equal(writer_owners(ks, shards, local, 2), owners(ks, shards, 2))

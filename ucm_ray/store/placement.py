@@ -71,3 +71,22 @@ def owners(keys: Sequence[bytes], shard_ids: Sequence[str], replication: int) ->
     if r == 1:  # the primary only (no replicas, the default): a quarter of a row sort's cost
         return np.argmax(scores, axis=1)[:, None]
     return np.argsort(scores, axis=1)[:, ::-1][:, :r]
+
+
+def writer_owners(keys: Sequence[bytes], shard_ids: Sequence[str], local: Sequence[bool],
+                  replication: int) -> np.ndarray:
+    """Writer-local placement (``placement: writer_local``): as ``owners``, but the primary is
+    the best-scoring shard on the writer's node (``local``: per shard, whether it is there) and
+    the other ``replication - 1`` are the best-scoring shards elsewhere, so a save leaves its
+    node only when replication asks for it. Where every shard or none is local this is
+    ``owners`` itself: one node places exactly as before."""
+    local_at = np.flatnonzero(np.asarray(local, dtype=bool))
+    if len(local_at) in (0, len(shard_ids)):
+        return owners(keys, shard_ids, replication)
+    remote_at = np.flatnonzero(~np.asarray(local, dtype=bool))
+    primary = local_at[owners(keys, [shard_ids[i] for i in local_at.tolist()], 1)]
+    extra = min(replication, len(shard_ids)) - 1
+    if extra <= 0:
+        return primary
+    others = remote_at[owners(keys, [shard_ids[i] for i in remote_at.tolist()], extra)]
+    return np.concatenate([primary, others], axis=1)

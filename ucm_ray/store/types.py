@@ -146,6 +146,14 @@ class Locations:
     def found(self) -> np.ndarray:
         return self.pool >= 0
 
+    def fill(self, rows: np.ndarray, other: Locations) -> None:
+        """Rows ``rows`` take ``other``'s finds (row i of ``other`` is row ``rows[i]`` here)."""
+        for at, pool in enumerate(other.pools):
+            sel = np.flatnonzero(other.pool == at)
+            if len(sel):
+                self.put(rows[sel], pool, other.offset[sel], other.size[sel], other.checksum[sel],
+                         other.generation[sel])
+
     def take(self, rows: np.ndarray) -> Locations:
         """These rows, in this order (the pool list is shared, not copied)."""
         return Locations(self.pools, self.pool[rows], self.offset[rows], self.size[rows], self.checksum[rows],
@@ -190,6 +198,15 @@ class ReadLease:
 
     locations: Locations
     lease_ids: dict[PoolKey, list[int]] = field(default_factory=dict)
+    calls: int = 0
+    """Shard calls the lookup made (answers from a published index on this node cost none)."""
+
+    def merge(self, rows: np.ndarray, other: ReadLease) -> None:
+        """Take ``other``'s finds (a lookup of the keys at ``rows`` of this one) and its pins."""
+        self.locations.fill(rows, other.locations)
+        for pool, ids in other.lease_ids.items():
+            self.lease_ids.setdefault(pool, []).extend(ids)
+        self.calls += other.calls
 
 
 @dataclass
@@ -213,20 +230,32 @@ class Publishes:
     keys: Sequence[bytes]
     locations: Locations
     tokens: np.ndarray  # int64: the grant of each row's slot
+    families: Sequence[bytes] | None = None
+    """Per row, the key of its prompt's first block (its family root: where writer-local
+    placement tells other nodes about it); None: each row is a family of its own."""
 
     @classmethod
-    def of(cls, items: Sequence[tuple[bytes, Location, int]]) -> Publishes:
-        """From (key, location, grant token) triples, for callers that commit a few."""
+    def of(cls, items: Sequence[tuple[bytes, Location, int]], family: bytes | None = None) -> Publishes:
+        """From (key, location, grant token) triples, for callers that commit a few (all of one
+        ``family``, if given)."""
         return cls([key for key, _, _ in items], Locations.of([loc for _, loc, _ in items]),
-                   np.asarray([token for _, _, token in items], dtype=np.int64))
+                   np.asarray([token for _, _, token in items], dtype=np.int64),
+                   None if family is None else [family] * len(items))
 
     @classmethod
     def join(cls, parts: Sequence[Publishes]) -> Publishes:
         """One batch of several (their locations' pool lists merged)."""
         if len(parts) == 1:
             return parts[0]
+        families = None
+        if any(part.families is not None for part in parts):
+            families = [family for part in parts for family in part.family_keys()]
         return cls([key for part in parts for key in part.keys], Locations.join([part.locations for part in parts]),
-                   np.concatenate([np.zeros(0, dtype=np.int64)] + [part.tokens for part in parts]))
+                   np.concatenate([np.zeros(0, dtype=np.int64)] + [part.tokens for part in parts]), families)
+
+    def family_keys(self) -> Sequence[bytes]:
+        """Per row, its family root (the row's own key where none was given)."""
+        return self.keys if self.families is None else self.families
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -323,6 +352,8 @@ class Membership:
     replication: int | None = None
     """Copies per block, as the fleet was started with; None: the directory does not say
     (a client then uses its own setting)."""
+    placement: str | None = None
+    """``placement`` as the fleet was started with (None: as ``replication``)."""
 
     @property
     def shard_ids(self) -> list[str]:

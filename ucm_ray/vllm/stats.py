@@ -27,6 +27,8 @@ COUNTERS: dict[str, str] = {
                         "request waited for a lookup (vLLM stepping while saves land): no forward waited for it, "
                         "so schedule_seconds leaves it out.",
     "lookups_deferred": "Times a request was put back in the queue because its lookup was still in flight.",
+    "lookup_calls": "Shard calls the lookups made (answers from this node's published indexes cost none; "
+                    "writer-local placement across nodes: the family root's owner, then a pin where the blocks are).",
     "query_tokens": "Prompt tokens of the requests looked up.",
     "hit_tokens": "Prompt tokens the tier provides (external hit after the hit policy): loaded, not computed.",
     "local_hit_tokens": "Prompt tokens vLLM's own prefix cache already had when the tier was asked.",

@@ -67,6 +67,7 @@ class Acquire(Pending[ReadLease]):
             # posted at once (the step waits for its answer), after what this client queued
             access.poster.drain(access.timeout_s)
             self._calls.append((rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, access.owner, keys)))
+            self._lease.calls += 1
         self._arrived = None
 
     def _collect(self) -> None:

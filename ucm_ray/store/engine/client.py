@@ -19,7 +19,7 @@ import torch
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.engine.calls import Fanout
 from ucm_ray.store.engine.ray_store import RayBlockStore
-from ucm_ray.store.types import Location, Pending, Publishes, Removal, ShardRecord
+from ucm_ray.store.types import Done, Location, Pending, Publishes, Removal, ShardRecord
 from ucm_ray.transport.base import CopyOp, PoolKey, Ranges, as_bytes
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,15 @@ class StoreClient(RayBlockStore):
     """The client engines, tests and benchmarks make (``StoreClient(config)``)."""
 
     def lookup_async(self, keys: Sequence[bytes]) -> Pending[list[bool]]:
-        """Per key, whether any owner that is not suspect holds it (no pinning); one call per shard."""
+        """Per key, whether any owner that is not suspect holds it (no pinning); one call per
+        shard. Under writer-local placement across nodes, ``keys[0]`` is the family root (see
+        ``put``) and the lookup is a pin released at once (the hints say where to ask)."""
         self.refresh()
         keys = list(keys)
+        if self._families:
+            lease = self.acquire(keys).result()
+            self.release(lease.lease_ids).result()
+            return Done(lease.locations.found().tolist())
         present = [False] * len(keys)
         idx: dict[PoolKey, tuple[ShardRecord, list[int]]] = {}
         for i, row in enumerate(self._owner_records(keys)):
@@ -74,7 +80,9 @@ class StoreClient(RayBlockStore):
     def put(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Store whole tensors under ``keys`` on each key's owners (reserve anonymous slots,
         copy, commit); per key, whether it is now visible. Keys already present are not
-        rewritten. Tensors must lie in buffers registered with ``register_local``."""
+        rewritten. Tensors must lie in buffers registered with ``register_local``. The keys are
+        one family, rooted at ``keys[0]``, as a prompt's blocks are: ``get`` and ``lookup``
+        find them on other nodes when asked with the same first key."""
         if len(keys) != len(tensors):
             raise ValueError(f"put: {len(keys)} keys but {len(tensors)} tensors")
         views = [as_bytes(t) for t in tensors]
@@ -129,7 +137,7 @@ class StoreClient(RayBlockStore):
                 continue
             publish.append((keys[i], Location(pool[0], pool[1], off, views[i].numel(), sums.get(i)), token))
             landed.append(i)
-        return list(zip(landed, self.commit(Publishes.of(publish), free).result()))
+        return list(zip(landed, self.commit(Publishes.of(publish, keys[0] if keys else None), free).result()))
 
     def get(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Fill ``tensors`` from the store; per key, whether its bytes are valid. An entry with a

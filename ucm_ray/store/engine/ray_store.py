@@ -32,12 +32,14 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.acquire import Acquire
 from ucm_ray.store.engine.calls import Fanout, ShardAccess
+from ucm_ray.store.engine.family import FamilyAcquire, HintPoster
 from ucm_ray.store.engine.feed import MembershipFeed
 from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.suspects import Suspects
 from ucm_ray.store.engine.touches import TouchSender
 from ucm_ray.store.placement import owners as place
+from ucm_ray.store.placement import writer_owners
 from ucm_ray.store.types import (
     Done,
     GrantCommit,
@@ -65,12 +67,17 @@ class RayBlockStore(BlockStore):
         self.config = config
         self.owner = random_id()
         node_id = ray.get_runtime_context().get_node_id()
+        self._node_id = node_id
         self.connections = PoolConnections(config.transport, node_id)
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
         self._readers = IndexReaders(node_id if config.local_lookups else None)
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())
+        self._local: list[bool] = []
+        """Per member, whether it is on this client's node (where writer-local saves go)."""
+        self._families = False
+        """Whether lookups go by family (writer-local placement over more than this node)."""
         self._pools = Pools(0, {}, config.replication)
         """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
@@ -82,6 +89,7 @@ class RayBlockStore(BlockStore):
         self.access = ShardAccess(self.owner, config.lookup_timeout_s, self._suspects, self._readers,
                                   TouchSender(), CallPoster())
         """What this client's calls go through (its ``Acquire`` and ``Fanout`` calls take it)."""
+        self._hints = HintPoster(self.access)
 
     # --- membership ----------------------------------------------------------------------
 
@@ -103,6 +111,12 @@ class RayBlockStore(BlockStore):
         fleet = self._membership.replication
         return fleet if fleet is not None else self.config.replication
 
+    @property
+    def placement_mode(self) -> str:
+        """``placement``: the fleet's (from the directory), this client's only when it does not say."""
+        fleet = self._membership.placement
+        return fleet if fleet is not None else self.config.placement
+
     def _apply(self, membership: Membership) -> None:
         """Adopt a membership; old incarnations' mappings are closed before any later use."""
         if (membership.replication is not None and membership.replication != self.config.replication
@@ -114,6 +128,8 @@ class RayBlockStore(BlockStore):
                         membership.replication, "y" if membership.replication == 1 else "ies",
                         self.config.replication)
         self._membership = membership
+        self._local = [s.pool.node_id == self._node_id for s in membership.shards]
+        self._families = self.placement_mode == "writer_local" and not all(self._local)
         self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication)
         self._records = {s.key: s for s in membership.shards}
         self.connections.sync(membership.descriptors)
@@ -122,8 +138,19 @@ class RayBlockStore(BlockStore):
 
     def _owner_indices(self, keys: Sequence[bytes]) -> np.ndarray:
         """``[key, replica]``: each key's owners over the FULL membership, best first, as indices
-        into ``membership.shards`` (suspects included: a shard's hiccup must not move keys)."""
-        return place(keys, [s.shard_id for s in self._membership.shards], self.replication)
+        into ``membership.shards`` (suspects included: a shard's hiccup must not move keys);
+        under writer-local placement the first is on this node (where this client saves, and
+        where a same-node writer saved)."""
+        ids = [s.shard_id for s in self._membership.shards]
+        if self.placement_mode == "writer_local":
+            return writer_owners(keys, ids, self._local, self.replication)
+        return place(keys, ids, self.replication)
+
+    def _root_owners(self, roots: Sequence[bytes]) -> list[list[ShardRecord]]:
+        """Per family root, the shards that keep its hints (rendezvous over the full membership)."""
+        shards = self._membership.shards
+        rows = place(roots, [s.shard_id for s in shards], self.replication).tolist() if roots else []
+        return [[shards[j] for j in row] for row in rows]
 
     def _owner_records(self, keys: Sequence[bytes]) -> list[list[ShardRecord]]:
         """As ``_owner_indices``, as records."""
@@ -141,9 +168,15 @@ class RayBlockStore(BlockStore):
 
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
         keys = list(keys)
-        return Acquire(self.access, keys, pin, self._membership.shards, self._owner_indices(keys))
+        shards = self._membership.shards
+        local = Acquire(self.access, keys, pin, shards, self._owner_indices(keys))
+        if not self._families or not keys:
+            return local
+        return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners(keys[:1])[0])
 
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
+        if self._families:
+            return False  # another node's writer may hold what this node's indexes lack
         shards = self._membership.shards
         for key, row in zip(keys, self._owner_indices(keys).tolist() if keys else []):
             # the owner ``acquire`` would ask: the first replica not suspect
@@ -232,12 +265,17 @@ class RayBlockStore(BlockStore):
             calls.append((rec, self.access.poster.post(rec.handle.commit, pool[1], self.owner, grant_batches)))
             order.append(rows_of[pool])
 
+        families = self._families
+
         def finish(answers: list[Any]) -> list[bool]:
             visible: np.ndarray = np.zeros(len(publish), dtype=bool)
             for rows_per_grant, got in zip(order, answers):
                 for rows, oks in zip(rows_per_grant, got or []):
                     visible[rows] = oks
-            return visible.tolist()
+            shown = visible.tolist()
+            if families and any(shown):
+                self._hints.post(publish, shown, self._root_owners(publish.family_keys()))
+            return shown
 
         return Fanout(self.access, calls, finish)
 

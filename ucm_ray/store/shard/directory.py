@@ -42,6 +42,8 @@ class ShardDirectory:
         self._config = dict(fleet_config) if fleet_config else {}
         replication = self._config.get("replication")
         self._replication = replication if isinstance(replication, int) and replication >= 1 else None
+        placement = self._config.get("placement")
+        self._placement = placement if isinstance(placement, str) else None
         self._shards: dict[str, ShardRecord] = {}
         self._watchers: dict[str, asyncio.Task] = {}
         self._version = random_id() >> 16  # room to count up, and unlike any other start's
@@ -97,7 +99,8 @@ class ShardDirectory:
     # --- internals -----------------------------------------------------------------------
 
     def _snapshot(self) -> Membership:
-        return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication)
+        return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication,
+                          self._placement)
 
     def _bump(self, why: str) -> None:
         self._version += 1

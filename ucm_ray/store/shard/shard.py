@@ -27,6 +27,7 @@ import ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
 from ucm_ray.store.published_layout import index_path
+from ucm_ray.store.shard.hints import FamilyHints
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.types import GrantCommit, Slot, WrongIncarnation, grant_items, random_id
@@ -35,6 +36,9 @@ from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
+
+HINTS_MIN_KEYS = 1 << 16
+HINT_BLOCK_BYTES = 16 << 10
 
 
 @ray.remote(concurrency_groups={"watch": 1})
@@ -74,6 +78,9 @@ class CacheShard:
                 self._published.close()
             self._reaper.close()
             raise
+        # a table about as large as what one pool holds: rendezvous over family roots spreads
+        # the fleet's hints over its shards as it spreads blocks (16 KiB: a small model's block)
+        self._hints = FamilyHints(max(HINTS_MIN_KEYS, cfg.pool_bytes // HINT_BLOCK_BYTES))
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
         self._lock = threading.Lock()
@@ -150,6 +157,20 @@ class CacheShard:
         with self._lock:
             return self._index.remove(items)
 
+    def register_hints(self, incarnation: int, pool: tuple[str, int], keys: Sequence[Key]) -> None:
+        """Writer-local placement: ``pool`` (on the writer's node) committed ``keys``, whose family
+        root this shard owns (posted after the commit, never awaited)."""
+        self._check(incarnation)
+        with self._lock:
+            self._hints.register((pool[0], pool[1]), keys)
+
+    def where(self, incarnation: int, keys: Sequence[Key]) -> list[tuple[tuple[str, int], ...]]:
+        """Per key of a family this shard owns, the pools that hold it as their writers said
+        (most recent first; a reader pins it there, and a stale hint is a miss there)."""
+        self._check(incarnation)
+        with self._lock:
+            return self._hints.where(keys)
+
     def _check(self, incarnation: int) -> None:
         if incarnation != self._incarnation:
             raise WrongIncarnation(f"shard {self._id} is incarnation {self._incarnation:x}, "
@@ -158,9 +179,11 @@ class CacheShard:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             s = self._index.stats()
+            hints = {"hints": len(self._hints), "hints_registered": self._hints.registered,
+                     "hints_asked": self._hints.asked, "hints_answered": self._hints.answered}
         self._metrics.publish(s)
         return {"shard_id": self._id, "node_id": self._node_id, "node_ip": self._node_ip, "pid": os.getpid(),
-                "incarnation": self._incarnation, **asdict(s)}
+                "incarnation": self._incarnation, **asdict(s), **hints}
 
     def _publish_metrics(self, period_s: float = 5.0) -> None:
         while not self._stopped.wait(period_s):

@@ -81,7 +81,9 @@ class Lookups:
         if not self._answered(lookup.ready, grace=posted):
             return None, False
         if not lookup.answered:
-            tracked.hit_tokens = self._hit_tokens(lookup.take_answers(), lookup)
+            leases = lookup.take_answers()
+            self._stats.add(lookup_calls=sum(lease.calls for lease in leases))
+            tracked.hit_tokens = self._hit_tokens(leases, lookup)
             if self._handoff_waits(tracked, num_computed_tokens):
                 self.release(tracked)  # looked up again after the backoff
                 return None, False

@@ -244,6 +244,14 @@ class TrackedRequest:
             return known[blocks.start:blocks.stop]
         return [known[i] for i in blocks]
 
+    def family(self, rank: int) -> bytes:
+        """The family root of the request's blocks on one rank: the key of its prompt's first
+        block, as its lookup asks for it first (``Lookups._post``)."""
+        geometry = self.geometry
+        if geometry.attn:
+            return self.attn_keys(rank, geometry.attn[0], range(1))[0]
+        return geometry.state_key(rank, self.request.block_hashes, geometry.states[0], geometry.lcm)
+
     def saved_tokens(self) -> int:
         """Tokens below which every attention group's blocks are saved or need no save."""
         sizes = self.geometry.block_sizes

@@ -71,7 +71,8 @@ class Results:
             stored = locations.take(rows)
             if result.checksums is not None:
                 stored.checksum = result.checksums[rows].astype(np.int64)
-            landed.append(Publishes([job.keys[row] for row in rows.tolist()], stored, job.tokens[rows]))
+            landed.append(Publishes([job.keys[row] for row in rows.tolist()], stored, job.tokens[rows],
+                                    [job.families[row] for row in rows.tolist()]))
             for row in np.flatnonzero(~result.landed).tolist():
                 pool, token = locations.pools[locations.pool[row]], int(job.tokens[row])
                 if result.uncertain:

@@ -17,8 +17,9 @@ from ucm_ray.vllm.metadata import BlockSaves
 from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID
 from ucm_ray.vllm.scheduler.request import TrackedRequests
 
-SaveRow = tuple[int, int, int, bytes]
-"""(rank, group, vLLM block id, key) of a block to save."""
+SaveRow = tuple[int, int, int, bytes, bytes]
+"""(rank, group, vLLM block id, key, family root) of a block to save (the root: the key of its
+prompt's first block on that rank, where writer-local placement tells other nodes about it)."""
 
 
 @dataclass
@@ -32,11 +33,14 @@ class SaveRows:
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the grant of each row's slot
+    families: list[bytes] = field(default_factory=list)
 
-    def add(self, group: int, block_id: int, key: bytes, pool: PoolKey, offset: int, size: int, token: int) -> None:
+    def add(self, group: int, block_id: int, key: bytes, family: bytes, pool: PoolKey, offset: int, size: int,
+            token: int) -> None:
         self.groups.append(group)
         self.block_ids.append(block_id)
         self.keys.append(key)
+        self.families.append(family)
         self.pools.append(pool)
         self.offsets.append(offset)
         self.sizes.append(size)
@@ -59,6 +63,7 @@ class SaveInFlight:
     requests they belong to."""
 
     keys: list[bytes]
+    families: list[bytes]
     locations: Locations
     tokens: np.ndarray
     block_ids: np.ndarray
@@ -100,8 +105,8 @@ class SaveJobs:
             for (pool_at, size), members in sorted(classes.items()):
                 slots = self._slots.take(pools[pool_at], size, len(members))
                 for row, (token, offset) in zip(members, slots):
-                    rank, group, block_id, key = rows[row]
-                    saves[rank].add(group, block_id, key, pools[pool_at], offset, size, token)
+                    rank, group, block_id, key, family = rows[row]
+                    saves[rank].add(group, block_id, key, family, pools[pool_at], offset, size, token)
                 bound[members[:len(slots)]] = True
         return bound
 
@@ -118,8 +123,9 @@ class SaveJobs:
                                   np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=np.uint64))
             job = BlockSaves(next(self._job_ids), np.asarray(rows.groups, dtype=np.int64),
                              np.asarray(rows.block_ids, dtype=np.int64), locations)
-            self.in_flight[job.job_id] = SaveInFlight(rows.keys, locations, np.asarray(rows.tokens, dtype=np.int64),
-                                                      job.block_ids, requests, self._clock())
+            self.in_flight[job.job_id] = SaveInFlight(rows.keys, rows.families, locations,
+                                                      np.asarray(rows.tokens, dtype=np.int64), job.block_ids,
+                                                      requests, self._clock())
             for req_id in requests:
                 self._requests.by_id[req_id].save_jobs.add(job.job_id)
             out[rank] = job

@@ -224,7 +224,7 @@ class SavePlanner:
     def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> tuple[list[SaveRow], list[BlockAt]]:
         """The blocks to save now, as rows, and the (group, rank, block index) of each: those
         filled since the last plan, and pending ones now valid (first)."""
-        wanted: list[SaveRow] = []  # rank, group, vLLM block id, key
+        wanted: list[SaveRow] = []  # rank, group, vLLM block id, key, family root
         pending: list[BlockAt] = []  # where each is
         for g in self._geometry.attn:
             size = self._geometry.block_sizes[g]
@@ -235,8 +235,9 @@ class SavePlanner:
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
                 blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                family = tracked.family(rank)
                 for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
-                    wanted.append((rank, g, tracked.block_ids[g][i], key))
+                    wanted.append((rank, g, tracked.block_ids[g][i], key, family))
                     pending.append((g, rank, i))
             tracked.saved_blocks[g] = max(first, full)
         return wanted, pending
@@ -280,7 +281,7 @@ class SavePlanner:
             for rank in range(len(geometry.namespaces)):
                 for g in geometry.states:
                     wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
-                                   geometry.state_key(rank, hashes, g, pos)))
+                                   geometry.state_key(rank, hashes, g, pos), tracked.family(rank)))
             tracked.last_state_pos = pos
         if wanted:
             lost = int((~self.jobs.bind(saves, wanted)).sum())  # a state cannot wait: it is lost

@@ -1,0 +1,114 @@
+"""Writer-local lookups and hints: finding a prompt's blocks wherever their writers put them.
+
+With ``placement: writer_local`` a block lives on its writer's node, so a lookup first reads
+this node's shards (their published indexes: no call), then asks the owner of the prompt's
+family root where the rest is (one call for the whole prompt, see ``shard.hints``), then pins
+those blocks where they are (a call per pool that has some, as any pin). Writers tell the root's
+owners what they committed (``HintPoster``), after the commit and without waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from ucm_ray.store.engine.acquire import Acquire
+from ucm_ray.store.engine.calls import Fanout, ShardAccess
+from ucm_ray.store.types import Pending, Publishes, ReadLease, ShardRecord
+from ucm_ray.transport.base import PoolKey
+
+
+class FamilyAcquire(Pending[ReadLease]):
+    """A lookup in three steps, each posted when the one before has answered: this node's shards
+    (``local``, an ``Acquire`` over the writer-local owners), the family root's owner for what
+    they lack (``where``), then a pin on the pools it names. Every miss of a step is a miss, never
+    an error: a root owner that fails or never heard of the family leaves the local finds."""
+
+    def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
+                 shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord]) -> None:
+        self._access = access
+        self._keys = keys
+        self._pin = pin
+        self._shards = shards
+        self._local = local
+        self._root_owners = root_owners
+        self._missing: np.ndarray | None = None  # rows the local step did not find
+        self._where: Fanout[list[tuple[PoolKey, ...]] | None] | None = None
+        self._remote: Acquire | None = None
+        self._remote_rows: np.ndarray | None = None
+
+    def poll(self) -> bool:
+        if self._missing is None:
+            if not self._local.poll():
+                return False
+            self._ask_where()
+        if self._where is not None and self._remote_rows is None:
+            if not self._where.poll():
+                return False
+            self._pin_where(self._where.result())
+        return self._remote is None or self._remote.poll()
+
+    def result(self) -> ReadLease:
+        if self._missing is None:
+            self._local.result()
+            self._ask_where()
+        if self._where is not None and self._remote_rows is None:
+            self._pin_where(self._where.result())
+        lease = self._local.result()
+        if self._remote is not None and self._remote_rows is not None:
+            lease.merge(self._remote_rows, self._remote.result())
+            self._remote = None
+        return lease
+
+    def _ask_where(self) -> None:
+        lease = self._local.result()
+        self._missing = np.flatnonzero(~lease.locations.found())
+        owner = next((rec for rec in self._root_owners if not self._access.suspects.suspect(rec)), None)
+        if not len(self._missing) or owner is None:
+            return
+        keys = [self._keys[i] for i in self._missing.tolist()]
+        posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys)
+        self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
+        lease.calls += 1
+
+    def _pin_where(self, answer: list[tuple[PoolKey, ...]] | None) -> None:
+        """Pin each missing key on the pools the root's owner named that are still members."""
+        assert self._missing is not None
+        self._remote_rows = np.zeros(0, dtype=np.int64)
+        if not answer:
+            return
+        at = {rec.key: i for i, rec in enumerate(self._shards)}
+        candidates = [[at[pool] for pool in map(tuple, pools) if pool in at] for pools in answer]
+        rows = [i for i, found in enumerate(candidates) if found]
+        if not rows:
+            return
+        width = max(len(candidates[i]) for i in rows)
+        # a row shorter than the widest repeats its last pool: ``Acquire`` only moves down a row
+        owners = np.asarray([candidates[i] + candidates[i][-1:] * (width - len(candidates[i])) for i in rows],
+                            dtype=np.int64)
+        self._remote_rows = self._missing[rows]
+        self._remote = Acquire(self._access, [self._keys[i] for i in self._remote_rows.tolist()], self._pin,
+                               self._shards, owners)
+
+
+class HintPoster:
+    """Tells the owners of each committed block's family root which pool now holds it: one
+    ``register_hints`` call per (root owner, pool), posted and never awaited (a lost hint is a
+    miss for readers on other nodes, nothing worse)."""
+
+    def __init__(self, access: ShardAccess) -> None:
+        self._access = access
+
+    def post(self, publish: Publishes, visible: Sequence[bool], root_owners: list[list[ShardRecord]]) -> None:
+        """``root_owners``: per row of ``publish``, the owners of its family root."""
+        batches: dict[tuple[PoolKey, PoolKey], tuple[ShardRecord, list[bytes]]] = {}
+        pools = publish.locations.pools
+        for row, (key, shown, owners) in enumerate(zip(publish.keys, visible, root_owners)):
+            if not shown:
+                continue
+            pool = pools[int(publish.locations.pool[row])]
+            for owner in owners:
+                batches.setdefault((owner.key, pool), (owner, []))[1].append(key)
+        for (_, pool), (owner, keys) in batches.items():
+            self._access.poster.post(owner.handle.register_hints, owner.pool.incarnation, pool, keys)

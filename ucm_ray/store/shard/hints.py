@@ -1,0 +1,64 @@
+"""FamilyHints: which pools hold blocks that were written on other nodes (writer-local placement).
+
+With ``placement: writer_local`` a block's bytes stay in a pool on its writer's node, so a
+reader elsewhere cannot compute where they are. Every writer therefore tells the owner of the
+prompt's *family root* (the prompt's first block key: ``owners(root)``) which pool holds each
+block it committed; a reader asks that one shard about all of its prompt's blocks in one call,
+then pins them where they are. A prompt's blocks share its root, so one call answers for a
+prompt of any length.
+
+A hint is only a hint: the pool it names is asked to pin the key, and that pool's index, with
+its incarnation fencing, generation and checksum rules, decides what a reader gets. A stale
+hint (the block evicted there, the pool restarted) costs a wasted pin call and is a miss,
+never wrong bytes; hints are therefore not removed when their block is evicted, only aged out
+(least recently registered or asked first) when the table is full.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ucm_ray.transport.base import PoolKey
+
+MAX_POOLS_PER_KEY = 4
+"""Pools remembered per key (the most recent): copies beyond a few add pin calls, not hits."""
+
+
+class FamilyHints:
+    """Key -> the pools that registered it, most recent last; bounded, least recently used out."""
+
+    def __init__(self, max_keys: int) -> None:
+        self._max_keys = max_keys
+        self._pools: OrderedDict[bytes, tuple[PoolKey, ...]] = OrderedDict()
+        self.registered = 0
+        self.asked = 0
+        self.answered = 0
+
+    def register(self, pool: PoolKey, keys: Sequence[bytes]) -> None:
+        """``pool`` now holds ``keys`` (committed there)."""
+        table = self._pools
+        for key in keys:
+            known = table.pop(key, ())
+            table[key] = (tuple(p for p in known if p != pool) + (pool,))[-MAX_POOLS_PER_KEY:]
+        self.registered += len(keys)
+        while len(table) > self._max_keys:
+            table.popitem(last=False)
+
+    def where(self, keys: Sequence[bytes]) -> list[tuple[PoolKey, ...]]:
+        """Per key, the pools that said they hold it, most recent first (empty: none)."""
+        table = self._pools
+        out: list[tuple[PoolKey, ...]] = []
+        for key in keys:
+            pools = table.get(key)
+            if pools is None:
+                out.append(())
+                continue
+            table.move_to_end(key)
+            out.append(pools[::-1])
+        self.asked += len(keys)
+        self.answered += sum(1 for pools in out if pools)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._pools)
