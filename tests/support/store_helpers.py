@@ -65,6 +65,29 @@ class ClientProcess:
         self.client.register_local(buf)
         return self.client.put([key(i, tag) for i in range(n)], views)
 
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def read(self, n: int, seed: int = 0, tag: str = "k", *, diverge_at: int | None = None,
+             gone: str | None = None) -> dict:
+        """Look up and read blocks 0..n-1 of ``tag`` (from ``diverge_at`` on, keys of another tag:
+        a prompt that leaves a stored one mid-way), once the membership lacks shard ``gone``;
+        how many were found, how many came back exact, the shard calls the lookup took."""
+        deadline = time.monotonic() + 30
+        while gone is not None and gone in self.client.membership.shard_ids and time.monotonic() < deadline:
+            self.client.refresh(force=True)
+            time.sleep(0.1)
+        keys = [key(i, tag if diverge_at is None or i < diverge_at else tag + "-other") for i in range(n)]
+        lease = self.client.acquire(keys).result()
+        self.client.release(lease.lease_ids).result()
+        sizes = [SIZES[i % len(SIZES)] for i in range(n)]
+        buf = torch.zeros(sum(sizes), dtype=torch.uint8)
+        self.client.register_local(buf)
+        views = list(torch.split(buf, sizes))
+        ok = self.client.get(keys, views)
+        exact = sum(1 for i, (hit, view) in enumerate(zip(ok, views)) if hit and torch.equal(view, block(i, seed)))
+        return {"found": int(lease.locations.found().sum()), "got": sum(ok), "exact": exact, "calls": lease.calls}
+
     def transports(self) -> list[str]:
         return sorted({self.client.transport_kind(s) for s in self.client.membership.shard_ids})
 

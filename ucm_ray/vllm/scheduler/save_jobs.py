@@ -86,10 +86,10 @@ class SaveJobs:
         self.in_flight: dict[int, SaveInFlight] = {}
 
     def bind(self, saves: SaveRowsByRank, rows: list[SaveRow]) -> np.ndarray:
-        """Bind granted slots on the owners of each (rank, group, vLLM block id, key) to it, as
+        """Bind granted slots on the owners of each row's key to it, as
         rows of its rank's saves. Per row, whether any replica got a slot (vLLM's placeholder
         block counts as saved: it holds no data of the request); those without wait."""
-        bound = np.asarray([block_id == NULL_BLOCK_ID for _, _, block_id, _ in rows], dtype=bool)
+        bound = np.asarray([row[2] == NULL_BLOCK_ID for row in rows], dtype=bool)
         real = np.flatnonzero(~bound)
         if not len(real):
             return bound

@@ -1,0 +1,49 @@
+"""Driver of the writer-local store test, run in a process of its own against a three-node
+``PrivateCluster`` (one shard per node): clients on different nodes write and read through
+``StoreClient``; prints one JSON line of what each saw and what each shard holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+
+from tests.support.store_helpers import ClientProcess
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet
+
+BLOCKS = 48
+DIVERGE_AT = 30
+
+
+def main(address: str, placement: str) -> None:
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace=f"wlocal_{placement}", pool_bytes=32 << 20,
+                                               shard_cpus=0, lookup_timeout_s=30, placement=placement), 1)
+    try:
+        clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(config.to_dict()) for i in range(3)]
+        written = ray.get(clients[1].write.remote(BLOCKS, 5, "doc"))
+        status = fleet_status(config)["shards"]
+        node_of = {s["shard_id"]: s["node_id"] for s in status}
+        result = {
+            "written": sum(written),
+            "entries_by_node": {node_of[s["shard_id"]]: s["entries"] for s in status},
+            "hints_by_node": {node_of[s["shard_id"]]: s["hints"] for s in status},
+            "writer_node": ray.get(clients[1].node.remote()),
+            "same_node": ray.get(clients[1].read.remote(BLOCKS, 5, "doc")),
+            "other_node": ray.get(clients[2].read.remote(BLOCKS, 5, "doc")),
+            "diverged": ray.get(clients[0].read.remote(BLOCKS, 5, "doc", diverge_at=DIVERGE_AT)),
+        }
+        # the writer's shard dies: its blocks are misses everywhere else, never wrong bytes
+        writer_shard = next(s["shard_id"] for s in status if s["node_id"] == result["writer_node"])
+        ray.kill(ray.get_actor(writer_shard, namespace=config.ray_namespace))
+        result["after_kill"] = ray.get(clients[2].read.remote(BLOCKS, 5, "doc", gone=writer_shard))
+        print(json.dumps(result), flush=True)
+    finally:
+        stop_fleet(config)
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
