@@ -90,6 +90,10 @@ class Engine:
             self.llm.llm_engine.step()
         scheduler.connector.scheduler_part.flush(timeout_s=10.0)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache: the next request's hit can only come from the store."""
+        return bool(self.llm.reset_prefix_cache())
+
     def connector_totals(self) -> dict[str, dict[str, Any]]:
         """The connector's counters since start-up (scheduler and worker parts)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -1,8 +1,10 @@
 """Multi-node on one machine: a three-raylet cluster (``ray.cluster_utils.Cluster``), one
-shard per node. Engine B on node 1 reads the blocks its node's shard owns through shared
-memory and the others' through NIXL (what ``transport: auto`` picks for another node's
-shard); its hit is the policy's and its greedy tokens equal an engine without the connector,
-as on one node."""
+shard per node, writer-local placement (the default). Engine A on node 2 saves a document and
+the bytes stay on node 2's shard; engine B on node 1 finds them through the family root's owner
+(one call) and one pin on node 2's shard, and loads them over NIXL (what ``transport: auto``
+picks for another node's shard); its hit is the policy's and its greedy tokens equal an engine
+without the connector, as on one node. With node 2's shard killed, B (its own cache emptied)
+misses and still answers as the reference does."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def model(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-def test_engine_reads_its_node_over_shm_and_other_nodes_over_nixl(model):
+def test_saves_stay_on_the_writers_node_and_another_node_loads_them_over_nixl(model):
     cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests/support/multinode_driver.py"), cluster.address, model,
@@ -42,9 +44,17 @@ def test_engine_reads_its_node_over_shm_and_other_nodes_over_nixl(model):
     assert result["hit_tokens"] == expected == DOCUMENT
     assert result["cached"] == DOCUMENT  # vLLM's own count: B's cache was empty, all of it came from the store
     assert result["tokens"] == result["reference"]
+    entries = dict(result["entries"])
+    assert entries.pop(result["writer_node"]) > 0 and set(entries.values()) == {0}  # saves stayed on node 2
     worker = result["worker"]
-    print(f"multinode: hit_tokens={result['hit_tokens']} loaded_shm_bytes={worker.get('loaded_shm_bytes', 0)} "
+    print(f"multinode: hit_tokens={result['hit_tokens']} lookup_calls={result['lookup_calls']} "
+          f"loaded_shm_bytes={worker.get('loaded_shm_bytes', 0)} "
           f"loaded_nixl_bytes={worker.get('loaded_nixl_bytes', 0)} failures={worker.get('load_failures', 0)}")
-    assert worker.get("loaded_shm_bytes", 0) > 0 and worker.get("loaded_nixl_bytes", 0) > 0
-    assert worker["loaded_shm_bytes"] + worker["loaded_nixl_bytes"] == worker["loaded_copy_bytes"]
+    # B's one lookup: the family root's owner, then one pin on node 2's shard (the simulation's
+    # writer-local figure for a prompt of one writer: 1 index call + the pin where the bytes are)
+    assert result["lookups"] == 1 and result["lookup_calls"] == 2
+    assert worker.get("loaded_shm_bytes", 0) == 0 and worker["loaded_nixl_bytes"] == worker["loaded_copy_bytes"] > 0
     assert worker.get("load_failures", 0) == 0
+    after = result["after_kill"]
+    assert after["hit_tokens"] == result["hit_tokens"]  # no new hit: the only copy died with its shard
+    assert after["tokens"] == after["reference"]

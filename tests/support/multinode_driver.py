@@ -1,12 +1,14 @@
 """Driver of the multi-node test, run in a process of its own against a ``PrivateCluster``
 of three nodes: a fleet with one shard per node, engine A (the connector on) on node 2 serves
 a document, engine B on node 1 serves the same document with another question, and a
-reference engine without the connector serves B's prompt. Prints one JSON line of results."""
+reference engine without the connector serves B's prompts. Then node 2's shard is killed and B,
+its own prefix cache emptied, serves the document with a third question. Prints one JSON line."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import ray
@@ -14,12 +16,23 @@ import ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
 from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet
+from ucm_ray.store.types import DIRECTORY_NAME
 from ucm_ray.tiny_model import synthetic_prompt
 
 
 def engine_on(resource: str, model: str, kv: dict[str, Any] | None) -> Any:
     remote = ray.remote(num_cpus=0, resources={resource: 0.01}, runtime_env={"env_vars": ENGINE_ENV})(Engine)
     return remote.remote(model, kv)
+
+
+def kill_shard(config: UcmRayConfig, shard_id: str) -> None:
+    """Kill a shard and wait until the directory has dropped it."""
+    ray.kill(ray.get_actor(shard_id, namespace=config.ray_namespace))
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
+    deadline = time.monotonic() + 30
+    while shard_id in ray.get(directory.membership.remote(), timeout=10).shard_ids:
+        assert time.monotonic() < deadline, "the directory never noticed the kill"
+        time.sleep(0.1)
 
 
 def main(address: str, model: str, document_tokens: int) -> None:
@@ -33,14 +46,29 @@ def main(address: str, model: str, document_tokens: int) -> None:
         document = synthetic_prompt(model, document_tokens, seed=21)
         first = document + synthetic_prompt(model, 40, seed=22)
         second = document + synthetic_prompt(model, 40, seed=23)
+        third = document + synthetic_prompt(model, 40, seed=24)
         ray.get(writer.generate.remote(first, 8))  # its commits are flushed before it returns
         answer = ray.get(reader.generate.remote(second, 8))
         expected = ray.get(reference.generate.remote(second, 8))
         totals = ray.get(reader.connector_totals.remote())
-        shards = {s["shard_id"]: s["node_id"] for s in fleet_status(config)["shards"]}
-        print(json.dumps({"shard_nodes": shards, "num_tokens": len(second), "tokens": answer["tokens"],
+        status = fleet_status(config)["shards"]
+        shards = {s["shard_id"]: s["node_id"] for s in status}
+        writer_node = ray.get(ray.remote(num_cpus=0, resources={"node_2": 0.01})(
+            lambda: ray.get_runtime_context().get_node_id()).remote())
+        kill_shard(config, next(s for s, node in shards.items() if node == writer_node))
+        ray.get(reader.reset_prefix_cache.remote())
+        after = ray.get(reader.generate.remote(third, 8))
+        after_totals = ray.get(reader.connector_totals.remote())
+        print(json.dumps({"shard_nodes": shards, "writer_node": writer_node,
+                          "entries": {s["node_id"]: s["entries"] for s in status},
+                          "num_tokens": len(second), "tokens": answer["tokens"],
                           "cached": answer["cached"], "reference": expected["tokens"],
-                          "hit_tokens": totals["scheduler"].get("hit_tokens", 0), "worker": totals["worker"]}),
+                          "hit_tokens": totals["scheduler"].get("hit_tokens", 0),
+                          "lookups": totals["scheduler"].get("lookups", 0),
+                          "lookup_calls": totals["scheduler"].get("lookup_calls", 0), "worker": totals["worker"],
+                          "after_kill": {"tokens": after["tokens"],
+                                         "reference": ray.get(reference.generate.remote(third, 8))["tokens"],
+                                         "hit_tokens": after_totals["scheduler"].get("hit_tokens", 0)}}),
               flush=True)
     finally:
         stop_fleet(config)
