@@ -475,4 +475,100 @@ class CopyOnSecondRead(PrefixRooted):
         return positions
 
 
-DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted, CopyOnSecondRead)
+class BuiltFirstBlockRoot(WriterDesign):
+    """(f) what ``placement: writer_local`` builds today (issue 40's first slice), counted as the
+    build counts it: data on the writer's node; every block's hint at the owner of its prompt's
+    first block (no hot-prefix table, no copies); a lookup that finds the whole prompt on its node
+    makes no call, else one call to the root's owner (same node or not: a Ray call) plus one pin
+    call per other node whose pool holds a block of the hit. Hints are never removed: a block
+    evicted under one is found at the pin (``stale``), as the shard's pin would find it."""
+
+    name = "f built: 1st-block root"
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self.root_of: dict[bytes, bytes] = {}
+        self._previous: int | None = None
+        """The source of the block before, in the walk under way."""
+
+    def serve(self, req: Request) -> RequestTally:
+        tally = RequestTally(prompt_tokens=req.tokens)
+        keys = req.keys
+        root_owner = int(self.cluster.placement.primary(keys[:1])[0])
+        local = self.cluster.stored[req.node]
+        if not all(key in local for key in keys):
+            tally.lookup_calls = 1
+            self.stats.calls_received[root_owner] += 1
+            if root_owner != req.node:
+                tally.touched.add(root_owner)
+        hit, sources = self.walk(req, tally)
+        pinned = set(sources) - {req.node}
+        tally.lookup_calls += len(pinned)
+        for source in pinned:
+            self.stats.calls_received[source] += 1
+        copied = self.copy_loaded(req, tally, hit, sources)
+        stored = copied + self.save_local(req, keys[hit:])
+        for key in stored:
+            self.root_of[key] = keys[0]
+        if stored:
+            self.stats.message(root_owner, tally, len(stored), req.node)
+        return tally
+
+    def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
+        """(f) copies nothing it loaded."""
+        return []
+
+    def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
+        self._previous = None
+        return super().walk(req, tally)
+
+    def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
+        """A copy on this node, else the previous block's source if it holds the key, else the
+        most recently registered one that does (the order the shard's hints answer in, reordered
+        as ``store.engine.family`` reorders them)."""
+        listed = self.locs.get(key)
+        if not listed:
+            return None
+        order = ([node] if node in listed else []) + ([self._previous] if self._previous in listed else [])
+        order += [where for where in reversed(listed) if where != node]
+        found = self._first_holding(key, order, tally)
+        if found != node:
+            self._previous = found
+        return found
+
+    def _first_holding(self, key: bytes, order: list[int], tally: RequestTally) -> int | None:
+        for where in dict.fromkeys(order):
+            if key in self.cluster.stored[where]:
+                return where
+            tally.stale += 1
+        return None
+
+    def flush(self) -> None:
+        """No removals: the shard's hint table only ages entries out (``shard.hints``); an
+        evicted block stays listed, a stale hint met at the pin."""
+        self._evicted = []
+
+    def entries(self) -> tuple[list[bytes], list[bytes]]:
+        keys = [key for key in self.root_of if key in self.locs]
+        return keys, [self.root_of[key] for key in keys]
+
+
+class BuiltCopyOnRead(BuiltFirstBlockRoot):
+    """(g) (f), and a reader saves on its node every block of its hit that it loaded from another
+    node (the connector re-saving a remote hit after loading it), registered as (f) registers:
+    the next reader of the prefix finds all of it at its latest writer, one pin. Copies cost pool
+    room (evictions) and local pool writes, no network bytes."""
+
+    name = "g built + copy on read"
+
+    def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
+        remote = [req.keys[position] for position in range(hit) if sources[position] != req.node]
+        if not remote:
+            return []
+        stored = self.save_local(req, remote)
+        tally.copy_bytes += len(stored) * self.cluster.block_bytes
+        return stored
+
+
+DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted, CopyOnSecondRead,
+                                     BuiltFirstBlockRoot, BuiltCopyOnRead)

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from benchmarks.scale.cluster import Cluster, Placement, owners_under, shard_ids
-from benchmarks.scale.designs import CopyOnSecondRead, DesignParams, PerBlock, PrefixRooted
+from benchmarks.scale.designs import (
+    BuiltCopyOnRead,
+    BuiltFirstBlockRoot,
+    CopyOnSecondRead,
+    DesignParams,
+    PerBlock,
+    PrefixRooted,
+)
 from benchmarks.scale.metrics import Movement, Row, summarise
 from benchmarks.scale.runner import ConfigResult, run_config
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Workload, WorkloadSpec
@@ -56,9 +63,21 @@ def test_per_block_lookups_grow_with_nodes_while_rooted_stay_within_two(small: C
 
 def test_rooted_sends_no_save_bytes_off_node(small: ConfigResult, larger: ConfigResult) -> None:
     for result in (small, larger):
-        assert _row(result, PrefixRooted.name).save_off_mib == 0
-        assert _row(result, CopyOnSecondRead.name).save_off_mib == 0
+        for writer_local in (PrefixRooted, CopyOnSecondRead, BuiltFirstBlockRoot, BuiltCopyOnRead):
+            assert _row(result, writer_local.name).save_off_mib == 0
         assert _row(result, PerBlock.name).save_off_mib > 0
+
+
+def test_the_built_lookup_grows_with_a_prompts_writers_not_with_nodes(small: ConfigResult,
+                                                                      larger: ConfigResult) -> None:
+    """(f) pins where each block's writer put it: its calls track how many nodes wrote the prompt
+    (chat turns on random engines), far below (a)'s at 60 nodes; copying on read (g) brings a
+    prefix to one node and its lookups near (d)'s."""
+    per_block, built = _row(larger, PerBlock.name), _row(larger, BuiltFirstBlockRoot.name)
+    assert built.calls_p99 < per_block.calls_p99 / 3
+    assert built.hit_delta_points == 0  # nothing evicts at 60 nodes: the same hits as (a)
+    for result in (small, larger):
+        assert _row(result, BuiltCopyOnRead.name).calls_p99 <= _row(result, BuiltFirstBlockRoot.name).calls_p99
 
 
 def test_eviction_happened_where_the_pool_is_small(small: ConfigResult) -> None:

@@ -79,7 +79,7 @@ class FamilyAcquire(Pending[ReadLease]):
         if not answer:
             return
         at = {rec.key: i for i, rec in enumerate(self._shards)}
-        candidates = [[at[pool] for pool in map(tuple, pools) if pool in at] for pools in answer]
+        candidates = _fewest_sources([[at[pool] for pool in map(tuple, pools) if pool in at] for pools in answer])
         rows = [i for i, found in enumerate(candidates) if found]
         if not rows:
             return
@@ -90,6 +90,21 @@ class FamilyAcquire(Pending[ReadLease]):
         self._remote_rows = self._missing[rows]
         self._remote = Acquire(self._access, [self._keys[i] for i in self._remote_rows.tolist()], self._pin,
                                self._shards, owners)
+
+
+def _fewest_sources(candidates: list[list[int]]) -> list[list[int]]:
+    """Each key's pools, reordered so that consecutive keys share a pool where they can: a key
+    that the previous key's first pool also holds is pinned there, else at its most recent
+    writer's. A prefix copied whole by a later writer is then pinned in one call, not one per
+    pool that once registered part of it."""
+    previous: int | None = None
+    out = []
+    for pools in candidates:
+        if previous in pools and pools[0] != previous:
+            pools = [previous] + [pool for pool in pools if pool != previous]
+        out.append(pools)
+        previous = pools[0] if pools else None
+    return out
 
 
 class HintPoster:

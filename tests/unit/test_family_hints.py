@@ -1,0 +1,41 @@
+"""The shard's family hints (writer-local placement) and the reader's choice of pools."""
+
+from __future__ import annotations
+
+from ucm_ray.store.engine.family import _fewest_sources
+from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY, FamilyHints
+
+A, B, C = ("a", 1), ("b", 2), ("c", 3)
+
+
+def test_where_answers_the_registered_pools_most_recent_first():
+    hints = FamilyHints(max_keys=100)
+    hints.register(A, [b"k1", b"k2"])
+    hints.register(B, [b"k2"])
+    assert hints.where([b"k1", b"k2", b"k3"]) == [(A,), (B, A), ()]
+    hints.register(A, [b"k2"])  # registered again: most recent again, listed once
+    assert hints.where([b"k2"]) == [(A, B)]
+    assert (hints.asked, hints.answered) == (4, 3)
+
+
+def test_a_key_keeps_its_most_recent_pools_only():
+    hints = FamilyHints(max_keys=100)
+    pools = [(f"s{i}", i) for i in range(MAX_POOLS_PER_KEY + 2)]
+    for pool in pools:
+        hints.register(pool, [b"k"])
+    assert hints.where([b"k"]) == [tuple(reversed(pools[-MAX_POOLS_PER_KEY:]))]
+
+
+def test_the_table_is_bounded_and_drops_the_least_recently_used():
+    hints = FamilyHints(max_keys=3)
+    hints.register(A, [b"k1", b"k2", b"k3"])
+    hints.where([b"k1"])  # asked: used
+    hints.register(B, [b"k4"])
+    assert len(hints) == 3
+    assert hints.where([b"k1", b"k2", b"k3", b"k4"]) == [(A,), (), (A,), (B,)]
+
+
+def test_consecutive_keys_are_pinned_on_one_pool_where_they_can_be():
+    # key 0 only on pool 1; keys 1-2 on pools 2 (most recent) and 1; key 3 only on 2
+    assert _fewest_sources([[1], [2, 1], [2, 1], [2]]) == [[1], [1, 2], [1, 2], [2]]
+    assert _fewest_sources([[], [3, 1], [1, 3]]) == [[], [3, 1], [3, 1]]
