@@ -20,6 +20,7 @@ GAUGES = {
     "entries": "Committed entries (blocks, states) in the pool.",
     "pending_bytes": "Bytes granted to writers and not yet committed or freed.",
     "quarantined_bytes": "Bytes of lapsed write grants held back until no late write can land.",
+    "hints": "Keys this shard can say the pool of (writer-local placement: blocks of the families it roots).",
 }
 COUNTERS = {
     "lookups": "Keys readers asked this shard for (the connector's lookups, per key).",
@@ -33,6 +34,9 @@ COUNTERS = {
     "removals": "Entries removed (failed checksum).",
     "expired_leases": "Read pins that lapsed before their reader released them.",
     "expired_reservations": "Write grants that lapsed before their writer committed.",
+    "hints_registered": "Keys writers registered here as committed in their node's pool (writer-local placement).",
+    "hints_asked": "Keys readers on other nodes asked this shard where they are.",
+    "hints_answered": "Of those, the keys it named a pool for.",
 }
 TAG_KEYS = ("shard", "node")
 
@@ -49,9 +53,10 @@ class ShardMetrics:
         self._last: dict[str, int] = {n: 0 for n in COUNTERS}
         self._lock = threading.Lock()  # the shard's metrics thread and its stats() both publish
 
-    def publish(self, stats: Any) -> None:
+    def publish(self, stats: Any, extra: dict[str, int] | None = None) -> None:
+        """``stats``: the index's ``IndexStats``; ``extra``: the shard's other figures (hints)."""
         with self._lock:
-            self._publish(asdict(stats))
+            self._publish({**asdict(stats), **(extra or {})})
 
     def _publish(self, values: dict[str, Any]) -> None:
         for n, g in self._gauges.items():

@@ -27,6 +27,7 @@ def test_a_lease_shorter_than_two_step_deadlines_is_refused():
 @pytest.mark.parametrize("data, names", [
     ({"pool_size": "1GiB"}, ["pool_size", "pool_bytes"]),        # unknown key lists allowed keys
     ({"transport": "tcp"}, ["transport", "auto | shm | nixl"]),
+    ({"placement": "spread"}, ["placement", "writer_local | per_block"]),
     ({"num_shards": 0}, ["num_shards", "between 1 and 1024"]),
     ({"num_shards": 2, "replication": 3}, ["replication", "num_shards"]),
     ({"pool_bytes": "lots"}, ["pool_bytes", "1GiB"]),

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucm_ray.config import DISK_IO, DISK_WRITE_POLICIES, TRANSPORTS, ConfigError, UcmRayConfig
+from ucm_ray.config import DISK_IO, DISK_WRITE_POLICIES, PLACEMENTS, TRANSPORTS, ConfigError, UcmRayConfig
 
 FAST = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -74,6 +74,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "pool_bytes": pool,
         "replication": draw(st.integers(1, num_shards)),
         "transport": draw(st.sampled_from(TRANSPORTS)),
+        "placement": draw(st.sampled_from(PLACEMENTS)),
         "layerwise": draw(st.booleans()),
         "load_at_once_ratio": draw(st.integers(0, 1 << 20)),
         "lookup_timeout_s": draw(_seconds(0.01, 3600)),
@@ -181,6 +182,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
         st.floats(4096, 1 << 40).filter(lambda f: not f.is_integer()), _GARBAGE, _NON_FINITE,
         st.just(True), st.none()),
     "transport": st.one_of(_GARBAGE.filter(lambda s: s not in TRANSPORTS), _NOT_A_STRING),
+    "placement": st.one_of(_GARBAGE.filter(lambda s: s not in PLACEMENTS), _NOT_A_STRING),
     "layerwise": st.one_of(_GARBAGE.filter(lambda s: s.lower() not in ("true", "yes", "on", "false", "no", "off")),
                            st.integers(2), st.none()),
     "checksum": st.one_of(st.sampled_from(["maybe", "2", "", "truee"]), st.integers(min_value=2), st.none()),
@@ -242,7 +244,7 @@ def test_any_invalid_flag_is_one_line_naming_its_key(case):
     bad = written[key]
     if isinstance(bad, bool) or not isinstance(bad, (str, int, float)) or (
             not isinstance(bad, str)
-            and key in ("namespace", "ray_namespace", "ray_address", "transport", "shm_dir", "model_id",
+            and key in ("namespace", "ray_namespace", "ray_address", "transport", "placement", "shm_dir", "model_id",
                         "disk_dir", "disk_write_policy", "disk_io")):
         # what a flag can carry that is still invalid: "" for every key but model_id (where it
         # means "the model's path"), which refuses a tab

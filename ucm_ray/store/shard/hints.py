@@ -60,5 +60,9 @@ class FamilyHints:
         self.answered += sum(1 for pools in out if pools)
         return out
 
+    def stats(self) -> dict[str, int]:
+        return {"hints": len(self._pools), "hints_registered": self.registered, "hints_asked": self.asked,
+                "hints_answered": self.answered}
+
     def __len__(self) -> int:
         return len(self._pools)

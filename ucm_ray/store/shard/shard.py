@@ -179,9 +179,8 @@ class CacheShard:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             s = self._index.stats()
-            hints = {"hints": len(self._hints), "hints_registered": self._hints.registered,
-                     "hints_asked": self._hints.asked, "hints_answered": self._hints.answered}
-        self._metrics.publish(s)
+            hints = self._hints.stats()
+        self._metrics.publish(s, hints)
         return {"shard_id": self._id, "node_id": self._node_id, "node_ip": self._node_ip, "pid": os.getpid(),
                 "incarnation": self._incarnation, **asdict(s), **hints}
 
@@ -189,7 +188,8 @@ class CacheShard:
         while not self._stopped.wait(period_s):
             with self._lock:
                 stats = self._index.stats()
-            self._metrics.publish(stats)
+                hints = self._hints.stats()
+            self._metrics.publish(stats, hints)
 
     @ray.method(concurrency_group="watch")
     def wait_until_death(self) -> None:
