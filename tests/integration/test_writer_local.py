@@ -1,9 +1,10 @@
 """Writer-local placement on a three-node cluster (``ray.cluster_utils.Cluster``, one shard per
 node), through ``StoreClient`` in processes on different nodes: saves stay on the writer's node;
-a reader on another node finds them in one call to the family root's owner plus one pin where
-they are, and reads them exact over NIXL; a prompt that diverges mid-way gets its stored prefix;
-the writer's shard dying makes its blocks misses. ``per_block`` spreads the same saves over
-every node (what writer-local placement is for)."""
+a reader on another node finds them in one call to the family root's owner, then reads the
+writer's published index over NIXL (no pin, no call) and the bytes exact, validated against that
+index after the copy (an entry removed meanwhile is stale); a prompt that diverges mid-way gets
+its stored prefix; the writer's shard dying makes its blocks misses. ``per_block`` spreads the
+same saves over every node (what writer-local placement is for)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_two_calls()
     assert set(entries.values()) == {0}  # nothing left the writer's node
     assert sum(result["hints_by_node"].values()) == BLOCKS  # all at the family root's owner
     assert result["same_node"] == {"found": BLOCKS, "got": BLOCKS, "exact": BLOCKS, "calls": 0}
-    # another node: the root's owner, then one pin on the writer's shard
-    assert result["other_node"] == {"found": BLOCKS, "got": BLOCKS, "exact": BLOCKS, "calls": 2}
+    # another node: one call to the root's owner, then the writer's index read over NIXL
+    assert result["other_node"] == {"found": BLOCKS, "got": BLOCKS, "exact": BLOCKS, "calls": 1}
+    # an entry read unpinned from another node and removed before its copy is validated: stale
+    assert result["removed_mid_copy"] == {"unpinned": 8, "calls": 1, "stale_before": 0, "removed": 8,
+                                          "stale_after": 8, "unreadable": 0}
     diverged = result["diverged"]
     assert diverged["found"] == diverged["got"] == diverged["exact"] == DIVERGE_AT
     after = result["after_kill"]

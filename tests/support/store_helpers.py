@@ -7,10 +7,12 @@ import os
 import signal
 import time
 
+import numpy as np
 import ray
 import torch
 
 from ucm_ray.store.shard.fleet import shard_name, start_fleet
+from ucm_ray.store.types import Removal
 from ucm_ray.store.types import DIRECTORY_NAME
 
 SIZES = (4096, 12288, 65536, 1000, 131072, 777)
@@ -87,6 +89,22 @@ class ClientProcess:
         ok = self.client.get(keys, views)
         exact = sum(1 for i, (hit, view) in enumerate(zip(ok, views)) if hit and torch.equal(view, block(i, seed)))
         return {"found": int(lease.locations.found().sum()), "got": sum(ok), "exact": exact, "calls": lease.calls}
+
+    def validation_after_removal(self, n: int, tag: str = "k") -> dict:
+        """Look blocks 0..n-1 of ``tag`` up unpinned (from published indexes), check the copies
+        would validate, remove the entries at their shard, check again: what a reader whose
+        entry was evicted mid-copy sees."""
+        keys = [key(i, tag) for i in range(n)]
+        lease = self.client.acquire(keys).result()
+        locations = lease.locations
+        unpinned = np.flatnonzero(locations.generation.astype(bool))
+        readers = self.client.access.readers
+        before, unreadable = readers.stale(locations, keys, unpinned)
+        removed = self.client.remove([Removal(keys[i], locations[i]) for i in unpinned.tolist()]).result()
+        after, _ = readers.stale(locations, keys, unpinned)
+        self.client.release(lease.lease_ids).result()
+        return {"unpinned": len(unpinned), "calls": lease.calls, "stale_before": int(before.sum()),
+                "removed": removed, "stale_after": int(after.sum()), "unreadable": len(unreadable)}
 
     def transports(self) -> list[str]:
         return sorted({self.client.transport_kind(s) for s in self.client.membership.shard_ids})

@@ -35,6 +35,9 @@ def main(address: str, placement: str) -> None:
             "other_node": ray.get(clients[2].read.remote(BLOCKS, 5, "doc")),
             "diverged": ray.get(clients[0].read.remote(BLOCKS, 5, "doc", diverge_at=DIVERGE_AT)),
         }
+        # another writer's blocks, read unpinned from another node, then removed at their shard
+        ray.get(clients[0].write.remote(8, 6, "gone"))
+        result["removed_mid_copy"] = ray.get(clients[2].validation_after_removal.remote(8, "gone"))
         # the writer's shard dies: its blocks are misses everywhere else, never wrong bytes
         writer_shard = next(s["shard_id"] for s in status if s["node_id"] == result["writer_node"])
         ray.kill(ray.get_actor(writer_shard, namespace=config.ray_namespace))

@@ -53,11 +53,12 @@ def test_entries_are_found_by_key_and_unlisted_ones_are_misses(path):
     listed = [i for i in range(100) if i != 3]
     assert found.offset[listed].tolist() == [4096 * i for i in listed]
     assert found.checksum[1] == 1 and found.checksum[2] == -1
-    assert reader.validate([key(5), key(3)], [gens[5], gens[3]]).tolist() == [True, False]
+    assert reader.validate([key(5), key(3)], np.array([gens[5], gens[3]]), np.array([4096 * 5, 4096 * 3]),
+                           np.array([4096, 4096])).tolist() == [True, False]
     # the same key listed again is another entry: a copy of the old one does not validate
     table.unpublish(key(5))
     table.publish(key(5), 0, 4096, None)
-    assert reader.validate([key(5)], [gens[5]]).tolist() == [False]
+    assert reader.validate([key(5)], np.array([gens[5]]), np.array([0]), np.array([4096])).tolist() == [False]
     reader.close()
     table.close()
     assert not os.path.exists(path)
@@ -154,7 +155,7 @@ def test_eviction_unlists_an_entry_before_its_slot_is_handed_out(path):
     _, reused = index.reserve(OWNER, 64, 1)  # evicts the least recently used entry
     assert len(reused) == 1
     evicted = found.offset.tolist().index(reused[0])
-    valid = reader.validate(keys, found.generation.tolist()).tolist()
+    valid = reader.validate(keys, found.generation, found.offset, found.size).tolist()
     assert valid == [i != evicted for i in range(8)]  # unlisted already: a copy of it would not count
     table.close()
 

@@ -97,7 +97,7 @@ class HarnessConnector(UcmRayConnector):
     def pool_connections(self, config: UcmRayConfig, node_id: str) -> PoolConnections:
         return self._pool_connections(config.transport, node_id)
 
-    def index_readers(self, node_id: str) -> IndexReaders:
+    def index_readers(self, config: UcmRayConfig, node_id: str) -> IndexReaders:
         return self._index_readers(node_id)
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:

@@ -139,6 +139,10 @@ class PoolDescriptor:
     incarnation: int = 0
     index_path: str | None = None
     """The shard's published index (``store.published_layout``), which same-node readers map."""
+    index_base_addr: int = 0
+    index_bytes: int = 0
+    """Where the same index lies in the shard's memory, registered with its NIXL agent for readers
+    on other nodes (0: not exported)."""
 
     @property
     def key(self) -> PoolKey:

@@ -106,7 +106,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             node = self.node_id(self.ucm_config)
             self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(), node,
                                       pools=self.pool_connections(self.ucm_config, node),
-                                      indexes=self.index_readers(node))
+                                      indexes=self.index_readers(self.ucm_config, node))
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -126,10 +126,10 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         """The worker's transports to the fleet's pools (the test harness may substitute a double)."""
         return PoolConnections(config.transport, node_id)
 
-    def index_readers(self, node_id: str) -> IndexReaders:
+    def index_readers(self, config: UcmRayConfig, node_id: str) -> IndexReaders:
         """The worker's readers of the pools' published indexes, which validate unpinned loads
         (the test harness may substitute readers of another node)."""
-        return IndexReaders(node_id)
+        return IndexReaders(node_id, remote=config.transport != "shm")
 
     @property
     def requires_kv_delivery(self) -> bool:

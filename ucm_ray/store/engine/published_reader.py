@@ -29,6 +29,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ucm_ray.keys import KEY_BYTES
+from ucm_ray.store.engine.remote_index import RemoteIndexReader
 from ucm_ray.store.published_layout import BUCKET, EMPTY, HEADER, MAGIC, TOMBSTONE, key_halves
 from ucm_ray.store.types import NO_CHECKSUM, Found, Locations
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
@@ -102,8 +103,11 @@ class IndexReader:
             at = (at + 1) & mask
         return answer if int(self._header["epoch"][0]) == epoch else None
 
-    def validate(self, keys: Sequence[bytes], generations: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Per key, whether the entry of that generation is still listed (its copy is good)."""
+    def validate(self, keys: Sequence[bytes], generations: np.ndarray, offsets: np.ndarray,
+                 sizes: np.ndarray) -> np.ndarray:
+        """Per key, whether the entry of that generation is still listed (its copy is good); a
+        generation is unique within an incarnation, so offsets and sizes cannot differ here
+        (they matter to ``RemoteIndexReader``, whose reads are not seqlocked)."""
         found = self.lookup(keys)
         if found is None:
             return np.zeros(len(keys), dtype=bool)
@@ -160,15 +164,18 @@ class IndexReader:
 
 
 class IndexReaders:
-    """One process's mappings of the published indexes it can read: pools on its own node that
-    publish one, on a CPU whose ordering the seqlocks rely on. Synced with membership like
-    ``PoolConnections``: an old incarnation's mapping is closed before anything reads it."""
+    """One process's readers of the published indexes it can read: pools on its own node that
+    publish one, mapped, on a CPU whose ordering the seqlocks rely on; with ``remote``, pools on
+    other nodes that export theirs over NIXL (``RemoteIndexReader``). Synced with membership
+    like ``PoolConnections``: an old incarnation's reader is closed before anything reads it."""
 
-    def __init__(self, node_id: str | None) -> None:
-        """``node_id``: this process's node (None: read no index, every lookup is a call)."""
+    def __init__(self, node_id: str | None, *, remote: bool = False) -> None:
+        """``node_id``: this process's node (None: read no index, every lookup is a call);
+        ``remote``: also read other nodes' exported indexes over NIXL."""
         self._node_id = node_id
+        self._remote = remote and node_id is not None
         self._descriptors: dict[PoolKey, PoolDescriptor] = {}
-        self._open: dict[PoolKey, IndexReader | None] = {}
+        self._open: dict[PoolKey, IndexReader | RemoteIndexReader | None] = {}
         self._opening: dict[PoolKey, Future[IndexReader | None]] = {}
 
     def sync(self, descriptors: Mapping[PoolKey, PoolDescriptor]) -> None:
@@ -186,7 +193,7 @@ class IndexReaders:
             if key not in self._open and key not in self._opening and self._readable(desc):
                 self._opening[key] = _open_in_background(desc)
 
-    def get(self, pool: PoolKey) -> IndexReader | None:
+    def get(self, pool: PoolKey) -> IndexReader | RemoteIndexReader | None:
         """The pool's index, or None: not on this node, none published, or not readable here.
         One still being mapped whole is not waited for (a large pool's index takes seconds, and
         a process forked meanwhile lacks the thread): it is mapped here as usual, and the
@@ -194,6 +201,9 @@ class IndexReaders:
         if pool in self._open:
             return self._open[pool]
         desc = self._descriptors.get(pool)
+        if desc is not None and self._remote_readable(desc):
+            self._open[pool] = _open_remote(desc)
+            return self._open[pool]
         opening = self._opening.pop(pool, None)
         if opening is not None and opening.done():
             reader = opening.result()
@@ -206,6 +216,9 @@ class IndexReaders:
         elif reader is not None:
             reader.close()
         return reader
+
+    def _remote_readable(self, desc: PoolDescriptor) -> bool:
+        return self._remote and desc.index_bytes > 0 and desc.node_id != self._node_id
 
     def _readable(self, desc: PoolDescriptor) -> bool:
         return bool(ORDERED_LOADS and desc.index_path and self._node_id is not None and desc.node_id == self._node_id)
@@ -243,11 +256,24 @@ class IndexReaders:
             if reader is None or not all(map(KEY_BYTES.__eq__, map(len, pool_keys))):
                 stale[sel] = True
             else:
-                stale[sel] = ~reader.validate(pool_keys, locations.generation[rows[sel]])
+                at = rows[sel]
+                stale[sel] = ~reader.validate(pool_keys, locations.generation[at], locations.offset[at],
+                                              locations.size[at])
         return stale, unreadable
 
     def close(self) -> None:
         self.sync({})
+
+
+def _open_remote(desc: PoolDescriptor) -> RemoteIndexReader | None:
+    """A reader of another node's exported index, or None where NIXL cannot reach it (then
+    lookups of that pool ask its shard, as without remote reads)."""
+    try:
+        return RemoteIndexReader(desc)
+    except Exception as e:  # noqa: BLE001 -- NIXL missing or the agent unreachable: calls instead
+        log.info("ucm-ray: shard %s's index is not readable from this node (%s): lookups ask it",
+                 desc.shard_id, e)
+        return None
 
 
 def _open_in_background(desc: PoolDescriptor) -> Future[IndexReader | None]:

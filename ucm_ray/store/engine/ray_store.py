@@ -70,7 +70,7 @@ class RayBlockStore(BlockStore):
         self._node_id = node_id
         self.connections = PoolConnections(config.transport, node_id)
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
-        self._readers = IndexReaders(node_id if config.local_lookups else None)
+        self._readers = IndexReaders(node_id if config.local_lookups else None, remote=config.transport != "shm")
         self._suspects = Suspects()
         self._records: dict[PoolKey, ShardRecord] = {}
         self._membership = Membership(0, ())

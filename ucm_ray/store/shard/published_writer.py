@@ -63,6 +63,11 @@ class PublishedIndex:
         self._generation = 0
         self._header[0] = (MAGIC, 0, self.buckets, 1, incarnation, (0, 0, 0))
 
+    def memory(self) -> mmap.mmap:
+        """The table's memory (header and buckets), for the shard to export to other nodes.
+        Views of it must be dropped before ``close``."""
+        return self._mmap
+
     def publish(self, key: bytes, offset: int, size: int, checksum: int | None) -> int:
         """List a committed entry; its generation, or 0 when it is not listed: the table has no
         room for it (then readers ask the shard for what they do not find), or the key is not a

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 import ray
+import torch
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
@@ -64,7 +65,8 @@ class CacheShard:
 
                 try:
                     self._nixl = NixlPoolExporter(self._pool.tensor, f"ucmray-{shard_id}-{uuid.uuid4().hex[:6]}",
-                                                  bind_ip=ray.util.get_node_ip_address())
+                                                  bind_ip=ray.util.get_node_ip_address(),
+                                                  index=torch.frombuffer(self._published.memory(), dtype=torch.uint8))
                 except NixlUnavailableError as e:
                     if cfg.transport == "nixl":
                         raise
@@ -100,6 +102,8 @@ class CacheShard:
             pool_base_addr=self._pool.tensor.data_ptr(),
             incarnation=self._incarnation,
             index_path=self._published.path if self._published is not None else None,
+            index_base_addr=self._nixl.index_base_addr if self._nixl else 0,
+            index_bytes=self._nixl.index_bytes if self._nixl else 0,
         )
 
     # Every control call names the incarnation it was meant for: a client that still

@@ -24,7 +24,10 @@ class NixlPoolExporter:
     shard does no per-transfer work (its UCX progress thread handles wire-up).
     """
 
-    def __init__(self, pool: torch.Tensor, agent_name: str, *, bind_ip: str | None = None) -> None:
+    def __init__(self, pool: torch.Tensor, agent_name: str, *, bind_ip: str | None = None,
+                 index: torch.Tensor | None = None) -> None:
+        """``index``: the shard's published index, registered too, so readers on other nodes
+        can look keys up and validate their copies one-sidedly (``store.engine.remote_index``)."""
         if pool.device.type != "cpu":
             # PoolDescriptor carries no memory type / device for the pool yet.
             raise ValueError("NixlPoolExporter: only host-memory (cpu) pools are supported")
@@ -35,8 +38,14 @@ class NixlPoolExporter:
         self.agent_name = agent_name
         self.base_addr = pool.data_ptr()
         self.pool_bytes = pool.numel() * pool.element_size()
+        self._index = index
+        self.index_base_addr = index.data_ptr() if index is not None else 0
+        self.index_bytes = index.numel() * index.element_size() if index is not None else 0
+        regions = [(self.base_addr, self.pool_bytes, 0, "")]
+        if index is not None:
+            regions.append((self.index_base_addr, self.index_bytes, 0, ""))
         try:
-            self._reg = self._agent.register_memory([(self.base_addr, self.pool_bytes, 0, "")], "DRAM")
+            self._reg = self._agent.register_memory(regions, "DRAM")
         except Exception as e:
             raise NixlUnavailableError(f"NIXL could not register the {self.pool_bytes}-byte pool: {e}") from e
         self._metadata: bytes = self._agent.get_agent_metadata()
@@ -72,6 +81,7 @@ class NixlPoolExporter:
         self._reg = None
         self._agent = None  # joins the progress thread, closes UCX
         self._pool = None
+        self._index = None
         log.info("NIXL agent %s closed", self.agent_name)
 
     def __del__(self) -> None:

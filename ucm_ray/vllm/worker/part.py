@@ -37,7 +37,7 @@ class WorkerPart:
         self._rank = tp_rank
         self.stats = UcmRayStats()
         self._pools = PoolConnections(config.transport, node_id) if pools is None else pools
-        self._indexes = IndexReaders(node_id) if indexes is None else indexes
+        self._indexes = IndexReaders(node_id, remote=config.transport != "shm") if indexes is None else indexes
         self._results = WorkerResults()
         self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats)
         self._loads = StepLoads(self._copies, self._indexes, self._results, self.stats, layerwise=config.layerwise)

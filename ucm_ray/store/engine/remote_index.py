@@ -1,0 +1,137 @@
+"""Another node's published index, read one-sidedly over NIXL: lookups without a Ray call.
+
+A shard exports its published index (``store.published_layout``) with its pool's NIXL agent.
+A reader on another node reads, per key, the window of buckets its probe chain starts with
+(``WINDOW``) and the table's header, in one transfer, and answers as a same-node reader does:
+an entry's location and generation, read unpinned. The copy of its bytes is then validated by
+reading the key's window again: the copy counts only if the entry is listed with the same
+generation, offset and size afterwards (a slot is unlisted before the shard can hand it to a
+writer, so the bytes copied in between are the entry's).
+
+A remote read cannot follow a bucket's seqlock as a local reader does (read the sequence,
+then the fields, then the sequence again), so a bucket read while the shard rewrote it may mix
+two versions. That costs a miss, never wrong bytes: the validation compares every field the
+copy relied on with a second read made after the copy, and a torn first read differs from the
+entry's settled state in some field it read wrong. What the window cannot settle (a chain
+longer than the window, a wrap past the table's end, a table that is not complete, a rebuild
+or a torn bucket) is left unknown, and the lookup asks the shard through Ray as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ucm_ray.store.published_layout import BUCKET, EMPTY, HEADER, MAGIC, TOMBSTONE, key_halves, table_buckets
+from ucm_ray.store.types import NO_CHECKSUM, Found
+from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges
+
+log = logging.getLogger(__name__)
+
+WINDOW = 8
+"""Buckets read per key: at the table's load bound (half full) nearly every chain ends within it."""
+READ_TIMEOUT_S = 0.25
+"""How long a lookup waits for another node's index: past it the lookup asks the shard instead."""
+
+
+class RemoteIndexReader:
+    """Reads one remote shard's published index through a NIXL transport to its exported table."""
+
+    def __init__(self, desc: PoolDescriptor) -> None:
+        from ucm_ray.transport.nixl import NixlPoolTransport
+
+        if not desc.index_bytes:
+            raise ValueError(f"shard {desc.shard_id} exports no index")
+        region = dataclasses.replace(desc, pool_base_addr=desc.index_base_addr, pool_bytes=desc.index_bytes)
+        self._transport = NixlPoolTransport(region, default_timeout_s=READ_TIMEOUT_S)
+        self._incarnation = desc.incarnation
+        self.buckets = table_buckets(desc.pool_bytes)
+        self._mask = np.uint64(self.buckets - 1)
+        self._buffer = torch.zeros(0, dtype=torch.uint8)
+
+    def lookup(self, keys: Sequence[bytes]) -> Found | None:
+        """Per key, the listed entry as the window read shows it (``known`` False where it
+        cannot say); None if the table could not be read or was being rebuilt."""
+        read = self._read(keys)
+        if read is None:
+            return None
+        header, windows = read
+        n = len(keys)
+        found = Found(np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
+                      np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=bool))
+        words = key_halves(keys)
+        generation = windows["generation"]
+        live = (generation != EMPTY) & (generation != TOMBSTONE)
+        match = live & (windows["key_lo"] == words[:, :1]) & (windows["key_hi"] == words[:, 1:])
+        torn = (windows["seq"] & np.uint64(1)) == 1
+        settles = match | (generation == EMPTY) | torn
+        first = np.argmax(settles, axis=1)
+        rows = np.arange(n)
+        settled = settles[rows, first]
+        hit = settled & match[rows, first] & ~torn[rows, first]
+        miss = settled & (generation[rows, first] == EMPTY) & ~torn[rows, first]
+        entries = windows[rows, first]
+        found.generation[hit] = entries["generation"][hit]
+        found.offset[hit] = entries["offset"][hit]
+        found.size[hit] = entries["size"][hit]
+        found.checksum[hit] = entries["checksum"][hit]
+        found.known[hit] = True
+        found.known[miss] = bool(header["complete"])
+        found.known[self._wraps(words)] = False
+        return found
+
+    def generation_of(self, key: bytes) -> int | None:
+        found = self.lookup([key])
+        if found is None or not found.known[0]:
+            return None
+        return int(found.generation[0])
+
+    def validate(self, keys: Sequence[bytes], generations: np.ndarray, offsets: np.ndarray,
+                 sizes: np.ndarray) -> np.ndarray:
+        """Per key, whether its entry is still listed exactly as the copy read it."""
+        found = self.lookup(keys)
+        if found is None:
+            return np.zeros(len(keys), dtype=bool)
+        return (found.known & (found.generation == generations) & (found.offset == offsets)
+                & (found.size == sizes))
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def _wraps(self, words: np.ndarray) -> np.ndarray:
+        return (words[:, 0] & self._mask).astype(np.int64) + WINDOW > self.buckets
+
+    def _read(self, keys: Sequence[bytes]) -> tuple[np.void, np.ndarray] | None:
+        """The header and each key's window (zeros where it would wrap), read in one transfer."""
+        words = key_halves(keys)
+        home = (words[:, 0] & self._mask).astype(np.int64)
+        span = WINDOW * BUCKET.itemsize
+        need = HEADER.itemsize + len(keys) * span
+        if self._buffer.numel() < need:
+            self._buffer = torch.zeros(max(need, 2 * self._buffer.numel()), dtype=torch.uint8)
+            self._transport.register_local(self._buffer)
+        buffer = self._buffer
+        buffer[:need].zero_()
+        ops = [CopyOp(0, buffer[:HEADER.itemsize])]
+        reachable = ~self._wraps(words)
+        for i in np.flatnonzero(reachable).tolist():
+            start = HEADER.itemsize + i * span
+            ops.append(CopyOp(HEADER.itemsize + int(home[i]) * BUCKET.itemsize, buffer[start:start + span]))
+        try:
+            self._transport.read(Ranges.of(ops)).wait(READ_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 -- a dead or slow node: the lookup asks the shard
+            log.debug("remote index of %s unreadable: %s", self._transport.desc.shard_id, e)
+            # a late completion may still write into this buffer: never reuse it
+            self._buffer = torch.zeros(0, dtype=torch.uint8)
+            return None
+        raw = buffer[:need].numpy()
+        header = np.frombuffer(raw[:HEADER.itemsize].tobytes(), dtype=HEADER)[0]
+        if (int(header["magic"]) != MAGIC or int(header["incarnation"]) != self._incarnation
+                or int(header["epoch"]) & 1):
+            return None
+        windows = np.frombuffer(raw[HEADER.itemsize:].tobytes(), dtype=BUCKET).reshape(len(keys), WINDOW)
+        return header, windows
