@@ -476,12 +476,13 @@ class CopyOnSecondRead(PrefixRooted):
 
 
 class BuiltFirstBlockRoot(WriterDesign):
-    """(f) what ``placement: writer_local`` builds today (issue 40's first slice), counted as the
-    build counts it: data on the writer's node; every block's hint at the owner of its prompt's
-    first block (no hot-prefix table, no copies); a lookup that finds the whole prompt on its node
-    makes no call, else one call to the root's owner (same node or not: a Ray call) plus one pin
-    call per other node whose pool holds a block of the hit. Hints are never removed: a block
-    evicted under one is found at the pin (``stale``), as the shard's pin would find it."""
+    """(f) what ``placement: writer_local`` builds today (issue 40), counted as the build counts
+    it: data on the writer's node; every block's hint at the owner of its prompt's first block
+    (no hot-prefix table, no copies); a lookup that finds the whole prompt on its node makes no
+    call, else one call to the root's owner (same node or not: a Ray call). The blocks are then
+    read from their pools' published indexes over NIXL (one-sided reads, no call: validated after
+    the copy), so other nodes' pools are "touched" but not called. Hints are never removed: a
+    block evicted under one is found missing in its pool's index (``stale``)."""
 
     name = "f built: 1st-block root"
 
@@ -502,10 +503,6 @@ class BuiltFirstBlockRoot(WriterDesign):
             if root_owner != req.node:
                 tally.touched.add(root_owner)
         hit, sources = self.walk(req, tally)
-        pinned = set(sources) - {req.node}
-        tally.lookup_calls += len(pinned)
-        for source in pinned:
-            self.stats.calls_received[source] += 1
         copied = self.copy_loaded(req, tally, hit, sources)
         stored = copied + self.save_local(req, keys[hit:])
         for key in stored:

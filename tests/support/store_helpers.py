@@ -12,8 +12,7 @@ import ray
 import torch
 
 from ucm_ray.store.shard.fleet import shard_name, start_fleet
-from ucm_ray.store.types import Removal
-from ucm_ray.store.types import DIRECTORY_NAME
+from ucm_ray.store.types import DIRECTORY_NAME, Removal
 
 SIZES = (4096, 12288, 65536, 1000, 131072, 777)
 
