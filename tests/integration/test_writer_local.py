@@ -12,25 +12,30 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import ROOT
 from tests.support.private_cluster import PrivateCluster, cluster_env
 
 BLOCKS, DIVERGE_AT = 48, 30
 
 
-def run_driver(placement: str) -> dict:
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """The three fleets, one after another on one three-node cluster."""
     cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests/support/writer_local_driver.py"), cluster.address,
-                               placement], capture_output=True, text=True, timeout=300, env=cluster_env(), cwd=ROOT)
+                               "writer_local:1,writer_local:2,per_block:1"], capture_output=True, text=True,
+                              timeout=400, env=cluster_env(), cwd=ROOT)
     finally:
         cluster.close()
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_two_calls():
-    result = run_driver("writer_local")
+def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_one_call(results):
+    result = results["writer_local:1"]
     assert result["written"] == BLOCKS
     entries = result["entries_by_node"]
     assert entries.pop(result["writer_node"]) == BLOCKS
@@ -46,11 +51,22 @@ def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_two_calls()
     assert diverged["found"] == diverged["got"] == diverged["exact"] == DIVERGE_AT
     after = result["after_kill"]
     assert after["found"] == after["got"] == after["exact"] == 0
-    assert after["calls"] == 1  # the root's owner still answers (or is gone); the dead pool is not asked
+    assert after["calls"] == 1  # the root's owner answers (or its successor); the dead pool is not read
 
 
-def test_per_block_placement_spreads_the_same_saves_over_every_node():
-    result = run_driver("per_block")
+def test_a_replica_on_another_node_keeps_the_blocks_when_the_writers_shard_dies(results):
+    result = results["writer_local:2"]
+    entries = dict(result["entries_by_node"])
+    assert entries.pop(result["writer_node"]) == BLOCKS  # the primary on the writer's node
+    assert sum(entries.values()) == BLOCKS  # one replica of each elsewhere, spread by rendezvous
+    assert sorted(result["hints_by_node"].values()) == [0, BLOCKS, BLOCKS]  # 2 root owners, each key with 2 pools
+    assert result["other_node"]["exact"] == BLOCKS
+    after = result["after_kill"]
+    assert after["found"] == after["got"] == after["exact"] == BLOCKS
+
+
+def test_per_block_placement_spreads_the_same_saves_over_every_node(results):
+    result = results["per_block:1"]
     assert result["written"] == BLOCKS
     assert all(count > 0 for count in result["entries_by_node"].values())
     assert sum(result["hints_by_node"].values()) == 0

@@ -17,10 +17,12 @@ BLOCKS = 48
 DIVERGE_AT = 30
 
 
-def main(address: str, placement: str) -> None:
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    config = start_fleet_per_node(UcmRayConfig(ray_namespace=f"wlocal_{placement}", pool_bytes=32 << 20,
-                                               shard_cpus=0, lookup_timeout_s=30, placement=placement), 1)
+def scenario(placement: str, replication: int) -> dict:
+    """One fleet (one shard per node) with these settings: what each client saw, what each
+    shard held, then what a reader sees once the writer's shard is dead."""
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace=f"wlocal_{placement}_{replication}", pool_bytes=32 << 20,
+                                               shard_cpus=0, lookup_timeout_s=30, placement=placement,
+                                               replication=replication), 1)
     try:
         clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(config.to_dict()) for i in range(3)]
         written = ray.get(clients[1].write.remote(BLOCKS, 5, "doc"))
@@ -38,13 +40,25 @@ def main(address: str, placement: str) -> None:
         # another writer's blocks, read unpinned from another node, then removed at their shard
         ray.get(clients[0].write.remote(8, 6, "gone"))
         result["removed_mid_copy"] = ray.get(clients[2].validation_after_removal.remote(8, "gone"))
-        # the writer's shard dies: its blocks are misses everywhere else, never wrong bytes
+        # the writer's shard dies: its blocks are misses (or replicas' hits), never wrong bytes
         writer_shard = next(s["shard_id"] for s in status if s["node_id"] == result["writer_node"])
         ray.kill(ray.get_actor(writer_shard, namespace=config.ray_namespace))
         result["after_kill"] = ray.get(clients[2].read.remote(BLOCKS, 5, "doc", gone=writer_shard))
-        print(json.dumps(result), flush=True)
+        return result
     finally:
         stop_fleet(config)
+
+
+def main(address: str, scenarios: str) -> None:
+    """``scenarios``: comma-separated ``placement:replication`` pairs, run one after another."""
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        results = {}
+        for name in scenarios.split(","):
+            placement, replication = name.split(":")
+            results[name] = scenario(placement, int(replication))
+        print(json.dumps(results), flush=True)
+    finally:
         ray.shutdown()
 
 
