@@ -12,7 +12,10 @@ Designs (``benchmarks/scale/designs.py``): (a) per-block rendezvous placement, t
 node + a prefix-rooted index: a family's entries at ``owners(root)``, the root being the first
 block after the longest match in a hot-prefix table learned online and replicated on every node;
 hot families get ``index_replicas`` index owners and their blocks are copied on read; (e) is (d)
-plus a copy into the reader's pool when a second session loads a block from another node.
+plus a copy into the reader's pool when a second session loads a block from another node;
+(f) is what ``placement: writer_local`` builds (data on the writer's node, every block's hint at
+``owners(first block)``, one call to that owner, the blocks' indexes read over NIXL: no call);
+(g) is (f) plus a copy of every block a reader loads from another node.
 
 Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
 shards asked; same node 0); shards touched per request; MiB sent off the node per request by
@@ -24,7 +27,7 @@ pool per request ((d), (e)); index messages and KiB per request (updates, remova
 broadcasts); stale entries met per request. What eviction does to each
 design: ``benchmarks/scale/designs.py``'s docstring and ``docs/scaling.md``.
 
-The last line, for the picked design (``PICKED``, (e)) at the largest run: ``scale_sim:
+The last line, for the built design (``PICKED``, (f)) at the largest run: ``scale_sim:
 nodes=<N> lookup_calls_p99=<n> save_bytes_off_node_per_request=<bytes> hot_spot=<ratio>
 moved_worst_node_x_1_over_n=<ratio> hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
 
@@ -43,13 +46,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 
-from benchmarks.scale.designs import CopyOnSecondRead, DesignParams  # noqa: E402
+from benchmarks.scale.designs import BuiltFirstBlockRoot, DesignParams  # noqa: E402
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
 from benchmarks.scale.workload import ROUTERS, WorkloadSpec  # noqa: E402
 
-PICKED = CopyOnSecondRead
-"""The design the numbers pick (docs/scaling.md): the last line is its row at the largest run."""
+PICKED = BuiltFirstBlockRoot
+"""The design built (``placement: writer_local``, docs/scaling.md): the last line is its row at the
+largest run."""
 
 
 def _out(line: str) -> None:
