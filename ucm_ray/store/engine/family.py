@@ -2,9 +2,11 @@
 
 With ``placement: writer_local`` a block lives on its writer's node, so a lookup first reads
 this node's shards (their published indexes: no call), then asks the owner of the prompt's
-family root where the rest is (one call for the whole prompt, see ``shard.hints``), then pins
-those blocks where they are (a call per pool that has some, as any pin). Writers tell the root's
-owners what they committed (``HintPoster``), after the commit and without waiting.
+family root where the rest is (one call for the whole prompt, see ``shard.hints``), then finds
+those blocks in the named pools' published indexes, read over NIXL (``remote_index``: no call,
+no pin); only what such a read cannot settle is pinned through a call, as any lookup does.
+Writers tell the root's owners what they committed (``HintPoster``), after the commit and
+without waiting.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from ucm_ray.transport.base import PoolKey
 class FamilyAcquire(Pending[ReadLease]):
     """A lookup in three steps, each posted when the one before has answered: this node's shards
     (``local``, an ``Acquire`` over the writer-local owners), the family root's owner for what
-    they lack (``where``), then a pin on the pools it names. Every miss of a step is a miss, never
-    an error: a root owner that fails or never heard of the family leaves the local finds."""
+    they lack (``where``), then an ``Acquire`` over the pools it names (their indexes read over
+    NIXL where exported). Every miss of a step is a miss, never an error: a root owner that fails
+    or never heard of the family leaves the local finds."""
 
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
                  shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord]) -> None:
@@ -73,7 +76,7 @@ class FamilyAcquire(Pending[ReadLease]):
         lease.calls += 1
 
     def _pin_where(self, answer: list[tuple[PoolKey, ...]] | None) -> None:
-        """Pin each missing key on the pools the root's owner named that are still members."""
+        """Look each missing key up on the pools the root's owner named that are still members."""
         assert self._missing is not None
         self._remote_rows = np.zeros(0, dtype=np.int64)
         if not answer:
