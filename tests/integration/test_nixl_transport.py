@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 
+from tests.support.small_ray import own_or_session_ray
 from ucm_ray.transport.base import CopyOp, Ranges, TransferError
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -85,20 +84,8 @@ def _sha(t: torch.Tensor) -> str:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Our own small Ray cluster, unless the session already runs one (then share it)."""
-    import ray
-
-    if ray.is_initialized():
+    with own_or_session_ray() as ray:
         yield ray
-        return
-    tmp = tempfile.mkdtemp(prefix=f"ucmr-{os.getpid()}-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
-             logging_level="WARNING")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

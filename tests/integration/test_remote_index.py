@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 
+from tests.support.small_ray import own_or_session_ray
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.engine.remote_index import WINDOW, RemoteIndexReader
 
@@ -85,20 +84,8 @@ def _index_actor_class():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Our own small Ray cluster, unless the session already runs one (then share it)."""
-    import ray
-
-    if ray.is_initialized():
+    with own_or_session_ray() as ray:
         yield ray
-        return
-    tmp = tempfile.mkdtemp(prefix=f"ucmr-{os.getpid()}-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
-             logging_level="WARNING")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
