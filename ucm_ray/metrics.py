@@ -20,6 +20,7 @@ GAUGES = {
     "entries": "Committed entries (blocks, states) in the pool.",
     "pending_bytes": "Bytes granted to writers and not yet committed or freed.",
     "quarantined_bytes": "Bytes of lapsed write grants held back until no late write can land.",
+    "pins": "Entry pins held by read leases not yet released or lapsed.",
 }
 COUNTERS = {
     "lookups": "Keys readers asked this shard for (the connector's lookups, per key).",
