@@ -20,6 +20,9 @@ from ucm_ray.store.types import Done
 from ucm_ray.testing.harness import Engine, make_engine, prompt
 from ucm_ray.vllm.scheduler import HOLD_S
 
+hybrid_harness = pytest.mark.hybrid_harness
+"""A hybrid cache through the harness: deselected on vLLM 0.26, which refuses hybrids."""
+
 PROMPT = 2048 + 100
 """A prompt of 16 full blocks of 128 and a partial one: the prefill announces the full ones."""
 PD_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -310,3 +313,46 @@ def test_a_prefill_whose_decode_never_comes_leaves_ordinary_cache_and_holds_noth
     for engine in (a, c):
         engine.shutdown()
     _assert_nothing_held(store, files)
+
+
+# --- a hybrid model: the decode resumes from the state the prefill saved, or computes ---------
+
+
+LCM = 2048
+# (prompt tokens, the prefill's max_num_batched_tokens, k, the LCM boundaries where the prefill's
+# chunks end (its states: the seed's rule), the decode's hit)
+HYBRID_PD_ROWS = [
+    (8192, 8192, 0, (6144, 8192), 6144),  # vLLM runs it as 6144 + 2048; the decode's cap is 6144
+    (8193, 8192, 0, (8192,), 0),  # cap 6144, no state there: the seed's degradation to 0
+    (8194, 8192, 0, (8192,), 8192),
+    (8197, 8192, 3, (8192,), 8192),  # MTP: the cap leaves 5 tokens
+    (8200, 2048, 0, (2048, 4096, 6144, 8192), 8192),  # a chunk per LCM block: a state at each
+]
+
+
+@hybrid_harness
+@pytest.mark.parametrize("n, chunk, k, states, hit", HYBRID_PD_ROWS)
+def test_a_hybrid_decode_resumes_from_the_state_its_prefill_saved_or_computes(store, model_dir, n, chunk, k,
+                                                                              states, hit):
+    """The decode waits for its prefill's saves, then its hit is the policy's: the furthest LCM
+    boundary within its cap (``hybrid_max_hit_blocks``) where the prefill's chunks ended, and so
+    saved a state. Where no such state exists it computes the prompt, at once: a state that
+    will never be saved is nothing to wait for (no timeout). Every loaded byte is right."""
+    p = prompt(n, seed=n + chunk + k)
+    a = make_engine(store.client(), model_dir, block_size=LCM, hybrid=True, num_spec=k, max_batched=chunk)
+    params = _prefill(a, "P", p)
+    assert params["ucm_ray"]["tokens"] == max(states) and params["ucm_ray"]["states"] == list(states)
+    b = make_engine(store.client(), model_dir, block_size=LCM, hybrid=True, num_spec=k, max_batched=8192,
+                    config=UcmRayConfig(pd_wait_s=WAIT_S))
+    recompute = b.connector.scheduler_part.recompute
+    cap = policy.hybrid_max_hit_blocks(n, recompute, LCM)
+    assert hit == LCM * policy.hybrid_hit_blocks(cap, [(i + 1) * LCM in states for i in range(cap)])
+    decode = b.add("D", p, max_tokens=3, kv_transfer_params=params)
+    for _ in range(5):
+        b.step()
+    a.settle()
+    b.run(decode)
+    assert (b.first["D"][0], b.prefill_computed["D"]) == (hit, n - hit)
+    assert b.wrong_blocks == 0 and b.failed_loads == 0
+    stats = b.stats()
+    assert stats["handoffs"] == 1 and stats.get("handoff_timeouts", 0) == 0

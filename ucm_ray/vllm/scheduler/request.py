@@ -98,6 +98,9 @@ class Handoff:
     """Block-aligned prompt tokens the prefill announced."""
     started: float
     """When vLLM first asked for the request's hit."""
+    states: tuple[int, ...] | None = None
+    """A hybrid prefill's LCM boundaries with a state in the store (None: not announced): a hit
+    can end on these only, so the decode waits for no other."""
     look_again_at: float = 0.0
     """No lookup before this (the backoff)."""
     backoff_s: float = FIRST_LOOK_AGAIN_S
@@ -150,6 +153,9 @@ class TrackedRequest:
     block_ids: list[list[int]] = field(default_factory=list)  # per group, as the scheduler output says
     saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
     last_state_pos: int = 0
+    state_positions: list[int] = field(default_factory=list)
+    """A hybrid's LCM boundaries whose states it saved or loaded, ascending (what a PD prefill
+    announces: its chunk ends, not every boundary, hold one)."""
     pending: dict[BlockAt, bool] = field(default_factory=dict)
     """(group, rank, block index) of attention blocks still to save, and whether their bytes are
     valid yet (a block whose load failed is not, until a step recomputes it)."""
