@@ -106,8 +106,8 @@ def test_a_decode_asks_again_while_the_prefills_saves_are_pending_then_hits_them
 
 
 def test_a_decode_whose_prefill_never_saved_recomputes_after_pd_wait_s_and_counts_it(store, model_dir):
-    """The prefill's saves are dropped (no shard granted a slot while its blocks were held):
-    the decode waits for them, then, once ``pd_wait_s`` passed, takes what is there (nothing)
+    """The prefill's saves are dropped (no shard granted a slot while its blocks were held),
+    and counted so: the decode waits for them, then, once ``pd_wait_s`` passed, takes what is there (nothing)
     and computes the prompt itself, counted as one timeout rather than a silent recompute."""
     p = prompt(PROMPT, seed=44)
     for shard in SHARDS:
@@ -116,7 +116,9 @@ def test_a_decode_whose_prefill_never_saved_recomputes_after_pd_wait_s_and_count
     params = _prefill(a, "P", p)
     a.clock.advance(HOLD_S)
     a.settle()  # the prefill's blocks given back unsaved
-    assert a.stats().get("saved_blocks", 0) == 0 and "P" not in a.sched.requests
+    # counted, though no save plan ever reached them (the first save waits for its slots)
+    assert a.stats().get("saved_blocks", 0) == 0 and a.stats().get("saves_dropped", 0) == 16
+    assert "P" not in a.sched.requests
     for shard in SHARDS:
         store.set_answering(shard, True)
     b = make_engine(store.client(), model_dir, config=UcmRayConfig(pd_wait_s=WAIT_S))

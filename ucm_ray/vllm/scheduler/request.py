@@ -297,6 +297,14 @@ class TrackedRequest:
         """Blocks still to save whose bytes were valid: never saved if it is forgotten now."""
         return sum(1 for ready in self.pending.values() if ready)
 
+    def unplanned_saves(self) -> int:
+        """Full blocks it computed that no save plan reached (its first save still waited for
+        slots), on every rank: never saved either if its hold ends now, and not ``pending``."""
+        computed = min(self.request.num_computed_tokens, self.hashed_tokens())
+        sizes = self.geometry.block_sizes
+        per_rank = sum(max(0, computed // sizes[g] - self.saved_blocks.get(g, 0)) for g in self.geometry.attn)
+        return per_rank * len(self.geometry.namespaces)
+
 
 class TrackedRequests:
     """The requests the scheduler half tracks, by id, and which of them vLLM finished."""
@@ -338,6 +346,9 @@ class TrackedRequests:
                 self._finishing.discard(req_id)
             elif tracked.hold_over(now):
                 released.append(req_id)
+                unplanned = tracked.unplanned_saves()
+                if unplanned:
+                    self._stats.add(saves_dropped=unplanned)
                 self.drop(req_id)
         return released
 
