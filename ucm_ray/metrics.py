@@ -21,6 +21,7 @@ GAUGES = {
     "pending_bytes": "Bytes granted to writers and not yet committed or freed.",
     "quarantined_bytes": "Bytes of lapsed write grants held back until no late write can land.",
     "hints": "Keys this shard can say the pool of (writer-local placement: blocks of the families it roots).",
+    "pins": "Entry pins held by read leases not yet released or lapsed.",
 }
 COUNTERS = {
     "lookups": "Keys readers asked this shard for (the connector's lookups, per key).",

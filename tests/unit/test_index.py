@@ -129,10 +129,10 @@ def test_pinned_entries_survive_eviction_until_lease_expires():
     put(idx, k(1), 64)
     put(idx, k(2), 64)
     lease, slots = idx.acquire(OWNER, [k(1), k(2)])
-    assert all(slots)
+    assert all(slots) and idx.stats().pins == 2
     assert idx.reserve(OWNER, 64, 1)[1] == [] and idx.stats().dropped_saves == 1  # no room: dropped
     clock.t = 6.0  # the reader vanished: its pins lapse
-    assert len(idx.reserve(OWNER, 64, 1)[1]) == 1
+    assert len(idx.reserve(OWNER, 64, 1)[1]) == 1 and idx.stats().pins == 0
     assert idx.release(OWNER, [lease]) == [False]  # the reader must distrust what it copied
 
 
@@ -140,8 +140,10 @@ def test_release_in_time_reports_valid_and_only_once():
     idx, _ = make()
     put(idx, k(1), 64)
     lease, _ = idx.acquire(OWNER, [k(1)])
+    assert idx.stats().pins == 1
     assert idx.release(OWNER, [lease]) == [True]
     assert idx.release(OWNER, [lease]) == [False]  # no longer held
+    assert idx.stats().pins == 0
 
 
 def test_ids_are_random_63_bit():

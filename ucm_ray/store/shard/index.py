@@ -79,6 +79,9 @@ class IndexStats:
     entries: int
     pending_bytes: int
     quarantined_bytes: int = 0
+    pins: int = 0
+    """Entry pins held by read leases not yet released or lapsed: a reader that vanished holds
+    its pins until ``lease_s`` passes, and no longer (what a leak check reads)."""
     lookups: int = 0
     """Keys readers asked for (``acquire``: the connector's lookups), per shard asked."""
     hits: int = 0
@@ -316,6 +319,7 @@ class BlockIndex:
         s.entries = len(self._entries)
         s.pending_bytes = sum(len(g.offsets) * g.size for g in self._grants.values() if not g.quarantined)
         s.quarantined_bytes = sum(len(g.offsets) * g.size for g in self._grants.values() if g.quarantined)
+        s.pins = sum(len(lease.entries) for lease in self._leases.values())
         return IndexStats(**vars(s))
 
     # --- internals -----------------------------------------------------------------------

@@ -6,15 +6,16 @@ hands the decode engine the prefill's ``kv_transfer_params`` at once, so a decod
 its prompt up then would find nothing and recompute it all. So the prefill (a request whose
 params carry ``do_remote_decode``, as Ray Serve LLM's PD proxy and vLLM send them) announces,
 under our own key (vLLM's MultiConnector merges several connectors' params), the block-aligned
-prompt tokens it saves and its namespace; the decode's lookup answers "ask again" until the hit
-those tokens give is there, or ``pd_wait_s`` passed (then it takes what is there, counted as a
-timeout).
+prompt tokens it saves and its namespace, and a hybrid's LCM boundaries that hold a state (its
+chunk ends: a decode whose cap no state meets must not wait for one); the decode's lookup answers
+"ask again" until the hit those tokens give is there, or ``pd_wait_s`` passed (then it takes what
+is there, counted as a timeout).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__package__)
 
 PARAMS_KEY = "ucm_ray"
-"""Our entry in ``kv_transfer_params``: ``{"tokens": int, "namespace": hex of the rank-0 digest}``."""
+"""Our entry in ``kv_transfer_params``: ``{"tokens": int, "namespace": hex of the rank-0 digest}``,
+and for a hybrid ``"states"``: the ascending token positions of its stored states."""
 
 
 class Handoffs:
@@ -52,7 +54,11 @@ class Handoffs:
         """What a finished prefill tells its decode; None for other requests."""
         if not self.hands_off(tracked.request):
             return None
-        return {PARAMS_KEY: {"tokens": self.saved_prompt_tokens(tracked), "namespace": self._namespace}}
+        tokens = self.saved_prompt_tokens(tracked)
+        entry: dict[str, Any] = {"tokens": tokens, "namespace": self._namespace}
+        if self._geometry.hybrid:
+            entry["states"] = sorted({pos for pos in tracked.state_positions if pos <= tokens})
+        return {PARAMS_KEY: entry}
 
     def saved_prompt_tokens(self, tracked: TrackedRequest) -> int:
         """The prompt tokens whose blocks are stored once the request's saves landed: its full
@@ -75,9 +81,8 @@ class Handoffs:
         entry = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if entry is None:
             return None
-        tokens = entry.get("tokens") if isinstance(entry, dict) else None
-        namespace = entry.get("namespace") if isinstance(entry, dict) else None
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0 or namespace != self._namespace:
+        handoff = self._read(entry, now)
+        if handoff is None:
             self._stats.add(handoff_namespace_mismatches=1)
             if not self._warned:
                 self._warned = True
@@ -86,7 +91,28 @@ class Handoffs:
                             "handoff_namespace_mismatches; logged once)", request.request_id, entry, self._namespace)
             return None
         self._stats.add(handoffs=1)
-        return Handoff(tokens, started=now)
+        return handoff
+
+    def _read(self, entry: Any, now: float) -> Handoff | None:
+        """The wait an announcement in this engine's namespace asks for; None if it is not one."""
+        if not isinstance(entry, dict) or entry.get("namespace") != self._namespace:
+            return None
+        tokens, states = entry.get("tokens"), entry.get("states")
+        if not _count(tokens) or not (states is None or isinstance(states, list) and all(map(_count, states))):
+            return None
+        return Handoff(tokens, started=now, states=None if states is None else tuple(states))
+
+    def expected(self, handoff: Handoff, cap: int) -> int:
+        """The store hit (tokens from 0) the announcement gives a lookup capped at ``cap``: a
+        hybrid's ends on an LCM boundary that holds a state, the furthest the prefill announced
+        (0 if none: then there is nothing to wait for)."""
+        tokens = min(handoff.tokens, cap)
+        if not self._geometry.hybrid:
+            return tokens
+        tokens = tokens // self._geometry.lcm * self._geometry.lcm
+        if handoff.states is None:
+            return tokens
+        return max((pos for pos in handoff.states if pos <= tokens), default=0)
 
     def waits(self, handoff: Handoff, short: bool, now: float) -> bool:
         """After a lookup: whether the request waits on (its hit is short of what the prefill
@@ -105,3 +131,8 @@ class Handoffs:
         self._stats.observe("handoff_wait_seconds", now - handoff.started)
         if short:
             self._stats.add(handoff_timeouts=1)
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is a token count (an int, not a bool, not negative)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

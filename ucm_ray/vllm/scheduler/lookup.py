@@ -110,9 +110,7 @@ class Lookups:
         handoff = tracked.handoff
         if handoff is None or not handoff.waiting:
             return False
-        expected = min(handoff.tokens, self._lookup_cap(tracked.request, tracked.hashed_tokens()))
-        if self._geometry.hybrid:
-            expected = expected // self._geometry.lcm * self._geometry.lcm
+        expected = self._handoffs.expected(handoff, self._lookup_cap(tracked.request, tracked.hashed_tokens()))
         short = (self._policy_hit(tracked.request, num_computed_tokens, tracked.hit_tokens)
                  < self._policy_hit(tracked.request, num_computed_tokens, expected))
         return self._handoffs.waits(handoff, short, self._clock())

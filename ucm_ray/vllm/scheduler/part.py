@@ -132,7 +132,9 @@ class SchedulerPart:
         loads = self.loads.plan(tracked, lookup, blocks.get_block_ids(), start, end)
         tracked.start_loading(num_external_tokens)  # the pins now belong to the load jobs
         self.saves.skip(tracked, end)
-        tracked.last_state_pos = max(tracked.last_state_pos, tracked.hit_tokens if self.hybrid else 0)
+        if self.hybrid and tracked.hit_tokens > tracked.last_state_pos:  # its hit ends on a stored state
+            tracked.last_state_pos = tracked.hit_tokens
+            tracked.state_positions.append(tracked.hit_tokens)
         self.stats.add(load_blocks=len(loads[0].blocks))
 
     def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:

@@ -98,6 +98,9 @@ class Handoff:
     """Block-aligned prompt tokens the prefill announced."""
     started: float
     """When vLLM first asked for the request's hit."""
+    states: tuple[int, ...] | None = None
+    """A hybrid prefill's LCM boundaries with a state in the store (None: not announced): a hit
+    can end on these only, so the decode waits for no other."""
     look_again_at: float = 0.0
     """No lookup before this (the backoff)."""
     backoff_s: float = FIRST_LOOK_AGAIN_S
@@ -150,6 +153,9 @@ class TrackedRequest:
     block_ids: list[list[int]] = field(default_factory=list)  # per group, as the scheduler output says
     saved_blocks: dict[int, int] = field(default_factory=dict)  # group -> blocks already planned
     last_state_pos: int = 0
+    state_positions: list[int] = field(default_factory=list)
+    """A hybrid's LCM boundaries whose states it saved or loaded, ascending (what a PD prefill
+    announces: its chunk ends, not every boundary, hold one)."""
     pending: dict[BlockAt, bool] = field(default_factory=dict)
     """(group, rank, block index) of attention blocks still to save, and whether their bytes are
     valid yet (a block whose load failed is not, until a step recomputes it)."""
@@ -299,6 +305,14 @@ class TrackedRequest:
         """Blocks still to save whose bytes were valid: never saved if it is forgotten now."""
         return sum(1 for ready in self.pending.values() if ready)
 
+    def unplanned_saves(self) -> int:
+        """Full blocks it computed that no save plan reached (its first save still waited for
+        slots), on every rank: never saved either if its hold ends now, and not ``pending``."""
+        computed = min(self.request.num_computed_tokens, self.hashed_tokens())
+        sizes = self.geometry.block_sizes
+        per_rank = sum(max(0, computed // sizes[g] - self.saved_blocks.get(g, 0)) for g in self.geometry.attn)
+        return per_rank * len(self.geometry.namespaces)
+
 
 class TrackedRequests:
     """The requests the scheduler half tracks, by id, and which of them vLLM finished."""
@@ -340,6 +354,9 @@ class TrackedRequests:
                 self._finishing.discard(req_id)
             elif tracked.hold_over(now):
                 released.append(req_id)
+                unplanned = tracked.unplanned_saves()
+                if unplanned:
+                    self._stats.add(saves_dropped=unplanned)
                 self.drop(req_id)
         return released
 

@@ -283,6 +283,7 @@ class SavePlanner:
                     wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
                                    geometry.state_key(rank, hashes, g, pos), tracked.family(rank)))
             tracked.last_state_pos = pos
+            tracked.state_positions.append(pos)
         if wanted:
             lost = int((~self.jobs.bind(saves, wanted)).sum())  # a state cannot wait: it is lost
             if lost:
