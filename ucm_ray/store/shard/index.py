@@ -132,6 +132,14 @@ class BlockIndex:
     def acquire(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
         """Pin the committed ones among ``keys``; returns (lease id, slot or None per key).
         Counts lookups and hits: this is the engine's lookup."""
+        lease, slots = self.pin(owner, keys)
+        self._counters.lookups += len(keys)
+        self._counters.hits += sum(s is not None for s in slots)
+        return lease, slots
+
+    def pin(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+        """``acquire`` without counting a lookup (the disk tier holds what it promoted until the
+        reader's own pin)."""
         self._expire()
         lease = self._fresh_id(self._leases)
         slots: list[Slot | None] = []
@@ -146,11 +154,23 @@ class BlockIndex:
                 pinned.append(e)
             slots.append(e.slot)
         self._touch_head_last([k for k, slot in zip(keys, slots) if slot is not None])
-        self._counters.lookups += len(keys)
-        self._counters.hits += sum(s is not None for s in slots)
         if pinned:
             self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, pinned)
         return lease, slots
+
+    def extend_pin(self, owner: int, lease_id: int, key: Key) -> bool:
+        """Add ``key``'s entry to ``owner``'s lease ``lease_id`` (made if ``pin`` found nothing to
+        pin); False when the key is absent or the lease is someone else's."""
+        e = self._entries.get(key)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            lease = self._leases[lease_id] = _Lease(owner, self._clock() + self._lease_s, [])
+        if e is None or lease.owner != owner:
+            return False
+        if lease_id not in e.pinned_by:
+            e.pinned_by.add(lease_id)
+            lease.entries.append(e)
+        return True
 
     def touch(self, keys: Sequence[Key], asked: int) -> None:
         """What a reader found in the published index (``asked`` keys, ``keys`` the hits): counted
@@ -292,6 +312,16 @@ class BlockIndex:
         if picked:
             self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, picked)
         return lease, items
+
+    def cold_dirty_bytes(self, low_bytes: int) -> int:
+        """Bytes of dirty entries among the coldest ``used - low_bytes``: what demotion still owes."""
+        cold, owed = self._used - low_bytes, 0
+        for e in self._entries.values():
+            if cold <= 0:
+                break
+            cold -= e.slot.size
+            owed += 0 if e.clean else e.slot.size
+        return owed
 
     def mark_clean(self, items: Sequence[tuple[Key, int]]) -> None:
         """Each (key, offset) whose entry is still at that offset now has a copy on disk."""

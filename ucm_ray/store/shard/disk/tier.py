@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm_ray.store.shard.disk.store import DiskStore
+from ucm_ray.store.shard.disk.store import DiskStats, DiskStore
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.types import random_id
 
@@ -50,10 +50,12 @@ class DiskTier:
         self._store = store
         self._lock = index_lock
         self._disk_lock = threading.Lock()  # DiskStore is not thread-safe
-        capacity = index.stats().capacity_bytes
+        capacity = self._capacity = index.stats().capacity_bytes
         self._high = 0 if write_through else int(high * capacity)
         self._low = 0 if write_through else int(low * capacity)
-        self._batch_bytes = batch_bytes
+        # Entries of a batch stay pinned while it is written: a batch of at most 1/64 of the pool
+        # (and at least one entry) keeps saves from finding the pool's cold end pinned.
+        self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._owner = random_id()
         self.stats = TierStats()
 
@@ -85,18 +87,55 @@ class DiskTier:
         self.stats.demoted_bytes += written
         return written
 
+    def demote(self) -> int:
+        """Batches until demotion owes nothing, or a pool's worth was written: a disk smaller
+        than the pool's cold end evicts what it was just given (those entries are dirty again),
+        and without the cap this would rewrite them forever."""
+        total = 0
+        while total < self._capacity and (done := self.demote_once()):
+            total += done
+        return total
+
+    def behind(self) -> bool:
+        """Whether demotion still owes a batch (the pool's cold end holds dirty entries)."""
+        with self._lock:
+            stats = self._index.stats()
+            return stats.used_bytes > self._high and self._index.cold_dirty_bytes(self._low) > 0
+
     def on_disk(self, keys: Sequence[Key]) -> list[bool]:
-        """Which keys the disk holds (a dict probe, no I/O): lookups report these as disk hits."""
+        """Which keys the disk holds: dict probes without the disk lock, so a lookup never waits
+        behind a demotion batch's I/O (a membership test of a dict is atomic under the GIL; an
+        answer that races an eviction is a promotion that misses, as any stale lookup is)."""
+        return self._store.contains(keys)
+
+    def disk_stats(self) -> DiskStats:
         with self._disk_lock:
-            return self._store.contains(keys)
+            return self._store.snapshot()
+
+    def close(self) -> None:
+        with self._disk_lock:
+            self._store.close()
 
     def promote(self, keys: Sequence[Key]) -> list[bool]:
         """Bring ``keys`` from disk into the pool, head first; per key, whether it is in the pool
         now (already there, or read and committed). A key whose bytes fail their check is dropped
         from disk and reported False (the engine recomputes it)."""
+        out, lease = self.promote_pinned(keys)
         with self._lock:
-            present = self._index.contains(keys)
-        out = list(present)
+            self._index.release(self._owner, [lease])
+        return out
+
+    def unpin(self, lease: int) -> None:
+        with self._lock:
+            self._index.release(self._owner, [lease])
+
+    def promote_pinned(self, keys: Sequence[Key]) -> tuple[list[bool], int]:
+        """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
+        with ``unpin`` once the reader pinned them): promoting a later key of a prompt must not
+        evict an earlier one."""
+        with self._lock:
+            lease, slots = self._index.pin(self._owner, keys)
+        out = [s is not None for s in slots]
         for i, key in enumerate(keys):
             if out[i]:
                 continue
@@ -114,9 +153,10 @@ class DiskTier:
                 ok = self._store.get(key, self._pool[offset:offset + size])
             with self._lock:
                 if ok:
-                    out[i] = self._index.commit(self._owner, token, [(key, offset, None)])[0]
+                    self._index.commit(self._owner, token, [(key, offset, None)])
                     self._index.mark_clean([(key, offset)])
-                    out[i] = out[i] or self._index.contains([key])[0]  # a writer committed it meanwhile
+                    # pinned under the call's lease (or found: a writer committed it meanwhile)
+                    out[i] = self._index.extend_pin(self._owner, lease, key)
                 else:
                     self._index.commit(self._owner, token, [], [offset])
             if ok:
@@ -124,4 +164,4 @@ class DiskTier:
                 self.stats.promoted_bytes += size
             else:
                 self.stats.promote_misses += 1
-        return out
+        return out, lease
