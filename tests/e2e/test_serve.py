@@ -10,22 +10,16 @@ then stops it and no pool file is left once the cluster is gone."""
 
 from __future__ import annotations
 
-import glob
-import re
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 from openai import OpenAI
 
 from tests.support import ROOT
-from tests.support.private_cluster import PrivateCluster, cluster_env, free_port
+from tests.support.private_cluster import PrivateCluster, free_port
+from tests.support.serve_run import pools_left, scrape, start_serve, stop_serve, wait_metric, wait_ready
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
 
@@ -49,43 +43,11 @@ def serve_config(model: str, port: int, ray_namespace: str) -> dict:
     return config
 
 
-def wait_ready(base_url: str, models: set[str], serve: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert serve.poll() is None, f"ucm-ray serve exited {serve.returncode}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"app not up after {timeout_s} s:\n{log.read_text()[-4000:]}"
-        try:
-            listed = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=5).models.list()
-            if models <= {m.id for m in listed.data}:
-                return
-        except Exception:  # noqa: BLE001 -- not up yet: connection refused, 404, 503
-            pass
-        time.sleep(2)
-
-
 def complete(base_url: str, model: str, prompt: list[int]) -> list[int]:
     client = OpenAI(base_url=base_url, api_key="none", timeout=120)
     out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
                                     extra_body={"return_token_ids": True})
     return list(out.choices[0].token_ids)
-
-
-def scrape(port: int, metric: str, model: str) -> float | None:
-    """Sum of ``metric``'s series for ``model`` on Ray's metrics export port; None where ``model``
-    has no such series (absent is not zero: a name or label that changed reads as absent too)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if re.match(rf"{metric}(_total)?{{", line) and f'model_name="{model}"' in line]
-    return sum(values) if values else None
-
-
-def wait_metric(port: int, metric: str, model: str, expected: float, timeout_s: float = 30.0) -> float | None:
-    deadline = time.monotonic() + timeout_s
-    value = scrape(port, metric, model)
-    while value != expected and time.monotonic() < deadline:
-        time.sleep(1)
-        value = scrape(port, metric, model)
-    return value
 
 
 def test_serve_app_shares_one_tier_between_two_models(model, tmp_path):
@@ -95,11 +57,7 @@ def test_serve_app_shares_one_tier_between_two_models(model, tmp_path):
     config_file.write_text(yaml.safe_dump(serve_config(model, port, namespace)))
     log = tmp_path / "serve.log"
     started = time.monotonic()
-    # started the way a script starts a background job (``ucm-ray serve ... &``): SIGINT ignored
-    serve = subprocess.Popen([sys.executable, "-m", "ucm_ray.cli", "serve", str(config_file),
-                              "--address", cluster.address], cwd=ROOT, env=cluster_env(), stdin=subprocess.DEVNULL,
-                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    serve = start_serve(config_file, cluster, log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(f"{base}/v1", {"tiny-a", "tiny-b"}, serve, log, timeout_s=420)
@@ -125,20 +83,8 @@ def test_serve_app_shares_one_tier_between_two_models(model, tmp_path):
         assert cold_hits in (None, 0), f"tiny-a's external prefix-cache hits {cold_hits}: its prompt was new"
         assert tokens == cold, "tiny-b's tokens from the stored prefix differ from tiny-a's cold ones"
     finally:
-        stopping = time.monotonic()
-        serve.send_signal(signal.SIGINT)  # what Ctrl-C (or ``kill -INT``) sends
-        try:
-            serve.wait(timeout=60)
-            killed = False
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait()
-            killed = True
-        stopped_s = time.monotonic() - stopping
+        killed, stopped_s = stop_serve(serve)
         print(f"serve: stopped {stopped_s:.0f} s after Ctrl-C", flush=True)
         cluster.close()
     assert not killed, f"`ucm-ray serve` ignored SIGINT: killed after {stopped_s:.0f} s"
-    deadline = time.monotonic() + 15
-    while glob.glob(f"/dev/shm/ucmray-{namespace}-*") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert glob.glob(f"/dev/shm/ucmray-{namespace}-*") == [], "shard pools outlived the app and its cluster"
+    assert pools_left(namespace) == [], "shard pools outlived the app and its cluster"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.support import ROOT
-from ucm_ray.serve.check import BUILDER, load_serve_config
+from ucm_ray.serve.check import PREPARE, load_serve_config
 
 CHART = ROOT / "helm" / "ucm-ray"
 CI_VALUES = CHART / "ci"
@@ -109,7 +109,7 @@ def crd_schema(plural: str, version: str = "v1") -> dict[str, Any]:
 
 
 VALUES = {"defaults": (), "gpu": (CI_VALUES / "gpu-values.yaml",),
-          "autoscaling": (CI_VALUES / "autoscaling-values.yaml",)}
+          "autoscaling": (CI_VALUES / "autoscaling-values.yaml",), "pd": (CI_VALUES / "pd-values.yaml",)}
 """The ci value files each chart check renders with, by name."""
 
 
@@ -131,5 +131,5 @@ def serve_app(rayservice: dict, tmp_path: Path) -> dict:
     path.write_text(rayservice["spec"]["serveConfigV2"])
     config = load_serve_config(path)
     (app,) = config["applications"]
-    assert app["import_path"] == BUILDER
+    assert app["import_path"] in PREPARE
     return app

@@ -181,3 +181,14 @@ def test_watermarks_are_checked():
     with pytest.raises(ValueError, match="watermarks"):
         DiskTier(BlockIndex(SLOT, lease_s=1, reserve_timeout_s=1), torch.empty(0), None,  # type: ignore[arg-type]
                  threading.Lock(), high=0.5, low=0.7)
+
+
+def test_a_fleet_with_disk_dir_is_refused_until_shards_run_the_tier(tmp_path):
+    """The store and the mover exist, shards do not use them yet: a config asking for a disk tier
+    must not start a fleet that silently has none (refused before any Ray call)."""
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.shard.fleet import FleetStartError, start_fleet
+
+    config = UcmRayConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    with pytest.raises(FleetStartError, match="disk_dir is set, but shards do not run the disk tier yet"):
+        start_fleet(config)

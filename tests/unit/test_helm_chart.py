@@ -27,6 +27,8 @@ from tests.support.helm_tools import (
 )
 from ucm_ray.config import parse_size
 from ucm_ray.serve import prepare_app
+from ucm_ray.serve.check import PD_BUILDER, PREPARE
+from ucm_ray.serve.pd import prepare_pd_app
 
 K8S_VERSIONS = ("1.25", kubernetes_validate.latest_version())  # Chart.yaml's kubeVersion floor, the newest
 BUILT_IN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1", "rbac.authorization.k8s.io/v1"}
@@ -132,7 +134,7 @@ def test_shm_is_sized_from_the_tier_the_builder_reads(rendered):
     values = group_values(name)
     rs = one(objects, "RayService")
     app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]
-    _, tier = prepare_app(app["args"])
+    _, tier = PREPARE[app["import_path"]](app["args"])
     cluster = rs["spec"]["rayClusterConfig"]
     for group, tmpl, params in (("worker", pod_templates(rs)["worker"], cluster["workerGroupSpecs"][0]),
                                 ("head", pod_templates(rs)["head"], cluster["headGroupSpec"])):
@@ -143,7 +145,7 @@ def test_shm_is_sized_from_the_tier_the_builder_reads(rendered):
         assert int(params["rayStartParams"]["object-store-memory"]) == store
         memory = tmpl["spec"]["containers"][0]["resources"]["requests"]["memory"]
         assert shm_bytes(tmpl) <= quantity_bytes(memory)
-    expected_pool = {"defaults": 64 << 30, "gpu": 96 << 30, "autoscaling": 32 << 30}[name]
+    expected_pool = {"defaults": 64 << 30, "gpu": 96 << 30, "autoscaling": 32 << 30, "pd": 64 << 30}[name]
     assert tier.config.pool_bytes == expected_pool == app["args"]["tier"]["pool_bytes"]
 
 
@@ -187,6 +189,12 @@ def test_sizes_are_read_as_the_builder_reads_them(spelling):
     ({"sets": ["model.autoscaling.minReplicas=9"]}, "model.autoscaling.minReplicas (9) is greater than"),
     ({"sets": ["worker.replicas=1", "model.autoscaling.minReplicas=5"]},
      "model.autoscaling.minReplicas 5 does not fit: 1 worker(s) x 4 replica(s) of 2 GPUs each hold 4"),
+    ({"sets": ["serve.mode=pd", "model.prefillAutoscaling.minReplicas=5"]},
+     "model.prefillAutoscaling.minReplicas (5) is greater than model.prefillAutoscaling.maxReplicas (4)"),
+    ({"sets": ["serve.mode=pd", "worker.replicas=1", "model.autoscaling.minReplicas=3",
+               "model.prefillAutoscaling.minReplicas=2"]},
+     "model.autoscaling.minReplicas + model.prefillAutoscaling.minReplicas 5 does not fit: 1 worker(s) x 4"),
+    ({"set_strings": ["serve.mode=PD"]}, "at '/serve/mode': value must be one of 'openai', 'pd'"),
     ({"sets": ["tier.shard_cpus=9"]}, "worker: 41 CPUs needed"),
     # the app refuses a no-break space in model_id; the chart refuses it before anything starts
     ({"set_strings": ["tier.model_id=llama\u00a08b"]}, "at '/tier/model_id'"),
@@ -234,6 +242,30 @@ def test_defaults_mirror_the_gpu_example():
     example = yaml.safe_load((ROOT / "deploy/serve/gpu-example.yaml").read_text())
     assert prepare_app(ours["applications"][0]["args"]) == prepare_app(example["applications"][0]["args"])
     assert (ours["proxy_location"], ours["http_options"]) == (example["proxy_location"], example["http_options"])
+
+
+def test_pd_mode_renders_the_pd_builders_app_from_the_same_model():
+    """serve.mode pd: build_pd_app with a prefill and a decode config that differ only in their
+    scaling (one store namespace, or the decode never finds the prefill's blocks), as the builder
+    reads them; the GPU PD example's engine layout."""
+    values = group_values("pd")
+    app = yaml.safe_load(one(render(*VALUES["pd"]), "RayService")["spec"]["serveConfigV2"])["applications"][0]
+    assert app["import_path"] == PD_BUILDER and "llm_configs" not in app["args"]
+    serving, tier = prepare_pd_app(app["args"])
+    prefill, decode = serving["prefill_config"], serving["decode_config"]
+    for role, scaling in ((prefill, values["model"]["prefillAutoscaling"]), (decode, values["model"]["autoscaling"])):
+        assert role["engine_kwargs"]["kv_transfer_config"]["kv_connector"] == "UcmRayConnector"
+        assert role["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_both"
+        assert role["deployment_config"]["autoscaling_config"] == {
+            "min_replicas": scaling["minReplicas"], "max_replicas": scaling["maxReplicas"],
+            "target_ongoing_requests": scaling["targetOngoingRequests"]}
+    assert {k: v for k, v in prefill.items() if k != "deployment_config"} == \
+        {k: v for k, v in decode.items() if k != "deployment_config"}
+    example = yaml.safe_load((ROOT / "deploy/serve/gpu-pd-example.yaml").read_text())["applications"][0]["args"]
+    example_serving, _ = prepare_pd_app(example)
+    assert prefill["engine_kwargs"]["tensor_parallel_size"] == \
+        example_serving["prefill_config"]["engine_kwargs"]["tensor_parallel_size"]
+    assert tier.shards_per_node == values["tier"]["shards_per_node"]
 
 
 def test_monitoring_is_off_by_default_and_renders_when_on():

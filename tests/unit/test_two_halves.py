@@ -27,7 +27,7 @@ from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey, Transfer, TransferError
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm import compat
-from ucm_ray.vllm.compat import ASYNC_LOAD_FAILURES_REPORTABLE, check_one_compute_stream
+from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import StepState
@@ -105,10 +105,10 @@ HYBRID_ROWS = [
 ]
 
 
-needs_failed_recving = pytest.mark.skipif(
-    not ASYNC_LOAD_FAILURES_REPORTABLE,
-    reason="this vLLM (0.26) has no failed_recving, so the connector refuses hybrid (multi-group) caches: "
-           "test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load checks that; vLLM >= 0.32 runs this")
+hybrid_harness = pytest.mark.hybrid_harness
+"""A hybrid (multi-group) cache through the harness. vLLM 0.26 has no ``failed_recving``, so the
+connector refuses hybrid caches there (``test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load``
+checks the refusal on every version): ``make test-vllm026`` deselects these, every other version runs them."""
 
 
 def test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load(store, model_dir, monkeypatch):
@@ -119,7 +119,7 @@ def test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load(store,
         make_engine(store.client(), model_dir, block_size=2048, hybrid=True)
 
 
-@needs_failed_recving
+@hybrid_harness
 @pytest.mark.parametrize("a_len, a_chunk, k, n, ext, computed", HYBRID_ROWS)
 def test_hybrid_seed_tables(store, model_dir, a_len, a_chunk, k, n, ext, computed):
     p = prompt(8200, seed=a_len + a_chunk + k)
@@ -793,7 +793,7 @@ def test_the_connectors_start_up_lines_are_in_the_engines_log(model_dir):
     assert "ucm-ray worker rank 0" in log, log[-2000:]
 
 
-@needs_failed_recving
+@hybrid_harness
 def test_a_hybrid_whose_lcm_block_no_prompt_fills_is_named_at_start_up(store, model_dir, caplog):
     """State blocks as long as the model (vLLM's sizing without align mode) leave the tier
     nothing to do: said once at start-up, not discovered from empty counters."""

