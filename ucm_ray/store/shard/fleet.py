@@ -82,9 +82,6 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
     Pools that will land on this node are checked against its free shared memory first (one
     line, nothing started); if a new shard still fails to start, every actor this call created
     is stopped (nothing half-started is left) and one line names the shard and the cause."""
-    if config.disk_roots:
-        raise FleetStartError("disk_dir is set, but shards do not run the disk tier yet (its store and "
-                              "mover exist, not the shard's use of them): leave disk_dir empty")
     ns = config.ray_namespace
     existing = set(fleet_actor_names(ns))
     here = ray.get_runtime_context().get_node_id()

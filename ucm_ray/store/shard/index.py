@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ucm_ray.store.published_layout import ON_DISK
 from ucm_ray.store.shard.allocator import ExtentAllocator
 from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.types import Slot, random_id
@@ -116,6 +117,9 @@ class BlockIndex:
         self._grants: dict[int, _Grant] = {}
         self._leases: dict[int, _Lease] = {}
         self._used = 0
+        self._on_disk: dict[Key, list[int]] = {}
+        """Keys only the disk tier holds, listed in the published index: key -> [size, generation
+        (0: no room in the table)]."""
         self._counters = IndexStats(capacity_bytes=self._alloc.capacity, used_bytes=0,
                                     entries=0, pending_bytes=0)
 
@@ -253,6 +257,7 @@ class BlockIndex:
                 out.append(False)
                 continue
             entry = self._entries[key] = _Entry(Slot(offset, g.size, csum))
+            self._on_disk.pop(key, None)  # its bucket is the pool entry's from here on
             if self._published is not None:
                 entry.generation = self._published.publish(key, offset, g.size, csum)
             self._used += g.size
@@ -330,12 +335,25 @@ class BlockIndex:
             if e is not None and e.slot.offset == offset:
                 e.clean = True
 
-    def mark_dirty(self, keys: Sequence[Key]) -> None:
-        """The disk tier no longer holds ``keys``: their pool entries are the only copies again."""
+    def disk_dropped(self, keys: Sequence[Key]) -> None:
+        """The disk tier no longer holds ``keys``: their pool entries are the only copies again,
+        and those not in the pool are unlisted from the published index."""
         for key in keys:
             e = self._entries.get(key)
             if e is not None:
                 e.clean = False
+            elif self._on_disk.pop(key, None) is not None and self._published is not None:
+                self._published.unpublish(key)
+
+    def list_on_disk(self, items: Sequence[tuple[Key, int]]) -> None:
+        """(key, size) the disk tier holds and the pool does not (adopted at start, or evicted
+        clean): listed in the published index, so a same-node reader asks the shard for them
+        instead of taking the index's "absent" for an answer."""
+        for key, size in items:
+            if key in self._entries:
+                continue
+            generation = self._published.publish_on_disk(key, size) if self._published is not None else 0
+            self._on_disk[key] = [size, generation]
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -378,6 +396,8 @@ class BlockIndex:
             if self._prefer_clean and not e.clean:
                 self._counters.evicted_dirty += 1
             self._unpublish(victim)
+            if e.clean:
+                self.list_on_disk([(victim, e.slot.size)])
             self._alloc.free(e.slot.offset, e.slot.size)
             self._used -= e.slot.size
             self._counters.evictions += 1
@@ -413,11 +433,16 @@ class BlockIndex:
         if pub is None:
             return
         pub.unpublish(key)
-        if pub.wants_refill:
+        self._on_disk.pop(key, None)
+        if pub.wants_refill:  # pool entries first: the disk's cost a call when unlisted, not a miss
             waiting = [(k, e.slot.offset, e.slot.size, e.slot.checksum)
                        for k, e in self._entries.items() if not e.generation]
+            waiting += [(k, ON_DISK, size, None) for k, (size, generation) in self._on_disk.items() if not generation]
             for k, generation in pub.refill(waiting).items():
-                self._entries[k].generation = generation
+                if k in self._entries:
+                    self._entries[k].generation = generation
+                else:
+                    self._on_disk[k][1] = generation
 
     def _unpin(self, lease_id: int, lease: _Lease) -> None:
         for e in lease.entries:

@@ -63,7 +63,7 @@ class CacheShard:
                 # Last to open: a DiskInUse (another shard on these files) must leave nothing behind.
                 self._tier = DiskTier(self._index, self._pool.tensor,
                                       DiskStore(cfg.disk_roots, shard_id, cfg.disk_bytes), self._lock,
-                                      write_through=cfg.disk_write_policy == "through")
+                                      write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s)
             if cfg.transport != "shm":
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 

@@ -421,6 +421,7 @@ class DiskStore:
         if not self.stats.enabled:
             return
         self.stats.enabled = False
+        self._gone.extend(self._entries)  # the pool's copies are the only ones again
         self._entries.clear()
         self._retired.clear()
         name = errno.errorcode.get(e.errno or 0, str(e.errno))
