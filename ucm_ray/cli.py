@@ -97,10 +97,17 @@ def cmd_status(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
 
 
 def cmd_down(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
-    from ucm_ray.store.shard.fleet import stop_fleet
+    """Stops the shards and unlinks their pools; the disk tier's files stay (the next ``up``
+    adopts their entries) unless ``--purge-disk``."""
+    from ucm_ray.store.shard.fleet import purge_disk_everywhere, stop_fleet
 
+    if args.purge_disk and not cfg.disk_roots:
+        print("ucm-ray: --purge-disk needs the fleet's disk_dir (pass the config `up` was given)", file=sys.stderr)
+        return 2
     _connect(args, cfg)
     print(f"stopped {stop_fleet(cfg)} shard(s)")
+    if args.purge_disk:
+        print(f"purged the disk tier files of {purge_disk_everywhere(cfg)} shard(s)")
     return 0
 
 
@@ -202,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             sp.add_argument("--json", action="store_true",
                             help="every figure per shard as JSON (plus hit_rate), for scripts")
+        if name == "down":
+            sp.add_argument("--purge-disk", action="store_true",
+                            help="also delete the disk tier's files under disk_dir (kept otherwise: the "
+                                 "next `up` adopts them)")
         UcmRayConfig.add_cli_arguments(sp)
         sp.set_defaults(func=fn)
     sp = sub.add_parser("serve", help="check a Serve config file, then `serve run` it")
