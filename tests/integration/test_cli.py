@@ -8,10 +8,12 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 import ray
 import torch
 
+from tests.support.prometheus import parse_samples
 from tests.support.store_helpers import ClientProcess, block, key, read_back
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.client import StoreClient
@@ -99,6 +101,23 @@ def test_up_with_a_disk_tier_keeps_its_files_on_down_and_purges_them_on_request(
     while (shard := fleet_status(fleet)["shards"][0])["disk_entries"] < 20:
         assert time.monotonic() < deadline, shard  # write-through: every commit reaches disk
         time.sleep(0.2)
+    # the disk figures in `ucm-ray status` and on Ray's Prometheus export (every ~5-10 s)
+    table = cli("status", "--address", address, "--config", str(conf)).stdout.splitlines()
+    header = re.split(r"\s{2,}", table[1])
+    row = dict(zip(header, re.split(r"\s{2,}", table[2])))
+    assert header[-2:] == ["DISK USED / CAPACITY", "DISK PROMOTED"]
+    assert row["DISK USED / CAPACITY"].endswith("/ 16.0 MiB") and row["DISK PROMOTED"] == "0"
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    while True:
+        shard = fleet_status(fleet)["shards"][0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            samples = {(n, lab.get("shard")): v for n, lab, v in parse_samples(r.read().decode())}
+        exported = (samples.get(("ray_ucm_ray_shard_disk_demoted_total", shard["shard_id"])),
+                    samples.get(("ray_ucm_ray_shard_disk_entries", shard["shard_id"])))
+        if exported == (shard["disk_demoted"], shard["disk_entries"]) == (20, 20):
+            break
+        assert time.monotonic() < deadline + 60, (exported, shard)
+        time.sleep(1)
     pools = [p for p in os.listdir(fleet.shm_dir) if "cli_disk" in p]
     assert pools, "the shard's pool and index are in shm_dir while it runs"
     assert cli("down", "--address", address, "--config", str(conf)).returncode == 0

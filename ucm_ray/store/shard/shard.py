@@ -186,15 +186,21 @@ class CacheShard:
                                    f"not {incarnation:x}")
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            s = self._index.stats()
-        self._metrics.publish(s)
-        disk: dict[str, Any] = {}
-        if self._tier is not None:
-            disk = {f"disk_{k}": v for k, v in {**asdict(self._tier.disk_stats()), **asdict(self._tier.stats)}.items()}
-            disk["disk_behind"] = self._tier.behind()
+        figures = self._figures()
+        self._metrics.publish(figures)
         return {"shard_id": self._id, "node_id": self._node_id, "node_ip": self._node_ip, "pid": os.getpid(),
-                "incarnation": self._incarnation, **asdict(s), **disk}
+                "incarnation": self._incarnation, **figures}
+
+    def _figures(self) -> dict[str, Any]:
+        """The index's figures, and the disk tier's as ``disk_*`` (none without one)."""
+        with self._lock:
+            figures: dict[str, Any] = asdict(self._index.stats())
+        tier = self._tier
+        if tier is not None:
+            disk = {**asdict(tier.disk_stats()), **asdict(tier.stats)}
+            figures.update({f"disk_{k}": v for k, v in disk.items()})
+            figures["disk_behind"] = tier.behind()
+        return figures
 
     def _demote(self) -> None:
         """Write-back: after commits (or every 0.5 s), demote batches until the pool's cold end
@@ -207,9 +213,7 @@ class CacheShard:
 
     def _publish_metrics(self, period_s: float = 5.0) -> None:
         while not self._stopped.wait(period_s):
-            with self._lock:
-                stats = self._index.stats()
-            self._metrics.publish(stats)
+            self._metrics.publish(self._figures())
 
     @ray.method(concurrency_group="watch")
     def wait_until_death(self) -> None:
