@@ -152,7 +152,9 @@ class UcmRayConfig:
     disk_dir: str = ""
     """The capacity tier behind each shard's pool: a directory, or several separated by commas
     (one per NVMe drive, say), where each shard keeps a few preallocated files. Empty: no disk
-    tier (the default). A string rather than a list so that YAML, flags and the Helm chart carry
+    tier (the default). Shards demote to it ahead of eviction and promote from it on a hit, on
+    both lookup paths (the published index lists disk-only keys as "ask the shard"); the files
+    outlive the shard (adopted at its next start) until ``ucm-ray down --purge-disk``. A string rather than a list so that YAML, flags and the Helm chart carry
     it like every other key."""
     disk_bytes: int = 0
     """Bytes of disk each shard may use, over all roots (accepts '500GiB'); never exceeded."""
