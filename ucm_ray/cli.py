@@ -97,10 +97,17 @@ def cmd_status(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
 
 
 def cmd_down(args: argparse.Namespace, cfg: UcmRayConfig) -> int:
-    from ucm_ray.store.shard.fleet import stop_fleet
+    """Stops the shards and unlinks their pools; the disk tier's files stay (the next ``up``
+    adopts their entries) unless ``--purge-disk``."""
+    from ucm_ray.store.shard.fleet import purge_disk_everywhere, stop_fleet
 
+    if args.purge_disk and not cfg.disk_roots:
+        print("ucm-ray: --purge-disk needs the fleet's disk_dir (pass the config `up` was given)", file=sys.stderr)
+        return 2
     _connect(args, cfg)
     print(f"stopped {stop_fleet(cfg)} shard(s)")
+    if args.purge_disk:
+        print(f"purged the disk tier files of {purge_disk_everywhere(cfg)} shard(s)")
     return 0
 
 
@@ -169,23 +176,37 @@ STATUS_COLUMNS = ("SHARD", "NODE", "ENTRIES", "USED / CAPACITY", "USE", "HIT RAT
 
 def status_table(st: dict) -> str:
     """``ucm-ray status``: one row per shard. NODE is the node's IP and the start of its Ray node
-    id; HIT RATE is keys found / keys readers asked for (since the shard started)."""
-    rows = []
+    id; HIT RATE is keys found / keys readers asked for (since the shard started); DISK (only
+    when a shard runs a disk tier) its used / capacity and how many entries it promoted."""
+    with_disk = any("disk_capacity_bytes" in s for s in st["shards"])
+    columns = STATUS_COLUMNS + (("DISK USED / CAPACITY", "DISK PROMOTED") if with_disk else ())
+    rows: list[tuple[str, ...]] = []
     for s in st["shards"]:
         if "error" in s:
-            rows.append((s["shard_id"], "?", "-", f"unreachable: {s['error']}", "", "", "", "", ""))
+            rows.append((s["shard_id"], "?", "-", f"unreachable: {s['error']}") + ("",) * (len(columns) - 4))
             continue
         node = f"{s.get('node_ip', '?')} {s['node_id'][:8]}"
         use = s["used_bytes"] / s["capacity_bytes"] if s["capacity_bytes"] else 0.0
         hit = f"{s['hits'] / s['lookups']:.2f}" if s["lookups"] else "-"
-        rows.append((s["shard_id"], node, str(s["entries"]),
-                     f"{_bytes(s['used_bytes'])} / {_bytes(s['capacity_bytes'])}", f"{use:.0%}", hit,
-                     str(s["lookups"]), str(s["evictions"]), str(s["dropped_saves"])))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(STATUS_COLUMNS)]
+        used = f"{_bytes(s['used_bytes'])} / {_bytes(s['capacity_bytes'])}"
+        row: tuple[str, ...] = (s["shard_id"], node, str(s["entries"]), used, f"{use:.0%}", hit, str(s["lookups"]),
+                                str(s["evictions"]), str(s["dropped_saves"]))
+        if with_disk:
+            row += _disk_cells(s)
+        rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     lines = [f"membership v{st['version']}, {len(st['shards'])} shard(s)",
-             "  ".join(c.ljust(w) for c, w in zip(STATUS_COLUMNS, widths)).rstrip()]
+             "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _disk_cells(s: dict) -> tuple[str, str]:
+    if "disk_capacity_bytes" not in s:
+        return "-", "-"
+    if not s["disk_enabled"]:
+        return f"off ({s['disk_io_errors']} I/O errors)", str(s["disk_promoted"])
+    return f"{_bytes(s['disk_used_bytes'])} / {_bytes(s['disk_capacity_bytes'])}", str(s["disk_promoted"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             sp.add_argument("--json", action="store_true",
                             help="every figure per shard as JSON (plus hit_rate), for scripts")
+        if name == "down":
+            sp.add_argument("--purge-disk", action="store_true",
+                            help="also delete the disk tier's files under disk_dir (kept otherwise: the "
+                                 "next `up` adopts them)")
         UcmRayConfig.add_cli_arguments(sp)
         sp.set_defaults(func=fn)
     sp = sub.add_parser("serve", help="check a Serve config file, then `serve run` it")

@@ -158,13 +158,19 @@ class UcmRayConfig:
     disk_dir: str = ""
     """The capacity tier behind each shard's pool: a directory, or several separated by commas
     (one per NVMe drive, say), where each shard keeps a few preallocated files. Empty: no disk
-    tier (the default). A string rather than a list so that YAML, flags and the Helm chart carry
-    it like every other key."""
+    tier (the default). Shards demote to it ahead of eviction and promote from it on a hit, on
+    both lookup paths (the published index lists disk-only keys as "ask the shard"); the files
+    outlive the shard (adopted at its next start) until ``ucm-ray down --purge-disk``. A string
+    rather than a list so that YAML, flags and the Helm chart carry it like every other key."""
     disk_bytes: int = 0
     """Bytes of disk each shard may use, over all roots (accepts '500GiB'); never exceeded."""
     disk_write_policy: str = "back"
     """back: entries are written to disk ahead of their eviction from the pool; through: every
     committed entry is written too."""
+    disk_wait_s: float = 0.5
+    """Longest a lookup call spends promoting disk entries into the pool (the shard's other calls
+    wait behind it): keys not promoted by then are misses, recomputed. Below lookup_timeout_s,
+    or the engine would give up on the shard first."""
     disk_io: str = "auto"
     """How bytes reach the disk: posix (``preadv``/``pwritev``, ``O_DIRECT`` where the file system
     takes it); auto picks the best that works here (posix for now)."""
@@ -244,11 +250,16 @@ class UcmRayConfig:
              and 0 <= self.disk_bytes <= MAX_DISK_BYTES, "disk_bytes",
              f"a whole number of bytes between 0 and {MAX_DISK_BYTES} (1 PiB)")
         need(self.disk_write_policy in DISK_WRITE_POLICIES, "disk_write_policy", " | ".join(DISK_WRITE_POLICIES))
+        need(isinstance(self.disk_wait_s, (int, float)) and not isinstance(self.disk_wait_s, bool)
+             and 0 < self.disk_wait_s <= 3600, "disk_wait_s", "a number of seconds above 0, at most 3600")
         need(self.disk_io in DISK_IO, "disk_io", " | ".join(DISK_IO) + " (nixl is not built yet)")
         # Relations: a tier needs both its place and its size; each file holds at least one 4 KiB slot.
         need(not roots or self.disk_bytes >= 4096 * len(roots), "disk_bytes",
              f"at least {4096 * len(roots)} (4 KiB per disk_dir root) when disk_dir is set")
         need(bool(roots) or self.disk_bytes == 0, "disk_bytes", "0 when disk_dir is empty (no disk tier)")
+        need(not roots or self.disk_wait_s < self.lookup_timeout_s, "disk_wait_s",
+             f"below lookup_timeout_s ({self.lookup_timeout_s:g}) when disk_dir is set: the engine "
+             "would give up on the shard first")
 
     # --- loading -------------------------------------------------------------------------
 

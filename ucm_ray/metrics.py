@@ -9,7 +9,6 @@ moves (Ray exports no zero counter).
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict
 from typing import Any
 
 from ray.util import metrics
@@ -22,6 +21,10 @@ GAUGES = {
     "quarantined_bytes": "Bytes of lapsed write grants held back until no late write can land.",
     "hints": "Keys this shard can say the pool of (writer-local placement: blocks of the families it roots).",
     "pins": "Entry pins held by read leases not yet released or lapsed.",
+    "disk_capacity_bytes": "Bytes of the shard's disk tier files (disk_bytes, rounded down to 4 KiB).",
+    "disk_used_bytes": "Bytes of the disk tier holding entries (and slots awaiting the next manifest).",
+    "disk_entries": "Entries on the shard's disk tier.",
+    "disk_enabled": "1 while the disk tier runs, 0 once a disk error turned it off.",
 }
 COUNTERS = {
     "lookups": "Keys readers asked this shard for (the connector's lookups, per key).",
@@ -38,12 +41,23 @@ COUNTERS = {
     "hints_registered": "Keys writers registered here as committed in their node's pool (writer-local placement).",
     "hints_asked": "Keys readers on other nodes asked this shard where they are.",
     "hints_answered": "Of those, the keys it named a pool for.",
+    "evicted_dirty": "Evictions, with a disk tier, of entries not yet on disk (demotion fell behind).",
+    "disk_demoted": "Entries written from the pool to the disk tier.",
+    "disk_demoted_bytes": "Bytes of the entries written to the disk tier.",
+    "disk_promoted": "Entries read from the disk tier back into the pool (disk hits).",
+    "disk_promoted_bytes": "Bytes of the entries promoted from the disk tier.",
+    "disk_promote_misses": "Keys asked of the disk tier that it did not hold or whose bytes failed their check.",
+    "disk_promote_late": "Keys left on disk because a lookup had spent its disk_wait_s (recomputed).",
+    "disk_corrupt": "Disk tier reads whose bytes failed their CRC32 (dropped; a miss).",
+    "disk_io_errors": "Disk I/O errors (the first turns the disk tier off).",
+    "disk_adopted": "Entries the disk tier re-adopted from its manifest at start.",
 }
 TAG_KEYS = ("shard", "node")
 
 
 class ShardMetrics:
-    """Turns a shard's cumulative ``IndexStats`` into Ray gauges and counters."""
+    """Turns a shard's cumulative figures (``IndexStats`` and, with a disk tier, its ``disk_*``
+    figures, as ``CacheShard.stats`` reports them) into Ray gauges and counters."""
 
     def __init__(self, shard_id: str, node_id: str = "") -> None:
         self._tags = {"shard": shard_id, "node": node_id}
@@ -54,15 +68,15 @@ class ShardMetrics:
         self._last: dict[str, int] = {n: 0 for n in COUNTERS}
         self._lock = threading.Lock()  # the shard's metrics thread and its stats() both publish
 
-    def publish(self, stats: Any, extra: dict[str, int] | None = None) -> None:
-        """``stats``: the index's ``IndexStats``; ``extra``: the shard's other figures (hints)."""
+    def publish(self, figures: dict[str, Any]) -> None:
+        """Figures a shard lacks (no disk tier: no ``disk_*``) are not exported."""
         with self._lock:
-            self._publish({**asdict(stats), **(extra or {})})
+            self._publish(figures)
 
     def _publish(self, values: dict[str, Any]) -> None:
         for n, g in self._gauges.items():
             if n in values:
-                g.set(values[n], tags=self._tags)
+                g.set(int(values[n]), tags=self._tags)
         for n, c in self._counters.items():
             if n not in values:
                 continue

@@ -80,6 +80,8 @@ def test_a_lease_shorter_than_two_step_deadlines_is_refused():
     ({"disk_dir": "/tmp", "disk_bytes": "1.5"}, ["disk_bytes", "whole number of bytes"]),
     ({"disk_write_policy": "around"}, ["disk_write_policy", "back | through"]),
     ({"disk_io": "nixl"}, ["disk_io", "auto | posix", "nixl is not built yet"]),
+    ({"disk_wait_s": 0}, ["disk_wait_s", "above 0"]),
+    ({"disk_dir": "/tmp", "disk_bytes": "1GiB", "disk_wait_s": 6}, ["disk_wait_s", "below lookup_timeout_s (5)"]),
     ({"bad\nkey": 1}, ["'bad\\nkey'", "allowed keys"]),    # shown on one line
     ({3: 1}, ["3", "allowed keys"]),                          # a YAML int key, sorted beside str keys
     ({3: 1, "a": 2}, ["3", "a", "allowed keys"]),

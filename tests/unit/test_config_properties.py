@@ -62,6 +62,8 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
     transfer = draw(_seconds(0.01, 3600))
     disk_dir = draw(st.sampled_from(["", _EXISTING_DIR, f"{_EXISTING_DIR},/dev/shm", f" {_EXISTING_DIR} ,"]))
     disk_roots = [p for p in disk_dir.split(",") if p.strip()]
+    # with a disk tier, a promotion's bound stays below the engine's lookup timeout
+    lookup = draw(_seconds(1.0, 3600)) if disk_roots else draw(_seconds(0.01, 3600))
     meant: dict[str, object] = {
         "namespace": draw(_names(128)),
         "ray_namespace": draw(_names(64)),
@@ -77,7 +79,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "placement": draw(st.sampled_from(PLACEMENTS)),
         "layerwise": draw(st.booleans()),
         "load_at_once_ratio": draw(st.integers(0, 1 << 20)),
-        "lookup_timeout_s": draw(_seconds(0.01, 3600)),
+        "lookup_timeout_s": lookup,
         "transfer_timeout_s": transfer,
         "lease_s": draw(_seconds(max(0.1, 2 * transfer), 86400)),
         "reserve_timeout_s": draw(_seconds(max(0.1, 2 * transfer), 86400)),
@@ -90,6 +92,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "disk_bytes": draw(st.integers(4096 * len(disk_roots), 1 << 50)) if disk_roots else 0,
         "disk_write_policy": draw(st.sampled_from(DISK_WRITE_POLICIES)),
         "disk_io": draw(st.sampled_from(DISK_IO)),
+        "disk_wait_s": draw(_seconds(0.0001, 0.99)) if disk_roots else draw(_seconds(0.0001, 3600)),
     }
     written: dict[str, object] = {}
     for key, value in meant.items():
@@ -207,6 +210,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
                             st.sampled_from(["-1", "2PiB", "1.5", "lots"]), st.just(True), st.none(), _NON_FINITE),
     "disk_write_policy": st.one_of(_GARBAGE.filter(lambda s: s not in DISK_WRITE_POLICIES), _NOT_A_STRING),
     "disk_io": st.one_of(st.sampled_from(["nixl", "gds", ""]), _NOT_A_STRING),
+    "disk_wait_s": _bad_seconds(0.0, 3600),
 }
 
 

@@ -5,18 +5,22 @@ wiring is the next step."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
 
-from ucm_ray.store.shard.disk import DiskStore
+from ucm_ray.store.engine.published_reader import IndexReader
+from ucm_ray.store.shard.disk import DiskStore, FileOps
 from ucm_ray.store.shard.disk.store import shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.index import BlockIndex
+from ucm_ray.store.shard.published_writer import PublishedIndex
 
 SLOT = 8192
 WRITER, READER = 11, 22
@@ -64,6 +68,10 @@ class Shard:
         assert slots[0] is not None
         return slots[0].offset
 
+    def demote_all(self) -> int:
+        """What the shard's demotion thread does after a commit: batches until none is owed."""
+        return self.tier.demote()
+
     def in_pool(self, *ids: int) -> list[bool]:
         with self.lock:
             return self.index.contains([key(i) for i in ids])
@@ -92,12 +100,12 @@ def test_demotion_starts_above_the_high_watermark_and_cleans_the_cold_end(tmp_pa
     s = Shard(str(tmp_path), 8, 64, high=0.5, low=0.25)
     for i in range(4):
         s.write(i)
-    assert s.tier.demote_once() == 0  # 4 of 8 slots used: not above the high watermark
+    assert s.demote_all() == 0  # 4 of 8 slots used: not above the high watermark
     for i in range(4, 6):
         s.write(i)
-    assert s.tier.demote_once() == 4 * SLOT  # used 6, low 2: the 4 coldest go to disk
+    assert s.demote_all() == 4 * SLOT  # used 6, low 2: the 4 coldest go to disk
     assert s.tier.on_disk([key(i) for i in range(6)]) == [True] * 4 + [False] * 2
-    assert s.tier.demote_once() == 0  # the cold end is clean already
+    assert s.demote_all() == 0  # the cold end is clean already
 
 
 def test_a_store_holding_5x_its_pool_serves_any_of_it(tmp_path):
@@ -105,7 +113,7 @@ def test_a_store_holding_5x_its_pool_serves_any_of_it(tmp_path):
     n = 40
     for i in range(n):
         s.write(i)
-        s.tier.demote_once()  # what the shard's demotion thread does between saves
+        s.demote_all()
     assert s.index.stats().evicted_dirty == 0 and s.index.stats().evictions >= n - 8
     assert all(s.tier.on_disk([key(i)])[0] or s.in_pool(i)[0] for i in range(n))
     order = list(range(n))
@@ -130,14 +138,14 @@ def test_write_through_demotes_every_commit(tmp_path):
     s = Shard(str(tmp_path), 8, 64, write_through=True)
     for i in range(3):
         s.write(i)
-    assert s.tier.demote_once() == 3 * SLOT
+    assert s.demote_all() == 3 * SLOT
     assert s.tier.on_disk([key(0), key(1), key(2)]) == [True] * 3
 
 
 def test_a_flipped_byte_on_disk_is_not_promoted(tmp_path):
     s = Shard(str(tmp_path), 4, 16, write_through=True)
     s.write(0)
-    s.tier.demote_once()
+    s.demote_all()
     for i in range(1, 5):
         s.write(i)  # evicts 0 (clean)
     assert s.in_pool(0) == [False]
@@ -162,15 +170,15 @@ def test_what_the_disk_evicts_is_dirty_again_in_the_pool(tmp_path):
     s = Shard(str(tmp_path), 4, 2, write_through=True)
     for i in range(2):
         s.write(i)
-    s.tier.demote_once()  # 0 and 1 on disk
+    s.demote_all()  # 0 and 1 on disk
     for i in range(2, 4):
         s.write(i)
-    s.tier.demote_once()  # 2 and 3 on disk; the disk (2 slots) evicted 0 and 1
-    assert s.tier.on_disk([key(i) for i in range(4)]) == [False, False, True, True]
-    s.write(4)  # evicts the coldest clean entry (2), not 0
-    assert s.in_pool(0, 1, 2, 3, 4) == [True, True, False, True, True]
-    assert s.index.stats().evicted_dirty == 0
-    assert s.tier.promote([key(2)]) == [True] and torch.equal(s.read(2), payload(2))
+    s.demote_all()  # the disk (2 slots) evicts what it held to take 2 and 3 (capped: no churn forever)
+    assert sum(s.tier.on_disk([key(i) for i in range(4)])) == 2
+    s.write(4)  # evicts an entry the disk holds, never one whose disk copy it evicted
+    evicted = [i for i in range(4) if not s.in_pool(i)[0]]
+    assert len(evicted) == 1 and s.index.stats().evicted_dirty == 0
+    assert s.tier.promote([key(evicted[0])]) == [True] and torch.equal(s.read(evicted[0]), payload(evicted[0]))
 
 
 def test_watermarks_are_checked():
@@ -179,12 +187,102 @@ def test_watermarks_are_checked():
                  threading.Lock(), high=0.5, low=0.7)
 
 
-def test_a_fleet_with_disk_dir_is_refused_until_shards_run_the_tier(tmp_path):
-    """The store and the mover exist, shards do not use them yet: a config asking for a disk tier
-    must not start a fleet that silently has none (refused before any Ray call)."""
-    from ucm_ray.config import UcmRayConfig
-    from ucm_ray.store.shard.fleet import FleetStartError, start_fleet
+class PublishedShard(Shard):
+    """``Shard`` with the published index same-node readers look up, and 16-byte digest keys
+    (the only keys that index lists)."""
 
-    config = UcmRayConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20)
-    with pytest.raises(FleetStartError, match="disk_dir is set, but shards do not run the disk tier yet"):
-        start_fleet(config)
+    def __init__(self, root: str, pool_slots: int, disk_slots: int, index_file: str, **tier_args) -> None:
+        self.published = PublishedIndex(index_file, pool_slots * SLOT, 1)
+        self.mapping = mmap.mmap(-1, pool_slots * SLOT)
+        self.pool = torch.frombuffer(self.mapping, dtype=torch.uint8)
+        self.index = BlockIndex(pool_slots * SLOT, lease_s=60, reserve_timeout_s=60, prefer_clean=True,
+                                published=self.published)
+        self.lock = threading.Lock()
+        self.disk = DiskStore([root], "s0", disk_slots * SLOT, **tier_args.pop("store_args", {}))
+        self.tier = DiskTier(self.index, self.pool, self.disk, self.lock, **tier_args)
+        self.reader = IndexReader(index_file, 1)
+
+    def lookup(self, *ids: int) -> list[str]:
+        """What a same-node reader's published-index lookup says per key: hit, miss, or ask."""
+        found = self.reader.lookup([key(i) for i in ids])
+        assert found is not None
+        return ["hit" if g else ("miss" if k else "ask") for g, k in zip(found.generation, found.known)]
+
+
+@pytest.fixture
+def index_file():
+    path = f"/dev/shm/ucmray-test-tier-index-{os.getpid()}-{random.randrange(1 << 30)}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def digest_keys(monkeypatch) -> None:
+    """Keys the published index lists (``key`` is looked up at call time by every helper)."""
+    monkeypatch.setitem(globals(), "key", lambda i: hashlib.blake2b(b"%d" % i, digest_size=16).digest())
+
+
+def test_a_key_evicted_to_disk_is_listed_as_ask_the_shard_and_promotion_makes_it_a_hit(tmp_path, index_file,
+                                                                                       monkeypatch):
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 4, 16, index_file, write_through=True)
+    for i in range(4):
+        s.write(i)
+    s.demote_all()
+    for i in range(4, 6):
+        s.write(i)  # evicts 0 and 1 (clean): the disk holds them
+    assert s.lookup(0, 1, 2, 3, 4, 5, 6) == ["ask", "ask", "hit", "hit", "hit", "hit", "miss"]
+    assert s.reader.generation_of(key(0)) is None  # the one-key probe cannot say either
+    # a reader told "ask" calls the shard's acquire: promoted, pinned, the bytes exact
+    out, lease = s.tier.promote_pinned([key(0), key(1)])
+    s.tier.unpin(lease)
+    assert out == [True, True] and s.lookup(0, 1) == ["hit", "hit"]
+    assert torch.equal(s.read(0), payload(0)) and torch.equal(s.read(1), payload(1))
+
+
+def test_what_the_disk_drops_is_unlisted_and_a_restart_lists_what_it_adopts(tmp_path, index_file, monkeypatch):
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 2, 2, index_file, write_through=True)
+    for i in range(2):
+        s.write(i)
+    s.demote_all()
+    for i in range(2, 4):
+        s.write(i)  # evicts 0 and 1, clean
+    assert s.lookup(0, 1) == ["ask", "ask"]
+    s.demote_all()  # 2 and 3 to a 2-slot disk: it drops 0 and 1, now in neither tier
+    assert s.lookup(0, 1, 2, 3) == ["miss", "miss", "hit", "hit"]
+    s.tier.close()
+    s.published.close()
+    restarted = PublishedShard(str(tmp_path), 2, 2, index_file)  # the pool is empty, the disk adopted
+    assert restarted.lookup(0, 1, 2, 3) == ["miss", "miss", "ask", "ask"]
+    out, lease = restarted.tier.promote_pinned([key(2), key(3)])
+    assert out == [True, True] and torch.equal(restarted.read(3), payload(3))
+
+
+class SlowReads(FileOps):
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def preadv(self, fd, buffers, offset):
+        time.sleep(self.delay_s)
+        return super().preadv(fd, buffers, offset)
+
+
+def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_file, monkeypatch):
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
+                       store_args={"ops": SlowReads(0.06)})
+    for i in range(8):
+        s.write(i)
+    s.demote_all()
+    for i in range(8, 16):
+        s.write(i)  # 0..7 now on disk only
+    started = time.monotonic()
+    out, lease = s.tier.promote_pinned([key(i) for i in range(8)])
+    took = time.monotonic() - started
+    s.tier.unpin(lease)
+    # reads of 60 ms against a 100 ms bound: two done, the call back within the bound and one read
+    assert out == [True, True] + [False] * 6 and took < 0.1 + 0.06 + 0.05
+    assert s.tier.stats.promote_late == 6
+    assert torch.equal(s.read(0), payload(0)) and torch.equal(s.read(1), payload(1))
+    assert s.lookup(2) == ["ask"]  # still on disk: a later lookup may promote it

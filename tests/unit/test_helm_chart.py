@@ -312,7 +312,8 @@ def test_every_tier_setting_of_the_readme_is_accepted_by_the_chart():
     tier = schema["properties"]["tier"]["properties"]
     # The disk tier's keys wait for the chart to mount a volume for disk_dir (issue 42): until
     # then its schema refusing them is right, a disk_dir naming nothing in the pod would not be.
-    decided = {"num_shards", "ray_address", "shm_dir", "disk_dir", "disk_bytes", "disk_write_policy", "disk_io"}
+    decided = {"num_shards", "ray_address", "shm_dir", "disk_dir", "disk_bytes", "disk_write_policy", "disk_io",
+               "disk_wait_s"}
     assert set(tier) == (set(UcmRayConfig.keys()) - decided) | {"shards_per_node"}
     settings = ["tier.local_lookups=false", "tier.load_at_once_ratio=0", "tier.model_id=llama"]
     app = one(render(sets=settings), "RayService")["spec"]["serveConfigV2"]

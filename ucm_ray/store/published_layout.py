@@ -11,7 +11,9 @@ lock; any number of readers in other processes, never blocked:
 - a rebuild (dropping tombstones) makes the header's ``epoch`` odd until done;
   a reader whose lookup saw the epoch change looks again;
 - when the table is too full to take an entry, ``complete`` is cleared: a miss
-  is then not an answer, and the reader asks the shard through Ray.
+  is then not an answer, and the reader asks the shard through Ray;
+- an entry at offset ``ON_DISK`` is held by the shard's disk tier, not its pool: the
+  reader asks the shard, whose ``acquire`` promotes it into the pool and pins it.
 
 These rules rely on x86's ordering of plain loads and stores (total store
 order); elsewhere (aarch64) no reader maps the table and lookups go through
@@ -33,6 +35,8 @@ HEADER: np.dtype = np.dtype([("magic", "<u8"), ("epoch", "<u8"), ("buckets", "<u
 MAGIC = 0x31584449_59415255  # "URAYIDX1"
 EMPTY = 0
 TOMBSTONE = np.uint64(2**64 - 1)
+ON_DISK = -1
+"""The offset listed for a key only the shard's disk tier holds: no bytes to copy here, ask."""
 MAX_LOAD = 0.5
 """Live entries per bucket beyond which the table takes no more (probe chains stay short)."""
 BYTES_PER_BUCKET = 16 << 10

@@ -48,14 +48,16 @@ class Slot:
 @dataclass(frozen=True)
 class Found:
     """A published index's answer to a lookup, per key: ``generation`` 0 is a miss; ``known``
-    False means the table could not say (it is incomplete and the key is not in it): ask the
-    shard."""
+    False means the table could not say (it is incomplete and the key is not in it, or the key
+    is ``on_disk``): ask the shard."""
 
     generation: np.ndarray
     offset: np.ndarray
     size: np.ndarray
     checksum: np.ndarray
     known: np.ndarray
+    on_disk: np.ndarray
+    """Listed as held by the shard's disk tier only (``known`` is False for these)."""
 
 
 T = TypeVar("T")

@@ -16,7 +16,8 @@ from ucm_ray.transport.base import PoolKey
 
 class Acquire(Pending[ReadLease]):
     """Locates each key on its first owner that is not suspect: in that shard's published index
-    when this node has it (no call, nothing pinned), else pinned through a call; keys whose shard
+    when this node has it (no call, nothing pinned), else pinned through a call (also where the
+    index lists any of them as on the shard's disk); keys whose shard
     *fails* move on to the next replica. A plain miss on a live owner is final (asking every
     replica for every miss would double the control traffic of cold prompts). Keys are routed
     as arrays: a lookup of a long prompt costs no Python per key before its answer."""
@@ -56,6 +57,11 @@ class Acquire(Pending[ReadLease]):
             ix = idx[chosen == shard].tolist()
             keys = [self._keys[i] for i in ix]
             found = None if rec.key in self._pin else access.readers.locate(rec.key, keys)
+            if found is not None and found.on_disk.any():
+                # Some keys wait on the shard's disk: all of them go through its acquire, which
+                # pins the pool's hits before it promotes (and may evict) for the rest; unpinned
+                # hits of this very lookup would be the promotion's first victims.
+                found = None
             if found is not None:
                 hit = self._lease.locations.put_found(ix, rec.key, found)
                 unknown = np.flatnonzero(~found.known).tolist()

@@ -30,7 +30,7 @@ import numpy as np
 
 from ucm_ray.keys import KEY_BYTES
 from ucm_ray.store.engine.remote_index import RemoteIndexReader
-from ucm_ray.store.published_layout import BUCKET, EMPTY, HEADER, MAGIC, TOMBSTONE, key_halves
+from ucm_ray.store.published_layout import BUCKET, EMPTY, HEADER, MAGIC, ON_DISK, TOMBSTONE, key_halves
 from ucm_ray.store.types import NO_CHECKSUM, Found, Locations
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
@@ -91,14 +91,14 @@ class IndexReader:
         at, answer = lo & mask, None
         for _ in range(self.buckets):
             before = int(seqs[at])
-            _, key_lo, key_hi, _, _, generation, _, _ = self._table[at].item()
+            _, key_lo, key_hi, offset, _, generation, _, _ = self._table[at].item()
             if before & 1 or int(seqs[at]) != before:
                 return None  # mid-update: the vectorized lookup reads it again, or asks the shard
             if generation == EMPTY:
                 answer = 0 if complete else None
                 break
             if generation != TOMBSTONE and key_lo == lo and key_hi == hi:
-                answer = generation
+                answer = None if offset == ON_DISK else generation  # on disk: the shard's acquire says
                 break
             at = (at + 1) & mask
         return answer if int(self._header["epoch"][0]) == epoch else None
@@ -129,6 +129,7 @@ class IndexReader:
         checksum: np.ndarray = np.full(n, NO_CHECKSUM, dtype=np.int64)
         complete = bool(self._header["complete"][0])
         known: np.ndarray = np.ones(n, dtype=bool)
+        disk: np.ndarray = np.zeros(n, dtype=bool)
         todo = np.arange(n)
         at = lo & self._mask
         seqs = self._table["seq"]
@@ -142,7 +143,11 @@ class IndexReader:
             steady = (before == seqs[where]) & (before & np.uint64(1) == 0)
             gen = rows["generation"]
             live = (gen != EMPTY) & (gen != TOMBSTONE)
-            hit = steady & live & (rows["key_lo"] == lo[todo]) & (rows["key_hi"] == hi[todo])
+            listed = steady & live & (rows["key_lo"] == lo[todo]) & (rows["key_hi"] == hi[todo])
+            on_disk = listed & (rows["offset"] == ON_DISK)  # not a hit here: the shard promotes it
+            hit = listed & ~on_disk
+            known[todo[on_disk]] = False
+            disk[todo[on_disk]] = True
             miss = steady & (gen == EMPTY)
             found = todo[hit]
             generation[found] = gen[hit]
@@ -152,7 +157,7 @@ class IndexReader:
             known[todo[miss]] = complete
             step = steady & ~hit & ~miss  # another key or a tombstone: the chain goes on
             at[todo[step]] = (at[todo[step]] + np.uint64(1)) & self._mask
-            settled = hit | miss
+            settled = listed | miss
             if not steady.all():  # torn reads are read again, a few times: a bucket left
                 torn_rounds += 1  # mid-update by a shard that paused or died stays unanswered
                 if torn_rounds > self.RETRIES:
@@ -160,7 +165,7 @@ class IndexReader:
                     settled |= ~steady
             todo = todo[~settled]
         known[todo] = False
-        return Found(generation, offset, size, checksum, known)
+        return Found(generation, offset, size, checksum, known, disk)
 
 
 class IndexReaders:

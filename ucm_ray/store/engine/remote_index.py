@@ -26,7 +26,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ucm_ray.store.published_layout import BUCKET, EMPTY, HEADER, MAGIC, TOMBSTONE, key_halves, table_buckets
+from ucm_ray.store.published_layout import (
+    BUCKET,
+    EMPTY,
+    HEADER,
+    MAGIC,
+    ON_DISK,
+    TOMBSTONE,
+    key_halves,
+    table_buckets,
+)
 from ucm_ray.store.types import NO_CHECKSUM, Found
 from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges
 
@@ -62,7 +71,7 @@ class RemoteIndexReader:
         header, windows = read
         n = len(keys)
         found = Found(np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                      np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=bool))
+                      np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool))
         words = key_halves(keys)
         generation = windows["generation"]
         live = (generation != EMPTY) & (generation != TOMBSTONE)
@@ -72,15 +81,18 @@ class RemoteIndexReader:
         first = np.argmax(settles, axis=1)
         rows = np.arange(n)
         settled = settles[rows, first]
-        hit = settled & match[rows, first] & ~torn[rows, first]
-        miss = settled & (generation[rows, first] == EMPTY) & ~torn[rows, first]
         entries = windows[rows, first]
+        listed = settled & match[rows, first] & ~torn[rows, first]
+        on_disk = listed & (entries["offset"] == ON_DISK)  # not a hit here: the shard promotes it
+        hit = listed & ~on_disk
+        miss = settled & (generation[rows, first] == EMPTY) & ~torn[rows, first]
         found.generation[hit] = entries["generation"][hit]
         found.offset[hit] = entries["offset"][hit]
         found.size[hit] = entries["size"][hit]
         found.checksum[hit] = entries["checksum"][hit]
         found.known[hit] = True
         found.known[miss] = bool(header["complete"])
+        found.on_disk[on_disk] = True
         found.known[self._wraps(words)] = False
         return found
 

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.shard.capacity import check_pool_fits
 from ucm_ray.store.shard.directory import SHARD_PREFIX, ShardDirectory
+from ucm_ray.store.shard.disk.store import purge as purge_disk
 from ucm_ray.store.shard.shard import CacheShard
 from ucm_ray.store.types import DIRECTORY_NAME
 from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
@@ -82,9 +83,6 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
     Pools that will land on this node are checked against its free shared memory first (one
     line, nothing started); if a new shard still fails to start, every actor this call created
     is stopped (nothing half-started is left) and one line names the shard and the cause."""
-    if config.disk_roots:
-        raise FleetStartError("disk_dir is set, but shards do not run the disk tier yet (its store and "
-                              "mover exist, not the shard's use of them): leave disk_dir empty")
     ns = config.ray_namespace
     existing = set(fleet_actor_names(ns))
     here = ray.get_runtime_context().get_node_id()
@@ -188,6 +186,28 @@ def stop_fleet(config: UcmRayConfig, *, timeout_s: float = 30.0) -> int:
 def _remove_stale_pools_here(prefix: str) -> tuple[str, int]:
     """Runs on one node: its pool files of this fleet (this cluster, this user) go."""
     return ray.get_runtime_context().get_node_id(), remove_stale_pools(prefix)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _purge_disk_here(roots: tuple[str, ...]) -> tuple[str, int]:
+    """Runs on one node: the disk tier files of this fleet's shards under ``roots`` go."""
+    return ray.get_runtime_context().get_node_id(), purge_disk(roots, SHARD_PREFIX)
+
+
+def purge_disk_everywhere(config: UcmRayConfig, *, timeout_s: float = 30.0) -> int:
+    """``ucm-ray down --purge-disk``, after the shards stopped: every alive node deletes the disk
+    tier files its shards left under ``disk_dir`` (a stopped shard keeps them so that its next
+    start adopts their entries). Returns how many shards' files went."""
+    refs = [_purge_disk_here.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(config.disk_roots)
+            for n in ray.nodes() if n["Alive"]]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    if pending:
+        log.warning("disk purge: %d node(s) did not answer in %.0f s; their disk tier files stay",
+                    len(pending), timeout_s)
+    return sum(ray.get(ref)[1] for ref in ready)
 
 
 def remove_stale_pools_everywhere(config: UcmRayConfig, *, timeout_s: float = 30.0) -> dict[str, int]:

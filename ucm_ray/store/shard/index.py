@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ucm_ray.store.published_layout import ON_DISK
 from ucm_ray.store.shard.allocator import ExtentAllocator
 from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.types import Slot, random_id
@@ -119,6 +120,9 @@ class BlockIndex:
         self._grants: dict[int, _Grant] = {}
         self._leases: dict[int, _Lease] = {}
         self._used = 0
+        self._on_disk: dict[Key, list[int]] = {}
+        """Keys only the disk tier holds, listed in the published index: key -> [size, generation
+        (0: no room in the table)]."""
         self._counters = IndexStats(capacity_bytes=self._alloc.capacity, used_bytes=0,
                                     entries=0, pending_bytes=0)
 
@@ -135,6 +139,14 @@ class BlockIndex:
     def acquire(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
         """Pin the committed ones among ``keys``; returns (lease id, slot or None per key).
         Counts lookups and hits: this is the engine's lookup."""
+        lease, slots = self.pin(owner, keys)
+        self._counters.lookups += len(keys)
+        self._counters.hits += sum(s is not None for s in slots)
+        return lease, slots
+
+    def pin(self, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+        """``acquire`` without counting a lookup (the disk tier holds what it promoted until the
+        reader's own pin)."""
         self._expire()
         lease = self._fresh_id(self._leases)
         slots: list[Slot | None] = []
@@ -149,11 +161,23 @@ class BlockIndex:
                 pinned.append(e)
             slots.append(e.slot)
         self._touch_head_last([k for k, slot in zip(keys, slots) if slot is not None])
-        self._counters.lookups += len(keys)
-        self._counters.hits += sum(s is not None for s in slots)
         if pinned:
             self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, pinned)
         return lease, slots
+
+    def extend_pin(self, owner: int, lease_id: int, key: Key) -> bool:
+        """Add ``key``'s entry to ``owner``'s lease ``lease_id`` (made if ``pin`` found nothing to
+        pin); False when the key is absent or the lease is someone else's."""
+        e = self._entries.get(key)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            lease = self._leases[lease_id] = _Lease(owner, self._clock() + self._lease_s, [])
+        if e is None or lease.owner != owner:
+            return False
+        if lease_id not in e.pinned_by:
+            e.pinned_by.add(lease_id)
+            lease.entries.append(e)
+        return True
 
     def touch(self, keys: Sequence[Key], asked: int) -> None:
         """What a reader found in the published index (``asked`` keys, ``keys`` the hits): counted
@@ -236,6 +260,7 @@ class BlockIndex:
                 out.append(False)
                 continue
             entry = self._entries[key] = _Entry(Slot(offset, g.size, csum))
+            self._on_disk.pop(key, None)  # its bucket is the pool entry's from here on
             if self._published is not None:
                 entry.generation = self._published.publish(key, offset, g.size, csum)
             self._used += g.size
@@ -296,6 +321,16 @@ class BlockIndex:
             self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, picked)
         return lease, items
 
+    def cold_dirty_bytes(self, low_bytes: int) -> int:
+        """Bytes of dirty entries among the coldest ``used - low_bytes``: what demotion still owes."""
+        cold, owed = self._used - low_bytes, 0
+        for e in self._entries.values():
+            if cold <= 0:
+                break
+            cold -= e.slot.size
+            owed += 0 if e.clean else e.slot.size
+        return owed
+
     def mark_clean(self, items: Sequence[tuple[Key, int]]) -> None:
         """Each (key, offset) whose entry is still at that offset now has a copy on disk."""
         for key, offset in items:
@@ -303,12 +338,25 @@ class BlockIndex:
             if e is not None and e.slot.offset == offset:
                 e.clean = True
 
-    def mark_dirty(self, keys: Sequence[Key]) -> None:
-        """The disk tier no longer holds ``keys``: their pool entries are the only copies again."""
+    def disk_dropped(self, keys: Sequence[Key]) -> None:
+        """The disk tier no longer holds ``keys``: their pool entries are the only copies again,
+        and those not in the pool are unlisted from the published index."""
         for key in keys:
             e = self._entries.get(key)
             if e is not None:
                 e.clean = False
+            elif self._on_disk.pop(key, None) is not None and self._published is not None:
+                self._published.unpublish(key)
+
+    def list_on_disk(self, items: Sequence[tuple[Key, int]]) -> None:
+        """(key, size) the disk tier holds and the pool does not (adopted at start, or evicted
+        clean): listed in the published index, so a same-node reader asks the shard for them
+        instead of taking the index's "absent" for an answer."""
+        for key, size in items:
+            if key in self._entries:
+                continue
+            generation = self._published.publish_on_disk(key, size) if self._published is not None else 0
+            self._on_disk[key] = [size, generation]
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -352,6 +400,8 @@ class BlockIndex:
             if self._prefer_clean and not e.clean:
                 self._counters.evicted_dirty += 1
             self._unpublish(victim)
+            if e.clean:
+                self.list_on_disk([(victim, e.slot.size)])
             self._alloc.free(e.slot.offset, e.slot.size)
             self._used -= e.slot.size
             self._counters.evictions += 1
@@ -387,11 +437,16 @@ class BlockIndex:
         if pub is None:
             return
         pub.unpublish(key)
-        if pub.wants_refill:
+        self._on_disk.pop(key, None)
+        if pub.wants_refill:  # pool entries first: the disk's cost a call when unlisted, not a miss
             waiting = [(k, e.slot.offset, e.slot.size, e.slot.checksum)
                        for k, e in self._entries.items() if not e.generation]
+            waiting += [(k, ON_DISK, size, None) for k, (size, generation) in self._on_disk.items() if not generation]
             for k, generation in pub.refill(waiting).items():
-                self._entries[k].generation = generation
+                if k in self._entries:
+                    self._entries[k].generation = generation
+                else:
+                    self._on_disk[k][1] = generation
 
     def _unpin(self, lease_id: int, lease: _Lease) -> None:
         for e in lease.entries:

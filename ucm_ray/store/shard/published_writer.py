@@ -28,6 +28,7 @@ from ucm_ray.store.published_layout import (
     HEADER,
     MAGIC,
     MAX_LOAD,
+    ON_DISK,
     TOMBSTONE,
     index_bytes,
     key_halves,
@@ -91,6 +92,11 @@ class PublishedIndex:
         self._write(at, (lo, hi, offset, size, self._generation, NO_CHECKSUM if checksum is None else checksum))
         self._where[key] = at
         return self._generation
+
+    def publish_on_disk(self, key: bytes, size: int) -> int:
+        """List a key that only the disk tier holds (offset ``ON_DISK``): a reader that finds it
+        asks the shard instead of answering "absent"; its generation, 0 when not listed."""
+        return self.publish(key, ON_DISK, size, None)
 
     def unpublish(self, key: bytes) -> None:
         """Unlist an entry (evicted or removed) before its slot can go to anyone else."""

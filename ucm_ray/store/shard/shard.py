@@ -28,6 +28,8 @@ import torch
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
 from ucm_ray.store.published_layout import index_path
+from ucm_ray.store.shard.disk import DiskStore
+from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.hints import FamilyHints
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
@@ -56,10 +58,17 @@ class CacheShard:
         self._reaper = PoolReaper(path, index_path(path))  # unlinks both however this process ends
         self._published: PublishedIndex | None = None
         self._nixl = None
+        self._lock = threading.Lock()
+        self._tier: DiskTier | None = None
         try:
             self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation)
-            self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s,
-                                     reserve_timeout_s=cfg.reserve_timeout_s, published=self._published)
+            self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s, reserve_timeout_s=cfg.reserve_timeout_s,
+                                     published=self._published, prefer_clean=bool(cfg.disk_roots))
+            if cfg.disk_roots:
+                # Last to open: a DiskInUse (another shard on these files) must leave nothing behind.
+                self._tier = DiskTier(self._index, self._pool.tensor,
+                                      DiskStore(cfg.disk_roots, shard_id, cfg.disk_bytes), self._lock,
+                                      write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s)
             if cfg.transport != "shm":
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 
@@ -78,6 +87,8 @@ class CacheShard:
             self._pool.close()  # never leak a /dev/shm segment from a shard that did not start
             if self._published is not None:
                 self._published.close()
+            if self._tier is not None:
+                self._tier.close()
             self._reaper.close()
             raise
         # a table about as large as what one pool holds: rendezvous over family roots spreads
@@ -85,9 +96,13 @@ class CacheShard:
         self._hints = FamilyHints(max(HINTS_MIN_KEYS, cfg.pool_bytes // HINT_BLOCK_BYTES))
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
-        self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._demote_wake = threading.Event()
         threading.Thread(target=self._publish_metrics, name="ucm-ray-metrics", daemon=True).start()
+        self._demoter: threading.Thread | None = None
+        if self._tier is not None:
+            self._demoter = threading.Thread(target=self._demote, name="ucm-ray-demote", daemon=True)
+            self._demoter.start()
         log.info("shard %s incarnation %x: %d-byte pool at %s on node %s", shard_id, self._incarnation,
                  cfg.pool_bytes, path, self._node_id[:8])
 
@@ -116,14 +131,27 @@ class CacheShard:
         return incarnation
 
     def contains(self, incarnation: int, keys: Sequence[Key]) -> list[bool]:
+        """In the pool or on disk: a disk hit is a hit (``acquire`` promotes it)."""
         self._check(incarnation)
         with self._lock:
-            return self._index.contains(keys)
+            found = self._index.contains(keys)
+        if self._tier is not None and not all(found):
+            found = [f or d for f, d in zip(found, self._tier.on_disk(keys))]
+        return found
 
     def acquire(self, incarnation: int, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+        """Pins what the pool holds, after promoting what only the disk holds (head first): the
+        engine's lookup is asynchronous, so the disk read delays this answer, never a step."""
         self._check(incarnation)
-        with self._lock:
-            return self._index.acquire(owner, keys)
+        if self._tier is None:
+            with self._lock:
+                return self._index.acquire(owner, keys)
+        _, promoted = self._tier.promote_pinned(keys)
+        try:
+            with self._lock:
+                return self._index.acquire(owner, keys)
+        finally:
+            self._tier.unpin(promoted)
 
     def touch(self, incarnation: int, keys: Sequence[Key], asked: int) -> None:
         """A same-node reader looked ``asked`` keys up in the published index and found ``keys``:
@@ -153,8 +181,10 @@ class CacheShard:
         """Per grant's batch, ``BlockIndex.commit``: one call for all grants."""
         self._check(incarnation)
         with self._lock:
-            return [self._index.commit(owner, token, grant_items(keys, offsets, checksums), free)
-                    for token, keys, offsets, checksums, free in batches]
+            out = [self._index.commit(owner, token, grant_items(keys, offsets, checksums), free)
+                   for token, keys, offsets, checksums, free in batches]
+        self._demote_wake.set()
+        return out
 
     def remove(self, incarnation: int, items: Sequence[tuple[Key, int]]) -> int:
         self._check(incarnation)
@@ -181,19 +211,35 @@ class CacheShard:
                                    f"not {incarnation:x}")
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            s = self._index.stats()
-            hints = self._hints.stats()
-        self._metrics.publish(s, hints)
+        figures = self._figures()
+        self._metrics.publish(figures)
         return {"shard_id": self._id, "node_id": self._node_id, "node_ip": self._node_ip, "pid": os.getpid(),
-                "incarnation": self._incarnation, **asdict(s), **hints}
+                "incarnation": self._incarnation, **figures}
+
+    def _figures(self) -> dict[str, Any]:
+        """The index's figures, and the disk tier's as ``disk_*`` (none without one)."""
+        with self._lock:
+            figures: dict[str, Any] = asdict(self._index.stats())
+            figures.update(self._hints.stats())
+        tier = self._tier
+        if tier is not None:
+            disk = {**asdict(tier.disk_stats()), **asdict(tier.stats)}
+            figures.update({f"disk_{k}": v for k, v in disk.items()})
+            figures["disk_behind"] = tier.behind()
+        return figures
+
+    def _demote(self) -> None:
+        """Write-back: after commits (or every 0.5 s), demote batches until the pool's cold end
+        is clean. Its own thread: no control call waits for it."""
+        assert self._tier is not None
+        while not self._stopped.is_set():
+            self._demote_wake.wait(0.5)
+            self._demote_wake.clear()
+            self._tier.demote()
 
     def _publish_metrics(self, period_s: float = 5.0) -> None:
         while not self._stopped.wait(period_s):
-            with self._lock:
-                stats = self._index.stats()
-                hints = self._hints.stats()
-            self._metrics.publish(stats, hints)
+            self._metrics.publish(self._figures())
 
     @ray.method(concurrency_group="watch")
     def wait_until_death(self) -> None:
@@ -202,6 +248,12 @@ class CacheShard:
 
     def shutdown(self) -> None:
         self._stopped.set()
+        if self._demoter is not None:
+            self._demote_wake.set()
+            self._demoter.join(timeout=30)
+        if self._tier is not None:
+            self._tier.close()  # a last manifest: a restarted shard adopts what is on disk
+            self._tier = None
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None

@@ -29,6 +29,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,8 +83,39 @@ class DiskStats:
     generation: int = 0
 
 
+DIR_PREFIX = "ucm-ray-disk-"
+
+
 def shard_dir(root: str, shard_id: str) -> str:
-    return os.path.join(root, f"ucm-ray-disk-{shard_id}")
+    return os.path.join(root, f"{DIR_PREFIX}{shard_id}")
+
+
+def purge(roots: Sequence[str], shard_prefix: str) -> int:
+    """Delete the disk tier files of every shard whose id starts with ``shard_prefix`` under
+    ``roots`` (``ucm-ray down --purge-disk``; nothing else deletes them, so a restarted shard
+    adopts what they hold). A shard whose lock is held (a running store) is left alone. Returns
+    how many shards' files went."""
+    shards = {name[len(DIR_PREFIX):] for root in roots if os.path.isdir(root)
+              for name in os.listdir(root) if name.startswith(DIR_PREFIX + shard_prefix)}
+    purged = 0
+    for shard_id in sorted(shards):
+        dirs = [shard_dir(r, shard_id) for r in roots]
+        lock = os.path.join(dirs[0], LOCK)
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC) if os.path.exists(lock) else None
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log.warning("disk tier %s is in use by a running shard: not purged", dirs[0])
+                    continue
+            for d in dirs:
+                shutil.rmtree(d, ignore_errors=True)
+            purged += 1
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return purged
 
 
 class DiskStore:
@@ -421,6 +453,7 @@ class DiskStore:
         if not self.stats.enabled:
             return
         self.stats.enabled = False
+        self._gone.extend(self._entries)  # the pool's copies are the only ones again
         self._entries.clear()
         self._retired.clear()
         name = errno.errorcode.get(e.errno or 0, str(e.errno))

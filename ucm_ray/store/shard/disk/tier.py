@@ -16,13 +16,14 @@ committed entry.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
-from ucm_ray.store.shard.disk.store import DiskStore
+from ucm_ray.store.shard.disk.store import DiskStats, DiskStore
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.types import random_id
 
@@ -35,14 +36,18 @@ class TierStats:
     promoted_bytes: int = 0
     promote_misses: int = 0
     """Keys asked to be promoted that the disk did not hold, or whose bytes failed their check."""
+    promote_late: int = 0
+    """Keys left unpromoted because the call had spent its ``wait_s`` (misses, recomputed)."""
 
 
 class DiskTier:
     def __init__(self, index: BlockIndex, pool: torch.Tensor, store: DiskStore,
                  index_lock: AbstractContextManager, *, write_through: bool = False,
-                 high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20) -> None:
+                 high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20,
+                 wait_s: float = 0.5) -> None:
         """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
-        shard's control calls. Watermarks are fractions of the pool's capacity."""
+        shard's control calls. Watermarks are fractions of the pool's capacity. ``wait_s``: the
+        longest one ``promote`` reads from disk (the shard's calls wait behind it)."""
         if not 0 <= low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
         self._index = index
@@ -50,12 +55,17 @@ class DiskTier:
         self._store = store
         self._lock = index_lock
         self._disk_lock = threading.Lock()  # DiskStore is not thread-safe
-        capacity = index.stats().capacity_bytes
+        capacity = self._capacity = index.stats().capacity_bytes
         self._high = 0 if write_through else int(high * capacity)
         self._low = 0 if write_through else int(low * capacity)
-        self._batch_bytes = batch_bytes
+        # Entries of a batch stay pinned while it is written: a batch of at most 1/64 of the pool
+        # (and at least one entry) keeps saves from finding the pool's cold end pinned.
+        self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
+        self._wait_s = wait_s
         self._owner = random_id()
         self.stats = TierStats()
+        with self._lock:  # what a restart adopted: same-node readers must ask for it
+            self._index.list_on_disk([(k, store.size_of(k) or 0) for k in store.keys()])
 
     def demote_once(self) -> int:
         """One batch: the pool's coldest dirty entries to disk. Returns the bytes written (0 when
@@ -79,49 +89,102 @@ class DiskTier:
         finally:
             with self._lock:
                 self._index.mark_clean(done)
-                self._index.mark_dirty(gone)
+                self._index.disk_dropped(gone)
                 self._index.release(self._owner, [lease])
         self.stats.demoted += len(done)
         self.stats.demoted_bytes += written
         return written
 
+    def demote(self) -> int:
+        """Batches until demotion owes nothing, or a pool's worth was written: a disk smaller
+        than the pool's cold end evicts what it was just given (those entries are dirty again),
+        and without the cap this would rewrite them forever."""
+        total = 0
+        while total < self._capacity and (done := self.demote_once()):
+            total += done
+        return total
+
+    def behind(self) -> bool:
+        """Whether demotion still owes a batch (the pool's cold end holds dirty entries)."""
+        with self._lock:
+            stats = self._index.stats()
+            return stats.used_bytes > self._high and self._index.cold_dirty_bytes(self._low) > 0
+
     def on_disk(self, keys: Sequence[Key]) -> list[bool]:
-        """Which keys the disk holds (a dict probe, no I/O): lookups report these as disk hits."""
+        """Which keys the disk holds: dict probes without the disk lock, so a lookup never waits
+        behind a demotion batch's I/O (a membership test of a dict is atomic under the GIL; an
+        answer that races an eviction is a promotion that misses, as any stale lookup is)."""
+        return self._store.contains(keys)
+
+    def disk_stats(self) -> DiskStats:
+        """Without the disk lock: a shard's ``stats`` call must not wait behind a demotion
+        batch's I/O (a copy of counters; one a write is changing is off by that write)."""
+        return self._store.snapshot()
+
+    def close(self) -> None:
         with self._disk_lock:
-            return self._store.contains(keys)
+            self._store.close()
 
     def promote(self, keys: Sequence[Key]) -> list[bool]:
         """Bring ``keys`` from disk into the pool, head first; per key, whether it is in the pool
         now (already there, or read and committed). A key whose bytes fail their check is dropped
         from disk and reported False (the engine recomputes it)."""
+        out, lease = self.promote_pinned(keys)
         with self._lock:
-            present = self._index.contains(keys)
-        out = list(present)
+            self._index.release(self._owner, [lease])
+        return out
+
+    def unpin(self, lease: int) -> None:
+        with self._lock:
+            self._index.release(self._owner, [lease])
+
+    def promote_pinned(self, keys: Sequence[Key]) -> tuple[list[bool], int]:
+        """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
+        with ``unpin`` once the reader pinned them): promoting a later key of a prompt must not
+        evict an earlier one. Reads stop once ``wait_s`` has passed: the keys left are misses
+        (recomputed), so no shard call waits on the disk longer than that (and one entry's read)."""
+        deadline = time.monotonic() + self._wait_s
+        with self._lock:
+            lease, slots = self._index.pin(self._owner, keys)
+        out = [s is not None for s in slots]
         for i, key in enumerate(keys):
             if out[i]:
                 continue
-            with self._disk_lock:
-                size = self._store.size_of(key)
-            if size is None:  # not on disk either: a miss, whatever follows it
+            if time.monotonic() > deadline:
+                self.stats.promote_late += sum(not o for o in out[i:])
+                break
+            promoted = self._promote_one(key, lease)
+            if promoted is None:
+                break  # the pool has no room even after eviction
+            out[i] = promoted
+        return out, lease
+
+    def _promote_one(self, key: Key, lease: int) -> bool | None:
+        """Read ``key`` from disk into a fresh pool slot, commit it and pin it under ``lease``:
+        whether it is pinned now; None when the pool had no room for it."""
+        with self._disk_lock:
+            size = self._store.size_of(key)
+        if size is None:  # not on disk either: a miss
+            self.stats.promote_misses += 1
+            return False
+        with self._lock:
+            token, offsets = self._index.reserve(self._owner, size, 1)
+        if not offsets:
+            return None
+        offset = offsets[0]
+        with self._disk_lock:
+            ok = self._store.get(key, self._pool[offset:offset + size])
+            gone = self._store.take_gone()  # a failed check dropped it
+        with self._lock:
+            self._index.disk_dropped(gone)
+            if not ok:
+                self._index.commit(self._owner, token, [], [offset])
                 self.stats.promote_misses += 1
-                continue
-            with self._lock:
-                token, offsets = self._index.reserve(self._owner, size, 1)
-            if not offsets:
-                break  # the pool has no room even after eviction: later keys are useless without this one
-            offset = offsets[0]
-            with self._disk_lock:
-                ok = self._store.get(key, self._pool[offset:offset + size])
-            with self._lock:
-                if ok:
-                    out[i] = self._index.commit(self._owner, token, [(key, offset, None)])[0]
-                    self._index.mark_clean([(key, offset)])
-                    out[i] = out[i] or self._index.contains([key])[0]  # a writer committed it meanwhile
-                else:
-                    self._index.commit(self._owner, token, [], [offset])
-            if ok:
-                self.stats.promoted += 1
-                self.stats.promoted_bytes += size
-            else:
-                self.stats.promote_misses += 1
-        return out
+                return False
+            self._index.commit(self._owner, token, [(key, offset, None)])
+            self._index.mark_clean([(key, offset)])
+            # pinned under the call's lease (or found: a writer committed it meanwhile)
+            pinned = self._index.extend_pin(self._owner, lease, key)
+        self.stats.promoted += 1
+        self.stats.promoted_bytes += size
+        return pinned
