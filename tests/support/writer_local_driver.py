@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import ray
 
-from tests.support.store_helpers import ClientProcess
-from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # run as a script: ``tests.support`` from this checkout
+
+from tests.support.store_helpers import ClientProcess  # noqa: E402
+from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet  # noqa: E402
 
 BLOCKS = 48
 DIVERGE_AT = 30
@@ -51,7 +55,9 @@ def scenario(placement: str, replication: int) -> dict:
 
 def main(address: str, scenarios: str) -> None:
     """``scenarios``: comma-separated ``placement:replication`` pairs, run one after another."""
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    # the clients' class lives in this checkout's tests/: its workers import it from there too
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     try:
         results = {}
         for name in scenarios.split(","):
