@@ -153,9 +153,16 @@ class DiskStore:
         self._dirty = False
         self._bounce = aligned_buffer(DIRECT_ALIGN)
         self._readers: ThreadPoolExecutor | None = None
-        for d in self._dirs:
-            os.makedirs(d, exist_ok=True)
-        self._lock_fd = self._lock()
+        self._lock_fd = -1
+        try:
+            for d in self._dirs:
+                os.makedirs(d, exist_ok=True)
+            self._lock_fd = self._lock()
+        except DiskInUse:
+            raise
+        except OSError as e:  # a full, read-only or failing disk: the shard starts with DRAM only
+            self._turn_off(e, "creating its directory")
+            return
         try:
             self._open_files(files_per_root)
             if self.stats.enabled:

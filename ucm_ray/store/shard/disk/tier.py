@@ -78,13 +78,17 @@ class DiskTier:
         self._owner = random_id()
         self._checkpointed_at = time.monotonic()
         self._checkpoint_s = 0.0
+        self._off = False
         self.stats = TierStats()
         with self._lock:  # what a restart adopted: same-node readers must ask for it
             self._index.list_on_disk([(k, store.size_of(k) or 0) for k in store.keys()])
 
     def demote_once(self) -> int:
         """One batch: the pool's coldest dirty entries to disk. Returns the bytes written (0 when
-        the pool is under its high watermark or everything cold is clean)."""
+        the pool is under its high watermark, everything cold is clean, or the tier is off)."""
+        if not self._store.enabled:
+            self._after_turned_off()
+            return 0
         with self._lock:
             if self._index.stats().used_bytes <= self._high:
                 return 0
@@ -106,6 +110,8 @@ class DiskTier:
                 self._index.release(self._owner, [lease])
         self.stats.demoted += len(done)
         self.stats.demoted_bytes += written
+        if not self._store.enabled:  # a write failed: the disk is off from now on
+            self._after_turned_off()
         return written
 
     def demote(self) -> int:
@@ -134,14 +140,31 @@ class DiskTier:
         if gone:
             with self._lock:
                 self._index.disk_dropped(gone)
+        if not self._store.enabled:
+            self._after_turned_off()
         done = time.monotonic()
         if wrote:
             self._checkpoint_s = done - now
         self._checkpointed_at = done
         return wrote
 
+    def _after_turned_off(self) -> None:
+        """Once the disk failed: what it held is the pool's alone again (readers stop asking the
+        shard for it), and eviction goes back to plain LRU, counting nothing as "fell behind"."""
+        if self._off:
+            return
+        with self._disk_lock:
+            gone = self._store.take_gone()
+        with self._lock:
+            self._index.disk_dropped(gone)
+            self._index.disk_tier_off()
+        self._off = True
+
     def behind(self) -> bool:
-        """Whether demotion still owes a batch (the pool's cold end holds dirty entries)."""
+        """Whether demotion still owes a batch (the pool's cold end holds dirty entries; never once
+        the tier is off: nothing will demote them)."""
+        if not self._store.enabled:
+            return False
         with self._lock:
             stats = self._index.stats()
             return stats.used_bytes > self._high and self._index.cold_dirty_bytes(self._low) > 0
@@ -197,6 +220,8 @@ class DiskTier:
                 if time.monotonic() > deadline:
                     self.stats.promote_late += len(todo) - start - len(chunk)
                 break
+        if not self._store.enabled:  # a read failed: the disk is off from now on
+            self._after_turned_off()
         return out, lease
 
     def _promote_chunk(self, keys: Sequence[Key], lease: int, deadline: float) -> list[bool | None]:
