@@ -364,4 +364,5 @@ def test_the_disk_tier_mounts_a_volume_where_disk_dir_points():
     volume = disk_volume(pod_templates(claim)["worker"])
     assert volume is not None
     spec = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
-    assert spec["storageClassName"] == "local-nvme" and quantity_bytes(spec["resources"]["requests"]["storage"]) == 2 << 40
+    assert spec["storageClassName"] == "local-nvme"
+    assert quantity_bytes(spec["resources"]["requests"]["storage"]) == 2 << 40  # 1 TiB x 2 shards
