@@ -336,7 +336,10 @@ def test_workload_moves_the_counters_on_both_endpoints(model, tmp_path):
         assert as_ray_name("vllm:ucm_ray_hit_tokens_total") in {n for n, _, _ in b}  # the mapping is Ray's
         dashboard = json.loads(DASHBOARD.read_text())
         charted = set().union(*(promql_metric_names(e) for e in dashboard_exprs(dashboard)))
-        assert charted and charted <= seen, f"the dashboard charts metrics nobody exports: {sorted(charted - seen)}"
+        # this fleet runs no disk tier: its panels' metrics are checked against a shard that does
+        # (tests/integration/test_cli.py, the disk tier's up/down test)
+        unseen = {n for n in charted - seen if not n.startswith("ray_ucm_ray_shard_disk_")}
+        assert charted and not unseen, f"the dashboard charts metrics nobody exports: {sorted(unseen)}"
         print("metrics: scrape excerpt\n  " + "\n  ".join(excerpt(b + a)), flush=True)
         print(f"metrics: done {time.monotonic() - started:.0f} s after the cluster started", flush=True)
     finally:

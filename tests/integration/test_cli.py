@@ -13,7 +13,7 @@ import urllib.request
 import ray
 import torch
 
-from tests.support.prometheus import parse_samples
+from tests.support.prometheus import DASHBOARD, dashboard_exprs, parse_samples, promql_metric_names
 from tests.support.store_helpers import ClientProcess, block, key, read_back
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.client import StoreClient
@@ -133,6 +133,19 @@ def test_up_with_a_disk_tier_keeps_its_files_on_down_and_purges_them_on_request(
     assert all(found), found
     assert all(torch.equal(copy, block(i)) for i, copy in enumerate(copies))
     client.close()
+    # the dashboard's disk panels chart what this shard exports (tests/e2e/test_metrics.py's fleet
+    # has no disk tier); counters appear once they moved, promotions included now
+    charted = {n for e in dashboard_exprs(json.loads(DASHBOARD.read_text())) for n in promql_metric_names(e)
+               if n.startswith("ray_ucm_ray_shard_disk_")}
+    assert len(charted) >= 4, charted
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            exported = {n for n, _, _ in parse_samples(r.read().decode())}
+        if charted <= exported:
+            break
+        assert time.monotonic() < deadline, f"the dashboard charts disk metrics nobody exports: {charted - exported}"
+        time.sleep(1)
     down = cli("down", "--address", address, "--config", str(conf), "--purge-disk")
     assert down.returncode == 0 and "purged the disk tier files of 1 shard(s)" in down.stdout, down.stdout
     assert os.listdir(disk) == []

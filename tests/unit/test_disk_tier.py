@@ -17,7 +17,7 @@ import torch
 
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.shard.disk import DiskStore, FileOps
-from ucm_ray.store.shard.disk.store import shard_dir
+from ucm_ray.store.shard.disk.store import READ_DEPTH, shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.index import BlockIndex
 from ucm_ray.store.shard.published_writer import PublishedIndex
@@ -271,7 +271,7 @@ class SlowReads(FileOps):
 def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_file, monkeypatch):
     digest_keys(monkeypatch)
     s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
-                       store_args={"ops": SlowReads(0.06)})
+                       store_args={"ops": SlowReads(0.15)})
     for i in range(8):
         s.write(i)
     s.demote_all()
@@ -281,8 +281,11 @@ def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_fi
     out, lease = s.tier.promote_pinned([key(i) for i in range(8)])
     took = time.monotonic() - started
     s.tier.unpin(lease)
-    # reads of 60 ms against a 100 ms bound: two done, the call back within the bound and one read
-    assert out == [True, True] + [False] * 6 and took < 0.1 + 0.06 + 0.05
-    assert s.tier.stats.promote_late == 6
-    assert torch.equal(s.read(0), payload(0)) and torch.equal(s.read(1), payload(1))
-    assert s.lookup(2) == ["ask"]  # still on disk: a later lookup may promote it
+    # reads of 150 ms against a 100 ms bound: the first READ_DEPTH start at once, none after the
+    # bound; the call is back within the bound and one read, the head of the prompt promoted
+    done = out.count(True)
+    assert 1 <= done <= READ_DEPTH and out == [True] * done + [False] * (8 - done), out
+    assert took < 0.1 + 0.15 + 0.05, took
+    assert s.tier.stats.promote_late == 8 - done
+    assert all(torch.equal(s.read(i), payload(i)) for i in range(done))
+    assert s.lookup(7) == ["ask"]  # still on disk: a later lookup may promote it

@@ -205,6 +205,12 @@ def test_sizes_are_read_as_the_builder_reads_them(spelling):
     ({"sets": ["worker.volumeMounts[0].name=x", "worker.volumeMounts[0].mountPath=/dev/shm/"]},
      "worker.volumeMounts: /dev/shm is mounted by the chart"),
     ({"set_strings": ["model.envVars.VLLM_X=1", "tier.transport=tcp"]}, "at '/tier/transport'"),
+    ({"sets": ["diskTier.enabled=true"], "set_strings": ["diskTier.writePolicy=around"]},
+     "at '/diskTier/writePolicy': value must be one of 'back', 'through'"),
+    ({"sets": ["diskTier.enabled=true"], "set_strings": ["diskTier.hostPath=nvme/ucm"]}, "at '/diskTier/hostPath'"),
+    ({"sets": ["diskTier.enabled=true"], "set_strings": ["diskTier.mountPath=/dev/shm/disk"]},
+     "at '/diskTier/mountPath'"),
+    ({"sets": ["diskTier.enabled=true", "diskTier.tier=1"]}, "additional properties 'tier' not allowed"),
     ({"sets": ["model.envVars.PYTHONHASHSEED=0"]}, "at '/model/envVars/PYTHONHASHSEED': got number, want string"),
 ])
 def test_bad_values_fail_with_a_clear_error(args, error):
@@ -310,11 +316,53 @@ def test_every_tier_setting_of_the_readme_is_accepted_by_the_chart():
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     tier = schema["properties"]["tier"]["properties"]
-    # The disk tier's keys wait for the chart to mount a volume for disk_dir (issue 42): until
-    # then its schema refusing them is right, a disk_dir naming nothing in the pod would not be.
+    # The disk tier's keys come from diskTier (the chart mounts the volume disk_dir names).
     decided = {"num_shards", "ray_address", "shm_dir", "disk_dir", "disk_bytes", "disk_write_policy", "disk_io",
                "disk_wait_s"}
     assert set(tier) == (set(UcmRayConfig.keys()) - decided) | {"shards_per_node"}
     settings = ["tier.local_lookups=false", "tier.load_at_once_ratio=0", "tier.model_id=llama"]
     app = one(render(sets=settings), "RayService")["spec"]["serveConfigV2"]
     assert "local_lookups: false" in app and "load_at_once_ratio: 0" in app and "model_id: llama" in app
+
+
+def test_the_disk_tier_mounts_a_volume_where_disk_dir_points():
+    """Off by default; on, the pods that host shards mount the volume at diskTier.mountPath and the
+    app's tier names it as disk_dir (hostPath: a node directory; storageClassName: a claim per pod
+    sized for its shards); a head without shards gets an empty directory there (Serve may build
+    the app on it, and the config wants disk_dir to exist). Valid for KubeRay and Kubernetes."""
+    def tier_of(rs: dict) -> dict:
+        return yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["tier"]
+
+    def disk_volume(tmpl: dict) -> dict | None:
+        mounts = [m for m in tmpl["spec"]["containers"][0]["volumeMounts"] if m["name"] == "ucm-ray-disk"]
+        volumes = [v for v in tmpl["spec"]["volumes"] if v["name"] == "ucm-ray-disk"]
+        assert len(mounts) == len(volumes) <= 1
+        return {**volumes[0], "mountPath": mounts[0]["mountPath"]} if volumes else None
+
+    def valid(rs: dict) -> dict:
+        jsonschema.validate(rs, crd_schema("rayservices"))
+        for group, tmpl in pod_templates(rs).items():
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}, "template": tmpl}
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(wrapped, version, strict=True)
+        return rs
+
+    off = one(render(), "RayService")
+    assert not any(k.startswith("disk_") for k in tier_of(off))
+    assert all(disk_volume(t) is None for t in pod_templates(off).values())
+    on = ["diskTier.enabled=true", "diskTier.bytes=1Ti", "tier.shards_per_node=2", "worker.shmHeadroom=1Gi"]
+    host = valid(one(render(sets=on, set_strings=["diskTier.hostPath=/mnt/nvme0/ucm", "diskTier.writePolicy=through"]),
+                     "RayService"))
+    assert {k: v for k, v in tier_of(host).items() if k.startswith("disk_")} == {
+        "disk_dir": "/var/lib/ucm-ray/disk", "disk_bytes": 1 << 40, "disk_write_policy": "through", "disk_wait_s": 0.5}
+    templates = pod_templates(host)
+    assert disk_volume(templates["head"]) == {"name": "ucm-ray-disk", "mountPath": "/var/lib/ucm-ray/disk",
+                                              "emptyDir": {}}  # num-cpus 0: no shard there
+    assert disk_volume(templates["worker"]) == {"name": "ucm-ray-disk", "mountPath": "/var/lib/ucm-ray/disk",
+                                                "hostPath": {"path": "/mnt/nvme0/ucm", "type": "DirectoryOrCreate"}}
+    claim = valid(one(render(sets=on, set_strings=["diskTier.storageClassName=local-nvme"]), "RayService"))
+    volume = disk_volume(pod_templates(claim)["worker"])
+    assert volume is not None
+    spec = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
+    assert spec["storageClassName"] == "local-nvme"
+    assert quantity_bytes(spec["resources"]["requests"]["storage"]) == 2 << 40  # 1 TiB x 2 shards

@@ -224,7 +224,52 @@ resources:
 volumeMounts:
   - name: shared-mem
     mountPath: /dev/shm
+  {{- with .disk }}
+  - name: ucm-ray-disk
+    mountPath: {{ .mountPath | toJson }}
+  {{- end }}
   {{- with .group.volumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
+{{- end -}}
+
+{{/*
+The disk tier's settings for a group's pods: (dict "root" $ "group" "worker"|"head"), diskTier when it
+is on, else nothing. Every pod mounts something at mountPath: the app's config is checked (disk_dir
+must exist) wherever Serve builds it, not only where shards run.
+*/}}
+{{- define "ucm-ray.diskFor" -}}
+{{- if .root.Values.diskTier.enabled -}}
+{{- toYaml .root.Values.diskTier -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The disk tier's volume for a group's pods (same argument): hostPath, a directory on the node that
+outlives the pod (a restarted shard adopts its files), or with storageClassName a generic ephemeral
+claim per pod of that class (a local PersistentVolume), sized diskTier.bytes x the pod's shards.
+*/}}
+{{- define "ucm-ray.diskVolume" -}}
+{{- $d := .root.Values.diskTier -}}
+{{- $shards := include "ucm-ray.shardsOn" (dict "group" (index .root.Values .group) "tier" .root.Values.tier) | int64 }}
+{{- if include "ucm-ray.diskFor" . }}
+- name: ucm-ray-disk
+  {{- if eq $shards 0 }}
+  emptyDir: {}  # no shard here: only so that disk_dir exists where Serve may build the app
+  {{- else if $d.storageClassName }}
+  {{- $bytes := include "ucm-ray.bytes" (dict "value" $d.bytes "key" "diskTier.bytes") | int64 }}
+  ephemeral:
+    volumeClaimTemplate:
+      spec:
+        accessModes: [ReadWriteOnce]
+        storageClassName: {{ $d.storageClassName | toJson }}
+        resources:
+          requests:
+            storage: {{ include "ucm-ray.quantity" (mul $bytes $shards) }}
+  {{- else }}
+  hostPath:
+    path: {{ required "diskTier.hostPath or diskTier.storageClassName: the disk tier needs a volume" $d.hostPath | toJson }}
+    type: DirectoryOrCreate
+  {{- end }}
+{{- end }}
 {{- end -}}

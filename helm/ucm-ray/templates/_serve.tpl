@@ -11,6 +11,12 @@ chart's /dev/shm arithmetic and the builder read the same number).
 {{- $m := $v.model -}}
 {{- $tier := deepCopy $v.tier -}}
 {{- $_ := set $tier "pool_bytes" (include "ucm-ray.bytes" (dict "value" $v.tier.pool_bytes "key" "tier.pool_bytes") | int64) -}}
+{{- with $v.diskTier -}}{{- if .enabled -}}
+{{- $_ := set $tier "disk_dir" .mountPath -}}
+{{- $_ := set $tier "disk_bytes" (include "ucm-ray.bytes" (dict "value" .bytes "key" "diskTier.bytes") | int64) -}}
+{{- $_ := set $tier "disk_write_policy" .writePolicy -}}
+{{- $_ := set $tier "disk_wait_s" .waitS -}}
+{{- end -}}{{- end -}}
 {{- $engine := deepCopy ($m.engineKwargs | default dict) -}}
 {{- $_ := set $engine "tensor_parallel_size" (int64 $m.tensorParallelSize) -}}
 {{- $bundle := dict "GPU" 1 -}}

@@ -348,6 +348,11 @@ class BlockIndex:
             elif self._on_disk.pop(key, None) is not None and self._published is not None:
                 self._published.unpublish(key)
 
+    def disk_tier_off(self) -> None:
+        """The disk tier failed and is off (``disk_dropped`` has handed back what it held):
+        eviction is plain LRU again."""
+        self._prefer_clean = False
+
     def list_on_disk(self, items: Sequence[tuple[Key, int]]) -> None:
         """(key, size) the disk tier holds and the pool does not (adopted at start, or evicted
         clean): listed in the published index, so a same-node reader asks the shard for them

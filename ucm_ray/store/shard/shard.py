@@ -34,6 +34,7 @@ from ucm_ray.store.shard.hints import FamilyHints
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.types import GrantCommit, Slot, WrongIncarnation, grant_items, random_id
+from ucm_ray.testing.disk_crash import ops_from_env
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
@@ -67,7 +68,8 @@ class CacheShard:
             if cfg.disk_roots:
                 # Last to open: a DiskInUse (another shard on these files) must leave nothing behind.
                 self._tier = DiskTier(self._index, self._pool.tensor,
-                                      DiskStore(cfg.disk_roots, shard_id, cfg.disk_bytes), self._lock,
+                                      DiskStore(cfg.disk_roots, shard_id, cfg.disk_bytes, ops=ops_from_env()),
+                                      self._lock,
                                       write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s)
             if cfg.transport != "shm":
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError

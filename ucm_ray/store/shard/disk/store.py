@@ -30,8 +30,10 @@ import fcntl
 import logging
 import os
 import shutil
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +84,10 @@ class DiskStats:
     manifests: int = 0
     generation: int = 0
 
+
+READ_DEPTH = 4
+"""Reads one promotion keeps in flight: at depth 1, 64 KiB entries spent more time in the
+shard's per-entry work than in the disk (performance log); threads overlap the two."""
 
 DIR_PREFIX = "ucm-ray-disk-"
 
@@ -146,9 +152,17 @@ class DiskStore:
         self._next_file = 0
         self._dirty = False
         self._bounce = aligned_buffer(DIRECT_ALIGN)
-        for d in self._dirs:
-            os.makedirs(d, exist_ok=True)
-        self._lock_fd = self._lock()
+        self._readers: ThreadPoolExecutor | None = None
+        self._lock_fd = -1
+        try:
+            for d in self._dirs:
+                os.makedirs(d, exist_ok=True)
+            self._lock_fd = self._lock()
+        except DiskInUse:
+            raise
+        except OSError as e:  # a full, read-only or failing disk: the shard starts with DRAM only
+            self._turn_off(e, "creating its directory")
+            return
         try:
             self._open_files(files_per_root)
             if self.stats.enabled:
@@ -238,6 +252,11 @@ class DiskStore:
         slot = self._entries.get(key)
         return None if slot is None else slot.size
 
+    def slot_of(self, key: bytes) -> DiskSlot | None:
+        """Where ``key``'s bytes are (file number in root order, offset, size): benchmarks read
+        the same extents raw to compare."""
+        return self._entries.get(key)
+
     def keys(self) -> list[bytes]:
         """Least recently used first."""
         return list(self._entries)
@@ -245,20 +264,50 @@ class DiskStore:
     def get(self, key: bytes, out: torch.Tensor) -> bool:
         """Read ``key``'s bytes into ``out`` (contiguous uint8, the entry's size) and verify them;
         False for a miss, a corrupt entry (then dropped) or a tier that is off."""
-        slot = self._entries.get(key) if self.stats.enabled else None
+        return self.get_many([key], [out])[0] is True
+
+    def get_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
+                 deadline: float | None = None) -> list[bool | None]:
+        """``get`` of each key into its ``out``, up to ``READ_DEPTH`` reads in flight, head first;
+        None for a key whose read had not started by ``deadline`` (``time.monotonic``). Threads
+        do the reads and checksums only (both release the GIL); the store's state changes here."""
+        slots = [self._entries.get(k) if self.stats.enabled else None for k in keys]
+        for slot, out in zip(slots, outs):
+            if slot is not None and (out.dtype != torch.uint8 or out.numel() != slot.size or not out.is_contiguous()):
+                raise ValueError(f"out must be {slot.size} contiguous bytes, got {out.dtype} x {out.numel()}")
+
+        def read_one(i: int) -> bool | None | OSError:
+            slot = slots[i]
+            if slot is None:
+                return False
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            try:
+                self._read(slot, outs[i], threaded=len(keys) > 1)
+            except OSError as e:
+                return e
+            return checksum(outs[i]) == slot.checksum
+
+        if len(keys) == 1:
+            results = [read_one(0)]
+        else:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="ucm-ray-disk-read")
+            results = list(self._readers.map(read_one, range(len(keys))))
+        return [self._after_read(k, slot, r) for k, slot, r in zip(keys, slots, results)]
+
+    def _after_read(self, key: bytes, slot: DiskSlot | None, result: bool | None | OSError) -> bool | None:
+        if isinstance(result, OSError):
+            self._turn_off(result, "reading")
+            return False
         if slot is None:
             self.stats.misses += 1
             return False
-        if out.dtype != torch.uint8 or out.numel() != slot.size or not out.is_contiguous():
-            raise ValueError(f"out must be {slot.size} contiguous bytes, got {out.dtype} x {out.numel()}")
-        try:
-            self._read(slot, out)
-        except OSError as e:
-            self._turn_off(e, "reading")
-            return False
+        if result is None or not self.stats.enabled:  # late, or an earlier read of the batch failed
+            return None if result is None else False
         self.stats.reads += 1
         self.stats.read_bytes += slot.size
-        if checksum(out) != slot.checksum:
+        if not result:
             self.stats.corrupt += 1
             log.warning("disk tier %s: entry at file %d offset %d failed its checksum; dropped",
                         self._home, slot.file, slot.offset)
@@ -345,6 +394,9 @@ class DiskStore:
         """Write a last manifest (unless told not to), close the files, release the lock."""
         if checkpoint and self._fds:
             self.checkpoint()
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -437,11 +489,12 @@ class DiskStore:
         if done != len(view):
             raise OSError(errno.EIO, f"short write: {done} of {len(view)} bytes")
 
-    def _read(self, slot: DiskSlot, out: torch.Tensor) -> None:
+    def _read(self, slot: DiskSlot, out: torch.Tensor, *, threaded: bool = False) -> None:
+        """``threaded``: one of ``get_many``'s reader threads (a bounce buffer of its own)."""
         view = self._direct_view(out)
         direct = view is not None
         if view is None:
-            view = self._bounce_of(slot.size)
+            view = memoryview(aligned_buffer(slot.size)) if threaded else self._bounce_of(slot.size)
         done = self._ops.preadv(self._fds[slot.file], [view], slot.offset)
         if done != len(view):
             raise OSError(errno.EIO, f"short read: {done} of {len(view)} bytes")

@@ -11,6 +11,11 @@ disk I/O: the shard's control calls go on while bytes move.
 Write-back admission: an entry reaches disk only once it has aged to the cold end of a pool above
 its watermark (a block read again before then never costs a disk write); ``through`` admits every
 committed entry.
+
+Manifests are written on a clock, not per batch: at most one per ``CHECKPOINT_S`` and never more
+than a tenth of the demotion time (a manifest is rewritten whole, and listing 10x a pool of small
+entries costs tens of milliseconds). An entry marked clean before its manifest is safe: until a
+crash the store serves it, and a crash loses the pool's copy too, so it is lost, never wrong.
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ import torch
 from ucm_ray.store.shard.disk.store import DiskStats, DiskStore
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.types import random_id
+
+PROMOTE_CHUNK = 32
+"""Keys a promotion reserves, reads and commits together (a 4k-token prompt of 16-token blocks is
+256 keys: eight chunks, each with one deadline check)."""
+CHECKPOINT_S = 1.0
+CHECKPOINT_SHARE = 10
+"""A manifest is due ``CHECKPOINT_S`` after the last, or ``CHECKPOINT_SHARE`` times the last one's
+duration where that is longer (manifest writes take at most a tenth of the tier's time)."""
 
 
 @dataclass
@@ -63,13 +76,19 @@ class DiskTier:
         self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._wait_s = wait_s
         self._owner = random_id()
+        self._checkpointed_at = time.monotonic()
+        self._checkpoint_s = 0.0
+        self._off = False
         self.stats = TierStats()
         with self._lock:  # what a restart adopted: same-node readers must ask for it
             self._index.list_on_disk([(k, store.size_of(k) or 0) for k in store.keys()])
 
     def demote_once(self) -> int:
         """One batch: the pool's coldest dirty entries to disk. Returns the bytes written (0 when
-        the pool is under its high watermark or everything cold is clean)."""
+        the pool is under its high watermark, everything cold is clean, or the tier is off)."""
+        if not self._store.enabled:
+            self._after_turned_off()
+            return 0
         with self._lock:
             if self._index.stats().used_bytes <= self._high:
                 return 0
@@ -83,8 +102,6 @@ class DiskTier:
                     if self._store.put(key, self._pool[slot.offset:slot.offset + slot.size]):
                         done.append((key, slot.offset))
                         written += slot.size
-                if done:
-                    self._store.checkpoint()  # what is marked clean survives a crash of the shard
                 gone = self._store.take_gone()
         finally:
             with self._lock:
@@ -93,6 +110,8 @@ class DiskTier:
                 self._index.release(self._owner, [lease])
         self.stats.demoted += len(done)
         self.stats.demoted_bytes += written
+        if not self._store.enabled:  # a write failed: the disk is off from now on
+            self._after_turned_off()
         return written
 
     def demote(self) -> int:
@@ -102,10 +121,50 @@ class DiskTier:
         total = 0
         while total < self._capacity and (done := self.demote_once()):
             total += done
+            self.checkpoint_if_due()
+        self.checkpoint_if_due()
         return total
 
+    def checkpoint_if_due(self) -> bool:
+        """Write the store's manifest if one is due (see the module's docstring): whether one was.
+        The shard's demotion thread calls ``demote`` every half second, idle or not, so an entry
+        written is listed within about ``CHECKPOINT_S`` of its write."""
+        now = time.monotonic()
+        if now - self._checkpointed_at < max(CHECKPOINT_S, CHECKPOINT_SHARE * self._checkpoint_s):
+            return False
+        with self._disk_lock:
+            before = self._store.stats.manifests
+            self._store.checkpoint()
+            gone = self._store.take_gone()
+            wrote = self._store.stats.manifests != before
+        if gone:
+            with self._lock:
+                self._index.disk_dropped(gone)
+        if not self._store.enabled:
+            self._after_turned_off()
+        done = time.monotonic()
+        if wrote:
+            self._checkpoint_s = done - now
+        self._checkpointed_at = done
+        return wrote
+
+    def _after_turned_off(self) -> None:
+        """Once the disk failed: what it held is the pool's alone again (readers stop asking the
+        shard for it), and eviction goes back to plain LRU, counting nothing as "fell behind"."""
+        if self._off:
+            return
+        with self._disk_lock:
+            gone = self._store.take_gone()
+        with self._lock:
+            self._index.disk_dropped(gone)
+            self._index.disk_tier_off()
+        self._off = True
+
     def behind(self) -> bool:
-        """Whether demotion still owes a batch (the pool's cold end holds dirty entries)."""
+        """Whether demotion still owes a batch (the pool's cold end holds dirty entries; never once
+        the tier is off: nothing will demote them)."""
+        if not self._store.enabled:
+            return False
         with self._lock:
             stats = self._index.stats()
             return stats.used_bytes > self._high and self._index.cold_dirty_bytes(self._low) > 0
@@ -141,50 +200,70 @@ class DiskTier:
     def promote_pinned(self, keys: Sequence[Key]) -> tuple[list[bool], int]:
         """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
         with ``unpin`` once the reader pinned them): promoting a later key of a prompt must not
-        evict an earlier one. Reads stop once ``wait_s`` has passed: the keys left are misses
-        (recomputed), so no shard call waits on the disk longer than that (and one entry's read)."""
+        evict an earlier one. Keys go in chunks of ``PROMOTE_CHUNK`` (one reservation, reads in
+        flight together, one commit); no read starts once ``wait_s`` has passed: the keys left are
+        misses (recomputed), so no shard call waits on the disk longer than that and a read."""
         deadline = time.monotonic() + self._wait_s
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
-        for i, key in enumerate(keys):
-            if out[i]:
-                continue
+        todo = [i for i, found in enumerate(out) if not found]
+        for start in range(0, len(todo), PROMOTE_CHUNK):
+            chunk = todo[start:start + PROMOTE_CHUNK]
             if time.monotonic() > deadline:
-                self.stats.promote_late += sum(not o for o in out[i:])
+                self.stats.promote_late += len(todo) - start
                 break
-            promoted = self._promote_one(key, lease)
-            if promoted is None:
-                break  # the pool has no room even after eviction
-            out[i] = promoted
+            got = self._promote_chunk([keys[i] for i in chunk], lease, deadline)
+            for i, promoted in zip(chunk, got):
+                out[i] = promoted is True
+            if None in got:  # past the deadline, or the pool had no room even after eviction
+                if time.monotonic() > deadline:
+                    self.stats.promote_late += len(todo) - start - len(chunk)
+                break
+        if not self._store.enabled:  # a read failed: the disk is off from now on
+            self._after_turned_off()
         return out, lease
 
-    def _promote_one(self, key: Key, lease: int) -> bool | None:
-        """Read ``key`` from disk into a fresh pool slot, commit it and pin it under ``lease``:
-        whether it is pinned now; None when the pool had no room for it."""
+    def _promote_chunk(self, keys: Sequence[Key], lease: int, deadline: float) -> list[bool | None]:
+        """Read ``keys`` from disk into fresh pool slots, commit them and pin them under ``lease``:
+        per key, whether it is pinned now; None when the pool had no room for it or its read
+        had not started by ``deadline`` (counted late)."""
         with self._disk_lock:
-            size = self._store.size_of(key)
-        if size is None:  # not on disk either: a miss
-            self.stats.promote_misses += 1
-            return False
+            sizes = [self._store.size_of(k) for k in keys]
+        result: list[bool | None] = [False if size is None else None for size in sizes]
+        self.stats.promote_misses += result.count(False)
+        grants: list[tuple[int, int, int, int]] = []  # (key's index, token, offset, size)
         with self._lock:
-            token, offsets = self._index.reserve(self._owner, size, 1)
-        if not offsets:
-            return None
-        offset = offsets[0]
+            for i, size in enumerate(sizes):
+                if size is None:
+                    continue
+                token, offsets = self._index.reserve(self._owner, size, 1)
+                if not offsets:
+                    break  # no room: the later keys would evict these
+                grants.append((i, token, offsets[0], size))
         with self._disk_lock:
-            ok = self._store.get(key, self._pool[offset:offset + size])
+            read = self._store.get_many([keys[i] for i, _, _, _ in grants],
+                                        [self._pool[off:off + size] for _, _, off, size in grants], deadline)
             gone = self._store.take_gone()  # a failed check dropped it
         with self._lock:
             self._index.disk_dropped(gone)
-            if not ok:
-                self._index.commit(self._owner, token, [], [offset])
+            for (i, token, offset, size), ok in zip(grants, read):
+                result[i] = self._commit_promoted(keys[i], token, offset, size, ok, lease)
+        return result
+
+    def _commit_promoted(self, key: Key, token: int, offset: int, size: int, ok: bool | None,
+                         lease: int) -> bool | None:
+        """Under the index lock: commit one promoted entry (or free its slot)."""
+        if not ok:
+            self._index.commit(self._owner, token, [], [offset])
+            if ok is None:
+                self.stats.promote_late += 1
+            else:
                 self.stats.promote_misses += 1
-                return False
-            self._index.commit(self._owner, token, [(key, offset, None)])
-            self._index.mark_clean([(key, offset)])
-            # pinned under the call's lease (or found: a writer committed it meanwhile)
-            pinned = self._index.extend_pin(self._owner, lease, key)
+            return ok
+        self._index.commit(self._owner, token, [(key, offset, None)])
+        self._index.mark_clean([(key, offset)])
         self.stats.promoted += 1
         self.stats.promoted_bytes += size
-        return pinned
+        # pinned under the call's lease (or found: a writer committed it meanwhile)
+        return self._index.extend_pin(self._owner, lease, key)
