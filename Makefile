@@ -150,6 +150,7 @@ gpu-bench-decode:
 bench: venv
 	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/ttft.py
+	$(PY) benchmarks/pd.py
 	$(PY) benchmarks/scale_sim.py --full
 
 # A static helm 4 for the chart checks (tests/unit/test_helm_chart.py), without a system package: the
