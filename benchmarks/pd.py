@@ -20,7 +20,8 @@ per system first (not counted). Nothing here asserts a timing.
 
 Last lines: ``pd_ttft_vs_single=`` pd-ucm / single, ``pd_tpot_vs_single=`` the same for TPOT,
 ``pd_ttft_vs_nixl=`` and ``pd_tpot_vs_nixl=`` pd-ucm / pd-nixl, ``nixl_ttft_vs_single=``, then
-``pd_hit_fraction=`` the decode's cached tokens over its prompt's, and ``pd_handoff_timeouts=``.
+``pd_hit_fraction=`` the decode's cached tokens over its prompt's, ``pd_handoff_wait_ms_avg=`` (the
+decode's wait for the prefill's saves, of its TTFT share) and ``pd_handoff_timeouts=``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def print_report(systems: dict[str, System], decode_totals: dict[str, Any]) -> N
     print(f"pd_tpot_vs_nixl={med['pd-ucm'][1] / med['pd-nixl'][1]:.3f}")
     print(f"nixl_ttft_vs_single={med['pd-nixl'][0] / med['single'][0]:.3f}")
     print(f"pd_hit_fraction={statistics.median(systems['pd-ucm'].cached):.3f}")
+    waits = decode_totals.get("handoff_wait_seconds_count", 0)
+    print(f"pd_handoff_wait_ms_avg={1e3 * decode_totals.get('handoff_wait_seconds', 0) / max(waits, 1):.1f}")
     print(f"pd_handoff_timeouts={decode_totals.get('handoff_timeouts', 0)}")
 
 
