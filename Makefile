@@ -150,6 +150,7 @@ gpu-bench-decode:
 bench: venv
 	$(PY) benchmarks/data_plane.py
 	$(PY) benchmarks/ttft.py
+	$(PY) benchmarks/pd.py
 	$(PY) benchmarks/scale_sim.py --full
 	$(PY) benchmarks/disk_tier.py
 

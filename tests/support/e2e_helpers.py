@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import ray
 
@@ -51,29 +50,6 @@ class _ProbedEngine(ProbedEngine):
 
     def pid(self) -> int:
         return os.getpid()
-
-    def generate_pd(self, prompt_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any],
-                    flush: bool = True, logprobs: bool = False) -> dict[str, Any]:
-        """Greedy tokens of a request carrying a PD proxy's ``kv_transfer_params`` (vLLM reads them
-        from the sampling params' ``extra_args``), with the params its output hands the proxy.
-        ``flush=False``: return at the last token, its saves left to ``flush`` (or never);
-        ``logprobs``: also each sampled token's logprob."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if logprobs else None,
-                                extra_args={"kv_transfer_params": kv_transfer_params})
-        out = self.llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
-        if flush:
-            self._flush()
-        tokens = list(out.outputs[0].token_ids)
-        result = {"tokens": tokens, "cached": out.num_cached_tokens, "kv_transfer_params": out.kv_transfer_params}
-        if logprobs:
-            result["logprobs"] = [step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, tokens)]
-        return result
-
-    def flush(self) -> None:
-        """Run the steps that save what the last request computed, and wait for the commits."""
-        self._flush()
 
 
 def logprob_drift(got: list[float], expected: list[float]) -> float:

@@ -1,8 +1,10 @@
 """Driver of the multi-node test, run in a process of its own against a ``PrivateCluster``
 of three nodes: a fleet with one shard per node, engine A (the connector on) on node 2 serves
 a document, engine B on node 1 serves the same document with another question, and a
-reference engine without the connector serves B's prompts. Then node 2's shard is killed and B,
-its own prefix cache emptied, serves the document with a third question. Prints one JSON line."""
+reference engine without the connector serves B's prompts. Then A and B hand a new prompt off as
+a PD proxy does: A prefills it (one token, its saves not yet run when B is asked), B decodes it.
+Then node 2's shard is killed and B, its own prefix cache emptied, serves the document with a
+third question. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ from typing import Any
 import ray
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config
+from ucm_ray.demo import ENGINE_ENV, kv_transfer_config
 from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet
 from ucm_ray.store.types import DIRECTORY_NAME
+from ucm_ray.testing.engines import ProbedEngine
 from ucm_ray.tiny_model import synthetic_prompt
 
 
 def engine_on(resource: str, model: str, kv: dict[str, Any] | None) -> Any:
-    remote = ray.remote(num_cpus=0, resources={resource: 0.01}, runtime_env={"env_vars": ENGINE_ENV})(Engine)
+    remote = ray.remote(num_cpus=0, resources={resource: 0.01}, runtime_env={"env_vars": ENGINE_ENV})(ProbedEngine)
     return remote.remote(model, kv)
 
 
@@ -33,6 +36,26 @@ def kill_shard(config: UcmRayConfig, shard_id: str) -> None:
     while shard_id in ray.get(directory.membership.remote(), timeout=10).shard_ids:
         assert time.monotonic() < deadline, "the directory never noticed the kill"
         time.sleep(0.1)
+
+
+def pd_handoff(prefill: Any, decode: Any, reference: Any, prompt: list[int]) -> dict[str, Any]:
+    """A PD proxy's two calls: the prefill (one token) returns before the step that saves its
+    prompt, which it runs only once the decode was sent (as a serving engine would, at once);
+    the decode's lookup may come first and ask again. What the decode's counters and vLLM's
+    count of cached tokens say, beside the reference's tokens."""
+    started = time.monotonic()
+    before = ray.get(decode.connector_totals.remote())
+    params = ray.get(prefill.generate_pd.remote(prompt, 1, {"do_remote_decode": True}, flush=False))
+    pending = decode.generate_pd.remote(prompt, 8, params["kv_transfer_params"])
+    ray.get(prefill.flush.remote())
+    out = ray.get(pending)
+    after = ray.get(decode.connector_totals.remote())
+    delta = {part: {key: value - before[part].get(key, 0) for key, value in after[part].items()}
+             for part in ("scheduler", "worker")}
+    return {"announced": params["kv_transfer_params"]["ucm_ray"]["tokens"], "num_tokens": len(prompt),
+            "tokens": out["tokens"], "cached": out["cached"],
+            "reference": ray.get(reference.generate.remote(prompt, 8))["tokens"],
+            "seconds": time.monotonic() - started, **delta}
 
 
 def main(address: str, model: str, document_tokens: int) -> None:
@@ -51,12 +74,14 @@ def main(address: str, model: str, document_tokens: int) -> None:
         answer = ray.get(reader.generate.remote(second, 8))
         expected = ray.get(reference.generate.remote(second, 8))
         totals = ray.get(reader.connector_totals.remote())
+        handoff = pd_handoff(writer, reader, reference, synthetic_prompt(model, document_tokens + 40, seed=25))
         status = fleet_status(config)["shards"]
         shards = {s["shard_id"]: s["node_id"] for s in status}
         writer_node = ray.get(ray.remote(num_cpus=0, resources={"node_2": 0.01})(
             lambda: ray.get_runtime_context().get_node_id()).remote())
         kill_shard(config, next(s for s, node in shards.items() if node == writer_node))
         ray.get(reader.reset_prefix_cache.remote())
+        before_third = ray.get(reader.connector_totals.remote())
         after = ray.get(reader.generate.remote(third, 8))
         after_totals = ray.get(reader.connector_totals.remote())
         print(json.dumps({"shard_nodes": shards, "writer_node": writer_node,
@@ -66,9 +91,11 @@ def main(address: str, model: str, document_tokens: int) -> None:
                           "hit_tokens": totals["scheduler"].get("hit_tokens", 0),
                           "lookups": totals["scheduler"].get("lookups", 0),
                           "lookup_calls": totals["scheduler"].get("lookup_calls", 0), "worker": totals["worker"],
+                          "pd": handoff,
                           "after_kill": {"tokens": after["tokens"],
                                          "reference": ray.get(reference.generate.remote(third, 8))["tokens"],
-                                         "hit_tokens": after_totals["scheduler"].get("hit_tokens", 0)}}),
+                                         "hit_tokens": after_totals["scheduler"].get("hit_tokens", 0)
+                                         - before_third["scheduler"].get("hit_tokens", 0)}}),
               flush=True)
     finally:
         stop_fleet(config)

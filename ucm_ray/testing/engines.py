@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ucm_ray.demo import Engine
@@ -30,3 +31,30 @@ class ProbedEngine(Engine):
                       sampling_params=SamplingParams(max_tokens=1),
                       block_hasher=self._core().request_block_hasher)
         return list(req.block_hashes)
+
+    def generate_pd(self, prompt_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any],
+                    flush: bool = True, logprobs: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
+        """Greedy tokens of a request carrying a PD proxy's ``kv_transfer_params`` (vLLM reads them
+        from the sampling params' ``extra_args``), with the params its output hands the proxy.
+        ``flush=False``: return at the last token, its saves left to ``flush`` (or never);
+        ``logprobs``: also each sampled token's logprob; ``ignore_eos``: all ``max_tokens``. Times
+        as ``generate``'s."""
+        from vllm import SamplingParams
+
+        started = time.perf_counter()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if logprobs else None,
+                                ignore_eos=ignore_eos, extra_args={"kv_transfer_params": kv_transfer_params})
+        out = self.llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - started
+        if flush:
+            self._flush()
+        tokens = list(out.outputs[0].token_ids)
+        result = {"tokens": tokens, "cached": out.num_cached_tokens, "kv_transfer_params": out.kv_transfer_params,
+                  "seconds": seconds, "ttft": out.metrics.first_token_latency if out.metrics is not None else None}
+        if logprobs:
+            result["logprobs"] = [step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, tokens)]
+        return result
+
+    def flush(self) -> None:
+        """Run the steps that save what the last request computed, and wait for the commits."""
+        self._flush()
