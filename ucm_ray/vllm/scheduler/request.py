@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -161,6 +162,8 @@ class TrackedRequest:
     valid yet (a block whose load failed is not, until a step recomputes it)."""
     keys: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
     """(rank, attention group) -> the keys of the request's first blocks (``attn_keys``)."""
+    _families: dict[int, bytes] = field(default_factory=dict)
+    """Rank -> the request's family root (``family``)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits) or used by saves
     computed: int = 0  # vLLM's computed tokens at the last save plan
@@ -250,13 +253,27 @@ class TrackedRequest:
             return known[blocks.start:blocks.stop]
         return [known[i] for i in blocks]
 
-    def family(self, rank: int) -> bytes:
-        """The family root of the request's blocks on one rank: the key of its prompt's first
-        block, as its lookup asks for it first (``Lookups._post``)."""
-        geometry = self.geometry
-        if geometry.attn:
-            return self.attn_keys(rank, geometry.attn[0], range(1))[0]
-        return geometry.state_key(rank, self.request.block_hashes, geometry.states[0], geometry.lcm)
+    def family(self, rank: int, hot_prefix: Callable[[Sequence[bytes]], int]) -> bytes:
+        """The family root of the request's blocks on one rank: the first block of its prompt's
+        chain (its first attention group's keys) past the fleet's hot prefix (``hot_prefix``:
+        the store's), as its lookup finds it (``Lookups._post``). Fixed at the first ask: every
+        block of a request is registered under one root. Keys are derived only as far as the
+        hot prefix reaches (a cold prompt's saves derive the rest as they go)."""
+        root = self._families.get(rank)
+        if root is None:
+            geometry = self.geometry
+            if geometry.attn:
+                group = geometry.attn[0]
+                blocks = max(self.hashed_tokens() // geometry.block_sizes[group], 1)
+                known = min(blocks, 16)
+                while (hot := hot_prefix(self.attn_keys(rank, group, range(known)))) == known < blocks:
+                    known = min(blocks, known * 4)
+                at = hot if hot < blocks else 0
+                root = self.attn_keys(rank, group, range(at, at + 1))[0]
+            else:
+                root = geometry.state_key(rank, self.request.block_hashes, geometry.states[0], geometry.lcm)
+            self._families[rank] = root
+        return root
 
     def saved_tokens(self) -> int:
         """Tokens below which every attention group's blocks are saved or need no save."""

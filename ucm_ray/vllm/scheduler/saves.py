@@ -235,7 +235,7 @@ class SavePlanner:
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
                 blocks = list(dict.fromkeys(retry + list(range(first, full))))
-                family = tracked.family(rank)
+                family = tracked.family(rank, self._store.hot_prefix)
                 for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
                     wanted.append((rank, g, tracked.block_ids[g][i], key, family))
                     pending.append((g, rank, i))
@@ -279,9 +279,10 @@ class SavePlanner:
             if pos > tracked.hashed_tokens() or pos <= tracked.last_state_pos:
                 continue
             for rank in range(len(geometry.namespaces)):
+                family = tracked.family(rank, self._store.hot_prefix)
                 for g in geometry.states:
                     wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
-                                   geometry.state_key(rank, hashes, g, pos), tracked.family(rank)))
+                                   geometry.state_key(rank, hashes, g, pos), family))
             tracked.last_state_pos = pos
             tracked.state_positions.append(pos)
         if wanted:
