@@ -77,11 +77,12 @@ def _settled(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float 
 
 def hot_prefix_scenario() -> dict:
     """Chats that start with one system prompt, read from nodes other than their writer's: the
-    system prompt's root owner, asked ``ASKS`` times, hands what its askers shared to the table;
+    system prompt's root owner, asked ``2 * ASKS`` times (the writer's ``put`` looks each chat up
+    first: ``ASKS`` asks, then ``ASKS`` readers), hands what its askers shared to the table;
     then a new chat registers and is found under the block after it, and the system prompt's
     blocks come from the table's pools without being asked about."""
     config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_hot", pool_bytes=32 << 20, shard_cpus=0,
-                                               lookup_timeout_s=30, hot_prefix_asks=ASKS), 1)
+                                               lookup_timeout_s=30, hot_prefix_asks=2 * ASKS), 1)
     try:
         clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(config.to_dict()) for i in range(3)]
         chats = [prompt_keys([("system", SYSTEM), (f"chat{j}", TURN)]) for j in range(ASKS + 1)]
