@@ -24,6 +24,7 @@ import numpy as np
 from benchmarks.scale.cluster import Cluster
 from benchmarks.scale.metrics import DesignStats, RequestTally
 from benchmarks.scale.workload import Request
+from ucm_ray.store.hot_prefixes import shared_prefix
 
 
 @dataclass(frozen=True)
@@ -575,7 +576,8 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
     """(h) (f) with the fleet's hot-prefix table (``placement: writer_local``'s second form): a
     family root whose owner is asked ``hot_root_lookups`` times in a window becomes hot, and the
     blocks its last ``hot_sessions`` askers shared from it on (at most ``hot_scan_tokens``) join
-    the table, pushed to every engine at the window's end (a new version). A prompt's leading
+    the table (``store.hot_prefixes.shared_prefix``, the built rule), pushed to every engine at
+    the window's end (a new version). A prompt's leading
     blocks that are in the table are its hot prefix, found through the table (the pools that held
     them when they became hot: no call); its family root is the first block after them, whose
     owner alone is called. Hints go to the root each block falls under *when written*: a block
@@ -657,9 +659,7 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         del recent[:-self.params.hot_sessions]
         if self._asked[root] < self.params.hot_root_lookups or len(self.table) >= self.params.hot_table_blocks:
             return
-        shared = min(len(prefix) for prefix in recent)
-        common = next((at for at in range(shared) if len({prefix[at] for prefix in recent}) > 1), shared)
-        self._learned.update(dict.fromkeys(recent[-1][:common]))
+        self._learned.update(dict.fromkeys(shared_prefix(recent)))
 
     def roll_window(self) -> None:
         """The window's learned blocks are pushed: one broadcast per new version."""

@@ -67,7 +67,7 @@ NO_HOT_PREFIXES = HotPrefixes()
 
 class HotPrefixLearner:
     """At a root's owner: counts the lookups that ask it; once ``asks`` came within a window, the
-    blocks the last ``SESSIONS`` askers share from the root on are hot (a root announced is not
+    blocks the last ``SESSIONS`` askers share from the root on are hot (``shared_prefix``) (a root announced is not
     counted again for ``REANNOUNCE_S``)."""
 
     def __init__(self, asks: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,9 +95,9 @@ class HotPrefixLearner:
         recent.append(tuple(family[:SCAN_BLOCKS]))
         if count < self._asks or len(recent) < SESSIONS:
             return []
-        shortest = min(len(prefix) for prefix in recent)
-        shared = next((at for at in range(shortest) if len({prefix[at] for prefix in recent}) > 1), shortest)
-        hot = list(recent[-1][:shared])
+        hot = shared_prefix(recent)
+        if not hot:
+            return []
         self._announced[root] = now
         self._announced.move_to_end(root)
         while len(self._announced) > MAX_HOT_BLOCKS:
@@ -105,6 +105,19 @@ class HotPrefixLearner:
         del self._counts[root], self._recent[root]
         self.learned += len(hot)
         return hot
+
+
+def shared_prefix(families: Sequence[Sequence[bytes]]) -> list[bytes]:
+    """What several askers of one root share: the blocks up to where they part, or the whole of
+    one prompt they all asked. Nothing when they part nowhere but their lengths differ: one chat
+    whose turns each extend the last is one user's history, not something many share (made hot,
+    each turn's family root would move past the last, and the blocks registered under the old
+    root would be lost to other nodes' readers)."""
+    shortest = min(len(family) for family in families)
+    shared = next((at for at in range(shortest) if len({family[at] for family in families}) > 1), shortest)
+    if shared == shortest and any(len(family) != shortest for family in families):
+        return []
+    return list(families[0][:shared])
 
 
 class HotPrefixTable:
