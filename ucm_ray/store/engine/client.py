@@ -11,6 +11,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -138,9 +139,11 @@ class StoreClient(RayBlockStore):
                 continue
             publish.append((keys[i], Location(pool[0], pool[1], off, views[i].numel(), sums.get(i)), token))
             landed.append(i)
+        # rows of the fleet's hot prefix under the first key, the rest under the block after it
         hot = self.hot_prefix(keys)
-        family = keys[hot if hot < len(keys) else 0] if keys else None
-        return list(zip(landed, self.commit(Publishes.of(publish, family), free).result()))
+        root = keys[hot] if hot < len(keys) else keys[0] if keys else b""
+        rows = replace(Publishes.of(publish), families=[keys[0] if i < hot else root for i in landed])
+        return list(zip(landed, self.commit(rows, free).result()))
 
     def get(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Fill ``tensors`` from the store; per key, whether its bytes are valid. An entry with a
