@@ -123,6 +123,10 @@ class UcmRayConfig:
     and a hint at the owner of the prompt's first block tells other nodes where it is; per_block:
     every block at the owner of its own key (one prompt spread over every node). Identical on one
     node. A fleet-wide setting, like replication: the fleet's wins over an engine's."""
+    hot_prefix_asks: int = 64
+    """writer_local across nodes: a family root asked this often within 10 s becomes a hot prefix
+    (what its askers share joins a table every engine holds, and their lookups and hints move to
+    the block after it: no single shard answers for a system prompt). 0: never."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
@@ -204,6 +208,8 @@ class UcmRayConfig:
              f"an integer between 1 and num_shards ({self.num_shards})")
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
         need(self.placement in PLACEMENTS, "placement", " | ".join(PLACEMENTS))
+        need(is_int(self.hot_prefix_asks) and 0 <= self.hot_prefix_asks <= 1_000_000, "hot_prefix_asks",
+             "an integer between 0 (never) and 1000000")
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
         for key in ("layerwise", "checksum", "local_lookups"):

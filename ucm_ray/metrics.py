@@ -41,6 +41,7 @@ COUNTERS = {
     "hints_registered": "Keys writers registered here as committed in their node's pool (writer-local placement).",
     "hints_asked": "Keys readers on other nodes asked this shard where they are.",
     "hints_answered": "Of those, the keys it named a pool for.",
+    "hot_blocks_learned": "Blocks this shard found shared by the many askers of a family root it owns (hot prefixes).",
     "evicted_dirty": "Evictions, with a disk tier, of entries not yet on disk (demotion fell behind).",
     "disk_demoted": "Entries written from the pool to the disk tier.",
     "disk_demoted_bytes": "Bytes of the entries written to the disk tier.",

@@ -24,6 +24,7 @@ import numpy as np
 from benchmarks.scale.cluster import Cluster
 from benchmarks.scale.metrics import DesignStats, RequestTally
 from benchmarks.scale.workload import Request
+from ucm_ray.store.hot_prefixes import shared_prefix
 
 
 @dataclass(frozen=True)
@@ -569,3 +570,123 @@ class BuiltCopyOnRead(BuiltFirstBlockRoot):
 
 DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, PrefixRooted, CopyOnSecondRead,
                                      BuiltFirstBlockRoot, BuiltCopyOnRead)
+
+
+class BuiltHotRoots(BuiltFirstBlockRoot):
+    """(h) (f) with the fleet's hot-prefix table (``placement: writer_local``'s second form): a
+    family root whose owner is asked ``hot_root_lookups`` times in a window becomes hot, and the
+    blocks its last ``hot_sessions`` askers shared from it on (at most ``hot_scan_tokens``) join
+    the table (``store.hot_prefixes.shared_prefix``, the built rule), pushed to every engine at
+    the window's end (a new version). A prompt's leading
+    blocks that are in the table are its hot prefix, found through the table (the pools that held
+    them when they became hot: no call); its family root is the first block after them, whose
+    owner alone is called. Hints go to the root each block falls under *when written*: a block
+    registered under a root that later became hot is lost to other nodes' readers (the cost of
+    learning, counted in the hit rate). With ``copy_hot`` a reader keeps a local copy of the
+    hot-prefix blocks it loaded from another node (no hint: its node's readers find it in their
+    published index), so a hot prefix is read remotely about once per node."""
+
+    name = "h built: hot prefixes"
+    copy_hot = False
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self.table: set[bytes] = set()
+        """The hot-prefix table, as engines hold it (pushed at a window's end)."""
+        self._learned: dict[bytes, None] = {}
+        self._asked: Counter[bytes] = Counter()
+        self._prefixes: dict[bytes, list[list[bytes]]] = defaultdict(list)
+        self.hint_root: dict[bytes, bytes] = {}
+        """Key -> the root its hint was registered under (a reader asking another root misses it)."""
+        self._hot_blocks = 0
+        self._root: bytes | None = None
+
+    def hot_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of ``keys`` in the table."""
+        count = 0
+        while count < len(keys) and keys[count] in self.table:
+            count += 1
+        return count
+
+    def serve(self, req: Request) -> RequestTally:
+        tally = RequestTally(prompt_tokens=req.tokens)
+        keys = req.keys
+        hot = self._hot_blocks = self.hot_prefix(keys)
+        root = self._root = keys[hot] if hot < len(keys) else None
+        local = self.cluster.stored[req.node]
+        if root is not None and not all(key in local for key in keys[hot:]):
+            root_owner = int(self.cluster.placement.primary([root])[0])
+            tally.lookup_calls = 1
+            self.stats.calls_received[root_owner] += 1
+            if root_owner != req.node:
+                tally.touched.add(root_owner)
+            self._learn(root, keys[hot:])
+        hit, sources = self.walk(req, tally)
+        if self.copy_hot:
+            remote = [keys[position] for position in range(min(hit, hot)) if sources[position] != req.node]
+            copied, _ = self.cluster.store(req.node, remote)
+            tally.copy_bytes += len(copied) * self.cluster.block_bytes
+            for key in copied:
+                self.locs.setdefault(key, []).append(req.node)
+        stored = self.save_local(req, keys[hit:])
+        per_owner: Counter[int] = Counter()
+        for position, key in enumerate(keys[hit:], hit):
+            if key not in stored:
+                continue
+            family = keys[0] if position < hot or root is None else root
+            self.root_of[key] = self.hint_root[key] = family
+            per_owner[int(self.cluster.placement.primary([family])[0])] += 1
+        for owner, count in per_owner.items():
+            self.stats.message(owner, tally, count, req.node)
+        return tally
+
+    def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
+        """This node's pool, else (a hot-prefix block) any copy, else the copy the reader's root
+        owner was told of."""
+        if key in self.cluster.stored[node]:
+            return node
+        if key not in self.table and self.hint_root.get(key) != self._root:
+            return None  # registered under another root: this reader's root owner never heard of it
+        return super()._valid_copy(key, node, tally)
+
+    def _learn(self, root: bytes, family: Sequence[bytes]) -> None:
+        """At the root's owner: the askers' prefixes; at ``hot_root_lookups`` asks in a window,
+        what the last ``hot_sessions`` of them shared becomes hot."""
+        scan = self.params.hot_scan_tokens // self.cluster.block_tokens
+        self._asked[root] += 1
+        recent = self._prefixes[root]
+        recent.append(list(family[:scan]))
+        del recent[:-self.params.hot_sessions]
+        if self._asked[root] < self.params.hot_root_lookups or len(self.table) >= self.params.hot_table_blocks:
+            return
+        self._learned.update(dict.fromkeys(shared_prefix(recent)))
+
+    def roll_window(self) -> None:
+        """The window's learned blocks are pushed: one broadcast per new version."""
+        fresh = [key for key in self._learned if key not in self.table]
+        if fresh:
+            tally = RequestTally()
+            self._broadcast(int(self.cluster.placement.primary(fresh[:1])[0]), tally, len(fresh))
+            self.stats.index_msgs += tally.index_msgs
+            self.stats.index_bytes += tally.index_bytes
+            self.table.update(fresh)
+        self._learned = {}
+        self._asked.clear()
+        self._prefixes.clear()
+
+    def _broadcast(self, sender: int, tally: RequestTally, entries: int) -> None:
+        others = self.cluster.nodes - 1
+        self.stats.calls_received += 1
+        self.stats.calls_received[sender] -= 1
+        tally.index_msgs += others
+        tally.index_bytes += others * entries * 32
+
+
+class BuiltHotRootsCopy(BuiltHotRoots):
+    """(i) (h) and a local copy of a hot prefix loaded from another node."""
+
+    name = "i hot prefixes + copies"
+    copy_hot = True
+
+
+DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy)

@@ -4,7 +4,8 @@ a reader on another node finds them in one call to the family root's owner, then
 writer's published index over NIXL (no pin, no call) and the bytes exact, validated against that
 index after the copy (an entry removed meanwhile is stale); a prompt that diverges mid-way gets
 its stored prefix; the writer's shard dying makes its blocks misses. ``per_block`` spreads the
-same saves over every node (what writer-local placement is for)."""
+same saves over every node (what writer-local placement is for). A system prompt many chats
+start with becomes a hot prefix: its root's owner stops answering for them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.support import ROOT
 from tests.support.private_cluster import PrivateCluster, cluster_env
 
 BLOCKS, DIVERGE_AT = 48, 30
+SYSTEM, TURN, ASKS = 8, 8, 4
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def results() -> dict:
     cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests/support/writer_local_driver.py"), cluster.address,
-                               "writer_local:1,writer_local:2,per_block:1"], capture_output=True, text=True,
+                               "writer_local:1,writer_local:2,per_block:1,hot"], capture_output=True, text=True,
                               timeout=400, env=cluster_env(), cwd=ROOT)
     finally:
         cluster.close()
@@ -71,3 +73,24 @@ def test_per_block_placement_spreads_the_same_saves_over_every_node(results):
     assert all(count > 0 for count in result["entries_by_node"].values())
     assert sum(result["hints_by_node"].values()) == 0
     assert result["other_node"]["exact"] == BLOCKS
+
+
+def test_a_system_prompt_many_chats_share_becomes_a_hot_prefix_and_its_root_stops_answering(results):
+    result = results["hot"]
+    # each chat was found whole on another node, in one call to the system prompt's root owner
+    assert result["learning"] == [{"found": SYSTEM + TURN, "calls": 1}] * ASKS
+    # that owner learned what the askers shared: the system prompt, and every engine holds it
+    assert result["learned"] == SYSTEM
+    assert result["table"] == [SYSTEM] * 4  # the directory's table, then each client's
+    # a new chat registers its own blocks under its own root, the block after the system prompt
+    assert result["written"] == SYSTEM + TURN
+    assert sorted(result["hints_added"].values()) == [0, 0, TURN]
+    # and is found whole from another node: the root's owner asked about its own blocks only
+    # (TURN keys by each of the read's two lookups, its pin and ``get``'s), the system prompt's
+    # blocks taken from the table's pools without asking anyone
+    assert result["new_chat"] == {"found": SYSTEM + TURN, "got": SYSTEM + TURN, "exact": SYSTEM + TURN, "calls": 1}
+    asked = result["asked"]
+    assert sorted(asked.values()) == [0, 0, 2 * TURN]
+    assert max(asked, key=asked.get) == max(result["hints_added"], key=result["hints_added"].get)
+    # a prompt that is only the hot prefix needs no call at all
+    assert result["system_only"] == {"found": SYSTEM, "got": SYSTEM, "exact": SYSTEM, "calls": 0}

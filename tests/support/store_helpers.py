@@ -21,6 +21,15 @@ def key(i: int, tag: str = "k") -> bytes:
     return hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest()
 
 
+def prompt_keys(segments: list[tuple[str, int]]) -> list[bytes]:
+    """A prompt's keys made of segments (tag, blocks), positions counted over the whole prompt:
+    prompts that start with the same segments share those keys, as chained block hashes do."""
+    keys: list[bytes] = []
+    for tag, blocks in segments:
+        keys.extend(key(i, tag) for i in range(len(keys), len(keys) + blocks))
+    return keys
+
+
 def block(i: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1_000_003 + i)
     return torch.randint(0, 256, (SIZES[i % len(SIZES)],), dtype=torch.uint8, generator=g)
@@ -62,9 +71,12 @@ class ClientProcess:
         self.client = StoreClient(UcmRayConfig.from_dict(config))
 
     def write(self, n: int, seed: int = 0, tag: str = "k") -> list[bool]:
-        buf, views = arena(n, seed)
+        return self.write_keys([key(i, tag) for i in range(n)], seed)
+
+    def write_keys(self, keys: list[bytes], seed: int = 0) -> list[bool]:
+        buf, views = arena(len(keys), seed)
         self.client.register_local(buf)
-        return self.client.put([key(i, tag) for i in range(n)], views)
+        return self.client.put(keys, views)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -78,7 +90,12 @@ class ClientProcess:
         while gone is not None and gone in self.client.membership.shard_ids and time.monotonic() < deadline:
             self.client.refresh(force=True)
             time.sleep(0.1)
-        keys = [key(i, tag if diverge_at is None or i < diverge_at else tag + "-other") for i in range(n)]
+        return self.read_keys([key(i, tag if diverge_at is None or i < diverge_at else tag + "-other")
+                               for i in range(n)], seed)
+
+    def read_keys(self, keys: list[bytes], seed: int = 0) -> dict:
+        """As ``read``, of these keys (block ``i`` of ``seed`` expected at position ``i``)."""
+        n = len(keys)
         lease = self.client.acquire(keys).result()
         self.client.release(lease.lease_ids).result()
         sizes = [SIZES[i % len(SIZES)] for i in range(n)]
@@ -104,6 +121,17 @@ class ClientProcess:
         self.client.release(lease.lease_ids).result()
         return {"unpinned": len(unpinned), "calls": lease.calls, "stale_before": int(before.sum()),
                 "removed": removed, "stale_after": int(after.sum()), "unreadable": len(unreadable)}
+
+    def ask(self, keys: list[bytes]) -> dict:
+        """One lookup (pinned, then released): how many it found, the shard calls it took."""
+        lease = self.client.acquire(keys).result()
+        self.client.release(lease.lease_ids).result()
+        return {"found": int(lease.locations.found().sum()), "calls": lease.calls}
+
+    def hot_blocks(self) -> int:
+        """Blocks of the fleet's hot-prefix table this client holds, once it asked for news."""
+        self.client.refresh(force=True)
+        return len(self.client.membership.hot)
 
     def transports(self) -> list[str]:
         return sorted({self.client.transport_kind(s) for s in self.client.membership.shard_ids})

@@ -7,18 +7,25 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import ray
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # run as a script: ``tests.support`` from this checkout
 
-from tests.support.store_helpers import ClientProcess  # noqa: E402
+from tests.support.store_helpers import ClientProcess, prompt_keys  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet  # noqa: E402
+from ucm_ray.store.types import DIRECTORY_NAME  # noqa: E402
 
+T = TypeVar("T")
 BLOCKS = 48
 DIVERGE_AT = 30
+SYSTEM, TURN, ASKS = 8, 8, 4
+"""Hot prefixes: a system prompt's blocks, each chat's own blocks, asks that make a root hot."""
 
 
 def scenario(placement: str, replication: int) -> dict:
@@ -53,14 +60,66 @@ def scenario(placement: str, replication: int) -> dict:
         stop_fleet(config)
 
 
+def _hints(config: UcmRayConfig) -> dict[str, tuple[int, int]]:
+    return {s["shard_id"]: (s["hints"], s["hints_asked"]) for s in fleet_status(config)["shards"]}
+
+
+def _settled(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 20.0) -> T:
+    """``read()`` once ``done`` holds of it, or the last one after ``timeout_s`` (posted calls
+    that nobody awaits, hints and hot-prefix announcements, land a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = read()
+    return value
+
+
+def hot_prefix_scenario() -> dict:
+    """Chats that start with one system prompt, read from nodes other than their writer's: the
+    system prompt's root owner, asked ``2 * ASKS`` times (the writer's ``put`` looks each chat up
+    first: ``ASKS`` asks, then ``ASKS`` readers), hands what its askers shared to the table;
+    then a new chat registers and is found under the block after it, and the system prompt's
+    blocks come from the table's pools without being asked about."""
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_hot", pool_bytes=32 << 20, shard_cpus=0,
+                                               lookup_timeout_s=30, hot_prefix_asks=2 * ASKS), 1)
+    try:
+        clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(config.to_dict()) for i in range(3)]
+        chats = [prompt_keys([("system", SYSTEM), (f"chat{j}", TURN)]) for j in range(ASKS + 1)]
+        for chat in chats[:ASKS]:
+            ray.get(clients[1].write_keys.remote(chat, 9))
+        learning = [ray.get(clients[j % 2 * 2].ask.remote(chat)) for j, chat in enumerate(chats[:ASKS])]
+        directory = ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
+        table = [_settled(lambda: ray.get(directory.ping.remote())["hot_blocks"], lambda blocks: blocks >= SYSTEM)]
+        table += ray.get([c.hot_blocks.remote() for c in clients])
+        before = _hints(config)
+        written = ray.get(clients[1].write_keys.remote(chats[ASKS], 9))
+        registered = _settled(lambda: _hints(config),
+                              lambda now: sum(now[k][0] - before[k][0] for k in before) >= TURN)
+        found = ray.get(clients[2].read_keys.remote(chats[ASKS], 9))
+        after = _hints(config)
+        system_only = ray.get(clients[0].read_keys.remote(chats[0][:SYSTEM], 9))
+        return {"learning": learning, "table": table, "written": sum(written),
+                "hints_added": {k: registered[k][0] - before[k][0] for k in before},
+                "asked": {k: after[k][1] - registered[k][1] for k in before},
+                "new_chat": found, "system_only": system_only,
+                "learned": sum(s["hot_blocks_learned"] for s in fleet_status(config)["shards"])}
+    finally:
+        stop_fleet(config)
+
+
 def main(address: str, scenarios: str) -> None:
-    """``scenarios``: comma-separated ``placement:replication`` pairs, run one after another."""
+    """``scenarios``: comma-separated ``placement:replication`` pairs (or ``hot``: hot prefixes),
+    run one after another."""
     # the clients' class lives in this checkout's tests/: its workers import it from there too
     ray.init(address=address, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     try:
         results = {}
         for name in scenarios.split(","):
+            if name == "hot":
+                results[name] = hot_prefix_scenario()
+                continue
             placement, replication = name.split(":")
             results[name] = scenario(placement, int(replication))
         print(json.dumps(results), flush=True)

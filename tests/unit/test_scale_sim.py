@@ -12,6 +12,8 @@ from benchmarks.scale.cluster import Cluster, Placement, owners_under, shard_ids
 from benchmarks.scale.designs import (
     BuiltCopyOnRead,
     BuiltFirstBlockRoot,
+    BuiltHotRoots,
+    BuiltHotRootsCopy,
     CopyOnSecondRead,
     DesignParams,
     PerBlock,
@@ -63,7 +65,7 @@ def test_per_block_lookups_grow_with_nodes_while_rooted_stay_within_two(small: C
 
 def test_rooted_sends_no_save_bytes_off_node(small: ConfigResult, larger: ConfigResult) -> None:
     for result in (small, larger):
-        for writer_local in (PrefixRooted, CopyOnSecondRead, BuiltFirstBlockRoot, BuiltCopyOnRead):
+        for writer_local in (PrefixRooted, CopyOnSecondRead, BuiltFirstBlockRoot, BuiltCopyOnRead, BuiltHotRoots):
             assert _row(result, writer_local.name).save_off_mib == 0
         assert _row(result, PerBlock.name).save_off_mib > 0
 
@@ -74,6 +76,7 @@ def test_the_built_lookup_is_one_call_while_per_block_grows_with_nodes(small: Co
     any size; (a) asks every owner of a block. Nothing evicts at 60 nodes: (f) hits as (a) does."""
     for result in (small, larger):
         assert _row(result, BuiltFirstBlockRoot.name).calls_p99 <= 1
+        assert _row(result, BuiltHotRoots.name).calls_p99 <= 1
     assert _row(larger, PerBlock.name).calls_p99 > 10
     assert _row(larger, BuiltFirstBlockRoot.name).hit_delta_points == 0
 
@@ -103,13 +106,29 @@ def test_per_block_movement_reported_near_one(larger: ConfigResult) -> None:
     assert 0.6 < row.join_mean < 1.4
 
 
-def test_with_room_for_everything_every_design_hits_as_per_block() -> None:
+def test_with_room_for_everything_every_design_hits_as_per_block_but_learned_hot_prefixes() -> None:
+    """Where nothing evicts, a design misses only what its index cannot name: none of them, but
+    the hot-prefix ones, whose learning moves a family root past a newly hot prefix and so loses
+    to other nodes' readers the blocks registered under the old root (once: a reader recomputes
+    and registers them under the new one)."""
     result = _run(10, min_pool_tokens=1 << 26)
     assert all(n == 0 for n in result.evictions.values()), result.evictions
     base = _row(result, PerBlock.name).hit_rate
     assert base > 0.3
+    learned = {BuiltHotRoots.name, BuiltHotRootsCopy.name}
     for row in result.rows:
-        assert row.hit_rate == pytest.approx(base, abs=1e-9), row.design
+        if row.design in learned:
+            assert base - 0.15 < row.hit_rate < base, row.design
+        else:
+            assert row.hit_rate == pytest.approx(base, abs=1e-9), row.design
+
+
+def test_hot_prefixes_take_the_system_prompts_lookups_off_their_root_owners(larger: ConfigResult) -> None:
+    """(h) the built table: the hottest shard answers fewer calls than under (f), where every
+    prompt under one system prompt asks the same root owner; its worst leave falls with it."""
+    built, hot = _row(larger, BuiltFirstBlockRoot.name), _row(larger, BuiltHotRoots.name)
+    assert hot.hot_calls < 0.75 * built.hot_calls, (hot.hot_calls, built.hot_calls)
+    assert hot.leave_worst < 0.75 * built.leave_worst, (hot.leave_worst, built.leave_worst)
 
 
 def test_result_line_parses(larger: ConfigResult) -> None:

@@ -54,10 +54,20 @@ class BlockStore(ABC):
         return [[pools[j] for j in row] for row in index.tolist()]
 
     @abstractmethod
-    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
+                chain: int | None = None) -> Pending[ReadLease]:
         """Locate what is committed among ``keys`` on a live replica: read from the published
         index of a pool on this node (no call, no pin: the reader validates its copy), pinned
-        through a call elsewhere and on the pools in ``pin`` (where a reader cannot validate)."""
+        through a call elsewhere and on the pools in ``pin`` (where a reader cannot validate).
+        ``chain``: how many leading keys are the prompt's block chain, in order (its first
+        attention group: its family root is among them); None: all of them."""
+
+    def hot_prefix(self, chain: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt's chain are in the fleet's hot-prefix table
+        (``store.hot_prefixes``; 0 where there is none). Its family root, whose owner writer-local
+        placement tells where the family's blocks went, is the block after them (the first block
+        when every block is hot)."""
+        return 0
 
     @abstractmethod
     def surely_absent(self, keys: Sequence[bytes]) -> bool:

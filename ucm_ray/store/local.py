@@ -121,7 +121,8 @@ class LocalBlockStore(BlockStore):
         shards = sorted(self._world.shards.values(), key=lambda s: s.shard_id)
         return [s.key for s in shards], owners(keys, [s.shard_id for s in shards], self._world.replication)
 
-    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
+                chain: int | None = None) -> Pending[ReadLease]:
         """As the Ray client's: each pool's published index first (every pool here is on this
         node), pinned through the index where it cannot answer or ``pin`` asks for pins."""
         self._sync_readers()

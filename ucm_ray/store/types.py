@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
+from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixes
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 if TYPE_CHECKING:
@@ -356,6 +357,8 @@ class Membership:
     (a client then uses its own setting)."""
     placement: str | None = None
     """``placement`` as the fleet was started with (None: as ``replication``)."""
+    hot: HotPrefixes = NO_HOT_PREFIXES
+    """The fleet's hot-prefix table (``store.hot_prefixes``): pushed with the membership."""
 
     @property
     def shard_ids(self) -> list[str]:

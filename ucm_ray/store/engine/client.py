@@ -11,6 +11,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -81,8 +82,9 @@ class StoreClient(RayBlockStore):
         """Store whole tensors under ``keys`` on each key's owners (reserve anonymous slots,
         copy, commit); per key, whether it is now visible. Keys already present are not
         rewritten. Tensors must lie in buffers registered with ``register_local``. The keys are
-        one family, rooted at ``keys[0]``, as a prompt's blocks are: ``get`` and ``lookup``
-        find them on other nodes when asked with the same first key."""
+        one family, as a prompt's blocks are (rooted at ``keys[0]``, or past the fleet's hot
+        prefix: ``hot_prefix``): ``get`` and ``lookup`` find them on other nodes when asked
+        with the same leading keys."""
         if len(keys) != len(tensors):
             raise ValueError(f"put: {len(keys)} keys but {len(tensors)} tensors")
         views = [as_bytes(t) for t in tensors]
@@ -137,7 +139,11 @@ class StoreClient(RayBlockStore):
                 continue
             publish.append((keys[i], Location(pool[0], pool[1], off, views[i].numel(), sums.get(i)), token))
             landed.append(i)
-        return list(zip(landed, self.commit(Publishes.of(publish, keys[0] if keys else None), free).result()))
+        # rows of the fleet's hot prefix under the first key, the rest under the block after it
+        hot = self.hot_prefix(keys)
+        root = keys[hot] if hot < len(keys) else keys[0] if keys else b""
+        rows = replace(Publishes.of(publish), families=[keys[0] if i < hot else root for i in landed])
+        return list(zip(landed, self.commit(rows, free).result()))
 
     def get(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Fill ``tensors`` from the store; per key, whether its bytes are valid. An entry with a

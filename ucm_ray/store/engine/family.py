@@ -2,7 +2,8 @@
 
 With ``placement: writer_local`` a block lives on its writer's node, so a lookup first reads
 this node's shards (their published indexes: no call), then asks the owner of the prompt's
-family root where the rest is (one call for the whole prompt, see ``shard.hints``), then finds
+family root where the rest is (one call for the whole prompt, see ``shard.hints``; a leading hot
+prefix is found through the fleet's table instead, ``store.hot_prefixes``), then finds
 those blocks in the named pools' published indexes, read over NIXL (``remote_index``: no call,
 no pin); only what such a read cannot settle is pinned through a call, as any lookup does.
 Writers tell the root's owners what they committed (``HintPoster``), after the commit and
@@ -29,14 +30,21 @@ class FamilyAcquire(Pending[ReadLease]):
     or never heard of the family leaves the local finds."""
 
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
-                 shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord]) -> None:
+                 shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord],
+                 hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = ()) -> None:
+        """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
+        the table names for it (those rows are never asked about); ``family``: the chain from the
+        family root on, shown to the root's owner (what its hot-prefix learner counts)."""
         self._access = access
         self._keys = keys
         self._pin = pin
         self._shards = shards
         self._local = local
         self._root_owners = root_owners
+        self._hot_pools = hot_pools
+        self._family = family
         self._missing: np.ndarray | None = None  # rows the local step did not find
+        self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
         self._where: Fanout[list[tuple[PoolKey, ...]] | None] | None = None
         self._remote: Acquire | None = None
         self._remote_rows: np.ndarray | None = None
@@ -66,23 +74,30 @@ class FamilyAcquire(Pending[ReadLease]):
 
     def _ask_where(self) -> None:
         lease = self._local.result()
-        self._missing = np.flatnonzero(~lease.locations.found())
+        missing = self._missing = np.flatnonzero(~lease.locations.found())
+        self._asked = missing[missing >= len(self._hot_pools)]
         owner = next((rec for rec in self._root_owners if not self._access.suspects.suspect(rec)), None)
-        if not len(self._missing) or owner is None:
+        if not len(self._asked) or owner is None:
+            self._pin_where(None)  # the hot rows, if any: their pools come with the table
             return
-        keys = [self._keys[i] for i in self._missing.tolist()]
-        posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys)
+        keys = [self._keys[i] for i in self._asked.tolist()]
+        posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys, self._family)
         self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
         lease.calls += 1
 
     def _pin_where(self, answer: list[tuple[PoolKey, ...]] | None) -> None:
-        """Look each missing key up on the pools the root's owner named that are still members."""
+        """Look each missing key up on the pools named for it (the hot-prefix table's, or the
+        root owner's answer) that are still members."""
         assert self._missing is not None
         self._remote_rows = np.zeros(0, dtype=np.int64)
-        if not answer:
+        named = {row: self._hot_pools[row] for row in self._missing.tolist() if row < len(self._hot_pools)}
+        if answer:
+            named.update(zip(self._asked.tolist(), answer))
+        if not named:
             return
         at = {rec.key: i for i, rec in enumerate(self._shards)}
-        candidates = _fewest_sources([[at[pool] for pool in map(tuple, pools) if pool in at] for pools in answer])
+        candidates = _fewest_sources([[at[pool] for pool in map(tuple, named.get(row, ())) if pool in at]
+                                      for row in self._missing.tolist()])
         rows = [i for i, found in enumerate(candidates) if found]
         if not rows:
             return

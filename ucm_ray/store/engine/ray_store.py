@@ -38,6 +38,7 @@ from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.suspects import Suspects
 from ucm_ray.store.engine.touches import TouchSender
+from ucm_ray.store.hot_prefixes import SCAN_BLOCKS
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.placement import writer_owners
 from ucm_ray.store.types import (
@@ -166,13 +167,22 @@ class RayBlockStore(BlockStore):
     def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:
         return [s.key for s in self._membership.shards], self._owner_indices(keys)
 
-    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = ()) -> Pending[ReadLease]:
+    def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
+                chain: int | None = None) -> Pending[ReadLease]:
         keys = list(keys)
         shards = self._membership.shards
         local = Acquire(self.access, keys, pin, shards, self._owner_indices(keys))
         if not self._families or not keys:
             return local
-        return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners(keys[:1])[0])
+        chain_keys = keys if chain is None else keys[:chain]
+        hot = self._membership.hot
+        hot_rows = hot.leading(chain_keys)
+        root = hot.root_position(chain_keys) if chain_keys else 0
+        return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners([keys[root]])[0],
+                             [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS])
+
+    def hot_prefix(self, chain: Sequence[bytes]) -> int:
+        return self._membership.hot.leading(chain) if self._families else 0
 
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         if self._families:

@@ -22,8 +22,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from ucm_ray.store.hot_prefixes import HotPrefixTable
 from ucm_ray.store.types import Membership, ShardRecord, random_id
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class ShardDirectory:
         self._changed = asyncio.Event()
         self._found: asyncio.Task | None = None
         self._served = {"membership": 0, "wait_for_change": 0}
+        self._hot = HotPrefixTable()
+        """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
         """Add (or replace) a shard; returns the new membership version."""
@@ -91,16 +94,24 @@ class ShardDirectory:
                 pass
         return self._snapshot()
 
+    async def add_hot_prefix(self, entries: dict[bytes, tuple[PoolKey, ...]]) -> int:
+        """A shard found these blocks shared by the many askers of a family root it owns: every
+        engine gets them with the next membership version (when anything changed)."""
+        await self._rediscovered()
+        if self._hot.add(entries):
+            self._bump(f"{len(entries)} hot-prefix block(s) ({len(self._hot)} in the table)")
+        return self._version
+
     async def ping(self) -> dict[str, Any]:
         await self._rediscovered()
         return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
-                "served": dict(self._served)}
+                "served": dict(self._served), "hot_blocks": len(self._hot)}
 
     # --- internals -----------------------------------------------------------------------
 
     def _snapshot(self) -> Membership:
         return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication,
-                          self._placement)
+                          self._placement, self._hot.snapshot())
 
     def _bump(self, why: str) -> None:
         self._version += 1

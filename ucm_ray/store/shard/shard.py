@@ -27,13 +27,14 @@ import torch
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
+from ucm_ray.store.hot_prefixes import HotPrefixLearner
 from ucm_ray.store.published_layout import index_path
 from ucm_ray.store.shard.disk import DiskStore
 from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.hints import FamilyHints
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
-from ucm_ray.store.types import GrantCommit, Slot, WrongIncarnation, grant_items, random_id
+from ucm_ray.store.types import DIRECTORY_NAME, GrantCommit, Slot, WrongIncarnation, grant_items, random_id
 from ucm_ray.testing.disk_crash import ops_from_env
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.reaper import PoolReaper
@@ -96,6 +97,8 @@ class CacheShard:
         # a table about as large as what one pool holds: rendezvous over family roots spreads
         # the fleet's hints over its shards as it spreads blocks (16 KiB: a small model's block)
         self._hints = FamilyHints(max(HINTS_MIN_KEYS, cfg.pool_bytes // HINT_BLOCK_BYTES))
+        self._hot = HotPrefixLearner(cfg.hot_prefix_asks)
+        self._namespace = cfg.ray_namespace
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
         self._stopped = threading.Event()
@@ -200,12 +203,34 @@ class CacheShard:
         with self._lock:
             self._hints.register((pool[0], pool[1]), keys)
 
-    def where(self, incarnation: int, keys: Sequence[Key]) -> list[tuple[tuple[str, int], ...]]:
+    def where(self, incarnation: int, keys: Sequence[Key],
+              family: Sequence[Key] = ()) -> list[tuple[tuple[str, int], ...]]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
-        (most recent first; a reader pins it there, and a stale hint is a miss there)."""
+        (most recent first; a reader pins it there, and a stale hint is a miss there).
+        ``family``: the asker's chain from the root on, what the hot-prefix learner counts."""
         self._check(incarnation)
         with self._lock:
-            return self._hints.where(keys)
+            answer = self._hints.where(keys)
+            hot = self._hot.observe(family)
+            if hot:
+                self._announce_hot(hot)
+        return answer
+
+    def _announce_hot(self, hot: list[Key]) -> None:
+        """Hands the directory the blocks that became hot, with the pools the hints name for them
+        (up to the first block no pool is known for: the table is a prefix); posted, not awaited."""
+        entries: dict[Key, tuple[tuple[str, int], ...]] = {}
+        for key, pools in zip(hot, self._hints.peek(hot)):
+            if not pools:
+                break
+            entries[key] = pools
+        if not entries:
+            return
+        try:
+            ray.get_actor(DIRECTORY_NAME, namespace=self._namespace).add_hot_prefix.remote(entries)
+        except ValueError:  # no directory (a shard started alone): nobody to tell
+            return
+        log.info("shard %s: %d block(s) of a family root asked by many became a hot prefix", self._id, len(entries))
 
     def _check(self, incarnation: int) -> None:
         if incarnation != self._incarnation:
@@ -223,6 +248,7 @@ class CacheShard:
         with self._lock:
             figures: dict[str, Any] = asdict(self._index.stats())
             figures.update(self._hints.stats())
+            figures["hot_blocks_learned"] = self._hot.learned
         tier = self._tier
         if tier is not None:
             disk = {**asdict(tier.disk_stats()), **asdict(tier.stats)}

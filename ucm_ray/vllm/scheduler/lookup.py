@@ -207,7 +207,8 @@ class Lookups:
             attn_keys.append(per_group)
             state_keys.append(per_state)
             flat = [key for keys in per_group + per_state for key in keys]
-            futures.append(self._store.acquire(flat, self._pin_pools))
+            chain = len(per_group[0]) if per_group else None
+            futures.append(self._store.acquire(flat, self._pin_pools, chain))
         return Lookup(futures, attn_keys, state_keys, started=self._clock())
 
     def _lookup_cap(self, request: Request, full_tokens: int) -> int:

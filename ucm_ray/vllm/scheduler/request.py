@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,24 @@ from ucm_ray.vllm.stats import UcmRayStats
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+@dataclass(frozen=True)
+class Family:
+    """Where writer-local placement registers a request's blocks (``TrackedRequest.family``)."""
+
+    root: bytes
+    """The family root: the first block past the fleet's hot prefix (what readers ask about)."""
+    first: bytes
+    """The prompt's first block: the root its hot prefix's own blocks are registered under (its
+    owner learned them; its hints keep the hot-prefix table's pools current when it is announced
+    again)."""
+    hot: int
+    """Leading blocks of the first attention group in the hot prefix."""
+
+    def of(self, group_is_chain: bool, block: int) -> bytes:
+        """The root a block is registered under."""
+        return self.first if group_is_chain and block < self.hot else self.root
+
 
 STATE_SLOT_WAIT_S = 0.5
 """How long a hybrid model's request may wait for the slots of its first chunks' saves, asked for
@@ -161,6 +180,8 @@ class TrackedRequest:
     valid yet (a block whose load failed is not, until a step recomputes it)."""
     keys: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
     """(rank, attention group) -> the keys of the request's first blocks (``attn_keys``)."""
+    _families: dict[int, Family] = field(default_factory=dict)
+    """Rank -> the request's family root (``family``)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
     unexpected_until: int = 0  # ... and those below this were taken back (hits) or used by saves
     computed: int = 0  # vLLM's computed tokens at the last save plan
@@ -250,13 +271,30 @@ class TrackedRequest:
             return known[blocks.start:blocks.stop]
         return [known[i] for i in blocks]
 
-    def family(self, rank: int) -> bytes:
-        """The family root of the request's blocks on one rank: the key of its prompt's first
-        block, as its lookup asks for it first (``Lookups._post``)."""
-        geometry = self.geometry
-        if geometry.attn:
-            return self.attn_keys(rank, geometry.attn[0], range(1))[0]
-        return geometry.state_key(rank, self.request.block_hashes, geometry.states[0], geometry.lcm)
+    def family(self, rank: int, hot_prefix: Callable[[Sequence[bytes]], int]) -> Family:
+        """The family of the request's blocks on one rank: its root is the first block of its
+        prompt's chain (its first attention group's keys) past the fleet's hot prefix
+        (``hot_prefix``: the store's), as its lookup finds it (``Lookups._post``). Fixed at the
+        first ask: every block of a request is registered under one root, but for the hot
+        prefix's own blocks (``Family.of``). Keys are derived only as far as the hot prefix
+        reaches (a cold prompt's saves derive the rest as they go)."""
+        family = self._families.get(rank)
+        if family is None:
+            geometry = self.geometry
+            if geometry.attn:
+                group = geometry.attn[0]
+                blocks = max(self.hashed_tokens() // geometry.block_sizes[group], 1)
+                known = min(blocks, 16)
+                while (hot := hot_prefix(self.attn_keys(rank, group, range(known)))) == known < blocks:
+                    known = min(blocks, known * 4)
+                first = self.attn_keys(rank, group, range(1))[0]
+                family = Family(self.attn_keys(rank, group, range(hot, hot + 1))[0] if hot < blocks else first,
+                                first, hot if hot < blocks else 0)
+            else:
+                state = geometry.state_key(rank, self.request.block_hashes, geometry.states[0], geometry.lcm)
+                family = Family(state, state, 0)
+            self._families[rank] = family
+        return family
 
     def saved_tokens(self) -> int:
         """Tokens below which every attention group's blocks are saved or need no save."""

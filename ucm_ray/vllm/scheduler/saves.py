@@ -235,9 +235,10 @@ class SavePlanner:
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
                 blocks = list(dict.fromkeys(retry + list(range(first, full))))
-                family = tracked.family(rank)
+                family = tracked.family(rank, self._store.hot_prefix)
+                chain = g == self._geometry.attn[0]
                 for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
-                    wanted.append((rank, g, tracked.block_ids[g][i], key, family))
+                    wanted.append((rank, g, tracked.block_ids[g][i], key, family.of(chain, i)))
                     pending.append((g, rank, i))
             tracked.saved_blocks[g] = max(first, full)
         return wanted, pending
@@ -279,9 +280,10 @@ class SavePlanner:
             if pos > tracked.hashed_tokens() or pos <= tracked.last_state_pos:
                 continue
             for rank in range(len(geometry.namespaces)):
+                family = tracked.family(rank, self._store.hot_prefix).root
                 for g in geometry.states:
                     wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
-                                   geometry.state_key(rank, hashes, g, pos), tracked.family(rank)))
+                                   geometry.state_key(rank, hashes, g, pos), family))
             tracked.last_state_pos = pos
             tracked.state_positions.append(pos)
         if wanted:

@@ -1,0 +1,88 @@
+"""Hot prefixes (``store.hot_prefixes``): what a root's owner learns from its askers, the table the
+directory keeps and pushes, and where a prompt's family root falls under it."""
+
+from __future__ import annotations
+
+import pickle
+
+from ucm_ray.store.hot_prefixes import (
+    MAX_HOT_BLOCKS,
+    REANNOUNCE_S,
+    SCAN_BLOCKS,
+    SESSIONS,
+    WINDOW_S,
+    HotPrefixes,
+    HotPrefixLearner,
+    HotPrefixTable,
+)
+from ucm_ray.testing.clock import AdvancingClock
+
+POOL_A, POOL_B = ("shard-a", 1), ("shard-b", 2)
+
+
+def chain(tag: str, start: int, blocks: int) -> list[bytes]:
+    return [f"{tag}-{i}".encode() for i in range(start, start + blocks)]
+
+
+def chat(j: int, system: int = 8, turn: int = 5) -> list[bytes]:
+    return chain("system", 0, system) + chain(f"chat{j}", system, turn)
+
+
+def test_the_blocks_the_last_askers_share_become_hot_at_the_threshold_once():
+    learner = HotPrefixLearner(asks=6, clock=AdvancingClock())
+    answers = [learner.observe(chat(j)) for j in range(6)]
+    assert answers[:5] == [[]] * 5
+    assert answers[5] == chain("system", 0, 8)  # chats diverge after the system prompt
+    assert learner.learned == 8
+    assert [learner.observe(chat(j)) for j in range(6, 20)] == [[]] * 14  # announced: not again
+
+
+def test_a_root_asked_less_often_than_the_threshold_within_a_window_never_becomes_hot():
+    clock = AdvancingClock()
+    learner = HotPrefixLearner(asks=4, clock=clock)
+    for j in range(12):
+        assert learner.observe(chat(j)) == []
+        if j % 3 == 2:
+            clock.advance(WINDOW_S + 1)  # three asks per window
+
+
+def test_one_prompt_asked_again_and_again_is_hot_whole_and_the_scan_bounds_it():
+    learner = HotPrefixLearner(asks=SESSIONS, clock=AdvancingClock())
+    document = chain("doc", 0, SCAN_BLOCKS + 100)
+    hot = [learner.observe(document) for _ in range(SESSIONS)][-1]
+    assert hot == document[:SCAN_BLOCKS]
+
+
+def test_an_announced_root_is_counted_again_after_the_reannounce_time():
+    clock = AdvancingClock()
+    learner = HotPrefixLearner(asks=SESSIONS, clock=clock)
+    assert [learner.observe(chat(j)) for j in range(SESSIONS)][-1] == chain("system", 0, 8)
+    clock.advance(REANNOUNCE_S + 1)
+    assert [learner.observe(chat(j)) for j in range(SESSIONS)][-1] == chain("system", 0, 8)
+
+
+def test_zero_asks_never_learns():
+    learner = HotPrefixLearner(asks=0, clock=AdvancingClock())
+    assert all(learner.observe(chat(j)) == [] for j in range(50))
+
+
+def test_the_table_says_when_it_changed_and_forgets_the_oldest_past_its_bound():
+    table = HotPrefixTable(max_blocks=4)
+    assert table.add({b"a": [POOL_A], b"b": [POOL_A]})
+    assert not table.add({b"a": [POOL_A]})  # nothing new: no version for it
+    assert table.add({b"a": [POOL_B, POOL_A]})  # the pools moved
+    assert table.add({b"c": [POOL_A], b"d": [POOL_A], b"e": [POOL_A]})
+    snapshot = table.snapshot()
+    assert sorted(snapshot.pools) == [b"b", b"c", b"d", b"e"]  # "a" was refreshed first, still oldest
+    assert pickle.loads(pickle.dumps(snapshot)) == snapshot  # it travels in the membership
+    assert len(HotPrefixTable().snapshot()) == 0 and MAX_HOT_BLOCKS >= 1024
+
+
+def test_a_family_root_is_the_first_block_past_the_hot_prefix():
+    hot = HotPrefixes({key: (POOL_A,) for key in chain("system", 0, 8)})
+    assert hot.leading(chat(1)) == 8
+    assert hot.root_position(chat(1)) == 8
+    assert hot.root_position(chat(1)[:8]) == 0  # all hot: the first block, as before the table
+    assert hot.root_position(chain("other", 0, 5)) == 0
+    # only a leading run counts: a hot block after a cold one is not a prefix
+    assert hot.leading(chain("other", 0, 1) + chain("system", 1, 7)) == 0

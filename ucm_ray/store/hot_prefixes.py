@@ -1,0 +1,146 @@
+"""Hot prefixes: the fleet's table of blocks so widely shared that their family root is a hot spot.
+
+Under writer-local placement a prompt's lookup asks the owner of its family root, and its writer
+tells that owner where its blocks went. A system prompt that most requests start with gives most
+prompts the same root, so one shard would answer most of the fleet's lookups and keep most of its
+hints (docs/scaling.md: 341x the mean at 1,000 nodes in the simulation). The owner of a root that
+is asked often therefore learns what its askers share (``HotPrefixLearner``) and hands those
+blocks, with the pools its hints name for them, to the directory, which pushes the table to every
+engine with the membership (a new version: no polling). A prompt's leading blocks that are in the
+table are found in the pools the table names (no call); its family root moves to the first block
+after them, so the prompts under one system prompt spread their lookups and hints over the fleet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ucm_ray.transport.base import PoolKey
+
+SCAN_BLOCKS = 512
+"""Blocks past its root that a lookup shows the root's owner (8 KiB of keys): a hot prefix grows
+by at most this much per learning, and a longer one by a later root's learning."""
+MAX_HOT_BLOCKS = 4096
+"""The table's bound, oldest out: it travels with every membership push (~150 KiB at most)."""
+WINDOW_S = 10.0
+"""A root's asks are counted over this long."""
+SESSIONS = 4
+"""A root's most recent askers whose shared blocks become hot."""
+REANNOUNCE_S = 300.0
+"""A root announced is counted again after this long: the table's pools are refreshed, and a
+restarted directory (whose table starts empty) relearns what is still hot."""
+
+
+@dataclass(frozen=True)
+class HotPrefixes:
+    """The table as engines hold it: hot block key -> the pools that held it when it became hot."""
+
+    pools: Mapping[bytes, tuple[PoolKey, ...]] = field(default_factory=dict)
+    """Read-only by convention (a plain dict: the membership is pickled to every engine)."""
+
+    def leading(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``' leading blocks are hot."""
+        pools = self.pools
+        count = 0
+        for key in keys:
+            if key not in pools:
+                break
+            count += 1
+        return count
+
+    def root_position(self, chain: Sequence[bytes]) -> int:
+        """Where a prompt's family root is in its block chain: the first block that is not hot
+        (the first block when all of them are: a prompt made only of a hot prefix registers where
+        it always did)."""
+        hot = self.leading(chain)
+        return hot if hot < len(chain) else 0
+
+    def __len__(self) -> int:
+        return len(self.pools)
+
+
+NO_HOT_PREFIXES = HotPrefixes()
+
+
+class HotPrefixLearner:
+    """At a root's owner: counts the lookups that ask it; once ``asks`` came within a window, the
+    blocks the last ``SESSIONS`` askers share from the root on are hot (``shared_prefix``) (a root announced is not
+    counted again for ``REANNOUNCE_S``)."""
+
+    def __init__(self, asks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._asks = asks
+        self._clock = clock
+        self._window_start = clock()
+        self._counts: dict[bytes, int] = {}
+        self._recent: dict[bytes, deque[tuple[bytes, ...]]] = {}
+        self._announced: OrderedDict[bytes, float] = OrderedDict()
+        self.learned = 0
+
+    def observe(self, family: Sequence[bytes]) -> list[bytes]:
+        """A lookup asked about ``family`` (its root first, at most ``SCAN_BLOCKS`` blocks): the
+        blocks that became hot with it, in chain order (usually none)."""
+        if not self._asks or not family:
+            return []
+        now = self._clock()
+        if now - self._window_start > WINDOW_S:
+            self._window_start, self._counts, self._recent = now, {}, {}
+        root = family[0]
+        if now - self._announced.get(root, -REANNOUNCE_S) < REANNOUNCE_S:
+            return []
+        count = self._counts[root] = self._counts.get(root, 0) + 1
+        recent = self._recent.setdefault(root, deque(maxlen=SESSIONS))
+        recent.append(tuple(family[:SCAN_BLOCKS]))
+        if count < self._asks or len(recent) < SESSIONS:
+            return []
+        hot = shared_prefix(recent)
+        if not hot:
+            return []
+        self._announced[root] = now
+        self._announced.move_to_end(root)
+        while len(self._announced) > MAX_HOT_BLOCKS:
+            self._announced.popitem(last=False)
+        del self._counts[root], self._recent[root]
+        self.learned += len(hot)
+        return hot
+
+
+def shared_prefix(families: Sequence[Sequence[bytes]]) -> list[bytes]:
+    """What several askers of one root share: the blocks up to where they part, or the whole of
+    one prompt they all asked. Nothing when they part nowhere but their lengths differ: one chat
+    whose turns each extend the last is one user's history, not something many share (made hot,
+    each turn's family root would move past the last, and the blocks registered under the old
+    root would be lost to other nodes' readers)."""
+    shortest = min(len(family) for family in families)
+    shared = next((at for at in range(shortest) if len({family[at] for family in families}) > 1), shortest)
+    if shared == shortest and any(len(family) != shortest for family in families):
+        return []
+    return list(families[0][:shared])
+
+
+class HotPrefixTable:
+    """The directory's copy: bounded, oldest out; ``add`` says whether anything changed (then the
+    membership's version moves and every engine gets the new table)."""
+
+    def __init__(self, max_blocks: int = MAX_HOT_BLOCKS) -> None:
+        self._max_blocks = max_blocks
+        self._pools: OrderedDict[bytes, tuple[PoolKey, ...]] = OrderedDict()
+
+    def add(self, entries: Mapping[bytes, Sequence[PoolKey]]) -> bool:
+        changed = False
+        for key, pools in entries.items():
+            listed: tuple[PoolKey, ...] = tuple((pool[0], pool[1]) for pool in pools)
+            if self._pools.get(key) != listed:
+                self._pools[key] = listed
+                changed = True
+        while len(self._pools) > self._max_blocks:
+            self._pools.popitem(last=False)
+        return changed
+
+    def snapshot(self) -> HotPrefixes:
+        return HotPrefixes(dict(self._pools)) if self._pools else NO_HOT_PREFIXES
+
+    def __len__(self) -> int:
+        return len(self._pools)
