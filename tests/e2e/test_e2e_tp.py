@@ -183,7 +183,7 @@ def test_tp2_ranks_store_their_own_heads_and_hit_together(shared, tiny, prompts,
     ref = run_engine(tmp_path, "ref", tiny, None, TP2, prompts, kv_of=0)
     # One TP=2 engine at a time: two would put two ranks on each core, and their all-reduce
     # spin-waits then crawl (an engine did not start in 5 minutes). B is A's interpreter again
-    # once A's own prefix cache is emptied: one TP=2 start fewer (~35 s of CI).
+    # once A's own prefix cache is emptied: one TP=2 start fewer.
     ab = EngineRun(tmp_path, "ab", tiny, connector(shared), TP2, prompts, keys_of=(0, 1), then=prompts)
     try:
         a = ab.result()

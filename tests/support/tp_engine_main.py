@@ -12,7 +12,7 @@ tokens with logprobs), ``keys_of`` (indices of prompts whose store keys to repor
 ``kv_of`` (a prompt index and layers whose cached KV to write, per rank, to OUT_DIR/kv.pt).
 With ``then`` (a list of prompts), the engine then waits for a line on stdin, empties its own
 prefix cache (as a fresh engine's) and serves those too: a second ``RESULT`` line, its counters
-the changes since the first. One TP=2 start instead of two (~35 s of CI on a 2-core host).
+the changes since the first. One TP=2 start instead of two.
 """
 
 from __future__ import annotations
