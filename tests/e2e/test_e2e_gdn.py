@@ -138,7 +138,7 @@ def _engine_pair(gdn, shared, prompts, ref, engine_kw, first):
     """Engine A serves the ``first`` prompts (outputs checked against ``ref``); returns vLLM's
     kv-cache groups and hash block size, A's output and counter changes per prompt, and engine B:
     A's engine with its own prefix cache (blocks and states) emptied, as a fresh engine's, so its
-    hits can only come from the store. One engine start fewer per configuration (~15 s of CI)."""
+    hits can only come from the store. One engine start fewer per configuration: CI's time."""
     kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60})
     a = EngineProcess.remote(gdn, kv, **engine_kw)
     runs = {}

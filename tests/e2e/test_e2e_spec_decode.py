@@ -198,7 +198,7 @@ def engine_n(tiny, shared, prompts, start):
 @pytest.fixture(scope="module")
 def engines_a(tiny, shared, start):
     """Per k, the engine with the connector and that speculation (one start per configuration:
-    ~15 s of CI each on a 2-core host)."""
+    engine starts are most of CI's e2e time)."""
     engines = {k: start(tiny, connector(shared), k) for k in KS}  # they load side by side
     yield engines
     for a in engines.values():

@@ -181,8 +181,8 @@ def stored_layers(client: StoreClient, keys: list[bytes], heads: int) -> list[to
 def test_tp2_ranks_store_their_own_heads_and_hit_together(shared, tiny, prompts, tmp_path):
     p1, p2 = prompts
     ref = run_engine(tmp_path, "ref", tiny, None, TP2, prompts, kv_of=0)
-    # One TP=2 engine at a time: two would put two ranks on each core, and their all-reduce
-    # spin-waits then crawl (an engine did not start in 5 minutes). B is A's interpreter again
+    # One TP=2 engine at a time: two would put two ranks on each core (tried on a loaded host:
+    # neither started within 5 minutes). B is A's interpreter again
     # once A's own prefix cache is emptied: one TP=2 start fewer.
     ab = EngineRun(tmp_path, "ab", tiny, connector(shared), TP2, prompts, keys_of=(0, 1), then=prompts)
     try:

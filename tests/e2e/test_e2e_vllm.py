@@ -3,8 +3,8 @@
 The engines with the default connector are two processes kept for the whole module (``pair``):
 each use of one as a fresh engine first empties vLLM's own prefix cache, so a hit can only come
 from the store, and counters are read as changes over that use. The non-layerwise case's one
-engine is its A and B the same way. Each engine start costs ~15 s of CI on a 2-core host; this
-module started 15 engines before, 8 now.
+engine is its A and B the same way: engine starts are most of CI's e2e time, and this module
+started 15 before, 8 now.
 """
 
 from __future__ import annotations

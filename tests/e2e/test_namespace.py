@@ -61,7 +61,7 @@ def test_same_weights_from_two_paths_share_only_through_model_id(shared, two_cop
     first, second = two_copies
     p = synthetic_prompt(first, PREFIX + 40, seed=41)
     r = synthetic_prompt(first, PREFIX + 40, seed=42)
-    # Each engine starts at once (their start-ups overlap: ~15 s each on a 2-core host) and
+    # Each engine starts at once (their start-ups overlap) and
     # serves in its turn, on a cache of its own that is still empty.
     ref = EngineProcess.remote(first, None)
     cold_a, other_b = EngineProcess.remote(first, connector(shared)), EngineProcess.remote(second, connector(shared))
