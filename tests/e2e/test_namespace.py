@@ -46,12 +46,11 @@ def connector(cfg, **kw):
     return kv_transfer({"ray_namespace": cfg.ray_namespace, "lookup_timeout_s": 60, **kw})
 
 
-def serve(model: str, kv, prompts: list[list[int]]) -> tuple[list[dict], dict]:
-    """Serve ``prompts`` in order on a fresh engine; its outputs and scheduler counters."""
-    engine = EngineProcess.remote(model, kv)
+def serve(engine, prompts: list[list[int]], with_connector: bool = True) -> tuple[list[dict], dict]:
+    """Serve ``prompts`` in order on a fresh engine, then end it; its outputs and scheduler counters."""
     try:
         outs = [ray.get(engine.generate.remote(p, 8, True)) for p in prompts]
-        totals = ray.get(engine.connector_totals.remote())["scheduler"] if kv is not None else {}
+        totals = ray.get(engine.connector_totals.remote())["scheduler"] if with_connector else {}
     finally:
         ray.kill(engine)
     return outs, totals
@@ -62,18 +61,23 @@ def test_same_weights_from_two_paths_share_only_through_model_id(shared, two_cop
     first, second = two_copies
     p = synthetic_prompt(first, PREFIX + 40, seed=41)
     r = synthetic_prompt(first, PREFIX + 40, seed=42)
-    (ref_p, ref_r), _ = serve(first, None, [p, r])
+    # Each engine starts at once (their start-ups overlap) and
+    # serves in its turn, on a cache of its own that is still empty.
+    ref = EngineProcess.remote(first, None)
+    cold_a, other_b = EngineProcess.remote(first, connector(shared)), EngineProcess.remote(second, connector(shared))
+    (ref_p, ref_r), _ = serve(ref, [p, r], with_connector=False)
+    same_id = [EngineProcess.remote(path, connector(shared, model_id="org/tiny")) for path in (first, second)]
 
     # Without model_id: the same weights under another path are another model.
-    (cold,), _ = serve(first, connector(shared), [r])
-    (other_path,), totals = serve(second, connector(shared), [r])
+    (cold,), _ = serve(cold_a, [r])
+    (other_path,), totals = serve(other_b, [r])
     assert cold["cached"] == other_path["cached"] == 0 and totals.get("hit_tokens", 0) == 0
     assert other_path["tokens"] == ref_r["tokens"] and other_path["logprobs"] == ref_r["logprobs"]
 
     # With the same model_id on both: B loads what A computed.
-    (cold,), _ = serve(first, connector(shared, model_id="org/tiny"), [p[:PREFIX]])
+    (cold,), _ = serve(same_id[0], [p[:PREFIX]])
     assert cold["cached"] == 0
-    (warm,), totals = serve(second, connector(shared, model_id="org/tiny"), [p])
+    (warm,), totals = serve(same_id[1], [p])
     assert warm["cached"] == PREFIX and totals["hit_tokens"] == PREFIX
     assert warm["tokens"] == ref_p["tokens"]
     # The 40-token tail runs in another batch shape than the reference's one prefill: logprobs
