@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.scale.cluster import Cluster
-from benchmarks.scale.metrics import DesignStats, RequestTally
+from benchmarks.scale.metrics import INDEX_ENTRY_BYTES, DesignStats, RequestTally
 from benchmarks.scale.workload import Request
 from ucm_ray.store.hot_prefixes import shared_prefix
 
@@ -78,6 +78,14 @@ class Design(ABC):
     def roll_window(self) -> None:
         """A learning window ended; only designs that learn what is hot care."""
         return None
+
+    def _broadcast(self, sender: int, tally: RequestTally, entries: int) -> None:
+        """A change to a table every node holds: one message to every other node."""
+        others = self.cluster.nodes - 1
+        self.stats.calls_received += 1
+        self.stats.calls_received[sender] -= 1
+        tally.index_msgs += others
+        tally.index_bytes += others * entries * INDEX_ENTRY_BYTES
 
     def run(self, requests: Sequence[Request], progress: int = 0) -> None:
         for served, req in enumerate(requests, 1):
@@ -392,14 +400,6 @@ class PrefixRooted(WriterDesign):
             for owner in index_owners:
                 self.stats.message(owner, tally, len(keys) - hot, node)
 
-    def _broadcast(self, sender: int, tally: RequestTally, entries: int) -> None:
-        """A change to the replicated table: one message to every other node."""
-        others = self.cluster.nodes - 1
-        self.stats.calls_received += 1
-        self.stats.calls_received[sender] -= 1
-        tally.index_msgs += others
-        tally.index_bytes += others * entries * 32
-
     def _learn(self, req: Request) -> None:
         """Count distinct sessions per leading block; at ``hot_sessions`` it joins the table."""
         scan = self.params.hot_scan_tokens // self.cluster.block_tokens
@@ -673,13 +673,6 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         self._learned = {}
         self._asked.clear()
         self._prefixes.clear()
-
-    def _broadcast(self, sender: int, tally: RequestTally, entries: int) -> None:
-        others = self.cluster.nodes - 1
-        self.stats.calls_received += 1
-        self.stats.calls_received[sender] -= 1
-        tally.index_msgs += others
-        tally.index_bytes += others * entries * 32
 
 
 class BuiltHotRootsCopy(BuiltHotRoots):
