@@ -205,11 +205,11 @@ def decode_rate(result: dict[str, Any]) -> float:
     return (len(result["tokens"]) - 1) / (result["seconds"] - ttft_of(result))
 
 
-def decode_prompts(model: str, prof: TtftProfile, per_size: int, batch: int, rounds: int
+def decode_prompts(model: str, prof: TtftProfile, per_size: int, batch: int, rounds: int, warmup_per_size: int = 1
                    ) -> tuple[dict[str, list[list[int]]], dict[str, list[list[list[int]]]], list[list[int]]]:
     """(``per_size`` fresh prompts per size, in no cache nor the store; ``rounds`` batches of
-    ``batch`` prompts per size; an engine's warm-up prompts: a short one and one of each size,
-    since an engine's first prompt of a size ran slower than the next)."""
+    ``batch`` prompts per size; an engine's warm-up prompts: a short one and ``warmup_per_size``
+    of each size, since an engine's first prompts of a size ran slower than the next)."""
     from ucm_ray.tiny_model import synthetic_prompt
 
     sizes = list(prof.sizes.items())
@@ -218,8 +218,9 @@ def decode_prompts(model: str, prof: TtftProfile, per_size: int, batch: int, rou
     batched = {size: [[synthetic_prompt(model, n, seed=20000 + 1000 * j + 100 * r + i) for i in range(batch)]
                       for r in range(rounds)]
                for j, (size, n) in enumerate(sizes)} if batch else {}
-    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j)
-                                                          for j, (_, n) in enumerate(sizes)]
+    warmup = [synthetic_prompt(model, 64, seed=9999)] + [synthetic_prompt(model, n, seed=9000 + j + 100 * k)
+                                                          for j, (_, n) in enumerate(sizes)
+                                                          for k in range(warmup_per_size)]
     return fresh, batched, warmup
 
 

@@ -16,6 +16,8 @@ of ``--decode-batch`` fresh prompts per size served together, in turn
 (``decode_batch_overhead_<size>`` and its ``_noise`` and ``_null_connector`` beside it): a
 serving engine's decode, the prompts' saves running in its first steps. Prompts are 8 tokens
 past a block boundary so that A's repeat is a pure local hit (the store holds nothing beyond it).
+Every engine serves ``--cold-warmup`` cold prompts per size first, not counted (its first cold
+requests ran slower), and the cold medians come with their lowest and highest (``_min_ms``, ``_max_ms``).
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class TtftPrompts:
 
 
 def ttft_prompts(model: str, prof: TtftProfile, prompts_per_size: int, profiled: bool, decode_batch: int,
-                 decode_rounds: int) -> TtftPrompts:
+                 decode_rounds: int, decode_per_size: int = 6, cold_warmup: int = 3) -> TtftPrompts:
+    """``cold_warmup``: cold prompts per size every engine serves before it is measured (not
+    counted): an engine's first cold requests ran slower, and with 2 prompts per size the median
+    took them as the tier's cost (an H100 probe: 1.09 over 8 prompts, +1.2 ms over the last 5)."""
     from ucm_ray.tiny_model import synthetic_prompt
 
     sizes = list(prof.sizes.items())
@@ -82,8 +87,7 @@ def ttft_prompts(model: str, prof: TtftProfile, prompts_per_size: int, profiled:
             for j, (size, n) in enumerate(sizes)}
     under_profiler = {size: synthetic_prompt(model, n, seed=100 * (j + 1) + 99)
                       for j, (size, n) in enumerate(sizes)} if profiled else {}
-    # decode: more prompts than TTFT prompts (a decode's rate varies from one request to the next)
-    fresh, batched, warmup = decode_prompts(model, prof, 2 * prompts_per_size + 2, decode_batch, decode_rounds)
+    fresh, batched, warmup = decode_prompts(model, prof, decode_per_size, decode_batch, decode_rounds, cold_warmup)
     return TtftPrompts(ttft, under_profiler, fresh, batched, warmup)
 
 
@@ -165,8 +169,9 @@ class TtftRun:
             # the connector's scheduler hooks' host time (lookups, plans, results), per request
             self.res[f"a_scheduler_host_ms_per_cold_request_{s}"] = 1e3 * (
                 after.get("schedule_seconds", 0.0) - before.get("schedule_seconds", 0.0)) / len(ps)
-        log.info("A's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in served.cold.items()})
-        log.info("C's cold TTFTs: %s", {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in served.plain.items()})
+        for label, by_size in (("A", served.cold), ("C", served.plain), ("C2", served.plain2)):
+            log.info("%s's cold TTFTs (ms, in turn): %s", label,
+                     {s: [round(ttft_of(r) * 1e3, 1) for r in rs] for s, rs in by_size.items()})
 
     def decode_side_by_side(self, engines: dict[str, Any]) -> None:
         for s, ps in self.prompts.fresh.items():
@@ -252,6 +257,23 @@ def median_ttft(results: list[dict[str, Any]]) -> float:
     return statistics.median(ttft_of(r) for r in results)
 
 
+def ttft_spread(results: list[dict[str, Any]]) -> tuple[float, float]:
+    """(lowest, highest) TTFT in seconds: beside a median, whether a few slow requests moved it."""
+    times = [ttft_of(r) for r in results]
+    return min(times), max(times)
+
+
+def cold_spread_figures(served: Served, s: str) -> dict[str, Any]:
+    """The spread of one size's cold TTFTs on A, C and C2 (ms), printed beside their medians."""
+    res: dict[str, Any] = {}
+    for name, by_size in (("ttft_cold", served.cold), ("ttft_no_connector", served.plain),
+                          ("ttft_no_connector2", served.plain2)):
+        low, high = ttft_spread(by_size[s])
+        res[f"{name}_{s}_min_ms"], res[f"{name}_{s}_max_ms"] = low * 1e3, high * 1e3
+    res[f"ttft_cold_prompts_{s}"] = len(served.cold[s])
+    return res
+
+
 def size_figures(prof: TtftProfile, served: Served, s: str, prompts: int) -> dict[str, Any]:
     """One size's TTFT figures (medians over its prompts) and its single-request decode figures."""
     c, h, w, o, n = (median_ttft(rs[s]) for rs in (served.cold, served.local, served.warm, served.own, served.plain))
@@ -291,6 +313,7 @@ def ttft_figures(prof: TtftProfile, prompts: TtftPrompts, served: Served) -> dic
     res: dict[str, Any] = {}
     for s, ps in prompts.ttft.items():
         res.update(size_figures(prof, served, s, len(ps)))
+        res.update(cold_spread_figures(served, s))
     for s, by_engine in served.batch_decode.items():
         res.update(batch_figures(s, by_engine))
     res["decode_batch_tokens_identical"] = all(x["tokens"] == y["tokens"] for by_engine in served.batch_decode.values()
@@ -303,7 +326,8 @@ def ttft_figures(prof: TtftProfile, prompts: TtftPrompts, served: Served) -> dic
 
 def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: str | None,
          profile_dir: str | None = None, decode_tokens: int = 256, step_timing: bool = False,
-         decode_batch: int = 8, decode_rounds: int = 3) -> dict[str, Any]:
+         decode_batch: int = 8, decode_rounds: int = 3, decode_per_size: int = 6,
+         cold_warmup: int = 3) -> dict[str, Any]:
     """``profile_dir``: one more prompt per size, served cold by A and store-warm by B under
     torch's profiler (``ProfiledEngine``); traces go there, outside the medians.
     ``decode_tokens``: A and C also decode that many tokens of fresh prompts of each size (A's
@@ -311,14 +335,16 @@ def ttft(device: torch.device, quick: bool, prompts_per_size: int, model_dir: st
     ``decode_batch`` / ``decode_rounds``: at the end, B (the connector), C, C2 and N each
     decode ``decode_rounds`` batches of ``decode_batch`` fresh prompts of each size together,
     in turn (``decode_batch_overhead_<size>``): a serving engine's decode, where one request's
-    host noise weighs less than in a single request's rate.
+    host noise weighs less than in a single request's rate. ``decode_per_size``: prompts per
+    size decoded one at a time; ``cold_warmup``: see ``ttft_prompts``.
     ``step_timing``: then one cold request and one decode more per size, timed part by part
     (``timed_parts``), outside the medians."""
     prof = ttft_profile(device, quick)
     started = time.perf_counter()
     model = bench_model(prof, model_dir)
     log.info("model %s ready in %.1f s", model, time.perf_counter() - started)
-    prompts = ttft_prompts(model, prof, prompts_per_size, profile_dir is not None, decode_batch, decode_rounds)
+    prompts = ttft_prompts(model, prof, prompts_per_size, profile_dir is not None, decode_batch, decode_rounds,
+                           decode_per_size, cold_warmup)
     shards = 2
     cfg = UcmRayConfig(num_shards=shards, ray_namespace="ucm_ray_gpu_bench_ttft", transport="shm",
                        pool_bytes=int(prompts.tokens(decode_tokens) * prof.kv_bytes_per_token * 1.5) // shards

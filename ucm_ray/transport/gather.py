@@ -229,9 +229,7 @@ class GatherPlan:
             part_rows = ordered(part_of) if single else np.repeat(ordered(part_of), counts)
             group_first = _starts(ordered(group) if single else np.repeat(ordered(group), counts))
         # staging batches: rows of one part and one span, at most ``limit`` of them
-        batches = -(-np.diff(np.append(group_first, total)) // limit)
-        batch_first = np.repeat(group_first, batches) + limit * (
-            np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
+        batch_first = _batch_starts(group_first, total, limit)
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
         begins_batch: np.ndarray = np.zeros(total, dtype=bool)
         begins_batch[batch_first] = True
@@ -254,8 +252,7 @@ class GatherPlan:
         strip_bounds: list[int] = np.append(np.searchsorted(strip_at, batch_first), len(strip_at)).tolist()
         strip_rows = list(zip(starts[first].tolist(), strip_at.tolist(), widths[first].tolist(), pitches.tolist(),
                               heights.tolist()))
-        cuts = batch_first[1:].tolist()  # each batch's index rows, cut in one call per side
-        local_rows, pool_rows = torch.tensor_split(index[0], cuts), torch.tensor_split(index[1], cuts)
+        local_rows, pool_rows = _cut(index[0], batch_first), _cut(index[1], batch_first)
         self._parts: list[list[_Kernels | _Staged]] = [[] for _ in ends]
         for batch, (at, part, span) in enumerate(zip(batch_first.tolist(), part_rows[batch_first].tolist(),
                                                      span_rows[batch_first].tolist())):
@@ -300,6 +297,22 @@ class GatherPlan:
                 for strip in step.strips:
                     _copy(_packed(staging, strip), _strided(self._host, strip))
                 local.index_copy_(0, step.local_rows, staging)
+
+
+def _batch_starts(group_first: np.ndarray, total: int, limit: int) -> np.ndarray:
+    """Where each staging batch's rows begin: every group (starting at ``group_first``, the rows
+    ``total``) cut into batches of at most ``limit`` rows. One group that fits one batch (a
+    save of up to ``GATHER_BYTES``) is the usual case, taken without the arithmetic."""
+    if len(group_first) == 1 and total <= limit:
+        return group_first
+    batches = -(-np.diff(np.append(group_first, total)) // limit)
+    return np.repeat(group_first, batches) + limit * (
+        np.arange(int(batches.sum())) - np.repeat(np.cumsum(batches) - batches, batches))
+
+
+def _cut(rows: torch.Tensor, batch_first: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """``rows`` cut where each batch begins (one call per side; one batch: no cut)."""
+    return (rows,) if len(batch_first) <= 1 else torch.tensor_split(rows, batch_first[1:].tolist())
 
 
 def _starts(values: np.ndarray) -> np.ndarray:

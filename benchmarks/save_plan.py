@@ -1,0 +1,130 @@
+"""Host time the engine thread spends planning one save on a stream-ordered pool, on CPU.
+
+A batch decode step that posts a save spent 3.7-4.7 ms in ``Copier.post_by_pool`` on an H100
+(issue 43): the save's ranges, then the shm transport's ``prepare``, most of it a
+``GatherPlan``. This times the same planning with CPU tensors (the plan's numpy and index work,
+not the copies): a ~1B Llama's KV caches (16 layers, K and V, 16-token blocks of 8 heads x 64,
+bf16: 16 KiB segments), ``--requests`` x ``--blocks`` entries saved in adjacent pool slots, as
+``post_by_pool`` plans a save (every layer as one part, ranges entry by entry).
+
+``--baseline PATH`` times another checkout's code in the same run (each in its own process,
+rounds alternating) and prints ``save_plan_vs_baseline=<ratio>`` and ``prepare_vs_baseline``
+(this checkout's time over the baseline's: below 1 is cheaper).
+
+Run: ``python benchmarks/save_plan.py [--baseline /path/to/other/checkout]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("bench.save_plan")
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 16, 8, 64, 16
+ALIGN = 2 << 20
+
+
+def _aligned(*shape: int):
+    """A zeroed bf16 tensor starting on a 2 MiB boundary, as CUDA's allocator places vLLM's
+    per-layer KV caches (so the layers' buffers share one span, as on a GPU)."""
+    import numpy as np
+    import torch
+
+    nbytes = 2 * int(np.prod(shape))
+    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return torch.from_numpy(raw[skip: skip + nbytes]).view(torch.bfloat16).view(*shape)
+
+
+def time_plans(requests: int, blocks: int, repeat: int) -> dict[str, float]:
+    """Median ms of the save's ranges (``post_by_pool``'s part), and of the shm transport's
+    ``prepare`` on them (the range check and the gather plan), over ``repeat`` plans."""
+    import numpy as np
+    import torch
+
+    from ucm_ray.transport.gather import GatherPlan
+    from ucm_ray.vllm.layout import base_buffers, build_layouts
+    from ucm_ray.vllm.worker.plan import Batch, Entries, KvCaches
+
+    num_blocks = requests * blocks + 64
+    kv = {f"layer.{i}": _aligned(2, num_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM) for i in range(LAYERS)}
+    layouts = build_layouts(kv, [list(kv)], num_blocks)
+    buffers = tuple(base_buffers(kv))
+    at = {b.data_ptr(): i for i, b in enumerate(buffers)}
+    caches = KvCaches(layouts, np.asarray([layouts[0].entry_bytes]), np.ones(1, dtype=bool), buffers,
+                      {layer.name: at[layer.storage_address] for layer in layouts[0].layers}, torch.device("cpu"))
+    entry = layouts[0].entry_bytes
+    count = requests * blocks
+    pool = torch.zeros((count + 8) * entry, dtype=torch.uint8)
+    block_ids = np.random.default_rng(0).permutation(num_blocks)[:count].astype(np.int64)
+    entries = {("shard-0", 1): {0: Entries(block_ids, (np.arange(count, dtype=np.int64) + 3) * entry, [])}}
+    every = caches.every_layer()
+    ranges_s, plan_s = [], []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        ranges = caches.ranges(Batch(every, entries), by_entry=True)[("shard-0", 1)]
+        ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], [every])).tolist()
+        planned = time.perf_counter()
+        ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
+        plan = GatherPlan.build(pool, ranges, ends, host_pool=pool)
+        done = time.perf_counter()
+        assert plan is not None and plan.staged(0), "the save is not planned as on a GPU: staged DMA"
+        ranges_s.append(planned - started)
+        plan_s.append(done - planned)
+    return {"ranges_ms": 1e3 * statistics.median(ranges_s), "prepare_ms": 1e3 * statistics.median(plan_s),
+            "ranges": len(ranges.sizes)}
+
+
+def run_in(checkout: str, requests: int, blocks: int, repeat: int) -> dict[str, float]:
+    """``time_plans`` in a fresh process importing ``checkout``'s ``ucm_ray`` (this file run as
+    a script: its own directory first on the path, then only ``checkout``)."""
+    env = {**os.environ, "PYTHONPATH": checkout}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--requests", str(requests),
+                          "--blocks", str(blocks), "--repeat", str(repeat)],
+                         env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=16, help="entries saved per request")
+    ap.add_argument("--repeat", type=int, default=50, help="plans timed per process (the median is kept)")
+    ap.add_argument("--rounds", type=int, default=3, help="processes per checkout, alternating")
+    ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray is timed in the same run")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat)))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
+    got: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
+    for _ in range(args.rounds):
+        for name, path in checkouts.items():
+            got[name].append(run_in(path, args.requests, args.blocks, args.repeat))
+            log.info("%s: %s", name, got[name][-1])
+    figures: dict[str, float] = {}
+    for name, runs in got.items():
+        prefix = "save_plan" if name == "this" else "save_plan_baseline"
+        for key in ("ranges_ms", "prepare_ms"):
+            figures[f"{prefix}_{key}"] = statistics.median(r[key] for r in runs)
+        figures[f"{prefix}_ms"] = figures[f"{prefix}_ranges_ms"] + figures[f"{prefix}_prepare_ms"]
+    figures["save_plan_ranges"] = got["this"][0]["ranges"]
+    if args.baseline:
+        figures["save_plan_vs_baseline"] = figures["save_plan_ms"] / figures["save_plan_baseline_ms"]
+        figures["prepare_vs_baseline"] = figures["save_plan_prepare_ms"] / figures["save_plan_baseline_prepare_ms"]
+    for name, value in figures.items():
+        print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
+
+
+if __name__ == "__main__":
+    main()
