@@ -212,20 +212,24 @@ class CacheShard:
         with self._lock:
             answer = self._hints.where(keys)
             hot = self._hot.observe(family)
-            if hot:
-                self._announce_hot(hot)
+            entries = self._hot_entries(hot) if hot else {}
+        if entries:
+            self._announce_hot(entries)
         return answer
 
-    def _announce_hot(self, hot: list[Key]) -> None:
-        """Hands the directory the blocks that became hot, with the pools the hints name for them
-        (up to the first block no pool is known for: the table is a prefix); posted, not awaited."""
+    def _hot_entries(self, hot: list[Key]) -> dict[Key, tuple[tuple[str, int], ...]]:
+        """The blocks that became hot with the pools the hints name for them, up to the first
+        block no pool is known for (the table is a prefix)."""
         entries: dict[Key, tuple[tuple[str, int], ...]] = {}
         for key, pools in zip(hot, self._hints.peek(hot)):
             if not pools:
                 break
             entries[key] = pools
-        if not entries:
-            return
+        return entries
+
+    def _announce_hot(self, entries: dict[Key, tuple[tuple[str, int], ...]]) -> None:
+        """Hands them to the directory (posted, not awaited; outside the lock: finding the
+        directory is a call to Ray's control store)."""
         try:
             ray.get_actor(DIRECTORY_NAME, namespace=self._namespace).add_hot_prefix.remote(entries)
         except ValueError:  # no directory (a shard started alone): nobody to tell
