@@ -18,10 +18,8 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 import ray
@@ -76,86 +74,28 @@ def connector(cfg):
                         "ray_address": ray.get_runtime_context().gcs_address})
 
 
-class EngineRun:
-    """An engine in its own interpreter (``tests.support.tp_engine_main``) serving ``prompts`` in
-    order; ``result`` reads what it reports (outputs, counters per rank, per-rank store keys of
-    ``keys_of``, and the KV of prompt ``kv_of`` in its own cache, per rank, for PROBED_LAYERS).
-    With ``then``, ``go`` has it empty its own prefix cache and serve those prompts too: the next
-    ``result`` is that of a fresh engine of the same configuration."""
-
-    def __init__(self, tmp_path, name: str, model: str, kv, engine: dict, prompts: list[list[int]],
-                 keys_of: tuple[int, ...] = (), kv_of: int | None = None,
-                 then: list[list[int]] | None = None) -> None:
-        self.out_dir = tmp_path / name
-        self.out_dir.mkdir()
-        request = self.out_dir / "request.json"
-        request.write_text(json.dumps({"model": model, "kv": kv, "engine": engine, "prompts": prompts,
-                                       "keys_of": list(keys_of), "then": then,
-                                       "kv_of": None if kv_of is None else [kv_of, PROBED_LAYERS]}))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.log_path = self.out_dir / "engine.log"  # kept with pytest's tmp dirs
-        self.log = open(self.log_path, "w")
-        # A session of its own: its rank workers (which hold its stdout too) end with it
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.tp_engine_main", str(request),
-                                      str(self.out_dir)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, cwd=ROOT, start_new_session=True)
-        self.watchdog = threading.Timer(420, self.kill)  # a hung engine (A and B phases: 420 s)
-        self.watchdog.start()
-        self.results = 0
-
-    def result(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-                break
-            self.log.write(line)
-        else:
-            self.close()
-            raise AssertionError(f"engine {self.out_dir.name} exited {self.proc.returncode}:\n"
-                                 f"{self.log_path.read_text()[-3000:]}")
-        result["keys"] = {int(i): [[bytes.fromhex(k) for k in keys] for keys in ranks]
-                          for i, ranks in result["keys"].items()}
-        if self.results == 0 and (self.out_dir / "kv.pt").exists():  # written before the first result
-            result["kv"] = torch.load(self.out_dir / "kv.pt")
-        self.results += 1
-        return result
-
-    def go(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        """SIGKILL to the interpreter and its rank workers (its process group)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def close(self) -> int:
-        """Wait for the interpreter to end (its engine shut down); its exit code."""
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            return self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.proc.wait()
-        finally:
-            self.watchdog.cancel()
-            self.log.close()
-
-
 def run_engine(tmp_path, name: str, model: str, kv, engine: dict, prompts: list[list[int]],
                keys_of: tuple[int, ...] = (), kv_of: int | None = None) -> dict:
-    """One ``EngineRun`` to its end: its result."""
-    run = EngineRun(tmp_path, name, model, kv, engine, prompts, keys_of, kv_of)
-    try:
-        result = run.result()
-    finally:
-        code = run.close()
-    assert code == 0, run.log_path.read_text()[-3000:]
+    """Start an engine in its own interpreter, serve ``prompts`` in order, return what it
+    reports (outputs, counters per rank, per-rank store keys of ``keys_of``, and the KV of
+    prompt ``kv_of`` in its own cache, per rank, for PROBED_LAYERS)."""
+    out_dir = tmp_path / name
+    out_dir.mkdir()
+    request = out_dir / "request.json"
+    request.write_text(json.dumps({"model": model, "kv": kv, "engine": engine, "prompts": prompts,
+                                   "keys_of": list(keys_of),
+                                   "kv_of": None if kv_of is None else [kv_of, PROBED_LAYERS]}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_engine_main", str(request), str(out_dir)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    (out_dir / "engine.log").write_text(proc.stdout + proc.stderr)  # kept with pytest's tmp dirs
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["keys"] = {int(i): [[bytes.fromhex(k) for k in keys] for keys in ranks]
+                      for i, ranks in result["keys"].items()}
+    if kv_of is not None:
+        result["kv"] = torch.load(out_dir / "kv.pt")
     return result
 
 
@@ -181,63 +121,55 @@ def stored_layers(client: StoreClient, keys: list[bytes], heads: int) -> list[to
 def test_tp2_ranks_store_their_own_heads_and_hit_together(shared, tiny, prompts, tmp_path):
     p1, p2 = prompts
     ref = run_engine(tmp_path, "ref", tiny, None, TP2, prompts, kv_of=0)
-    # One TP=2 engine at a time: two would put two ranks on each core (tried on a loaded host:
-    # neither started within 5 minutes). B is A's interpreter again
-    # once A's own prefix cache is emptied: one TP=2 start fewer.
-    ab = EngineRun(tmp_path, "ab", tiny, connector(shared), TP2, prompts, keys_of=(0, 1), then=prompts)
+
+    # A serves both prompts cold; each rank saves its 8 blocks of each prompt.
+    a = run_engine(tmp_path, "a", tiny, connector(shared), TP2, prompts, keys_of=(0, 1))
+    assert [o["cached"] for o in a["outputs"]] == [0, 0]
+    assert a["scheduler"].get("hit_tokens", 0) == 0
+    assert a["scheduler"]["saved_blocks"] == 2 * 2 * 8, a  # prompts x ranks x blocks
+    # Both ranks copied the same number of bytes: half the heads each, 8 layers x 16 blocks.
+    assert [r["saved_copy_bytes"] for r in a["ranks"]] == [16 * LAYERS * BLOCK * 2 * HEAD * 4] * 2
+    for out, expected in zip(a["outputs"], ref["outputs"]):
+        assert out["tokens"] == expected["tokens"] and out["logprobs"] == expected["logprobs"]
+
+    # Each rank has its own keys, and under them its own slice of the KV: exactly what the
+    # reference engine's rank holds for the same block, and not the other rank's.
+    keys1, keys2 = a["keys"][0], a["keys"][1]
+    assert not set(keys1[0]) & set(keys1[1]) and len(keys1[0]) == len(keys1[1]) == 8
+    client = StoreClient(dataclasses.replace(shared, **GENEROUS))
     try:
-        a = ab.result()
-        assert [o["cached"] for o in a["outputs"]] == [0, 0]
-        assert a["scheduler"].get("hit_tokens", 0) == 0
-        assert a["scheduler"]["saved_blocks"] == 2 * 2 * 8, a  # prompts x ranks x blocks
-        # Both ranks copied the same number of bytes: half the heads each, 8 layers x 16 blocks.
-        assert [r["saved_copy_bytes"] for r in a["ranks"]] == [16 * LAYERS * BLOCK * 2 * HEAD * 4] * 2
-        for out, expected in zip(a["outputs"], ref["outputs"]):
-            assert out["tokens"] == expected["tokens"] and out["logprobs"] == expected["logprobs"]
+        assert client.lookup(keys1[0] + keys1[1] + keys2[0] + keys2[1]) == [True] * 32
+        stored = [stored_layers(client, keys1[rank], heads=1) for rank in (0, 1)]
+        for rank in (0, 1):
+            for layer in PROBED_LAYERS:
+                for i in range(8):
+                    assert torch.equal(stored[rank][i][layer], ref["kv"][rank][layer][i]), (rank, layer, i)
+        assert all(not torch.equal(stored[0][i], stored[1][i]) for i in range(8))
 
-        # Each rank has its own keys, and under them its own slice of the KV: exactly what the
-        # reference engine's rank holds for the same block, and not the other rank's.
-        keys1, keys2 = a["keys"][0], a["keys"][1]
-        assert not set(keys1[0]) & set(keys1[1]) and len(keys1[0]) == len(keys1[1]) == 8
-        client = StoreClient(dataclasses.replace(shared, **GENEROUS))
-        try:
-            assert client.lookup(keys1[0] + keys1[1] + keys2[0] + keys2[1]) == [True] * 32
-            stored = [stored_layers(client, keys1[rank], heads=1) for rank in (0, 1)]
-            for rank in (0, 1):
-                for layer in PROBED_LAYERS:
-                    for i in range(8):
-                        assert torch.equal(stored[rank][i][layer], ref["kv"][rank][layer][i]), (rank, layer, i)
-            assert all(not torch.equal(stored[0][i], stored[1][i]) for i in range(8))
-
-            # Rank 1's entries of prompt 2 go; rank 0's stay.
-            assert remove_entries(client, keys2[1]) == 8
-            assert client.lookup(keys2[1]) == [False] * 8 and client.lookup(keys2[0]) == [True] * 8
-        finally:
-            client.close()
-
-        # B, a fresh TP=2 engine (A's, its own prefix cache emptied): prompt 1 loads from the store
-        # on both ranks; prompt 2 (one rank's blocks only) is a miss on both, not a half load.
-        ab.go()
-        b = ab.result()
-        recompute = policy.recompute_tokens(True)
-        assert policy.dense_external_hit(PREFIX + 40, 0, PREFIX, recompute) == PREFIX
-        assert [o["cached"] for o in b["outputs"]] == [PREFIX, 0], b
-        assert b["scheduler"]["hit_tokens"] == PREFIX
-        # prompt 1 on both ranks, prompt 2 on neither
-        assert [r["loaded_blocks"] for r in b["ranks"]] == [8, 8], b["ranks"]
-        assert all(r.get("load_failures", 0) == 0 for r in b["ranks"])
-        hit, miss = b["outputs"]
-        assert hit["tokens"] == ref["outputs"][0]["tokens"]
-        # The 40-token tail runs in another batch shape than the reference's one prefill: logprobs
-        # agree to fp32 rounding (measured 0 here with TP=2, ~1e-6 with TP=1; a wrong or missing
-        # shard of heads moves them by ~1e-2).
-        drift = logprob_drift(hit["logprobs"], ref["outputs"][0]["logprobs"])
-        log.info("TP=2 hit: logprobs drift %.3g from the TP=2 reference", drift)
-        assert drift < 1e-4, f"logprobs drift {drift}"
-        assert miss["tokens"] == ref["outputs"][1]["tokens"] and miss["logprobs"] == ref["outputs"][1]["logprobs"]
+        # Rank 1's entries of prompt 2 go; rank 0's stay.
+        assert remove_entries(client, keys2[1]) == 8
+        assert client.lookup(keys2[1]) == [False] * 8 and client.lookup(keys2[0]) == [True] * 8
     finally:
-        code = ab.close()
-    assert code == 0, ab.log_path.read_text()[-3000:]
+        client.close()
+
+    # B, a fresh TP=2 engine: prompt 1 loads from the store on both ranks; prompt 2 (one rank's
+    # blocks only) is a miss on both, not a half load.
+    b = run_engine(tmp_path, "b", tiny, connector(shared), TP2, prompts)
+    recompute = policy.recompute_tokens(True)
+    assert policy.dense_external_hit(PREFIX + 40, 0, PREFIX, recompute) == PREFIX
+    assert [o["cached"] for o in b["outputs"]] == [PREFIX, 0], b
+    assert b["scheduler"]["hit_tokens"] == PREFIX
+    assert [r["loaded_blocks"] for r in b["ranks"]] == [8, 8], b["ranks"]  # prompt 1 on both ranks, prompt 2 on neither
+    assert all(r.get("load_failures", 0) == 0 for r in b["ranks"])
+    hit, miss = b["outputs"]
+    assert hit["tokens"] == ref["outputs"][0]["tokens"]
+    # The 40-token tail runs in another batch shape than the reference's one prefill: logprobs
+    # agree to fp32 rounding (measured 0 here with TP=2, ~1e-6 with TP=1; a wrong or missing
+    # shard of heads moves them by ~1e-2).
+    drift = logprob_drift(hit["logprobs"], ref["outputs"][0]["logprobs"])
+    log.info("TP=2 hit: logprobs drift %.3g from the TP=2 reference", drift)
+    assert drift < 1e-4, f"logprobs drift {drift}"
+    assert miss["tokens"] == ref["outputs"][1]["tokens"] and miss["logprobs"] == ref["outputs"][1]["logprobs"]
 
     # A TP=1 engine on the same fleet: same tokens, another layout (all heads in one entry),
     # another namespace: never a hit. Its own KV of prompt 1 is the plain computation, and
