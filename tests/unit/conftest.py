@@ -5,6 +5,8 @@ silently: it belongs in ``tests/integration`` (Ray) or ``tests/e2e`` (real engin
 
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,12 @@ def store():
     local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20)
     yield local
     local.shutdown()
+
+
+@pytest.fixture
+def index_file():
+    """A path for a published index in /dev/shm (the disk-tier tests), removed afterwards."""
+    path = f"/dev/shm/ucmray-test-tier-index-{os.getpid()}-{random.randrange(1 << 30)}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)

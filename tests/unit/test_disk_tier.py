@@ -209,14 +209,6 @@ class PublishedShard(Shard):
         return ["hit" if g else ("miss" if k else "ask") for g, k in zip(found.generation, found.known)]
 
 
-@pytest.fixture
-def index_file():
-    path = f"/dev/shm/ucmray-test-tier-index-{os.getpid()}-{random.randrange(1 << 30)}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
-
-
 def digest_keys(monkeypatch) -> None:
     """Keys the published index lists (``key`` is looked up at call time by every helper)."""
     monkeypatch.setitem(globals(), "key", lambda i: hashlib.blake2b(b"%d" % i, digest_size=16).digest())
