@@ -39,6 +39,7 @@ COUNTERS = {
     "expired_leases": "Read pins that lapsed before their reader released them.",
     "expired_reservations": "Write grants that lapsed before their writer committed.",
     "hints_registered": "Keys writers registered here as committed in their node's pool (writer-local placement).",
+    "hints_adopted": "Keys handed over by another shard when a prefix of its family root became hot (new root here).",
     "hints_asked": "Keys readers on other nodes asked this shard where they are.",
     "hints_answered": "Of those, the keys it named a pool for.",
     "hot_blocks_learned": "Blocks this shard found shared by the many askers of a family root it owns (hot prefixes).",

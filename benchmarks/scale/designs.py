@@ -682,4 +682,47 @@ class BuiltHotRootsCopy(BuiltHotRoots):
     copy_hot = True
 
 
-DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy)
+class BuiltHotRootsHandover(BuiltHotRoots):
+    """(j) (h), and when a prefix becomes hot the old root's owner hands the hints of the families
+    it holds that extend past it to their new roots' owners (one message per new root owner):
+    a family registered before its prefix became hot is found by other nodes' readers as (f)
+    finds it. The owner knows each family's chain from its writer's own lookup (a cold prompt's
+    writer asks the root's owner before it writes, showing its chain), so what the model needs is
+    the chain of each registered block."""
+
+    name = "j hot prefixes + handover"
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self.chain_of: dict[bytes, tuple[list[bytes], int]] = {}
+        """Key -> its writer's prompt chain and its position there."""
+
+    def serve(self, req: Request) -> RequestTally:
+        tally = super().serve(req)
+        for position, key in enumerate(req.keys):
+            if key not in self.chain_of and key in self.hint_root:
+                self.chain_of[key] = (req.keys, position)
+        return tally
+
+    def roll_window(self) -> None:
+        before = len(self.table)
+        super().roll_window()
+        if len(self.table) == before:
+            return
+        moved: Counter[tuple[int, int]] = Counter()
+        primary = self.cluster.placement.primary
+        for key, (chain, position) in self.chain_of.items():
+            hot = self.hot_prefix(chain)
+            root = chain[0] if position < hot or hot == len(chain) else chain[hot]
+            old = self.hint_root[key]
+            if old != root:
+                self.hint_root[key] = self.root_of[key] = root
+                moved[int(primary([old])[0]), int(primary([root])[0])] += 1
+        tally = RequestTally()
+        for (sender, owner), count in moved.items():
+            self.stats.message(owner, tally, count, sender)
+        self.stats.index_msgs += tally.index_msgs
+        self.stats.index_bytes += tally.index_bytes
+
+
+DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy, BuiltHotRootsHandover)

@@ -5,7 +5,8 @@ writer's published index over NIXL (no pin, no call) and the bytes exact, valida
 index after the copy (an entry removed meanwhile is stale); a prompt that diverges mid-way gets
 its stored prefix; the writer's shard dying makes its blocks misses. ``per_block`` spreads the
 same saves over every node (what writer-local placement is for). A system prompt many chats
-start with becomes a hot prefix: its root's owner stops answering for them."""
+start with becomes a hot prefix: its root's owner stops answering for them, and hands the
+chats written before over to their new roots' owners."""
 
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ def test_a_system_prompt_many_chats_share_becomes_a_hot_prefix_and_its_root_stop
     # that owner learned what the askers shared: the system prompt, and every engine holds it
     assert result["learned"] == SYSTEM
     assert result["table"] == [SYSTEM] * 4  # the directory's table, then each client's
+    # the chats written before it became hot: their own blocks handed over to their new roots'
+    # owners, so another node's reader asking the new root finds a chat whole, in one call
+    assert result["adopted"] == ASKS * TURN
+    assert result["old_chat"] == {"found": SYSTEM + TURN, "got": SYSTEM + TURN, "exact": SYSTEM + TURN, "calls": 1}
     # a new chat registers its own blocks under its own root, the block after the system prompt
     assert result["written"] == SYSTEM + TURN
     assert sorted(result["hints_added"].values()) == [0, 0, TURN]

@@ -79,7 +79,8 @@ def hot_prefix_scenario() -> dict:
     """Chats that start with one system prompt, read from nodes other than their writer's: the
     system prompt's root owner, asked ``2 * ASKS`` times (the writer's ``put`` looks each chat up
     first: ``ASKS`` asks, then ``ASKS`` readers), hands what its askers shared to the table;
-    then a new chat registers and is found under the block after it, and the system prompt's
+    then a chat written before is found under its new root (its hints handed over), a new chat
+    registers and is found under the block after the system prompt, and the system prompt's
     blocks come from the table's pools without being asked about."""
     config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_hot", pool_bytes=32 << 20, shard_cpus=0,
                                                lookup_timeout_s=30, hot_prefix_asks=2 * ASKS), 1)
@@ -92,6 +93,10 @@ def hot_prefix_scenario() -> dict:
         directory = ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
         table = [_settled(lambda: ray.get(directory.ping.remote())["hot_blocks"], lambda blocks: blocks >= SYSTEM)]
         table += ray.get([c.hot_blocks.remote() for c in clients])
+        # the chats written before their system prompt became hot moved under their own roots
+        adopted = _settled(lambda: sum(s["hints_adopted"] for s in fleet_status(config)["shards"]),
+                           lambda count: count >= ASKS * TURN)
+        old_chat = ray.get(clients[0].read_keys.remote(chats[1], 9))
         before = _hints(config)
         written = ray.get(clients[1].write_keys.remote(chats[ASKS], 9))
         registered = _settled(lambda: _hints(config),
@@ -99,7 +104,7 @@ def hot_prefix_scenario() -> dict:
         found = ray.get(clients[2].read_keys.remote(chats[ASKS], 9))
         after = _hints(config)
         system_only = ray.get(clients[0].read_keys.remote(chats[0][:SYSTEM], 9))
-        return {"learning": learning, "table": table, "written": sum(written),
+        return {"learning": learning, "table": table, "adopted": adopted, "old_chat": old_chat, "written": sum(written),
                 "hints_added": {k: registered[k][0] - before[k][0] for k in before},
                 "asked": {k: after[k][1] - registered[k][1] for k in before},
                 "new_chat": found, "system_only": system_only,

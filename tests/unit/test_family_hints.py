@@ -39,3 +39,15 @@ def test_consecutive_keys_are_pinned_on_one_pool_where_they_can_be():
     # key 0 only on pool 1; keys 1-2 on pools 2 (most recent) and 1; key 3 only on 2
     assert _fewest_sources([[1], [2, 1], [2, 1], [2]]) == [[1], [1, 2], [1, 2], [2]]
     assert _fewest_sources([[], [3, 1], [1, 3]]) == [[], [3, 1], [3, 1]]
+
+
+def test_adopted_hints_keep_the_order_they_were_handed_over_in_and_merge_with_registered_ones():
+    giver, taker = FamilyHints(max_keys=100), FamilyHints(max_keys=100)
+    giver.register(A, [b"k1", b"k2"])
+    giver.register(B, [b"k1"])
+    handed = dict(zip([b"k1", b"k2"], giver.peek([b"k1", b"k2"])))
+    taker.register(C, [b"k2"])  # a writer registered k2 here first
+    taker.adopt(handed)
+    assert taker.where([b"k1", b"k2"]) == [(B, A), (A, C)]
+    assert (taker.adopted, taker.registered) == (2, 1)
+    assert taker.stats()["hints_adopted"] == 2

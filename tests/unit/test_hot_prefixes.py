@@ -7,10 +7,12 @@ import pickle
 
 from ucm_ray.store.hot_prefixes import (
     MAX_HOT_BLOCKS,
+    NO_HOT_PREFIXES,
     REANNOUNCE_S,
     SCAN_BLOCKS,
     SESSIONS,
     WINDOW_S,
+    FamilyRecords,
     HotPrefixes,
     HotPrefixLearner,
     HotPrefixTable,
@@ -86,3 +88,30 @@ def test_a_family_root_is_the_first_block_past_the_hot_prefix():
     assert hot.root_position(chain("other", 0, 5)) == 0
     # only a leading run counts: a hot block after a cold one is not a prefix
     assert hot.leading(chain("other", 0, 1) + chain("system", 1, 7)) == 0
+
+
+def test_a_handover_moves_each_recorded_family_past_the_hot_prefix_to_its_new_root():
+    records = FamilyRecords()
+    system = chain("system", 0, 8)
+    turn1 = chat(1)  # the system prompt, then chat 1's own 5 blocks
+    turn2 = turn1 + chain("chat1b", 13, 3)  # chat 1's next turn: the same new root
+    early = chain("system", 0, 4) + chain("early", 4, 6)  # parts from the system prompt at block 4
+    records.record(turn1, turn1)
+    records.record(turn2, turn2[10:])  # its writer found the first 10 blocks on its node: asked the rest
+    records.record(early, early + [b"state-of-early"])  # a hybrid's state key rides with its family
+    records.record(system, system)  # a prompt that is only the system prompt: stays where it is
+    records.record(chain("other", 0, 6), chain("other", 0, 6))  # another root's family
+    moved = records.handover(system)
+    assert moved == {turn1[8]: turn2[8:],  # both turns, each key once
+                     early[4]: early[4:] + [b"state-of-early"]}
+    assert NO_HOT_PREFIXES.root_position(turn2) == 0  # (before the table has them: the first block)
+    assert HotPrefixes(dict.fromkeys(system, (POOL_A,))).root_position(turn2) == 8  # the root readers ask
+
+
+def test_the_records_keep_the_most_recent_lookups_up_to_their_bound():
+    records = FamilyRecords(max_keys=20)
+    for j in range(5):
+        records.record(chat(j), chat(j))  # 13 keys each
+    assert len(records) == 13  # one record: the newest
+    assert list(records.handover(chain("system", 0, 8))) == [chat(4)[8]]
+    assert FamilyRecords().handover([]) == {}

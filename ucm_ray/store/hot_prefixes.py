@@ -29,6 +29,10 @@ WINDOW_S = 10.0
 """A root's asks are counted over this long."""
 SESSIONS = 4
 """A root's most recent askers whose shared blocks become hot."""
+RECORDED_KEYS = 1 << 17
+"""Keys of recent lookups a root's owner remembers for a handover (~9 MiB of key objects): a
+family whose writer's lookup aged out of them is a miss once for other nodes when its prefix
+becomes hot, as before handovers."""
 REANNOUNCE_S = 300.0
 """A root announced is counted again after this long: the table's pools are refreshed, and a
 restarted directory (whose table starts empty) relearns what is still hot."""
@@ -105,6 +109,47 @@ class HotPrefixLearner:
         del self._counts[root], self._recent[root]
         self.learned += len(hot)
         return hot
+
+
+class FamilyRecords:
+    """At a root's owner: the recent lookups it answered, as (the asker's chain from the root,
+    the keys asked). A cold prompt's writer looks it up before it writes, so these name every
+    recently written family's blocks with its chain; when a prefix of a root becomes hot they say
+    which root each family moves to (``handover``). Remembering is an append (the lookup's own
+    lists, kept), bounded by ``RECORDED_KEYS`` keys, oldest out."""
+
+    def __init__(self, max_keys: int = RECORDED_KEYS) -> None:
+        self._max_keys = max_keys
+        self._records: deque[tuple[Sequence[bytes], Sequence[bytes]]] = deque()
+        self._keys = 0
+
+    def record(self, family: Sequence[bytes], keys: Sequence[bytes]) -> None:
+        if not family or not keys:
+            return
+        self._records.append((family, keys))
+        self._keys += len(keys)
+        while self._keys > self._max_keys and len(self._records) > 1:
+            self._keys -= len(self._records.popleft()[1])
+
+    def handover(self, hot: Sequence[bytes]) -> dict[bytes, list[bytes]]:
+        """``hot`` (a root's leading blocks) became hot: per new family root, the keys recorded
+        for the families that now fall under it (each family's first block past the hot ones;
+        a family made only of hot blocks stays where it is)."""
+        if not hot:
+            return {}
+        hot_keys = set(hot)
+        moved: dict[bytes, dict[bytes, None]] = {}
+        for family, keys in self._records:
+            if family[0] != hot[0]:
+                continue
+            leading = next((at for at, key in enumerate(family) if key not in hot_keys), len(family))
+            if leading == len(family):
+                continue
+            moved.setdefault(family[leading], {}).update(dict.fromkeys(key for key in keys if key not in hot_keys))
+        return {root: list(keys) for root, keys in moved.items()}
+
+    def __len__(self) -> int:
+        return self._keys
 
 
 def shared_prefix(families: Sequence[Sequence[bytes]]) -> list[bytes]:

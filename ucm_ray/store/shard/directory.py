@@ -23,6 +23,7 @@ import ray
 from ray.actor import ActorHandle
 
 from ucm_ray.store.hot_prefixes import HotPrefixTable
+from ucm_ray.store.placement import owners as place
 from ucm_ray.store.types import Membership, ShardRecord, random_id
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
@@ -94,13 +95,33 @@ class ShardDirectory:
                 pass
         return self._snapshot()
 
-    async def add_hot_prefix(self, entries: dict[bytes, tuple[PoolKey, ...]]) -> int:
+    async def add_hot_prefix(self, entries: dict[bytes, tuple[PoolKey, ...]],
+                             handover: dict[bytes, dict[bytes, tuple[PoolKey, ...]]] | None = None) -> int:
         """A shard found these blocks shared by the many askers of a family root it owns: every
-        engine gets them with the next membership version (when anything changed)."""
+        engine gets them with the next membership version (when anything changed). ``handover``:
+        per new family root, the hints of the families written under the old one, passed on to
+        the new root's owners (posted: a lost one is a miss once, as without a handover)."""
         await self._rediscovered()
         if self._hot.add(entries):
             self._bump(f"{len(entries)} hot-prefix block(s) ({len(self._hot)} in the table)")
+        if handover:
+            self._hand_over(handover)
         return self._version
+
+    def _hand_over(self, handover: dict[bytes, dict[bytes, tuple[PoolKey, ...]]]) -> None:
+        """One ``adopt_hints`` per owner of the new roots (rendezvous over the membership engines
+        hold, as their hint posts and lookups place a root)."""
+        shards = self._snapshot().shards
+        if not shards:
+            return
+        roots = list(handover)
+        rows = place(roots, [s.shard_id for s in shards], self._replication or 1)
+        per_owner: dict[int, dict[bytes, tuple[PoolKey, ...]]] = {}
+        for root, row in zip(roots, rows.tolist()):
+            for owner in row:
+                per_owner.setdefault(owner, {}).update(handover[root])
+        for owner, hints in per_owner.items():
+            shards[owner].handle.adopt_hints.remote(shards[owner].pool.incarnation, hints)
 
     async def ping(self) -> dict[str, Any]:
         await self._rediscovered()

@@ -17,7 +17,7 @@ never wrong bytes; hints are therefore not removed when their block is evicted, 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ucm_ray.transport.base import PoolKey
 
@@ -32,18 +32,33 @@ class FamilyHints:
         self._max_keys = max_keys
         self._pools: OrderedDict[bytes, tuple[PoolKey, ...]] = OrderedDict()
         self.registered = 0
+        self.adopted = 0
         self.asked = 0
         self.answered = 0
 
     def register(self, pool: PoolKey, keys: Sequence[bytes]) -> None:
         """``pool`` now holds ``keys`` (committed there)."""
-        table = self._pools
         for key in keys:
-            known = table.pop(key, ())
-            table[key] = (tuple(p for p in known if p != pool) + (pool,))[-MAX_POOLS_PER_KEY:]
+            self._add(key, (pool,))
         self.registered += len(keys)
-        while len(table) > self._max_keys:
-            table.popitem(last=False)
+        self._bound()
+
+    def adopt(self, entries: Mapping[bytes, Sequence[PoolKey]]) -> None:
+        """Another root's owner handed these over (their family root moved here when a prefix
+        became hot): each key's pools, most recent first, as ``where`` gave them."""
+        for key, pools in entries.items():
+            self._add(key, tuple((pool[0], pool[1]) for pool in reversed(pools)))
+        self.adopted += len(entries)
+        self._bound()
+
+    def _add(self, key: bytes, pools: tuple[PoolKey, ...]) -> None:
+        """``pools`` (oldest first) now hold ``key``: the most recent last, the key the newest."""
+        known = self._pools.pop(key, ())
+        self._pools[key] = (tuple(p for p in known if p not in pools) + pools)[-MAX_POOLS_PER_KEY:]
+
+    def _bound(self) -> None:
+        while len(self._pools) > self._max_keys:
+            self._pools.popitem(last=False)
 
     def where(self, keys: Sequence[bytes]) -> list[tuple[PoolKey, ...]]:
         """Per key, the pools that said they hold it, most recent first (empty: none)."""
@@ -65,7 +80,8 @@ class FamilyHints:
         return [self._pools.get(key, ())[::-1] for key in keys]
 
     def stats(self) -> dict[str, int]:
-        return {"hints": len(self._pools), "hints_registered": self.registered, "hints_asked": self.asked,
+        return {"hints": len(self._pools), "hints_registered": self.registered, "hints_adopted": self.adopted,
+                "hints_asked": self.asked,
                 "hints_answered": self.answered}
 
     def __len__(self) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
-from ucm_ray.store.hot_prefixes import HotPrefixLearner
+from ucm_ray.store.hot_prefixes import FamilyRecords, HotPrefixLearner
 from ucm_ray.store.published_layout import index_path
 from ucm_ray.store.shard.disk import DiskStore
 from ucm_ray.store.shard.disk.tier import DiskTier
@@ -41,6 +41,9 @@ from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
+
+HintPools = tuple[tuple[str, int], ...]
+"""The pools a hint names for a key, most recent first."""
 
 HINTS_MIN_KEYS = 1 << 16
 HINT_BLOCK_BYTES = 16 << 10
@@ -98,6 +101,7 @@ class CacheShard:
         # the fleet's hints over its shards as it spreads blocks (16 KiB: a small model's block)
         self._hints = FamilyHints(max(HINTS_MIN_KEYS, cfg.pool_bytes // HINT_BLOCK_BYTES))
         self._hot = HotPrefixLearner(cfg.hot_prefix_asks)
+        self._records = FamilyRecords()
         self._namespace = cfg.ray_namespace
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
@@ -207,15 +211,25 @@ class CacheShard:
               family: Sequence[Key] = ()) -> list[tuple[tuple[str, int], ...]]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
         (most recent first; a reader pins it there, and a stale hint is a miss there).
-        ``family``: the asker's chain from the root on, what the hot-prefix learner counts."""
+        ``family``: the asker's chain from the root on, what the hot-prefix learner counts and
+        a handover reads (``FamilyRecords``)."""
         self._check(incarnation)
         with self._lock:
             answer = self._hints.where(keys)
+            self._records.record(family, keys)
             hot = self._hot.observe(family)
             entries = self._hot_entries(hot) if hot else {}
+            handover = self._handover(entries) if entries else {}
         if entries:
-            self._announce_hot(entries)
+            self._announce_hot(entries, handover)
         return answer
+
+    def adopt_hints(self, incarnation: int, entries: dict[Key, HintPools]) -> None:
+        """Hints handed over by the owner of an old family root (``_handover``), through the
+        directory: their families' root is now one this shard owns."""
+        self._check(incarnation)
+        with self._lock:
+            self._hints.adopt(entries)
 
     def _hot_entries(self, hot: list[Key]) -> dict[Key, tuple[tuple[str, int], ...]]:
         """The blocks that became hot with the pools the hints name for them, up to the first
@@ -227,14 +241,27 @@ class CacheShard:
             entries[key] = pools
         return entries
 
-    def _announce_hot(self, entries: dict[Key, tuple[tuple[str, int], ...]]) -> None:
-        """Hands them to the directory (posted, not awaited; outside the lock: finding the
-        directory is a call to Ray's control store)."""
+    def _handover(self, hot: dict[Key, HintPools]) -> dict[Key, dict[Key, HintPools]]:
+        """Per new family root, the hints of the recorded families that move under it now that
+        ``hot`` is a hot prefix (readers will ask the new root's owner: without them, a family
+        written before would be a miss for other nodes' readers once)."""
+        out: dict[Key, dict[Key, HintPools]] = {}
+        for root, keys in self._records.handover(list(hot)).items():
+            known = {key: pools for key, pools in zip(keys, self._hints.peek(keys)) if pools}
+            if known:
+                out[root] = known
+        return out
+
+    def _announce_hot(self, entries: dict[Key, HintPools], handover: dict[Key, dict[Key, HintPools]]) -> None:
+        """Hands them to the directory, which pushes the table and passes the handover on to
+        the new roots' owners (posted, not awaited; outside the lock: finding the directory is a
+        call to Ray's control store)."""
         try:
-            ray.get_actor(DIRECTORY_NAME, namespace=self._namespace).add_hot_prefix.remote(entries)
+            ray.get_actor(DIRECTORY_NAME, namespace=self._namespace).add_hot_prefix.remote(entries, handover)
         except ValueError:  # no directory (a shard started alone): nobody to tell
             return
-        log.info("shard %s: %d block(s) of a family root asked by many became a hot prefix", self._id, len(entries))
+        log.info("shard %s: %d block(s) of a family root asked by many became a hot prefix; hints handed over "
+                 "to %d new root(s)", self._id, len(entries), len(handover))
 
     def _check(self, incarnation: int) -> None:
         if incarnation != self._incarnation:
