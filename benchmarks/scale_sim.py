@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
     parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
     parser.add_argument("--segment-blocks", type=int, default=64)
+    parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
+                                                      "default all")
     parser.add_argument("--pressure", action="store_true",
                         help=f"pools full: {PRESSURE_FRACTION} of the distinct tokens, at least one longest "
                              "prompt per node, enough requests for that; 100 and 1,000 nodes, block 128, random")
@@ -136,12 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     results = []
     for spec in _configs(args):
-        result = run_config(spec, params, args.pool_fraction, args.min_pool_tokens, progress=True)
+        result = run_config(spec, params, args.pool_fraction, args.min_pool_tokens, progress=True,
+                            designs=args.designs)
         _print(result)
         results.append(result)
     _out(f"\nruntime {time.perf_counter() - started:.0f} s")
     largest = max(results, key=lambda result: (result.spec.nodes, -result.spec.block_size))
-    chosen = next(row for row in largest.rows if row.design == PICKED.name)
+    chosen = next((row for row in largest.rows if row.design == PICKED.name), None)
+    if chosen is None:
+        _out(f"(the built design, {PICKED.name}, was not run: no summary line)")
+        return
     _out(f"(largest run: block {largest.spec.block_size}, router {largest.spec.router})")
     _out(result_line(largest.spec.nodes, chosen))
 

@@ -711,8 +711,11 @@ class BuiltHotRootsHandover(BuiltHotRoots):
             return
         moved: Counter[tuple[int, int]] = Counter()
         primary = self.cluster.placement.primary
+        hot_of: dict[int, int] = {}  # per chain (a request's key list, shared by its keys)
         for key, (chain, position) in self.chain_of.items():
-            hot = self.hot_prefix(chain)
+            hot = hot_of.get(id(chain))
+            if hot is None:
+                hot = hot_of[id(chain)] = self.hot_prefix(chain)
             root = chain[0] if position < hot or hot == len(chain) else chain[hot]
             old = self.hint_root[key]
             if old != root:

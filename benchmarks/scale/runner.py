@@ -77,7 +77,9 @@ def _join(design: Design, cluster: Cluster, keys: list[bytes], anchors: list[byt
 
 
 def run_config(spec: WorkloadSpec, params: DesignParams, pool_fraction: float, min_pool_tokens: int,
-               progress: bool) -> ConfigResult:
+               progress: bool, designs: str = "") -> ConfigResult:
+    """``designs``: the letters of the designs to run ((a), the hit rate's baseline, always runs);
+    empty: all."""
     started = time.perf_counter()
     requests = Workload(spec).requests()
     unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
@@ -87,6 +89,8 @@ def run_config(spec: WorkloadSpec, params: DesignParams, pool_fraction: float, m
     evictions: dict[str, int] = {}
     baseline: float | None = None
     for design_class in DESIGNS:
+        if designs and design_class.name[0] not in designs + "a":
+            continue
         cluster = Cluster(spec.nodes, pool_tokens * BYTES_PER_TOKEN, spec.block_bytes, placement)
         design = design_class(cluster, replace(params, seed=spec.seed))
         design.run(requests, progress=max(len(requests) // 4, 1) if progress else 0)
