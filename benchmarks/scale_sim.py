@@ -19,7 +19,8 @@ plus a copy into the reader's pool when a second session loads a block from anot
 fleet's hot-prefix table (a root asked often hands what its askers share to a
 table every engine holds, and family roots move past it); (i) is (h) plus a local copy of a hot
 prefix read from another node; (j) is (h) with the handover (built): when a prefix becomes hot,
-the old root's owner hands the hints of the families written under it to their new roots' owners.
+the old root's owner hands the hints of the families written under it to their new roots' owners;
+(k) is (j) plus a copy in the reader's pool of a block its node loads from another node a second time.
 
 Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
 shards asked; same node 0); shards touched per request; MiB sent off the node per request by

@@ -628,9 +628,9 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
             tally.copy_bytes += len(copied) * self.cluster.block_bytes
             for key in copied:
                 self.locs.setdefault(key, []).append(req.node)
-        stored = self.save_local(req, keys[hit:])
+        stored = set(self.copy_loaded(req, tally, hit, sources) + self.save_local(req, keys[hit:]))
         per_owner: Counter[int] = Counter()
-        for position, key in enumerate(keys[hit:], hit):
+        for position, key in enumerate(keys):
             if key not in stored:
                 continue
             family = keys[0] if position < hot or root is None else root
@@ -728,4 +728,33 @@ class BuiltHotRootsHandover(BuiltHotRoots):
         self.stats.index_bytes += tally.index_bytes
 
 
-DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy, BuiltHotRootsHandover)
+class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
+    """(k) (j), and a node that loads a block from another node for the second time keeps a copy
+    in its own pool, registered as a write is (the connector saving a remote hit again after
+    loading it): a document many nodes read is served by at most two reads per node from its
+    writer, then from the copies (hints name the most recent first)."""
+
+    name = "k handover + copy 2nd read"
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self._read_remotely: set[tuple[int, bytes]] = set()
+
+    def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
+        again = []
+        for position in range(hit):
+            if sources[position] == req.node:
+                continue
+            seen = (req.node, req.keys[position])
+            if seen in self._read_remotely:
+                again.append(req.keys[position])
+            else:
+                self._read_remotely.add(seen)
+        if not again:
+            return []
+        stored = self.save_local(req, again)
+        tally.copy_bytes += len(stored) * self.cluster.block_bytes
+        return stored
+
+
+DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy, BuiltHotRootsHandover, HandoverCopyOnSecondRead)
