@@ -115,3 +115,6 @@ def test_the_records_keep_the_most_recent_lookups_up_to_their_bound():
     assert len(records) == 13  # one record: the newest
     assert list(records.handover(chain("system", 0, 8))) == [chat(4)[8]]
     assert FamilyRecords().handover([]) == {}
+    off = FamilyRecords(max_keys=0)  # hot prefixes off: nothing kept
+    off.record(chat(0), chat(0))
+    assert len(off) == 0

@@ -116,7 +116,8 @@ class FamilyRecords:
     the keys asked). A cold prompt's writer looks it up before it writes, so these name every
     recently written family's blocks with its chain; when a prefix of a root becomes hot they say
     which root each family moves to (``handover``). Remembering is an append (the lookup's own
-    lists, kept), bounded by ``RECORDED_KEYS`` keys, oldest out."""
+    lists, kept), bounded by ``max_keys`` keys, oldest out (0: nothing is kept, hot prefixes
+    being off)."""
 
     def __init__(self, max_keys: int = RECORDED_KEYS) -> None:
         self._max_keys = max_keys
@@ -124,7 +125,7 @@ class FamilyRecords:
         self._keys = 0
 
     def record(self, family: Sequence[bytes], keys: Sequence[bytes]) -> None:
-        if not family or not keys:
+        if not family or not keys or not self._max_keys:
             return
         self._records.append((family, keys))
         self._keys += len(keys)

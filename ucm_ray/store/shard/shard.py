@@ -27,7 +27,7 @@ import torch
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
-from ucm_ray.store.hot_prefixes import FamilyRecords, HotPrefixLearner
+from ucm_ray.store.hot_prefixes import RECORDED_KEYS, FamilyRecords, HotPrefixLearner
 from ucm_ray.store.published_layout import index_path
 from ucm_ray.store.shard.disk import DiskStore
 from ucm_ray.store.shard.disk.tier import DiskTier
@@ -101,7 +101,7 @@ class CacheShard:
         # the fleet's hints over its shards as it spreads blocks (16 KiB: a small model's block)
         self._hints = FamilyHints(max(HINTS_MIN_KEYS, cfg.pool_bytes // HINT_BLOCK_BYTES))
         self._hot = HotPrefixLearner(cfg.hot_prefix_asks)
-        self._records = FamilyRecords()
+        self._records = FamilyRecords(RECORDED_KEYS if cfg.hot_prefix_asks else 0)
         self._namespace = cfg.ray_namespace
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
