@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 import pytest
-from vllm.config import ParallelConfig, VllmConfig
+from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
 
 from tests.support import ROOT
 from ucm_ray.config import UcmRayConfig
@@ -328,9 +328,10 @@ def test_settings_where_vllm_recomputes_a_failed_load_inexactly_are_refused_at_s
     switch whenever it asks which runner runs and refuses to build a V2 config without Triton
     (this CPU box has none), so the switch is turned after the config is built, as vLLM 0.26
     picks V2 by itself on Hopper. (On the GPU: ``tests/gpu/test_full_cuda_graphs.py``.)"""
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    vllm_config = VllmConfig()
-    check_load_recovery_exact(vllm_config)  # vLLM's choices here: the V1 runner (no Triton), synchronous
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    vllm_config = VllmConfig(device_config=DeviceConfig("cpu"))
+    vllm_config.scheduler_config.async_scheduling = False
+    check_load_recovery_exact(vllm_config)  # the V1 runner, synchronous scheduling
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert vllm_config.use_v2_model_runner
     with pytest.raises(ValueError, match="V2 model runner.*wrong tokens; set VLLM_USE_V2_MODEL_RUNNER=0"):
