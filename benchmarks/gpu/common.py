@@ -26,6 +26,8 @@ from ucm_ray.config import UcmRayConfig
 log = logging.getLogger("bench.gpu")
 REPO = Path(__file__).resolve().parents[2]
 
+# vLLM's V1 model runner and synchronous scheduling, on every engine (with or without the connector),
+# as the serve builder sets them: the connector refuses the others (``compat.check_load_recovery_exact``).
 GPU_ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 
@@ -55,7 +57,7 @@ def ttft_profile(device: torch.device, quick: bool, shape: str = "1b") -> TtftPr
         # took longer than the measurement; a decode's speed does not depend on their values
         engine = dict(dtype="bfloat16", block_size=16, max_model_len=4096 + 512, enforce_eager=False,
                       compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}, gpu_memory_utilization=0.28,
-                      load_format="dummy")
+                      load_format="dummy", async_scheduling=False)
         return TtftProfile(LLAMA_8B, {"4k": 4096 + 8}, engine, GPU_ENGINE_ENV, 0.2, 32 * 2 * 8 * 128 * 2)
     if device.type == "cuda":
         # Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads, 8 KV heads of 64) with a small
@@ -64,7 +66,8 @@ def ttft_profile(device: torch.device, quick: bool, shape: str = "1b") -> TtftPr
                      vocab_size=2048, max_position_embeddings=32768, dtype="bfloat16")
         sizes = {"4k": 4096 + 8, "16k": 16384 + 8}
         engine = dict(dtype="bfloat16", block_size=16, max_model_len=16384 + 512, enforce_eager=False,
-                      compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}, gpu_memory_utilization=0.2)
+                      compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}, gpu_memory_utilization=0.2,
+                      async_scheduling=False)
         if quick:
             sizes = {"4k": 4096 + 8}
         return TtftProfile(model, sizes, engine, GPU_ENGINE_ENV, 0.2, 16 * 2 * 8 * 64 * 2)

@@ -4,7 +4,10 @@ The seed's reason to exist: a layerwise connector's hooks do not run when vLLM r
 CUDA graph, which it does for a step of 1 token. So a partial hit must leave ``2 + k`` tokens to
 compute (a PIECEWISE step, hooks run). These tests run the seed's cases across engine processes
 and compare every output with an engine without the connector, then force the recompute count
-to 1 (the counterfactual) and require the connector to catch the hook-less step.
+to 1 (the counterfactual) and require the connector to catch the hook-less step. The engines run
+vLLM's V1 model runner without asynchronous scheduling: the connector refuses vLLM 0.26's defaults
+on Hopper (the V2 runner, asynchronous scheduling), with which no failed load is recomputed
+exactly (the last test).
 """
 
 from __future__ import annotations
@@ -12,20 +15,20 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.support.vllm_recovery import xfail_where_recovery_is_known_inexact
 from ucm_ray import policy
 
 pytestmark = pytest.mark.gpu
 BLOCK = 16
 GRAPHS = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
-ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-       "RAY_AUTH_MODE": "disabled"}
+ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
+       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def engine(model: str, kv: dict | None, recompute: int | None = None, env: dict | None = None, **kwargs):
     from ucm_ray.testing.engines import ProbedEngine
 
     remote = ray.remote(num_gpus=0.2, runtime_env={"env_vars": {**ENV, **(env or {})}})(ProbedEngine)
+    kwargs = {"async_scheduling": False, **kwargs}
     return remote.remote(model, kv, recompute, dtype="bfloat16", block_size=BLOCK, max_model_len=4096,
                          enforce_eager=False, compilation_config=GRAPHS, gpu_memory_utilization=0.15, **kwargs)
 
@@ -81,14 +84,10 @@ def test_seed_rule_hits_and_outputs_equal_an_engine_without_the_connector(gpu_mo
     assert out["tokens"] == reference[n]
 
 
-@pytest.mark.parametrize("runner", ["0", "1"])
-def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(gpu_model, prompt, gpu_fleet, reference, stored,
-                                                                     runner, request):
+def test_recompute_one_is_caught_when_the_full_graph_skips_the_hooks(gpu_model, prompt, gpu_fleet, reference, stored):
     """Loads layer by layer (``load_at_once_ratio: 0``), as a hit beside many decodes in one
     step would: alone in its step the 1-token step would load at once (the next test)."""
-    b = engine(gpu_model, kv_config(gpu_fleet, load_at_once_ratio=0), recompute=1,
-               env={"VLLM_USE_V2_MODEL_RUNNER": runner}, async_scheduling=False)
-    xfail_where_recovery_is_known_inexact(request, b)  # [1] on vLLM 0.26: strict xfail
+    b = engine(gpu_model, kv_config(gpu_fleet, load_at_once_ratio=0), recompute=1)
     out = ray.get(b.generate.remote(prompt[:1024]))
     got = totals(b)
     ray.kill(b)
@@ -102,7 +101,7 @@ def test_a_one_token_step_alone_loads_its_hit_before_the_full_graph_replay(gpu_m
     """The same 1-token step with the default ``load_at_once_ratio``: it computes 1 token beside
     1023 loaded, so its loads are posted whole before the forward and the compute stream waits
     for them; the FULL graph that skips the layer hooks reads landed bytes. Nothing to catch."""
-    b = engine(gpu_model, kv_config(gpu_fleet), recompute=1, async_scheduling=False)
+    b = engine(gpu_model, kv_config(gpu_fleet), recompute=1)
     out = ray.get(b.generate.remote(prompt[:1024]))
     got = totals(b)
     ray.kill(b)
@@ -110,3 +109,18 @@ def test_a_one_token_step_alone_loads_its_hit_before_the_full_graph_replay(gpu_m
     assert out["cached"] == 1023  # vLLM's own count
     assert got.get("unwaited_layer_loads", 0) == 0 and got.get("load_failures", 0) == 0
     assert out["tokens"] == reference[1024]
+
+
+@pytest.mark.parametrize("setting, refused", [
+    ({"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}, "V2 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"),
+    ({"async_scheduling": True}, "asynchronous scheduling.*--no-async-scheduling"),
+], ids=["v2_runner", "async_scheduling"])
+def test_vllm_026s_defaults_on_hopper_are_refused_at_start_up(gpu_model, gpu_fleet, setting, refused):
+    """vLLM 0.26 picks its V2 model runner and asynchronous scheduling for this model on Hopper
+    unless told otherwise. With the V2 runner the recompute-one case above gave tokens [919 ...]
+    and [820 ...] (two runs), with V1 and asynchronous scheduling [1014, 1023 ...], against the
+    reference's [2038, 1014 ...] (H100, 2026-12-05): the connector refuses both, naming the switch
+    (``compat.check_load_recovery_exact``). The engine never serves."""
+    b = engine(gpu_model, kv_config(gpu_fleet), **setting)
+    with pytest.raises(ray.exceptions.RayActorError, match=refused):
+        ray.get(b.generate.remote([1, 2, 3]))

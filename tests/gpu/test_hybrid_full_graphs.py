@@ -36,7 +36,7 @@ MAX_TOKENS = 8
 LOGPROB_TOL = 0.01
 GRAPHS = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
 ENGINE_KW = dict(dtype="bfloat16", block_size=128, max_model_len=4096, mamba_cache_mode="align",
-                 enforce_eager=False, compilation_config=GRAPHS, gpu_memory_utilization=0.15)
+                 enforce_eager=False, compilation_config=GRAPHS, gpu_memory_utilization=0.15, async_scheduling=False)
 ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
        "RAY_AUTH_MODE": "disabled"}
 NO_FAILED_RECVING = ("this vLLM has no failed_recving (vLLM 0.26: compat.ASYNC_LOAD_FAILURES_REPORTABLE is "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.support.vllm_recovery import xfail_where_recovery_is_known_inexact
 from ucm_ray import policy
 
 pytestmark = pytest.mark.gpu
@@ -127,13 +126,11 @@ def test_speculation_keeps_two_plus_k_tokens_and_outputs_equal(prompts, referenc
     assert out["tokens"] == reference["P"]
 
 
-def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, engine_b, request):
+def test_one_plus_k_left_replays_a_full_graph_and_is_caught(prompts, reference, engine_b):
     """vLLM recomputes what the connector failed, so the tokens equal the reference's, as they do
-    without speculation (``test_full_cuda_graphs``, V1 runner); strict xfail only where the
-    recovery is known to be inexact (vLLM 0.26's V2 runner: ``tests.support.vllm_recovery``).
-    Once (H200, 2026-11-30) the V1 runner's tokens differed here too, and a later run passed: a
-    difference now fails, as the wrong output it is."""
-    xfail_where_recovery_is_known_inexact(request, engine_b)
+    without speculation (``test_full_cuda_graphs``, V1 runner). Once (H200, 2026-11-30) the V1
+    runner's tokens differed here, and a later run passed: a difference fails, as the wrong output
+    it is."""
     set_recompute(engine_b, 1 + K)  # the counterfactual: leaves 1 + k = 3 tokens, a uniform-decode step
     try:
         out, got = served(engine_b, prompts["Q"])

@@ -10,6 +10,8 @@ a ``tier:`` section (the ``UcmRayConfig`` keys, and ``shards_per_node``). It
 3. gives every engine the connector's ``kv_transfer_config`` (a user-given one must name
    this connector; its keys win over the tier's), and a fixed ``PYTHONHASHSEED`` unless
    the user set one (vLLM 0.26 otherwise seeds block hashes per process: nothing shared),
+   and, unless the user set them, vLLM's V1 model runner and synchronous scheduling (with
+   either of the others a failed load is not recomputed exactly; the connector refuses them),
 4. returns ``ray.serve.llm.build_openai_app`` of the result.
 """
 
@@ -111,7 +113,9 @@ def llm_config_dict(entry: Any, where: str) -> dict[str, Any]:
 
 
 def with_connector(entry: dict[str, Any], config: UcmRayConfig, label: str) -> dict[str, Any]:
-    """The engine config with this tier's connector, prefix caching on and a fixed hash seed."""
+    """The engine config with this tier's connector, prefix caching on, a fixed hash seed, and the
+    settings under which vLLM recomputes a failed load exactly (``compat.check_load_recovery_exact``)."""
+    from ucm_ray.vllm.compat import EXACT_RECOVERY_ENGINE_KWARGS, EXACT_RECOVERY_ENV  # vLLM: when built only
     model = (entry.get("model_loading_config") or {}).get("model_id", "?")
     where = f"{label} ({model}).engine_kwargs"
     engine_kwargs = dict(entry.get("engine_kwargs") or {})
@@ -119,8 +123,9 @@ def with_connector(entry: dict[str, Any], config: UcmRayConfig, label: str) -> d
     engine_kwargs.setdefault("enable_prefix_caching", True)
     if engine_kwargs["enable_prefix_caching"] is not True:
         raise ConfigError(f"{where}.enable_prefix_caching: the tier shares prefix-cached blocks; it must be true")
+    engine_kwargs = {**EXACT_RECOVERY_ENGINE_KWARGS, **engine_kwargs}
     runtime_env = dict(entry.get("runtime_env") or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars = {**EXACT_RECOVERY_ENV, **(runtime_env.get("env_vars") or {})}
     env_vars.setdefault("PYTHONHASHSEED", HASH_SEED)
     runtime_env["env_vars"] = env_vars
     return {**entry, "engine_kwargs": engine_kwargs, "runtime_env": runtime_env}

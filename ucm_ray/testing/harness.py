@@ -393,7 +393,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                  prefix_caching_hash_algo=hash_algo),
         scheduler_config=SchedulerConfig(max_model_len=MAX_LEN, is_encoder_decoder=False,
                                          max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
-                                         enable_chunked_prefill=True),
+                                         enable_chunked_prefill=True, async_scheduling=False),  # vLLM's Scheduler
         device_config=DeviceConfig("cpu"), speculative_config=spec,
         kv_transfer_config=KVTransferConfig(kv_connector="HarnessConnector",
                                             kv_connector_module_path="ucm_ray.testing.harness",
