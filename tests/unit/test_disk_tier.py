@@ -192,7 +192,7 @@ class PublishedShard(Shard):
     (the only keys that index lists)."""
 
     def __init__(self, root: str, pool_slots: int, disk_slots: int, index_file: str, **tier_args) -> None:
-        self.published = PublishedIndex(index_file, pool_slots * SLOT, 1)
+        self.published = PublishedIndex(index_file, pool_slots * SLOT, 1, disk_slots * SLOT)  # as the shard sizes it
         self.mapping = mmap.mmap(-1, pool_slots * SLOT)
         self.pool = torch.frombuffer(self.mapping, dtype=torch.uint8)
         self.index = BlockIndex(pool_slots * SLOT, lease_s=60, reserve_timeout_s=60, prefer_clean=True,
@@ -230,6 +230,21 @@ def test_a_key_evicted_to_disk_is_listed_as_ask_the_shard_and_promotion_makes_it
     s.tier.unpin(lease)
     assert out == [True, True] and s.lookup(0, 1) == ["hit", "hit"]
     assert torch.equal(s.read(0), payload(0)) and torch.equal(s.read(1), payload(1))
+
+
+def test_the_published_table_stays_complete_with_the_disk_holding_many_pools(tmp_path, index_file, monkeypatch):
+    """A table sized for the pool alone fills with the disk's keys and stops answering misses
+    (every lookup of an absent key then asks the shard); sized for pool and disk, it lists all."""
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 16, 2048, index_file, write_through=True)
+    written = 1000  # past a pool-sized table's load bound (512 of 1024 buckets)
+    for i in range(written):
+        s.write(i)
+        s.demote_all()
+    assert s.published.complete
+    answers = s.lookup(*range(written + 8))
+    assert answers[written:] == ["miss"] * 8  # absent: answered here, no call to the shard
+    assert answers[:written - 16].count("ask") == written - 16 and answers[written - 16:written] == ["hit"] * 16
 
 
 def test_what_the_disk_drops_is_unlisted_and_a_restart_lists_what_it_adopts(tmp_path, index_file, monkeypatch):

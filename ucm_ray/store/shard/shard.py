@@ -63,7 +63,8 @@ class CacheShard:
         self._lock = threading.Lock()
         self._tier: DiskTier | None = None
         try:
-            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation)
+            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation,
+                                             cfg.disk_bytes if cfg.disk_roots else 0)
             self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s, reserve_timeout_s=cfg.reserve_timeout_s,
                                      published=self._published, prefer_clean=bool(cfg.disk_roots))
             if cfg.disk_roots:
