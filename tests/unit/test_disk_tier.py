@@ -17,6 +17,7 @@ import torch
 
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.shard.disk import DiskStore, FileOps
+from ucm_ray.store.shard.disk import tier as tier_module
 from ucm_ray.store.shard.disk.store import READ_DEPTH, shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.index import BlockIndex
@@ -296,3 +297,43 @@ def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_fi
     assert s.tier.stats.promote_late == 8 - done
     assert all(torch.equal(s.read(i), payload(i)) for i in range(done))
     assert s.lookup(7) == ["ask"]  # still on disk: a later lookup may promote it
+
+
+def on_disk_only(s: Shard, count: int) -> None:
+    """Keys 0..count-1 on disk only (a pool of ``count`` slots, write-through, then as many more)."""
+    for i in range(count):
+        s.write(i)
+    s.demote_all()
+    for i in range(count, 2 * count):
+        s.write(i)
+    assert not any(s.in_pool(*range(count)))
+
+
+def test_a_disk_slower_than_recomputing_is_not_read_until_a_probe_is_due(tmp_path, monkeypatch):
+    s = Shard(str(tmp_path), 8, 64, write_through=True, recompute_bytes_s=1e12)  # no disk here reads 1 TB/s
+    on_disk_only(s, 8)
+    assert s.tier.promote([key(0)]) == [True]  # nothing measured yet: read, and measured
+    rate = s.tier.read_bytes_s
+    assert rate is not None and 0 < rate < 1e12
+    evictions = s.index.stats().evictions
+    assert s.tier.promote([key(i) for i in range(1, 5)]) == [False] * 4  # recomputing is faster
+    assert s.tier.stats.promote_skipped == 4 and s.tier.stats.promoted == 1
+    assert s.index.stats().evictions == evictions  # nothing reserved (nor evicted) for reads not made
+    monkeypatch.setattr(tier_module, "PROBE_S", 0.0)
+    monkeypatch.setattr(tier_module, "PROMOTE_CHUNK", 2)
+    assert s.tier.promote([key(i) for i in range(1, 5)]) == [True, True, False, False]  # a probe: one chunk
+
+
+def test_a_lookup_reads_only_what_the_measured_rate_reads_within_its_wait(tmp_path, index_file, monkeypatch):
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
+                       store_args={"ops": SlowReads(0.04)})
+    on_disk_only(s, 8)
+    assert s.tier.promote([key(0)]) == [True]  # measures the rate: about a 40 ms read per SLOT
+    rate = s.tier.read_bytes_s
+    assert rate is not None
+    fits = int(rate * 0.1) // SLOT
+    assert 1 <= fits < 7, rate
+    out = s.tier.promote([key(i) for i in range(1, 8)])
+    assert out == [True] * fits + [False] * (7 - fits)  # the head, in prompt order
+    assert s.tier.stats.promote_skipped == 7 - fits and s.tier.stats.promote_late == 0

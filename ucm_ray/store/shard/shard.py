@@ -72,7 +72,8 @@ class CacheShard:
                 self._tier = DiskTier(self._index, self._pool.tensor,
                                       DiskStore(cfg.disk_roots, shard_id, cfg.disk_bytes, ops=ops_from_env()),
                                       self._lock,
-                                      write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s)
+                                      write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s,
+                                      recompute_bytes_s=cfg.disk_recompute_bytes_s)
             if cfg.transport != "shm":
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 

@@ -16,6 +16,14 @@ Manifests are written on a clock, not per batch: at most one per ``CHECKPOINT_S`
 than a tenth of the demotion time (a manifest is rewritten whole, and listing 10x a pool of small
 entries costs tens of milliseconds). An entry marked clean before its manifest is safe: until a
 crash the store serves it, and a crash loses the pool's copy too, so it is lost, never wrong.
+
+Promotion is planned against a measured read rate (bytes per second of this tier's promotions, a
+moving average): keys are read only while reading is worth it. A tier that reads slower than the
+engines recompute (``recompute_bytes_s``, the prefill's KV bytes per second) reads nothing, the
+engine recomputes faster; otherwise only the head of a lookup's disk keys that the rate says is
+read within ``wait_s`` is reserved and read, so no clean entry is evicted for a read the bound
+would give up anyway. Both costs are linear in bytes, so "reading costs less than recomputing"
+is one comparison of rates; the keys cut are misses, recomputed (``promote_skipped``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,11 @@ CHECKPOINT_S = 1.0
 CHECKPOINT_SHARE = 10
 """A manifest is due ``CHECKPOINT_S`` after the last, or ``CHECKPOINT_SHARE`` times the last one's
 duration where that is longer (manifest writes take at most a tenth of the tier's time)."""
+RATE_WEIGHT = 0.3
+"""Weight of the newest chunk in the measured read rate: a few chunks follow a change of load."""
+PROBE_S = 10.0
+"""While the plan cuts keys, one chunk is still read this often: the rate is only measured by
+reading, and a rate measured under a burst of load must be able to recover."""
 
 
 @dataclass
@@ -51,16 +64,21 @@ class TierStats:
     """Keys asked to be promoted that the disk did not hold, or whose bytes failed their check."""
     promote_late: int = 0
     """Keys left unpromoted because the call had spent its ``wait_s`` (misses, recomputed)."""
+    promote_skipped: int = 0
+    """Keys not read because the measured rate said reading them costs more than recomputing, or
+    would not end within ``wait_s`` (misses, recomputed)."""
 
 
 class DiskTier:
     def __init__(self, index: BlockIndex, pool: torch.Tensor, store: DiskStore,
                  index_lock: AbstractContextManager, *, write_through: bool = False,
                  high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20,
-                 wait_s: float = 0.5) -> None:
+                 wait_s: float = 0.5, recompute_bytes_s: float = 0.0) -> None:
         """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
         shard's control calls. Watermarks are fractions of the pool's capacity. ``wait_s``: the
-        longest one ``promote`` reads from disk (the shard's calls wait behind it)."""
+        longest one ``promote`` reads from disk (the shard's calls wait behind it).
+        ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
+        measured slower is not read (0: always read)."""
         if not 0 <= low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
         self._index = index
@@ -75,6 +93,10 @@ class DiskTier:
         # (and at least one entry) keeps saves from finding the pool's cold end pinned.
         self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._wait_s = wait_s
+        self._recompute_bytes_s = recompute_bytes_s
+        self.read_bytes_s: float | None = None
+        """Measured: bytes per second of this tier's promotions (None until the first)."""
+        self._probed_at = time.monotonic()
         self._owner = random_id()
         self._checkpointed_at = time.monotonic()
         self._checkpoint_s = 0.0
@@ -207,7 +229,7 @@ class DiskTier:
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
-        todo = [i for i, found in enumerate(out) if not found]
+        todo = self._worth_reading(keys, [i for i, found in enumerate(out) if not found])
         for start in range(0, len(todo), PROMOTE_CHUNK):
             chunk = todo[start:start + PROMOTE_CHUNK]
             if time.monotonic() > deadline:
@@ -223,6 +245,38 @@ class DiskTier:
         if not self._store.enabled:  # a read failed: the disk is off from now on
             self._after_turned_off()
         return out, lease
+
+    def _worth_reading(self, keys: Sequence[Key], todo: list[int]) -> list[int]:
+        """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
+        docstring says: all of it until a rate is measured; none while the measured rate is below
+        ``recompute_bytes_s``; else what the rate reads within ``wait_s``. When that cuts keys and
+        ``PROBE_S`` has passed, one chunk is read regardless (the rate is measured again).
+        Sizes are dict probes without the disk lock (as ``on_disk``): a lookup never waits behind
+        a demotion batch to plan."""
+        rate = self.read_bytes_s
+        if rate is None or not todo:
+            return todo
+        keep = 0
+        if rate >= self._recompute_bytes_s:
+            budget = rate * self._wait_s
+            for i in todo:
+                budget -= self._store.size_of(keys[i]) or 0
+                if budget < 0:
+                    break
+                keep += 1
+        if keep < len(todo) and time.monotonic() - self._probed_at > PROBE_S:
+            keep = max(keep, min(len(todo), PROMOTE_CHUNK))
+            self._probed_at = time.monotonic()
+        self.stats.promote_skipped += len(todo) - keep
+        return todo[:keep]
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        """One chunk's reads: ``nbytes`` in ``seconds``, into the moving average."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        rate = self.read_bytes_s
+        self.read_bytes_s = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
 
     def _promote_chunk(self, keys: Sequence[Key], lease: int, deadline: float) -> list[bool | None]:
         """Read ``keys`` from disk into fresh pool slots, commit them and pin them under ``lease``:
@@ -242,8 +296,11 @@ class DiskTier:
                     break  # no room: the later keys would evict these
                 grants.append((i, token, offsets[0], size))
         with self._disk_lock:
+            started = time.monotonic()
             read = self._store.get_many([keys[i] for i, _, _, _ in grants],
                                         [self._pool[off:off + size] for _, _, off, size in grants], deadline)
+            self._measured(sum(size for (_, _, _, size), ok in zip(grants, read) if ok is not None),
+                           time.monotonic() - started)
             gone = self._store.take_gone()  # a failed check dropped it
         with self._lock:
             self._index.disk_dropped(gone)
