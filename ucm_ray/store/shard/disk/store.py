@@ -36,8 +36,8 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -276,10 +276,15 @@ class DiskStore:
         """``get`` of each key into its ``out``, up to ``READ_DEPTH`` reads in flight, head first;
         None for a key whose read had not started by ``deadline`` (``time.monotonic``). Threads
         do the reads and checksums only (both release the GIL); the store's state changes here."""
-        slots = [self._entries.get(k) if self.stats.enabled else None for k in keys]
-        for slot, out in zip(slots, outs):
-            if slot is not None and (out.dtype != torch.uint8 or out.numel() != slot.size or not out.is_contiguous()):
-                raise ValueError(f"out must be {slot.size} contiguous bytes, got {out.dtype} x {out.numel()}")
+        return self.start_many(keys, outs, deadline)()
+
+    def start_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
+                   deadline: float | None = None) -> Callable[[], list[bool | None]]:
+        """``get_many`` in two halves: the reads start now, and the call returned waits for them
+        and applies their outcome (``get_many``'s answer). Between the two the owner may do other
+        work but call nothing else of the store's (the tier commits the previous chunk of a
+        promotion meanwhile)."""
+        slots = self._slots_for(keys, outs)
 
         def read_one(i: int) -> bool | None | OSError:
             slot = slots[i]
@@ -292,13 +297,35 @@ class DiskStore:
             except OSError as e:
                 return e
 
-        if len(keys) == 1:
-            results = [read_one(0)]
+        results: list[bool | None | OSError] = [False] * len(keys)
+
+        def read_stripe(first: int) -> None:  # keys first, first + depth, ...: the head goes first
+            for i in range(first, len(keys), depth):
+                results[i] = read_one(i)
+
+        depth = max(1, min(READ_DEPTH, len(keys)))
+        stripes: list[Future] = []
+        if depth <= 1:
+            read_stripe(0)
         else:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="ucm-ray-disk-read")
-            results = list(self._readers.map(read_one, range(len(keys))))
-        return [self._after_read(k, slot, r) for k, slot, r in zip(keys, slots, results)]
+            stripes = [self._readers.submit(read_stripe, t) for t in range(depth)]  # a task per thread, not per key
+
+        def finish() -> list[bool | None]:
+            for stripe in stripes:
+                stripe.result()
+            return [self._after_read(k, slot, r) for k, slot, r in zip(keys, slots, results)]
+
+        return finish
+
+    def _slots_for(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[DiskSlot | None]:
+        """Each key's slot (None: not here, or the tier is off), checking its ``out`` fits it."""
+        slots = [self._entries.get(k) if self.stats.enabled else None for k in keys]
+        for slot, out in zip(slots, outs):
+            if slot is not None and (out.dtype != torch.uint8 or out.numel() != slot.size or not out.is_contiguous()):
+                raise ValueError(f"out must be {slot.size} contiguous bytes, got {out.dtype} x {out.numel()}")
+        return slots
 
     def _after_read(self, key: bytes, slot: DiskSlot | None, result: bool | None | OSError) -> bool | None:
         if isinstance(result, OSError):

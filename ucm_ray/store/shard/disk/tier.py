@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -67,6 +67,17 @@ class TierStats:
     promote_skipped: int = 0
     """Keys not read because the measured rate said reading them costs more than recomputing, or
     would not end within ``wait_s`` (misses, recomputed)."""
+
+
+@dataclass
+class _Chunk:
+    """A chunk of a promotion whose reads are in flight."""
+    sizes: list[int | None]
+    """Per key of the chunk, its size on disk (None: not there, a miss)."""
+    grants: list[tuple[int, int, int, int]]
+    """(key's index, grant token, pool offset, size) of the keys reserved and being read."""
+    finish: Callable[[], list[bool | None]]
+    started: float
 
 
 class DiskTier:
@@ -223,25 +234,30 @@ class DiskTier:
         """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
         with ``unpin`` once the reader pinned them): promoting a later key of a prompt must not
         evict an earlier one. Keys go in chunks of ``PROMOTE_CHUNK`` (one reservation, reads in
-        flight together, one commit); no read starts once ``wait_s`` has passed: the keys left are
-        misses (recomputed), so no shard call waits on the disk longer than that and a read."""
+        flight together, one commit), the next chunk's reads in flight while the last one commits
+        (the disk lock is held throughout: demotion waits, at most ``wait_s`` and a read); no read
+        starts once ``wait_s`` has passed: the keys left are misses (recomputed), so no shard call
+        waits on the disk longer than that and a read."""
         deadline = time.monotonic() + self._wait_s
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
         todo = self._worth_reading(keys, [i for i, found in enumerate(out) if not found])
-        for start in range(0, len(todo), PROMOTE_CHUNK):
-            chunk = todo[start:start + PROMOTE_CHUNK]
-            if time.monotonic() > deadline:
-                self.stats.promote_late += len(todo) - start
-                break
-            got = self._promote_chunk([keys[i] for i in chunk], lease, deadline)
-            for i, promoted in zip(chunk, got):
-                out[i] = promoted is True
-            if None in got:  # past the deadline, or the pool had no room even after eviction
-                if time.monotonic() > deadline:
-                    self.stats.promote_late += len(todo) - start - len(chunk)
-                break
+        started = 0
+        with self._disk_lock:
+            reading: _Chunk | None = None
+            while started < len(todo) and time.monotonic() <= deadline:
+                chunk = todo[started:started + PROMOTE_CHUNK]
+                started += len(chunk)
+                previous, reading = reading, self._start_chunk(chunk, keys, deadline)
+                if previous is not None:
+                    self._finish_chunk(previous, keys, lease, out)
+                if len(reading.grants) < len(reading.sizes) - reading.sizes.count(None):
+                    break  # the pool had no room even after eviction: later keys would evict these
+            else:
+                self.stats.promote_late += len(todo) - started  # past the deadline: never started
+            if reading is not None:
+                self._finish_chunk(reading, keys, lease, out)
         if not self._store.enabled:  # a read failed: the disk is off from now on
             self._after_turned_off()
         return out, lease
@@ -278,35 +294,36 @@ class DiskTier:
         rate = self.read_bytes_s
         self.read_bytes_s = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
 
-    def _promote_chunk(self, keys: Sequence[Key], lease: int, deadline: float) -> list[bool | None]:
-        """Read ``keys`` from disk into fresh pool slots, commit them and pin them under ``lease``:
-        per key, whether it is pinned now; None when the pool had no room for it or its read
-        had not started by ``deadline`` (counted late)."""
-        with self._disk_lock:
-            sizes = [self._store.size_of(k) for k in keys]
-        result: list[bool | None] = [False if size is None else None for size in sizes]
-        self.stats.promote_misses += result.count(False)
+    def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
+        """Under the disk lock: reserve pool slots for ``chunk`` (indices into ``keys``, head
+        first, until the pool has no room) and start reading into them."""
+        sizes = [self._store.size_of(keys[i]) for i in chunk]
+        self.stats.promote_misses += sizes.count(None)
         grants: list[tuple[int, int, int, int]] = []  # (key's index, token, offset, size)
         with self._lock:
-            for i, size in enumerate(sizes):
+            for i, size in zip(chunk, sizes):
                 if size is None:
                     continue
                 token, offsets = self._index.reserve(self._owner, size, 1)
                 if not offsets:
                     break  # no room: the later keys would evict these
                 grants.append((i, token, offsets[0], size))
-        with self._disk_lock:
-            started = time.monotonic()
-            read = self._store.get_many([keys[i] for i, _, _, _ in grants],
+        started = time.monotonic()  # before: a one-key chunk is read right here
+        finish = self._store.start_many([keys[i] for i, _, _, _ in grants],
                                         [self._pool[off:off + size] for _, _, off, size in grants], deadline)
-            self._measured(sum(size for (_, _, _, size), ok in zip(grants, read) if ok is not None),
-                           time.monotonic() - started)
-            gone = self._store.take_gone()  # a failed check dropped it
+        return _Chunk(sizes, grants, finish, started)
+
+    def _finish_chunk(self, chunk: _Chunk, keys: Sequence[Key], lease: int, out: list[bool]) -> None:
+        """Under the disk lock: wait for ``chunk``'s reads, commit what was read and checked and
+        pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots."""
+        read = chunk.finish()
+        self._measured(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
+                       time.monotonic() - chunk.started)
+        gone = self._store.take_gone()  # a failed check dropped it
         with self._lock:
             self._index.disk_dropped(gone)
-            for (i, token, offset, size), ok in zip(grants, read):
-                result[i] = self._commit_promoted(keys[i], token, offset, size, ok, lease)
-        return result
+            for (i, token, offset, size), ok in zip(chunk.grants, read):
+                out[i] = self._commit_promoted(keys[i], token, offset, size, ok, lease) is True
 
     def _commit_promoted(self, key: Key, token: int, offset: int, size: int, ok: bool | None,
                          lease: int) -> bool | None:
