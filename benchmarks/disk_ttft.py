@@ -24,6 +24,7 @@ import argparse
 import logging
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -140,6 +141,7 @@ def main() -> None:
                         results.setdefault(length, {}).setdefault(case, []).append(value)
     finally:
         ray.shutdown()
+        shutil.rmtree(disk_dir, ignore_errors=True)  # the tier's files (nothing purges a benchmark's)
     medians = {n: {case: median(v) for case, v in cases.items()} for n, cases in results.items()}
     print(f"\n{'tokens':>7} {'recompute ms':>13} {'DRAM hit ms':>12} {'disk hit ms':>12}")
     for n, m in medians.items():
