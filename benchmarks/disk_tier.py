@@ -20,26 +20,38 @@ fsynced, manifest replaced), as in the shard. Per entry size:
   with the pool full and nothing on disk, then with ``--disk-pools`` pools' worth on disk;
   the ratio says what the disk costs a lookup.
 
-The last line: ``disk_promote_vs_raw=`` and ``disk_demote_vs_raw=`` for 2 MiB entries (targets
->= 0.7; >= 0.5 at 64 KiB, printed with a ``_64k`` suffix).
+Entries hold distinct bytes in every 4 KiB page (as KV blocks do): with one pattern repeated,
+reads into the pool ran at a third to half the speed of reads into fresh memory here, whatever the
+tier did, and the ratios measured the page pattern.
 
-Run: ``make bench`` or ``python benchmarks/disk_tier.py [--dir /mnt/nvme --pool-mib 256]``.
+The last line: ``disk_promote_vs_raw=`` and ``disk_demote_vs_raw=`` for 2 MiB entries (targets
+>= 0.7; >= 0.5 at 64 KiB, printed with a ``_64k`` suffix). ``--baseline PATH`` also measures another
+checkout's ``ucm_ray`` in the same run (each size in a fresh process per checkout, alternating) and
+prints its ratios with a ``_baseline`` suffix.
+
+Run: ``make bench`` or ``python benchmarks/disk_tier.py [--dir /mnt/nvme --pool-mib 256] [--baseline ../main]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+import json
 import logging
 import mmap
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKOUT_ENV = "DISK_TIER_BENCH_CHECKOUT"
+sys.path.insert(0, os.environ.get(CHECKOUT_ENV) or HERE)  # whose ucm_ray is timed: this checkout, or --baseline's
 
 import torch  # noqa: E402
 
@@ -57,6 +69,7 @@ log = logging.getLogger("disk_tier")
 OWNER = 7
 LOOKUP_KEYS = 1024
 GIB = float(1 << 30)
+PAGE = 4096
 
 
 @dataclass
@@ -119,7 +132,9 @@ class ShardParts:
     """A pool, its index and published index, a disk store and the tier: what the shard holds."""
 
     def __init__(self, directory: str, pool_bytes: int, disk_bytes: int, index_file: str) -> None:
-        self.published = PublishedIndex(index_file, pool_bytes, 1)
+        # sized as the shard sizes it (a baseline checkout's table may take the pool only)
+        takes_disk = "disk_bytes" in inspect.signature(PublishedIndex).parameters
+        self.published = PublishedIndex(index_file, pool_bytes, 1, *([disk_bytes] if takes_disk else []))
         self.mapping = mmap.mmap(-1, pool_bytes)
         self.pool = torch.frombuffer(self.mapping, dtype=torch.uint8)
         self.index = BlockIndex(pool_bytes, lease_s=600, reserve_timeout_s=600, prefer_clean=True,
@@ -137,7 +152,8 @@ class ShardParts:
             assert len(offsets) == len(keys), "the pool had no room (demotion fell behind?)"
             for n, offset in enumerate(offsets):
                 self.pool[offset:offset + entry].copy_(source)
-                self.pool[offset:offset + 8] = torch.tensor([first + n], dtype=torch.int64).view(torch.uint8)
+                stamps = self.pool[offset:offset + entry].view(torch.int64)[::PAGE // 8]
+                stamps.copy_(torch.arange(stamps.numel(), dtype=torch.int64) + (first + n) * (entry // PAGE + 1))
             self.index.commit(OWNER, token, [(k, o, None) for k, o in zip(keys, offsets)])
 
     def contains(self, keys: list[bytes]) -> list[bool]:
@@ -238,12 +254,21 @@ def measure_size(directory: str, entry: int, pool_bytes: int, disk_pools: int, r
                        promoted / promoting / 1e9, lookup_empty, lookup_full, contains_empty, contains_full, complete)
 
 
-def report(entry: int, f: SizeFigures) -> None:
-    tag = "" if entry == 2 << 20 else f"_{entry >> 10}k"
-    log.info("entry %d KiB: demote %.2f GB/s (raw write %.2f), promote %.2f GB/s (raw read %.2f)",
-             entry >> 10, f.demote_gbs, f.raw_write_gbs, f.promote_gbs, f.raw_read_gbs)
-    log.info("entry %d KiB: %d-key lookup, published index %.3f ms empty disk -> %.3f ms full (table %s); "
-             "shard contains %.3f -> %.3f ms", entry >> 10, LOOKUP_KEYS, f.lookup_empty_ms, f.lookup_full_ms,
+def measure_in(checkout: str, entry: int, args: argparse.Namespace) -> SizeFigures:
+    """``measure_size`` in a fresh process importing ``checkout``'s ``ucm_ray``."""
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir, "--pool-mib", str(args.pool_mib),
+            "--disk-pools", str(args.disk_pools), "--sizes", str(entry), "--repeat", str(args.repeat)]
+    env = {**os.environ, CHECKOUT_ENV: checkout}
+    out = subprocess.run(argv, env=env, check=True, stdout=subprocess.PIPE, text=True)
+    return SizeFigures(**json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def report(entry: int, f: SizeFigures, suffix: str = "") -> None:
+    tag = ("" if entry == 2 << 20 else f"_{entry >> 10}k") + suffix
+    log.info("entry %d KiB%s: demote %.2f GB/s (raw write %.2f), promote %.2f GB/s (raw read %.2f)",
+             entry >> 10, suffix, f.demote_gbs, f.raw_write_gbs, f.promote_gbs, f.raw_read_gbs)
+    log.info("entry %d KiB%s: %d-key lookup, published index %.3f ms empty disk -> %.3f ms full (table %s); "
+             "shard contains %.3f -> %.3f ms", entry >> 10, suffix, LOOKUP_KEYS, f.lookup_empty_ms, f.lookup_full_ms,
              "complete" if f.table_complete else "INCOMPLETE: misses ask the shard", f.contains_empty_ms,
              f.contains_full_ms)
     print(f"disk_promote_vs_raw{tag}={f.promote_gbs / f.raw_read_gbs:.3f} "
@@ -260,12 +285,24 @@ def main() -> None:
     parser.add_argument("--disk-pools", type=int, default=10, help="pools' worth written to disk")
     parser.add_argument("--sizes", default="64KiB,2MiB")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--baseline", default=None, help="another checkout whose ucm_ray is measured in the same run")
+    parser.add_argument("--rounds", type=int, default=1, help="with --baseline: processes per checkout and size")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)  # the shard's threads copy single-threaded; a shared box's spinning pool is noise
     pool_bytes = args.pool_mib << 20
     for entry in (parse_size(s, "--sizes") for s in args.sizes.split(",")):
-        report(entry, measure_size(args.dir, entry, pool_bytes, args.disk_pools, args.repeat))
+        if args.child or args.baseline is None:
+            figures = measure_size(args.dir, entry, pool_bytes, args.disk_pools, args.repeat)
+            if args.child:
+                print(json.dumps(dataclasses.asdict(figures)))
+            else:
+                report(entry, figures)
+        else:
+            for _ in range(args.rounds):
+                report(entry, measure_in(args.baseline, entry, args), "_baseline")
+                report(entry, measure_in(HERE, entry, args))
 
 
 if __name__ == "__main__":

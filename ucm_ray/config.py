@@ -175,6 +175,11 @@ class UcmRayConfig:
     """Longest a lookup call spends promoting disk entries into the pool (the shard's other calls
     wait behind it): keys not promoted by then are misses, recomputed. Below lookup_timeout_s,
     or the engine would give up on the shard first."""
+    disk_recompute_bytes_s: float = 0.0
+    """How fast the engines recompute what the disk would give back, in KV bytes per second
+    (prefill tokens/s x KV bytes per token; an 8B model prefilling 10k tokens/s at 128 KiB a token:
+    1.3e9). A shard whose measured promotion rate is below it leaves its disk hits to be
+    recomputed (one chunk every 10 s is still read, to measure again). 0: always promote."""
     disk_io: str = "auto"
     """How bytes reach the disk: posix (``preadv``/``pwritev``, ``O_DIRECT`` where the file system
     takes it); auto picks the best that works here (posix for now)."""
@@ -258,6 +263,9 @@ class UcmRayConfig:
         need(self.disk_write_policy in DISK_WRITE_POLICIES, "disk_write_policy", " | ".join(DISK_WRITE_POLICIES))
         need(isinstance(self.disk_wait_s, (int, float)) and not isinstance(self.disk_wait_s, bool)
              and 0 < self.disk_wait_s <= 3600, "disk_wait_s", "a number of seconds above 0, at most 3600")
+        need(isinstance(self.disk_recompute_bytes_s, (int, float)) and not isinstance(self.disk_recompute_bytes_s, bool)
+             and 0 <= self.disk_recompute_bytes_s <= 1e13, "disk_recompute_bytes_s",
+             "KV bytes per second, from 0 (always promote) to 1e13")
         need(self.disk_io in DISK_IO, "disk_io", " | ".join(DISK_IO) + " (nixl is not built yet)")
         # Relations: a tier needs both its place and its size; each file holds at least one 4 KiB slot.
         need(not roots or self.disk_bytes >= 4096 * len(roots), "disk_bytes",

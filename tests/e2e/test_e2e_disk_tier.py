@@ -3,8 +3,10 @@
 Engine A computes prompt 1, then two more prompts that need the pool's room: prompt 1's blocks
 leave the pool (write-through put them on disk first). A's own prefix cache is reset, and A asks
 prompt 1 again: its same-node lookup finds the blocks listed as on the shard's disk in the
-published index, the shard promotes them, and A loads them. Hits are vLLM's own Prometheus
-counter; the tokens equal an engine's without the connector.
+published index, the shard promotes them, and A loads them. Then the shard is killed (-9) and
+started again: its pool is empty, its disk adopted from the manifest, and A hits prompt 1 from
+disk once more. Hits are vLLM's own Prometheus counter; the tokens equal an engine's without the
+connector.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import ray
 
 from tests.support.e2e_helpers import EngineProcess, kv_transfer
+from tests.support.store_helpers import restart_shard
 from ucm_ray import policy
 from ucm_ray.store.shard.fleet import fleet_status
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
@@ -72,6 +75,23 @@ def test_a_prompt_evicted_to_disk_is_a_hit_with_the_reference_output(ray_cluster
 
     out = ray.get(a.generate.remote(p1))  # prompt 1 plus a suffix: its blocks come from disk
     hit = policy.dense_external_hit(PROMPT + SUFFIX, 0, PROMPT, policy.recompute_tokens(True))
+    assert external_hits(a) - hits_before == hit and out["cached"] == hit
+    assert out["tokens"] == expected
+    shard = fleet_status(cfg)["shards"][0]
+    assert shard["disk_promoted"] == BLOCKS and shard["disk_corrupt"] == 0 and shard["disk_promote_late"] == 0
+
+    print(f"first disk hit {time.monotonic() - started:.1f} s into the test", flush=True)
+
+    # kill -9 and up again: the writes ended seconds ago (manifests follow them within about 1 s)
+    restart_shard(cfg, 0)
+    shard = fleet_status(cfg)["shards"][0]
+    assert shard["entries"] == 0 and shard["disk_adopted"] >= BLOCKS, shard  # prompt 1 was written first
+    # A's first request after the restart may still use the old membership (a miss at worst)
+    ray.get(a.generate.remote(synthetic_prompt(model, 16, seed=74)))
+    time.sleep(1.5)
+    assert ray.get(a.__ray_call__.remote(lambda eng: eng.llm.reset_prefix_cache()))
+    hits_before = external_hits(a)
+    out = ray.get(a.generate.remote(p1))  # from the restarted shard's adopted disk entries
     assert external_hits(a) - hits_before == hit and out["cached"] == hit
     assert out["tokens"] == expected
     shard = fleet_status(cfg)["shards"][0]

@@ -94,6 +94,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "disk_write_policy": draw(st.sampled_from(DISK_WRITE_POLICIES)),
         "disk_io": draw(st.sampled_from(DISK_IO)),
         "disk_wait_s": draw(_seconds(0.0001, 0.99)) if disk_roots else draw(_seconds(0.0001, 3600)),
+        "disk_recompute_bytes_s": draw(_seconds(0.0, 1e13)),
     }
     written: dict[str, object] = {}
     for key, value in meant.items():
@@ -213,6 +214,9 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
     "disk_write_policy": st.one_of(_GARBAGE.filter(lambda s: s not in DISK_WRITE_POLICIES), _NOT_A_STRING),
     "disk_io": st.one_of(st.sampled_from(["nixl", "gds", ""]), _NOT_A_STRING),
     "disk_wait_s": _bad_seconds(0.0, 3600),
+    "disk_recompute_bytes_s": st.one_of(st.floats(max_value=0, exclude_max=True, allow_nan=False),
+                                        st.floats(min_value=1e13, exclude_min=True, allow_nan=False), _NON_FINITE,
+                                        _GARBAGE, st.none(), st.just(True)),
 }
 
 

@@ -154,6 +154,27 @@ def test_a_flipped_byte_is_a_miss_and_drops_the_entry(root):
     again.close()
 
 
+def test_a_batch_read_leaves_a_corrupt_entrys_destination_untouched(root):
+    """Bytes that fail their check never reach the caller's memory (the pool slot a promotion
+    reserved), not even uncommitted; the good entries of the same batch arrive intact."""
+    store = DiskStore([root], SHARD, 8 * SLOT)
+    for i in range(4):
+        store.put(key(i), payload(i))
+    bad = store.slot_of(key(2))
+    store.close()
+    with open(os.path.join(shard_dir(root, SHARD), "data-0"), "r+b") as f:
+        f.seek(bad.offset + 5)
+        byte = f.read(1)
+        f.seek(bad.offset + 5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    again = DiskStore([root], SHARD, 8 * SLOT)
+    outs = [torch.full((SLOT,), 0xAB, dtype=torch.uint8) for _ in range(4)]
+    assert again.get_many([key(i) for i in range(4)], outs) == [True, True, False, True]
+    assert all(torch.equal(outs[i], payload(i)) for i in (0, 1, 3))
+    assert bool((outs[2] == 0xAB).all()), "a corrupt entry's bytes reached the destination"
+    again.close()
+
+
 def test_a_damaged_manifest_starts_empty_and_reuses_the_files(root):
     store = DiskStore([root], SHARD, 4 * SLOT)
     store.put(key(0), payload(0))

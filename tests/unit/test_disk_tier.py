@@ -17,6 +17,7 @@ import torch
 
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.shard.disk import DiskStore, FileOps
+from ucm_ray.store.shard.disk import tier as tier_module
 from ucm_ray.store.shard.disk.store import READ_DEPTH, shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.index import BlockIndex
@@ -192,7 +193,7 @@ class PublishedShard(Shard):
     (the only keys that index lists)."""
 
     def __init__(self, root: str, pool_slots: int, disk_slots: int, index_file: str, **tier_args) -> None:
-        self.published = PublishedIndex(index_file, pool_slots * SLOT, 1)
+        self.published = PublishedIndex(index_file, pool_slots * SLOT, 1, disk_slots * SLOT)  # as the shard sizes it
         self.mapping = mmap.mmap(-1, pool_slots * SLOT)
         self.pool = torch.frombuffer(self.mapping, dtype=torch.uint8)
         self.index = BlockIndex(pool_slots * SLOT, lease_s=60, reserve_timeout_s=60, prefer_clean=True,
@@ -230,6 +231,21 @@ def test_a_key_evicted_to_disk_is_listed_as_ask_the_shard_and_promotion_makes_it
     s.tier.unpin(lease)
     assert out == [True, True] and s.lookup(0, 1) == ["hit", "hit"]
     assert torch.equal(s.read(0), payload(0)) and torch.equal(s.read(1), payload(1))
+
+
+def test_the_published_table_stays_complete_with_the_disk_holding_many_pools(tmp_path, index_file, monkeypatch):
+    """A table sized for the pool alone fills with the disk's keys and stops answering misses
+    (every lookup of an absent key then asks the shard); sized for pool and disk, it lists all."""
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 16, 2048, index_file, write_through=True)
+    written = 1000  # past a pool-sized table's load bound (512 of 1024 buckets)
+    for i in range(written):
+        s.write(i)
+        s.demote_all()
+    assert s.published.complete
+    answers = s.lookup(*range(written + 8))
+    assert answers[written:] == ["miss"] * 8  # absent: answered here, no call to the shard
+    assert answers[:written - 16].count("ask") == written - 16 and answers[written - 16:written] == ["hit"] * 16
 
 
 def test_what_the_disk_drops_is_unlisted_and_a_restart_lists_what_it_adopts(tmp_path, index_file, monkeypatch):
@@ -281,3 +297,43 @@ def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_fi
     assert s.tier.stats.promote_late == 8 - done
     assert all(torch.equal(s.read(i), payload(i)) for i in range(done))
     assert s.lookup(7) == ["ask"]  # still on disk: a later lookup may promote it
+
+
+def on_disk_only(s: Shard, count: int) -> None:
+    """Keys 0..count-1 on disk only (a pool of ``count`` slots, write-through, then as many more)."""
+    for i in range(count):
+        s.write(i)
+    s.demote_all()
+    for i in range(count, 2 * count):
+        s.write(i)
+    assert not any(s.in_pool(*range(count)))
+
+
+def test_a_disk_slower_than_recomputing_is_not_read_until_a_probe_is_due(tmp_path, monkeypatch):
+    s = Shard(str(tmp_path), 8, 64, write_through=True, recompute_bytes_s=1e12)  # no disk here reads 1 TB/s
+    on_disk_only(s, 8)
+    assert s.tier.promote([key(0)]) == [True]  # nothing measured yet: read, and measured
+    rate = s.tier.read_bytes_s
+    assert rate is not None and 0 < rate < 1e12
+    evictions = s.index.stats().evictions
+    assert s.tier.promote([key(i) for i in range(1, 5)]) == [False] * 4  # recomputing is faster
+    assert s.tier.stats.promote_skipped == 4 and s.tier.stats.promoted == 1
+    assert s.index.stats().evictions == evictions  # nothing reserved (nor evicted) for reads not made
+    monkeypatch.setattr(tier_module, "PROBE_S", 0.0)
+    monkeypatch.setattr(tier_module, "PROMOTE_CHUNK", 2)
+    assert s.tier.promote([key(i) for i in range(1, 5)]) == [True, True, False, False]  # a probe: one chunk
+
+
+def test_a_lookup_reads_only_what_the_measured_rate_reads_within_its_wait(tmp_path, index_file, monkeypatch):
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
+                       store_args={"ops": SlowReads(0.04)})
+    on_disk_only(s, 8)
+    assert s.tier.promote([key(0)]) == [True]  # measures the rate: about a 40 ms read per SLOT
+    rate = s.tier.read_bytes_s
+    assert rate is not None
+    fits = int(rate * 0.1) // SLOT
+    assert 1 <= fits < 7, rate
+    out = s.tier.promote([key(i) for i in range(1, 8)])
+    assert out == [True] * fits + [False] * (7 - fits)  # the head, in prompt order
+    assert s.tier.stats.promote_skipped == 7 - fits and s.tier.stats.promote_late == 0

@@ -318,7 +318,7 @@ def test_every_tier_setting_of_the_readme_is_accepted_by_the_chart():
     tier = schema["properties"]["tier"]["properties"]
     # The disk tier's keys come from diskTier (the chart mounts the volume disk_dir names).
     decided = {"num_shards", "ray_address", "shm_dir", "disk_dir", "disk_bytes", "disk_write_policy", "disk_io",
-               "disk_wait_s"}
+               "disk_wait_s", "disk_recompute_bytes_s"}
     assert set(tier) == (set(UcmRayConfig.keys()) - decided) | {"shards_per_node"}
     settings = ["tier.local_lookups=false", "tier.load_at_once_ratio=0", "tier.model_id=llama"]
     app = one(render(sets=settings), "RayService")["spec"]["serveConfigV2"]
@@ -351,10 +351,12 @@ def test_the_disk_tier_mounts_a_volume_where_disk_dir_points():
     assert not any(k.startswith("disk_") for k in tier_of(off))
     assert all(disk_volume(t) is None for t in pod_templates(off).values())
     on = ["diskTier.enabled=true", "diskTier.bytes=1Ti", "tier.shards_per_node=2", "worker.shmHeadroom=1Gi"]
-    host = valid(one(render(sets=on, set_strings=["diskTier.hostPath=/mnt/nvme0/ucm", "diskTier.writePolicy=through"]),
+    host = valid(one(render(sets=[*on, "diskTier.recomputeBytesS=1300000000"],
+                            set_strings=["diskTier.hostPath=/mnt/nvme0/ucm", "diskTier.writePolicy=through"]),
                      "RayService"))
     assert {k: v for k, v in tier_of(host).items() if k.startswith("disk_")} == {
-        "disk_dir": "/var/lib/ucm-ray/disk", "disk_bytes": 1 << 40, "disk_write_policy": "through", "disk_wait_s": 0.5}
+        "disk_dir": "/var/lib/ucm-ray/disk", "disk_bytes": 1 << 40, "disk_write_policy": "through", "disk_wait_s": 0.5,
+        "disk_recompute_bytes_s": 1300000000}
     templates = pod_templates(host)
     assert disk_volume(templates["head"]) == {"name": "ucm-ray-disk", "mountPath": "/var/lib/ucm-ray/disk",
                                               "emptyDir": {}}  # num-cpus 0: no shard there

@@ -42,17 +42,29 @@ MAX_LOAD = 0.5
 BYTES_PER_BUCKET = 16 << 10
 """Pool bytes per bucket: entries of 32 KiB and up all fit at ``MAX_LOAD``; smaller ones fit
 until the table is full, then lookups of what did not fit go through Ray."""
+DISK_BYTES_PER_BUCKET = 32 << 10
+"""Disk-tier bytes per bucket (its keys are listed too, as "ask the shard"): entries of 64 KiB
+and up all fit, at half the pool's cost in memory (a disk is 10-100x its pool: 1/512 to 1/256
+of the disk's bytes in shared memory)."""
 
 
-def table_buckets(pool_bytes: int) -> int:
-    """Buckets for a pool of ``pool_bytes``: a power of two, at least 1024."""
-    want = max(1024, 2 * pool_bytes // BYTES_PER_BUCKET)
+def table_buckets(pool_bytes: int, disk_bytes: int = 0) -> int:
+    """Buckets for a pool of ``pool_bytes`` with a disk tier of ``disk_bytes`` behind it: a
+    power of two, at least 1024. Sized for the disk too: a table that fills up stops being an
+    answer for misses, and every lookup of an absent key then asks the shard."""
+    want = max(1024, 2 * pool_bytes // BYTES_PER_BUCKET + 2 * disk_bytes // DISK_BYTES_PER_BUCKET)
     return 1 << (want - 1).bit_length()
 
 
-def index_bytes(pool_bytes: int) -> int:
-    """Size of the index file of a pool of ``pool_bytes`` (1/128 to 1/64 of it, at least 64 KiB)."""
-    return HEADER.itemsize + table_buckets(pool_bytes) * BUCKET.itemsize
+def index_bytes(pool_bytes: int, disk_bytes: int = 0) -> int:
+    """Size of the index file of a pool of ``pool_bytes`` (1/128 to 1/64 of it, at least 64 KiB)
+    and its disk tier's ``disk_bytes`` (1/512 to 1/256 of those)."""
+    return HEADER.itemsize + table_buckets(pool_bytes, disk_bytes) * BUCKET.itemsize
+
+
+def buckets_of(index_bytes: int) -> int:
+    """The buckets of an index file of ``index_bytes`` (a reader of another node's table)."""
+    return (index_bytes - HEADER.itemsize) // BUCKET.itemsize
 
 
 def index_path(pool_path: str) -> str:

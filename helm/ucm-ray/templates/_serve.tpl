@@ -16,6 +16,7 @@ chart's /dev/shm arithmetic and the builder read the same number).
 {{- $_ := set $tier "disk_bytes" (include "ucm-ray.bytes" (dict "value" .bytes "key" "diskTier.bytes") | int64) -}}
 {{- $_ := set $tier "disk_write_policy" .writePolicy -}}
 {{- $_ := set $tier "disk_wait_s" .waitS -}}
+{{- $_ := set $tier "disk_recompute_bytes_s" .recomputeBytesS -}}
 {{- end -}}{{- end -}}
 {{- $engine := deepCopy ($m.engineKwargs | default dict) -}}
 {{- $_ := set $engine "tensor_parallel_size" (int64 $m.tensorParallelSize) -}}

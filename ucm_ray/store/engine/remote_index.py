@@ -33,8 +33,8 @@ from ucm_ray.store.published_layout import (
     MAGIC,
     ON_DISK,
     TOMBSTONE,
+    buckets_of,
     key_halves,
-    table_buckets,
 )
 from ucm_ray.store.types import NO_CHECKSUM, Found
 from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges
@@ -58,7 +58,7 @@ class RemoteIndexReader:
         region = dataclasses.replace(desc, pool_base_addr=desc.index_base_addr, pool_bytes=desc.index_bytes)
         self._transport = NixlPoolTransport(region, default_timeout_s=READ_TIMEOUT_S)
         self._incarnation = desc.incarnation
-        self.buckets = table_buckets(desc.pool_bytes)
+        self.buckets = buckets_of(desc.index_bytes)  # sized for the pool and the shard's disk tier
         self._mask = np.uint64(self.buckets - 1)
         self._buffer = torch.zeros(0, dtype=torch.uint8)
 

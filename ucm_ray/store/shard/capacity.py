@@ -31,7 +31,7 @@ def free_bytes(shm_dir: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_pool_fits(shm_dir: str, pool_bytes: int, count: int) -> None:
+def check_pool_fits(shm_dir: str, pool_bytes: int, count: int, disk_bytes: int = 0) -> None:
     """Raise a one-line ``ConfigError`` naming ``pool_bytes`` when ``count`` pools of
     ``pool_bytes`` do not fit the space free in ``shm_dir`` on this node now, or naming
     ``shm_dir`` when this user cannot create files there. ``count`` is the number of pools about
@@ -39,7 +39,7 @@ def check_pool_fits(shm_dir: str, pool_bytes: int, count: int) -> None:
     if count <= 0:
         return
     free = free_bytes(shm_dir)
-    if (pool_bytes + index_bytes(pool_bytes)) * count > free:  # each pool has its published index
+    if (pool_bytes + index_bytes(pool_bytes, disk_bytes)) * count > free:  # each pool has its published index
         pools = f"{count} pools of {human_bytes(pool_bytes)} do not" if count > 1 else \
             f"1 pool of {human_bytes(pool_bytes)} does not"
         raise ConfigError(f"pool_bytes: {pools} fit {shm_dir}'s {human_bytes(free)} free "

@@ -42,10 +42,11 @@ log = logging.getLogger(__name__)
 class PublishedIndex:
     """The shard's side: a table it alone writes (called under the shard's lock)."""
 
-    def __init__(self, path: str, pool_bytes: int, incarnation: int) -> None:
+    def __init__(self, path: str, pool_bytes: int, incarnation: int, disk_bytes: int = 0) -> None:
+        """``disk_bytes``: the shard's disk tier, whose keys are listed too."""
         self.path = path
-        self.buckets = table_buckets(pool_bytes)
-        size = index_bytes(pool_bytes)
+        self.buckets = table_buckets(pool_bytes, disk_bytes)
+        size = index_bytes(pool_bytes, disk_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:

@@ -66,7 +66,8 @@ class CacheShard:
         self._lock = threading.Lock()
         self._tier: DiskTier | None = None
         try:
-            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation)
+            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation,
+                                             cfg.disk_bytes if cfg.disk_roots else 0)
             self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s, reserve_timeout_s=cfg.reserve_timeout_s,
                                      published=self._published, prefer_clean=bool(cfg.disk_roots))
             if cfg.disk_roots:
@@ -74,7 +75,8 @@ class CacheShard:
                 self._tier = DiskTier(self._index, self._pool.tensor,
                                       DiskStore(cfg.disk_roots, shard_id, cfg.disk_bytes, ops=ops_from_env()),
                                       self._lock,
-                                      write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s)
+                                      write_through=cfg.disk_write_policy == "through", wait_s=cfg.disk_wait_s,
+                                      recompute_bytes_s=cfg.disk_recompute_bytes_s)
             if cfg.transport != "shm":
                 from ucm_ray.transport.nixl import NixlPoolExporter, NixlUnavailableError
 

@@ -16,13 +16,21 @@ Manifests are written on a clock, not per batch: at most one per ``CHECKPOINT_S`
 than a tenth of the demotion time (a manifest is rewritten whole, and listing 10x a pool of small
 entries costs tens of milliseconds). An entry marked clean before its manifest is safe: until a
 crash the store serves it, and a crash loses the pool's copy too, so it is lost, never wrong.
+
+Promotion is planned against a measured read rate (bytes per second of this tier's promotions, a
+moving average): keys are read only while reading is worth it. A tier that reads slower than the
+engines recompute (``recompute_bytes_s``, the prefill's KV bytes per second) reads nothing, the
+engine recomputes faster; otherwise only the head of a lookup's disk keys that the rate says is
+read within ``wait_s`` is reserved and read, so no clean entry is evicted for a read the bound
+would give up anyway. Both costs are linear in bytes, so "reading costs less than recomputing"
+is one comparison of rates; the keys cut are misses, recomputed (``promote_skipped``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -39,6 +47,11 @@ CHECKPOINT_S = 1.0
 CHECKPOINT_SHARE = 10
 """A manifest is due ``CHECKPOINT_S`` after the last, or ``CHECKPOINT_SHARE`` times the last one's
 duration where that is longer (manifest writes take at most a tenth of the tier's time)."""
+RATE_WEIGHT = 0.3
+"""Weight of the newest chunk in the measured read rate: a few chunks follow a change of load."""
+PROBE_S = 10.0
+"""While the plan cuts keys, one chunk is still read this often: the rate is only measured by
+reading, and a rate measured under a burst of load must be able to recover."""
 
 
 @dataclass
@@ -51,16 +64,32 @@ class TierStats:
     """Keys asked to be promoted that the disk did not hold, or whose bytes failed their check."""
     promote_late: int = 0
     """Keys left unpromoted because the call had spent its ``wait_s`` (misses, recomputed)."""
+    promote_skipped: int = 0
+    """Keys not read because the measured rate said reading them costs more than recomputing, or
+    would not end within ``wait_s`` (misses, recomputed)."""
+
+
+@dataclass
+class _Chunk:
+    """A chunk of a promotion whose reads are in flight."""
+    sizes: list[int | None]
+    """Per key of the chunk, its size on disk (None: not there, a miss)."""
+    grants: list[tuple[int, int, int, int]]
+    """(key's index, grant token, pool offset, size) of the keys reserved and being read."""
+    finish: Callable[[], list[bool | None]]
+    started: float
 
 
 class DiskTier:
     def __init__(self, index: BlockIndex, pool: torch.Tensor, store: DiskStore,
                  index_lock: AbstractContextManager, *, write_through: bool = False,
                  high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20,
-                 wait_s: float = 0.5) -> None:
+                 wait_s: float = 0.5, recompute_bytes_s: float = 0.0) -> None:
         """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
         shard's control calls. Watermarks are fractions of the pool's capacity. ``wait_s``: the
-        longest one ``promote`` reads from disk (the shard's calls wait behind it)."""
+        longest one ``promote`` reads from disk (the shard's calls wait behind it).
+        ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
+        measured slower is not read (0: always read)."""
         if not 0 <= low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
         self._index = index
@@ -75,6 +104,10 @@ class DiskTier:
         # (and at least one entry) keeps saves from finding the pool's cold end pinned.
         self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._wait_s = wait_s
+        self._recompute_bytes_s = recompute_bytes_s
+        self.read_bytes_s: float | None = None
+        """Measured: bytes per second of this tier's promotions (None until the first)."""
+        self._probed_at = time.monotonic()
         self._owner = random_id()
         self._checkpointed_at = time.monotonic()
         self._checkpoint_s = 0.0
@@ -201,55 +234,96 @@ class DiskTier:
         """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
         with ``unpin`` once the reader pinned them): promoting a later key of a prompt must not
         evict an earlier one. Keys go in chunks of ``PROMOTE_CHUNK`` (one reservation, reads in
-        flight together, one commit); no read starts once ``wait_s`` has passed: the keys left are
-        misses (recomputed), so no shard call waits on the disk longer than that and a read."""
+        flight together, one commit), the next chunk's reads in flight while the last one commits
+        (the disk lock is held throughout: demotion waits, at most ``wait_s`` and a read); no read
+        starts once ``wait_s`` has passed: the keys left are misses (recomputed), so no shard call
+        waits on the disk longer than that and a read."""
         deadline = time.monotonic() + self._wait_s
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
-        todo = [i for i, found in enumerate(out) if not found]
-        for start in range(0, len(todo), PROMOTE_CHUNK):
-            chunk = todo[start:start + PROMOTE_CHUNK]
-            if time.monotonic() > deadline:
-                self.stats.promote_late += len(todo) - start
-                break
-            got = self._promote_chunk([keys[i] for i in chunk], lease, deadline)
-            for i, promoted in zip(chunk, got):
-                out[i] = promoted is True
-            if None in got:  # past the deadline, or the pool had no room even after eviction
-                if time.monotonic() > deadline:
-                    self.stats.promote_late += len(todo) - start - len(chunk)
-                break
+        todo = self._worth_reading(keys, [i for i, found in enumerate(out) if not found])
+        started = 0
+        with self._disk_lock:
+            reading: _Chunk | None = None
+            while started < len(todo) and time.monotonic() <= deadline:
+                chunk = todo[started:started + PROMOTE_CHUNK]
+                started += len(chunk)
+                previous, reading = reading, self._start_chunk(chunk, keys, deadline)
+                if previous is not None:
+                    self._finish_chunk(previous, keys, lease, out)
+                if len(reading.grants) < len(reading.sizes) - reading.sizes.count(None):
+                    break  # the pool had no room even after eviction: later keys would evict these
+            else:
+                self.stats.promote_late += len(todo) - started  # past the deadline: never started
+            if reading is not None:
+                self._finish_chunk(reading, keys, lease, out)
         if not self._store.enabled:  # a read failed: the disk is off from now on
             self._after_turned_off()
         return out, lease
 
-    def _promote_chunk(self, keys: Sequence[Key], lease: int, deadline: float) -> list[bool | None]:
-        """Read ``keys`` from disk into fresh pool slots, commit them and pin them under ``lease``:
-        per key, whether it is pinned now; None when the pool had no room for it or its read
-        had not started by ``deadline`` (counted late)."""
-        with self._disk_lock:
-            sizes = [self._store.size_of(k) for k in keys]
-        result: list[bool | None] = [False if size is None else None for size in sizes]
-        self.stats.promote_misses += result.count(False)
+    def _worth_reading(self, keys: Sequence[Key], todo: list[int]) -> list[int]:
+        """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
+        docstring says: all of it until a rate is measured; none while the measured rate is below
+        ``recompute_bytes_s``; else what the rate reads within ``wait_s``. When that cuts keys and
+        ``PROBE_S`` has passed, one chunk is read regardless (the rate is measured again).
+        Sizes are dict probes without the disk lock (as ``on_disk``): a lookup never waits behind
+        a demotion batch to plan."""
+        rate = self.read_bytes_s
+        if rate is None or not todo:
+            return todo
+        keep = 0
+        if rate >= self._recompute_bytes_s:
+            budget = rate * self._wait_s
+            for i in todo:
+                budget -= self._store.size_of(keys[i]) or 0
+                if budget < 0:
+                    break
+                keep += 1
+        if keep < len(todo) and time.monotonic() - self._probed_at > PROBE_S:
+            keep = max(keep, min(len(todo), PROMOTE_CHUNK))
+            self._probed_at = time.monotonic()
+        self.stats.promote_skipped += len(todo) - keep
+        return todo[:keep]
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        """One chunk's reads: ``nbytes`` in ``seconds``, into the moving average."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        rate = self.read_bytes_s
+        self.read_bytes_s = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
+
+    def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
+        """Under the disk lock: reserve pool slots for ``chunk`` (indices into ``keys``, head
+        first, until the pool has no room) and start reading into them."""
+        sizes = [self._store.size_of(keys[i]) for i in chunk]
+        self.stats.promote_misses += sizes.count(None)
         grants: list[tuple[int, int, int, int]] = []  # (key's index, token, offset, size)
         with self._lock:
-            for i, size in enumerate(sizes):
+            for i, size in zip(chunk, sizes):
                 if size is None:
                     continue
                 token, offsets = self._index.reserve(self._owner, size, 1)
                 if not offsets:
                     break  # no room: the later keys would evict these
                 grants.append((i, token, offsets[0], size))
-        with self._disk_lock:
-            read = self._store.get_many([keys[i] for i, _, _, _ in grants],
+        started = time.monotonic()  # before: a one-key chunk is read right here
+        finish = self._store.start_many([keys[i] for i, _, _, _ in grants],
                                         [self._pool[off:off + size] for _, _, off, size in grants], deadline)
-            gone = self._store.take_gone()  # a failed check dropped it
+        return _Chunk(sizes, grants, finish, started)
+
+    def _finish_chunk(self, chunk: _Chunk, keys: Sequence[Key], lease: int, out: list[bool]) -> None:
+        """Under the disk lock: wait for ``chunk``'s reads, commit what was read and checked and
+        pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots."""
+        read = chunk.finish()
+        self._measured(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
+                       time.monotonic() - chunk.started)
+        gone = self._store.take_gone()  # a failed check dropped it
         with self._lock:
             self._index.disk_dropped(gone)
-            for (i, token, offset, size), ok in zip(grants, read):
-                result[i] = self._commit_promoted(keys[i], token, offset, size, ok, lease)
-        return result
+            for (i, token, offset, size), ok in zip(chunk.grants, read):
+                out[i] = self._commit_promoted(keys[i], token, offset, size, ok, lease) is True
 
     def _commit_promoted(self, key: Key, token: int, offset: int, size: int, ok: bool | None,
                          lease: int) -> bool | None:
