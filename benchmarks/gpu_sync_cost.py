@@ -16,7 +16,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
@@ -25,9 +24,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
-import torch  # noqa: E402
 
-from benchmarks.gpu.common import bench_model, engine_actor, engine_cores, start_engine, ttft_profile, turn_cores  # noqa: E402
+from benchmarks.gpu.common import engine_actor, engine_cores, probe_start, start_engine, turn_cores  # noqa: E402
 from ucm_ray.tiny_model import synthetic_prompt  # noqa: E402
 
 log = logging.getLogger("bench.gpu")
@@ -35,13 +33,7 @@ BATCH, TOKENS, ROUNDS = 8, 128, 3
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    device = torch.device("cuda:0")
-    torch.cuda.set_device(device)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False, namespace="ucm_ray_gpu_sync")
-    prof = replace(ttft_profile(device, False), sizes={"4k": 4096 + 8})
-    model = bench_model(prof, None)
+    device, prof, model = probe_start("ucm_ray_gpu_sync")
     n = prof.sizes["4k"]
     warmup = [synthetic_prompt(model, 64, seed=9999), synthetic_prompt(model, n, seed=9000)]
     cores = engine_cores(device)

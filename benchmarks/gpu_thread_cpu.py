@@ -15,8 +15,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
-from dataclasses import replace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
@@ -25,15 +23,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
-import torch  # noqa: E402
 
 from benchmarks.gpu.common import (  # noqa: E402
-    bench_model,
     connector_config,
     engine_actor,
     engine_cores,
+    probe_start,
     start_engine,
-    ttft_profile,
     turn_cores,
 )
 from ucm_ray.config import UcmRayConfig  # noqa: E402
@@ -106,14 +102,7 @@ def report(label: str, runs: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    device = torch.device("cuda:0")
-    torch.cuda.set_device(device)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False, namespace="ucm_ray_gpu_cpu")
-    prof = ttft_profile(device, False)
-    prof = replace(prof, sizes={"4k": 4096 + 8})
-    model = bench_model(prof, None)
+    device, prof, model = probe_start("ucm_ray_gpu_cpu")
     n = prof.sizes["4k"]
     batches = [[synthetic_prompt(model, n, seed=40000 + 100 * r + i) for i in range(BATCH)] for r in range(2 * ROUNDS)]
     warmup = [synthetic_prompt(model, 64, seed=9999), synthetic_prompt(model, n, seed=9000)]

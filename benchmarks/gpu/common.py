@@ -9,10 +9,11 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +235,15 @@ def print_figures(device: torch.device, quick: bool, results: dict[str, Any]) ->
           f"quick={quick}")
     for name, value in results.items():
         print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
+
+
+def probe_start(namespace: str) -> tuple[torch.device, TtftProfile, str]:
+    """A one-GPU probe's start (``benchmarks/gpu_*.py``): logging, the GPU, a private Ray in
+    ``namespace``, the ~1B profile at 4k and its model's directory."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False, namespace=namespace)
+    prof = replace(ttft_profile(device, False), sizes={"4k": 4096 + 8})
+    return device, prof, bench_model(prof, None)
