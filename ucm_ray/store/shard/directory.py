@@ -24,8 +24,9 @@ from ray.actor import ActorHandle
 
 from ucm_ray.store.hot_prefixes import HotPrefixTable
 from ucm_ray.store.placement import owners as place
+from ucm_ray.store.shard.hints import HintPools
 from ucm_ray.store.types import Membership, ShardRecord, random_id
-from ucm_ray.transport.base import PoolDescriptor, PoolKey
+from ucm_ray.transport.base import PoolDescriptor
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,8 @@ class ShardDirectory:
                 pass
         return self._snapshot()
 
-    async def add_hot_prefix(self, entries: dict[bytes, tuple[PoolKey, ...]],
-                             handover: dict[bytes, dict[bytes, tuple[PoolKey, ...]]] | None = None) -> int:
+    async def add_hot_prefix(self, entries: dict[bytes, HintPools],
+                             handover: dict[bytes, dict[bytes, HintPools]] | None = None) -> int:
         """A shard found these blocks shared by the many askers of a family root it owns: every
         engine gets them with the next membership version (when anything changed). ``handover``:
         per new family root, the hints of the families written under the old one, passed on to
@@ -108,7 +109,7 @@ class ShardDirectory:
             self._hand_over(handover)
         return self._version
 
-    def _hand_over(self, handover: dict[bytes, dict[bytes, tuple[PoolKey, ...]]]) -> None:
+    def _hand_over(self, handover: dict[bytes, dict[bytes, HintPools]]) -> None:
         """One ``adopt_hints`` per owner of the new roots (rendezvous over the membership engines
         hold, as their hint posts and lookups place a root)."""
         shards = self._snapshot().shards
@@ -116,7 +117,7 @@ class ShardDirectory:
             return
         roots = list(handover)
         rows = place(roots, [s.shard_id for s in shards], self._replication or 1)
-        per_owner: dict[int, dict[bytes, tuple[PoolKey, ...]]] = {}
+        per_owner: dict[int, dict[bytes, HintPools]] = {}
         for root, row in zip(roots, rows.tolist()):
             for owner in row:
                 per_owner.setdefault(owner, {}).update(handover[root])

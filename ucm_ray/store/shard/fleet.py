@@ -91,7 +91,7 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
     check_pool_fits(config.shm_dir, config.pool_bytes,
                     sum(1 for name, _, node in placement
                         if name not in existing and (node == here or (node is None and single_node))),
-                    config.disk_bytes if config.disk_roots else 0)
+                    config.disk_bytes)
     directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
         name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_restarts=-1).remote(ns, config.to_dict())  # stateless: a restart finds the shards again

@@ -21,6 +21,9 @@ from collections.abc import Mapping, Sequence
 
 from ucm_ray.transport.base import PoolKey
 
+HintPools = tuple[PoolKey, ...]
+"""The pools a hint names for a key."""
+
 MAX_POOLS_PER_KEY = 4
 """Pools remembered per key (the most recent): copies beyond a few add pin calls, not hits."""
 
@@ -30,7 +33,7 @@ class FamilyHints:
 
     def __init__(self, max_keys: int) -> None:
         self._max_keys = max_keys
-        self._pools: OrderedDict[bytes, tuple[PoolKey, ...]] = OrderedDict()
+        self._pools: OrderedDict[bytes, HintPools] = OrderedDict()
         self.registered = 0
         self.adopted = 0
         self.asked = 0
@@ -51,7 +54,7 @@ class FamilyHints:
         self.adopted += len(entries)
         self._bound()
 
-    def _add(self, key: bytes, pools: tuple[PoolKey, ...]) -> None:
+    def _add(self, key: bytes, pools: HintPools) -> None:
         """``pools`` (oldest first) now hold ``key``: the most recent last, the key the newest."""
         known = self._pools.pop(key, ())
         self._pools[key] = (tuple(p for p in known if p not in pools) + pools)[-MAX_POOLS_PER_KEY:]
@@ -60,10 +63,10 @@ class FamilyHints:
         while len(self._pools) > self._max_keys:
             self._pools.popitem(last=False)
 
-    def where(self, keys: Sequence[bytes]) -> list[tuple[PoolKey, ...]]:
+    def where(self, keys: Sequence[bytes]) -> list[HintPools]:
         """Per key, the pools that said they hold it, most recent first (empty: none)."""
         table = self._pools
-        out: list[tuple[PoolKey, ...]] = []
+        out: list[HintPools] = []
         for key in keys:
             pools = table.get(key)
             if pools is None:
@@ -75,7 +78,7 @@ class FamilyHints:
         self.answered += sum(1 for pools in out if pools)
         return out
 
-    def peek(self, keys: Sequence[bytes]) -> list[tuple[PoolKey, ...]]:
+    def peek(self, keys: Sequence[bytes]) -> list[HintPools]:
         """As ``where``, without counting an ask or refreshing the keys' age."""
         return [self._pools.get(key, ())[::-1] for key in keys]
 

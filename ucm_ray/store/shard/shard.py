@@ -31,7 +31,7 @@ from ucm_ray.store.hot_prefixes import RECORDED_KEYS, FamilyRecords, HotPrefixLe
 from ucm_ray.store.published_layout import index_path
 from ucm_ray.store.shard.disk import DiskStore
 from ucm_ray.store.shard.disk.tier import DiskTier
-from ucm_ray.store.shard.hints import FamilyHints
+from ucm_ray.store.shard.hints import FamilyHints, HintPools
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.types import DIRECTORY_NAME, GrantCommit, Slot, WrongIncarnation, grant_items, random_id
@@ -41,9 +41,6 @@ from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
-
-HintPools = tuple[tuple[str, int], ...]
-"""The pools a hint names for a key, most recent first."""
 
 HINTS_MIN_KEYS = 1 << 16
 HINT_BLOCK_BYTES = 16 << 10
@@ -66,8 +63,7 @@ class CacheShard:
         self._lock = threading.Lock()
         self._tier: DiskTier | None = None
         try:
-            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation,
-                                             cfg.disk_bytes if cfg.disk_roots else 0)
+            self._published = PublishedIndex(index_path(path), cfg.pool_bytes, self._incarnation, cfg.disk_bytes)
             self._index = BlockIndex(cfg.pool_bytes, lease_s=cfg.lease_s, reserve_timeout_s=cfg.reserve_timeout_s,
                                      published=self._published, prefer_clean=bool(cfg.disk_roots))
             if cfg.disk_roots:
@@ -210,7 +206,7 @@ class CacheShard:
             self._hints.register((pool[0], pool[1]), keys)
 
     def where(self, incarnation: int, keys: Sequence[Key],
-              family: Sequence[Key] = ()) -> list[tuple[tuple[str, int], ...]]:
+              family: Sequence[Key] = ()) -> list[HintPools]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
         (most recent first; a reader pins it there, and a stale hint is a miss there).
         ``family``: the asker's chain from the root on, what the hot-prefix learner counts and
@@ -233,10 +229,10 @@ class CacheShard:
         with self._lock:
             self._hints.adopt(entries)
 
-    def _hot_entries(self, hot: list[Key]) -> dict[Key, tuple[tuple[str, int], ...]]:
+    def _hot_entries(self, hot: list[Key]) -> dict[Key, HintPools]:
         """The blocks that became hot with the pools the hints name for them, up to the first
         block no pool is known for (the table is a prefix)."""
-        entries: dict[Key, tuple[tuple[str, int], ...]] = {}
+        entries: dict[Key, HintPools] = {}
         for key, pools in zip(hot, self._hints.peek(hot)):
             if not pools:
                 break
