@@ -69,6 +69,7 @@ def test_a_prompt_evicted_to_disk_is_a_hit_with_the_reference_output(ray_cluster
         assert time.monotonic() < deadline, shard
         time.sleep(0.1)
     assert shard["evictions"] >= BLOCKS and shard["evicted_dirty"] == 0 and shard["disk_entries"] == 3 * BLOCKS, shard
+    manifests_at_written = shard["disk_manifests"]
     print(f"three prompts saved {time.monotonic() - started:.1f} s into the test", flush=True)
     assert ray.get(a.__ray_call__.remote(lambda eng: eng.llm.reset_prefix_cache()))
     hits_before = external_hits(a)
@@ -82,7 +83,13 @@ def test_a_prompt_evicted_to_disk_is_a_hit_with_the_reference_output(ray_cluster
 
     print(f"first disk hit {time.monotonic() - started:.1f} s into the test", flush=True)
 
-    # kill -9 and up again: the writes ended seconds ago (manifests follow them within about 1 s)
+    # kill -9 and up again once a manifest followed the writes: one comes within 1 s of a write, or
+    # 10x the last manifest's duration where that is longer (a loaded box: several seconds), and
+    # what a crash meets unlisted is lost by design. Not awaited past 30 s (it may have come before
+    # the count above was read).
+    deadline = time.monotonic() + 30
+    while fleet_status(cfg)["shards"][0]["disk_manifests"] <= manifests_at_written and time.monotonic() < deadline:
+        time.sleep(0.2)
     restart_shard(cfg, 0)
     shard = fleet_status(cfg)["shards"][0]
     assert shard["entries"] == 0 and shard["disk_adopted"] >= BLOCKS, shard  # prompt 1 was written first
