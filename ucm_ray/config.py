@@ -127,6 +127,11 @@ class UcmRayConfig:
     """writer_local across nodes: a family root asked this often within 10 s becomes a hot prefix
     (what its askers share joins a table every engine holds, and their lookups and hints move to
     the block after it: no single shard answers for a system prompt). 0: never."""
+    remote_copy_reads: int = 2
+    """writer_local across nodes: an engine that loads an entry from another node's pool for
+    this many'th time saves a copy into its own node's pool (registered as its write), so a
+    document read on many nodes is not served by its writer's pool alone. 1: at the first read;
+    0: never (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
@@ -214,6 +219,8 @@ class UcmRayConfig:
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
         need(self.placement in PLACEMENTS, "placement", " | ".join(PLACEMENTS))
         need(is_int(self.hot_prefix_asks) and 0 <= self.hot_prefix_asks <= 1_000_000, "hot_prefix_asks",
+             "an integer between 0 (never) and 1000000")
+        need(is_int(self.remote_copy_reads) and 0 <= self.remote_copy_reads <= 1_000_000, "remote_copy_reads",
              "an integer between 0 (never) and 1000000")
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")

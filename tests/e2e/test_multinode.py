@@ -4,8 +4,10 @@ the bytes stay on node 2's shard; engine B on node 1 finds them through the fami
 (one call) and node 2's published index, read over NIXL, and loads them over NIXL (what ``transport: auto``
 picks for another node's shard); its hit is the policy's and its greedy tokens equal an engine
 without the connector, as on one node. A PD handoff across the nodes: A prefills a new prompt,
-B decodes it, finding A's saves the same way. With node 2's shard killed, B (its own cache
-emptied) misses and still answers as the reference does."""
+B decodes it, finding A's saves the same way. B reads the document twice more: the second read
+from node 2 keeps a copy on node 1 (``remote_copy_reads``), which serves the next read locally,
+and still serves it once node 2's shard is killed; the PD prompt, read from node 2 once, is then
+a miss, and every answer equals the reference's."""
 
 from __future__ import annotations
 
@@ -61,9 +63,36 @@ def test_saves_stay_on_the_writers_node_and_another_node_loads_them_over_nixl(re
     assert result["lookups"] == 1 and result["lookup_calls"] == 1
     assert worker.get("loaded_shm_bytes", 0) == 0 and worker["loaded_nixl_bytes"] == worker["loaded_copy_bytes"] > 0
     assert worker.get("load_failures", 0) == 0 and worker.get("stale_loads", 0) == 0
-    after = result["after_kill"]
-    assert after["hit_tokens"] == 0  # no hit: the only copy died with its shard
+    after = result["after_kill_pd"]
+    assert after["scheduler"].get("hit_tokens", 0) == 0  # read once from node 2: its only copy died with its shard
     assert after["tokens"] == after["reference"]
+
+
+def test_a_document_read_twice_from_another_node_is_copied_to_the_readers_node(result):
+    """B's second read of A's document from node 2 (its prefix cache emptied) keeps a copy in
+    node 1's pool (``remote_copy_reads`` 2): its next read loads it over shared memory with no
+    call, and with node 2's shard killed the copy still serves it; every answer equals the
+    reference's."""
+    second, third = result["copies"]
+    blocks = DOCUMENT // BLOCK
+    print(f"multinode copies: kept={second['scheduler'].get('copies_kept', 0)} "
+          f"entries={result['copied_entries']} third_calls={third['scheduler'].get('lookup_calls', 0)} "
+          f"third_shm={third['worker'].get('loaded_shm_bytes', 0)} "
+          f"after_kill_hit={result['after_kill']['scheduler'].get('hit_tokens', 0)}")
+    for read in (second, third, result["after_kill"]):
+        assert read["tokens"] == read["reference"]
+        assert read["scheduler"]["hit_tokens"] == read["cached"] == DOCUMENT
+        assert read["worker"].get("load_failures", 0) == 0 and read["worker"].get("stale_loads", 0) == 0
+    # the second read still came from node 2, and its blocks were saved again on node 1
+    assert second["worker"]["loaded_nixl_bytes"] == second["worker"]["loaded_copy_bytes"] > 0
+    assert second["scheduler"]["copies_kept"] == second["scheduler"]["saved_blocks"] == blocks
+    entries = dict(result["copied_entries"])
+    assert entries.pop(result["writer_node"]) == 2 * blocks  # the document and the PD prompt
+    assert sorted(entries.values()) == [0, blocks]  # the reader's node holds the copy, the third none
+    # the third read finds the whole document on its own node: no call, no NIXL byte, no new copy
+    assert third["scheduler"].get("lookup_calls", 0) == 0 and third["scheduler"].get("copies_kept", 0) == 0
+    assert third["worker"]["loaded_shm_bytes"] == third["worker"]["loaded_copy_bytes"] > 0
+    assert third["worker"].get("loaded_nixl_bytes", 0) == 0
 
 
 def test_a_decode_on_another_node_loads_its_prefills_prompt_over_nixl(result):

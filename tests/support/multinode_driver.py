@@ -58,6 +58,19 @@ def pd_handoff(prefill: Any, decode: Any, reference: Any, prompt: list[int]) -> 
             "seconds": time.monotonic() - started, **delta}
 
 
+def read_again(reader: Any, reference: Any, prompt: list[int]) -> dict[str, Any]:
+    """The reader serves ``prompt`` with its own prefix cache emptied first (so its hit comes from
+    the store): its tokens beside the reference's, and its connector's counters over the call."""
+    ray.get(reader.reset_prefix_cache.remote())
+    before = ray.get(reader.connector_totals.remote())
+    out = ray.get(reader.generate.remote(prompt, 8))
+    after = ray.get(reader.connector_totals.remote())
+    delta = {part: {key: value - before[part].get(key, 0) for key, value in after[part].items()}
+             for part in ("scheduler", "worker")}
+    return {"tokens": out["tokens"], "cached": out["cached"],
+            "reference": ray.get(reference.generate.remote(prompt, 8))["tokens"], **delta}
+
+
 def main(address: str, model: str, document_tokens: int) -> None:
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     config = start_fleet_per_node(UcmRayConfig(ray_namespace="multinode", pool_bytes=128 << 20, shard_cpus=0,
@@ -74,16 +87,18 @@ def main(address: str, model: str, document_tokens: int) -> None:
         answer = ray.get(reader.generate.remote(second, 8))
         expected = ray.get(reference.generate.remote(second, 8))
         totals = ray.get(reader.connector_totals.remote())
-        handoff = pd_handoff(writer, reader, reference, synthetic_prompt(model, document_tokens + 40, seed=25))
+        handoff_prompt = synthetic_prompt(model, document_tokens + 40, seed=25)
+        handoff = pd_handoff(writer, reader, reference, handoff_prompt)
         status = fleet_status(config)["shards"]
         shards = {s["shard_id"]: s["node_id"] for s in status}
+        copies = [read_again(reader, reference, document + synthetic_prompt(model, 40, seed=seed))
+                  for seed in (26, 27)]
+        copied_entries = {s["node_id"]: s["entries"] for s in fleet_status(config)["shards"]}
         writer_node = ray.get(ray.remote(num_cpus=0, resources={"node_2": 0.01})(
             lambda: ray.get_runtime_context().get_node_id()).remote())
         kill_shard(config, next(s for s, node in shards.items() if node == writer_node))
-        ray.get(reader.reset_prefix_cache.remote())
-        before_third = ray.get(reader.connector_totals.remote())
-        after = ray.get(reader.generate.remote(third, 8))
-        after_totals = ray.get(reader.connector_totals.remote())
+        after = read_again(reader, reference, third)
+        after_pd = read_again(reader, reference, handoff_prompt)
         print(json.dumps({"shard_nodes": shards, "writer_node": writer_node,
                           "entries": {s["node_id"]: s["entries"] for s in status},
                           "num_tokens": len(second), "tokens": answer["tokens"],
@@ -91,11 +106,8 @@ def main(address: str, model: str, document_tokens: int) -> None:
                           "hit_tokens": totals["scheduler"].get("hit_tokens", 0),
                           "lookups": totals["scheduler"].get("lookups", 0),
                           "lookup_calls": totals["scheduler"].get("lookup_calls", 0), "worker": totals["worker"],
-                          "pd": handoff,
-                          "after_kill": {"tokens": after["tokens"],
-                                         "reference": ray.get(reference.generate.remote(third, 8))["tokens"],
-                                         "hit_tokens": after_totals["scheduler"].get("hit_tokens", 0)
-                                         - before_third["scheduler"].get("hit_tokens", 0)}}),
+                          "pd": handoff, "copies": copies, "copied_entries": copied_entries,
+                          "after_kill": after, "after_kill_pd": after_pd}),
               flush=True)
     finally:
         stop_fleet(config)

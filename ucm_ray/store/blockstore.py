@@ -69,6 +69,13 @@ class BlockStore(ABC):
         when every block is hot)."""
         return 0
 
+    def keep_copies(self, keys: Sequence[bytes], pools: Sequence[PoolKey]) -> list[bool]:
+        """Entries this engine just loaded (``keys[i]`` from ``pools[i]``), counted as read:
+        per entry, whether the engine should save it again into its own node's pool (writer-local
+        placement across nodes: an entry read from another node for the ``remote_copy_reads``-th
+        time; ``store.engine.remote_reads``). None where every pool is on one node."""
+        return [False] * len(keys)
+
     @abstractmethod
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         """Whether some of ``keys`` is surely not stored, as the published index of its owner on

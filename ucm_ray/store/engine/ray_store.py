@@ -36,6 +36,7 @@ from ucm_ray.store.engine.family import FamilyAcquire, HintPoster
 from ucm_ray.store.engine.feed import MembershipFeed
 from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.engine.published_reader import IndexReaders
+from ucm_ray.store.engine.remote_reads import RemoteReads
 from ucm_ray.store.engine.suspects import Suspects
 from ucm_ray.store.engine.touches import TouchSender
 from ucm_ray.store.hot_prefixes import SCAN_BLOCKS
@@ -82,6 +83,7 @@ class RayBlockStore(BlockStore):
         self._pools = Pools(0, {}, config.replication)
         """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
+        self._remote_reads = RemoteReads(config.remote_copy_reads)
         self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
@@ -183,6 +185,17 @@ class RayBlockStore(BlockStore):
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0
+
+    def keep_copies(self, keys: Sequence[bytes], pools: Sequence[PoolKey]) -> list[bool]:
+        if not self._families:
+            return [False] * len(keys)
+        records = self._records
+        remote = [i for i, pool in enumerate(pools)
+                  if (rec := records.get(pool)) is not None and rec.pool.node_id != self._node_id]
+        out = [False] * len(keys)
+        for i, copy in zip(remote, self._remote_reads.count([keys[i] for i in remote])):
+            out[i] = copy
+        return out
 
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         if self._families:

@@ -241,6 +241,12 @@ class TrackedRequest:
         self.pending[(group, rank, index)] = False
         self.waiting_at = None
 
+    def keep_copies(self, group: int, rank: int, indices: Sequence[int]) -> None:
+        """Blocks it loaded whole from another node (its loads landed): saved again, into this
+        node's pool, as blocks whose bytes are valid now (``RemoteReads``)."""
+        self.pending.update(((group, rank, index), True) for index in indices)
+        self.waiting_at = None
+
     def await_slots(self, counts: SlotCounts, until: float) -> None:
         """Its prompt's first save waits for these slots, at most until ``until``."""
         self.awaited, self.awaited_until = counts, until

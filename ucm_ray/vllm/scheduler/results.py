@@ -103,7 +103,10 @@ class Results:
                 corrupt = set(results.corrupt)
                 removals.extend(Removal(key, loc) for key, loc in zip(load.blocks.keys, load.blocks.locations)
                                 if loc in corrupt)
-            self._save_again(load, results.load_failures.get(job_id, []))
+            failed = results.load_failures.get(job_id, [])
+            self._save_again(load, failed)
+            if not failed:
+                self._keep_copies(load)
         self._answers.release(pins)
         if removals:
             log.error("ucm-ray: removing %d stored entries that failed their checksum", len(removals))
@@ -123,6 +126,32 @@ class Results:
             size = self._geometry.block_sizes[g]
             for i in failed:
                 self._saves.expect(tracked, (i + 1) * size, i * size)
+
+    def _keep_copies(self, load: LoadInFlight) -> None:
+        """A load that landed whole: the blocks the store says to keep (read from another node
+        again: ``BlockStore.keep_copies``) are saved into this node's pool. Never from a load with
+        a failure (a failed block's neighbours are recomputed, and a copy could publish bytes the
+        step rewrites), nor a hybrid's (its blocks hit only beside a state at their boundary), nor
+        the block a hit ends inside (the forward writes its tail)."""
+        tracked = self._requests.get(load.req_id)
+        blocks = load.blocks
+        if tracked is None or self._geometry.hybrid or not len(blocks):
+            return
+        locations = blocks.locations
+        pools = [locations.pools[at] for at in locations.pool.tolist()]
+        keep = self._store.keep_copies(blocks.keys, pools)
+        if not any(keep):
+            return
+        wanted: dict[int, list[int]] = defaultdict(list)
+        positions = {g: {block_id: i for i, block_id in enumerate(tracked.block_ids[g])}
+                     for g in self._geometry.attn if g < len(tracked.block_ids)}
+        for row, (g, block_id, tail) in enumerate(zip(blocks.groups.tolist(), blocks.block_ids.tolist(),
+                                                      blocks.before_forward.tolist())):
+            at = positions.get(g, {}).get(block_id)
+            if keep[row] and not tail and at is not None:
+                wanted[g].append(at)
+        if wanted:
+            self._saves.keep_copies(tracked, load.rank, dict(wanted))
 
     def collect(self) -> None:
         """Check what the shards said to our commits, releases and removals (never waits), and

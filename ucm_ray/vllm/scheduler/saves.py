@@ -76,7 +76,10 @@ class SavePlanner:
         until = min(until, tracked.hashed_tokens())
         if until <= start:
             return {}
-        keys, sizes = self._keys_between(tracked, start, until)
+        return self._counts_of(*self._keys_between(tracked, start, until))
+
+    def _counts_of(self, keys: list[bytes], sizes: list[int]) -> SlotCounts:
+        """Per (pool, entry size), how many entries saving ``keys`` (of ``sizes``) writes."""
         if not keys:
             return {}
         pools, owners = self._store.placement(keys)
@@ -119,6 +122,19 @@ class SavePlanner:
         if skipped > tracked.unexpected_until:
             self._slots.unexpect(self.counts(tracked, tracked.unexpected_until, skipped))
             tracked.unexpected_until = skipped
+
+    def keep_copies(self, tracked: TrackedRequest, rank: int, blocks: dict[int, list[int]]) -> None:
+        """Blocks of the request's hit (per attention group, their indices) that its landed load
+        brought from another node, to be saved again into this node's pool by the next plans,
+        as a pending save is; their slots are announced now."""
+        keys: list[bytes] = []
+        sizes: list[int] = []
+        for g, indices in blocks.items():
+            tracked.keep_copies(g, rank, indices)
+            keys.extend(tracked.attn_keys(rank, g, indices))
+            sizes.extend([self._geometry.entry_bytes[g]] * len(indices))
+        self._slots.expect(self._counts_of(keys, sizes))
+        self._stats.add(copies_kept=len(keys))
 
     # --- the step's plan --------------------------------------------------------------------
 

@@ -1,0 +1,78 @@
+"""Copies of blocks read from another node again (``remote_copy_reads``), through both connector
+halves (vLLM's real scheduler, real bytes): kept only from a load that landed whole, saved from
+the loaded blocks as the request's own, no wrong byte. The Ray client decides which reads are
+remote by node (``RayBlockStore.keep_copies``; tests/e2e/test_multinode.py runs it across three
+raylets); here a client of the in-process store counts every pool as another node's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ucm_ray.store.engine.remote_reads import RemoteReads
+from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.testing.harness import make_engine, prompt
+from ucm_ray.transport.base import PoolKey
+
+BLOCKS = 16  # prompt(2048) in blocks of 128
+
+
+class EveryPoolElsewhere(LocalBlockStore):
+    """A client of ``shared``'s shards that sees each of them on another node."""
+
+    def __init__(self, shared: LocalBlockStore) -> None:
+        super().__init__(_shared=shared)
+        self._reads = RemoteReads(2)
+
+    def keep_copies(self, keys: Sequence[bytes], pools: Sequence[PoolKey]) -> list[bool]:
+        return self._reads.count(keys)
+
+
+def _written(store: LocalBlockStore, model_dir: str) -> tuple[list[int], list[bytes]]:
+    """A document saved by a writer (with checksums), and its block keys."""
+    writer = make_engine(store.client(), model_dir, extra={"checksum": True})
+    document = prompt(2048)
+    writer.serve("A", document)
+    writer.settle()
+    return document, writer.block_keys(document)
+
+
+def test_the_second_read_saves_the_loaded_blocks_again(store, model_dir):
+    document, _ = _written(store, model_dir)
+    reader = make_engine(EveryPoolElsewhere(store), model_dir)
+    reader.serve("B1", document + [3] * 40)
+    reader.settle()
+    first = reader.stats()
+    assert first["hit_tokens"] == 2048 and first.get("copies_kept", 0) == 0
+    reader.sched.reset_prefix_cache()
+    reader.serve("B2", document + [4] * 40)
+    reader.settle()
+    second = reader.stats()
+    assert second["hit_tokens"] == 2 * 2048
+    assert second["copies_kept"] == BLOCKS
+    # every copy was copied out of vLLM's blocks and sent to commit (here to the shard that already
+    # holds its key: the in-process store has no nodes, so the commit is not visible)
+    assert second["saved_blocks"] - first.get("saved_blocks", 0) == BLOCKS
+    assert second["commits_not_visible"] - first.get("commits_not_visible", 0) == BLOCKS
+    assert reader.wrong_blocks == 0 and reader.failed_loads == 0
+
+
+def test_a_load_that_failed_keeps_no_copy(store, model_dir):
+    """One stored block goes bad between the first read and the second: that block fails its
+    checksum, vLLM recomputes from it, and none of the loaded blocks is copied (a failed block's
+    neighbours may be rewritten by the recompute)."""
+    document, keys = _written(store, model_dir)
+    reader = make_engine(EveryPoolElsewhere(store), model_dir)
+    reader.serve("B1", document + [3] * 40)
+    reader.settle()
+    reader.sched.reset_prefix_cache()
+    probe = store.client()
+    lease = probe.acquire(keys[BLOCKS // 2:BLOCKS // 2 + 1]).result()
+    bad = lease.locations[0]
+    assert bad is not None
+    store.pool_of(bad).tensor[bad.offset] ^= 0xFF  # a bad DIMM, a stray writer
+    probe.release(lease.lease_ids).result()
+    reader.serve("B2", document + [4] * 40)
+    reader.settle()
+    stats = reader.stats()
+    assert stats["checksum_mismatches"] == 1 and reader.failed_loads >= 1 and reader.wrong_blocks == 0
+    assert stats.get("copies_kept", 0) == 0
