@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from ucm_ray.store.engine.remote_reads import RemoteReads
 from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.store.types import Locations
 from ucm_ray.testing.harness import make_engine, prompt
-from ucm_ray.transport.base import PoolKey
 
 BLOCKS = 16  # prompt(2048) in blocks of 128
 
@@ -23,8 +23,8 @@ class EveryPoolElsewhere(LocalBlockStore):
         super().__init__(_shared=shared)
         self._reads = RemoteReads(2)
 
-    def keep_copies(self, keys: Sequence[bytes], pools: Sequence[PoolKey]) -> list[bool]:
-        return self._reads.count(keys)
+    def keep_copies(self, keys: Sequence[bytes], locations: Locations) -> list[int]:
+        return [row for row, copy in enumerate(self._reads.count(keys)) if copy]
 
 
 def _written(store: LocalBlockStore, model_dir: str) -> tuple[list[int], list[bytes]]:

@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from ucm_ray.store.types import Pending, Pools, Publishes, ReadLease, Removal, SlotGrant
+from ucm_ray.store.types import Locations, Pending, Pools, Publishes, ReadLease, Removal, SlotGrant
 from ucm_ray.transport.base import PoolKey
 
 
@@ -69,12 +69,12 @@ class BlockStore(ABC):
         when every block is hot)."""
         return 0
 
-    def keep_copies(self, keys: Sequence[bytes], pools: Sequence[PoolKey]) -> list[bool]:
-        """Entries this engine just loaded (``keys[i]`` from ``pools[i]``), counted as read:
-        per entry, whether the engine should save it again into its own node's pool (writer-local
-        placement across nodes: an entry read from another node for the ``remote_copy_reads``-th
-        time; ``store.engine.remote_reads``). None where every pool is on one node."""
-        return [False] * len(keys)
+    def keep_copies(self, keys: Sequence[bytes], locations: Locations) -> list[int]:
+        """Entries this engine just loaded (``keys[i]`` from ``locations[i]``), counted as read:
+        the rows the engine should save again into its own node's pool (writer-local placement
+        across nodes: an entry read from another node for the ``remote_copy_reads``-th time;
+        ``store.engine.remote_reads``); none where every pool is on one node."""
+        return []
 
     @abstractmethod
     def surely_absent(self, keys: Sequence[bytes]) -> bool:

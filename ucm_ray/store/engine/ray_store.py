@@ -45,6 +45,7 @@ from ucm_ray.store.placement import writer_owners
 from ucm_ray.store.types import (
     Done,
     GrantCommit,
+    Locations,
     Membership,
     Pending,
     Pools,
@@ -186,16 +187,14 @@ class RayBlockStore(BlockStore):
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0
 
-    def keep_copies(self, keys: Sequence[bytes], pools: Sequence[PoolKey]) -> list[bool]:
+    def keep_copies(self, keys: Sequence[bytes], locations: Locations) -> list[int]:
         if not self._families:
-            return [False] * len(keys)
-        records = self._records
-        remote = [i for i, pool in enumerate(pools)
-                  if (rec := records.get(pool)) is not None and rec.pool.node_id != self._node_id]
-        out = [False] * len(keys)
-        for i, copy in zip(remote, self._remote_reads.count([keys[i] for i in remote])):
-            out[i] = copy
-        return out
+            return []
+        remote = [at for at, pool in enumerate(locations.pools)
+                  if (rec := self._records.get(pool)) is not None and rec.pool.node_id != self._node_id]
+        rows = np.flatnonzero(np.isin(locations.pool, remote)).tolist() if remote else []
+        copies = self._remote_reads.count([keys[row] for row in rows])
+        return [row for row, copy in zip(rows, copies) if copy]
 
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         if self._families:

@@ -137,19 +137,17 @@ class Results:
         blocks = load.blocks
         if tracked is None or self._geometry.hybrid or not len(blocks):
             return
-        locations = blocks.locations
-        pools = [locations.pools[at] for at in locations.pool.tolist()]
-        keep = self._store.keep_copies(blocks.keys, pools)
-        if not any(keep):
+        keep = self._store.keep_copies(blocks.keys, blocks.locations)
+        if not keep:
             return
         wanted: dict[int, list[int]] = defaultdict(list)
         positions = {g: {block_id: i for i, block_id in enumerate(tracked.block_ids[g])}
                      for g in self._geometry.attn if g < len(tracked.block_ids)}
-        for row, (g, block_id, tail) in enumerate(zip(blocks.groups.tolist(), blocks.block_ids.tolist(),
-                                                      blocks.before_forward.tolist())):
-            at = positions.get(g, {}).get(block_id)
-            if keep[row] and not tail and at is not None:
-                wanted[g].append(at)
+        groups, block_ids, tails = blocks.groups.tolist(), blocks.block_ids.tolist(), blocks.before_forward.tolist()
+        for row in keep:
+            at = positions.get(groups[row], {}).get(block_ids[row])
+            if not tails[row] and at is not None:
+                wanted[groups[row]].append(at)
         if wanted:
             self._saves.keep_copies(tracked, load.rank, dict(wanted))
 
