@@ -20,7 +20,8 @@ fleet's hot-prefix table (a root asked often hands what its askers share to a
 table every engine holds, and family roots move past it); (i) is (h) plus a local copy of a hot
 prefix read from another node; (j) is (h) with the handover (built): when a prefix becomes hot,
 the old root's owner hands the hints of the families written under it to their new roots' owners;
-(k) is (j) plus a copy in the reader's pool of a block its node loads from another node a second time.
+(k) is (j) plus, at a node's second session of a family, a copy in its pool of the blocks it
+loaded from other nodes (built: ``remote_copy_reads``).
 
 Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
 shards asked; same node 0); shards touched per request; MiB sent off the node per request by
@@ -32,7 +33,7 @@ pool per request ((d), (e)); index messages and KiB per request (updates, remova
 broadcasts); stale entries met per request. What eviction does to each
 design: ``benchmarks/scale/designs.py``'s docstring and ``docs/scaling.md``.
 
-The last line, for the built design (``PICKED``, (j)) at the largest run: ``scale_sim:
+The last line, for the built design (``PICKED``, (k)) at the largest run: ``scale_sim:
 nodes=<N> lookup_calls_p99=<n> save_bytes_off_node_per_request=<bytes> hot_spot=<ratio>
 moved_worst_node_x_1_over_n=<ratio> hit_rate_delta=<points>`` (hot_spot: the worse of the calls and bytes ratios).
 
@@ -51,14 +52,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 
-from benchmarks.scale.designs import BuiltHotRootsHandover, DesignParams  # noqa: E402
+from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
 from benchmarks.scale.workload import ROUTERS, WorkloadSpec  # noqa: E402
 
-PICKED = BuiltHotRootsHandover
-"""The design built (``placement: writer_local`` with its hot-prefix table, docs/scaling.md): the
-last line is its row at the largest run."""
+PICKED = HandoverCopyOnSecondRead
+"""The design built (``placement: writer_local`` with its hot-prefix table, the handover and a
+reader's copies at its node's second session of a family, docs/scaling.md): the last line is its
+row at the largest run."""
 
 
 def _out(line: str) -> None:

@@ -729,27 +729,27 @@ class BuiltHotRootsHandover(BuiltHotRoots):
 
 
 class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
-    """(k) (j), and a node that loads a block from another node for the second time keeps a copy
-    in its own pool, registered as a write is (the connector saving a remote hit again after
-    loading it): a document many nodes read is served by at most two reads per node from its
-    writer, then from the copies (hints name the most recent first)."""
+    """(k) (j), and at a node's second session of a family (the root's owner counts the
+    ``where`` calls per node: ``shard.reader_sessions``) the reader keeps a copy in its own pool
+    of the blocks it loaded from other nodes, its hot prefix's too, registered as a write is (the
+    connector saving them again once the load landed: ``remote_copy_reads``): a document many
+    nodes read is served by at most two reads per node from its writer, then from the copies
+    (hints name the most recent first)."""
 
     name = "k handover + copy 2nd read"
 
     def __init__(self, cluster: Cluster, params: DesignParams) -> None:
         super().__init__(cluster, params)
-        self._read_remotely: set[tuple[int, bytes]] = set()
+        self._sessions: Counter[tuple[int, bytes]] = Counter()
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
-        again = []
-        for position in range(hit):
-            if sources[position] == req.node:
-                continue
-            seen = (req.node, req.keys[position])
-            if seen in self._read_remotely:
-                again.append(req.keys[position])
-            else:
-                self._read_remotely.add(seen)
+        if not tally.lookup_calls or self._root is None:
+            return []  # the root's owner was not asked: no session counted, no copy
+        session = (req.node, self._root)
+        self._sessions[session] += 1
+        if self._sessions[session] < 2:
+            return []
+        again = [req.keys[position] for position in range(hit) if sources[position] != req.node]
         if not again:
             return []
         stored = self.save_local(req, again)

@@ -1,14 +1,12 @@
-"""Copies of blocks read from another node again (``remote_copy_reads``), through both connector
-halves (vLLM's real scheduler, real bytes): kept only from a load that landed whole, saved from
-the loaded blocks as the request's own, no wrong byte. The Ray client decides which reads are
-remote by node (``RayBlockStore.keep_copies``; tests/e2e/test_multinode.py runs it across three
-raylets); here a client of the in-process store counts every pool as another node's."""
+"""Copies of blocks read from another node (``remote_copy_reads``), through both connector halves
+(vLLM's real scheduler, real bytes): kept only from a load that landed whole, saved from the
+loaded blocks as the request's own, no wrong byte. Which pools are another node's is the Ray
+client's to say (``RayBlockStore.remote_rows``), and a node's sessions of a family its root
+owner's (``ReaderSessions``): tests/e2e/test_multinode.py runs both across three raylets. Here a
+client of the in-process store sees every pool on another node, and copies at the first read."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from ucm_ray.store.engine.remote_reads import RemoteReads
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Locations
 from ucm_ray.testing.harness import make_engine, prompt
@@ -21,10 +19,13 @@ class EveryPoolElsewhere(LocalBlockStore):
 
     def __init__(self, shared: LocalBlockStore) -> None:
         super().__init__(_shared=shared)
-        self._reads = RemoteReads(2)
 
-    def keep_copies(self, keys: Sequence[bytes], locations: Locations) -> list[int]:
-        return [row for row, copy in enumerate(self._reads.count(keys)) if copy]
+    def remote_rows(self, locations: Locations) -> list[int]:
+        return list(range(len(locations.pool)))
+
+
+def _reader(store: LocalBlockStore, model_dir: str):
+    return make_engine(EveryPoolElsewhere(store), model_dir, extra={"remote_copy_reads": 1})
 
 
 def _written(store: LocalBlockStore, model_dir: str) -> tuple[list[int], list[bytes]]:
@@ -36,42 +37,31 @@ def _written(store: LocalBlockStore, model_dir: str) -> tuple[list[int], list[by
     return document, writer.block_keys(document)
 
 
-def test_the_second_read_saves_the_loaded_blocks_again(store, model_dir):
+def test_a_read_from_another_node_saves_the_loaded_blocks_again(store, model_dir):
     document, _ = _written(store, model_dir)
-    reader = make_engine(EveryPoolElsewhere(store), model_dir)
-    reader.serve("B1", document + [3] * 40)
+    reader = _reader(store, model_dir)
+    reader.serve("B", document + [3] * 40)
     reader.settle()
-    first = reader.stats()
-    assert first["hit_tokens"] == 2048 and first.get("copies_kept", 0) == 0
-    reader.sched.reset_prefix_cache()
-    reader.serve("B2", document + [4] * 40)
-    reader.settle()
-    second = reader.stats()
-    assert second["hit_tokens"] == 2 * 2048
-    assert second["copies_kept"] == BLOCKS
+    stats = reader.stats()
+    assert stats["hit_tokens"] == 2048 and stats["copies_kept"] == BLOCKS
     # every copy was copied out of vLLM's blocks and sent to commit (here to the shard that already
     # holds its key: the in-process store has no nodes, so the commit is not visible)
-    assert second["saved_blocks"] - first.get("saved_blocks", 0) == BLOCKS
-    assert second["commits_not_visible"] - first.get("commits_not_visible", 0) == BLOCKS
+    assert stats["saved_blocks"] == stats["commits_not_visible"] == BLOCKS
     assert reader.wrong_blocks == 0 and reader.failed_loads == 0
 
 
 def test_a_load_that_failed_keeps_no_copy(store, model_dir):
-    """One stored block goes bad between the first read and the second: that block fails its
-    checksum, vLLM recomputes from it, and none of the loaded blocks is copied (a failed block's
-    neighbours may be rewritten by the recompute)."""
+    """One stored block is bad: it fails its checksum, vLLM recomputes from it, and none of the
+    loaded blocks is copied (a failed block's neighbours may be rewritten by the recompute)."""
     document, keys = _written(store, model_dir)
-    reader = make_engine(EveryPoolElsewhere(store), model_dir)
-    reader.serve("B1", document + [3] * 40)
-    reader.settle()
-    reader.sched.reset_prefix_cache()
+    reader = _reader(store, model_dir)
     probe = store.client()
     lease = probe.acquire(keys[BLOCKS // 2:BLOCKS // 2 + 1]).result()
     bad = lease.locations[0]
     assert bad is not None
     store.pool_of(bad).tensor[bad.offset] ^= 0xFF  # a bad DIMM, a stray writer
     probe.release(lease.lease_ids).result()
-    reader.serve("B2", document + [4] * 40)
+    reader.serve("B", document + [4] * 40)
     reader.settle()
     stats = reader.stats()
     assert stats["checksum_mismatches"] == 1 and reader.failed_loads >= 1 and reader.wrong_blocks == 0

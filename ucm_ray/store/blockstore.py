@@ -69,11 +69,10 @@ class BlockStore(ABC):
         when every block is hot)."""
         return 0
 
-    def keep_copies(self, keys: Sequence[bytes], locations: Locations) -> list[int]:
-        """Entries this engine just loaded (``keys[i]`` from ``locations[i]``), counted as read:
-        the rows the engine should save again into its own node's pool (writer-local placement
-        across nodes: an entry read from another node for the ``remote_copy_reads``-th time;
-        ``store.engine.remote_reads``); none where every pool is on one node."""
+    def remote_rows(self, locations: Locations) -> list[int]:
+        """The rows of ``locations`` in pools on another node than this client's (writer-local
+        placement across nodes: what a reader keeps copies of, ``remote_copy_reads``); none
+        where every pool is on one node."""
         return []
 
     @abstractmethod

@@ -31,10 +31,13 @@ class FamilyAcquire(Pending[ReadLease]):
 
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
                  shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord],
-                 hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = ()) -> None:
+                 hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = (),
+                 reader: str = "") -> None:
         """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
         the table names for it (those rows are never asked about); ``family``: the chain from the
-        family root on, shown to the root's owner (what its hot-prefix learner counts)."""
+        family root on, shown to the root's owner (what its hot-prefix learner counts);
+        ``reader``: this node's id (the root's owner counts each node's sessions of a family:
+        ``ReadLease.earlier_reads``)."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -43,9 +46,10 @@ class FamilyAcquire(Pending[ReadLease]):
         self._root_owners = root_owners
         self._hot_pools = hot_pools
         self._family = family
+        self._reader = reader
         self._missing: np.ndarray | None = None  # rows the local step did not find
         self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
-        self._where: Fanout[list[tuple[PoolKey, ...]] | None] | None = None
+        self._where: Fanout[tuple[list[tuple[PoolKey, ...]], int] | None] | None = None
         self._remote: Acquire | None = None
         self._remote_rows: np.ndarray | None = None
 
@@ -81,18 +85,21 @@ class FamilyAcquire(Pending[ReadLease]):
             self._pin_where(None)  # the hot rows, if any: their pools come with the table
             return
         keys = [self._keys[i] for i in self._asked.tolist()]
-        posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys, self._family)
+        posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys, self._family,
+                                          self._reader)
         self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
         lease.calls += 1
 
-    def _pin_where(self, answer: list[tuple[PoolKey, ...]] | None) -> None:
+    def _pin_where(self, answer: tuple[list[tuple[PoolKey, ...]], int] | None) -> None:
         """Look each missing key up on the pools named for it (the hot-prefix table's, or the
         root owner's answer) that are still members."""
         assert self._missing is not None
         self._remote_rows = np.zeros(0, dtype=np.int64)
         named = {row: self._hot_pools[row] for row in self._missing.tolist() if row < len(self._hot_pools)}
         if answer:
-            named.update(zip(self._asked.tolist(), answer))
+            pools, earlier_reads = answer
+            self._local.result().earlier_reads = earlier_reads  # the lease ``result`` returns
+            named.update(zip(self._asked.tolist(), pools))
         if not named:
             return
         at = {rec.key: i for i, rec in enumerate(self._shards)}

@@ -36,7 +36,6 @@ from ucm_ray.store.engine.family import FamilyAcquire, HintPoster
 from ucm_ray.store.engine.feed import MembershipFeed
 from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.engine.published_reader import IndexReaders
-from ucm_ray.store.engine.remote_reads import RemoteReads
 from ucm_ray.store.engine.suspects import Suspects
 from ucm_ray.store.engine.touches import TouchSender
 from ucm_ray.store.hot_prefixes import SCAN_BLOCKS
@@ -84,7 +83,6 @@ class RayBlockStore(BlockStore):
         self._pools = Pools(0, {}, config.replication)
         """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
-        self._remote_reads = RemoteReads(config.remote_copy_reads)
         self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
@@ -182,19 +180,18 @@ class RayBlockStore(BlockStore):
         hot_rows = hot.leading(chain_keys)
         root = hot.root_position(chain_keys) if chain_keys else 0
         return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners([keys[root]])[0],
-                             [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS])
+                             [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS],
+                             self._node_id)
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0
 
-    def keep_copies(self, keys: Sequence[bytes], locations: Locations) -> list[int]:
+    def remote_rows(self, locations: Locations) -> list[int]:
         if not self._families:
             return []
         remote = [at for at, pool in enumerate(locations.pools)
                   if (rec := self._records.get(pool)) is not None and rec.pool.node_id != self._node_id]
-        rows = np.flatnonzero(np.isin(locations.pool, remote)).tolist() if remote else []
-        copies = self._remote_reads.count([keys[row] for row in rows])
-        return [row for row, copy in zip(rows, copies) if copy]
+        return np.flatnonzero(np.isin(locations.pool, remote)).tolist() if remote else []
 
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         if self._families:

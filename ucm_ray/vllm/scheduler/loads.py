@@ -37,6 +37,9 @@ class LoadInFlight:
     blocks: BlockLoads
     """What was loaded: the keys of entries the worker finds corrupt, to remove them."""
     dispatched: float
+    earlier_reads: int = 0
+    """This node's sessions of the prompt's family before this one (``ReadLease.earlier_reads``):
+    whether to keep copies of what came from other nodes."""
 
 
 @dataclass
@@ -75,7 +78,8 @@ class LoadPlanner:
             blocks, usable = self._blocks(tracked, lookup, lease, rank, block_ids, start, end)
             job = LoadJob(next(self._job_ids), request_id, blocks, complete_in_start=self._geometry.async_loads,
                           is_async=self._geometry.async_loads, failed=not usable)
-            self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock())
+            self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock(),
+                                                      lease.earlier_reads)
             loads.append(job)
         self._loading[request_id] = (tracked, loads)
         return loads

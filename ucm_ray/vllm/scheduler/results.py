@@ -128,23 +128,27 @@ class Results:
                 self._saves.expect(tracked, (i + 1) * size, i * size)
 
     def _keep_copies(self, load: LoadInFlight) -> None:
-        """A load that landed whole: the blocks the store says to keep (read from another node
-        again: ``BlockStore.keep_copies``) are saved into this node's pool. Never from a load with
-        a failure (a failed block's neighbours are recomputed, and a copy could publish bytes the
-        step rewrites), nor a hybrid's (its blocks hit only beside a state at their boundary), nor
-        the block a hit ends inside (the forward writes its tail)."""
+        """A load that landed whole, of a family this node read before (``remote_copy_reads``
+        sessions, its root's owner counted): the blocks it brought from other nodes are saved
+        into this node's pool too (a hot prefix's as well: the pools its table names are otherwise
+        every node's source). Never from a load with a failure (a failed block's neighbours are
+        recomputed, and a copy could publish bytes the step rewrites), nor a hybrid's (its blocks
+        hit only beside a state at their boundary), nor the block a hit ends inside (the forward
+        writes its tail)."""
+        copy_at = self._config.remote_copy_reads
         tracked = self._requests.get(load.req_id)
         blocks = load.blocks
-        if tracked is None or self._geometry.hybrid or not len(blocks):
+        if (not copy_at or load.earlier_reads + 1 < copy_at or tracked is None or self._geometry.hybrid
+                or not len(blocks)):
             return
-        keep = self._store.keep_copies(blocks.keys, blocks.locations)
-        if not keep:
+        rows = self._store.remote_rows(blocks.locations)
+        if not rows:
             return
         wanted: dict[int, list[int]] = defaultdict(list)
         positions = {g: {block_id: i for i, block_id in enumerate(tracked.block_ids[g])}
                      for g in self._geometry.attn if g < len(tracked.block_ids)}
         groups, block_ids, tails = blocks.groups.tolist(), blocks.block_ids.tolist(), blocks.before_forward.tolist()
-        for row in keep:
+        for row in rows:
             at = positions.get(groups[row], {}).get(block_ids[row])
             if not tails[row] and at is not None:
                 wanted[groups[row]].append(at)
