@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
     parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
     parser.add_argument("--segment-blocks", type=int, default=64)
+    parser.add_argument("--copy-session", type=int, default=2,
+                        help="(k): a node's session of a family at which it keeps copies (remote_copy_reads)")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
                                                       "default all")
     parser.add_argument("--pressure", action="store_true",
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         args.pool_fraction = PRESSURE_FRACTION
         args.min_pool_tokens = WorkloadSpec(nodes=1).max_prompt_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    params = DesignParams(segment_blocks=args.segment_blocks)
+    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

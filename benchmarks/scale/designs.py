@@ -47,6 +47,8 @@ class DesignParams:
     """(d): index owners of a hot family (top-r of ``owners``)."""
     max_copies: int = 8
     """(d), (e): copies of a block an index lists (replicas beyond are local-only, not registered)."""
+    copy_session: int = 2
+    """(k): a node's session of a family at which its reader keeps copies (``remote_copy_reads``)."""
     seed: int = 0
 
 
@@ -747,7 +749,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             return []  # the root's owner was not asked: no session counted, no copy
         session = (req.node, self._root)
         self._sessions[session] += 1
-        if self._sessions[session] < 2:
+        if self._sessions[session] < self.params.copy_session:
             return []
         again = [req.keys[position] for position in range(hit) if sources[position] != req.node]
         if not again:
