@@ -17,6 +17,7 @@ from benchmarks.scale.designs import (
     BuiltHotRootsHandover,
     CopyOnSecondRead,
     DesignParams,
+    HandoverCopyOnSecondRead,
     PerBlock,
     PrefixRooted,
 )
@@ -180,3 +181,26 @@ def test_copy_on_second_reader_spreads_a_popular_document_that_rooted_serves_fro
         assert cluster.evictions() == 0
         hot_bytes[design_class.name] = summarise(design.name, design.stats, Movement(0, 0, 0), None).hot_bytes
     assert hot_bytes[CopyOnSecondRead.name] < 0.6 * hot_bytes[PrefixRooted.name], hot_bytes
+
+
+@pytest.mark.parametrize("router", ["sticky", "random"])
+def test_the_builts_copies_at_a_nodes_second_session_spread_a_popular_document(router: str) -> None:
+    """One document most requests ask about, pools that never evict: (j) serves it from the node
+    that wrote it; (k), the built design, copies it on a node's second session of it, so the
+    bytes the hottest node serves fall, hits unchanged; at the first session (copying every read,
+    ``remote_copy_reads: 1``) they fall further."""
+    spec = WorkloadSpec(nodes=20, block_size=128, requests=120, router=router, seed=2, documents=2, doc_zipf=4.0,
+                        doc_share=0.8, chat_share=0.1)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    rows = {}
+    for design_class, session in ((BuiltHotRootsHandover, 2), (HandoverCopyOnSecondRead, 2),
+                                  (HandoverCopyOnSecondRead, 1)):
+        cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = design_class(cluster, DesignParams(copy_session=session))
+        design.run(requests)
+        assert cluster.evictions() == 0
+        rows[design_class.name, session] = summarise(design.name, design.stats, Movement(0, 0, 0), None)
+    built, second, first = rows.values()
+    assert second.hot_bytes < 0.75 * built.hot_bytes and first.hot_bytes <= second.hot_bytes, rows
+    assert first.hit_rate == second.hit_rate == built.hit_rate
