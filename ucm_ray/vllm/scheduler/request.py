@@ -242,8 +242,8 @@ class TrackedRequest:
         self.waiting_at = None
 
     def keep_copies(self, group: int, rank: int, indices: Sequence[int]) -> None:
-        """Blocks it loaded whole from another node (its loads landed): saved again, into this
-        node's pool, as blocks whose bytes are valid now (``RemoteReads``)."""
+        """Blocks it loaded from another node (its load landed whole): saved again, into this
+        node's pool, as blocks whose bytes are valid now (``remote_copy_reads``)."""
         self.pending.update(((group, rank, index), True) for index in indices)
         self.waiting_at = None
 
