@@ -20,8 +20,8 @@ fleet's hot-prefix table (a root asked often hands what its askers share to a
 table every engine holds, and family roots move past it); (i) is (h) plus a local copy of a hot
 prefix read from another node; (j) is (h) with the handover (built): when a prefix becomes hot,
 the old root's owner hands the hints of the families written under it to their new roots' owners;
-(k) is (j) plus, at a node's second session of a family, a copy in its pool of the blocks it
-loaded from other nodes (built: ``remote_copy_reads``).
+(k) is (j) plus a copy in the reader's pool of a block its node loads from another node for the
+second time, or of a hot prefix's block at once (built: ``remote_copy_reads``).
 
 Per table (nodes, block size, router), per design: calls per lookup p50/p99 (distinct remote
 shards asked; same node 0); shards touched per request; MiB sent off the node per request by
@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
     parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
     parser.add_argument("--segment-blocks", type=int, default=64)
+    parser.add_argument("--copy-holders", type=int, default=0, help="(k): no copy of a block listed in this many pools")
     parser.add_argument("--copy-session", type=int, default=2,
-                        help="(k): a node's session of a family at which it keeps copies (remote_copy_reads)")
+                        help="(k): a node's read of a block at which it keeps a copy (remote_copy_reads)")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
                                                       "default all")
     parser.add_argument("--pressure", action="store_true",
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         args.pool_fraction = PRESSURE_FRACTION
         args.min_pool_tokens = WorkloadSpec(nodes=1).max_prompt_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session)
+    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session,
+                          copy_holders=args.copy_holders)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

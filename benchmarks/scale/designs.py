@@ -48,7 +48,9 @@ class DesignParams:
     max_copies: int = 8
     """(d), (e): copies of a block an index lists (replicas beyond are local-only, not registered)."""
     copy_session: int = 2
-    """(k): a node's session of a family at which its reader keeps copies (``remote_copy_reads``)."""
+    """(k): a node's read of a block at which its reader keeps a copy (``remote_copy_reads``)."""
+    copy_holders: int = 0
+    """(k): no copy of a block its hints already list this many pools for (0: no bound)."""
     seed: int = 0
 
 
@@ -731,27 +733,32 @@ class BuiltHotRootsHandover(BuiltHotRoots):
 
 
 class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
-    """(k) (j), and at a node's second session of a family (the root's owner counts the
-    ``where`` calls per node: ``shard.reader_sessions``) the reader keeps a copy in its own pool
-    of the blocks it loaded from other nodes, its hot prefix's too, registered as a write is (the
-    connector saving them again once the load landed: ``remote_copy_reads``): a document many
-    nodes read is served by at most two reads per node from its writer, then from the copies
-    (hints name the most recent first)."""
+    """(k) (j), and a reader keeps a copy in its own pool of a block it loaded from another node at
+    its node's second read of that block (the root's owner counts each node's asks per block:
+    ``shard.remote_reads``; ``remote_copy_reads``), or at once for a hot prefix's block (the
+    table lists it because many read it), registered as a write is (the connector saving it
+    again once the load landed): a document many nodes read is served by at most two reads per
+    node from its writer, then from the copies (hints name the most recent first)."""
 
     name = "k handover + copy 2nd read"
 
     def __init__(self, cluster: Cluster, params: DesignParams) -> None:
         super().__init__(cluster, params)
-        self._sessions: Counter[tuple[int, bytes]] = Counter()
+        self._reads: Counter[tuple[int, bytes]] = Counter()
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
-        if not tally.lookup_calls or self._root is None:
-            return []  # the root's owner was not asked: no session counted, no copy
-        session = (req.node, self._root)
-        self._sessions[session] += 1
-        if self._sessions[session] < self.params.copy_session:
-            return []
-        again = [req.keys[position] for position in range(hit) if sources[position] != req.node]
+        again = []
+        for position in range(hit):
+            if sources[position] == req.node:
+                continue
+            key = req.keys[position]
+            if position >= self._hot_blocks:
+                self._reads[req.node, key] += 1
+                if self._reads[req.node, key] < self.params.copy_session:
+                    continue
+            if self.params.copy_holders and len(self.locs.get(key, ())) >= self.params.copy_holders:
+                continue
+            again.append(key)
         if not again:
             return []
         stored = self.save_local(req, again)

@@ -1,8 +1,8 @@
 """Copies of blocks read from another node (``remote_copy_reads``), through both connector halves
 (vLLM's real scheduler, real bytes): kept only from a load that landed whole, saved from the
 loaded blocks as the request's own, no wrong byte. Which pools are another node's is the Ray
-client's to say (``RayBlockStore.remote_rows``), and a node's sessions of a family its root
-owner's (``ReaderSessions``): tests/e2e/test_multinode.py runs both across three raylets. Here a
+client's to say (``RayBlockStore.remote_rows``), and a node's reads of each block its family root
+owner's (``RemoteReads``): tests/e2e/test_multinode.py runs both across three raylets. Here a
 client of the in-process store sees every pool on another node, and copies at the first read."""
 
 from __future__ import annotations

@@ -203,9 +203,9 @@ class ReadLease:
     lease_ids: dict[PoolKey, list[int]] = field(default_factory=dict)
     calls: int = 0
     """Shard calls the lookup made (answers from a published index on this node cost none)."""
-    earlier_reads: int = 0
-    """Writer-local placement across nodes: sessions of this prompt's family that this node had
-    before, as its root's owner counted them (``shard.reader_sessions``); 0 where it was not asked."""
+    earlier_reads: np.ndarray | None = None
+    """Writer-local placement across nodes: per key, how often this node asked the family root's
+    owner for it before (``shard.remote_reads``); None where the owner was not asked."""
 
     def merge(self, rows: np.ndarray, other: ReadLease) -> None:
         """Take ``other``'s finds (a lookup of the keys at ``rows`` of this one) and its pins."""

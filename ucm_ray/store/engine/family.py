@@ -21,6 +21,11 @@ from ucm_ray.store.engine.calls import Fanout, ShardAccess
 from ucm_ray.store.types import Pending, Publishes, ReadLease, ShardRecord
 from ucm_ray.transport.base import PoolKey
 
+HOT_READS = 1 << 30
+"""What a hot prefix's block counts as read before (``ReadLease.earlier_reads``): the fleet's table
+lists it because many asked, so a reader that loads it from another node keeps a copy at once (the
+pools the table names would otherwise serve every node)."""
+
 
 class FamilyAcquire(Pending[ReadLease]):
     """A lookup in three steps, each posted when the one before has answered: this node's shards
@@ -36,7 +41,7 @@ class FamilyAcquire(Pending[ReadLease]):
         """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
         the table names for it (those rows are never asked about); ``family``: the chain from the
         family root on, shown to the root's owner (what its hot-prefix learner counts);
-        ``reader``: this node's id (the root's owner counts each node's sessions of a family:
+        ``reader``: this node's id (the root's owner counts each node's reads of each block:
         ``ReadLease.earlier_reads``)."""
         self._access = access
         self._keys = keys
@@ -49,7 +54,7 @@ class FamilyAcquire(Pending[ReadLease]):
         self._reader = reader
         self._missing: np.ndarray | None = None  # rows the local step did not find
         self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
-        self._where: Fanout[tuple[list[tuple[PoolKey, ...]], int] | None] | None = None
+        self._where: Fanout[tuple[list[tuple[PoolKey, ...]], list[int]] | None] | None = None
         self._remote: Acquire | None = None
         self._remote_rows: np.ndarray | None = None
 
@@ -90,16 +95,19 @@ class FamilyAcquire(Pending[ReadLease]):
         self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
         lease.calls += 1
 
-    def _pin_where(self, answer: tuple[list[tuple[PoolKey, ...]], int] | None) -> None:
+    def _pin_where(self, answer: tuple[list[tuple[PoolKey, ...]], list[int]] | None) -> None:
         """Look each missing key up on the pools named for it (the hot-prefix table's, or the
         root owner's answer) that are still members."""
         assert self._missing is not None
         self._remote_rows = np.zeros(0, dtype=np.int64)
         named = {row: self._hot_pools[row] for row in self._missing.tolist() if row < len(self._hot_pools)}
+        earlier: np.ndarray = np.zeros(len(self._keys), dtype=np.int64)
+        earlier[:len(self._hot_pools)] = HOT_READS
         if answer:
             pools, earlier_reads = answer
-            self._local.result().earlier_reads = earlier_reads  # the lease ``result`` returns
+            earlier[self._asked] = earlier_reads
             named.update(zip(self._asked.tolist(), pools))
+        self._local.result().earlier_reads = earlier  # the lease ``result`` returns
         if not named:
             return
         at = {rec.key: i for i, rec in enumerate(self._shards)}

@@ -34,7 +34,7 @@ from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.hints import FamilyHints, HintPools
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
-from ucm_ray.store.shard.reader_sessions import ReaderSessions
+from ucm_ray.store.shard.remote_reads import RemoteReads
 from ucm_ray.store.types import DIRECTORY_NAME, GrantCommit, Slot, WrongIncarnation, grant_items, random_id
 from ucm_ray.testing.disk_crash import ops_from_env
 from ucm_ray.transport.base import PoolDescriptor
@@ -101,7 +101,7 @@ class CacheShard:
         self._hints = FamilyHints(max(HINTS_MIN_KEYS, cfg.pool_bytes // HINT_BLOCK_BYTES))
         self._hot = HotPrefixLearner(cfg.hot_prefix_asks)
         self._records = FamilyRecords(RECORDED_KEYS if cfg.hot_prefix_asks else 0)
-        self._sessions = ReaderSessions()
+        self._remote_reads = RemoteReads()
         self._namespace = cfg.ray_namespace
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
@@ -208,17 +208,17 @@ class CacheShard:
             self._hints.register((pool[0], pool[1]), keys)
 
     def where(self, incarnation: int, keys: Sequence[Key], family: Sequence[Key] = (),
-              reader: str = "") -> tuple[list[HintPools], int]:
+              reader: str = "") -> tuple[list[HintPools], list[int]]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
         (most recent first; a reader pins it there, and a stale hint is a miss there), and how
-        many sessions of the family the asker's node (``reader``) had before this one
-        (``ReaderSessions``: its engine keeps copies of what it loads from other nodes at the
+        many times the asker's node (``reader``; none: not counted) asked for it before
+        (``RemoteReads``: its engine keeps a copy of a block it loads from another node at the
         ``remote_copy_reads``-th). ``family``: the asker's chain from the root on, what the
         hot-prefix learner counts and a handover reads (``FamilyRecords``)."""
         self._check(incarnation)
         with self._lock:
             answer = self._hints.where(keys)
-            earlier = self._sessions.ask(family[0] if family else keys[0], reader) if keys else 0
+            earlier = self._remote_reads.ask(keys, reader) if reader else [0] * len(keys)
             self._records.record(family, keys)
             hot = self._hot.observe(family)
             entries = self._hot_entries(hot) if hot else {}

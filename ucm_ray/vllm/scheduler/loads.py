@@ -37,9 +37,9 @@ class LoadInFlight:
     blocks: BlockLoads
     """What was loaded: the keys of entries the worker finds corrupt, to remove them."""
     dispatched: float
-    earlier_reads: int = 0
-    """This node's sessions of the prompt's family before this one (``ReadLease.earlier_reads``):
-    whether to keep copies of what came from other nodes."""
+    earlier_reads: np.ndarray | None = None
+    """Per block of ``blocks``, this node's reads of it before (``ReadLease.earlier_reads``):
+    whether to keep a copy of it once it came from another node; None: not counted."""
 
 
 @dataclass
@@ -75,19 +75,20 @@ class LoadPlanner:
         request_id = tracked.request.request_id
         loads = []
         for rank, lease in enumerate(lookup.leases):
-            blocks, usable = self._blocks(tracked, lookup, lease, rank, block_ids, start, end)
+            blocks, taken, usable = self._blocks(tracked, lookup, lease, rank, block_ids, start, end)
             job = LoadJob(next(self._job_ids), request_id, blocks, complete_in_start=self._geometry.async_loads,
                           is_async=self._geometry.async_loads, failed=not usable)
+            earlier = None if lease.earlier_reads is None or not usable else lease.earlier_reads.take(taken)
             self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock(),
-                                                      lease.earlier_reads)
+                                                      earlier)
             loads.append(job)
         self._loading[request_id] = (tracked, loads)
         return loads
 
     def _blocks(self, tracked: TrackedRequest, lookup: Lookup, lease: ReadLease, rank: int,
-                block_ids: tuple[list[int], ...], start: int, end: int) -> tuple[BlockLoads, bool]:
-        """One rank's blocks to load, and whether the load is usable (vLLM's null block is
-        no target of it)."""
+                block_ids: tuple[list[int], ...], start: int, end: int) -> tuple[BlockLoads, np.ndarray, bool]:
+        """One rank's blocks to load, the lease's rows they are, and whether the load is usable
+        (vLLM's null block is no target of it)."""
         rank_rows = self._rows(tracked, lookup, rank, block_ids, start, end)
         taken = np.fromiter(itertools.chain.from_iterable(rank_rows.rows), dtype=np.int64)
         keys = lookup.flat_keys(rank)
@@ -99,8 +100,8 @@ class LoadPlanner:
         if NULL_BLOCK_ID in rank_rows.targets:
             log.error("ucm-ray: vLLM's null block is a target of %s's load at %d tokens; the load is "
                       "failed so vLLM recomputes", tracked.request.request_id, tracked.hit_tokens)
-            return BlockLoads.of([]), False
-        return blocks, True
+            return BlockLoads.of([]), taken, False
+        return blocks, taken, True
 
     def _rows(self, tracked: TrackedRequest, lookup: Lookup, rank: int, block_ids: tuple[list[int], ...],
               start: int, end: int) -> _RankRows:

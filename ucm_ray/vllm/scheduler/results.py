@@ -128,20 +128,22 @@ class Results:
                 self._saves.expect(tracked, (i + 1) * size, i * size)
 
     def _keep_copies(self, load: LoadInFlight) -> None:
-        """A load that landed whole, of a family this node read before (``remote_copy_reads``
-        sessions, its root's owner counted): the blocks it brought from other nodes are saved
-        into this node's pool too (a hot prefix's as well: the pools its table names are otherwise
-        every node's source). Never from a load with a failure (a failed block's neighbours are
-        recomputed, and a copy could publish bytes the step rewrites), nor a hybrid's (its blocks
-        hit only beside a state at their boundary), nor the block a hit ends inside (the forward
-        writes its tail)."""
+        """A load that landed whole: the blocks it brought from other nodes that this node read
+        ``remote_copy_reads`` times (the family root's owner counted) are saved into this node's
+        pool too. Not from a load with a failure (a failed block's neighbours are recomputed), nor
+        a hybrid's (its blocks hit only beside a state at their boundary), nor the block a hit
+        ends inside (the forward writes its tail); a block is saved only once the request's
+        computed tokens pass it (``SavePlanner._wanted``), so never while a recompute rewrites it."""
         copy_at = self._config.remote_copy_reads
         tracked = self._requests.get(load.req_id)
         blocks = load.blocks
-        if (not copy_at or load.earlier_reads + 1 < copy_at or tracked is None or self._geometry.hybrid
-                or not len(blocks)):
+        if not copy_at or tracked is None or self._geometry.hybrid or not len(blocks):
             return
         rows = self._store.remote_rows(blocks.locations)
+        if load.earlier_reads is not None:
+            rows = [row for row in rows if load.earlier_reads[row] + 1 >= copy_at]
+        elif copy_at > 1:
+            return  # not counted: a first read
         if not rows:
             return
         wanted: dict[int, list[int]] = defaultdict(list)

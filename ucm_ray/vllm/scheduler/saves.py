@@ -133,7 +133,7 @@ class SavePlanner:
             tracked.keep_copies(g, rank, indices)
             keys.extend(tracked.attn_keys(rank, g, indices))
             sizes.extend([self._geometry.entry_bytes[g]] * len(indices))
-        self._slots.expect(self._counts_of(keys, sizes))
+        self._slots.expect(self._counts_of(keys, sizes), later=True)  # one ask per class a tick, whatever the ranks
         self._stats.add(copies_kept=len(keys))
 
     # --- the step's plan --------------------------------------------------------------------
