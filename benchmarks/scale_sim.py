@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="pool per node = this fraction of the workload's distinct tokens / nodes ...")
     parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
     parser.add_argument("--segment-blocks", type=int, default=64)
-    parser.add_argument("--copy-holders", type=int, default=0, help="(k): no copy of a block listed in this many pools")
     parser.add_argument("--copy-session", type=int, default=2,
                         help="(k): a node's read of a block at which it keeps a copy (remote_copy_reads)")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
@@ -140,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         args.pool_fraction = PRESSURE_FRACTION
         args.min_pool_tokens = WorkloadSpec(nodes=1).max_prompt_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session,
-                          copy_holders=args.copy_holders)
+    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

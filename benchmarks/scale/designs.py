@@ -49,8 +49,6 @@ class DesignParams:
     """(d), (e): copies of a block an index lists (replicas beyond are local-only, not registered)."""
     copy_session: int = 2
     """(k): a node's read of a block at which its reader keeps a copy (``remote_copy_reads``)."""
-    copy_holders: int = 0
-    """(k): no copy of a block its hints already list this many pools for (0: no bound)."""
     seed: int = 0
 
 
@@ -756,8 +754,6 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                 self._reads[req.node, key] += 1
                 if self._reads[req.node, key] < self.params.copy_session:
                     continue
-            if self.params.copy_holders and len(self.locs.get(key, ())) >= self.params.copy_holders:
-                continue
             again.append(key)
         if not again:
             return []
