@@ -17,6 +17,7 @@ import torch
 
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.shard.disk import DiskStore, FileOps
+from ucm_ray.store.shard.disk import store as store_module
 from ucm_ray.store.shard.disk import tier as tier_module
 from ucm_ray.store.shard.disk.store import READ_DEPTH, shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
@@ -278,6 +279,7 @@ class SlowReads(FileOps):
 
 def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_file, monkeypatch):
     digest_keys(monkeypatch)
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", SLOT)  # a read per key: the bound counts reads
     s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
                        store_args={"ops": SlowReads(0.15)})
     for i in range(8):
