@@ -315,8 +315,7 @@ def test_a_disk_slower_than_recomputing_is_not_read_until_a_probe_is_due(tmp_pat
     s = Shard(str(tmp_path), 8, 64, write_through=True, recompute_bytes_s=1e12)  # no disk here reads 1 TB/s
     on_disk_only(s, 8)
     assert s.tier.promote([key(0)]) == [True]  # nothing measured yet: read, and measured
-    rate = s.tier.read_bytes_s
-    assert rate is not None and 0 < rate < 1e12
+    assert s.tier.read_cost.samples == 1 and 0 < SLOT / s.tier.read_cost.seconds(SLOT) < 1e12
     evictions = s.index.stats().evictions
     assert s.tier.promote([key(i) for i in range(1, 5)]) == [False] * 4  # recomputing is faster
     assert s.tier.stats.promote_skipped == 4 and s.tier.stats.promoted == 1
@@ -331,11 +330,26 @@ def test_a_lookup_reads_only_what_the_measured_rate_reads_within_its_wait(tmp_pa
     s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
                        store_args={"ops": SlowReads(0.04)})
     on_disk_only(s, 8)
-    assert s.tier.promote([key(0)]) == [True]  # measures the rate: about a 40 ms read per SLOT
-    rate = s.tier.read_bytes_s
-    assert rate is not None
-    fits = int(rate * 0.1) // SLOT
-    assert 1 <= fits < 7, rate
+    assert s.tier.promote([key(0)]) == [True]  # measures the cost: about a 40 ms read per SLOT
+    assert s.tier.read_cost.samples == 1  # one size seen: bytes/s, no fixed part yet
+    fits = int(0.1 / s.tier.read_cost.seconds(SLOT))
+    assert 1 <= fits < 7, fits
     out = s.tier.promote([key(i) for i in range(1, 8)])
     assert out == [True] * fits + [False] * (7 - fits)  # the head, in prompt order
     assert s.tier.stats.promote_skipped == 7 - fits and s.tier.stats.promote_late == 0
+
+
+def test_small_lookups_do_not_make_the_plan_cut_what_the_wait_reads(tmp_path, index_file, monkeypatch):
+    """A read has a fixed cost (here 20 ms a read, as on a network disk) besides its bytes: a
+    one-key lookup measures a low bytes/s that says nothing of a chunk's reads. After the small
+    lookups of a conversation's later turns, a long prompt's keys must still be read when the
+    wait covers them (16 keys: one chunk, one read, 20 ms against a 100 ms wait)."""
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 32, 64, index_file, write_through=True, wait_s=0.1,
+                       store_args={"ops": SlowReads(0.02)})
+    on_disk_only(s, 32)
+    assert s.tier.promote([key(i) for i in range(8)]) == [True] * 8  # one chunk: 64 KiB in about 20 ms
+    for i in range(8, 14):
+        assert s.tier.promote([key(i)]) == [True]  # 8 KiB in about 20 ms each
+    out = s.tier.promote([key(i) for i in range(14, 30)])
+    assert s.tier.stats.promote_skipped == 0 and out == [True] * 16, out

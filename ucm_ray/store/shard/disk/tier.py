@@ -17,13 +17,13 @@ than a tenth of the demotion time (a manifest is rewritten whole, and listing 10
 entries costs tens of milliseconds). An entry marked clean before its manifest is safe: until a
 crash the store serves it, and a crash loses the pool's copy too, so it is lost, never wrong.
 
-Promotion is planned against a measured read rate (bytes per second of this tier's promotions, a
-moving average): keys are read only while reading is worth it. A tier that reads slower than the
-engines recompute (``recompute_bytes_s``, the prefill's KV bytes per second) reads nothing, the
-engine recomputes faster; otherwise only the head of a lookup's disk keys that the rate says is
-read within ``wait_s`` is reserved and read, so no clean entry is evicted for a read the bound
-would give up anyway. Both costs are linear in bytes, so "reading costs less than recomputing"
-is one comparison of rates; the keys cut are misses, recomputed (``promote_skipped``).
+Promotion is planned against the measured cost of its reads (``ReadCost``: a chunk's seconds as a
+fixed part plus a part per byte, fitted to the chunks this tier read): keys are read only while
+reading is worth it. A chunk that would take longer to read than the engines take to recompute it
+(``recompute_bytes_s``, the prefill's KV bytes per second) is not read, and nor is anything after
+it; otherwise only the head of a lookup's disk keys that is predicted read within ``wait_s`` is
+reserved and read, so no clean entry is evicted for a read the bound would give up anyway. The
+keys cut are misses, recomputed (``promote_skipped``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from itertools import groupby
 
 import torch
 
+from ucm_ray.store.shard.disk.read_cost import ReadCost
 from ucm_ray.store.shard.disk.store import DiskStats, DiskStore
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.types import random_id
@@ -49,7 +50,7 @@ CHECKPOINT_SHARE = 10
 """A manifest is due ``CHECKPOINT_S`` after the last, or ``CHECKPOINT_SHARE`` times the last one's
 duration where that is longer (manifest writes take at most a tenth of the tier's time)."""
 RATE_WEIGHT = 0.3
-"""Weight of the newest chunk in the measured read rate: a few chunks follow a change of load."""
+"""Weight of the newest chunk in the measured read cost: a few chunks follow a change of load."""
 PROBE_S = 10.0
 """While the plan cuts keys, one chunk is still read this often: the rate is only measured by
 reading, and a rate measured under a burst of load must be able to recover."""
@@ -106,8 +107,8 @@ class DiskTier:
         self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._wait_s = wait_s
         self._recompute_bytes_s = recompute_bytes_s
-        self.read_bytes_s: float | None = None
-        """Measured: bytes per second of this tier's promotions (None until the first)."""
+        self.read_cost = ReadCost(RATE_WEIGHT)
+        """Measured: what a chunk of this tier's promotion reads costs (fixed + per byte)."""
         self._probed_at = time.monotonic()
         self._owner = random_id()
         self._checkpointed_at = time.monotonic()
@@ -265,22 +266,31 @@ class DiskTier:
 
     def _worth_reading(self, keys: Sequence[Key], todo: list[int]) -> list[int]:
         """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
-        docstring says: all of it until a rate is measured; none while the measured rate is below
-        ``recompute_bytes_s``; else what the rate reads within ``wait_s``. When that cuts keys and
-        ``PROBE_S`` has passed, one chunk is read regardless (the rate is measured again).
-        Sizes are dict probes without the disk lock (as ``on_disk``): a lookup never waits behind
-        a demotion batch to plan."""
-        rate = self.read_bytes_s
-        if rate is None or not todo:
+        docstring says, chunk by chunk as ``promote_pinned`` reads them: all of it until a chunk
+        was measured; then chunks while each costs less to read than to recompute (``read_cost``
+        against ``recompute_bytes_s``) and the reads end within ``wait_s``, and of the chunk that
+        would not end in time, the keys that would. When that cuts keys and ``PROBE_S`` has
+        passed, one chunk is read regardless (the cost is measured again). Sizes are dict probes
+        without the disk lock (as ``on_disk``): a lookup never waits behind a demotion batch."""
+        if not self.read_cost.samples or not todo:
             return todo
+        fixed, per_byte = self.read_cost.fit()
+        budget = self._wait_s
         keep = 0
-        if rate >= self._recompute_bytes_s:
-            budget = rate * self._wait_s
-            for i in todo:
-                budget -= self._store.size_of(keys[i]) or 0
-                if budget < 0:
+        for first in range(0, len(todo), PROMOTE_CHUNK):
+            sizes = [self._store.size_of(keys[i]) or 0 for i in todo[first:first + PROMOTE_CHUNK]]
+            if self._recompute_bytes_s and fixed + per_byte * sum(sizes) > sum(sizes) / self._recompute_bytes_s:
+                break  # recomputing these is faster than reading them
+            spent, fits = fixed, 0
+            for size in sizes:
+                spent += per_byte * size
+                if spent > budget:
                     break
-                keep += 1
+                fits += 1
+            keep += fits
+            budget -= spent
+            if fits < len(sizes):
+                break
         if keep < len(todo) and time.monotonic() - self._probed_at > PROBE_S:
             keep = max(keep, min(len(todo), PROMOTE_CHUNK))
             self._probed_at = time.monotonic()
@@ -288,12 +298,8 @@ class DiskTier:
         return todo[:keep]
 
     def _measured(self, nbytes: int, seconds: float) -> None:
-        """One chunk's reads: ``nbytes`` in ``seconds``, into the moving average."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        sample = nbytes / seconds
-        rate = self.read_bytes_s
-        self.read_bytes_s = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
+        """One chunk's reads: ``nbytes`` in ``seconds``, into the fitted cost."""
+        self.read_cost.add(nbytes, seconds)
 
     def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
         """Under the disk lock: reserve pool slots for ``chunk`` (indices into ``keys``, head
