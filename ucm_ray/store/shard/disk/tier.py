@@ -297,10 +297,6 @@ class DiskTier:
         self.stats.promote_skipped += len(todo) - keep
         return todo[:keep]
 
-    def _measured(self, nbytes: int, seconds: float) -> None:
-        """One chunk's reads: ``nbytes`` in ``seconds``, into the fitted cost."""
-        self.read_cost.add(nbytes, seconds)
-
     def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
         """Under the disk lock: reserve pool slots for ``chunk`` (indices into ``keys``, head
         first, until the pool has no room) and start reading into them. One reservation per run
@@ -327,8 +323,8 @@ class DiskTier:
         pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots:
         one commit per reservation."""
         read = chunk.finish()
-        self._measured(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
-                       time.monotonic() - chunk.started)
+        self.read_cost.add(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
+                           time.monotonic() - chunk.started)
         gone = self._store.take_gone()  # a failed check dropped it
         by_token: dict[int, list[tuple[int, int, int, bool | None]]] = {}
         for (i, token, offset, size), ok in zip(chunk.grants, read):
