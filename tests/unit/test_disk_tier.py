@@ -340,30 +340,31 @@ def test_a_lookup_reads_only_what_the_measured_rate_reads_within_its_wait(tmp_pa
 
 
 def test_small_lookups_do_not_make_the_plan_cut_what_the_wait_reads(tmp_path, index_file, monkeypatch):
-    """A read has a fixed cost (here 20 ms a read, as on a network disk) besides its bytes: a
+    """A read has a fixed cost (here 50 ms a read, as on a network disk) besides its bytes: a
     one-key lookup measures a low bytes/s that says nothing of a chunk's reads. After the small
     lookups of a conversation's later turns, a long prompt's keys must still be read when the
-    wait covers them (16 keys: one chunk, one read, 20 ms against a 100 ms wait)."""
+    wait covers them (16 keys: one chunk, one read, 50 ms against a 500 ms wait; on main, four
+    rounds of reads, 200 ms)."""
     digest_keys(monkeypatch)
-    s = PublishedShard(str(tmp_path), 32, 64, index_file, write_through=True, wait_s=0.1,
-                       store_args={"ops": SlowReads(0.02)})
-    on_disk_only(s, 32)
-    assert s.tier.promote([key(i) for i in range(8)]) == [True] * 8  # one chunk: 64 KiB in about 20 ms
-    for i in range(8, 14):
-        assert s.tier.promote([key(i)]) == [True]  # 8 KiB in about 20 ms each
-    out = s.tier.promote([key(i) for i in range(14, 30)])
+    s = PublishedShard(str(tmp_path), 40, 80, index_file, write_through=True, wait_s=0.5,
+                       store_args={"ops": SlowReads(0.05)})
+    on_disk_only(s, 40)
+    assert s.tier.promote([key(i) for i in range(8)]) == [True] * 8  # one chunk: 64 KiB
+    for i in range(8, 20):
+        assert s.tier.promote([key(i)]) == [True]  # 8 KiB each
+    out = s.tier.promote([key(i) for i in range(20, 36)])
     assert s.tier.stats.promote_skipped == 0 and out == [True] * 16, out
 
 
 def test_the_recompute_rule_weighs_a_reads_fixed_cost_not_a_small_lookups_bytes_per_second(tmp_path, index_file,
                                                                                             monkeypatch):
-    """Reads of 20 ms each, engines that recompute 1 MB of KV a second. A one-key lookup (8 KiB:
-    20 ms to read, 8 ms to recompute) is not worth reading once the fixed cost is known; a 16-key
-    chunk (128 KiB: one 20 ms read, 131 ms to recompute) is. A bytes/s averaged over the small
-    lookups said 0.4-0.5 MB/s and read none of it."""
+    """Reads of 50 ms each, engines that recompute 400 KB of KV a second. A one-key lookup (8 KiB:
+    50 ms to read, 20 ms to recompute) is not worth reading once the fixed cost is known; a 16-key
+    chunk (128 KiB: one 50 ms read, 330 ms to recompute) is. A bytes/s averaged over the small
+    lookups fell below 400 KB/s and read none of it."""
     digest_keys(monkeypatch)
-    s = PublishedShard(str(tmp_path), 32, 64, index_file, write_through=True, wait_s=1.0, recompute_bytes_s=1e6,
-                       store_args={"ops": SlowReads(0.02)})
+    s = PublishedShard(str(tmp_path), 32, 64, index_file, write_through=True, wait_s=1.0, recompute_bytes_s=4e5,
+                       store_args={"ops": SlowReads(0.05)})
     on_disk_only(s, 32)
     assert s.tier.promote([key(i) for i in range(8)]) == [True] * 8  # nothing measured: read
     for i in range(8, 14):
