@@ -60,6 +60,17 @@ def wait_demoted(cfg: UcmRayConfig, timeout_s: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+def counters(ucm: Any, cfg: UcmRayConfig) -> dict[str, Any]:
+    """What tells where a save went: the engine's save counters and the shard's."""
+    engine = ray.get(ucm.connector_totals.remote())["scheduler"]
+    shard = fleet_status(cfg)["shards"][0]
+    return {**{k: engine.get(k, 0) for k in ("saved_blocks", "saves_dropped", "saves_skipped", "save_failures",
+                                              "commits_not_visible")},
+            **{f"shard_{k}": shard[k] for k in ("commits", "dropped_saves", "evictions", "evicted_dirty",
+                                                "duplicate_commits", "refused_commits", "expired_reservations")},
+            "disk_behind": shard["disk_behind"]}
+
+
 def measure(ucm: Any, none: Any, cfg: UcmRayConfig, model: str, length: int, seed: int,
             filler_length: int) -> dict[str, float]:
     """One round at ``length`` tokens: seconds per case; NaN for a hit that was not one. Prompts of
@@ -69,10 +80,17 @@ def measure(ucm: Any, none: Any, cfg: UcmRayConfig, model: str, length: int, see
     full = length // BLOCK * BLOCK
     prompt = synthetic_prompt(model, length, seed=seed)
     figures = {"recompute": ttft(none, synthetic_prompt(model, length, seed=seed + 1))[0]}
+    before = counters(ucm, cfg)
     ttft(ucm, prompt)  # cold: computed and saved
+    saved = counters(ucm, cfg)
     assert ray.get(ucm.reset_prefix_cache.remote())
     seconds, dram_cached = ttft(ucm, prompt)
     figures["dram_hit"] = seconds if dram_cached >= full - BLOCK else float("nan")
+    if dram_cached < full - BLOCK:  # say why: the counters the cold request's saves moved
+        log.warning("%d tokens: DRAM hit cached only %d of %d tokens; the cold request moved %s, then "
+                    "the shard had disk_behind=%s", length, dram_cached, full,
+                    {k: saved[k] - before[k] for k in saved if k != "disk_behind" and saved[k] != before[k]},
+                    saved["disk_behind"])
     wait_demoted(cfg)
     for n in range(fillers):  # a pool's worth and a prompt more: the prompt's blocks leave the pool
         ttft(ucm, synthetic_prompt(model, filler_length, seed=seed + 2 + n))

@@ -7,6 +7,9 @@ tier turns off with one error line and its counters say so, and the pool (the DR
   inodes are used up (the tier cannot even make its directory), and an ext4 image on a loop
   device whose backing tmpfs is smaller than the image (the preallocated data file's writes get
   ENOSPC from below, as on a thin-provisioned volume). Without root those two fail at their mount.
+- EIO from the block layer: the loop device under a mounted ext4 is shrunk (its image truncated,
+  ``losetup -c``), and a read of a block past its new end fails as a dead sector's would. (This
+  box's kernel has no device-mapper, so no ``dm-error`` target.)
 """
 
 from __future__ import annotations
@@ -121,3 +124,34 @@ def test_a_volume_that_fills_under_the_preallocated_files_turns_the_tier_off(mou
     (line,) = errors(caplog)
     assert "turned off" in line and "ENOSPC" in line, line
     assert_dram_goes_on(s, written)
+
+
+def test_a_read_that_fails_below_the_file_system_turns_the_tier_off(mounts, tmp_path, index_file, monkeypatch,
+                                                                      caplog):
+    """ext4 on a loop device, entries on disk only; the device is then shrunk to 2 MiB under the
+    mounted file system: the kernel answers the promotion's read with EIO ("attempt to access
+    beyond end of device"). The key is a miss, the tier is off with one line, the pool goes on."""
+    digest_keys(monkeypatch)
+    image = str(tmp_path / "image")
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-O", "^has_journal", image], check=True)
+    root = mounts("-o", "loop", image)
+    device = subprocess.run(["findmnt", "-no", "SOURCE", root], check=True, capture_output=True, text=True).stdout
+    caplog.set_level(logging.INFO, logger=STORE_LOG)
+    s = PublishedShard(root, 8, (16 << 20) // SLOT, index_file, write_through=True)
+    for i in range(8):
+        s.write(i)
+    s.demote_all()
+    for i in range(8, 16):
+        s.write(i)  # 0..7 on disk only
+    assert s.lookup(0) == ["ask"]
+    os.truncate(image, 2 << 20)
+    subprocess.run(["losetup", "-c", device.strip()], check=True)
+    assert s.tier.promote([tier_tests.key(0)]) == [False]
+    stats = s.tier.disk_stats()
+    assert not stats.enabled and stats.io_errors == 1 and stats.entries == 0
+    (line,) = errors(caplog)
+    assert "turned off" in line and "EIO" in line and "reading" in line, line
+    assert s.lookup(0) == ["miss"]
+    assert_dram_goes_on(s, 20)

@@ -16,7 +16,9 @@ import torch
 
 from ucm_ray.store.shard.allocator import ExtentAllocator
 from ucm_ray.store.shard.disk import DiskInUse, DiskStore, FileOps
-from ucm_ray.store.shard.disk.store import MANIFEST, shard_dir
+from ucm_ray.store.shard.disk import store as store_module
+from ucm_ray.store.shard.disk.manifest import DiskSlot
+from ucm_ray.store.shard.disk.store import MANIFEST, coalesce, shard_dir
 
 SLOT = 8192
 SHARD = "s0"
@@ -173,6 +175,43 @@ def test_a_batch_read_leaves_a_corrupt_entrys_destination_untouched(root):
     assert all(torch.equal(outs[i], payload(i)) for i in (0, 1, 3))
     assert bool((outs[2] == 0xAB).all()), "a corrupt entry's bytes reached the destination"
     again.close()
+
+
+class CountedReads(FileOps):
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, int]] = []  # (offset, bytes) of each preadv
+
+    def preadv(self, fd, buffers, offset):
+        self.reads.append((offset, sum(len(b) for b in buffers)))
+        return super().preadv(fd, buffers, offset)
+
+
+def test_adjacent_entries_are_read_together_up_to_the_cap(root, monkeypatch):
+    """Entries lying next to each other in a file are one read (in either key order: demotion
+    writes a prompt tail first), at most ``COALESCE_BYTES`` each; every entry is still checked
+    and lands in its own destination."""
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", 4 * SLOT)
+    ops = CountedReads()
+    store = DiskStore([root], SHARD, 16 * SLOT, ops=ops)
+    for i in reversed(range(6)):  # file order 5, 4, ..., 0
+        store.put(key(i), payload(i))
+    outs = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(6)]
+    assert store.get_many([key(i) for i in range(6)], outs) == [True] * 6
+    assert all(torch.equal(outs[i], payload(i)) for i in range(6))
+    assert sorted(ops.reads) == [(0, 4 * SLOT), (4 * SLOT, 2 * SLOT)]  # keys 5..2, then 1 and 0
+    store.close()
+
+
+def test_coalesce_groups_runs_per_file_and_orders_them_head_first(monkeypatch):
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", 3 * 4096)
+    page = 4096
+    slots = [DiskSlot(0, 5 * page, page, 0, 0), None, DiskSlot(1, 0, page, 0, 0), DiskSlot(0, 4 * page, page, 0, 0),
+             DiskSlot(0, 0, page, 0, 0), DiskSlot(0, page, 100, 0, 0), DiskSlot(0, 2 * page, page, 0, 0),
+             DiskSlot(0, 3 * page, page, 0, 0), DiskSlot(0, 6 * page, 2 * page, 0, 0)]
+    # file 0 by offset: 4, 5 (100 bytes: a page), 6, 7, 3, 0, 8 (two pages); three pages a run at most
+    assert coalesce(slots) == [[7, 3, 0], [2], [4, 5, 6], [8]]  # runs in file order, by their first key
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", page)
+    assert coalesce([DiskSlot(0, 0, 3 * page, 0, 0), DiskSlot(0, 3 * page, page, 0, 0)]) == [[0], [1]]
 
 
 def test_a_damaged_manifest_starts_empty_and_reuses_the_files(root):

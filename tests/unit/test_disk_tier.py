@@ -17,6 +17,7 @@ import torch
 
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.shard.disk import DiskStore, FileOps
+from ucm_ray.store.shard.disk import store as store_module
 from ucm_ray.store.shard.disk import tier as tier_module
 from ucm_ray.store.shard.disk.store import READ_DEPTH, shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
@@ -278,6 +279,7 @@ class SlowReads(FileOps):
 
 def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_file, monkeypatch):
     digest_keys(monkeypatch)
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", SLOT)  # a read per key: the bound counts reads
     s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
                        store_args={"ops": SlowReads(0.15)})
     for i in range(8):
@@ -313,8 +315,7 @@ def test_a_disk_slower_than_recomputing_is_not_read_until_a_probe_is_due(tmp_pat
     s = Shard(str(tmp_path), 8, 64, write_through=True, recompute_bytes_s=1e12)  # no disk here reads 1 TB/s
     on_disk_only(s, 8)
     assert s.tier.promote([key(0)]) == [True]  # nothing measured yet: read, and measured
-    rate = s.tier.read_bytes_s
-    assert rate is not None and 0 < rate < 1e12
+    assert s.tier.read_cost.samples == 1 and 0 < SLOT / s.tier.read_cost.seconds(SLOT) < 1e12
     evictions = s.index.stats().evictions
     assert s.tier.promote([key(i) for i in range(1, 5)]) == [False] * 4  # recomputing is faster
     assert s.tier.stats.promote_skipped == 4 and s.tier.stats.promoted == 1
@@ -329,11 +330,44 @@ def test_a_lookup_reads_only_what_the_measured_rate_reads_within_its_wait(tmp_pa
     s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,
                        store_args={"ops": SlowReads(0.04)})
     on_disk_only(s, 8)
-    assert s.tier.promote([key(0)]) == [True]  # measures the rate: about a 40 ms read per SLOT
-    rate = s.tier.read_bytes_s
-    assert rate is not None
-    fits = int(rate * 0.1) // SLOT
-    assert 1 <= fits < 7, rate
+    assert s.tier.promote([key(0)]) == [True]  # measures the cost: about a 40 ms read per SLOT
+    assert s.tier.read_cost.samples == 1  # one size seen: bytes/s, no fixed part yet
+    fits = int(0.1 / s.tier.read_cost.seconds(SLOT))
+    assert 1 <= fits < 7, fits
     out = s.tier.promote([key(i) for i in range(1, 8)])
     assert out == [True] * fits + [False] * (7 - fits)  # the head, in prompt order
     assert s.tier.stats.promote_skipped == 7 - fits and s.tier.stats.promote_late == 0
+
+
+def test_small_lookups_do_not_make_the_plan_cut_what_the_wait_reads(tmp_path, index_file, monkeypatch):
+    """A read has a fixed cost (here 50 ms a read, as on a network disk) besides its bytes: a
+    one-key lookup measures a low bytes/s that says nothing of a chunk's reads. After the small
+    lookups of a conversation's later turns, a long prompt's keys must still be read when the
+    wait covers them (16 keys: one chunk, one read, 50 ms against a 500 ms wait; on main, four
+    rounds of reads, 200 ms)."""
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 40, 80, index_file, write_through=True, wait_s=0.5,
+                       store_args={"ops": SlowReads(0.05)})
+    on_disk_only(s, 40)
+    assert s.tier.promote([key(i) for i in range(8)]) == [True] * 8  # one chunk: 64 KiB
+    for i in range(8, 20):
+        assert s.tier.promote([key(i)]) == [True]  # 8 KiB each
+    out = s.tier.promote([key(i) for i in range(20, 36)])
+    assert s.tier.stats.promote_skipped == 0 and out == [True] * 16, out
+
+
+def test_the_recompute_rule_weighs_a_reads_fixed_cost_not_a_small_lookups_bytes_per_second(tmp_path, index_file,
+                                                                                            monkeypatch):
+    """Reads of 50 ms each, engines that recompute 400 KB of KV a second. A one-key lookup (8 KiB:
+    50 ms to read, 20 ms to recompute) is not worth reading once the fixed cost is known; a 16-key
+    chunk (128 KiB: one 50 ms read, 330 ms to recompute) is. A bytes/s averaged over the small
+    lookups fell below 400 KB/s and read none of it."""
+    digest_keys(monkeypatch)
+    s = PublishedShard(str(tmp_path), 32, 64, index_file, write_through=True, wait_s=1.0, recompute_bytes_s=4e5,
+                       store_args={"ops": SlowReads(0.05)})
+    on_disk_only(s, 32)
+    assert s.tier.promote([key(i) for i in range(8)]) == [True] * 8  # nothing measured: read
+    for i in range(8, 14):
+        s.tier.promote([key(i)])
+    out = s.tier.promote([key(i) for i in range(14, 30)])
+    assert out == [True] * 16, (out, s.tier.stats)

@@ -17,7 +17,8 @@ Why it looks like this:
   or not: a flipped byte on disk is a miss and the entry is dropped. Reads land in a staging
   buffer of the reading thread, are checked there and only then copied to the caller's memory
   (unchecked bytes never reach the pool; and ``O_DIRECT`` reads straight into pool pages ran at
-  half the rate of reads into a reused buffer here, performance log).
+  half the rate of reads into a reused buffer here, performance log). Entries next to each
+  other in a file are one read (``coalesce``), each still checked on its own.
 - A failing disk (ENOSPC, EIO, any OSError on the tier's files) turns the tier off with one log
   line and a counter; the caller goes on with DRAM only. Files are left for the operator.
 - One store per directory: an exclusive ``flock`` on a lock file; a second store (another shard
@@ -93,7 +94,31 @@ READ_DEPTH = 4
 """Reads one promotion keeps in flight: at depth 1, 64 KiB entries spent more time in the
 shard's per-entry work than in the disk (performance log); threads overlap the two."""
 
+COALESCE_BYTES = 1 << 20
+"""Adjacent entries are read together up to this many bytes a read: 64 KiB entries read one by
+one spent more time per entry in Python, system calls and thread hand-offs than in the disk
+(performance log, 2026-12-05 night)."""
+
 DIR_PREFIX = "ucm-ray-disk-"
+
+
+def coalesce(slots: Sequence[DiskSlot | None]) -> list[list[int]]:
+    """Indices of ``slots`` grouped into reads: runs of slots that follow each other in one file
+    (in file order; demotion writes a prompt's blocks tail first, so a prompt's slots run
+    backwards), at most ``COALESCE_BYTES`` a run unless one slot is larger. Runs are ordered by
+    their first index in ``slots``, so the head of a prompt is read first. None is skipped."""
+    present = sorted(((i, s) for i, s in enumerate(slots) if s is not None), key=lambda p: (p[1].file, p[1].offset))
+    runs: list[list[int]] = []
+    file = start = end = -1
+    for i, slot in present:
+        if runs and (slot.file, slot.offset) == (file, end) and end + round_up(slot.size) - start <= COALESCE_BYTES:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+            file, start = slot.file, slot.offset
+        end = slot.offset + round_up(slot.size)
+    runs.sort(key=min)
+    return runs
 
 
 def shard_dir(root: str, shard_id: str) -> str:
@@ -283,34 +308,24 @@ class DiskStore:
         """``get_many`` in two halves: the reads start now, and the call returned waits for them
         and applies their outcome (``get_many``'s answer). Between the two the owner may do other
         work but call nothing else of the store's (the tier commits the previous chunk of a
-        promotion meanwhile)."""
+        promotion meanwhile). Entries lying next to each other in one file are read together
+        (``coalesce``), head first."""
         slots = self._slots_for(keys, outs)
-
-        def read_one(i: int) -> bool | None | OSError:
-            slot = slots[i]
-            if slot is None:
-                return False
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            try:
-                return self._read_checked(slot, outs[i])
-            except OSError as e:
-                return e
-
+        runs = coalesce(slots)
         results: list[bool | None | OSError] = [False] * len(keys)
 
-        def read_stripe(first: int) -> None:  # keys first, first + depth, ...: the head goes first
-            for i in range(first, len(keys), depth):
-                results[i] = read_one(i)
+        def read_stripe(first: int) -> None:  # runs first, first + depth, ...: the head goes first
+            for run in runs[first::depth]:
+                self._read_run(run, slots, outs, deadline, results)
 
-        depth = max(1, min(READ_DEPTH, len(keys)))
+        depth = max(1, min(READ_DEPTH, len(runs)))
         stripes: list[Future] = []
         if depth <= 1:
             read_stripe(0)
         else:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="ucm-ray-disk-read")
-            stripes = [self._readers.submit(read_stripe, t) for t in range(depth)]  # a task per thread, not per key
+            stripes = [self._readers.submit(read_stripe, t) for t in range(depth)]  # a task per thread, not per run
 
         def finish() -> list[bool | None]:
             for stripe in stripes:
@@ -318,6 +333,23 @@ class DiskStore:
             return [self._after_read(k, slot, r) for k, slot, r in zip(keys, slots, results)]
 
         return finish
+
+    def _read_run(self, run: list[int], slots: Sequence[DiskSlot | None], outs: Sequence[torch.Tensor],
+                  deadline: float | None, results: list[bool | None | OSError]) -> None:
+        """On a reader thread: read the run ``run`` (indices of adjacent ``slots``) and set each
+        index's outcome in ``results``: checked (True) or not (False), not started by
+        ``deadline`` (None), or the error that stopped it."""
+        if deadline is not None and time.monotonic() > deadline:
+            for i in run:
+                results[i] = None
+            return
+        try:
+            checked: list[bool | None | OSError] = list(
+                self._read_checked([slots[i] for i in run], [outs[i] for i in run]))  # type: ignore[misc]  # coalesce skips None
+        except OSError as e:
+            checked = [e] * len(run)
+        for i, outcome in zip(run, checked):
+            results[i] = outcome
 
     def _slots_for(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[DiskSlot | None]:
         """Each key's slot (None: not here, or the tier is off), checking its ``out`` fits it."""
@@ -520,24 +552,30 @@ class DiskStore:
         if done != len(view):
             raise OSError(errno.EIO, f"short write: {done} of {len(view)} bytes")
 
-    def _read_checked(self, slot: DiskSlot, out: torch.Tensor) -> bool:
-        """Read ``slot`` into this thread's staging buffer and check it there: whether it matched
-        its CRC32 (then, and only then, its bytes are copied into ``out``). Runs on reader threads:
-        the read, the checksum and the copy all release the GIL."""
-        need = round_up(slot.size)
+    def _read_checked(self, slots: Sequence[DiskSlot], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read ``slots`` (adjacent in one file, in file order) with one ``preadv`` into this
+        thread's staging buffer and check each there: per slot, whether it matched its CRC32
+        (then, and only then, its bytes are copied into its ``out``). Runs on reader threads:
+        the read, the checksums and the copies all release the GIL."""
+        first, last = slots[0], slots[-1]
+        need = last.offset + round_up(last.size) - first.offset
         staging: torch.Tensor | None = getattr(self._staging, "buffer", None)
         if staging is None or staging.numel() < need:
             # the old buffer goes with its last view (a traceback may hold one)
             staging = self._staging.buffer = torch.frombuffer(aligned_buffer(need), dtype=torch.uint8)
         view = memoryview(staging[:need].numpy())
-        done = self._ops.preadv(self._fds[slot.file], [view], slot.offset)
+        done = self._ops.preadv(self._fds[first.file], [view], first.offset)
         if done != need:
             raise OSError(errno.EIO, f"short read: {done} of {need} bytes")
-        data = staging[:slot.size]
-        if checksum(data) != slot.checksum:
-            return False
-        out.copy_(data)
-        return True
+        checked = []
+        for slot, out in zip(slots, outs):
+            at = slot.offset - first.offset
+            data = staging[at:at + slot.size]
+            ok = checksum(data) == slot.checksum
+            if ok:
+                out.copy_(data)
+            checked.append(ok)
+        return checked
 
     def _turn_off(self, e: OSError, doing: str) -> None:
         self.stats.io_errors += 1

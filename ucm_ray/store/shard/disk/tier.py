@@ -17,13 +17,13 @@ than a tenth of the demotion time (a manifest is rewritten whole, and listing 10
 entries costs tens of milliseconds). An entry marked clean before its manifest is safe: until a
 crash the store serves it, and a crash loses the pool's copy too, so it is lost, never wrong.
 
-Promotion is planned against a measured read rate (bytes per second of this tier's promotions, a
-moving average): keys are read only while reading is worth it. A tier that reads slower than the
-engines recompute (``recompute_bytes_s``, the prefill's KV bytes per second) reads nothing, the
-engine recomputes faster; otherwise only the head of a lookup's disk keys that the rate says is
-read within ``wait_s`` is reserved and read, so no clean entry is evicted for a read the bound
-would give up anyway. Both costs are linear in bytes, so "reading costs less than recomputing"
-is one comparison of rates; the keys cut are misses, recomputed (``promote_skipped``).
+Promotion is planned against the measured cost of its reads (``ReadCost``: a chunk's seconds as a
+fixed part plus a part per byte, fitted to the chunks this tier read): keys are read only while
+reading is worth it. A chunk that would take longer to read than the engines take to recompute it
+(``recompute_bytes_s``, the prefill's KV bytes per second) is not read, and nor is anything after
+it; otherwise only the head of a lookup's disk keys that is predicted read within ``wait_s`` is
+reserved and read, so no clean entry is evicted for a read the bound would give up anyway. The
+keys cut are misses, recomputed (``promote_skipped``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
+from ucm_ray.store.shard.disk.read_cost import ReadCost
 from ucm_ray.store.shard.disk.store import DiskStats, DiskStore
 from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.types import random_id
@@ -48,7 +50,7 @@ CHECKPOINT_SHARE = 10
 """A manifest is due ``CHECKPOINT_S`` after the last, or ``CHECKPOINT_SHARE`` times the last one's
 duration where that is longer (manifest writes take at most a tenth of the tier's time)."""
 RATE_WEIGHT = 0.3
-"""Weight of the newest chunk in the measured read rate: a few chunks follow a change of load."""
+"""Weight of the newest chunk in the measured read cost: a few chunks follow a change of load."""
 PROBE_S = 10.0
 """While the plan cuts keys, one chunk is still read this often: the rate is only measured by
 reading, and a rate measured under a burst of load must be able to recover."""
@@ -105,8 +107,8 @@ class DiskTier:
         self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._wait_s = wait_s
         self._recompute_bytes_s = recompute_bytes_s
-        self.read_bytes_s: float | None = None
-        """Measured: bytes per second of this tier's promotions (None until the first)."""
+        self.read_cost = ReadCost(RATE_WEIGHT)
+        """Measured: what a chunk of this tier's promotion reads costs (fixed + per byte)."""
         self._probed_at = time.monotonic()
         self._owner = random_id()
         self._checkpointed_at = time.monotonic()
@@ -264,50 +266,53 @@ class DiskTier:
 
     def _worth_reading(self, keys: Sequence[Key], todo: list[int]) -> list[int]:
         """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
-        docstring says: all of it until a rate is measured; none while the measured rate is below
-        ``recompute_bytes_s``; else what the rate reads within ``wait_s``. When that cuts keys and
-        ``PROBE_S`` has passed, one chunk is read regardless (the rate is measured again).
-        Sizes are dict probes without the disk lock (as ``on_disk``): a lookup never waits behind
-        a demotion batch to plan."""
-        rate = self.read_bytes_s
-        if rate is None or not todo:
+        docstring says, chunk by chunk as ``promote_pinned`` reads them: all of it until a chunk
+        was measured; then chunks while each costs less to read than to recompute (``read_cost``
+        against ``recompute_bytes_s``) and the reads end within ``wait_s``, and of the chunk that
+        would not end in time, the keys that would. When that cuts keys and ``PROBE_S`` has
+        passed, one chunk is read regardless (the cost is measured again). Sizes are dict probes
+        without the disk lock (as ``on_disk``): a lookup never waits behind a demotion batch."""
+        if not self.read_cost.samples or not todo:
             return todo
+        fixed, per_byte = self.read_cost.fit()
+        budget = self._wait_s
         keep = 0
-        if rate >= self._recompute_bytes_s:
-            budget = rate * self._wait_s
-            for i in todo:
-                budget -= self._store.size_of(keys[i]) or 0
-                if budget < 0:
+        for first in range(0, len(todo), PROMOTE_CHUNK):
+            sizes = [self._store.size_of(keys[i]) or 0 for i in todo[first:first + PROMOTE_CHUNK]]
+            if self._recompute_bytes_s and fixed + per_byte * sum(sizes) > sum(sizes) / self._recompute_bytes_s:
+                break  # recomputing these is faster than reading them
+            spent, fits = fixed, 0
+            for size in sizes:
+                spent += per_byte * size
+                if spent > budget:
                     break
-                keep += 1
+                fits += 1
+            keep += fits
+            budget -= spent
+            if fits < len(sizes):
+                break
         if keep < len(todo) and time.monotonic() - self._probed_at > PROBE_S:
             keep = max(keep, min(len(todo), PROMOTE_CHUNK))
             self._probed_at = time.monotonic()
         self.stats.promote_skipped += len(todo) - keep
         return todo[:keep]
 
-    def _measured(self, nbytes: int, seconds: float) -> None:
-        """One chunk's reads: ``nbytes`` in ``seconds``, into the moving average."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        sample = nbytes / seconds
-        rate = self.read_bytes_s
-        self.read_bytes_s = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
-
     def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
         """Under the disk lock: reserve pool slots for ``chunk`` (indices into ``keys``, head
-        first, until the pool has no room) and start reading into them."""
+        first, until the pool has no room) and start reading into them. One reservation per run
+        of equal sizes, not per key: each index call costs a fresh id and a sweep of leases and
+        grants, and at 64 KiB that was as much as the read (performance log)."""
         sizes = [self._store.size_of(keys[i]) for i in chunk]
         self.stats.promote_misses += sizes.count(None)
         grants: list[tuple[int, int, int, int]] = []  # (key's index, token, offset, size)
+        present = [(i, size) for i, size in zip(chunk, sizes) if size is not None]
         with self._lock:
-            for i, size in zip(chunk, sizes):
-                if size is None:
-                    continue
-                token, offsets = self._index.reserve(self._owner, size, 1)
-                if not offsets:
+            for size, run in groupby(present, key=lambda item: item[1]):
+                wanted = [i for i, _ in run]
+                token, offsets = self._index.reserve(self._owner, size, len(wanted))
+                grants += [(i, token, offset, size) for i, offset in zip(wanted, offsets)]
+                if len(offsets) < len(wanted):
                     break  # no room: the later keys would evict these
-                grants.append((i, token, offsets[0], size))
         started = time.monotonic()  # before: a one-key chunk is read right here
         finish = self._store.start_many([keys[i] for i, _, _, _ in grants],
                                         [self._pool[off:off + size] for _, _, off, size in grants], deadline)
@@ -315,29 +320,27 @@ class DiskTier:
 
     def _finish_chunk(self, chunk: _Chunk, keys: Sequence[Key], lease: int, out: list[bool]) -> None:
         """Under the disk lock: wait for ``chunk``'s reads, commit what was read and checked and
-        pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots."""
+        pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots:
+        one commit per reservation."""
         read = chunk.finish()
-        self._measured(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
-                       time.monotonic() - chunk.started)
+        self.read_cost.add(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
+                           time.monotonic() - chunk.started)
         gone = self._store.take_gone()  # a failed check dropped it
+        by_token: dict[int, list[tuple[int, int, int, bool | None]]] = {}
+        for (i, token, offset, size), ok in zip(chunk.grants, read):
+            by_token.setdefault(token, []).append((i, offset, size, ok))
         with self._lock:
             self._index.disk_dropped(gone)
-            for (i, token, offset, size), ok in zip(chunk.grants, read):
-                out[i] = self._commit_promoted(keys[i], token, offset, size, ok, lease) is True
-
-    def _commit_promoted(self, key: Key, token: int, offset: int, size: int, ok: bool | None,
-                         lease: int) -> bool | None:
-        """Under the index lock: commit one promoted entry (or free its slot)."""
-        if not ok:
-            self._index.commit(self._owner, token, [], [offset])
-            if ok is None:
-                self.stats.promote_late += 1
-            else:
-                self.stats.promote_misses += 1
-            return ok
-        self._index.commit(self._owner, token, [(key, offset, None)])
-        self._index.mark_clean([(key, offset)])
-        self.stats.promoted += 1
-        self.stats.promoted_bytes += size
-        # pinned under the call's lease (or found: a writer committed it meanwhile)
-        return self._index.extend_pin(self._owner, lease, key)
+            for token, granted in by_token.items():
+                read_ok = [(i, offset, size) for i, offset, size, ok in granted if ok]
+                self._index.commit(self._owner, token, [(keys[i], offset, None) for i, offset, _ in read_ok],
+                                   [offset for _, offset, _, ok in granted if not ok])
+                self._index.mark_clean([(keys[i], offset) for i, offset, _ in read_ok])
+                for i, _, size in read_ok:
+                    # pinned under the call's lease (or found: a writer committed it meanwhile)
+                    out[i] = self._index.extend_pin(self._owner, lease, keys[i])
+                    self.stats.promoted += 1
+                    self.stats.promoted_bytes += size
+                late = sum(ok is None for _, _, _, ok in granted)
+                self.stats.promote_late += late
+                self.stats.promote_misses += len(granted) - len(read_ok) - late
