@@ -128,10 +128,11 @@ class UcmRayConfig:
     (what its askers share joins a table every engine holds, and their lookups and hints move to
     the block after it: no single shard answers for a system prompt). 0: never."""
     remote_copy_reads: int = 2
-    """writer_local across nodes: at a node's this many'th session of a prompt family (counted by
-    the family root's owner), the engine saves what it loads from other nodes' pools into its own
-    node's pool too (registered as its write), so a document read on many nodes is not served by
-    its writer's pool alone. 1: at the first read; 0: never (an engine's own setting)."""
+    """writer_local across nodes: at a node's this many'th read of a block from another node's
+    pool (counted by the family root's owner), the engine saves it into its own node's pool too
+    (registered as its write), so a document read on many nodes is not served by its writer's
+    pool alone; a hot prefix's blocks are copied at the first read. 1: at every read; 0: never
+    (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True

@@ -37,9 +37,9 @@ COUNTERS: dict[str, str] = {
                                 "FULL CUDA graph threshold).",
     "load_blocks": "Blocks scheduled to load from the tier.",
     "saved_blocks": "Blocks saved into the tier and sent to their shards to commit.",
-    "copies_kept": "Blocks loaded from another node's pool at this node's remote_copy_reads-th session of their "
-                   "family, to be saved again into this node's pool (writer-local placement across nodes: a document "
-                   "read on many nodes is served by its copies too, not by its writer's pool alone).",
+    "copies_kept": "Blocks loaded from another node's pool at this node's remote_copy_reads-th read of them (a hot "
+                   "prefix's at the first), to be saved again into this node's pool (writer-local placement across "
+                   "nodes: a document read on many nodes is served by its copies too, not by its writer's pool alone).",
     "saves_skipped": "Blocks whose save found no write slot granted yet (retried each step until one comes; a cold "
                      "engine's first prompts wait once for the slots asked for at their first token); a mamba "
                      "state without a slot is lost.",
