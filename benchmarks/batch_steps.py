@@ -118,8 +118,11 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests),
                    "--prompt", str(args.prompt), "--layers", str(args.layers), "--steps", str(args.steps),
                    "--skip", str(args.skip)]
-            out = subprocess.run(cmd + (["--profile"] if args.profile else []), env={**os.environ, "PYTHONPATH": path},
-                                 check=True, capture_output=True, text=True)
+            python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
+            out = subprocess.run(cmd + (["--profile"] if args.profile else []),
+                                 env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"batch_steps in {path} failed:\n{out.stderr[-4000:]}")
             if args.profile:
                 sys.stderr.write(out.stderr[-12000:])
             got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

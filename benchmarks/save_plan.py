@@ -130,10 +130,13 @@ def _pool(nbytes: int, device: str):
 def run_in(checkout: str, requests: int, blocks: int, repeat: int, device: str, shape: str) -> dict[str, float]:
     """``time_plans`` in a fresh process importing ``checkout``'s ``ucm_ray`` (this file run as
     a script: its own directory first on the path, then only ``checkout``)."""
-    env = {**os.environ, "PYTHONPATH": checkout}
+    # the checkout first, then whatever the path held (on the GPU machine: the bundle's vLLM)
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--requests", str(requests),
                           "--blocks", str(blocks), "--repeat", str(repeat), "--device", device, "--shape", shape],
-                         env=env, check=True, capture_output=True, text=True)
+                         env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"save_plan in {checkout} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
