@@ -142,7 +142,7 @@ class SaveJobs:
             at = {pool: index for index, pool in enumerate(pools)}
             n = len(rows.keys)
             counts = np.asarray(rows.counts, dtype=np.int64)
-            pool_of = np.repeat(np.asarray([at[pool] for pool in rows.pools], dtype=np.int32), counts)
+            pool_of: np.ndarray = np.repeat(np.asarray([at[pool] for pool in rows.pools], dtype=np.int32), counts)
             locations = Locations(pools, pool_of,
                                   np.asarray(rows.offsets, dtype=np.int64),
                                   np.repeat(np.asarray(rows.sizes, dtype=np.int64), counts),
