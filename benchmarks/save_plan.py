@@ -7,6 +7,13 @@ not the copies): a ~1B Llama's KV caches (16 layers, K and V, 16-token blocks of
 bf16: 16 KiB segments), ``--requests`` x ``--blocks`` entries saved in adjacent pool slots, as
 ``post_by_pool`` plans a save (every layer as one part, ranges entry by entry).
 
+``--device cuda`` times what the worker does on a GPU instead: the KV caches on the device, a
+``/dev/shm`` pool opened by the shm transport (page-locked and mapped once, untimed), and the
+host time of its ``prepare`` (the gather plan on the mapped pool, its indices uploaded) and of
+posting the one part (``post_ms``: the staging gather and the DMA copies queued); the device's
+work is waited for outside the timing. ``--shape 8b``: Llama-3.1-8B's KV (32 layers, 8 heads of
+128: 32 KiB segments) instead of the ~1B's.
+
 ``--baseline PATH`` times another checkout's code in the same run (each in its own process,
 rounds alternating) and prints ``save_plan_vs_baseline=<ratio>`` and ``prepare_vs_baseline``
 (this checkout's time over the baseline's: below 1 is cheaper).
@@ -27,25 +34,30 @@ import time
 
 log = logging.getLogger("bench.save_plan")
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 16, 8, 64, 16
+SHAPES = {"1b": (16, 8, 64), "8b": (32, 8, 128)}
+"""Layers, KV heads, head size."""
+BLOCK_TOKENS = 16
 ALIGN = 2 << 20
 
 
-def _aligned(*shape: int):
+def _aligned(device: str, *shape: int):
     """A zeroed bf16 tensor starting on a 2 MiB boundary, as CUDA's allocator places vLLM's
     per-layer KV caches (so the layers' buffers share one span, as on a GPU)."""
     import numpy as np
     import torch
 
+    if device != "cpu":  # CUDA's allocator places large tensors on 2 MiB boundaries itself
+        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
     nbytes = 2 * int(np.prod(shape))
     raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
     skip = -raw.ctypes.data % ALIGN
     return torch.from_numpy(raw[skip: skip + nbytes]).view(torch.bfloat16).view(*shape)
 
 
-def time_plans(requests: int, blocks: int, repeat: int) -> dict[str, float]:
+def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", shape: str = "1b") -> dict[str, float]:
     """Median ms of the save's ranges (``post_by_pool``'s part), and of the shm transport's
-    ``prepare`` on them (the range check and the gather plan), over ``repeat`` plans."""
+    ``prepare`` on them (the range check and the gather plan), over ``repeat`` plans; on CUDA
+    also of posting them (``post_ms``)."""
     import numpy as np
     import torch
 
@@ -53,42 +65,78 @@ def time_plans(requests: int, blocks: int, repeat: int) -> dict[str, float]:
     from ucm_ray.vllm.layout import base_buffers, build_layouts
     from ucm_ray.vllm.worker.plan import Batch, Entries, KvCaches
 
+    layers, heads, head_dim = SHAPES[shape]
     num_blocks = requests * blocks + 64
-    kv = {f"layer.{i}": _aligned(2, num_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM) for i in range(LAYERS)}
-    layouts = build_layouts(kv, [list(kv)], num_blocks)
+    kv = {f"layer.{i}": _aligned(device, 2, num_blocks, BLOCK_TOKENS, heads, head_dim) for i in range(layers)}
+    built = build_layouts(kv, [list(kv)], num_blocks)
     buffers = tuple(base_buffers(kv))
     at = {b.data_ptr(): i for i, b in enumerate(buffers)}
-    caches = KvCaches(layouts, np.asarray([layouts[0].entry_bytes]), np.ones(1, dtype=bool), buffers,
-                      {layer.name: at[layer.storage_address] for layer in layouts[0].layers}, torch.device("cpu"))
-    entry = layouts[0].entry_bytes
+    caches = KvCaches(built, np.asarray([built[0].entry_bytes]), np.ones(1, dtype=bool), buffers,
+                      {layer.name: at[layer.storage_address] for layer in built[0].layers}, torch.device(device))
+    entry = built[0].entry_bytes
     count = requests * blocks
-    pool = torch.zeros((count + 8) * entry, dtype=torch.uint8)
     block_ids = np.random.default_rng(0).permutation(num_blocks)[:count].astype(np.int64)
     entries = {("shard-0", 1): {0: Entries(block_ids, (np.arange(count, dtype=np.int64) + 3) * entry, [])}}
     every = caches.every_layer()
-    ranges_s, plan_s = [], []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        ranges = caches.ranges(Batch(every, entries), by_entry=True)[("shard-0", 1)]
-        ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], [every])).tolist()
-        planned = time.perf_counter()
-        ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
-        plan = GatherPlan.build(pool, ranges, ends, host_pool=pool)
-        done = time.perf_counter()
-        assert plan is not None and plan.staged(0), "the save is not planned as on a GPU: staged DMA"
-        ranges_s.append(planned - started)
-        plan_s.append(done - planned)
+    transport, pool = _pool((count + 8) * entry, device)
+    ranges_s, plan_s, post_s = [], [], []
+    try:
+        for _ in range(repeat):
+            started = time.perf_counter()
+            ranges = caches.ranges(Batch(every, entries), by_entry=True)[("shard-0", 1)]
+            ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], [every])).tolist()
+            planned = time.perf_counter()
+            if transport is None:
+                ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
+                plan = GatherPlan.build(pool, ranges, ends, host_pool=pool)
+                assert plan is not None and plan.staged(0), "the save is not planned as on a GPU: staged DMA"
+                done = posted = time.perf_counter()
+            else:
+                copies = transport.prepare(ranges, ends, to_pool=True)
+                done = time.perf_counter()
+                copies.post(0)
+                posted = time.perf_counter()
+                torch.cuda.synchronize()
+            ranges_s.append(planned - started)
+            plan_s.append(done - planned)
+            post_s.append(posted - done)
+    finally:
+        if transport is not None:
+            transport.close()
     return {"ranges_ms": 1e3 * statistics.median(ranges_s), "prepare_ms": 1e3 * statistics.median(plan_s),
-            "ranges": len(ranges.sizes)}
+            "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges.sizes)}
 
 
-def run_in(checkout: str, requests: int, blocks: int, repeat: int) -> dict[str, float]:
+def _pool(nbytes: int, device: str):
+    """(None, a CPU pool) on CPU; on CUDA (the shm transport over a fresh /dev/shm pool, its
+    tensor), the pool page-locked and mapped for the GPU before any timing."""
+    import torch
+
+    if device == "cpu":
+        return None, torch.zeros(nbytes, dtype=torch.uint8)
+    from ucm_ray.transport.base import PoolDescriptor
+    from ucm_ray.transport.shm import SharedPool, ShmPoolTransport
+
+    path = f"/dev/shm/ucm-ray-save-plan-{os.getpid()}"
+    owner = SharedPool(path, nbytes, create=True)
+    try:
+        transport = ShmPoolTransport(PoolDescriptor("save-plan", "local", nbytes, path, None, None, 0))
+    finally:
+        owner.close()  # unlinked; the transport's mapping keeps the memory
+    transport.register_local(torch.zeros(1, device=device))  # page-lock and map it now
+    return transport, None
+
+
+def run_in(checkout: str, requests: int, blocks: int, repeat: int, device: str, shape: str) -> dict[str, float]:
     """``time_plans`` in a fresh process importing ``checkout``'s ``ucm_ray`` (this file run as
     a script: its own directory first on the path, then only ``checkout``)."""
-    env = {**os.environ, "PYTHONPATH": checkout}
+    # the checkout first, then whatever the path held (on the GPU machine: the bundle's vLLM)
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--requests", str(requests),
-                          "--blocks", str(blocks), "--repeat", str(repeat)],
-                         env=env, check=True, capture_output=True, text=True)
+                          "--blocks", str(blocks), "--repeat", str(repeat), "--device", device, "--shape", shape],
+                         env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"save_plan in {checkout} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -99,10 +147,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=50, help="plans timed per process (the median is kept)")
     ap.add_argument("--rounds", type=int, default=3, help="processes per checkout, alternating")
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray is timed in the same run")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the worker's path on a GPU (see above)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat)))
+        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat, args.device, args.shape)))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,14 +160,14 @@ def main() -> None:
     got: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for _ in range(args.rounds):
         for name, path in checkouts.items():
-            got[name].append(run_in(path, args.requests, args.blocks, args.repeat))
+            got[name].append(run_in(path, args.requests, args.blocks, args.repeat, args.device, args.shape))
             log.info("%s: %s", name, got[name][-1])
     figures: dict[str, float] = {}
     for name, runs in got.items():
         prefix = "save_plan" if name == "this" else "save_plan_baseline"
-        for key in ("ranges_ms", "prepare_ms"):
+        for key in ("ranges_ms", "prepare_ms", "post_ms"):
             figures[f"{prefix}_{key}"] = statistics.median(r[key] for r in runs)
-        figures[f"{prefix}_ms"] = figures[f"{prefix}_ranges_ms"] + figures[f"{prefix}_prepare_ms"]
+        figures[f"{prefix}_ms"] = sum(figures[f"{prefix}_{key}"] for key in ("ranges_ms", "prepare_ms", "post_ms"))
     figures["save_plan_ranges"] = got["this"][0]["ranges"]
     if args.baseline:
         figures["save_plan_vs_baseline"] = figures["save_plan_ms"] / figures["save_plan_baseline_ms"]

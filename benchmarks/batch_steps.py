@@ -1,0 +1,140 @@
+"""Host time of the connector's hooks per engine step while a batch of fresh prompts starts
+decoding (issue 43's batch-decode gap), on CPU: the harness's engine (vLLM's real scheduler,
+both halves of the connector, a stand-in forward) and a real fleet on this box.
+
+``--requests`` prompts of ``--prompt`` tokens (16-token blocks, ``--layers`` layers: the range
+count of a step's save is blocks x layers x 2, as an 8B model's) are added together and decode
+``--steps`` steps (after ``--skip`` untimed ones: a quiet decode window). Prints the hooks' total
+and the worst steps, per hook, and with ``--profile`` our functions that took the most time
+(cProfile inflates small Python calls several times: use it for where, not how much). ``--baseline PATH`` runs another
+checkout's code in the same run (alternating processes) and prints ``batch_hooks_vs_baseline``.
+
+Run: ``python benchmarks/batch_steps.py [--baseline /path/to/other/checkout]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import logging
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+
+log = logging.getLogger("bench.batch_steps")
+
+
+def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int) -> dict[str, float]:
+    """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
+    the step whose hooks took longest."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from ucm_ray.config import UcmRayConfig
+    from ucm_ray.store.engine.client import StoreClient
+    from ucm_ray.store.shard.fleet import running_fleet
+    from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
+    from ucm_ray.testing.timing import CONNECTOR_HOOKS, timed_calls
+
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ucmb-", dir="/tmp"))
+    cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="ucm_ray_batch_steps")
+    per_step: list[float] = []
+    totals: dict[str, float] = {}
+    profiler = cProfile.Profile() if profile else None
+    try:
+        with running_fleet(cfg), tempfile.TemporaryDirectory(prefix="ucmb-model-") as model_dir:
+            write_model_dir(model_dir)
+            blocks = requests * (prompt_tokens + steps + 64) // 16 + 16
+            engine = make_engine(StoreClient(cfg), model_dir, config=cfg, block_size=16, num_layers=layers,
+                                 num_blocks=blocks, max_seqs=max(8, requests),
+                                 max_batched=requests * prompt_tokens + 64)
+            try:
+                engine.serve("warm", prompt(prompt_tokens, seed=1), max_tokens=2)  # pools mapped, code warm
+                engine.settle()
+                for i in range(requests):
+                    engine.add(f"r{i}", prompt(prompt_tokens, seed=100 + i), max_tokens=skip + steps)
+                for _ in range(skip):
+                    engine.step()
+                targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
+                gc.collect()
+                gc.freeze()
+                with timed_calls(targets) as timed:
+                    for _ in range(steps):
+                        before = sum(sum(calls) for calls in timed.values())
+                        if profiler is not None:
+                            profiler.enable()
+                        engine.step()
+                        if profiler is not None:
+                            profiler.disable()
+                        per_step.append(sum(sum(calls) for calls in timed.values()) - before)
+                totals = {name: sum(calls) for name, calls in timed.items() if calls}
+                engine.settle()
+                if engine.wrong_blocks or engine.failed_loads:
+                    raise RuntimeError(f"{engine.wrong_blocks} wrong blocks, {engine.failed_loads} failed loads")
+            finally:
+                gc.unfreeze()
+                engine.shutdown()
+    finally:
+        ray.shutdown()
+    if profiler is not None:
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats("ucm_ray", 40)  # our functions' own time, largest first
+    worst = sorted(range(len(per_step)), key=per_step.__getitem__, reverse=True)[:5]
+    log.info("worst steps (index: ms): %s", {i: round(1e3 * per_step[i], 2) for i in worst})
+    return {"hooks_ms": 1e3 * sum(per_step), "worst_step_ms": 1e3 * max(per_step),
+            "median_step_ms": 1e3 * statistics.median(per_step),
+            **{f"{name}_ms": round(1e3 * s, 3) for name, s in totals.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
+    ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray runs in the same run")
+    ap.add_argument("--skip", type=int, default=0, help="steps run untimed first (0: time the prompts' steps)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.child:
+        print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip)))
+        return
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
+    got: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
+    for _ in range(args.rounds):
+        for name, path in checkouts.items():
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests),
+                   "--prompt", str(args.prompt), "--layers", str(args.layers), "--steps", str(args.steps),
+                   "--skip", str(args.skip)]
+            python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
+            out = subprocess.run(cmd + (["--profile"] if args.profile else []),
+                                 env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"batch_steps in {path} failed:\n{out.stderr[-4000:]}")
+            if args.profile:
+                sys.stderr.write(out.stderr[-12000:])
+            got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            log.info("%s: %s", name, got[name][-1])
+    for name, runs in got.items():
+        for key in ("hooks_ms", "worst_step_ms", "median_step_ms"):
+            print(f"batch_{key}{'' if name == 'this' else '_baseline'}={statistics.median(r[key] for r in runs):.3f}")
+    if args.baseline:
+        ratio = statistics.median(r["hooks_ms"] for r in got["this"]) / statistics.median(
+            r["hooks_ms"] for r in got["baseline"])
+        print(f"batch_hooks_vs_baseline={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
