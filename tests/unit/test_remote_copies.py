@@ -10,6 +10,7 @@ from __future__ import annotations
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Locations
 from ucm_ray.testing.harness import make_engine, prompt
+from ucm_ray.testing.timing import timed_calls
 
 BLOCKS = 16  # prompt(2048) in blocks of 128
 
@@ -66,3 +67,27 @@ def test_a_load_that_failed_keeps_no_copy(store, model_dir):
     stats = reader.stats()
     assert stats["checksum_mismatches"] == 1 and reader.failed_loads >= 1 and reader.wrong_blocks == 0
     assert stats.get("copies_kept", 0) == 0
+
+
+def test_copies_a_resumed_request_got_back_from_vllms_cache_are_not_kept_pending(store, model_dir):
+    """Copies still waiting for slots when vLLM preempted the request are no longer valid
+    (``resume``); when vLLM resumes it with those blocks from its own prefix cache, nothing will
+    recompute them. Kept pending, they made every later step plan the request again (no decode
+    fast path, no batching of its generated blocks' saves)."""
+    engine = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    part = engine.connector.scheduler_part
+    request = engine.add("R", prompt(200, seed=40), max_tokens=80)
+    while not request.num_output_tokens:
+        engine.step()
+    for _ in range(4):
+        engine.step()  # the prompt's saves planned
+    tracked = part._requests.get("R")
+    tracked.keep_copies(0, 0, [0, 1])  # copies waiting for slots ...
+    tracked.resume(tracked.block_ids)  # ... when it was preempted and resumed with the same blocks
+    with timed_calls([(part.saves, ("_plan_saves",), "scheduler")]) as timed:
+        for _ in range(64):
+            engine.step()
+    assert not tracked.pending
+    assert len(timed["scheduler._plan_saves"]) <= 2 * 64 // 16 + 2
+    engine.run(request)
+    assert engine.wrong_blocks == 0

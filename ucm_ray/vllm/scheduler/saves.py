@@ -247,6 +247,7 @@ class SavePlanner:
             full = filled // size
             first = tracked.saved_blocks.get(g, 0)
             computed_now = range(since // size, full)
+            self._drop_stale(tracked, g, computed_now.start)
             for rank in range(len(self._geometry.namespaces)):
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
@@ -258,6 +259,18 @@ class SavePlanner:
                     pending.append((g, rank, i))
             tracked.saved_blocks[g] = max(first, full)
         return wanted, pending
+
+    @staticmethod
+    def _drop_stale(tracked: TrackedRequest, group: int, recomputed_from: int) -> None:
+        """Pending blocks of ``group`` whose bytes are not valid (``resume``) and that no step will
+        compute again (below ``recomputed_from``: vLLM resumed the request with them from its own
+        cache, or its computing starts past them): never saved, so never kept pending. A pending
+        block keeps the request out of the decode fast path (``plan_stands``) and off the batching
+        of its generated blocks' saves."""
+        stale = [block for block, ready in tracked.pending.items()
+                 if not ready and block[0] == group and block[2] < recomputed_from]
+        for block in stale:
+            del tracked.pending[block]
 
     def _saves_wait(self, tracked: TrackedRequest, filled: int) -> bool:
         """Whether a running request's blocks filled up to token ``filled`` wait for a later
