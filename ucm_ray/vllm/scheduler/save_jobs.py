@@ -88,7 +88,10 @@ class SaveJobs:
                  job_ids: Iterator[int], clock: Callable[[], float]) -> None:
         self._store = store
         self._slots = slots
-        self._entry_bytes = entry_bytes
+        self._sizes = np.asarray(sorted(set(entry_bytes)), dtype=np.int64)
+        """The model's distinct entry sizes (one or two): a slot class is (pool, one of these)."""
+        self._size_of_group: np.ndarray = np.searchsorted(self._sizes, np.asarray(entry_bytes, dtype=np.int64))
+        """Per kv-cache group, its entry size's index in ``_sizes``."""
         self._requests = requests
         self._job_ids = job_ids
         self._clock = clock
@@ -108,8 +111,8 @@ class SaveJobs:
             return bound
         real_keys = [keys[i] for i in real.tolist()] if len(real) < len(rows) else list(keys)
         pools, owners = self._store.placement(real_keys)
-        sizes = np.asarray(sorted(set(self._entry_bytes)), dtype=np.int64)
-        size_at = np.searchsorted(sizes, np.asarray(self._entry_bytes, dtype=np.int64)[groups[real]])
+        sizes = self._sizes
+        size_at = self._size_of_group[groups[real]]
         for replica in range(owners.shape[1]):
             # rows per slot class (pool, size), classes in that order, rows in row order
             slot_class = owners[:, replica].astype(np.int64) * len(sizes) + size_at
