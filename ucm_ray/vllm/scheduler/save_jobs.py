@@ -90,7 +90,7 @@ class SaveJobs:
         self._slots = slots
         self._sizes = np.asarray(sorted(set(entry_bytes)), dtype=np.int64)
         """The model's distinct entry sizes (one or two): a slot class is (pool, one of these)."""
-        self._size_of_group: np.ndarray = np.searchsorted(self._sizes, np.asarray(entry_bytes, dtype=np.int64))
+        self._size_of_group = np.asarray(np.searchsorted(self._sizes, entry_bytes), dtype=np.int64)
         """Per kv-cache group, its entry size's index in ``_sizes``."""
         self._requests = requests
         self._job_ids = job_ids
