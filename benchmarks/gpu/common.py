@@ -27,8 +27,9 @@ from ucm_ray.config import UcmRayConfig
 log = logging.getLogger("bench.gpu")
 REPO = Path(__file__).resolve().parents[2]
 
-# vLLM's V1 model runner and synchronous scheduling, on every engine (with or without the connector),
-# as the serve builder sets them: the connector refuses the others (``compat.check_load_recovery_exact``).
+# vLLM's V1 model runner and synchronous scheduling, on every engine (with or without the connector):
+# the connector's layer-by-layer loads, which these figures have measured from the start (under
+# asynchronous scheduling or the V2 runner it loads hits whole first: ``benchmarks/gpu_async_tier.py``).
 GPU_ENGINE_ENV = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
 

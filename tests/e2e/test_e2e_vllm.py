@@ -17,7 +17,7 @@ import torch
 
 from tests.support import ROOT
 from tests.support.e2e_helpers import EngineProcess, kv_transfer, logprob_drift
-from tests.support.store_helpers import restart_shard
+from tests.support.store_helpers import corrupt_fleet_entries, restart_shard
 from ucm_ray import policy
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
@@ -201,16 +201,7 @@ def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny, pa
     keys = ray.get(a.block_keys.remote(p[:2560]))
     ray.kill(a)
 
-    client = StoreClient(shared)
-    lease = client.acquire([keys[5], keys[12]]).result()
-    pools = {s.shard_id: s.pool.shm_path for s in client.membership.shards}
-    for loc in lease.locations:
-        with open(pools[loc.shard_id], "r+b") as f:
-            f.seek(loc.offset + 4096)
-            good = f.read(64)
-            f.seek(loc.offset + 4096)
-            f.write(bytes(b ^ 0xFF for b in good))
-    client.release(lease.lease_ids).result()
+    corrupt_fleet_entries(shared, [keys[5], keys[12]])
 
     b, c = pair  # checksum=False: the default
     before = fresh(b)
@@ -218,6 +209,7 @@ def test_corrupted_bytes_in_the_store_are_recomputed_not_served(shared, tiny, pa
     worker = since(b, before)["worker"]
     assert worker["checksum_mismatches"] == 2 and worker["load_failures"] >= 2
     assert out["tokens"] == expected
+    client = StoreClient(shared)
     assert client.lookup(keys) == [True] * 20  # removed, then saved again by B
     client.close()
     before = fresh(c)

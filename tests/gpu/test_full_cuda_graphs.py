@@ -4,10 +4,10 @@ The seed's reason to exist: a layerwise connector's hooks do not run when vLLM r
 CUDA graph, which it does for a step of 1 token. So a partial hit must leave ``2 + k`` tokens to
 compute (a PIECEWISE step, hooks run). These tests run the seed's cases across engine processes
 and compare every output with an engine without the connector, then force the recompute count
-to 1 (the counterfactual) and require the connector to catch the hook-less step. The engines run
-vLLM's V1 model runner without asynchronous scheduling: the connector refuses vLLM 0.26's defaults
-on Hopper (the V2 runner, asynchronous scheduling), with which no failed load is recomputed
-exactly (the last test).
+to 1 (the counterfactual) and require the connector to catch the hook-less step. These engines run
+vLLM's V1 model runner without asynchronous scheduling (layer-by-layer loads); under vLLM 0.26's
+defaults on Hopper (the V2 runner, asynchronous scheduling) every hit loads before its request is
+scheduled, and a failed load is exact there too (the last test).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.support.store_helpers import corrupt_fleet_entries
 from ucm_ray import policy
 
 pytestmark = pytest.mark.gpu
@@ -111,16 +112,44 @@ def test_a_one_token_step_alone_loads_its_hit_before_the_full_graph_replay(gpu_m
     assert out["tokens"] == reference[1024]
 
 
-@pytest.mark.parametrize("setting, refused", [
-    ({"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}, "V2 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"),
-    ({"async_scheduling": True}, "asynchronous scheduling.*--no-async-scheduling"),
-], ids=["v2_runner", "async_scheduling"])
-def test_vllm_026s_defaults_on_hopper_are_refused_at_start_up(gpu_model, gpu_fleet, setting, refused):
-    """vLLM 0.26 picks its V2 model runner and asynchronous scheduling for this model on Hopper
-    unless told otherwise. With the V2 runner the recompute-one case above gave tokens [919 ...]
-    and [820 ...] (two runs), with V1 and asynchronous scheduling [1014, 1023 ...], against the
-    reference's [2038, 1014 ...] (H100, 2026-12-05): the connector refuses both, naming the switch
-    (``compat.check_load_recovery_exact``). The engine never serves."""
-    b = engine(gpu_model, kv_config(gpu_fleet), **setting)
-    with pytest.raises(ray.exceptions.RayActorError, match=refused):
-        ray.get(b.generate.remote([1, 2, 3]))
+@pytest.mark.parametrize("env, settings", [
+    ({"VLLM_USE_V2_MODEL_RUNNER": "1"}, {"async_scheduling": None}),
+    ({}, {"async_scheduling": True}),
+], ids=["vllm_defaults", "v1_async_scheduling"])
+def test_under_vllm_026s_defaults_a_hit_and_a_failed_load_give_the_references_tokens(gpu_model, prompt, gpu_fleet,
+                                                                                     stored, env, settings):
+    """vLLM 0.26 picks its V2 model runner and asynchronous scheduling on Hopper. With loads in
+    the step that computes, a failed load gave other tokens there: [919 ...] and [820 ...] with the
+    V2 runner, [1014, 1023 ...] with V1 and asynchronous scheduling, against the reference's
+    [2038, 1014 ...] (H100, 2026-12-05). Under either, the connector now loads a hit before its
+    request is scheduled (``compat.loads_land_before_scheduling``): a hit gives the policy's
+    tokens, and two blocks flipped in the pool fail their checksums before any forward reads
+    them; vLLM computes from the first on. Each is compared with an engine without the
+    connector under the same settings."""
+    from ucm_ray.tiny_model import synthetic_prompt
+
+    other = synthetic_prompt(gpu_model, 1024 + 5, seed=4)  # blocks of its own, not the fixture's
+    ref = engine(gpu_model, None, env=env, **settings)
+    expected = {n: ray.get(ref.generate.remote(prompt[:n]))["tokens"] for n in (1024, 1024 + 5)}
+    expected_other = ray.get(ref.generate.remote(other))["tokens"]
+    ray.kill(ref)
+
+    b = engine(gpu_model, kv_config(gpu_fleet), env=env, **settings)
+    out = ray.get(b.generate.remote(prompt[:1024 + 5]))
+    got = totals(b)
+    ray.kill(b)
+    assert got["hit_tokens"] == 1024 and out["cached"] == 1024 and got.get("load_failures", 0) == 0
+    assert out["tokens"] == expected[1024 + 5]
+
+    a = engine(gpu_model, kv_config(gpu_fleet, checksum=True))
+    ray.get(a.generate.remote(other[:1024]))
+    keys = ray.get(a.block_keys.remote(other[:1024]))
+    ray.kill(a)
+    corrupt_fleet_entries(gpu_fleet, [keys[20], keys[40]])
+    b = engine(gpu_model, kv_config(gpu_fleet), env=env, **settings)
+    out = ray.get(b.generate.remote(other))
+    got = totals(b)
+    ray.kill(b)
+    assert got["checksum_mismatches"] == 2 and got["load_failures"] >= 2, got
+    assert out["cached"] <= 20 * BLOCK, out["cached"]  # vLLM cut the hit at the first failed block
+    assert out["tokens"] == expected_other

@@ -44,7 +44,7 @@ def engine(model: str, kv: dict | None):
     remote = ray.remote(num_gpus=0.2, runtime_env={"env_vars": ENV})(ProbedEngine)
     return remote.remote(model, kv, None, dtype="bfloat16", block_size=BLOCK, max_model_len=4096,
                          enforce_eager=False, compilation_config=GRAPHS, gpu_memory_utilization=0.15,
-                         speculative_config=SPEC, async_scheduling=False)  # the connector refuses it
+                         speculative_config=SPEC, async_scheduling=False)  # layer-by-layer loads: the seed's rule
 
 
 def kv_config(fleet, **extra) -> dict:

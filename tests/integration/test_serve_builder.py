@@ -79,17 +79,17 @@ def test_engines_get_the_connector_and_a_fixed_hash_seed():
     assert prepare_app(mine)[0]["llm_configs"][0]["runtime_env"]["env_vars"]["PYTHONHASHSEED"] == "42"
 
 
-def test_engines_get_the_settings_under_which_vllm_recomputes_a_failed_load_exactly():
-    """vLLM's V1 model runner and synchronous scheduling (the connector refuses the others: a
-    failed load would give wrong tokens), unless the user set them (then the connector decides)."""
+def test_engines_keep_vllms_scheduling_and_model_runner_or_the_users():
+    """The connector loads asynchronously where vLLM's asynchronous scheduling or V2 model runner
+    need it, so the builder leaves both to vLLM's defaults or to what the user set."""
     entry = prepare_app(args())[0]["llm_configs"][0]
-    assert entry["engine_kwargs"]["async_scheduling"] is False
-    assert entry["runtime_env"]["env_vars"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    mine = args(async_scheduling=True)
-    mine["llm_configs"][0]["runtime_env"] = {"env_vars": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+    assert "async_scheduling" not in entry["engine_kwargs"]
+    assert entry["runtime_env"]["env_vars"] == {"PYTHONHASHSEED": "0"}
+    mine = args(async_scheduling=False)
+    mine["llm_configs"][0]["runtime_env"] = {"env_vars": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
     entry = prepare_app(mine)[0]["llm_configs"][0]
-    assert entry["engine_kwargs"]["async_scheduling"] is True
-    assert entry["runtime_env"]["env_vars"] == {"VLLM_USE_V2_MODEL_RUNNER": "1", "PYTHONHASHSEED": "0"}
+    assert entry["engine_kwargs"]["async_scheduling"] is False
+    assert entry["runtime_env"]["env_vars"] == {"VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0"}
 
 
 def test_gpu_example_parses_and_builds(ray_cluster):

@@ -16,13 +16,6 @@ __all__ = ["ENGINE_ENV", "EngineProcess", "kv_transfer", "logprob_drift"]
 class _ProbedEngine(ProbedEngine):
     """Probes into one engine's internals, for byte-level assertions."""
 
-    def block_keys(self, prompt_ids: list[int]) -> list[bytes]:
-        """The store keys this engine uses for the prompt's full blocks (rank 0, group 0)."""
-        from ucm_ray.keys import block_key
-
-        ns = self._core().scheduler.connector.scheduler_part.namespaces[0]
-        return [block_key(ns, h, 0) for h in self._hashes(prompt_ids)]
-
     def cached_kv(self, prompt_ids: list[int], layer: int) -> list[bytes | None]:
         """Bytes of one attention layer of the prompt's blocks in this engine's own prefix cache."""
         from ucm_ray.vllm.layout import layer_layout

@@ -150,3 +150,39 @@ def restart_shard(cfg, i: int) -> None:
         assert time.monotonic() < deadline, "the directory never noticed the kill"
         time.sleep(0.1)
     start_fleet(cfg)
+
+
+def corrupt_stored_blocks(store, engine, tokens: list[int], blocks: list[int] | None = None) -> int:
+    """Flip the first byte of the stored blocks of ``tokens`` (a bad DIMM, a stray writer):
+    ``blocks`` (their indices) or all; ``store`` a ``LocalBlockStore``, ``engine`` a harness
+    engine. Returns how many were stored and flipped."""
+    reader = store.client()
+    lease = reader.acquire(engine.block_keys(tokens)).result()
+    flipped = 0
+    for index, loc in enumerate(lease.locations):
+        if loc is not None and (blocks is None or index in blocks):
+            store.pool_of(loc).tensor[loc.offset] ^= 0xFF
+            flipped += 1
+    reader.release(lease.lease_ids).result()
+    return flipped
+
+
+def corrupt_fleet_entries(config, keys: list[bytes], offset: int = 4096, length: int = 64) -> None:
+    """Flip ``length`` bytes at ``offset`` into the stored entries of ``keys`` in their shards'
+    shared-memory pool files (real corruption: what a reader maps), found through a store client
+    of the fleet ``config`` names."""
+    from ucm_ray.store.engine.client import StoreClient
+
+    client = StoreClient(config)
+    try:
+        lease = client.acquire(keys).result()
+        pools = {shard.shard_id: shard.pool.shm_path for shard in client.membership.shards}
+        for loc in lease.locations:
+            with open(pools[loc.shard_id], "r+b") as f:
+                f.seek(loc.offset + offset)
+                good = f.read(length)
+                f.seek(loc.offset + offset)
+                f.write(bytes(b ^ 0xFF for b in good))
+        client.release(lease.lease_ids).result()
+    finally:
+        client.close()

@@ -14,9 +14,10 @@ import time
 from collections import Counter
 
 import pytest
-from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
+from vllm.config import ParallelConfig
 
 from tests.support import ROOT
+from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.slots import QUIET_TICK_S
@@ -27,7 +28,7 @@ from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey, Transfer, TransferError
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm import compat
-from ucm_ray.vllm.compat import check_load_recovery_exact, check_one_compute_stream
+from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import StepState
@@ -151,24 +152,13 @@ def test_preempted_request_resumes_with_a_store_hit(store, model_dir):
 # --- faults -------------------------------------------------------------------------------
 
 
-def _corrupt_stored_blocks(store: LocalBlockStore, engine, tokens: list[int]) -> int:
-    """Flip the first byte of every stored block of ``tokens`` (a bad DIMM, a stray writer)."""
-    reader = store.client()
-    lease = reader.acquire(engine.block_keys(tokens)).result()
-    for loc in lease.locations:
-        if loc is not None:
-            store.pool_of(loc).tensor[loc.offset] ^= 0xFF
-    reader.release(lease.lease_ids).result()
-    return sum(loc is not None for loc in lease.locations)
-
-
 def test_the_harness_sees_wrong_bytes_when_nothing_catches_them(store, model_dir):
     """The check can fail: corrupted entries without checksums are loaded and counted wrong."""
     a = make_engine(store.client(), model_dir)
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-    assert _corrupt_stored_blocks(store, a, p) == 16
+    assert corrupt_stored_blocks(store, a, p) == 16
     b = make_engine(store.client(), model_dir)
     b.serve("B", p)
     assert b.wrong_blocks > 0
@@ -181,7 +171,7 @@ def test_checksum_is_a_property_of_the_entry_and_a_mismatch_removes_it(store, mo
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-    assert _corrupt_stored_blocks(store, a, p) == 16
+    assert corrupt_stored_blocks(store, a, p) == 16
     b = make_engine(store.client(), model_dir, extra={"checksum": False})
     b.serve("B", p)
     b.settle()
@@ -318,29 +308,6 @@ def test_micro_batching_is_refused_at_start_up(micro_batches):
     check_one_compute_stream(ParallelConfig())  # the default passes
     with pytest.raises(ValueError, match="micro-batching.*turn it off"):
         check_one_compute_stream(ParallelConfig(**micro_batches))
-
-
-def test_settings_where_vllm_recomputes_a_failed_load_inexactly_are_refused_at_start_up(monkeypatch):
-    """vLLM's V2 model runner keeps a failed step's advance in its GPU state when vLLM takes the
-    step back, and asynchronous scheduling runs (and keeps) the request's next step before the
-    failure is reported: with either, no failed load would be recomputed exactly, so the
-    connector refuses them (first thing, in both roles), naming the switch. vLLM reads the runner
-    switch whenever it asks which runner runs and refuses to build a V2 config without Triton
-    (this CPU box has none), so the switch is turned after the config is built, as vLLM 0.26
-    picks V2 by itself on Hopper. (On the GPU: ``tests/gpu/test_full_cuda_graphs.py``.)"""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    vllm_config = VllmConfig(device_config=DeviceConfig("cpu"))
-    vllm_config.scheduler_config.async_scheduling = False
-    check_load_recovery_exact(vllm_config)  # the V1 runner, synchronous scheduling
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert vllm_config.use_v2_model_runner
-    with pytest.raises(ValueError, match="V2 model runner.*wrong tokens; set VLLM_USE_V2_MODEL_RUNNER=0"):
-        check_load_recovery_exact(vllm_config)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    check_load_recovery_exact(vllm_config)
-    vllm_config.scheduler_config.async_scheduling = True
-    with pytest.raises(ValueError, match="asynchronous scheduling.*wrong tokens; turn it off"):
-        check_load_recovery_exact(vllm_config)
 
 
 def test_the_scheduler_reports_its_host_time_per_step_that_runs_tokens(store, model_dir):

@@ -32,6 +32,13 @@ class ProbedEngine(Engine):
                       block_hasher=self._core().request_block_hasher)
         return list(req.block_hashes)
 
+    def block_keys(self, prompt_ids: list[int]) -> list[bytes]:
+        """The store keys this engine uses for the prompt's full blocks (rank 0, group 0)."""
+        from ucm_ray.keys import block_key
+
+        namespace = self._core().scheduler.connector.scheduler_part.namespaces[0]
+        return [block_key(namespace, block_hash, 0) for block_hash in self._hashes(prompt_ids)]
+
     def generate_pd(self, prompt_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any],
                     flush: bool = True, logprobs: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
         """Greedy tokens of a request carrying a PD proxy's ``kv_transfer_params`` (vLLM reads them

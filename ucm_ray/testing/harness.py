@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -68,6 +69,11 @@ from ucm_ray.vllm.metadata import LoadJob, UcmRayConnectorMetadata
 MAX_LEN = 16384
 PARTIAL = -1.0
 """What the stand-in forward writes into a block it filled only partly."""
+TOKEN = 7
+"""The token the stand-in model samples when every block its forward read held what computing
+it writes."""
+POISONED_TOKEN = 666
+"""... and when one did not (``Engine.check_reads``): a token computed from wrong bytes."""
 
 STORE_KEY = "harness_store"
 """The extra-config key that hands an engine's connector its store (any ``BlockStore``)."""
@@ -174,6 +180,15 @@ class Engine:
     before_worker: Callable[[Engine, UcmRayConnectorMetadata], None] | None = None
     """A fault to play between the scheduler's plan (pins taken, slots granted) and the
     worker's copies."""
+    check_reads: bool = False
+    """Check, at each step's first attention layer, the full blocks before what the step computes
+    (what its attention reads): the model samples ``POISONED_TOKEN`` for a request that read a
+    block holding other bytes, so a test sees whether vLLM kept a token computed from a failed
+    load (``wrong_blocks`` only sees loads that were not reported)."""
+    async_scheduling: bool = False
+    """Step as vLLM's engine core does under asynchronous scheduling (``AsyncScheduler``, a queue
+    of two batches): a step is scheduled and run before the one before it is taken back."""
+    _in_flight: list[tuple[Any, ModelRunnerOutput]] = field(default_factory=list)
 
     @property
     def connector(self) -> UcmRayConnector:
@@ -191,8 +206,25 @@ class Engine:
         return req
 
     def step(self) -> None:
+        """One step of vLLM's engine core: schedule, run the worker (the stand-in forward), and
+        hand the output back; under ``async_scheduling`` the output of the step before, once the
+        next is scheduled and run (vLLM's batch queue of two)."""
         self.steps += 1
-        out = self.sched.schedule()
+        if not self.async_scheduling:
+            out = self.sched.schedule()
+            self._apply(out, self._execute(out))
+            return
+        if self.sched.has_requests():
+            out = self.sched.schedule()
+            self._in_flight.insert(0, (out, self._execute(out)))
+            if len(self._in_flight) < 2 and (out.total_num_scheduled_tokens or self.sched.has_requests()):
+                return
+        if self._in_flight:
+            self._apply(*self._in_flight.pop())
+
+    def _execute(self, out) -> ModelRunnerOutput:
+        """What the model runner does with a scheduled step: the connector's worker hooks around
+        the stand-in forward, and the step's sampled tokens and connector output."""
         meta = out.kv_connector_metadata
         assert isinstance(meta, UcmRayConnectorMetadata)
         self._count(out)
@@ -206,6 +238,7 @@ class Engine:
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         mismatched: dict[str, set[int]] = {}
+        poisoned: set[str] = set()
         hooks = out.total_num_scheduled_tokens >= self.graph_replay_below
         # where each scheduled request's hit (and this step's computing) begins
         begins = {rid: self.sched.requests[rid].num_computed_tokens - n for rid, n in out.num_scheduled_tokens.items()}
@@ -214,6 +247,8 @@ class Engine:
                 self._write_tails(loads, begins, name, group, index)
             if attention and hooks:
                 worker.wait_for_layer_load(name)
+            if attention and index == 0 and self.check_reads:
+                poisoned = self._poisoned_reads(begins, name, group)
             self._check_loaded(loads, begins, name, group, index, mismatched)
             self._compute(out, name, group, index, attention)
             if attention and hooks:
@@ -232,10 +267,14 @@ class Engine:
         sampled = []
         for rid in ids:
             req = self.sched.requests[rid]
-            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-        outputs = self.sched.update_from_output(out, ModelRunnerOutput(
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([POISONED_TOKEN if rid in poisoned else TOKEN] if done else [])
+        return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=connector_output(sending, recving, failed, errors, worker_meta)))
+            kv_connector_output=connector_output(sending, recving, failed, errors, worker_meta))
+
+    def _apply(self, out, runner_output: ModelRunnerOutput) -> None:
+        outputs = self.sched.update_from_output(out, runner_output)
         self.transfer_params.update((output.request_id, output.kv_transfer_params)
                                     for engine_outputs in outputs.values() for output in engine_outputs.outputs
                                     if output.kv_transfer_params is not None)
@@ -300,6 +339,22 @@ class Engine:
             before = req.num_computed_tokens - n  # the scheduler already advanced it
             if before < req.num_prompt_tokens:
                 self.prefill_computed[rid] = self.prefill_computed.get(rid, 0) + min(n, req.num_prompt_tokens - before)
+
+    def _poisoned_reads(self, begins: dict[str, int], name: str, group: int) -> set[str]:
+        """The scheduled requests whose attention reads, in layer ``name``, a full block before
+        what the step computes that does not hold what computing it writes."""
+        poisoned = set()
+        layer = [n for n, _, _ in self.layer_groups].index(name)
+        for rid, begin in begins.items():
+            req = self.sched.requests[rid]
+            table = self.sched.kv_cache_manager.get_block_ids(rid)[group]
+            for i in range(min(begin // self.block_size, len(req.block_hashes))):
+                expected = block_value(req.block_hashes[i], layer)
+                block = self.kv[name][table[i]]
+                if not bool(((block == expected) | (block == expected + self.numerics)).all()):
+                    poisoned.add(rid)
+                    break
+        return poisoned
 
     def _compute(self, out, name: str, group: int, layer: int, attention: bool) -> None:
         """Write what a forward pass over this step's tokens would leave in ``name``."""
@@ -366,14 +421,19 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 sliding_window: int | None = None, state_block_size: int | None = None,
                 num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8,
                 pool_connections: type[PoolConnections] = PoolConnections,
-                index_readers: Callable[[str], IndexReaders] = IndexReaders) -> Engine:
+                index_readers: Callable[[str], IndexReaders] = IndexReaders,
+                async_scheduling: bool = False, told_async: bool | None = None) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
     ``pool_connections``, ``index_readers``: what its worker reaches the pools and reads their
     indexes with (a test's double: a pool that fails, an index on another node).
     ``max_seqs``: requests running at once (vLLM's ``max_num_seqs``).
     ``state_block_size``: the hybrid's state blocks, when not the attention block size.
     ``num_layers``, ``kv_heads``, ``head_size``: the attention layers' KV (one layer's block is
-    ``block_size * kv_heads * head_size * 2 * 4`` bytes; a benchmark sizes it as a model's)."""
+    ``block_size * kv_heads * head_size * 2 * 4`` bytes; a benchmark sizes it as a model's).
+    ``async_scheduling``: vLLM's ``AsyncScheduler`` and its engine core's batch queue;
+    ``told_async``: what the engine's config says (default: the same), which the connector reads:
+    a test may run asynchronous scheduling behind a config that says otherwise, to show what
+    synchronous loads would do under it."""
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ValueError(f"num_layers {num_layers}: the harness tells apart 1 to {MAX_LAYERS} layers")
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
@@ -393,13 +453,15 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                  prefix_caching_hash_algo=hash_algo),
         scheduler_config=SchedulerConfig(max_model_len=MAX_LEN, is_encoder_decoder=False,
                                          max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
-                                         enable_chunked_prefill=True, async_scheduling=False),  # vLLM's Scheduler
+                                         enable_chunked_prefill=True, async_scheduling=False),
         device_config=DeviceConfig("cpu"), speculative_config=spec,
         kv_transfer_config=KVTransferConfig(kv_connector="HarnessConnector",
                                             kv_connector_module_path="ucm_ray.testing.harness",
                                             kv_role="kv_both", kv_load_failure_policy=failure_policy,
                                             kv_connector_extra_config=extra))
     vcfg.cache_config.num_gpu_blocks = num_blocks
+    # vLLM turns asynchronous scheduling off on CPU when the config is built
+    vcfg.scheduler_config.async_scheduling = async_scheduling if told_async is None else told_async
     # Small heads keep the fake KV cheap; the scheduler never checks them against the model.
     attn = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.float32)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
@@ -419,9 +481,11 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     kcfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
     kcfg.hash_block_size = block_size
     kcfg.cache_hit_alignment_tokens = block_size
-    sched = Scheduler(vllm_config=vcfg, kv_cache_config=kcfg, structured_output_manager=StructuredOutputManager(vcfg),
-                      block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
-                      hash_block_size=block_size, log_stats=True)
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    sched = scheduler_cls(vllm_config=vcfg, kv_cache_config=kcfg,
+                          structured_output_manager=StructuredOutputManager(vcfg),
+                          block_size=math.lcm(*(g.kv_cache_spec.block_size for g in groups)),
+                          hash_block_size=block_size, log_stats=True)
     worker = HarnessConnector(vcfg, KVConnectorRole.WORKER, kcfg, pool_connections=pool_connections,
                               index_readers=index_readers)
     kv = {n: torch.zeros(num_blocks, kv_heads, block_size, 2 * head_size, dtype=torch.float32) for n in layers}
@@ -432,7 +496,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
         layer_groups.append((f"model.layers.{num_layers}.mixer", 1, False))
     worker.register_kv_caches(kv)
     init_none_hash(sha256)
-    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256), clock)
+    return Engine(sched, worker, kv, layer_groups, block_size, get_request_block_hasher(block_size, sha256), clock,
+                  async_scheduling=async_scheduling)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

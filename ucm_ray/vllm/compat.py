@@ -64,48 +64,34 @@ def check_one_compute_stream(parallel_config: Any) -> None:
                          "to use the tier")
 
 
-EXACT_RECOVERY_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-"""The environment under which vLLM recomputes a failed cache load exactly: its V1 model runner
-(``check_load_recovery_exact``). The serve builder sets it unless the user set it."""
+def loads_land_before_scheduling(vllm_config: Any) -> bool:
+    """Whether this engine must load every hit asynchronously: the request waits until its load
+    landed and was checked, and only then reaches the model runner. Needed under the two settings
+    where vLLM does not recompute a failed *synchronous* load exactly (vllm-project/vllm#49250,
+    open), both of them vLLM 0.26's defaults on Hopper:
 
-EXACT_RECOVERY_ENGINE_KWARGS = {"async_scheduling": False}
-"""The engine settings under which vLLM recomputes a failed cache load exactly: no asynchronous
-scheduling (``check_load_recovery_exact``). The serve builder sets them unless the user did."""
+    - asynchronous scheduling: the request's next step is scheduled and run before a failure seen
+      after the loading step is reported, and that step's token (computed from the failed blocks)
+      is kept;
+    - the V2 model runner: the scheduler rolls the request's ``num_computed_tokens`` back, but the
+      runner keeps the failed step's advance in its GPU state and recomputes from the wrong offset.
 
-
-def check_load_recovery_exact(vllm_config: Any) -> None:
-    """Refuse the two settings under which vLLM does not recompute a failed cache load exactly
-    (every failure reaches vLLM the same way, whenever it is seen: the block ids after the step;
-    vllm-project/vllm#49250, open):
-
-    - its V2 model runner (``vllm/v1/worker/gpu/``, 0.26's default on Hopper for dense models):
-      the scheduler rolls the request's ``num_computed_tokens`` back and drops the step's token,
-      but the runner keeps the step's advance in its GPU state (``num_computed_tokens``, the last
-      sampled token) and ``update_requests`` writes the rolled-back count to its CPU mirror only,
-      so the recompute reads tokens and positions from the wrong offset;
-    - asynchronous scheduling (vLLM's default on GPUs): the request's next step is scheduled and
-      run before the failure is reported, its output placeholders are not rolled back, and that
-      step's token (computed from the failed blocks) is kept.
-
-    Checked on vLLM 0.26 on the H100 (``tests/gpu/test_full_cuda_graphs.py``: V2 runner, and V1
-    with async scheduling, gave other tokens than the reference; V1 without it, the reference's);
-    0.32's runner and scheduler have the same code (read). vLLM on CPU schedules synchronously and
-    picks V1 without Triton."""
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        raise ValueError("ucm-ray: vLLM's V2 model runner does not roll back its GPU state when vLLM "
-                         "recomputes a failed cache load (vllm-project/vllm#49250), so a failed load would "
-                         "give wrong tokens; set VLLM_USE_V2_MODEL_RUNNER=0 to use vLLM's V1 model runner")
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        raise ValueError("ucm-ray: with asynchronous scheduling vLLM runs a request's next step before a failed "
-                         "cache load is reported and keeps its token (vllm-project/vllm#49250), so a failed load "
-                         "would give wrong tokens; turn it off (--no-async-scheduling, async_scheduling=False)")
+    An asynchronous load's failure reaches vLLM before the request was ever scheduled, so nothing
+    is rolled back: vLLM cuts the hit at the first failed block and computes the rest. The price is
+    the layer-by-layer overlap of the loads with the forward pass (synchronous engines keep it).
+    Checked on vLLM 0.26 on the H100 (``tests/gpu/test_full_cuda_graphs.py``: synchronous loads
+    under either setting gave other tokens than the reference); the harness runs vLLM's
+    ``AsyncScheduler`` on CPU (``test_async_scheduling.py``). vLLM on CPU schedules synchronously
+    and picks V1 without Triton."""
+    return bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)
+                or getattr(vllm_config, "use_v2_model_runner", False))
 
 
-__all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE", "EXACT_RECOVERY_ENGINE_KWARGS", "EXACT_RECOVERY_ENV",
+__all__ = ["ASYNC_LOAD_FAILURES_REPORTABLE",
            "PROM_METRICS_HOOK", "KVConnectorPromMetrics", "KVConnectorTransferResults", "KVConnectorWorkerMetadata",
-           "block_hashes_vary_per_process", "check_async_loads_reportable", "check_load_recovery_exact",
+           "block_hashes_vary_per_process", "check_async_loads_reportable",
            "check_one_compute_stream", "configure_engine_logging", "connector_output", "layer_kv_cache_tensor",
-           "transfer_results"]
+           "loads_land_before_scheduling", "transfer_results"]
 
 
 def block_hashes_vary_per_process(hash_algo: str) -> bool:

@@ -19,7 +19,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.keys import Namespace, block_keys, state_key
-from ucm_ray.vllm.compat import block_hashes_vary_per_process, check_async_loads_reportable
+from ucm_ray.vllm.compat import (
+    block_hashes_vary_per_process,
+    check_async_loads_reportable,
+    loads_land_before_scheduling,
+)
 from ucm_ray.vllm.layout import entry_bytes
 
 if TYPE_CHECKING:
@@ -102,8 +106,9 @@ class CacheGeometry:
     chunk_tokens: int
     """vLLM's ``max_num_batched_tokens``: the longest prompt chunk one step computes."""
     async_loads: bool
-    """Loads are asynchronous (``failed_recving``): vLLM can take back a failed synchronous load
-    of a single-group cache only (it raises for several groups)."""
+    """Loads are asynchronous (the request waits until its load landed): vLLM can take back a failed
+    synchronous load of a single-group cache only (it raises for several groups), and exactly only
+    with synchronous scheduling on its V1 model runner (``compat.loads_land_before_scheduling``)."""
     recompute: int
     """Prompt tokens vLLM computes itself after a dense hit (``policy.recompute_tokens``)."""
 
@@ -132,7 +137,7 @@ class CacheGeometry:
                    namespaces=engine_namespaces(vllm_config, kv_cache_config, config.namespace, config.model_id),
                    entry_bytes=[entry_bytes(kv_cache_config, g) for g in range(len(groups))],
                    chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                   async_loads=len(groups) > 1,
+                   async_loads=len(groups) > 1 or loads_land_before_scheduling(vllm_config),
                    recompute=policy.recompute_tokens(config.layerwise, speculative))
 
     @property

@@ -38,7 +38,7 @@ class WorkerPart:
         self.stats = UcmRayStats()
         self._pools = PoolConnections(config.transport, node_id) if pools is None else pools
         self._indexes = IndexReaders(node_id, remote=config.transport != "shm") if indexes is None else indexes
-        self._results = WorkerResults()
+        self._results = WorkerResults(one_group=len(kv_cache_config.kv_cache_groups) == 1)
         self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats)
         self._loads = StepLoads(self._copies, self._indexes, self._results, self.stats, layerwise=config.layerwise)
         self._saves = SavesInFlight(self._copies, self._results, self.stats, checksums=config.checksum)

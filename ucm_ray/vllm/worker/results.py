@@ -14,7 +14,10 @@ from ucm_ray.vllm.metadata import LoadJob, SaveResult, UcmRayWorkerMetadata
 class WorkerResults:
     """Results gathered since they were last taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, one_group: bool) -> None:
+        self._one_group = one_group
+        """A single-group cache: vLLM maps failed block ids back to their request (for several
+        groups it raises, so a failed asynchronous load goes by request id there)."""
         self._meta = UcmRayWorkerMetadata()
         self._load_errors: set[int] = set()
         self._finished_recving: set[str] = set()
@@ -33,10 +36,15 @@ class WorkerResults:
         self._meta.corrupt.append(location)
 
     def load_done(self, job: LoadJob, bad: list[int], *, to_vllm: bool) -> None:
-        """A load job is over, ``bad`` (vLLM block ids) failed. An async job's request is
-        finished or failed receiving; a synchronous job's failed blocks go to vLLM when
+        """A load job is over, ``bad`` (vLLM block ids) failed. An async job's request is finished
+        receiving, its failed blocks told to vLLM with it (which cuts the waiting request's hit at
+        the first: vLLM 0.26 knows no other way), or, for a cache of several groups, it failed
+        receiving (its hit is dropped whole). A synchronous job's failed blocks go to vLLM when
         ``to_vllm`` (it may only be told in the step that loaded them)."""
-        if job.is_async:
+        if job.is_async and self._one_group and not job.failed:
+            self._load_errors.update(bad)
+            self._finished_recving.add(job.req_id)
+        elif job.is_async:
             (self._failed_recving if bad or job.failed else self._finished_recving).add(job.req_id)
         elif to_vllm:
             self._load_errors.update(bad)

@@ -1,0 +1,108 @@
+"""The tier under vLLM's asynchronous scheduling (issue 43): decode and store hits against the
+tier under synchronous scheduling and an engine without it, in turn on one GPU.
+
+Under asynchronous scheduling the connector loads every hit before its request is scheduled
+(``compat.loads_land_before_scheduling``): a failed load is then exact, and the decode speed of
+asynchronous scheduling is kept (synchronous scheduling, which the connector required before,
+cost 35-39% of it on a ~1B model). The price is the layer-by-layer overlap of a hit's loads with
+its forward pass. Three engines, vLLM's V1 runner: ``tier_async`` (the connector, asynchronous
+scheduling), ``tier_sync`` (the connector, synchronous: layer-by-layer loads) and ``none_async``
+(no connector). Batches of 8 fresh 4k prompts and single 4k requests decoding 128 tokens (the tier
+engines' saves run meanwhile), then 4k store hits: a prompt one tier engine computed, asked of the other
+(not in its own prefix cache). GPU only: ``python benchmarks/gpu_async_tier.py``; the last line
+is ``async_tier: decode_batch8=<tier_async / none_async> decode_single=<...>
+sync_batch8=<tier_sync / none_async> sync_single=<...> store_hit_ttft_async_vs_sync=<ratio>``
+(decode tokens/s ratios; the TTFT ratio of medians).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import sys
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+
+from benchmarks.gpu.common import (  # noqa: E402
+    connector_config,
+    engine_actor,
+    engine_cores,
+    probe_start,
+    start_engine,
+    ttft_of,
+    turn_cores,
+)
+from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
+from ucm_ray.tiny_model import synthetic_prompt  # noqa: E402
+
+log = logging.getLogger("bench.gpu")
+BATCH, TOKENS, ROUNDS, HITS = 8, 128, 3, 4
+ENGINES = {"tier_async": (True, True), "tier_sync": (True, False), "none_async": (False, True)}
+"""label -> (with the connector, asynchronous scheduling)"""
+
+
+def main() -> None:
+    device, prof, model = probe_start("ucm_ray_gpu_async_tier")
+    n = prof.sizes["4k"]
+    warmup = [synthetic_prompt(model, 64, seed=9999), synthetic_prompt(model, n, seed=9000)]
+    cores = engine_cores(device)
+    cfg = UcmRayConfig(num_shards=2, ray_namespace="ucm_ray_gpu_async_tier", transport="shm", pool_bytes=8 << 30)
+    with running_fleet(cfg):
+        engines = {}
+        for label, (tier, async_scheduling) in ENGINES.items():
+            setting = replace(prof, engine={**prof.engine, "async_scheduling": async_scheduling})
+            engines[label] = start_engine(engine_actor(setting), model, setting, label,
+                                          connector_config(cfg) if tier else None, cores.parked, warmup)
+        rates: dict[str, dict[str, list[float]]] = {shape: {label: [] for label in ENGINES}
+                                                    for shape in ("batch8", "single")}
+        for r in range(ROUNDS):
+            order = list(ENGINES) if r % 2 == 0 else list(reversed(ENGINES))
+            for shape, size in (("batch8", BATCH), ("single", 1)):
+                for k, label in enumerate(order):  # fresh prompts for each: every tier engine saves its own
+                    prompts = [synthetic_prompt(model, n, seed=50000 + 1000 * r + 100 * size + 10 * k + i)
+                               for i in range(size)]
+                    with turn_cores(engines[label], cores):
+                        result = ray.get(engines[label].decode_batch.remote(prompts, TOKENS))
+                    rates[shape][label].append(result["rate"])
+        ttft: dict[str, list[float]] = {"tier_async": [], "tier_sync": []}
+        cached: dict[str, list[int]] = {"tier_async": [], "tier_sync": []}
+        same = True  # each store hit's first token is the one its writer computed
+        for i in range(HITS):
+            for writer, reader in (("tier_sync", "tier_async"), ("tier_async", "tier_sync")):
+                hit = synthetic_prompt(model, n, seed=70000 + 10 * i + (writer == "tier_async"))
+                written = ray.get(engines[writer].generate.remote(hit, 1))  # computed and saved (flushed)
+                with turn_cores(engines[reader], cores):
+                    result = ray.get(engines[reader].generate.remote(hit, 1))
+                ttft[reader].append(ttft_of(result))
+                cached[reader].append(result["cached"])
+                same = same and result["tokens"] == written["tokens"]
+        for engine in engines.values():
+            ray.kill(engine)
+    ray.shutdown()
+    for shape, by_label in rates.items():
+        log.info("%s decode tok/s: %s", shape,
+                 {label: [round(rate, 1) for rate in got] for label, got in by_label.items()})
+    log.info("store hit TTFT ms: %s; vLLM's cached tokens: %s",
+             {label: [round(s * 1e3, 2) for s in got] for label, got in ttft.items()}, cached)
+    log.info("store hits' first tokens equal their writers': %s", same)
+    median = {shape: {label: statistics.median(got) for label, got in by_label.items()}
+              for shape, by_label in rates.items()}
+    log.info("async_tier: decode_batch8=%.3f decode_single=%.3f sync_batch8=%.3f sync_single=%.3f "
+             "store_hit_ttft_async_vs_sync=%.3f",
+             median["batch8"]["tier_async"] / median["batch8"]["none_async"],
+             median["single"]["tier_async"] / median["single"]["none_async"],
+             median["batch8"]["tier_sync"] / median["batch8"]["none_async"],
+             median["single"]["tier_sync"] / median["single"]["none_async"],
+             statistics.median(ttft["tier_async"]) / statistics.median(ttft["tier_sync"]))
+
+
+if __name__ == "__main__":
+    main()

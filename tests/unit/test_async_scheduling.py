@@ -1,0 +1,111 @@
+"""vLLM's asynchronous scheduling and V2 model runner (both its defaults on Hopper) with the
+tier: every hit loads asynchronously there, so a failed load is exact.
+
+The harness runs vLLM's own ``AsyncScheduler`` behind its engine core's batch queue of two (a
+step is scheduled and run before the step before it is taken back), and its stand-in model
+samples ``POISONED_TOKEN`` for a request whose attention read a block holding other bytes
+(``check_reads``): a request's tokens show whether vLLM kept a token computed from a failed load.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm.config import DeviceConfig, VllmConfig
+
+from tests.support.store_helpers import corrupt_stored_blocks
+from ucm_ray.testing.harness import POISONED_TOKEN, TOKEN, make_engine, prompt
+from ucm_ray.vllm.compat import loads_land_before_scheduling
+
+BLOCKS = 16
+CORRUPT = [10]
+"""The stored block that fails its checksum: vLLM keeps the hit's first 10 blocks."""
+
+
+def _stored(store, model_dir, tokens: list[int]):
+    """Engine A computes ``tokens`` and saves them with checksums; the entry of block 10 is
+    then flipped."""
+    a = make_engine(store.client(), model_dir, extra={"checksum": True})
+    a.serve("A", tokens)
+    a.settle()
+    assert corrupt_stored_blocks(store, a, tokens, CORRUPT) == 1
+    return a
+
+
+def _tokens(engine, req_id: str, tokens: list[int], max_tokens: int) -> list[int]:
+    request = engine.add(req_id, tokens, max_tokens=max_tokens)
+    engine.run(request)
+    for _ in range(3):  # the batch queue's last output
+        engine.step()
+    return list(request.output_token_ids)
+
+
+def test_under_async_scheduling_a_failed_load_keeps_no_token_of_its_bytes(store, model_dir):
+    """Engine B schedules asynchronously: its hit loads before the request is scheduled, the
+    failed block reaches vLLM first, and vLLM computes from it on. Every token is the model's,
+    and the blocks before the failed one stay loaded."""
+    p = prompt(BLOCKS * 128)
+    _stored(store, model_dir, p)
+    b = make_engine(store.client(), model_dir, async_scheduling=True)
+    b.check_reads = True
+    assert b.connector.scheduler_part.geometry.async_loads
+    assert _tokens(b, "B", p, max_tokens=6) == [TOKEN] * 6
+    assert b.failed_loads == 1 and b.stats()["checksum_mismatches"] == 1 and b.wrong_blocks == 0
+    # the blocks before the failed one were loaded and kept: vLLM computed from block 10 on
+    assert b.first["B"][0] == CORRUPT[0] * 128 and b.prefill_computed["B"] == (BLOCKS - CORRUPT[0]) * 128
+
+
+def test_synchronous_loads_under_async_scheduling_keep_a_token_of_the_failed_bytes(store, model_dir):
+    """Why the connector loads asynchronously there: the same engine whose connector is told
+    scheduling is synchronous loads layer by layer in the step that computes; the failure is
+    reported after the next step ran on the failed bytes, and vLLM keeps that step's token
+    (vllm-project/vllm#49250). The harness sees it (the check can fail)."""
+    p = prompt(BLOCKS * 128)
+    _stored(store, model_dir, p)
+    b = make_engine(store.client(), model_dir, async_scheduling=True, told_async=False)
+    b.check_reads = True
+    assert not b.connector.scheduler_part.geometry.async_loads
+    out = _tokens(b, "B", p, max_tokens=6)
+    assert b.failed_loads == 1 and b.wrong_blocks == 0
+    assert POISONED_TOKEN in out, out
+
+
+def test_synchronous_scheduling_keeps_layerwise_loads_and_a_failed_load_is_exact(store, model_dir):
+    """Synchronous scheduling on the V1 runner: loads stay synchronous (layer by layer with the
+    forward), and vLLM drops the failed step's token itself."""
+    p = prompt(BLOCKS * 128)
+    _stored(store, model_dir, p)
+    b = make_engine(store.client(), model_dir)
+    b.check_reads = True
+    assert not b.connector.scheduler_part.geometry.async_loads
+    assert _tokens(b, "B", p, max_tokens=6) == [TOKEN] * 6
+    assert b.failed_loads == 1 and b.wrong_blocks == 0
+
+
+def test_async_scheduling_hits_load_whole_and_give_the_policys_tokens(store, model_dir):
+    """No failure: the hit is the policy's (2048 - 2 recomputed), loaded before the request is
+    scheduled, and the tokens are the model's."""
+    p = prompt(BLOCKS * 128)
+    a = make_engine(store.client(), model_dir)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir, async_scheduling=True)
+    b.check_reads = True
+    assert _tokens(b, "B", p, max_tokens=4) == [TOKEN] * 4
+    assert b.first["B"] == (BLOCKS * 128 - 2, 2)
+    assert b.failed_loads == 0 and b.wrong_blocks == 0 and b.loaded_blocks["B"] == BLOCKS
+
+
+@pytest.mark.parametrize("setting", ["async_scheduling", "v2_runner", "neither"])
+def test_which_engines_load_asynchronously(monkeypatch, setting):
+    """vLLM's asynchronous scheduling and its V2 model runner need loads that land before the
+    request is scheduled; the V1 runner with synchronous scheduling keeps layer-by-layer loads.
+    vLLM reads the runner switch whenever it asks which runner runs and refuses to build a V2
+    config without Triton (this CPU box has none), so the switch is turned after the config is
+    built, as vLLM 0.26 picks V2 by itself on Hopper."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    vllm_config = VllmConfig(device_config=DeviceConfig("cpu"))
+    vllm_config.scheduler_config.async_scheduling = setting == "async_scheduling"
+    if setting == "v2_runner":
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        assert vllm_config.use_v2_model_runner
+    assert loads_land_before_scheduling(vllm_config) is (setting != "neither")
