@@ -38,7 +38,8 @@ def main() -> None:
             outputs.append({"tokens": out["tokens"], "logprobs": out["logprobs"], "cached": out["cached"]})
         result: dict = {"outputs": outputs, "ranks": engine.rank_totals() if request["kv"] else [],
                         "scheduler": engine.scheduler_totals() if request["kv"] else {},
-                        "keys": {str(i): [[k.hex() for k in keys] for keys in engine.block_keys(request["prompts"][i])]
+                        "keys": {str(i): [[k.hex() for k in keys]
+                                          for keys in engine.rank_block_keys(request["prompts"][i])]
                                  for i in request.get("keys_of", [])}}
         if request.get("kv_of"):
             index, layers = request["kv_of"]

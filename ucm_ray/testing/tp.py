@@ -53,7 +53,7 @@ def rank_block_kv(wrapper: Any, layers: list[int], block_ids: list[int]) -> tupl
 class TpEngine(ProbedEngine):
     """Probes that work whatever the tensor-parallel size."""
 
-    def block_keys(self, prompt_ids: list[int]) -> list[list[bytes]]:
+    def rank_block_keys(self, prompt_ids: list[int]) -> list[list[bytes]]:
         """Per tp rank, the store keys of the prompt's full blocks (attention group 0)."""
         from ucm_ray.keys import block_key
 
