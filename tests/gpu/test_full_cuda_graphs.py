@@ -151,5 +151,5 @@ def test_under_vllm_026s_defaults_a_hit_and_a_failed_load_give_the_references_to
     got = totals(b)
     ray.kill(b)
     assert got["checksum_mismatches"] == 2 and got["load_failures"] >= 2, got
-    assert out["cached"] <= 20 * BLOCK, out["cached"]  # vLLM cut the hit at the first failed block
+    # (vLLM's own cached count is taken before an asynchronous load ends: it says 1024 either way)
     assert out["tokens"] == expected_other

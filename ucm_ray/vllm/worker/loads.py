@@ -3,8 +3,9 @@
 Layer L's bytes land while layers < L compute, and ``wait_for_layer_load`` makes layer L wait
 for them: on stream-ordered pools the compute stream waits for the layer's event (the host
 checks every copy once, at the end of the loads); on the copy thread's pools the host waits.
-Loads that cannot wait for layer hooks are posted first and land before the forward pass. A
-load counts only once it landed, its entry still holds what was pinned or published (loads
+Loads that cannot wait for layer hooks are posted first and land before the forward pass;
+asynchronous loads (their requests are not in the step) hold no forward back and land by the
+time the step reports. A load counts only once it landed, its entry still holds what was pinned or published (loads
 from unpinned entries are validated against the published index) and its checksum matches.
 """
 
@@ -52,7 +53,9 @@ class StepLoads:
         first = copies.post_by_pool(plan.at_once, [plan.every_layer], write=False)[0] if plan.at_once else None
         first_threaded = self._at_once_threaded(step, plan, ready)
         self._post_by_layer(step, plan, ready)
-        if first is not None:  # the forward waits for them from its first kernel
+        if first is not None and all(job.is_async for job in step.loads):
+            step.unlanded.append(first)  # no forward of this step reads them: landed as the step reports
+        elif first is not None:  # the forward waits for them from its first kernel
             self._order_or_land(step, first)
         if first_threaded is not None:
             self._wait(step, *first_threaded)
