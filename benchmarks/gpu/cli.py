@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
                     help="only decode with and without the connector (engines A, C, N; decode_overhead_<shape>_*)")
     ap.add_argument("--serving", action="store_true",
                     help="--decode-only with each engine's core in a process of its own, as `vllm serve` runs it")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="--decode-only with vLLM's asynchronous scheduling on every engine (the tier then loads "
+                         "hits before their requests are scheduled)")
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b",
                     help="--decode-only's model: the 1B of --ttft, or Llama-3.1-8B's layers (dummy weights)")
     ap.add_argument("--ttft-prompts", type=int, default=6,
@@ -74,7 +77,7 @@ def run_parts(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if args.decode_only:
         started = time.perf_counter()
         results.update(decode_only(device, args.shape, args.decode_prompts, args.decode_tokens,
-                                   args.decode_batch, args.decode_rounds, args.serving))
+                                   args.decode_batch, args.decode_rounds, args.serving, args.async_scheduling))
         log.info("decode measured in %.1f s", time.perf_counter() - started)
     elif not args.ttft_only:
         prof = QUICK if args.quick else FULL

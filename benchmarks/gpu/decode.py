@@ -113,9 +113,10 @@ def remove_left(shared: list[str]) -> None:
 
 
 def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_tokens: int, decode_batch: int,
-                decode_rounds: int, serving: bool = False) -> dict[str, Any]:
+                decode_rounds: int, serving: bool = False, async_scheduling: bool = False) -> dict[str, Any]:
     """The ``--decode-only`` figures; ``prompts_per_size`` fresh prompts per size decoded one at a
-    time, then the batches."""
+    time, then the batches; ``async_scheduling``: every engine scheduling asynchronously (the
+    figures' names get ``_async``)."""
     from ucm_ray.testing.null_connector import null_kv_transfer_config
 
     prof = ttft_profile(device, False, shape)
@@ -131,8 +132,8 @@ def decode_only(device: torch.device, shape: str, prompts_per_size: int, decode_
     remote = engine_actor(prof)
     cores = engine_cores(device)
     res: dict[str, Any] = {}
-    serving_prof = replace(prof, engine={**prof.engine, "serving": serving})
-    mode = "_serving" if serving else ""
+    serving_prof = replace(prof, engine={**prof.engine, "serving": serving, "async_scheduling": async_scheduling})
+    mode = ("_serving" if serving else "") + ("_async" if async_scheduling else "")
     with running_fleet(cfg):
         engines = {label: start_engine(remote, model, serving_prof, label, kv_config, cores.parked, warmup)
                    for label, kv_config in (("A", kv), ("C", None), ("N", null_kv_transfer_config()))}
