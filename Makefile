@@ -96,7 +96,7 @@ venv-vllm026: $(STAMP026)
 
 test-vllm026: $(STAMP026)
 	PYTHONHASHSEED=0 $(PY026) -m pytest -p no:cacheprovider -rs -m "not hybrid_harness" \
-	  tests/unit/test_two_halves.py tests/unit/test_policy.py \
+	  tests/unit/test_two_halves.py tests/unit/test_policy.py tests/unit/test_async_scheduling.py \
 	  "tests/e2e/test_e2e_vllm.py::test_engine_b_reuses_engine_a_prefix_with_identical_output[True-1]"
 
 # vLLM 0.33 (the newest release the README claims) on CPU: its wheel (a CUDA build) without its
@@ -116,10 +116,11 @@ $(STAMP033): $(STAMP)
 venv-vllm033: $(STAMP033)
 
 # VLLM_USE_V2_MODEL_RUNNER=0: without a platform (a CUDA wheel on the CPU box) 0.33 picks its V2 model
-# runner, which the connector refuses (ucm_ray/vllm/compat.py: check_load_recovery_exact), as users set it.
+# runner, under which the connector loads every hit asynchronously (compat.loads_land_before_scheduling);
+# the harness's tables are those of layer-by-layer loads (test_async_scheduling.py covers the other way).
 test-vllm033: $(STAMP033)
 	VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=$(CURDIR)/$(VLLM033) $(PY) -m pytest -p no:cacheprovider -rs tests/unit/test_two_halves.py \
-	  tests/unit/test_policy.py tests/unit/test_pd_handoff.py
+	  tests/unit/test_policy.py tests/unit/test_pd_handoff.py tests/unit/test_async_scheduling.py
 
 # The edit-test loop: lint, then the unit tier only.
 test-fast: venv lint helm-bin
