@@ -79,17 +79,18 @@ def test_engines_get_the_connector_and_a_fixed_hash_seed():
     assert prepare_app(mine)[0]["llm_configs"][0]["runtime_env"]["env_vars"]["PYTHONHASHSEED"] == "42"
 
 
-def test_engines_keep_vllms_scheduling_and_model_runner_or_the_users():
-    """The connector loads asynchronously where vLLM's asynchronous scheduling or V2 model runner
-    need it, so the builder leaves both to vLLM's defaults or to what the user set."""
+def test_engines_keep_vllms_scheduling_and_get_the_v1_model_runner_unless_the_user_set_them():
+    """The connector loads asynchronously under vLLM's asynchronous scheduling, so the builder
+    leaves scheduling to vLLM's default or the user's; it refuses vLLM's V2 model runner, so the
+    builder sets the V1 runner unless the user set one (then the connector decides)."""
     entry = prepare_app(args())[0]["llm_configs"][0]
     assert "async_scheduling" not in entry["engine_kwargs"]
-    assert entry["runtime_env"]["env_vars"] == {"PYTHONHASHSEED": "0"}
+    assert entry["runtime_env"]["env_vars"] == {"VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0"}
     mine = args(async_scheduling=False)
-    mine["llm_configs"][0]["runtime_env"] = {"env_vars": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+    mine["llm_configs"][0]["runtime_env"] = {"env_vars": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
     entry = prepare_app(mine)[0]["llm_configs"][0]
     assert entry["engine_kwargs"]["async_scheduling"] is False
-    assert entry["runtime_env"]["env_vars"] == {"VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONHASHSEED": "0"}
+    assert entry["runtime_env"]["env_vars"] == {"VLLM_USE_V2_MODEL_RUNNER": "1", "PYTHONHASHSEED": "0"}
 
 
 def test_gpu_example_parses_and_builds(ray_cluster):

@@ -1,5 +1,5 @@
-"""vLLM's asynchronous scheduling and V2 model runner (both its defaults on Hopper) with the
-tier: every hit loads asynchronously there, so a failed load is exact.
+"""vLLM's asynchronous scheduling (its default on GPUs) with the tier: every hit loads
+asynchronously there, so a failed load is exact; vLLM's V2 model runner is refused.
 
 The harness runs vLLM's own ``AsyncScheduler`` behind its engine core's batch queue of two (a
 step is scheduled and run before the step before it is taken back), and its stand-in model
@@ -14,7 +14,7 @@ from vllm.config import DeviceConfig, VllmConfig
 
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.testing.harness import POISONED_TOKEN, TOKEN, make_engine, prompt
-from ucm_ray.vllm.compat import loads_land_before_scheduling
+from ucm_ray.vllm.compat import check_model_runner, loads_land_before_scheduling
 
 BLOCKS = 16
 CORRUPT = [10]
@@ -95,17 +95,25 @@ def test_async_scheduling_hits_load_whole_and_give_the_policys_tokens(store, mod
     assert b.failed_loads == 0 and b.wrong_blocks == 0 and b.loaded_blocks["B"] == BLOCKS
 
 
-@pytest.mark.parametrize("setting", ["async_scheduling", "v2_runner", "neither"])
-def test_which_engines_load_asynchronously(monkeypatch, setting):
-    """vLLM's asynchronous scheduling and its V2 model runner need loads that land before the
-    request is scheduled; the V1 runner with synchronous scheduling keeps layer-by-layer loads.
-    vLLM reads the runner switch whenever it asks which runner runs and refuses to build a V2
-    config without Triton (this CPU box has none), so the switch is turned after the config is
-    built, as vLLM 0.26 picks V2 by itself on Hopper."""
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_asynchronous_scheduling_loads_asynchronously(async_scheduling):
+    """vLLM's asynchronous scheduling needs loads that land before the request is scheduled;
+    synchronous scheduling keeps layer-by-layer loads."""
+    vllm_config = VllmConfig(device_config=DeviceConfig("cpu"))
+    vllm_config.scheduler_config.async_scheduling = async_scheduling  # vLLM turns it off on CPU
+    assert loads_land_before_scheduling(vllm_config) is async_scheduling
+
+
+def test_vllms_v2_model_runner_is_refused_at_start_up(monkeypatch):
+    """A failed load under vLLM's V2 runner is not shown exact yet (``compat.check_model_runner``):
+    refused, naming the switch, first thing in both roles. vLLM reads the switch whenever it asks
+    which runner runs and refuses to build a V2 config without Triton (this CPU box has none), so
+    it is turned after the config is built, as vLLM 0.26 picks V2 by itself on Hopper. (On the GPU:
+    ``tests/gpu/test_full_cuda_graphs.py``.)"""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     vllm_config = VllmConfig(device_config=DeviceConfig("cpu"))
-    vllm_config.scheduler_config.async_scheduling = setting == "async_scheduling"
-    if setting == "v2_runner":
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-        assert vllm_config.use_v2_model_runner
-    assert loads_land_before_scheduling(vllm_config) is (setting != "neither")
+    check_model_runner(vllm_config)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_config.use_v2_model_runner
+    with pytest.raises(ValueError, match="V2 model runner.*wrong tokens; set VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_model_runner(vllm_config)

@@ -113,9 +113,11 @@ def llm_config_dict(entry: Any, where: str) -> dict[str, Any]:
 
 
 def with_connector(entry: dict[str, Any], config: UcmRayConfig, label: str) -> dict[str, Any]:
-    """The engine config with this tier's connector, prefix caching on and a fixed hash seed; the
-    scheduling and the model runner stay vLLM's (or the user's) choice: the connector loads
-    asynchronously where they need it (``compat.loads_land_before_scheduling``)."""
+    """The engine config with this tier's connector, prefix caching on, a fixed hash seed and vLLM's
+    V1 model runner (``compat.check_model_runner``) unless the user set them; scheduling stays
+    vLLM's (or the user's) choice: under asynchronous scheduling the connector loads hits before
+    their requests are scheduled (``compat.loads_land_before_scheduling``)."""
+    from ucm_ray.vllm.compat import EXACT_RECOVERY_ENV  # vLLM: when built only
     model = (entry.get("model_loading_config") or {}).get("model_id", "?")
     where = f"{label} ({model}).engine_kwargs"
     engine_kwargs = dict(entry.get("engine_kwargs") or {})
@@ -124,7 +126,7 @@ def with_connector(entry: dict[str, Any], config: UcmRayConfig, label: str) -> d
     if engine_kwargs["enable_prefix_caching"] is not True:
         raise ConfigError(f"{where}.enable_prefix_caching: the tier shares prefix-cached blocks; it must be true")
     runtime_env = dict(entry.get("runtime_env") or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars = {**EXACT_RECOVERY_ENV, **(runtime_env.get("env_vars") or {})}
     env_vars.setdefault("PYTHONHASHSEED", HASH_SEED)
     runtime_env["env_vars"] = env_vars
     return {**entry, "engine_kwargs": engine_kwargs, "runtime_env": runtime_env}

@@ -35,6 +35,7 @@ from ucm_ray.vllm.compat import (
     PROM_METRICS_HOOK,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    check_model_runner,
     check_one_compute_stream,
 )
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
@@ -95,6 +96,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         log_with_vllm()
         check_one_compute_stream(vllm_config.parallel_config)
+        check_model_runner(vllm_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.ucm_config = UcmRayConfig.from_dict(extra, ignore=self.subclass_extra_keys)
         self._scheduler: SchedulerPart | None = None
