@@ -116,8 +116,7 @@ $(STAMP033): $(STAMP)
 venv-vllm033: $(STAMP033)
 
 # VLLM_USE_V2_MODEL_RUNNER=0: without a platform (a CUDA wheel on the CPU box) 0.33 picks its V2 model
-# runner, under which the connector loads every hit asynchronously (compat.loads_land_before_scheduling);
-# the harness's tables are those of layer-by-layer loads (test_async_scheduling.py covers the other way).
+# runner, which the connector refuses (ucm_ray/vllm/compat.py: check_model_runner), as users set it.
 test-vllm033: $(STAMP033)
 	VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=$(CURDIR)/$(VLLM033) $(PY) -m pytest -p no:cacheprovider -rs tests/unit/test_two_halves.py \
 	  tests/unit/test_policy.py tests/unit/test_pd_handoff.py tests/unit/test_async_scheduling.py
