@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--copy-nodes-per-pool", type=int, default=10,
                         help="(k): past the hot prefix, copy a block only while fewer than ceil(nodes / this) "
                              "pools hold it (0: no bound; copy_nodes_per_pool)")
-    parser.add_argument("--hot-copies", default="unregistered", choices=["registered", "table", "unregistered"],
+    parser.add_argument("--hot-copies", default="unregistered", choices=["registered", "table", "refreshed", "unregistered"],
                         help="(k): how a hot prefix's copies are found (DesignParams.hot_copies)")
     parser.add_argument("--peer-probes", type=int, default=0,
                         help="(k), unregistered: peers tried per hot block before the table's pools")

@@ -62,6 +62,9 @@ class DesignParams:
     simulation counted through stop 52: more than the package did); ``table``: the same
     messages, but a reader sees only the pools the table named when the prefix became hot, and
     its own node (the package through stop 52: hot rows are never asked about);
+    ``refreshed``: as ``table``, and at every window's end the table's pools become the
+    ``MAX_POOLS_PER_KEY`` most recent copies the first block's owner was told of (a new table
+    version to every node: not built);
     ``unregistered``: as ``table`` without the messages (the package since stop 53), and a
     reader tries ``peer_probes`` nodes picked by rendezvous on (prefix, reader) before the
     table's pools (a peer that lacks the block costs one index read over NIXL, no call: counted
@@ -826,8 +829,14 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
     def roll_window(self) -> None:
         before = set(self.table)
         super().roll_window()
-        for key in self.table.difference(before):
-            self.table_pools[key] = list(reversed(self.locs.get(key, [])))
+        fresh = self.table.difference(before) if self.params.hot_copies != "refreshed" else self.table
+        for key in fresh:
+            self.table_pools[key] = list(reversed(self.locs.get(key, [])))[:MAX_POOLS_PER_KEY]
+        if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
+            tally = RequestTally()
+            self._broadcast(0, tally, len(self.table))
+            self.stats.index_msgs += tally.index_msgs
+            self.stats.index_bytes += tally.index_bytes
 
 
 DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy, BuiltHotRootsHandover, HandoverCopyOnSecondRead)
