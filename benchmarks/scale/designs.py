@@ -71,6 +71,10 @@ class DesignParams:
     as stale)."""
     peer_probes: int = 0
     """(k) with ``hot_copies="unregistered"``: peers tried per hot block before the table's pools."""
+    bound_hot_copies: bool = True
+    """(k): ``copy_nodes_per_pool`` bounds a hot prefix's copies too, counted over the pools the
+    table names (as the package does since stop 53; False: a hot prefix is copied at every
+    node's first read whatever the fleet's size)."""
     seed: int = 0
 
 
@@ -799,6 +803,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                     continue
                 if bound and self.holders(key) >= bound:
                     continue
+            elif self.params.bound_hot_copies and bound and len(self.table_pools.get(key, ())) >= bound:
+                continue
             elif self.params.hot_copies == "unregistered":
                 hot_copies.append(key)
                 continue

@@ -24,7 +24,8 @@ from ucm_ray.transport.base import PoolKey
 HOT_READS = 1 << 30
 """What a hot prefix's block counts as read before (``ReadLease.earlier_reads``): the fleet's table
 lists it because many asked, so a reader that loads it from another node keeps a copy at once (the
-pools the table names would otherwise serve every node)."""
+pools the table names would otherwise serve every node), unless the table names as many pools
+for it as ``copy_bound`` allows."""
 
 
 ENOUGH_COPIES = -1
@@ -127,12 +128,12 @@ class FamilyAcquire(Pending[ReadLease]):
         earlier: np.ndarray = np.zeros(len(self._keys), dtype=np.int64)
         earlier[:len(self._hot_pools)] = HOT_READS
         at = {rec.key: i for i, rec in enumerate(self._shards)}
+        mark_enough_copies(earlier, range(len(self._hot_pools)), _members(self._hot_pools, at), self._copy_bound)
         if answer:
             pools, earlier_reads = answer
             earlier[self._asked] = earlier_reads
             named.update(zip(self._asked.tolist(), pools))
-            mark_enough_copies(earlier, self._asked.tolist(),
-                               [sum(1 for pool in map(tuple, row) if pool in at) for row in pools], self._copy_bound)
+            mark_enough_copies(earlier, self._asked.tolist(), _members(pools, at), self._copy_bound)
         self._local.result().earlier_reads = earlier  # the lease ``result`` returns
         if not named:
             return
@@ -148,6 +149,11 @@ class FamilyAcquire(Pending[ReadLease]):
         self._remote_rows = self._missing[rows]
         self._remote = Acquire(self._access, [self._keys[i] for i in self._remote_rows.tolist()], self._pin,
                                self._shards, owners)
+
+
+def _members(named: Sequence[Sequence[PoolKey]], members: Collection[PoolKey]) -> list[int]:
+    """Per row, how many of the pools named for it are members (a departed pool holds nothing)."""
+    return [sum(1 for pool in map(tuple, pools) if pool in members) for pools in named]
 
 
 def _fewest_sources(candidates: list[list[int]]) -> list[list[int]]:
