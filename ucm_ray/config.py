@@ -134,12 +134,12 @@ class UcmRayConfig:
     pool alone; a hot prefix's blocks are copied at the first read. 1: at every read; 0: never
     (an engine's own setting)."""
     copy_nodes_per_pool: int = 10
-    """writer_local across nodes: a block past the hot prefix is copied (``remote_copy_reads``) only
-    while the family root's owner names fewer than one pool per this many nodes for it (rounded
-    up): every copy takes pool room from the fleet's distinct blocks, and in a small fleet the
-    few pools that hold a block serve few nodes each (simulated at 10 nodes, random router,
-    pools evicting: copies cost 4.9 points of hits unbounded, 0.9 with this bound; docs/scaling.md).
-    0: no bound (an engine's own setting)."""
+    """writer_local across nodes: a block is copied (``remote_copy_reads``) only while fewer than
+    one pool per this many nodes (rounded up) is named for it, by the family root's owner or, for
+    a hot prefix, the table: every copy takes pool room from the fleet's distinct blocks, and in a
+    small fleet the few pools that hold a block serve few nodes each (simulated at 10 nodes,
+    random router, pools evicting: copies cost 4.5 points of hits unbounded, none with this
+    bound; docs/scaling.md). 0: no bound (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
