@@ -129,6 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--segment-blocks", type=int, default=64)
     parser.add_argument("--copy-session", type=int, default=2,
                         help="(k): a node's read of a block at which it keeps a copy (remote_copy_reads)")
+    parser.add_argument("--copy-nodes-per-pool", type=int, default=10,
+                        help="(k): past the hot prefix, copy a block only while fewer than ceil(nodes / this) "
+                             "pools hold it (0: no bound; copy_nodes_per_pool)")
+    parser.add_argument("--hot-copies", default="unregistered",
+                        choices=["registered", "table", "refreshed", "unregistered"],
+                        help="(k): how a hot prefix's copies are found (DesignParams.hot_copies)")
+    parser.add_argument("--peer-probes", type=int, default=0,
+                        help="(k), unregistered: peers tried per hot block before the table's pools")
+    parser.add_argument("--unbounded-hot-copies", action="store_true",
+                        help="(k): copy_nodes_per_pool does not bound a hot prefix's copies")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
                                                       "default all")
     parser.add_argument("--pressure", action="store_true",
@@ -139,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         args.pool_fraction = PRESSURE_FRACTION
         args.min_pool_tokens = WorkloadSpec(nodes=1).max_prompt_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session)
+    params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session,
+                          copy_nodes_per_pool=args.copy_nodes_per_pool, hot_copies=args.hot_copies,
+                          peer_probes=args.peer_probes, bound_hot_copies=not args.unbounded_hot_copies)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

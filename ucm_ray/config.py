@@ -133,6 +133,13 @@ class UcmRayConfig:
     (registered as its write), so a document read on many nodes is not served by its writer's
     pool alone; a hot prefix's blocks are copied at the first read. 1: at every read; 0: never
     (an engine's own setting)."""
+    copy_nodes_per_pool: int = 10
+    """writer_local across nodes: a block is copied (``remote_copy_reads``) only while fewer than
+    one pool per this many nodes (rounded up) is named for it, by the family root's owner or, for
+    a hot prefix, the table: every copy takes pool room from the fleet's distinct blocks, and in a
+    small fleet the few pools that hold a block serve few nodes each (simulated at 10 nodes,
+    random router, pools evicting: copies cost 4.5 points of hits unbounded, none with this
+    bound; docs/scaling.md). 0: no bound (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
@@ -223,6 +230,8 @@ class UcmRayConfig:
              "an integer between 0 (never) and 1000000")
         need(is_int(self.remote_copy_reads) and 0 <= self.remote_copy_reads <= 1_000_000, "remote_copy_reads",
              "an integer between 0 (never) and 1000000")
+        need(is_int(self.copy_nodes_per_pool) and 0 <= self.copy_nodes_per_pool <= 1_000_000,
+             "copy_nodes_per_pool", "an integer between 0 (no bound) and 1000000")
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
         for key in ("layerwise", "checksum", "local_lookups"):

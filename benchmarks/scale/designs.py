@@ -13,6 +13,7 @@ What eviction does to each (the pool's LRU evicts the least recently used blocks
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
@@ -25,6 +26,7 @@ from benchmarks.scale.cluster import Cluster
 from benchmarks.scale.metrics import INDEX_ENTRY_BYTES, DesignStats, RequestTally
 from benchmarks.scale.workload import Request
 from ucm_ray.store.hot_prefixes import shared_prefix
+from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,30 @@ class DesignParams:
     """(d), (e): copies of a block an index lists (replicas beyond are local-only, not registered)."""
     copy_session: int = 2
     """(k): a node's read of a block at which its reader keeps a copy (``remote_copy_reads``)."""
+    copy_nodes_per_pool: int = 10
+    """(k): past the hot prefix, a reader keeps a copy only while fewer than ceil(nodes / this)
+    pools hold the block (0: no bound; ``copy_nodes_per_pool``, built in stop 53). Copies shrink
+    the fleet's distinct capacity; in a small fleet a block held by a pool or two is served
+    by each of them to a few nodes only."""
+    hot_copies: str = "unregistered"
+    """(k): how a hot prefix's copies are found. ``registered``: each copy's hint goes to the
+    prefix's first block's owner and every reader of the prefix sees every copy (what the
+    simulation counted through stop 52: more than the package did); ``table``: the same
+    messages, but a reader sees only the pools the table named when the prefix became hot, and
+    its own node (the package through stop 52: hot rows are never asked about);
+    ``refreshed``: as ``table``, and at every window's end the table's pools become the
+    ``MAX_POOLS_PER_KEY`` most recent copies the first block's owner was told of (a new table
+    version to every node: not built);
+    ``unregistered``: as ``table`` without the messages (the package since stop 53), and a
+    reader tries ``peer_probes`` nodes picked by rendezvous on (prefix, reader) before the
+    table's pools (a peer that lacks the block costs one index read over NIXL, no call: counted
+    as stale)."""
+    peer_probes: int = 0
+    """(k) with ``hot_copies="unregistered"``: peers tried per hot block before the table's pools."""
+    bound_hot_copies: bool = True
+    """(k): ``copy_nodes_per_pool`` bounds a hot prefix's copies too, counted over the pools the
+    table names (as the package does since stop 53; False: a hot prefix is copied at every
+    node's first read whatever the fleet's size)."""
     seed: int = 0
 
 
@@ -736,16 +762,37 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
     ``shard.remote_reads``; ``remote_copy_reads``), or at once for a hot prefix's block (the
     table lists it because many read it), registered as a write is (the connector saving it
     again once the load landed): a document many nodes read is served by at most two reads per
-    node from its writer, then from the copies (hints name the most recent first)."""
+    node from its writer, then from the copies (hints name the most recent first).
+    ``copy_nodes_per_pool`` bounds the copies by the fleet's size; ``hot_copies`` says how a hot
+    prefix's copies are found."""
 
     name = "k handover + copy 2nd read"
 
     def __init__(self, cluster: Cluster, params: DesignParams) -> None:
         super().__init__(cluster, params)
         self._reads: Counter[tuple[int, bytes]] = Counter()
+        self.table_pools: dict[bytes, list[int]] = {}
+        """Per hot block, the pools the table named when it became hot (``hot_copies`` != registered)."""
+        self._hot_reader = -1
+        self._hot_family = b""
+
+    def copy_bound(self) -> int:
+        """Pools a block may be held by before a reader stops copying it (0: unbounded)."""
+        divisor = self.params.copy_nodes_per_pool
+        return -(-self.cluster.nodes // divisor) if divisor else 0
+
+    def holders(self, key: bytes) -> int:
+        """The pools a reader is told hold ``key``: the hints its root's owner keeps (stale ones
+        too: they are aged out, not removed), at most ``MAX_POOLS_PER_KEY``, as the shard keeps."""
+        return min(len(self.locs.get(key, ())), MAX_POOLS_PER_KEY)
+
+    def serve(self, req: Request) -> RequestTally:
+        self._hot_reader, self._hot_family = req.node, req.keys[0]
+        return super().serve(req)
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
-        again = []
+        again, hot_copies = [], []
+        bound = self.copy_bound()
         for position in range(hit):
             if sources[position] == req.node:
                 continue
@@ -754,12 +801,48 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                 self._reads[req.node, key] += 1
                 if self._reads[req.node, key] < self.params.copy_session:
                     continue
+                if bound and self.holders(key) >= bound:
+                    continue
+            elif self.params.bound_hot_copies and bound and len(self.table_pools.get(key, ())) >= bound:
+                continue
+            elif self.params.hot_copies == "unregistered":
+                hot_copies.append(key)
+                continue
             again.append(key)
+        if hot_copies:  # kept, told to nobody: readers find them by probing
+            copied, _ = self.cluster.store(req.node, hot_copies)
+            tally.copy_bytes += len(copied) * self.cluster.block_bytes
         if not again:
             return []
         stored = self.save_local(req, again)
         tally.copy_bytes += len(stored) * self.cluster.block_bytes
         return stored
+
+    def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
+        if self.params.hot_copies == "registered" or key not in self.table or key in self.cluster.stored[node]:
+            return super()._valid_copy(key, node, tally)
+        order = []
+        if self.params.peer_probes:
+            salted = hashlib.blake2b(self._hot_family + node.to_bytes(4, "little"), digest_size=16).digest()
+            peers = self.cluster.placement.top(salted, self.params.peer_probes + 1)
+            order = [peer for peer in peers if peer != node][:self.params.peer_probes]
+        order += [where for where in self.table_pools.get(key, ()) if where != node]
+        found = self._first_holding(key, order, tally)
+        if found is not None and found != node:
+            self._previous = found
+        return found
+
+    def roll_window(self) -> None:
+        before = set(self.table)
+        super().roll_window()
+        fresh = self.table.difference(before) if self.params.hot_copies != "refreshed" else self.table
+        for key in fresh:
+            self.table_pools[key] = list(reversed(self.locs.get(key, [])))[:MAX_POOLS_PER_KEY]
+        if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
+            tally = RequestTally()
+            self._broadcast(0, tally, len(self.table))
+            self.stats.index_msgs += tally.index_msgs
+            self.stats.index_bytes += tally.index_bytes
 
 
 DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy, BuiltHotRootsHandover, HandoverCopyOnSecondRead)

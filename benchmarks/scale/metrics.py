@@ -82,6 +82,10 @@ class Movement:
     leave_mean: float
     leave_worst: float
     join_mean: float
+    index_worst: float = 0.0
+    """The worst node's leave: index entries re-homed, in 1/N of the entries."""
+    lost_worst: float = 0.0
+    """The worst node's leave: keys whose only copy it held, in 1/N of the keys."""
 
 
 @dataclass
@@ -98,6 +102,8 @@ class Row:
     leave_mean: float
     leave_worst: float
     join_mean: float
+    index_worst: float
+    lost_worst: float
     hit_rate: float
     hit_delta_points: float
     index_msgs: float
@@ -128,13 +134,15 @@ def summarise(name: str, stats: DesignStats, moved: Movement, baseline_hit: floa
                copy_mib=stats.copy_bytes / requests / 2**20,
                hot_calls=_hot(stats.calls_received), hot_bytes=_hot(stats.bytes_served),
                leave_mean=moved.leave_mean, leave_worst=moved.leave_worst, join_mean=moved.join_mean,
+               index_worst=moved.index_worst, lost_worst=moved.lost_worst,
                hit_rate=hit, hit_delta_points=100 * (hit - (hit if baseline_hit is None else baseline_hit)),
                index_msgs=stats.index_msgs / requests, index_kib=stats.index_bytes / requests / 1024,
                stale_per_req=stats.stale / requests)
 
 
 HEADER = ("design", "calls p50", "calls p99", "touched", "save off MiB", "load off MiB", "copy MiB",
-          "hot calls", "hot bytes", "leave mean", "leave worst", "join mean", "hit %", "d hit pts",
+          "hot calls", "hot bytes", "leave mean", "leave worst", "join mean",
+          "leave idx worst", "leave lost worst", "hit %", "d hit pts",
           "idx msgs", "idx KiB", "stale")
 
 
@@ -145,7 +153,8 @@ def format_table(rows: list[Row]) -> list[str]:
         cells = [row.design, f"{row.calls_p50:.0f}", f"{row.calls_p99:.0f}", f"{row.touched_mean:.1f}",
                  f"{row.save_off_mib:.1f}", f"{row.load_off_mib:.1f}", f"{row.copy_mib:.1f}",
                  f"{row.hot_calls:.1f}", f"{row.hot_bytes:.1f}",
-                 f"{row.leave_mean:.2f}", f"{row.leave_worst:.2f}", f"{row.join_mean:.2f}", f"{100 * row.hit_rate:.1f}",
+                 f"{row.leave_mean:.2f}", f"{row.leave_worst:.2f}", f"{row.join_mean:.2f}",
+                 f"{row.index_worst:.2f}", f"{row.lost_worst:.2f}", f"{100 * row.hit_rate:.1f}",
                  f"{row.hit_delta_points:+.1f}", f"{row.index_msgs:.1f}", f"{row.index_kib:.1f}",
                  f"{row.stale_per_req:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")

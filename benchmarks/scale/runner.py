@@ -38,24 +38,31 @@ def pool_tokens_for(unique_tokens: int, nodes: int, pool_fraction: float, min_po
 def movement(design: Design, cluster: Cluster) -> Movement:
     """Keys moved or lost when one node leaves (each node in turn) or a new one joins, in units
     of 1/N of the distinct keys held. A leave loses the data whose only copy was there (moved, for
-    designs whose data follows its anchor: the same keys) and moves the index entries it owned."""
+    designs whose data follows its anchor: the same keys) and moves the index entries it owned.
+    Split too: the index entries a leave re-homes (in 1/N of the entries) and the data it loses
+    (in 1/N of the keys), each node's worst."""
     nodes = cluster.nodes
     copies: Counter[bytes] = Counter(key for held in cluster.stored for key in held)
     total = len(copies)
     if not total:
         return Movement(0.0, 0.0, 0.0)
     affected = np.zeros(nodes)
+    lost = np.zeros(nodes)
     for node, held in enumerate(cluster.stored):
-        affected[node] = sum(copies[key] == 1 for key in held)
+        affected[node] = lost[node] = sum(copies[key] == 1 for key in held)
     keys, anchors = design.entries()
+    rehomed = np.zeros(nodes)
     if keys:
         anchor_home = cluster.placement.primary(anchors)
+        np.add.at(rehomed, anchor_home, 1)
         for key, home in zip(keys, anchor_home.tolist()):
             if not (copies.get(key) == 1 and key in cluster.stored[home]):  # not counted as data already
                 affected[home] += 1
     unit = total / nodes
+    index_worst = float(rehomed.max() / (len(keys) / nodes)) if keys else 0.0
     return Movement(float(affected.mean() / unit), float(affected.max() / unit),
-                    _join(design, cluster, keys, anchors) / unit)
+                    _join(design, cluster, keys, anchors) / unit, index_worst=index_worst,
+                    lost_worst=float(lost.max() / unit))
 
 
 def _join(design: Design, cluster: Cluster, keys: list[bytes], anchors: list[bytes]) -> float:

@@ -18,6 +18,7 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.private_cluster import PrivateCluster, cluster_env
+from ucm_ray.store.engine.family import ENOUGH_COPIES
 
 BLOCKS, DIVERGE_AT = 48, 30
 SYSTEM, TURN, ASKS = 8, 8, 4
@@ -99,3 +100,7 @@ def test_a_system_prompt_many_chats_share_becomes_a_hot_prefix_and_its_root_stop
     assert max(asked, key=asked.get) == max(result["hints_added"], key=result["hints_added"].get)
     # a prompt that is only the hot prefix needs no call at all
     assert result["system_only"] == {"found": SYSTEM, "got": SYSTEM, "exact": SYSTEM, "calls": 0}
+    # three nodes, copy_nodes_per_pool 10: one pool per block is the bound, so a reader on
+    # another node keeps no copy of the hot prefix (the table names its pool) nor of the chat
+    # (the root's owner names its writer's)
+    assert result["copy_marks"] == [ENOUGH_COPIES] * (SYSTEM + TURN)

@@ -76,7 +76,10 @@ def main(address: str, model: str, document_tokens: int) -> None:
     config = start_fleet_per_node(UcmRayConfig(ray_namespace="multinode", pool_bytes=128 << 20, shard_cpus=0,
                                                lookup_timeout_s=60, lease_s=120), 1)
     try:
-        kv = kv_transfer_config({"ray_namespace": config.ray_namespace, "lookup_timeout_s": 60, "lease_s": 120})
+        # copy_nodes_per_pool 1: three nodes may each hold a copy (the default, 10, copies only
+        # past 10 nodes: below that copies cost hits where pools evict, docs/scaling.md)
+        kv = kv_transfer_config({"ray_namespace": config.ray_namespace, "lookup_timeout_s": 60, "lease_s": 120,
+                                 "copy_nodes_per_pool": 1})
         writer, reader, reference = (engine_on("node_2", model, kv), engine_on("node_1", model, kv),
                                      engine_on("node_0", model, None))
         document = synthetic_prompt(model, document_tokens, seed=21)

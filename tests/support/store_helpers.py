@@ -122,6 +122,14 @@ class ClientProcess:
         return {"unpinned": len(unpinned), "calls": lease.calls, "stale_before": int(before.sum()),
                 "removed": removed, "stale_after": int(after.sum()), "unreadable": len(unreadable)}
 
+    def copy_marks(self, keys: list[bytes]) -> list[int] | None:
+        """One lookup (pinned, then released): per key, this node's reads of it before as the
+        lookup reports them (``ReadLease.earlier_reads``: ``ENOUGH_COPIES`` where the pools
+        named for it already reach the fleet's copy bound); None where nobody was asked."""
+        lease = self.client.acquire(keys).result()
+        self.client.release(lease.lease_ids).result()
+        return None if lease.earlier_reads is None else lease.earlier_reads.tolist()
+
     def ask(self, keys: list[bytes]) -> dict:
         """One lookup (pinned, then released): how many it found, the shard calls it took."""
         lease = self.client.acquire(keys).result()

@@ -104,10 +104,11 @@ def hot_prefix_scenario() -> dict:
         found = ray.get(clients[2].read_keys.remote(chats[ASKS], 9))
         after = _hints(config)
         system_only = ray.get(clients[0].read_keys.remote(chats[0][:SYSTEM], 9))
+        copy_marks = ray.get(clients[0].copy_marks.remote(chats[ASKS]))
         return {"learning": learning, "table": table, "adopted": adopted, "old_chat": old_chat, "written": sum(written),
                 "hints_added": {k: registered[k][0] - before[k][0] for k in before},
                 "asked": {k: after[k][1] - registered[k][1] for k in before},
-                "new_chat": found, "system_only": system_only,
+                "new_chat": found, "system_only": system_only, "copy_marks": copy_marks,
                 "learned": sum(s["hot_blocks_learned"] for s in fleet_status(config)["shards"])}
     finally:
         stop_fleet(config)

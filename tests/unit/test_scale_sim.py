@@ -4,6 +4,7 @@ BlockIndex driven by the seeded workload; what the designs must show, not fixed 
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -197,10 +198,50 @@ def test_the_builts_copies_at_a_nodes_second_session_spread_a_popular_document(r
     for design_class, session in ((BuiltHotRootsHandover, 2), (HandoverCopyOnSecondRead, 2),
                                   (HandoverCopyOnSecondRead, 1)):
         cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
-        design = design_class(cluster, DesignParams(copy_session=session))
+        design = design_class(cluster, DesignParams(copy_session=session, copy_nodes_per_pool=0))
         design.run(requests)
         assert cluster.evictions() == 0
         rows[design_class.name, session] = summarise(design.name, design.stats, Movement(0, 0, 0), None)
     built, second, first = rows.values()
     assert second.hot_bytes < 0.75 * built.hot_bytes and first.hot_bytes <= second.hot_bytes, rows
     assert first.hit_rate == second.hit_rate == built.hit_rate
+
+
+def test_the_fleet_bound_caps_the_pools_a_read_block_is_copied_to() -> None:
+    """``copy_nodes_per_pool`` (10): at 20 nodes a block past the hot prefix is copied while fewer
+    than 2 pools are named for it, so no such block is held by more than 2 pools (its writer's
+    and one copy; unbounded, the popular document is on many), and at 10 nodes by 1 (no copies:
+    copies there cost hits where pools evict, docs/scaling.md)."""
+    for nodes, bound in ((20, 2), (10, 1)):
+        spec = WorkloadSpec(nodes=nodes, block_size=128, requests=120, router="random", seed=2, documents=2,
+                            doc_zipf=4.0, doc_share=0.8, chat_share=0.1)
+        requests = Workload(spec).requests()
+        placement = Placement(shard_ids(spec.nodes))
+        most = {}
+        for per_pool in (0, 10):
+            cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+            design = HandoverCopyOnSecondRead(cluster, DesignParams(copy_nodes_per_pool=per_pool))
+            design.run(requests)
+            held = Counter(key for pool in cluster.stored for key in pool if key not in design.table)
+            most[per_pool] = max(held.values())
+        assert most[10] == bound and most[0] > 2, most
+
+
+def test_a_hot_prefixs_copies_unregistered_halve_the_hottest_shards_calls_and_change_no_hit() -> None:
+    """A hot prefix's readers take the table's pools (or their own node's), so the hints every
+    node's copy posted to the prefix's first block's owner were read by nobody: not posting them
+    (what the package does now) leaves every hit and byte where it was and takes that owner's
+    messages away (200 nodes, random router: the hottest node's calls about 17x the mean -> 8x)."""
+    spec = WorkloadSpec(nodes=200, block_size=128, requests=400, router="random", seed=0)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    rows = {}
+    for mode in ("table", "unregistered"):
+        cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = HandoverCopyOnSecondRead(cluster, DesignParams(hot_copies=mode))
+        design.run(requests)
+        assert design.table  # a hot prefix was learned and copied
+        rows[mode] = summarise(design.name, design.stats, Movement(0, 0, 0), None)
+    told, untold = rows["table"], rows["unregistered"]
+    assert untold.hot_calls < 0.6 * told.hot_calls, rows
+    assert untold.hit_rate == told.hit_rate and untold.hot_bytes == told.hot_bytes

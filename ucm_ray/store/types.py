@@ -225,6 +225,11 @@ class SlotGrant:
     offsets: list[int]
 
 
+NO_HINT = b""
+"""A row's family in ``Publishes.families`` when its commit is told to no family root's owner
+(a copy of a hot prefix's block: ``Family.of``)."""
+
+
 @dataclass(frozen=True)
 class Publishes:
     """Entries to make visible once their bytes landed, as columns: row i stores ``keys[i]`` in
@@ -238,7 +243,8 @@ class Publishes:
     tokens: np.ndarray  # int64: the grant of each row's slot
     families: Sequence[bytes] | None = None
     """Per row, the key of its prompt's first block (its family root: where writer-local
-    placement tells other nodes about it); None: each row is a family of its own."""
+    placement tells other nodes about it; ``NO_HINT``: nowhere); None: each row is a family of
+    its own."""
 
     @classmethod
     def of(cls, items: Sequence[tuple[bytes, Location, int]], family: bytes | None = None) -> Publishes:

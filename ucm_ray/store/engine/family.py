@@ -12,7 +12,7 @@ without waiting.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -24,7 +24,29 @@ from ucm_ray.transport.base import PoolKey
 HOT_READS = 1 << 30
 """What a hot prefix's block counts as read before (``ReadLease.earlier_reads``): the fleet's table
 lists it because many asked, so a reader that loads it from another node keeps a copy at once (the
-pools the table names would otherwise serve every node)."""
+pools the table names would otherwise serve every node), unless the table names as many pools
+for it as ``copy_bound`` allows."""
+
+
+ENOUGH_COPIES = -1
+"""What a block counts as read before (``ReadLease.earlier_reads``) when the root's owner already
+names as many pools for it as ``copy_bound`` allows: no reader keeps another copy of it."""
+
+
+def copy_bound(nodes: int, nodes_per_pool: int) -> int:
+    """Pools a block may be held by before readers stop copying it (``copy_nodes_per_pool``): one
+    per ``nodes_per_pool`` nodes of the fleet, rounded up; 0: no bound."""
+    return -(-nodes // nodes_per_pool) if nodes_per_pool > 0 else 0
+
+
+def mark_enough_copies(earlier: np.ndarray, rows: Sequence[int], named: Sequence[int], bound: int) -> None:
+    """Rows whose key the root's owner named ``bound`` pools or more for (``named``, per row of
+    ``rows``) count as ``ENOUGH_COPIES`` in ``earlier`` (every row when the bound is 1: the
+    writer's pool is enough)."""
+    if bound <= 0:
+        return
+    crowded = [row for row, count in zip(rows, named) if count >= bound]
+    earlier[crowded] = ENOUGH_COPIES
 
 
 class FamilyAcquire(Pending[ReadLease]):
@@ -37,12 +59,13 @@ class FamilyAcquire(Pending[ReadLease]):
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
                  shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord],
                  hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = (),
-                 reader: str = "") -> None:
+                 reader: str = "", copy_bound: int = 0) -> None:
         """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
         the table names for it (those rows are never asked about); ``family``: the chain from the
         family root on, shown to the root's owner (what its hot-prefix learner counts);
         ``reader``: this node's id (the root's owner counts each node's reads of each block:
-        ``ReadLease.earlier_reads``)."""
+        ``ReadLease.earlier_reads``); ``copy_bound``: pools named for a block past which it is
+        not copied (``copy_bound()``; 0: none)."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -52,6 +75,7 @@ class FamilyAcquire(Pending[ReadLease]):
         self._hot_pools = hot_pools
         self._family = family
         self._reader = reader
+        self._copy_bound = copy_bound
         self._missing: np.ndarray | None = None  # rows the local step did not find
         self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
         self._where: Fanout[tuple[list[tuple[PoolKey, ...]], list[int]] | None] | None = None
@@ -103,14 +127,16 @@ class FamilyAcquire(Pending[ReadLease]):
         named = {row: self._hot_pools[row] for row in self._missing.tolist() if row < len(self._hot_pools)}
         earlier: np.ndarray = np.zeros(len(self._keys), dtype=np.int64)
         earlier[:len(self._hot_pools)] = HOT_READS
+        at = {rec.key: i for i, rec in enumerate(self._shards)}
+        mark_enough_copies(earlier, range(len(self._hot_pools)), _members(self._hot_pools, at), self._copy_bound)
         if answer:
             pools, earlier_reads = answer
             earlier[self._asked] = earlier_reads
             named.update(zip(self._asked.tolist(), pools))
+            mark_enough_copies(earlier, self._asked.tolist(), _members(pools, at), self._copy_bound)
         self._local.result().earlier_reads = earlier  # the lease ``result`` returns
         if not named:
             return
-        at = {rec.key: i for i, rec in enumerate(self._shards)}
         candidates = _fewest_sources([[at[pool] for pool in map(tuple, named.get(row, ())) if pool in at]
                                       for row in self._missing.tolist()])
         rows = [i for i, found in enumerate(candidates) if found]
@@ -123,6 +149,11 @@ class FamilyAcquire(Pending[ReadLease]):
         self._remote_rows = self._missing[rows]
         self._remote = Acquire(self._access, [self._keys[i] for i in self._remote_rows.tolist()], self._pin,
                                self._shards, owners)
+
+
+def _members(named: Sequence[Sequence[PoolKey]], members: Collection[PoolKey]) -> list[int]:
+    """Per row, how many of the pools named for it are members (a departed pool holds nothing)."""
+    return [sum(1 for pool in map(tuple, pools) if pool in members) for pools in named]
 
 
 def _fewest_sources(candidates: list[list[int]]) -> list[list[int]]:
@@ -148,13 +179,16 @@ class HintPoster:
     def __init__(self, access: ShardAccess) -> None:
         self._access = access
 
-    def post(self, publish: Publishes, visible: Sequence[bool], root_owners: list[list[ShardRecord]]) -> None:
-        """``root_owners``: per row of ``publish``, the owners of its family root."""
+    def post(self, publish: Publishes, visible: Sequence[bool],
+             root_owners: Callable[[Sequence[bytes]], list[list[ShardRecord]]]) -> None:
+        """``root_owners``: the owners of each family root. A row whose family is empty
+        (``NO_HINT``: a hot prefix's copy) registers nothing."""
         batches: dict[tuple[PoolKey, PoolKey], tuple[ShardRecord, list[bytes]]] = {}
         pools = publish.locations.pools
-        for row, (key, shown, owners) in enumerate(zip(publish.keys, visible, root_owners)):
-            if not shown:
-                continue
+        families = publish.family_keys()
+        rows = [row for row, shown in enumerate(visible) if shown and families[row]]
+        for row, owners in zip(rows, root_owners([families[row] for row in rows]) if rows else []):
+            key = publish.keys[row]
             pool = pools[int(publish.locations.pool[row])]
             for owner in owners:
                 batches.setdefault((owner.key, pool), (owner, []))[1].append(key)

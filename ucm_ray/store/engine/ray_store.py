@@ -32,7 +32,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.acquire import Acquire
 from ucm_ray.store.engine.calls import Fanout, ShardAccess
-from ucm_ray.store.engine.family import FamilyAcquire, HintPoster
+from ucm_ray.store.engine.family import FamilyAcquire, HintPoster, copy_bound
 from ucm_ray.store.engine.feed import MembershipFeed
 from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.engine.published_reader import IndexReaders
@@ -80,6 +80,8 @@ class RayBlockStore(BlockStore):
         """Per member, whether it is on this client's node (where writer-local saves go)."""
         self._families = False
         """Whether lookups go by family (writer-local placement over more than this node)."""
+        self._copy_bound = 0
+        """Pools named for a block past which a reader keeps no copy of it (``copy_nodes_per_pool``)."""
         self._pools = Pools(0, {}, config.replication)
         """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
@@ -132,6 +134,7 @@ class RayBlockStore(BlockStore):
         self._membership = membership
         self._local = [s.pool.node_id == self._node_id for s in membership.shards]
         self._families = self.placement_mode == "writer_local" and not all(self._local)
+        self._copy_bound = copy_bound(len({s.pool.node_id for s in membership.shards}), self.config.copy_nodes_per_pool)
         self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication)
         self._records = {s.key: s for s in membership.shards}
         self.connections.sync(membership.descriptors)
@@ -181,7 +184,7 @@ class RayBlockStore(BlockStore):
         root = hot.root_position(chain_keys) if chain_keys else 0
         return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners([keys[root]])[0],
                              [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS],
-                             self._node_id)
+                             self._node_id, self._copy_bound)
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0
@@ -293,7 +296,7 @@ class RayBlockStore(BlockStore):
                     visible[rows] = oks
             shown = visible.tolist()
             if families and any(shown):
-                self._hints.post(publish, shown, self._root_owners(publish.family_keys()))
+                self._hints.post(publish, shown, self._root_owners)
             return shown
 
         return Fanout(self.access, calls, finish)

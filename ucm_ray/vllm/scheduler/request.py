@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from ucm_ray.store.engine.slots import SlotSupply
-from ucm_ray.store.types import Pending, ReadLease
+from ucm_ray.store.types import NO_HINT, Pending, ReadLease
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
 from ucm_ray.vllm.stats import UcmRayStats
@@ -40,9 +40,14 @@ class Family:
     hot: int
     """Leading blocks of the first attention group in the hot prefix."""
 
-    def of(self, group_is_chain: bool, block: int) -> bytes:
-        """The root a block is registered under."""
-        return self.first if group_is_chain and block < self.hot else self.root
+    def of(self, group_is_chain: bool, block: int, copy: bool = False) -> bytes:
+        """The root a block is registered under; ``NO_HINT`` for a copy of a hot prefix's block
+        (``remote_copy_reads``): readers of a hot prefix take the table's pools or their own
+        node's, and never ask its first block's owner, where every node's copy would be posted
+        (at 1,000 nodes that owner was the fleet's hottest: docs/scaling.md, stop 53)."""
+        if group_is_chain and block < self.hot:
+            return NO_HINT if copy else self.first
+        return self.root
 
 
 STATE_SLOT_WAIT_S = 0.5

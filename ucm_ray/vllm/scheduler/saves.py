@@ -255,7 +255,8 @@ class SavePlanner:
                 family = tracked.family(rank, self._store.hot_prefix)
                 chain = g == self._geometry.attn[0]
                 for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
-                    wanted.append((rank, g, tracked.block_ids[g][i], key, family.of(chain, i)))
+                    copy = tracked.pending.get((g, rank, i), False)  # True: a copy kept, valid now
+                    wanted.append((rank, g, tracked.block_ids[g][i], key, family.of(chain, i, copy)))
                     pending.append((g, rank, i))
             tracked.saved_blocks[g] = max(first, full)
         return wanted, pending
