@@ -185,38 +185,40 @@ class DemotionLoad:
         self.client.close()
 
 
-def decode_rate(ucm: Any, prompt: list[int]) -> float:
-    """Decode tokens/s of one request after its first token."""
+def decode(ucm: Any, prompt: list[int]) -> tuple[float, float]:
+    """(decode tokens/s after the first token, seconds of the request) of one request."""
     r = ray.get(ucm.generate.remote(prompt, DECODE_TOKENS, ignore_eos=True))
     first = r["ttft"] if r.get("ttft") else 0.0
-    return (len(r["tokens"]) - 1) / (r["seconds"] - first)
+    return (len(r["tokens"]) - 1) / (r["seconds"] - first), r["seconds"]
 
 
 def decode_while_demoting(ucm: Any, cfg: UcmRayConfig, setup: Setup, rounds: int) -> dict[str, list[float]]:
     """Per round, in alternating order: "demoting" decodes right after a pool's worth was stored
-    (its demotion runs meanwhile), "quiet" after the same once the disk caught up. Logs the share
-    of the stored bytes that were demoted while a "demoting" decode ran."""
+    (its demotion runs meanwhile), "quiet" after the same once the disk caught up. Logs how long
+    a pool's demotion took (quiet rounds) against a decode: the share of a decode it overlapped."""
     load = DemotionLoad(cfg, setup.block * setup.kv_per_token)
     rates: dict[str, list[float]] = {"quiet": [], "demoting": []}
-    overlapped = stored_total = 0
+    demotion_s: list[float] = []
+    decode_s: list[float] = []
     try:
         for r in range(rounds):
             for case in (("demoting", "quiet") if r % 2 == 0 else ("quiet", "demoting")):
                 prompt = synthetic_prompt(setup.model, DECODE_PROMPT, seed=900000 + 10 * r + len(rates[case]))
-                stored = load.store()
+                load.store()
                 if case == "quiet":
+                    started = time.monotonic()
                     wait_demoted(cfg)
-                before = fleet_status(cfg)["shards"][0]["disk_demoted_bytes"]
-                rates[case].append(decode_rate(ucm, prompt))
+                    demotion_s.append(time.monotonic() - started)
+                rate, seconds = decode(ucm, prompt)
+                rates[case].append(rate)
                 if case == "demoting":
-                    overlapped += fleet_status(cfg)["shards"][0]["disk_demoted_bytes"] - before
-                    stored_total += stored
+                    decode_s.append(seconds)
                 wait_demoted(cfg)
     finally:
         load.close()
-    log.info("decode tok/s %s; %.0f%% of the stored bytes were demoted during the demoting decodes",
-             {case: [round(v, 1) for v in values] for case, values in rates.items()},
-             100 * overlapped / max(1, stored_total))
+    log.info("decode tok/s %s; a pool's demotion (%d MiB) took %.2f s, a demoting decode %.2f s (medians)",
+             {case: [round(v, 1) for v in values] for case, values in rates.items()}, cfg.pool_bytes >> 20,
+             statistics.median(demotion_s), statistics.median(decode_s))
     return rates
 
 
@@ -237,6 +239,17 @@ def crossover(lengths: list[int], disk: list[float], recompute: list[float]) -> 
         if g0 <= 0 < g1:
             return f"{l0 + (l1 - l0) * -g0 / (g1 - g0):.0f}"
     return f">{lengths[-1]}"
+
+
+def file_system(path: str) -> str:
+    """The type of the file system holding ``path`` (tmpfs makes the "disk" memory: say so)."""
+    path, best, kind = os.path.realpath(path), "", "unknown"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fs = line.split()[:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, fs
+    return kind
 
 
 def tag(tokens: int) -> str:
@@ -266,6 +279,7 @@ def main() -> None:
                        disk_dir=disk_dir, disk_bytes=16 * pool, disk_write_policy="through", disk_wait_s=4.0)
     results: dict[int, dict[str, list[float]]] = {}
     decode: dict[str, list[float]] = {}
+    direct_io = False
     log.info("%s, %s tokens, pool %d MiB", setup.device, setup.lengths, pool >> 20)
     try:
         with running_fleet(cfg):
@@ -280,11 +294,12 @@ def main() -> None:
                         results.setdefault(length, {}).setdefault(case, []).append(value)
             if args.decode_rounds:
                 decode = decode_while_demoting(ucm, cfg, setup, args.decode_rounds)
+            direct_io = fleet_status(cfg)["shards"][0]["disk_direct_io"]
     finally:
         ray.shutdown()
         shutil.rmtree(disk_dir, ignore_errors=True)  # the tier's files (nothing purges a benchmark's)
     medians = {n: {case: median(v) for case, v in cases.items()} for n, cases in results.items()}
-    print(f"\ndevice={setup.device}")
+    print(f"\ndevice={setup.device} disk_dir_fs={file_system(args.dir)} disk_direct_io={direct_io}")
     print(f"{'tokens':>7} {'recompute ms':>13} {'DRAM hit ms':>12} {'disk hit ms':>12}")
     for n, m in medians.items():
         print(f"{n:>7} {m['recompute'] * 1e3:>13.1f} {m['dram_hit'] * 1e3:>12.1f} {m['disk_hit'] * 1e3:>12.1f}")
