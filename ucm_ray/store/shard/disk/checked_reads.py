@@ -30,12 +30,9 @@ READ_DEPTH = 2
 """Reads one call keeps in flight. Two keep the disk busy while a reader thread wakes up; more
 (4 before) only split the same bandwidth and added thread hand-offs, which cost far more than
 their CPU time on this VM (performance log, 2026-12-06)."""
-CHECK_THREADS = 2
-"""Threads checking and copying what the readers read. CRC32 runs at ~3.7 GB/s a core here, against
-a disk of 1.3-1.8 GB/s, but a 1 MiB run of 64 KiB entries costs one thread about as long to check
-as to read (16 checksums and copies, each with its Python around it), and on a loaded box one
-thread's share of a core is less than that: two promoted faster than one in same-run pairs at
-both sizes (performance log, 2026-12-06)."""
+CHECK_THREADS = 1
+"""Threads checking and copying what the readers read: CRC32 runs at ~3.7 GB/s a core here,
+against a disk of 1.3-1.8 GB/s, so one keeps up; a second one measured slower (more wake-ups)."""
 STAGING_BUFFERS = READ_DEPTH + CHECK_THREADS + 2
 """Buffers in use at once at most: one per read in flight, one per check, and two waiting."""
 
