@@ -33,8 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucm_ray.store.shard.disk.checked_reads import READ_DEPTH  # noqa: E402
-from ucm_ray.store.shard.disk.store import COALESCE_BYTES  # noqa: E402
+from ucm_ray.store.shard.disk.store import COALESCE_BYTES, READ_DEPTH  # noqa: E402
 from ucm_ray.transport.nixl.agent import _nixl_api  # noqa: E402
 
 log = logging.getLogger("disk_nixl_posix")

@@ -19,8 +19,7 @@ from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.shard.disk import DiskStore, FileOps
 from ucm_ray.store.shard.disk import store as store_module
 from ucm_ray.store.shard.disk import tier as tier_module
-from ucm_ray.store.shard.disk.checked_reads import READ_DEPTH
-from ucm_ray.store.shard.disk.store import shard_dir
+from ucm_ray.store.shard.disk.store import READ_DEPTH, shard_dir
 from ucm_ray.store.shard.disk.tier import DiskTier
 from ucm_ray.store.shard.index import BlockIndex
 from ucm_ray.store.shard.published_writer import PublishedIndex

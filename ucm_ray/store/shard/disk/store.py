@@ -15,8 +15,9 @@ Why it looks like this:
   manifest never names bytes that were overwritten after it.
 - Every read verifies the entry's CRC32 before a byte is served (``store.checksum``), adopted
   or not: a flipped byte on disk is a miss and the entry is dropped. Reads land in a staging
-  buffer, are checked there and only then copied to the caller's memory (unchecked bytes never
-  reach the pool; ``checked_reads``). Entries next to each
+  buffer of the reading thread, are checked there and only then copied to the caller's memory
+  (unchecked bytes never reach the pool; and ``O_DIRECT`` reads straight into pool pages ran at
+  half the rate of reads into a reused buffer here, performance log). Entries next to each
   other in a file are one read (``coalesce``), each still checked on its own.
 - A failing disk (ENOSPC, EIO, any OSError on the tier's files) turns the tier off with one log
   line and a counter; the caller goes on with DRAM only. Files are left for the operator.
@@ -33,16 +34,17 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from ucm_ray.store.checksum import checksum
 from ucm_ray.store.shard.allocator import ExtentAllocator
-from ucm_ray.store.shard.disk.checked_reads import CheckedReads, Entry, Outcome, Run
 from ucm_ray.store.shard.disk.fileops import DIRECT_ALIGN, FileOps, aligned_buffer, round_up
 from ucm_ray.store.shard.disk.manifest import DiskSlot, Layout, Manifest, ManifestError, decode, encode
 
@@ -87,6 +89,10 @@ class DiskStats:
     manifests: int = 0
     generation: int = 0
 
+
+READ_DEPTH = 4
+"""Reads one promotion keeps in flight: at depth 1, 64 KiB entries spent more time in the
+shard's per-entry work than in the disk (performance log); threads overlap the two."""
 
 COALESCE_BYTES = 1 << 20
 """Adjacent entries are read together up to this many bytes a read: 64 KiB entries read one by
@@ -175,7 +181,8 @@ class DiskStore:
         self._next_file = 0
         self._dirty = False
         self._bounce = aligned_buffer(DIRECT_ALIGN)  # writes of unaligned data
-        self._reads = CheckedReads(lambda file, view, offset: self._ops.preadv(self._fds[file], [view], offset))
+        self._staging = threading.local()  # reads: one aligned buffer per reading thread
+        self._readers: ThreadPoolExecutor | None = None
         self._lock_fd = -1
         try:
             for d in self._dirs:
@@ -293,8 +300,7 @@ class DiskStore:
                  deadline: float | None = None) -> list[bool | None]:
         """``get`` of each key into its ``out``, up to ``READ_DEPTH`` reads in flight, head first;
         None for a key whose read had not started by ``deadline`` (``time.monotonic``). Threads
-        do the reads, checksums and copies only (all release the GIL); the store's state changes
-        here."""
+        do the reads and checksums only (both release the GIL); the store's state changes here."""
         return self.start_many(keys, outs, deadline)()
 
     def start_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
@@ -303,22 +309,47 @@ class DiskStore:
         and applies their outcome (``get_many``'s answer). Between the two the owner may do other
         work but call nothing else of the store's (the tier commits the previous chunk of a
         promotion meanwhile). Entries lying next to each other in one file are read together
-        (``coalesce``), head first; threads read and check (``CheckedReads``)."""
+        (``coalesce``), head first."""
         slots = self._slots_for(keys, outs)
-        runs = []
-        for run in coalesce(slots):
-            present = [(i, s) for i in run if (s := slots[i]) is not None]  # all: coalesce skips None
-            first, last = present[0][1], present[-1][1]
-            entries = [Entry(s.offset - first.offset, s.size, s.checksum, outs[i]) for i, s in present]
-            runs.append(Run(first.file, first.offset, last.offset + round_up(last.size) - first.offset, entries, run))
-        results: list[Outcome] = [False] * len(keys)
-        wait = self._reads.start(runs, results, deadline, time.monotonic)
+        runs = coalesce(slots)
+        results: list[bool | None | OSError] = [False] * len(keys)
+
+        def read_stripe(first: int) -> None:  # runs first, first + depth, ...: the head goes first
+            for run in runs[first::depth]:
+                self._read_run(run, slots, outs, deadline, results)
+
+        depth = max(1, min(READ_DEPTH, len(runs)))
+        stripes: list[Future] = []
+        if depth <= 1:
+            read_stripe(0)
+        else:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="ucm-ray-disk-read")
+            stripes = [self._readers.submit(read_stripe, t) for t in range(depth)]  # a task per thread, not per run
 
         def finish() -> list[bool | None]:
-            wait()
+            for stripe in stripes:
+                stripe.result()
             return [self._after_read(k, slot, r) for k, slot, r in zip(keys, slots, results)]
 
         return finish
+
+    def _read_run(self, run: list[int], slots: Sequence[DiskSlot | None], outs: Sequence[torch.Tensor],
+                  deadline: float | None, results: list[bool | None | OSError]) -> None:
+        """On a reader thread: read the run ``run`` (indices of adjacent ``slots``) and set each
+        index's outcome in ``results``: checked (True) or not (False), not started by
+        ``deadline`` (None), or the error that stopped it."""
+        if deadline is not None and time.monotonic() > deadline:
+            for i in run:
+                results[i] = None
+            return
+        try:
+            checked: list[bool | None | OSError] = list(
+                self._read_checked([slots[i] for i in run], [outs[i] for i in run]))  # type: ignore[misc]  # coalesce skips None
+        except OSError as e:
+            checked = [e] * len(run)
+        for i, outcome in zip(run, checked):
+            results[i] = outcome
 
     def _slots_for(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[DiskSlot | None]:
         """Each key's slot (None: not here, or the tier is off), checking its ``out`` fits it."""
@@ -426,7 +457,9 @@ class DiskStore:
         """Write a last manifest (unless told not to), close the files, release the lock."""
         if checkpoint and self._fds:
             self.checkpoint()
-        self._reads.close()
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -518,6 +551,31 @@ class DiskStore:
         done = self._ops.pwritev(self._fds[slot.file], [view], slot.offset)
         if done != len(view):
             raise OSError(errno.EIO, f"short write: {done} of {len(view)} bytes")
+
+    def _read_checked(self, slots: Sequence[DiskSlot], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Read ``slots`` (adjacent in one file, in file order) with one ``preadv`` into this
+        thread's staging buffer and check each there: per slot, whether it matched its CRC32
+        (then, and only then, its bytes are copied into its ``out``). Runs on reader threads:
+        the read, the checksums and the copies all release the GIL."""
+        first, last = slots[0], slots[-1]
+        need = last.offset + round_up(last.size) - first.offset
+        staging: torch.Tensor | None = getattr(self._staging, "buffer", None)
+        if staging is None or staging.numel() < need:
+            # the old buffer goes with its last view (a traceback may hold one)
+            staging = self._staging.buffer = torch.frombuffer(aligned_buffer(need), dtype=torch.uint8)
+        view = memoryview(staging[:need].numpy())
+        done = self._ops.preadv(self._fds[first.file], [view], first.offset)
+        if done != need:
+            raise OSError(errno.EIO, f"short read: {done} of {need} bytes")
+        checked = []
+        for slot, out in zip(slots, outs):
+            at = slot.offset - first.offset
+            data = staging[at:at + slot.size]
+            ok = checksum(data) == slot.checksum
+            if ok:
+                out.copy_(data)
+            checked.append(ok)
+        return checked
 
     def _turn_off(self, e: OSError, doing: str) -> None:
         self.stats.io_errors += 1
