@@ -13,8 +13,10 @@ fsynced, manifest replaced), as in the shard. Per entry size:
 - ``demote``: ``--disk-pools`` pools' worth committed a quarter pool at a time, each followed by the
   tier's ``demote()``; the figure is bytes over the time inside ``demote()`` (CRC32, writes, fsyncs,
   manifests). ``disk_demote_vs_raw`` divides it by the raw write speed.
-- ``promote``: keys evicted from the pool, read back with ``DiskTier.promote`` an eighth of a pool
-  per call (a prompt's blocks), each read verified against its CRC32; over the raw read speed.
+- ``promote``: ``--promote-pools`` pools' worth of keys evicted from the pool, read back with
+  ``DiskTier.promote`` an eighth of a pool per call (a prompt's blocks), each read verified against
+  its CRC32; over the raw read speed. Four pools (1 GiB, about a second of reads here) by default:
+  with two, one burst of another process's load on either side moved a run's ratio by 0.3.
 - ``lookup``: 1,024 keys (half held, half never written) looked up in the published index as a
   same-node reader does, and by the shard's ``contains`` path (index, then disk membership),
   with the pool full and nothing on disk, then with ``--disk-pools`` pools' worth on disk;
@@ -42,6 +44,7 @@ import logging
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,20 +196,28 @@ def fill(parts: ShardParts, keys: list[bytes], entry: int, pool_bytes: int, raw:
 
 def promote(parts: ShardParts, keys: list[bytes], entry: int, pool_bytes: int, raw: RawDisk) -> tuple[float, float]:
     """Promote ``keys`` (on disk only) an eighth of a pool per call, each call after a raw read
-    of the same extents of the tier's file: seconds inside ``promote``, raw seconds."""
+    of the same extents of the tier's file: seconds inside ``promote``, raw seconds. Logs the
+    spread of the calls' own ratios (bursts of load on a shared box show there)."""
     per_call = max(1, pool_bytes // 8 // entry)
     promoting = raw_s = 0.0
+    ratios = []
     data_fd = os.open(os.path.join(shard_dir(parts.root, "bench"), "data-0"),
                       os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
     for start in range(0, len(keys), per_call):
         batch = keys[start:start + per_call]
         slots = [parts.store.slot_of(k) for k in batch]
-        raw_s += raw.read(data_fd, [(s.offset, s.size) for s in slots if s is not None])
+        raw_call = raw.read(data_fd, [(s.offset, s.size) for s in slots if s is not None])
         started = time.perf_counter()
         out = parts.tier.promote(batch)
-        promoting += time.perf_counter() - started
+        call = time.perf_counter() - started
         assert all(out), f"{out.count(False)} of {len(batch)} keys were not promoted"
+        raw_s += raw_call
+        promoting += call
+        ratios.append(raw_call / call)
     os.close(data_fd)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    log.info("  %d promote calls, each against its raw read: quartiles %s", len(ratios),
+             " / ".join(f"{q:.2f}" for q in quartiles))
     return promoting, raw_s
 
 
@@ -218,7 +229,8 @@ def lookup_ms(parts: ShardParts, held: list[bytes], absent: list[bytes], repeat:
     return published, contains
 
 
-def measure_size(directory: str, entry: int, pool_bytes: int, disk_pools: int, repeat: int) -> SizeFigures:
+def measure_size(directory: str, entry: int, pool_bytes: int, disk_pools: int, promote_pools: int,
+                 repeat: int) -> SizeFigures:
     on_disk = disk_pools * pool_bytes
     log.info("entry %d KiB: %d pools of %d MiB through the tier, raw direct I/O between", entry >> 10,
              disk_pools, pool_bytes >> 20)
@@ -238,7 +250,7 @@ def measure_size(directory: str, entry: int, pool_bytes: int, disk_pools: int, r
         lookup_full, contains_full = lookup_ms(parts, keys, absent, repeat * 20)
         complete = parts.published.complete
         evicted = [k for k, held in zip(keys, parts.index.contains(keys)) if not held]
-        promoted_keys = evicted[:2 * pool_keys]
+        promoted_keys = evicted[:promote_pools * pool_keys]
         log.info("  promoting %d entries (%.2f GiB)", len(promoted_keys), len(promoted_keys) * entry / GIB)
         promoting, raw_read = promote(parts, promoted_keys, entry, pool_bytes, raw)
         stats = parts.store.snapshot()
@@ -257,7 +269,8 @@ def measure_size(directory: str, entry: int, pool_bytes: int, disk_pools: int, r
 def measure_in(checkout: str, entry: int, args: argparse.Namespace) -> SizeFigures:
     """``measure_size`` in a fresh process importing ``checkout``'s ``ucm_ray``."""
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir, "--pool-mib", str(args.pool_mib),
-            "--disk-pools", str(args.disk_pools), "--sizes", str(entry), "--repeat", str(args.repeat)]
+            "--disk-pools", str(args.disk_pools), "--promote-pools", str(args.promote_pools),
+            "--sizes", str(entry), "--repeat", str(args.repeat)]
     env = {**os.environ, CHECKOUT_ENV: checkout}
     out = subprocess.run(argv, env=env, check=True, stdout=subprocess.PIPE, text=True)
     return SizeFigures(**json.loads(out.stdout.strip().splitlines()[-1]))
@@ -283,6 +296,7 @@ def main() -> None:
                         help="a directory on the disk to measure (not tmpfs: O_DIRECT)")
     parser.add_argument("--pool-mib", type=int, default=256)
     parser.add_argument("--disk-pools", type=int, default=10, help="pools' worth written to disk")
+    parser.add_argument("--promote-pools", type=int, default=4, help="pools' worth promoted (< --disk-pools)")
     parser.add_argument("--sizes", default="64KiB,2MiB")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--baseline", default=None, help="another checkout whose ucm_ray is measured in the same run")
@@ -294,7 +308,7 @@ def main() -> None:
     pool_bytes = args.pool_mib << 20
     for entry in (parse_size(s, "--sizes") for s in args.sizes.split(",")):
         if args.child or args.baseline is None:
-            figures = measure_size(args.dir, entry, pool_bytes, args.disk_pools, args.repeat)
+            figures = measure_size(args.dir, entry, pool_bytes, args.disk_pools, args.promote_pools, args.repeat)
             if args.child:
                 print(json.dumps(dataclasses.asdict(figures)))
             else:

@@ -11,11 +11,23 @@ model (float32, 8 KiB of KV a token: a 128-token block is a 1 MiB entry). Per le
   on disk), its prefix cache is emptied, P again: the shard promotes P's blocks, then they load.
 Each hit's ``cached`` tokens are checked against the prompt's full blocks (a miss is no figure).
 
+Then decode with demotion running (``--decode-rounds``): "ucm-ray" decodes a fresh prompt right after
+a pool's worth of new entries was stored (the shard writes them to disk meanwhile), and in turn after
+the same store once the disk caught up. ``disk_decode_demoting_vs_quiet=`` is the ratio of the decode
+rates' medians (1.0: demotion costs decode nothing), with the share of the demotion that overlapped
+the decodes logged.
+
+``--profile bench`` runs the GPU benchmark's engines instead of the tiny model (``benchmarks/gpu``):
+on a GPU the ~1B profile (bf16, 32 KiB of KV a token, 16-token blocks, vLLM's dummy weights: nothing
+to write or load) at 4k and 16k tokens; without one its CPU stand-in (4 small layers, 512 and 1,024
+tokens), so the same code path runs here.
+
 Prints per length the medians (ms), then ``disk_hit_vs_recompute_<n>k=``, ``disk_hit_vs_dram_hit_<n>k=``
 and ``disk_crossover_tokens=`` (interpolated between the measured lengths where the disk hit starts to
 win; ``<N``: it wins at every length measured). The machine is noisy: nothing here asserts a timing.
 
-Run: ``python benchmarks/disk_ttft.py [--lengths 4096,16384 --rounds 2 --dir /mnt/nvme]``.
+Run: ``python benchmarks/disk_ttft.py [--lengths 4096,16384 --rounds 2 --dir /mnt/nvme]``; on a GPU
+``python benchmarks/disk_ttft.py --profile bench --rounds 1 --decode-rounds 2``.
 """
 
 from __future__ import annotations
@@ -29,20 +41,65 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
+from benchmarks.measure import keys_for  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config  # noqa: E402
+from ucm_ray.store.engine.client import StoreClient  # noqa: E402
 from ucm_ray.store.shard.fleet import fleet_status, running_fleet  # noqa: E402
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt  # noqa: E402
 
 log = logging.getLogger("bench.disk_ttft")
-BLOCK = 128
-KV_PER_TOKEN = 2 * 8 * 2 * 64 * 4
+TINY_KV_PER_TOKEN = 2 * 8 * 2 * 64 * 4
 """The tiny model's KV bytes a token: K and V, 8 layers, 2 KV heads of 64, float32."""
+NAMESPACE = "ucm_ray_disk_ttft"
+DECODE_TOKENS = 64
+DECODE_PROMPT = 256
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the runs depend on: the model, its engines, the KV bytes a token and the block size."""
+    model: str
+    lengths: list[int]
+    kv_per_token: int
+    block: int
+    engine_args: dict[str, Any]
+    remote: Any
+    """The engine class as a Ray actor (its GPU share and environment)."""
+    kv_config: dict[str, Any]
+    device: str
+
+
+def tiny_setup(lengths: list[int]) -> Setup:
+    """The project's tiny model (float32, 8 KiB of KV a token, 128-token blocks) on CPU engines."""
+    longest = max(lengths) + 128
+    model = str(make_tiny_model(os.path.join(".models", f"tiny-{longest}"), max_position_embeddings=longest))
+    remote = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(Engine)
+    return Setup(model, lengths, TINY_KV_PER_TOKEN, 128, {"max_model_len": longest, "max_num_batched_tokens": 8192},
+                 remote, kv_transfer_config({"ray_namespace": NAMESPACE, "transport": "shm"}), "cpu")
+
+
+def bench_setup(lengths: list[int] | None) -> Setup:
+    """The GPU benchmark's profile for the device here (``benchmarks/gpu/common.py``), its engine
+    actor and connector settings (loads layer by layer); on a GPU with vLLM's dummy weights."""
+    from benchmarks.gpu.common import bench_model, connector_config, engine_actor, ttft_profile
+
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    prof = ttft_profile(device, False)
+    if device.type == "cuda":  # random weights made on the device: nothing to write to disk or load
+        prof = replace(prof, engine={**prof.engine, "load_format": "dummy"})
+    cfg = UcmRayConfig(ray_namespace=NAMESPACE)
+    return Setup(bench_model(prof, None), lengths or sorted(prof.sizes.values()), prof.kv_bytes_per_token,
+                 prof.engine.get("block_size", 128), prof.engine, engine_actor(prof), connector_config(cfg),
+                 torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
 
 
 def ttft(engine: Any, prompt: list[int]) -> tuple[float, int]:
@@ -71,13 +128,12 @@ def counters(ucm: Any, cfg: UcmRayConfig) -> dict[str, Any]:
             "disk_behind": shard["disk_behind"]}
 
 
-def measure(ucm: Any, none: Any, cfg: UcmRayConfig, model: str, length: int, seed: int,
-            filler_length: int) -> dict[str, float]:
+def measure(ucm: Any, none: Any, cfg: UcmRayConfig, setup: Setup, length: int, seed: int) -> dict[str, float]:
     """One round at ``length`` tokens: seconds per case; NaN for a hit that was not one. Prompts of
-    ``filler_length`` tokens (the shortest length: prefill grows faster than linearly) fill the
-    pool in between."""
-    fillers = -(-cfg.pool_bytes // (filler_length * KV_PER_TOKEN)) + 1
-    full = length // BLOCK * BLOCK
+    the shortest length (prefill grows faster than linearly) fill the pool in between."""
+    model, block, filler_length = setup.model, setup.block, min(setup.lengths)
+    fillers = -(-cfg.pool_bytes // (filler_length * setup.kv_per_token)) + 1
+    full = length // block * block
     prompt = synthetic_prompt(model, length, seed=seed)
     figures = {"recompute": ttft(none, synthetic_prompt(model, length, seed=seed + 1))[0]}
     before = counters(ucm, cfg)
@@ -85,8 +141,8 @@ def measure(ucm: Any, none: Any, cfg: UcmRayConfig, model: str, length: int, see
     saved = counters(ucm, cfg)
     assert ray.get(ucm.reset_prefix_cache.remote())
     seconds, dram_cached = ttft(ucm, prompt)
-    figures["dram_hit"] = seconds if dram_cached >= full - BLOCK else float("nan")
-    if dram_cached < full - BLOCK:  # say why: the counters the cold request's saves moved
+    figures["dram_hit"] = seconds if dram_cached >= full - block else float("nan")
+    if dram_cached < full - block:  # say why: the counters the cold request's saves moved
         log.warning("%d tokens: DRAM hit cached only %d of %d tokens; the cold request moved %s, then "
                     "the shard had disk_behind=%s", length, dram_cached, full,
                     {k: saved[k] - before[k] for k in saved if k != "disk_behind" and saved[k] != before[k]},
@@ -99,10 +155,71 @@ def measure(ucm: Any, none: Any, cfg: UcmRayConfig, model: str, length: int, see
     before = fleet_status(cfg)["shards"][0]["disk_promoted"]
     seconds, cached = ttft(ucm, prompt)
     promoted = fleet_status(cfg)["shards"][0]["disk_promoted"] - before
-    figures["disk_hit"] = seconds if cached >= full - BLOCK and promoted > 0 else float("nan")
+    figures["disk_hit"] = seconds if cached >= full - block and promoted > 0 else float("nan")
     log.info("%d tokens: %s (DRAM hit cached %d tokens; disk hit cached %d, %d blocks promoted)", length,
              {k: round(v * 1e3, 1) for k, v in figures.items()}, dram_cached, cached, promoted)
     return figures
+
+
+class DemotionLoad:
+    """Stores a pool's worth of new entries from the driver (a client of the fleet, as an engine's
+    saves are): with write-through, the shard then writes them all to disk."""
+
+    def __init__(self, cfg: UcmRayConfig, entry: int) -> None:
+        self.client = StoreClient(cfg)
+        self.entry = entry
+        self.count = cfg.pool_bytes // entry
+        self.buffer = torch.randint(0, 256, (self.count * entry,), dtype=torch.uint8)
+        self.client.register_local(self.buffer)
+        self.rounds = 0
+
+    def store(self) -> int:
+        """Bytes stored (new keys each time; ``put`` returns once they are committed)."""
+        self.rounds += 1
+        keys = keys_for(f"demotion-load-{self.rounds}", self.count)
+        self.buffer[::4096].random_(0, 256)  # every entry's bytes new too
+        stored = self.client.put(keys, list(torch.split(self.buffer, self.entry)))
+        return sum(stored) * self.entry
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def decode(ucm: Any, prompt: list[int]) -> tuple[float, float]:
+    """(decode tokens/s after the first token, seconds of the request) of one request."""
+    r = ray.get(ucm.generate.remote(prompt, DECODE_TOKENS, ignore_eos=True))
+    first = r["ttft"] if r.get("ttft") else 0.0
+    return (len(r["tokens"]) - 1) / (r["seconds"] - first), r["seconds"]
+
+
+def decode_while_demoting(ucm: Any, cfg: UcmRayConfig, setup: Setup, rounds: int) -> dict[str, list[float]]:
+    """Per round, in alternating order: "demoting" decodes right after a pool's worth was stored
+    (its demotion runs meanwhile), "quiet" after the same once the disk caught up. Logs how long
+    a pool's demotion took (quiet rounds) against a decode: the share of a decode it overlapped."""
+    load = DemotionLoad(cfg, setup.block * setup.kv_per_token)
+    rates: dict[str, list[float]] = {"quiet": [], "demoting": []}
+    demotion_s: list[float] = []
+    decode_s: list[float] = []
+    try:
+        for r in range(rounds):
+            for case in (("demoting", "quiet") if r % 2 == 0 else ("quiet", "demoting")):
+                prompt = synthetic_prompt(setup.model, DECODE_PROMPT, seed=900000 + 10 * r + len(rates[case]))
+                load.store()
+                if case == "quiet":
+                    started = time.monotonic()
+                    wait_demoted(cfg)
+                    demotion_s.append(time.monotonic() - started)
+                rate, seconds = decode(ucm, prompt)
+                rates[case].append(rate)
+                if case == "demoting":
+                    decode_s.append(seconds)
+                wait_demoted(cfg)
+    finally:
+        load.close()
+    log.info("decode tok/s %s; a pool's demotion (%d MiB) took %.2f s, a demoting decode %.2f s (medians)",
+             {case: [round(v, 1) for v in values] for case, values in rates.items()}, cfg.pool_bytes >> 20,
+             statistics.median(demotion_s), statistics.median(decode_s))
+    return rates
 
 
 def median(values: list[float]) -> float:
@@ -124,52 +241,75 @@ def crossover(lengths: list[int], disk: list[float], recompute: list[float]) -> 
     return f">{lengths[-1]}"
 
 
+def file_system(path: str) -> str:
+    """The type of the file system holding ``path`` (tmpfs makes the "disk" memory: say so)."""
+    path, best, kind = os.path.realpath(path), "", "unknown"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fs = line.split()[:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, fs
+    return kind
+
+
+def tag(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--lengths", default="4096,16384", help="prompt lengths in tokens")
+    ap.add_argument("--profile", choices=("tiny", "bench"), default="tiny",
+                    help="tiny: the project's tiny model on CPU; bench: the GPU benchmark's (~1B on a GPU)")
+    ap.add_argument("--lengths", default=None, help="prompt lengths in tokens (tiny: 4096,16384; bench: the profile's)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--decode-rounds", type=int, default=3, help="decode with and without demotion running (0: skip)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk (not tmpfs)")
     args = ap.parse_args()
-    lengths = sorted(int(x) for x in args.lengths.split(","))
+    lengths = sorted(int(x) for x in args.lengths.split(",")) if args.lengths else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for k, v in {**ENGINE_ENV, "RAY_USAGE_STATS_ENABLED": "0"}.items():
         os.environ.setdefault(k, v)
-    longest = max(lengths) + BLOCK
-    model = str(make_tiny_model(os.path.join(".models", f"tiny-{longest}"), max_position_embeddings=longest))
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmd-", dir="/tmp"), log_to_driver=False)
+    gpus = 1 if args.profile == "bench" and torch.cuda.is_available() else 0
+    ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="WARNING", _temp_dir=tempfile.mkdtemp(prefix="ucmd-", dir="/tmp"), log_to_driver=False)
+    setup = tiny_setup(lengths or [4096, 16384]) if args.profile == "tiny" else bench_setup(lengths)
     disk_dir = tempfile.mkdtemp(prefix="disk-ttft-", dir=args.dir)
-    pool = longest * KV_PER_TOKEN * 5 // 4
-    cfg = UcmRayConfig(num_shards=1, pool_bytes=pool, transport="shm", ray_namespace="ucm_ray_disk_ttft",
+    pool = (max(setup.lengths) + setup.block) * setup.kv_per_token * 5 // 4
+    cfg = UcmRayConfig(num_shards=1, pool_bytes=pool, transport="shm", ray_namespace=NAMESPACE,
                        disk_dir=disk_dir, disk_bytes=16 * pool, disk_write_policy="through", disk_wait_s=4.0)
-    remote = ray.remote(num_cpus=0, runtime_env={"env_vars": ENGINE_ENV})(Engine)
-    engine_args = {"max_model_len": longest, "max_num_batched_tokens": 8192}
     results: dict[int, dict[str, list[float]]] = {}
+    decode: dict[str, list[float]] = {}
+    direct_io = False
+    log.info("%s, %s tokens, pool %d MiB", setup.device, setup.lengths, pool >> 20)
     try:
         with running_fleet(cfg):
-            ucm = remote.remote(model, kv_transfer_config({"ray_namespace": cfg.ray_namespace, "transport": "shm"}),
-                                **engine_args)
-            none = remote.remote(model, None, **engine_args)
+            ucm = setup.remote.remote(setup.model, setup.kv_config, **setup.engine_args)
+            none = setup.remote.remote(setup.model, None, **setup.engine_args)
             for engine in (ucm, none):  # a fresh engine's first request pays its warm-up
-                ttft(engine, synthetic_prompt(model, min(lengths), seed=7))
+                ttft(engine, synthetic_prompt(setup.model, min(setup.lengths), seed=7))
             for r in range(args.rounds):
-                for length in lengths:
-                    got = measure(ucm, none, cfg, model, length, 100 * r + length, min(lengths))
+                for length in setup.lengths:
+                    got = measure(ucm, none, cfg, setup, length, 100 * r + length)
                     for case, value in got.items():
                         results.setdefault(length, {}).setdefault(case, []).append(value)
+            if args.decode_rounds:
+                decode = decode_while_demoting(ucm, cfg, setup, args.decode_rounds)
+            direct_io = fleet_status(cfg)["shards"][0]["disk_direct_io"]
     finally:
         ray.shutdown()
         shutil.rmtree(disk_dir, ignore_errors=True)  # the tier's files (nothing purges a benchmark's)
     medians = {n: {case: median(v) for case, v in cases.items()} for n, cases in results.items()}
-    print(f"\n{'tokens':>7} {'recompute ms':>13} {'DRAM hit ms':>12} {'disk hit ms':>12}")
+    print(f"\ndevice={setup.device} disk_dir_fs={file_system(args.dir)} disk_direct_io={direct_io}")
+    print(f"{'tokens':>7} {'recompute ms':>13} {'DRAM hit ms':>12} {'disk hit ms':>12}")
     for n, m in medians.items():
         print(f"{n:>7} {m['recompute'] * 1e3:>13.1f} {m['dram_hit'] * 1e3:>12.1f} {m['disk_hit'] * 1e3:>12.1f}")
     for n, m in medians.items():
-        tag = f"{n // 1024}k"
-        print(f"disk_hit_vs_recompute_{tag}={m['disk_hit'] / m['recompute']:.3f} "
-              f"disk_hit_vs_dram_hit_{tag}={m['disk_hit'] / m['dram_hit']:.3f}")
-    print("disk_crossover_tokens=" + crossover(lengths, [medians[n]["disk_hit"] for n in lengths],
-                                               [medians[n]["recompute"] for n in lengths]))
+        print(f"disk_hit_vs_recompute_{tag(n)}={m['disk_hit'] / m['recompute']:.3f} "
+              f"disk_hit_vs_dram_hit_{tag(n)}={m['disk_hit'] / m['dram_hit']:.3f}")
+    if decode:
+        print(f"disk_decode_demoting_vs_quiet={median(decode['demoting']) / median(decode['quiet']):.3f}")
+    print("disk_crossover_tokens=" + crossover(setup.lengths, [medians[n]["disk_hit"] for n in setup.lengths],
+                                               [medians[n]["recompute"] for n in setup.lengths]))
 
 
 if __name__ == "__main__":

@@ -110,9 +110,10 @@ def test_demotion_starts_above_the_high_watermark_and_cleans_the_cold_end(tmp_pa
     assert s.demote_all() == 0  # the cold end is clean already
 
 
-def test_a_store_holding_5x_its_pool_serves_any_of_it(tmp_path):
-    s = Shard(str(tmp_path), 8, 64)
-    n = 40
+def test_a_store_holding_10x_its_pool_serves_any_of_it(tmp_path):
+    """The issue's 10x: eighty entries through a pool of eight, every one served in random order."""
+    s = Shard(str(tmp_path), 8, 96)
+    n = 80
     for i in range(n):
         s.write(i)
         s.demote_all()
