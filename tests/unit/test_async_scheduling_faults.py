@@ -305,3 +305,18 @@ def test_pd_decode_before_its_prefill_saved_under_async_scheduling(store, model_
     _drain(b, d)
     assert _outputs(d) == [TOKEN] * 3 and b.wrong_blocks == 0
     assert b.first["D"][0] >= 2048 - 2 and _pins(store) == 0
+
+
+def test_sync_baseline_saves_again_after_a_failed_block(store, model_dir):
+    """The same as ``test_async_hits_are_saved_again_right_after_a_failed_block``, synchronous."""
+    p = prompt(16 * 128)
+    a = _written(store, model_dir, p, extra={"checksum": True})
+    assert corrupt_stored_blocks(store, a, p, [10]) == 1
+    b = make_engine(store.client(), model_dir)
+    b.check_reads = True
+    r = b.add("B", p, max_tokens=4)
+    _drain(b, r)
+    assert _outputs(r) == [TOKEN] * 4 and b.wrong_blocks == 0 and b.failed_loads == 1
+    c = make_engine(store.client(), model_dir)
+    c.check_reads = True
+    assert c.serve("C", p, max_tokens=3)[0] == 16 * 128 - 2
