@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from vllm.v1.request import RequestStatus
 
 from tests.support.store_helpers import corrupt_stored_blocks
@@ -347,3 +349,18 @@ def test_sync_baseline_saves_again_after_a_failed_block(store, model_dir):
     c = make_engine(store.client(), model_dir)
     c.check_reads = True
     assert c.serve("C", p, max_tokens=3)[0] == 16 * 128 - 2
+
+
+@pytest.mark.parametrize("bad", [0, 15])
+def test_a_failed_first_or_last_block_of_an_async_hit(store, model_dir, bad):
+    """Block 0 fails its checksum (the hit is cut to nothing: vLLM frees the blocks and asks
+    again; the entry is removed by then, so the retry misses) or block 15 (the one the hit ends
+    inside): every token the model's, nothing pinned."""
+    p = prompt(16 * 128)
+    a = _written(store, model_dir, p, extra={"checksum": True})
+    assert corrupt_stored_blocks(store, a, p, [bad]) == 1
+    b = _async(store, model_dir)
+    r = b.add("B", p, max_tokens=4)
+    _drain(b, r, timeout_s=20)
+    assert _outputs(r) == [TOKEN] * 4 and b.wrong_blocks == 0 and b.failed_loads == 1
+    assert b.stats()["lookups"] <= 2 and _pins(store) == 0
