@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from vllm.v1.request import RequestStatus
 
 from tests.support.store_helpers import corrupt_stored_blocks
