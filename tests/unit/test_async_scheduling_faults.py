@@ -363,3 +363,20 @@ def test_a_failed_first_or_last_block_of_an_async_hit(store, model_dir, bad):
     _drain(b, r, timeout_s=20)
     assert _outputs(r) == [TOKEN] * 4 and b.wrong_blocks == 0 and b.failed_loads == 1
     assert b.stats()["lookups"] <= 2 and _pins(store) == 0
+
+
+def test_an_async_loaded_hit_saves_only_its_new_blocks_and_they_read_back_right(store, model_dir):
+    """B hits 16 stored blocks and computes 300 more tokens (2 new full blocks): it saves those 2
+    only (the loaded ones are not saved again), and C reads all 18 back, every byte right."""
+    p = prompt(16 * 128)
+    _written(store, model_dir, p)
+    longer = p + prompt(300, seed=5)
+    b = _async(store, model_dir)
+    r = b.add("B", longer, max_tokens=4)
+    _drain(b, r)
+    assert _outputs(r) == [TOKEN] * 4 and b.wrong_blocks == 0
+    assert b.stats()["saved_blocks"] == 2
+    c = make_engine(store.client(), model_dir)
+    c.check_reads = True
+    assert c.serve("C", longer + [9] * 10, max_tokens=3)[0] == 18 * 128
+    assert c.wrong_blocks == 0 and c.failed_loads == 0 and _pins(store) == 0
