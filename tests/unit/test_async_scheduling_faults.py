@@ -380,3 +380,17 @@ def test_an_async_loaded_hit_saves_only_its_new_blocks_and_they_read_back_right(
     c.check_reads = True
     assert c.serve("C", longer + [9] * 10, max_tokens=3)[0] == 18 * 128
     assert c.wrong_blocks == 0 and c.failed_loads == 0 and _pins(store) == 0
+
+
+def test_blocks_filled_while_decoding_under_async_scheduling_read_back_right(store, model_dir):
+    """B decodes 400 tokens under asynchronous scheduling; the blocks its decode filled are
+    saved, and C reads the prompt and those tokens back, every byte right."""
+    p = prompt(1000, seed=31)
+    b = _async(store, model_dir)
+    r = b.add("B", p, max_tokens=400)
+    _drain(b, r)
+    assert _outputs(r) == [TOKEN] * 400 and b.wrong_blocks == 0
+    c = make_engine(store.client(), model_dir)
+    c.check_reads = True
+    got = c.serve("C", p + [TOKEN] * 399 + [3] * 20, max_tokens=3)[0]
+    assert got >= 10 * 128 and c.wrong_blocks == 0 and c.failed_loads == 0 and _pins(store) == 0
