@@ -189,6 +189,11 @@ class Engine:
     """Step as vLLM's engine core does under asynchronous scheduling (``AsyncScheduler``, a queue
     of two batches): a step is scheduled and run before the one before it is taken back."""
     _in_flight: list[tuple[Any, ModelRunnerOutput]] = field(default_factory=list)
+    _unhashed: list[tuple[str, str, int, int, int, int]] = field(default_factory=list)
+    """(request, layer name, group, layer, block index, vLLM block id) of blocks a step filled
+    before the scheduler knew their last token (asynchronous scheduling: it is sampled by the
+    step before, whose output comes back after this step ran): written ``PARTIAL`` by the
+    forward, given their value once the token is known (``_fill_unhashed``)."""
 
     @property
     def connector(self) -> UcmRayConnector:
@@ -275,6 +280,7 @@ class Engine:
 
     def _apply(self, out, runner_output: ModelRunnerOutput) -> None:
         outputs = self.sched.update_from_output(out, runner_output)
+        self._fill_unhashed()
         self.transfer_params.update((output.request_id, output.kv_transfer_params)
                                     for engine_outputs in outputs.values() for output in engine_outputs.outputs
                                     if output.kv_transfer_params is not None)
@@ -340,6 +346,21 @@ class Engine:
             if before < req.num_prompt_tokens:
                 self.prefill_computed[rid] = self.prefill_computed.get(rid, 0) + min(n, req.num_prompt_tokens - before)
 
+    def _fill_unhashed(self) -> None:
+        """Blocks the forward filled whose hash is known now: what computing them wrote."""
+        pending, self._unhashed = self._unhashed, []
+        for rid, name, group, layer, i, block_id in pending:
+            req = self.sched.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            table = self.sched.kv_cache_manager.get_block_ids(rid)[group]
+            if i >= len(table) or table[i] != block_id:
+                continue  # preempted meanwhile: the block is no longer the request's
+            if i < len(req.block_hashes):
+                self.kv[name][block_id].fill_(block_value(req.block_hashes[i], layer))
+            else:
+                self._unhashed.append((rid, name, group, layer, i, block_id))
+
     def _poisoned_reads(self, begins: dict[str, int], name: str, group: int) -> set[str]:
         """The scheduled requests whose attention reads, in layer ``name``, a full block before
         what the step computes that does not hold what computing it writes."""
@@ -369,6 +390,8 @@ class Engine:
                 for i in range(start // bs, -(-end // bs)):
                     full = (i + 1) * bs <= end and i < len(hashes)
                     tensor[table[i]].fill_(block_value(hashes[i], layer) if full else PARTIAL)
+                    if (i + 1) * bs <= end and i >= len(hashes) and self.async_scheduling:
+                        self._unhashed.append((rid, name, group, layer, i, table[i]))
             else:  # the running state of [0, end) lives in block ceil(end / bs) - 1
                 i = -(-end // bs) - 1
                 if table[i] != 0:
