@@ -96,7 +96,7 @@ venv-vllm026: $(STAMP026)
 
 test-vllm026: $(STAMP026)
 	PYTHONHASHSEED=0 $(PY026) -m pytest -p no:cacheprovider -rs -m "not hybrid_harness" \
-	  tests/unit/test_two_halves.py tests/unit/test_policy.py tests/unit/test_async_scheduling.py \
+	  tests/unit/test_two_halves.py tests/unit/test_policy.py tests/unit/test_async_scheduling.py tests/unit/test_async_scheduling_faults.py \
 	  "tests/e2e/test_e2e_vllm.py::test_engine_b_reuses_engine_a_prefix_with_identical_output[True-1]"
 
 # vLLM 0.33 (the newest release the README claims) on CPU: its wheel (a CUDA build) without its
@@ -119,7 +119,7 @@ venv-vllm033: $(STAMP033)
 # runner, which the connector refuses (ucm_ray/vllm/compat.py: check_model_runner), as users set it.
 test-vllm033: $(STAMP033)
 	VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=$(CURDIR)/$(VLLM033) $(PY) -m pytest -p no:cacheprovider -rs tests/unit/test_two_halves.py \
-	  tests/unit/test_policy.py tests/unit/test_pd_handoff.py tests/unit/test_async_scheduling.py
+	  tests/unit/test_policy.py tests/unit/test_pd_handoff.py tests/unit/test_async_scheduling.py tests/unit/test_async_scheduling_faults.py
 
 # The edit-test loop: lint, then the unit tier only.
 test-fast: venv lint helm-bin

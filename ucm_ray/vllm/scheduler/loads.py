@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,9 +37,23 @@ class LoadInFlight:
     blocks: BlockLoads
     """What was loaded: the keys of entries the worker finds corrupt, to remove them."""
     dispatched: float
+    start: int
+    """The hit's first token this load brings: its attention blocks' positions in the request
+    follow from it (an asynchronous load's request has no block ids of its own while it waits)."""
     earlier_reads: np.ndarray | None = None
     """Per block of ``blocks``, this node's reads of it before (``ReadLease.earlier_reads``):
     whether to keep a copy of it once it came from another node; None: not counted."""
+
+    def positions(self, attn: Sequence[int], block_sizes: Sequence[int]) -> dict[int, dict[int, int]]:
+        """Per attention group, each loaded vLLM block id's index among the request's blocks
+        (a group's rows are its blocks from the hit's start on, in order)."""
+        groups, block_ids = self.blocks.groups, self.blocks.block_ids
+        out = {}
+        for g in attn:
+            ids = block_ids[groups == g].tolist()
+            first = self.start // block_sizes[g]
+            out[g] = {block_id: first + k for k, block_id in enumerate(ids)}
+        return out
 
 
 @dataclass
@@ -79,7 +93,7 @@ class LoadPlanner:
             job = LoadJob(next(self._job_ids), request_id, blocks, complete_in_start=self._geometry.async_loads,
                           is_async=self._geometry.async_loads, failed=not usable)
             earlier = None if lease.earlier_reads is None or not usable else lease.earlier_reads.take(taken)
-            self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock(),
+            self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock(), start,
                                                       earlier)
             loads.append(job)
         self._loading[request_id] = (tracked, loads)

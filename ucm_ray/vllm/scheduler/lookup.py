@@ -64,6 +64,8 @@ class Lookups:
         slots, or a prefill's announced saves) is still on its way."""
         tracked = self._track(request)
         tracked.ask(num_computed_tokens)
+        if tracked.async_load_failed:
+            return 0, False
         if tracked.lookup_expired(self._clock(), self._config.lease_s / 2):
             self.release(tracked)  # waited so long in the queue that its pins may lapse: look again
         handoff = tracked.handoff

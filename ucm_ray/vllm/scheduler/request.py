@@ -205,6 +205,11 @@ class TrackedRequest:
     landed and reports the request ``finished_sending``: an idle engine would look no more)."""
     save_jobs: set[int] = field(default_factory=set)
     """Save jobs with blocks of the request whose results are not in yet."""
+    async_load_failed: bool = False
+    """A load of it failed while it waited for it (an asynchronous load): vLLM cut its hit at the
+    first failed block, and where that is its first block vLLM frees its blocks and asks for its
+    hit again. The store claims none for it any more: the same entries would fail again, for
+    ever where they stay (a pool this engine cannot reach)."""
 
     # --- transitions ----------------------------------------------------------------------
 

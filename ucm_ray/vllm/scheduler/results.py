@@ -107,6 +107,8 @@ class Results:
             self._save_again(load, failed)
             if not failed:
                 self._keep_copies(load)
+            elif self._geometry.async_loads and (tracked := self._requests.get(load.req_id)) is not None:
+                tracked.async_load_failed = True
         self._answers.release(pins)
         if removals:
             log.error("ucm-ray: removing %d stored entries that failed their checksum", len(removals))
@@ -118,9 +120,9 @@ class Results:
         tracked = self._requests.get(load.req_id)
         if tracked is None or not failed_block_ids:
             return
+        positions = load.positions(self._geometry.attn, self._geometry.block_sizes)
         for g in self._geometry.attn:
-            ids = tracked.block_ids[g] if g < len(tracked.block_ids) else []
-            failed = [ids.index(b) for b in failed_block_ids if b in ids]
+            failed = [positions[g][b] for b in failed_block_ids if b in positions[g]]
             for i in failed:
                 tracked.save_again(g, load.rank, i)
             size = self._geometry.block_sizes[g]
@@ -147,8 +149,7 @@ class Results:
         if not rows:
             return
         wanted: dict[int, list[int]] = defaultdict(list)
-        positions = {g: {block_id: i for i, block_id in enumerate(tracked.block_ids[g])}
-                     for g in self._geometry.attn if g < len(tracked.block_ids)}
+        positions = load.positions(self._geometry.attn, self._geometry.block_sizes)
         groups, block_ids, tails = blocks.groups.tolist(), blocks.block_ids.tolist(), blocks.before_forward.tolist()
         for row in rows:
             at = positions.get(groups[row], {}).get(block_ids[row])
