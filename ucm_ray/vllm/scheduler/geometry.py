@@ -108,7 +108,7 @@ class CacheGeometry:
     async_loads: bool
     """Loads are asynchronous (the request waits until its load landed): vLLM can take back a failed
     synchronous load of a single-group cache only (it raises for several groups), and exactly only
-    with synchronous scheduling on its V1 model runner (``compat.loads_land_before_scheduling``)."""
+    under synchronous scheduling (``compat.loads_land_before_scheduling``)."""
     recompute: int
     """Prompt tokens vLLM computes itself after a dense hit (``policy.recompute_tokens``)."""
 

@@ -5,8 +5,9 @@ for them: on stream-ordered pools the compute stream waits for the layer's event
 checks every copy once, at the end of the loads); on the copy thread's pools the host waits.
 Loads that cannot wait for layer hooks are posted first and land before the forward pass;
 asynchronous loads (their requests are not in the step) hold no forward back and land by the
-time the step reports. A load counts only once it landed, its entry still holds what was pinned or published (loads
-from unpinned entries are validated against the published index) and its checksum matches.
+time the step reports. A load counts only once it landed, its entry still holds what was
+pinned or published (loads from unpinned entries are validated against the published index)
+and its checksum matches.
 """
 
 from __future__ import annotations
