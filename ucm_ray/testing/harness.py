@@ -189,6 +189,8 @@ class Engine:
     """Step as vLLM's engine core does under asynchronous scheduling (``AsyncScheduler``, a queue
     of two batches): a step is scheduled and run before the one before it is taken back."""
     _in_flight: list[tuple[Any, ModelRunnerOutput]] = field(default_factory=list)
+    """Under ``async_scheduling``: (scheduler output, runner output) of steps run but not yet
+    handed back, newest first."""
     _unhashed: list[tuple[str, str, int, int, int, int]] = field(default_factory=list)
     """(request, layer name, group, layer, block index, vLLM block id) of blocks a step filled
     before the scheduler knew their last token (asynchronous scheduling: it is sampled by the
