@@ -11,13 +11,12 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
+from tests.support.faulty_pools import BrokenPosts, HungLoads
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Locations
 from ucm_ray.testing.harness import POISONED_TOKEN, TOKEN, Engine, make_engine, prompt
-from ucm_ray.transport.base import Transfer, TransferError
-from ucm_ray.transport.pools import PoolConnections
 
 SHARDS = ("local_shard_0", "local_shard_1")
 
@@ -143,10 +142,6 @@ def test_a_hit_whose_first_block_fails_is_not_looked_up_and_loaded_again_forever
     p = prompt(16 * 128)
     _written(store, model_dir, p)
 
-    class BrokenPosts(PoolConnections):
-        def post(self, by_pool, *, write):
-            raise ZeroDivisionError("a bug nobody listed")
-
     b = _async(store, model_dir, pool_connections=BrokenPosts)
     r = b.add("B", p, max_tokens=4)
     _steps(b, r, 200)
@@ -162,20 +157,6 @@ def test_a_hung_pool_under_async_scheduling_does_not_loop(store, model_dir):
     cfg = UcmRayConfig(transfer_timeout_s=0.2)
     p = prompt(16 * 128)
     _written(store, model_dir, p, config=cfg)
-
-    class Hung(Transfer):
-        def done(self) -> bool:
-            return False
-
-        def wait(self, timeout_s: float | None = None) -> None:
-            time.sleep(timeout_s or 0.0)
-            raise TransferError("the pool never answered")
-
-    class HungLoads(PoolConnections):
-        def post(self, by_pool, *, write):
-            if write:
-                return super().post(by_pool, write=write)
-            return [(pool, Hung()) for pool in by_pool], set()
 
     b = _async(store, model_dir, config=cfg, pool_connections=HungLoads)
     r = b.add("B", p + prompt(1024, seed=77), max_tokens=4)
@@ -301,35 +282,24 @@ def test_speculation_under_async_scheduling(store, model_dir):
     assert POISONED_TOKEN not in _outputs(r) and b.wrong_blocks == 0 and _pins(store) == 0
 
 
-def test_pd_decode_under_async_scheduling(store, model_dir):
-    """A PD prefill (synchronous) hands its params to a decode engine scheduling asynchronously."""
-    p = prompt(2048 + 100, seed=46)
+@pytest.mark.parametrize("saved_first", [True, False], ids=["saved", "decode_first"])
+def test_pd_decode_under_async_scheduling(store, model_dir, saved_first):
+    """A PD prefill (synchronous) hands its params to a decode engine scheduling asynchronously:
+    after the prefill's saves landed, or before (the decode waits, then hits them)."""
+    p = prompt(2048 + 100, seed=46 if saved_first else 47)
     config = UcmRayConfig(pd_wait_s=30.0)
     a = make_engine(store.client(), model_dir, config=config)
     a.run(a.add("P", p, max_tokens=1,
                 kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}))
     params = a.transfer_params["P"]
-    a.settle()
+    if saved_first:
+        a.settle()
     b = _async(store, model_dir, config=config)
     d = b.add("D", p, max_tokens=3, kv_transfer_params=params)
-    _drain(b, d)
-    assert _outputs(d) == [TOKEN] * 3 and b.wrong_blocks == 0
-    assert b.first["D"][0] >= 2048 - 2 and _pins(store) == 0
-
-
-def test_pd_decode_before_its_prefill_saved_under_async_scheduling(store, model_dir):
-    """The decode arrives before the prefill's saves landed: it waits, then hits them."""
-    p = prompt(2048 + 100, seed=47)
-    config = UcmRayConfig(pd_wait_s=30.0)
-    a = make_engine(store.client(), model_dir, config=config)
-    a.run(a.add("P", p, max_tokens=1,
-                kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}))
-    params = a.transfer_params["P"]
-    b = _async(store, model_dir, config=config)
-    d = b.add("D", p, max_tokens=3, kv_transfer_params=params)
-    for _ in range(5):
-        b.step()
-    a.settle()
+    if not saved_first:
+        for _ in range(5):
+            b.step()
+        a.settle()
     _drain(b, d)
     assert _outputs(d) == [TOKEN] * 3 and b.wrong_blocks == 0
     assert b.first["D"][0] >= 2048 - 2 and _pins(store) == 0

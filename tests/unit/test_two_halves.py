@@ -17,6 +17,7 @@ import pytest
 from vllm.config import ParallelConfig
 
 from tests.support import ROOT
+from tests.support.faulty_pools import BrokenPosts, HungLoads
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.published_reader import IndexReaders
@@ -25,8 +26,7 @@ from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt
 from ucm_ray.testing.timing import timed_calls
-from ucm_ray.transport.base import PoolKey, Transfer, TransferError
-from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm import compat
 from ucm_ray.vllm.compat import check_one_compute_stream
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
@@ -252,10 +252,6 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
     a.serve("A", p)
     a.settle()
 
-    class BrokenPosts(PoolConnections):
-        def post(self, by_pool, *, write):
-            raise ZeroDivisionError("a bug nobody listed")
-
     b = make_engine(store.client(), model_dir, pool_connections=BrokenPosts)
     assert b.serve("B", p)[0] == 2048 - 5 + 3  # hit claimed (2048 - recompute 2) ...
     assert b.wrong_blocks == 0 and b.failed_loads == 16  # ... then every block failed and recomputed
@@ -267,22 +263,6 @@ def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, mode
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
-
-    class Hung(Transfer):
-        """What a read from a pool that never answers does: time out."""
-
-        def done(self) -> bool:
-            return False
-
-        def wait(self, timeout_s: float | None = None) -> None:
-            time.sleep(timeout_s or 0.0)
-            raise TransferError("the pool never answered")
-
-    class HungLoads(PoolConnections):
-        def post(self, by_pool, *, write):
-            if write:
-                return super().post(by_pool, write=write)
-            return [(pool, Hung()) for pool in by_pool], set()
 
     b = make_engine(store.client(), model_dir, config=cfg, pool_connections=HungLoads)
     started = time.monotonic()
