@@ -9,9 +9,14 @@ its forward pass. Three engines, vLLM's V1 runner: ``tier_async`` (the connector
 scheduling), ``tier_sync`` (the connector, synchronous: layer-by-layer loads) and ``none_async``
 (no connector). Batches of 8 fresh 4k prompts and single 4k requests decoding 128 tokens (the tier
 engines' saves run meanwhile), then 4k store hits: a prompt one tier engine computed, asked of both
-with their prefix caches emptied. GPU only: ``python benchmarks/gpu_async_tier.py``; the last line
-is ``async_tier: decode_batch8=<tier_async / none_async> decode_single=<...>
-sync_batch8=<tier_sync / none_async> sync_single=<...> store_hit_ttft_async_vs_sync=<ratio>``
+with their prefix caches emptied. ``batch8_stored``: batches of 8 prompts another engine stored,
+every prefix cache emptied: the tier engines load them and save no prompt, so the decode gap of
+fresh prompts less this one is the saves' part. Per engine and shape, the median step time of
+decode steps 1-16 and of the steps after is printed too. GPU only:
+``python benchmarks/gpu_async_tier.py``; the last line is ``async_tier:
+decode_batch8=<tier_async / none_async> decode_single=<...>
+sync_batch8=<tier_sync / none_async> sync_single=<...> stored_batch8=<...>
+store_hit_ttft_async_vs_sync=<ratio>``
 (decode tokens/s ratios; the TTFT ratio of medians).
 """
 
@@ -22,6 +27,7 @@ import os
 import statistics
 import sys
 from dataclasses import replace
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -61,17 +67,7 @@ def main() -> None:
             setting = replace(prof, engine={**prof.engine, "async_scheduling": async_scheduling})
             engines[label] = start_engine(engine_actor(setting), model, setting, label,
                                           connector_config(cfg) if tier else None, cores.parked, warmup)
-        rates: dict[str, dict[str, list[float]]] = {shape: {label: [] for label in ENGINES}
-                                                    for shape in ("batch8", "single")}
-        for r in range(ROUNDS):
-            order = list(ENGINES) if r % 2 == 0 else list(reversed(ENGINES))
-            for shape, size in (("batch8", BATCH), ("single", 1)):
-                for k, label in enumerate(order):  # fresh prompts for each: every tier engine saves its own
-                    prompts = [synthetic_prompt(model, n, seed=50000 + 1000 * r + 100 * size + 10 * k + i)
-                               for i in range(size)]
-                    with turn_cores(engines[label], cores):
-                        result = ray.get(engines[label].decode_batch.remote(prompts, TOKENS))
-                    rates[shape][label].append(result["rate"])
+        rates, steps = decode_rounds(engines, cores, model, n)
         ttft: dict[str, list[float]] = {"tier_async": [], "tier_sync": []}
         cached: dict[str, list[int]] = {"tier_async": [], "tier_sync": []}
         same = True  # both readers of a stored prompt compute the same tail over the same bytes
@@ -93,18 +89,54 @@ def main() -> None:
     for shape, by_label in rates.items():
         log.info("%s decode tok/s: %s", shape,
                  {label: [round(rate, 1) for rate in got] for label, got in by_label.items()})
+    for shape, by_label in steps.items():  # which steps the gap is in: the first ones (saves posted) or all
+        log.info("%s decode step ms, median of steps 1-16 / of steps 17 on / p90 of 17 on: %s", shape,
+                 {label: step_quantiles(runs) for label, runs in by_label.items()})
     log.info("store hit TTFT ms: %s; vLLM's cached tokens: %s",
              {label: [round(s * 1e3, 2) for s in got] for label, got in ttft.items()}, cached)
     log.info("store hits' first tokens equal on both tier engines: %s", same)
     median = {shape: {label: statistics.median(got) for label, got in by_label.items()}
               for shape, by_label in rates.items()}
     log.info("async_tier: decode_batch8=%.3f decode_single=%.3f sync_batch8=%.3f sync_single=%.3f "
-             "store_hit_ttft_async_vs_sync=%.3f",
+             "stored_batch8=%.3f store_hit_ttft_async_vs_sync=%.3f",
              median["batch8"]["tier_async"] / median["batch8"]["none_async"],
              median["single"]["tier_async"] / median["single"]["none_async"],
              median["batch8"]["tier_sync"] / median["batch8"]["none_async"],
              median["single"]["tier_sync"] / median["single"]["none_async"],
+             median["batch8_stored"]["tier_async"] / median["batch8_stored"]["none_async"],
              statistics.median(ttft["tier_async"]) / statistics.median(ttft["tier_sync"]))
+
+
+def decode_rounds(engines: dict[str, Any], cores: Any, model: str, n: int
+                  ) -> tuple[dict[str, dict[str, list[float]]], dict[str, dict[str, list[list[float]]]]]:
+    """Per shape and engine: each round's decode rate and its decode steps' seconds."""
+    shapes = {"batch8": BATCH, "single": 1, "batch8_stored": BATCH}
+    rates: dict[str, dict[str, list[float]]] = {shape: {label: [] for label in ENGINES} for shape in shapes}
+    steps: dict[str, dict[str, list[list[float]]]] = {shape: {label: [] for label in ENGINES} for shape in shapes}
+    for r in range(ROUNDS):
+        order = list(ENGINES) if r % 2 == 0 else list(reversed(ENGINES))
+        for shape, size in shapes.items():
+            stored = [synthetic_prompt(model, n, seed=60000 + 1000 * r + i) for i in range(size)]
+            if shape == "batch8_stored":  # stored by another engine: a tier engine loads them, saves no prompt
+                ray.get(engines["tier_sync"].decode_batch.remote(stored, 1))
+            for k, label in enumerate(order):  # fresh prompts for each: every tier engine saves its own
+                prompts = stored if shape == "batch8_stored" else [
+                    synthetic_prompt(model, n, seed=50000 + 1000 * r + 100 * size + 10 * k + i) for i in range(size)]
+                ray.get(engines[label].reset_prefix_cache.remote())
+                with turn_cores(engines[label], cores):
+                    result = ray.get(engines[label].decode_batch.remote(prompts, TOKENS))
+                rates[shape][label].append(result["rate"])
+                steps[shape][label].append(result["step_s"])
+    return rates, steps
+
+
+def step_quantiles(runs: list[list[float]]) -> list[float]:
+    """Of each run's decode steps: the median of steps 1-16 (the prompts' saves are posted in
+    them), the median and the p90 of the steps after, in ms."""
+    early = sorted(step for run in runs for step in run[:16]) or [0.0]
+    late = sorted(step for run in runs for step in run[16:]) or [0.0]
+    return [round(statistics.median(early) * 1e3, 3), round(statistics.median(late) * 1e3, 3),
+            round(late[int(0.9 * (len(late) - 1))] * 1e3, 3)]
 
 
 if __name__ == "__main__":
