@@ -10,6 +10,7 @@ directory restarted by Ray or created again by ``ucm-ray up`` is found without a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
+from ucm_ray.transport.base import PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +50,16 @@ class MembershipFeed:
             self._lost(e)
             return None
 
-    def poll(self, known_version: int) -> Membership | None:
-        """A membership with another version than ``known_version`` if one arrived; never waits."""
+    def poll(self, known: Membership) -> Membership | None:
+        """A membership with another version than ``known``'s if one arrived; never waits. The
+        long poll names ``known``'s hot-prefix table revision, so the directory sends only the
+        rows changed since (applied here: the membership returned carries the whole table); an
+        answer whose delta does not apply to ``known``'s table is dropped and the poll re-posted."""
         if self._pending is None:
             if not self._find():
                 return None
-            self._pending = self._directory.wait_for_change.remote(known_version)  # type: ignore[union-attr]
+            self._pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
+                known.version, known_hot=known.hot.revision if known.version else -1)
             self._arrived = self._pending.future()
         assert self._arrived is not None
         if not self._arrived.done():
@@ -64,7 +70,18 @@ class MembershipFeed:
         except RayError as e:
             self._lost(e)
             return None
-        return membership if membership.version != known_version else None
+        if membership.hot_delta is not None:
+            hot = membership.hot_delta.apply(known.hot)
+            if hot is None:
+                return None
+            membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
+        return membership if membership.version != known.version else None
+
+    def announce_hot_copies(self, pool: PoolKey, keys: list[bytes]) -> None:
+        """Tell the directory that ``pool`` keeps copies of these hot-prefix blocks (posted, never
+        awaited: a lost one leaves the table as it was)."""
+        if self._find():
+            self._directory.announce_hot_copies.remote(pool, keys)  # type: ignore[union-attr]
 
     def _find(self) -> bool:
         if self._directory is not None:
