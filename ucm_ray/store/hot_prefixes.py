@@ -278,5 +278,14 @@ class HotPrefixTable:
         dropped = tuple(key for at, key in self._dropped if at > revision and key not in changed)
         return HotPrefixDelta(revision, self._revision, changed, dropped)
 
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    @property
+    def pools_named(self) -> int:
+        """Pools named over all rows (a row counts each of its pools)."""
+        return sum(len(pools) for pools in self._pools.values())
+
     def __len__(self) -> int:
         return len(self._pools)

@@ -37,6 +37,8 @@ class MembershipFeed:
         the answer is there (``ray.wait``) cost ~85 us, twice per scheduler step."""
         self._next_try = 0.0
         self._missing_logged = False
+        self.hot_deltas = 0
+        """Long-poll answers whose hot-prefix table came as a delta (``Membership.hot_delta``)."""
 
     def fetch(self) -> Membership | None:
         """The membership now (waits up to ``timeout_s``); None when no directory answers. A long
@@ -75,6 +77,7 @@ class MembershipFeed:
             if hot is None:
                 return None
             membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
+            self.hot_deltas += 1
         return membership if membership.version != known.version else None
 
     def announce_hot_copies(self, pool: PoolKey, keys: list[bytes]) -> None:

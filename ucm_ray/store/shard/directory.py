@@ -153,7 +153,8 @@ class ShardDirectory:
     async def ping(self) -> dict[str, Any]:
         await self._rediscovered()
         return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
-                "served": dict(self._served), "hot_blocks": len(self._hot)}
+                "served": dict(self._served), "hot_blocks": len(self._hot),
+                "hot_revision": self._hot.revision, "hot_pools_named": self._hot.pools_named}
 
     # --- internals -----------------------------------------------------------------------
 
