@@ -20,6 +20,7 @@ from ucm_ray.store.hot_prefixes import (
     HotPrefixes,
     HotPrefixLearner,
     HotPrefixTable,
+    PushPacer,
 )
 from ucm_ray.testing.clock import AdvancingClock
 
@@ -187,3 +188,19 @@ def test_readers_of_a_hot_block_start_at_the_pool_their_node_picks_so_the_named_
     order = spread(pools, "node-3")
     assert sorted(order) == sorted(pools) and spread(pools, "node-3") == order  # all of them, the same each time
     assert spread(pools[:1], "node-3") == pools[:1]
+
+
+def test_copies_announced_within_the_push_interval_ride_on_one_push():
+    clock = AdvancingClock()
+    clock.freeze()
+    pacer = PushPacer(every_s=1.0, clock=clock)
+    assert pacer.due() == 0.0  # the first: at once
+    assert pacer.due() is None  # scheduled already: carried by it
+    pacer.pushed()
+    clock.advance(0.25)
+    assert pacer.due() == 0.75  # the next waits out the interval since the last push
+    assert pacer.due() is None
+    clock.advance(0.75)
+    pacer.pushed()
+    clock.advance(5.0)
+    assert pacer.due() == 0.0

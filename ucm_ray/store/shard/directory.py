@@ -25,7 +25,7 @@ from ray.actor import ActorHandle
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.family import copy_bound
-from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixTable
+from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixTable, PushPacer
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.shard.hints import HintPools
 from ucm_ray.store.types import Membership, ShardRecord, random_id
@@ -60,6 +60,7 @@ class ShardDirectory:
         self._nodes_per_pool: int = (nodes_per_pool if isinstance(nodes_per_pool, int)
                                      else UcmRayConfig().copy_nodes_per_pool)
         self._hot = HotPrefixTable(start=random_id() >> 16)
+        self._copies_pacer = PushPacer()
         """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
@@ -119,8 +120,14 @@ class ShardDirectory:
         await self._rediscovered()
         nodes = len({record.pool.node_id for record in self._shards.values()})
         if self._hot.add_copies(pool, keys, copy_bound(nodes, self._nodes_per_pool)):
-            self._bump(f"{pool[0]} holds copies of {len(keys)} hot-prefix block(s)")
+            delay = self._copies_pacer.due()
+            if delay is not None:
+                asyncio.get_running_loop().call_later(delay, self._push_copies)
         return self._version
+
+    def _push_copies(self) -> None:
+        self._copies_pacer.pushed()
+        self._bump(f"readers' copies of hot prefixes ({self._hot.pools_named} pools named)")
 
     async def add_hot_prefix(self, entries: dict[bytes, HintPools],
                              handover: dict[bytes, dict[bytes, HintPools]] | None = None) -> int:
