@@ -59,7 +59,7 @@ class DesignParams:
     pools hold the block (0: no bound; ``copy_nodes_per_pool``, built in stop 53). Copies shrink
     the fleet's distinct capacity; in a small fleet a block held by a pool or two is served
     by each of them to a few nodes only."""
-    hot_copies: str = "unregistered"
+    hot_copies: str = "pushed"
     """(k): how a hot prefix's copies are found. ``registered``: each copy's hint goes to the
     prefix's first block's owner and every reader of the prefix sees every copy (what the
     simulation counted through stop 52: more than the package did); ``table``: the same
@@ -68,18 +68,19 @@ class DesignParams:
     ``refreshed``: as ``table``, and at every window's end the table's pools become the
     ``MAX_POOLS_PER_KEY`` most recent copies the first block's owner was told of (a new table
     version to every node: not built);
-    ``unregistered``: as ``table`` without the messages (the package since stop 53), and a
+    ``unregistered``: as ``table`` without the messages (the package in stop 53), and a
     reader tries ``peer_probes`` nodes picked by rendezvous on (prefix, reader) before the
     table's pools (a peer that lacks the block costs one index read over NIXL, no call: counted
     as stale);
-    ``pushed``: a hot block's copy is announced to the directory (one message per request,
+    ``pushed`` (the package since stop 54): a hot block's copy is announced to the directory (one message per request,
     its copies batched) while the table names fewer pools for it than the copy bound; the
     directory adds the announced pools to the table and pushes only what changed (a delta, one
     message per node) at a window's end, and only once a block's announced pools reach
     ``push_growth`` times those pushed (a doubling: a prefix's pools are pushed about
-    log2(bound) times, not every window).
+    log2(bound) times, not every window; the package pushes each change, at most once a
+    second: ``push_growth`` 1).
     """
-    push_growth: float = 2.0
+    push_growth: float = 1.0
     """(k), ``hot_copies="pushed"``: a block's announced pools are pushed once they reach this many
     times the pools the table names for it (1: every window where a copy was announced)."""
     push_every: int = 1
@@ -89,10 +90,10 @@ class DesignParams:
     ``copy_nodes_per_pool``-th of the nodes announces its copy (the others keep theirs for their
     own node's readers): the announcements a hot prefix costs are bounded by the copy bound, not
     the fleet."""
-    spread_hot_reads: bool = False
+    spread_hot_reads: bool = True
     """(k): a reader of a hot block not on its node starts at the named pool a hash of its node
     picks (``(node * 0x9E3779B1) % pools``), not at the first one, so the table's pools share
-    the readers."""
+    the readers (the package since stop 54: ``store.engine.family.spread``)."""
     peer_probes: int = 0
     """(k) with ``hot_copies="unregistered"``: peers tried per hot block before the table's pools."""
     bound_hot_copies: bool = True
