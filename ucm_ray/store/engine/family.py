@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -190,10 +191,11 @@ class HintPoster:
     miss for readers on other nodes, nothing worse). A hot prefix's copies (``NO_HINT`` rows)
     are told to the directory instead (``announce``), whose table then names their pools."""
 
-    def __init__(self, access: ShardAccess, announce: Callable[[PoolKey, list[bytes]], None] | None = None) -> None:
-        """``announce``: posts (pool, keys) of a hot prefix's copies to the directory (None: told to nobody)."""
+    def __init__(self, access: ShardAccess, directory: Callable[[], Any] | None = None) -> None:
+        """``directory``: the directory actor's handle now, or None (a hot prefix's copies are then
+        told to nobody: the table keeps naming the pools it named)."""
         self._access = access
-        self._announce = announce
+        self._directory = directory
 
     def post(self, publish: Publishes, visible: Sequence[bool],
              root_owners: Callable[[Sequence[bytes]], list[list[ShardRecord]]]) -> None:
@@ -202,14 +204,13 @@ class HintPoster:
         batches: dict[tuple[PoolKey, PoolKey], tuple[ShardRecord, list[bytes]]] = {}
         pools = publish.locations.pools
         families = publish.family_keys()
-        if self._announce is not None:
-            copies: dict[PoolKey, list[bytes]] = {}
-            for row, shown in enumerate(visible):
-                if shown and not families[row]:
-                    copies.setdefault(pools[int(publish.locations.pool[row])], []).append(publish.keys[row])
-            for pool, keys in copies.items():
-                self._announce(pool, keys)
-        rows = [row for row, shown in enumerate(visible) if shown and families[row]]
+        rows: list[int] = []
+        copied: list[int] = []
+        for row, shown in enumerate(visible):
+            if shown:
+                (rows if families[row] else copied).append(row)
+        if copied:
+            self._announce(publish, copied)
         for row, owners in zip(rows, root_owners([families[row] for row in rows]) if rows else []):
             key = publish.keys[row]
             pool = pools[int(publish.locations.pool[row])]
@@ -217,3 +218,15 @@ class HintPoster:
                 batches.setdefault((owner.key, pool), (owner, []))[1].append(key)
         for (_, pool), (owner, keys) in batches.items():
             self._access.poster.post(owner.handle.register_hints, owner.pool.incarnation, pool, keys)
+
+    def _announce(self, publish: Publishes, rows: list[int]) -> None:
+        """One ``announce_hot_copies`` per pool of these rows (a hot prefix's copies), posted."""
+        directory = self._directory() if self._directory is not None else None
+        if directory is None:
+            return
+        pools = publish.locations.pools
+        copies: dict[PoolKey, list[bytes]] = {}
+        for row in rows:
+            copies.setdefault(pools[int(publish.locations.pool[row])], []).append(publish.keys[row])
+        for pool, keys in copies.items():
+            self._access.poster.post(directory.announce_hot_copies, pool, keys)

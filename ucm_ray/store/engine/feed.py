@@ -19,7 +19,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
-from ucm_ray.transport.base import PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +79,9 @@ class MembershipFeed:
             self.hot_deltas += 1
         return membership if membership.version != known.version else None
 
-    def announce_hot_copies(self, pool: PoolKey, keys: list[bytes]) -> None:
-        """Tell the directory that ``pool`` keeps copies of these hot-prefix blocks (posted, never
-        awaited: a lost one leaves the table as it was)."""
-        if self._find():
-            self._directory.announce_hot_copies.remote(pool, keys)  # type: ignore[union-attr]
+    def directory(self) -> ray.actor.ActorHandle | None:
+        """The directory's handle, if one was found (looked up again at most every ``RETRY_S``)."""
+        return self._directory if self._find() else None
 
     def _find(self) -> bool:
         if self._directory is not None:
