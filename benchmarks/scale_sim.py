@@ -132,11 +132,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--copy-nodes-per-pool", type=int, default=10,
                         help="(k): past the hot prefix, copy a block only while fewer than ceil(nodes / this) "
                              "pools hold it (0: no bound; copy_nodes_per_pool)")
-    parser.add_argument("--hot-copies", default="unregistered",
-                        choices=["registered", "table", "refreshed", "unregistered"],
+    parser.add_argument("--hot-copies", default="pushed",
+                        choices=["registered", "table", "refreshed", "unregistered", "pushed"],
                         help="(k): how a hot prefix's copies are found (DesignParams.hot_copies)")
     parser.add_argument("--peer-probes", type=int, default=0,
                         help="(k), unregistered: peers tried per hot block before the table's pools")
+    parser.add_argument("--push-growth", type=float, default=1.0,
+                        help="(k), --hot-copies pushed: a block's announced pools are pushed at this many "
+                             "times those the table names (1: every window)")
+    parser.add_argument("--push-every", type=int, default=1, help="(k), --hot-copies pushed: windows between pushes")
+    parser.add_argument("--announce-share", action="store_true",
+                        help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
+    parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
+                        help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--unbounded-hot-copies", action="store_true",
                         help="(k): copy_nodes_per_pool does not bound a hot prefix's copies")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
@@ -151,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session,
                           copy_nodes_per_pool=args.copy_nodes_per_pool, hot_copies=args.hot_copies,
-                          peer_probes=args.peer_probes, bound_hot_copies=not args.unbounded_hot_copies)
+                          peer_probes=args.peer_probes, push_growth=args.push_growth,
+                          push_every=args.push_every, announce_share=args.announce_share,
+                          spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

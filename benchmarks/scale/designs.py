@@ -28,6 +28,9 @@ from benchmarks.scale.workload import Request
 from ucm_ray.store.hot_prefixes import shared_prefix
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 
+DIRECTORY_NODE = 0
+"""The node the directory actor runs on (``hot_copies="pushed"``: copies are announced to it)."""
+
 
 @dataclass(frozen=True)
 class DesignParams:
@@ -56,7 +59,7 @@ class DesignParams:
     pools hold the block (0: no bound; ``copy_nodes_per_pool``, built in stop 53). Copies shrink
     the fleet's distinct capacity; in a small fleet a block held by a pool or two is served
     by each of them to a few nodes only."""
-    hot_copies: str = "unregistered"
+    hot_copies: str = "pushed"
     """(k): how a hot prefix's copies are found. ``registered``: each copy's hint goes to the
     prefix's first block's owner and every reader of the prefix sees every copy (what the
     simulation counted through stop 52: more than the package did); ``table``: the same
@@ -65,10 +68,32 @@ class DesignParams:
     ``refreshed``: as ``table``, and at every window's end the table's pools become the
     ``MAX_POOLS_PER_KEY`` most recent copies the first block's owner was told of (a new table
     version to every node: not built);
-    ``unregistered``: as ``table`` without the messages (the package since stop 53), and a
+    ``unregistered``: as ``table`` without the messages (the package in stop 53), and a
     reader tries ``peer_probes`` nodes picked by rendezvous on (prefix, reader) before the
     table's pools (a peer that lacks the block costs one index read over NIXL, no call: counted
-    as stale)."""
+    as stale);
+    ``pushed`` (the package since stop 54): a hot block's copy is announced to the directory (one message per request,
+    its copies batched) while the table names fewer pools for it than the copy bound; the
+    directory adds the announced pools to the table and pushes only what changed (a delta, one
+    message per node) at a window's end, and only once a block's announced pools reach
+    ``push_growth`` times those pushed (a doubling: a prefix's pools are pushed about
+    log2(bound) times, not every window; the package pushes each change, at most once a
+    second: ``push_growth`` 1).
+    """
+    push_growth: float = 1.0
+    """(k), ``hot_copies="pushed"``: a block's announced pools are pushed once they reach this many
+    times the pools the table names for it (1: every window where a copy was announced)."""
+    push_every: int = 1
+    """(k), ``hot_copies="pushed"``: windows between the directory's pushes (announcements wait)."""
+    announce_share: bool = False
+    """(k), ``hot_copies="pushed"``: only a node whose hash with the prefix falls in one
+    ``copy_nodes_per_pool``-th of the nodes announces its copy (the others keep theirs for their
+    own node's readers): the announcements a hot prefix costs are bounded by the copy bound, not
+    the fleet."""
+    spread_hot_reads: bool = True
+    """(k): a reader of a hot block not on its node starts at the named pool a hash of its node
+    picks (``(node * 0x9E3779B1) % pools``), not at the first one, so the table's pools share
+    the readers (the package since stop 54: ``store.engine.family.spread``)."""
     peer_probes: int = 0
     """(k) with ``hot_copies="unregistered"``: peers tried per hot block before the table's pools."""
     bound_hot_copies: bool = True
@@ -773,6 +798,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._reads: Counter[tuple[int, bytes]] = Counter()
         self.table_pools: dict[bytes, list[int]] = {}
         """Per hot block, the pools the table named when it became hot (``hot_copies`` != registered)."""
+        self._announced: dict[bytes, dict[int, None]] = {}
+        """``hot_copies="pushed"``: per hot block, the copies announced to the directory, not pushed yet."""
+        self._windows = 0
         self._hot_reader = -1
         self._hot_family = b""
 
@@ -805,18 +833,49 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                     continue
             elif self.params.bound_hot_copies and bound and len(self.table_pools.get(key, ())) >= bound:
                 continue
-            elif self.params.hot_copies == "unregistered":
+            elif self.params.hot_copies in ("unregistered", "pushed"):
                 hot_copies.append(key)
                 continue
             again.append(key)
-        if hot_copies:  # kept, told to nobody: readers find them by probing
+        if hot_copies:  # kept, told to nobody (unregistered) or to the directory (pushed)
             copied, _ = self.cluster.store(req.node, hot_copies)
             tally.copy_bytes += len(copied) * self.cluster.block_bytes
+            if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
+                for key in copied:
+                    self._announced.setdefault(key, {})[req.node] = None
+                self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
         if not again:
             return []
         stored = self.save_local(req, again)
         tally.copy_bytes += len(stored) * self.cluster.block_bytes
         return stored
+
+    def _announces(self, node: int) -> bool:
+        """Whether ``node`` tells the directory of its copies of this request's hot prefix."""
+        share = self.params.copy_nodes_per_pool
+        if not self.params.announce_share or share <= 1:
+            return True
+        salt = int.from_bytes(self._hot_family[:8], "little")
+        return ((node * 0x9E3779B1) ^ salt) % 0xFFFFFFFB % share == 0
+
+    def _push_announced(self) -> None:
+        """The directory's delta push: the blocks whose announced pools reached ``push_growth``
+        times those the table names get them (up to the copy bound), one message to every node."""
+        bound = self.copy_bound() or self.cluster.nodes
+        changed = 0
+        for key, announced in list(self._announced.items()):
+            listed = self.table_pools.setdefault(key, [])
+            fresh = [node for node in announced if node not in listed]
+            if not fresh or len(listed) + len(fresh) < self.params.push_growth * len(listed):
+                continue
+            listed.extend(fresh[:max(0, bound - len(listed))])
+            del self._announced[key]
+            changed += 1
+        if changed:
+            tally = RequestTally()
+            self._broadcast(DIRECTORY_NODE, tally, changed)
+            self.stats.index_msgs += tally.index_msgs
+            self.stats.index_bytes += tally.index_bytes
 
     def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
         if self.params.hot_copies == "registered" or key not in self.table or key in self.cluster.stored[node]:
@@ -826,7 +885,11 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             salted = hashlib.blake2b(self._hot_family + node.to_bytes(4, "little"), digest_size=16).digest()
             peers = self.cluster.placement.top(salted, self.params.peer_probes + 1)
             order = [peer for peer in peers if peer != node][:self.params.peer_probes]
-        order += [where for where in self.table_pools.get(key, ()) if where != node]
+        named = [where for where in self.table_pools.get(key, ()) if where != node]
+        if self.params.spread_hot_reads and named:
+            start = (node * 0x9E3779B1) % len(named)
+            named = named[start:] + named[:start]
+        order += named
         found = self._first_holding(key, order, tally)
         if found is not None and found != node:
             self._previous = found
@@ -838,6 +901,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         fresh = self.table.difference(before) if self.params.hot_copies != "refreshed" else self.table
         for key in fresh:
             self.table_pools[key] = list(reversed(self.locs.get(key, [])))[:MAX_POOLS_PER_KEY]
+        self._windows += 1
+        if self.params.hot_copies == "pushed" and self._windows % self.params.push_every == 0:
+            self._push_announced()
         if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
             tally = RequestTally()
             self._broadcast(0, tally, len(self.table))

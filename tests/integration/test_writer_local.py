@@ -6,7 +6,8 @@ index after the copy (an entry removed meanwhile is stale); a prompt that diverg
 its stored prefix; the writer's shard dying makes its blocks misses. ``per_block`` spreads the
 same saves over every node (what writer-local placement is for). A system prompt many chats
 start with becomes a hot prefix: its root's owner stops answering for them, and hands the
-chats written before over to their new roots' owners."""
+chats written before over to their new roots' owners. Readers' copies of a hot prefix are
+announced to the directory, whose table names them, pushed as deltas, up to the copy bound."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def results() -> dict:
     cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests/support/writer_local_driver.py"), cluster.address,
-                               "writer_local:1,writer_local:2,per_block:1,hot"], capture_output=True, text=True,
-                              timeout=400, env=cluster_env(), cwd=ROOT)
+                               "writer_local:1,writer_local:2,per_block:1,hot,hot_copies"], capture_output=True,
+                              text=True, timeout=400, env=cluster_env(), cwd=ROOT)
     finally:
         cluster.close()
     assert done.returncode == 0, done.stderr[-4000:]
@@ -104,3 +105,20 @@ def test_a_system_prompt_many_chats_share_becomes_a_hot_prefix_and_its_root_stop
     # another node keeps no copy of the hot prefix (the table names its pool) nor of the chat
     # (the root's owner names its writer's)
     assert result["copy_marks"] == [ENOUGH_COPIES] * (SYSTEM + TURN)
+
+
+def test_a_readers_copy_of_a_hot_prefix_is_named_by_the_table_pushed_as_a_delta_up_to_the_bound(results):
+    result = results["hot_copies"]
+    learned = result["learned"]
+    assert learned["pools"] == [1] * SYSTEM  # the writer's pool, named when it became hot
+    assert result["copied"] == [SYSTEM, SYSTEM]
+    # node 0's copy was announced; node 2's client got the changed rows through its long poll,
+    # as a delta of the table it held (no forced fetch)
+    one_copy = result["one_copy"]
+    assert one_copy["pools"] == [2] * SYSTEM
+    assert one_copy["revision"] > learned["revision"]
+    assert one_copy["deltas"] > learned["deltas"]
+    # node 2 reads the hot prefix from the named pools, exact, with no call
+    assert result["read"] == {"found": SYSTEM, "got": SYSTEM, "exact": SYSTEM, "calls": 0}
+    # node 2's own copy is past the bound (ceil(3 / 2) = 2 pools a block): the table is unchanged
+    assert result["after_bound"] == {"revision": one_copy["revision"], "named": 2 * SYSTEM}

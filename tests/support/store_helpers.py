@@ -78,6 +78,44 @@ class ClientProcess:
         self.client.register_local(buf)
         return self.client.put(keys, views)
 
+    def copy_keys(self, keys: list[bytes], seed: int = 0) -> int:
+        """Keep a copy of these blocks (a hot prefix's, stored elsewhere) in this node's pool as a
+        reader's connector does (``remote_copy_reads``): written whatever other pools hold them,
+        and committed with no family (``NO_HINT``), so the directory is told, not a root's owner.
+        How many became visible."""
+        from dataclasses import replace
+
+        from ucm_ray.store.types import NO_HINT, Location, Publishes
+        from ucm_ray.transport.base import CopyOp, Ranges, as_bytes
+
+        client = self.client
+        buf, tensors = arena(len(keys), seed)
+        client.register_local(buf)
+        views = [as_bytes(t) for t in tensors]
+        placed = client._reserve(keys, views, list(range(len(keys))))
+        ops: dict = {}
+        for i, pool, _, off in placed:
+            ops.setdefault(pool, []).append(CopyOp(off, views[i]))
+        failed = client.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=True,
+                                             timeout_s=client.config.transfer_timeout_s)
+        rows = [(keys[i], Location(pool[0], pool[1], off, views[i].numel(), None), token)
+                for i, pool, token, off in placed if pool not in failed]
+        publish = replace(Publishes.of(rows), families=[NO_HINT] * len(rows))
+        return sum(client.commit(publish).result())
+
+    def hot_pools(self, keys: list[bytes], want: int) -> dict:
+        """Per key, the pools this client's hot-prefix table names for it, once each names
+        ``want`` (or after 20 s), the table as the membership's long poll brought it (no forced
+        fetch); and how many of the long poll's answers carried the table as a delta."""
+        deadline = time.monotonic() + 20
+        table = self.client.membership.hot
+        while time.monotonic() < deadline and not all(len(table.pools.get(k, ())) >= want for k in keys):
+            self.client.refresh()
+            time.sleep(0.05)
+            table = self.client.membership.hot
+        return {"pools": [len(table.pools.get(k, ())) for k in keys], "revision": table.revision,
+                "deltas": self.client._feed.hot_deltas}
+
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

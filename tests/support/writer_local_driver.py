@@ -114,6 +114,36 @@ def hot_prefix_scenario() -> dict:
         stop_fleet(config)
 
 
+def hot_copies_scenario() -> dict:
+    """A hot prefix's copies kept by readers on other nodes (``copy_nodes_per_pool: 2``: at most
+    ceil(3 / 2) = 2 pools per block): a copy is announced to the directory, whose table then
+    names its pool too, pushed to every client as a delta of the table it holds; a copy past
+    the bound is kept for its own node and named nowhere."""
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_hot_copies", pool_bytes=32 << 20, shard_cpus=0,
+                                               lookup_timeout_s=30, hot_prefix_asks=2 * ASKS,
+                                               copy_nodes_per_pool=2), 1)
+    try:
+        clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(config.to_dict()) for i in range(3)]
+        chats = [prompt_keys([("system", SYSTEM), (f"chat{j}", TURN)]) for j in range(ASKS)]
+        for chat in chats:
+            ray.get(clients[1].write_keys.remote(chat, 9))
+        for j, chat in enumerate(chats):
+            ray.get(clients[j % 2 * 2].ask.remote(chat))
+        system = chats[0][:SYSTEM]
+        directory = ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
+        learned = ray.get(clients[2].hot_pools.remote(system, 1))
+        copied = [ray.get(clients[0].copy_keys.remote(system, 9))]
+        one_copy = ray.get(clients[2].hot_pools.remote(system, 2))
+        read = ray.get(clients[2].read_keys.remote(system, 9))
+        copied.append(ray.get(clients[2].copy_keys.remote(system, 9)))
+        time.sleep(1.0)  # the announcement is posted: let it land (it changes nothing)
+        status = ray.get(directory.ping.remote())
+        return {"learned": learned, "copied": copied, "one_copy": one_copy, "read": read,
+                "after_bound": {"revision": status["hot_revision"], "named": status["hot_pools_named"]}}
+    finally:
+        stop_fleet(config)
+
+
 def main(address: str, scenarios: str) -> None:
     """``scenarios``: comma-separated ``placement:replication`` pairs (or ``hot``: hot prefixes),
     run one after another."""
@@ -125,6 +155,9 @@ def main(address: str, scenarios: str) -> None:
         for name in scenarios.split(","):
             if name == "hot":
                 results[name] = hot_prefix_scenario()
+                continue
+            if name == "hot_copies":
+                results[name] = hot_copies_scenario()
                 continue
             placement, replication = name.split(":")
             results[name] = scenario(placement, int(replication))

@@ -4,8 +4,11 @@ directory keeps and pushes, and where a prompt's family root falls under it."""
 from __future__ import annotations
 
 import pickle
+from collections import Counter
 
+from ucm_ray.store.engine.family import spread
 from ucm_ray.store.hot_prefixes import (
+    DROP_LOG,
     MAX_HOT_BLOCKS,
     NO_HOT_PREFIXES,
     REANNOUNCE_S,
@@ -13,9 +16,11 @@ from ucm_ray.store.hot_prefixes import (
     SESSIONS,
     WINDOW_S,
     FamilyRecords,
+    HotPrefixDelta,
     HotPrefixes,
     HotPrefixLearner,
     HotPrefixTable,
+    PushPacer,
 )
 from ucm_ray.testing.clock import AdvancingClock
 
@@ -118,3 +123,84 @@ def test_the_records_keep_the_most_recent_lookups_up_to_their_bound():
     off = FamilyRecords(max_keys=0)  # hot prefixes off: nothing kept
     off.record(chat(0), chat(0))
     assert len(off) == 0
+
+
+POOL_C = ("shard-c", 3)
+
+
+def test_a_copy_is_named_after_the_pools_a_row_had_up_to_the_bound_and_only_for_hot_blocks():
+    table = HotPrefixTable()
+    system = chain("system", 0, 4)
+    table.add({key: (POOL_A,) for key in system})
+    assert table.add_copies(POOL_B, system + [b"not-hot"], bound=2)
+    assert table.snapshot().pools == {key: (POOL_A, POOL_B) for key in system}
+    assert not table.add_copies(POOL_B, system, bound=2)  # named already
+    assert not table.add_copies(POOL_C, system, bound=2)  # at the bound
+    assert table.add_copies(POOL_C, system[:1], bound=0)  # no bound
+    assert table.snapshot().pools[system[0]] == (POOL_A, POOL_B, POOL_C)
+    assert table.remove_pool(POOL_A)  # a pool that left is named nowhere
+    assert table.snapshot().pools[system[1]] == (POOL_B,)
+
+
+def test_an_engine_gets_the_rows_changed_since_its_revision_and_applies_them():
+    table = HotPrefixTable(max_blocks=6, start=1000)
+    first, second = chain("system", 0, 4), chain("other", 0, 4)
+    table.add({key: (POOL_A,) for key in first})
+    held = table.snapshot()
+    assert held.revision == 1001
+    table.add_copies(POOL_B, first[:2], bound=0)
+    delta = table.since(held.revision)
+    assert isinstance(delta, HotPrefixDelta)
+    assert delta.changed == {key: (POOL_A, POOL_B) for key in first[:2]}  # two rows, not the table
+    assert delta.apply(held) == table.snapshot()
+    assert delta.apply(HotPrefixes({}, 7)) is None  # not the revision it applies to
+    # past the bound the oldest rows are dropped: the delta says so
+    table.add({key: (POOL_C,) for key in second})
+    delta = table.since(held.revision)
+    assert isinstance(delta, HotPrefixDelta) and set(delta.dropped) == set(first[:2])
+    assert delta.apply(held) == table.snapshot()
+    assert table.since(table.snapshot().revision) == HotPrefixDelta(1003, 1003, {})  # nothing new
+    # an engine that holds nothing, or a revision of another directory start, gets the whole table
+    assert table.since(-1) == table.snapshot() == table.since(7) == table.since(5000)
+
+
+def test_the_drop_log_bounds_deltas_an_engine_too_far_behind_gets_the_whole_table():
+    table = HotPrefixTable(max_blocks=1)
+    table.add({b"a": (POOL_A,)})
+    held = table.snapshot()
+    for i in range(DROP_LOG + 1):
+        table.add({f"k{i}".encode(): (POOL_A,)})
+    assert table.since(held.revision) == table.snapshot()
+    assert isinstance(table.since(table.snapshot().revision - 1), HotPrefixDelta)
+
+
+def test_a_table_with_its_revision_pickles_as_pushed():
+    table = HotPrefixTable(start=5)
+    table.add({b"a": (POOL_A,)})
+    assert pickle.loads(pickle.dumps(table.since(5))) == table.since(5)
+
+
+def test_readers_of_a_hot_block_start_at_the_pool_their_node_picks_so_the_named_pools_share_them():
+    pools = [(f"shard-{i}", i) for i in range(8)]
+    starts = Counter(spread(pools, f"node-{n}")[0] for n in range(800))
+    assert set(starts) == set(pools)  # every named pool is some nodes' first
+    assert max(starts.values()) < 2 * 800 / len(pools)
+    order = spread(pools, "node-3")
+    assert sorted(order) == sorted(pools) and spread(pools, "node-3") == order  # all of them, the same each time
+    assert spread(pools[:1], "node-3") == pools[:1]
+
+
+def test_copies_announced_within_the_push_interval_ride_on_one_push():
+    clock = AdvancingClock()
+    clock.freeze()
+    pacer = PushPacer(every_s=1.0, clock=clock)
+    assert pacer.due() == 0.0  # the first: at once
+    assert pacer.due() is None  # scheduled already: carried by it
+    pacer.pushed()
+    clock.advance(0.25)
+    assert pacer.due() == 0.75  # the next waits out the interval since the last push
+    assert pacer.due() is None
+    clock.advance(0.75)
+    pacer.pushed()
+    clock.advance(5.0)
+    assert pacer.due() == 0.0

@@ -9,6 +9,9 @@ blocks, with the pools its hints name for them, to the directory, which pushes t
 engine with the membership (a new version: no polling). A prompt's leading blocks that are in the
 table are found in the pools the table names (no call); its family root moves to the first block
 after them, so the prompts under one system prompt spread their lookups and hints over the fleet.
+Readers' copies of a hot prefix are announced to the directory, whose table then names their pools
+too (up to the copy bound); engines get the table's changes as a delta of the revision they hold
+(``HotPrefixDelta``), readers' copies at most once a second (``PushPacer``).
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ restarted directory (whose table starts empty) relearns what is still hot."""
 
 @dataclass(frozen=True)
 class HotPrefixes:
-    """The table as engines hold it: hot block key -> the pools that held it when it became hot."""
+    """The table as engines hold it: hot block key -> the pools that hold it (those that held it
+    when it became hot, then the copies readers announced, ``HotPrefixTable.add_copies``)."""
 
     pools: Mapping[bytes, tuple[PoolKey, ...]] = field(default_factory=dict)
     """Read-only by convention (a plain dict: the membership is pickled to every engine)."""
+    revision: int = 0
+    """The directory table's revision this is (``HotPrefixDelta.base`` names one)."""
 
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``' leading blocks are hot."""
@@ -67,6 +73,32 @@ class HotPrefixes:
 
 
 NO_HOT_PREFIXES = HotPrefixes()
+
+
+@dataclass(frozen=True)
+class HotPrefixDelta:
+    """What changed in the directory's table from revision ``base`` to ``revision``: pushed
+    instead of the whole table to an engine that holds ``base`` (a copy announced at 1,000 nodes
+    changes one row of a table of up to ``MAX_HOT_BLOCKS``)."""
+
+    base: int
+    revision: int
+    changed: Mapping[bytes, tuple[PoolKey, ...]]
+    dropped: tuple[bytes, ...] = ()
+
+    def apply(self, table: HotPrefixes) -> HotPrefixes | None:
+        """``table`` with this delta applied; None when ``table`` is not the revision it applies to."""
+        if table.revision != self.base:
+            return None
+        pools = dict(table.pools)
+        for key in self.dropped:
+            pools.pop(key, None)
+        pools.update(self.changed)
+        return HotPrefixes(pools, self.revision)
+
+
+HotPrefixPush = HotPrefixes | HotPrefixDelta
+"""What a membership carries: the whole table, or what changed since the engine's revision."""
 
 
 class HotPrefixLearner:
@@ -166,27 +198,127 @@ def shared_prefix(families: Sequence[Sequence[bytes]]) -> list[bytes]:
     return list(families[0][:shared])
 
 
-class HotPrefixTable:
-    """The directory's copy: bounded, oldest out; ``add`` says whether anything changed (then the
-    membership's version moves and every engine gets the new table)."""
+COPIES_PUSH_S = 1.0
+"""Readers' copies change the table's pools at most this often: each change is one long-poll
+answer to every engine (1,000 at 1,000 nodes), so copies announced meanwhile are pushed together
+(docs/scaling.md, stop 54: pushed every change, 13 index messages a request at 1,000 nodes)."""
 
-    def __init__(self, max_blocks: int = MAX_HOT_BLOCKS) -> None:
+
+class PushPacer:
+    """When the directory pushes a change that may wait (readers' copies): at once if the last
+    such push was ``every_s`` ago or more, else once that much time has passed since it; the
+    changes that come meanwhile ride on the push already scheduled."""
+
+    def __init__(self, every_s: float = COPIES_PUSH_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        self._last = -every_s
+        self._scheduled = False
+
+    def due(self) -> float | None:
+        """A change wants pushing: seconds until its push (0: now), or None when a push already
+        scheduled will carry it."""
+        if self._scheduled:
+            return None
+        self._scheduled = True
+        return max(0.0, self._last + self._every_s - self._clock())
+
+    def pushed(self) -> None:
+        self._scheduled = False
+        self._last = self._clock()
+
+
+DROP_LOG = 4096
+"""Keys dropped from the table (oldest out) that it remembers for deltas: an engine further behind
+gets the whole table."""
+
+
+class HotPrefixTable:
+    """The directory's copy: bounded, oldest out; ``add`` and ``add_copies`` say whether anything
+    changed (then the membership's version moves and every engine gets what changed since the
+    revision it holds, ``since``)."""
+
+    def __init__(self, max_blocks: int = MAX_HOT_BLOCKS, start: int = 0) -> None:
+        """``start``: the first revision (the directory's is random, so an engine's revision from
+        another directory start is never taken for one of this table's)."""
         self._max_blocks = max_blocks
         self._pools: OrderedDict[bytes, tuple[PoolKey, ...]] = OrderedDict()
+        self._start = self._revision = start
+        self._changed_at: dict[bytes, int] = {}
+        """Per key held, the revision that last changed its row."""
+        self._dropped: deque[tuple[int, bytes]] = deque(maxlen=DROP_LOG)
+        """(revision, key) of the keys dropped, oldest first."""
 
     def add(self, entries: Mapping[bytes, Sequence[PoolKey]]) -> bool:
-        changed = False
-        for key, pools in entries.items():
-            listed: tuple[PoolKey, ...] = tuple((pool[0], pool[1]) for pool in pools)
-            if self._pools.get(key) != listed:
-                self._pools[key] = listed
-                changed = True
+        """Hot blocks a root's owner learned, with the pools its hints name (a row given again is
+        replaced)."""
+        changed = [key for key, pools in entries.items() if self._set(key, tuple((p[0], p[1]) for p in pools))]
+        return self._commit(changed)
+
+    def add_copies(self, pool: PoolKey, keys: Sequence[bytes], bound: int) -> bool:
+        """A reader's pool ``pool`` now holds a copy of these hot blocks: each row still naming
+        fewer than ``bound`` pools (0: no bound) names it too, last. Blocks not in the table are
+        ignored (dropped meanwhile, or never hot)."""
+        listed = (pool[0], pool[1])
+        changed = []
+        for key in keys:
+            pools = self._pools.get(key)
+            if pools is None or listed in pools or (bound and len(pools) >= bound):
+                continue
+            if self._set(key, pools + (listed,)):
+                changed.append(key)
+        return self._commit(changed)
+
+    def remove_pool(self, pool: PoolKey) -> bool:
+        """A pool left the fleet: no row names it any more (a row naming nothing else stays, empty:
+        its blocks are still the hot prefix, found only in readers' own pools)."""
+        listed = (pool[0], pool[1])
+        changed = [key for key, pools in list(self._pools.items())
+                   if listed in pools and self._set(key, tuple(p for p in pools if p != listed))]
+        return self._commit(changed)
+
+    def _set(self, key: bytes, pools: tuple[PoolKey, ...]) -> bool:
+        if self._pools.get(key) == pools:
+            return False
+        self._pools[key] = pools
+        return True
+
+    def _commit(self, changed: list[bytes]) -> bool:
+        if not changed:
+            return False
+        self._revision += 1
+        for key in changed:
+            self._changed_at[key] = self._revision
         while len(self._pools) > self._max_blocks:
-            self._pools.popitem(last=False)
-        return changed
+            key, _ = self._pools.popitem(last=False)
+            del self._changed_at[key]
+            self._dropped.append((self._revision, key))
+        return True
 
     def snapshot(self) -> HotPrefixes:
-        return HotPrefixes(dict(self._pools)) if self._pools else NO_HOT_PREFIXES
+        return HotPrefixes(dict(self._pools), self._revision)
+
+    def since(self, revision: int) -> HotPrefixPush:
+        """What an engine holding ``revision`` needs: the rows changed after it and the keys
+        dropped after it, or the whole table when it holds none (-1), one from another directory
+        start, or one older than the drop log remembers."""
+        if revision == self._revision:
+            return HotPrefixDelta(revision, revision, {})
+        if not self._start <= revision < self._revision or (self._dropped and len(self._dropped) == self._dropped.maxlen
+                                                  and self._dropped[0][0] > revision):
+            return self.snapshot()
+        changed = {key: self._pools[key] for key, at in self._changed_at.items() if at > revision}
+        dropped = tuple(key for at, key in self._dropped if at > revision and key not in changed)
+        return HotPrefixDelta(revision, self._revision, changed, dropped)
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    @property
+    def pools_named(self) -> int:
+        """Pools named over all rows (a row counts each of its pools)."""
+        return sum(len(pools) for pools in self._pools.values())
 
     def __len__(self) -> int:
         return len(self._pools)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixes
+from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixes
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ class SlotGrant:
 
 NO_HINT = b""
 """A row's family in ``Publishes.families`` when its commit is told to no family root's owner
-(a copy of a hot prefix's block: ``Family.of``)."""
+(a copy of a hot prefix's block: ``Family.of``; announced to the directory, ``HintPoster``)."""
 
 
 @dataclass(frozen=True)
@@ -368,6 +368,9 @@ class Membership:
     """``placement`` as the fleet was started with (None: as ``replication``)."""
     hot: HotPrefixes = NO_HOT_PREFIXES
     """The fleet's hot-prefix table (``store.hot_prefixes``): pushed with the membership."""
+    hot_delta: HotPrefixDelta | None = None
+    """Set instead of ``hot`` by a long poll that knew the table revision its caller holds: what
+    changed since (``MembershipFeed`` applies it, so a client's membership always has ``hot``)."""
 
     @property
     def shard_ids(self) -> list[str]:

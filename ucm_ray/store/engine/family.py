@@ -12,7 +12,9 @@ without waiting.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -124,7 +126,8 @@ class FamilyAcquire(Pending[ReadLease]):
         root owner's answer) that are still members."""
         assert self._missing is not None
         self._remote_rows = np.zeros(0, dtype=np.int64)
-        named = {row: self._hot_pools[row] for row in self._missing.tolist() if row < len(self._hot_pools)}
+        named = {row: spread(self._hot_pools[row], self._reader)
+                 for row in self._missing.tolist() if row < len(self._hot_pools)}
         earlier: np.ndarray = np.zeros(len(self._keys), dtype=np.int64)
         earlier[:len(self._hot_pools)] = HOT_READS
         at = {rec.key: i for i, rec in enumerate(self._shards)}
@@ -151,6 +154,17 @@ class FamilyAcquire(Pending[ReadLease]):
                                self._shards, owners)
 
 
+def spread(pools: Sequence[PoolKey], reader: str) -> Sequence[PoolKey]:
+    """A hot block's pools in the order ``reader``'s node tries them: from the one a hash of the
+    node picks, so the nodes reading a hot prefix share the pools the table names (its first
+    pool would otherwise serve them all: docs/scaling.md, stop 54). Every block of one prefix
+    named by the same pools starts at the same one (one source per prompt where it can)."""
+    if len(pools) < 2:
+        return pools
+    start = zlib.crc32(reader.encode()) % len(pools)
+    return tuple(pools[start:]) + tuple(pools[:start])
+
+
 def _members(named: Sequence[Sequence[PoolKey]], members: Collection[PoolKey]) -> list[int]:
     """Per row, how many of the pools named for it are members (a departed pool holds nothing)."""
     return [sum(1 for pool in map(tuple, pools) if pool in members) for pools in named]
@@ -174,19 +188,29 @@ def _fewest_sources(candidates: list[list[int]]) -> list[list[int]]:
 class HintPoster:
     """Tells the owners of each committed block's family root which pool now holds it: one
     ``register_hints`` call per (root owner, pool), posted and never awaited (a lost hint is a
-    miss for readers on other nodes, nothing worse)."""
+    miss for readers on other nodes, nothing worse). A hot prefix's copies (``NO_HINT`` rows)
+    are told to the directory instead (``announce``), whose table then names their pools."""
 
-    def __init__(self, access: ShardAccess) -> None:
+    def __init__(self, access: ShardAccess, directory: Callable[[], Any] | None = None) -> None:
+        """``directory``: the directory actor's handle now, or None (a hot prefix's copies are then
+        told to nobody: the table keeps naming the pools it named)."""
         self._access = access
+        self._directory = directory
 
     def post(self, publish: Publishes, visible: Sequence[bool],
              root_owners: Callable[[Sequence[bytes]], list[list[ShardRecord]]]) -> None:
         """``root_owners``: the owners of each family root. A row whose family is empty
-        (``NO_HINT``: a hot prefix's copy) registers nothing."""
+        (``NO_HINT``: a hot prefix's copy) registers nothing at any root: it is announced."""
         batches: dict[tuple[PoolKey, PoolKey], tuple[ShardRecord, list[bytes]]] = {}
         pools = publish.locations.pools
         families = publish.family_keys()
-        rows = [row for row, shown in enumerate(visible) if shown and families[row]]
+        rows: list[int] = []
+        copied: list[int] = []
+        for row, shown in enumerate(visible):
+            if shown:
+                (rows if families[row] else copied).append(row)
+        if copied:
+            self._announce(publish, copied)
         for row, owners in zip(rows, root_owners([families[row] for row in rows]) if rows else []):
             key = publish.keys[row]
             pool = pools[int(publish.locations.pool[row])]
@@ -194,3 +218,15 @@ class HintPoster:
                 batches.setdefault((owner.key, pool), (owner, []))[1].append(key)
         for (_, pool), (owner, keys) in batches.items():
             self._access.poster.post(owner.handle.register_hints, owner.pool.incarnation, pool, keys)
+
+    def _announce(self, publish: Publishes, rows: list[int]) -> None:
+        """One ``announce_hot_copies`` per pool of these rows (a hot prefix's copies), posted."""
+        directory = self._directory() if self._directory is not None else None
+        if directory is None:
+            return
+        pools = publish.locations.pools
+        copies: dict[PoolKey, list[bytes]] = {}
+        for row in rows:
+            copies.setdefault(pools[int(publish.locations.pool[row])], []).append(publish.keys[row])
+        for pool, keys in copies.items():
+            self._access.poster.post(directory.announce_hot_copies, pool, keys)

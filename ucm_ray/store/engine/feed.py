@@ -10,6 +10,7 @@ directory restarted by Ray or created again by ``ucm-ray up`` is found without a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -35,6 +36,8 @@ class MembershipFeed:
         the answer is there (``ray.wait``) cost ~85 us, twice per scheduler step."""
         self._next_try = 0.0
         self._missing_logged = False
+        self.hot_deltas = 0
+        """Long-poll answers whose hot-prefix table came as a delta (``Membership.hot_delta``)."""
 
     def fetch(self) -> Membership | None:
         """The membership now (waits up to ``timeout_s``); None when no directory answers. A long
@@ -48,12 +51,16 @@ class MembershipFeed:
             self._lost(e)
             return None
 
-    def poll(self, known_version: int) -> Membership | None:
-        """A membership with another version than ``known_version`` if one arrived; never waits."""
+    def poll(self, known: Membership) -> Membership | None:
+        """A membership with another version than ``known``'s if one arrived; never waits. The
+        long poll names ``known``'s hot-prefix table revision, so the directory sends only the
+        rows changed since (applied here: the membership returned carries the whole table); an
+        answer whose delta does not apply to ``known``'s table is dropped and the poll re-posted."""
         if self._pending is None:
             if not self._find():
                 return None
-            self._pending = self._directory.wait_for_change.remote(known_version)  # type: ignore[union-attr]
+            self._pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
+                known.version, known_hot=known.hot.revision if known.version else -1)
             self._arrived = self._pending.future()
         assert self._arrived is not None
         if not self._arrived.done():
@@ -64,7 +71,17 @@ class MembershipFeed:
         except RayError as e:
             self._lost(e)
             return None
-        return membership if membership.version != known_version else None
+        if membership.hot_delta is not None:
+            hot = membership.hot_delta.apply(known.hot)
+            if hot is None:
+                return None
+            membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
+            self.hot_deltas += 1
+        return membership if membership.version != known.version else None
+
+    def directory(self) -> ray.actor.ActorHandle | None:
+        """The directory's handle, if one was found (looked up again at most every ``RETRY_S``)."""
+        return self._directory if self._find() else None
 
     def _find(self) -> bool:
         if self._directory is not None:

@@ -93,7 +93,7 @@ class RayBlockStore(BlockStore):
         self.access = ShardAccess(self.owner, config.lookup_timeout_s, self._suspects, self._readers,
                                   TouchSender(), CallPoster())
         """What this client's calls go through (its ``Acquire`` and ``Fanout`` calls take it)."""
-        self._hints = HintPoster(self.access)
+        self._hints = HintPoster(self.access, self._feed.directory)
 
     # --- membership ----------------------------------------------------------------------
 
@@ -104,7 +104,7 @@ class RayBlockStore(BlockStore):
     def refresh(self, *, force: bool = False) -> None:
         """Adopt a membership change if one was pushed (never blocks: the scheduler calls this
         on its hot path); ``force`` asks the directory now and waits for the answer."""
-        membership = self._feed.fetch() if force else self._feed.poll(self._membership.version)
+        membership = self._feed.fetch() if force else self._feed.poll(self._membership)
         if membership is not None and membership.version != self._membership.version:
             self._apply(membership)
 

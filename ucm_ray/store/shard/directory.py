@@ -15,6 +15,7 @@ version 7 of its successor as "unchanged").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -22,7 +23,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from ucm_ray.store.hot_prefixes import HotPrefixTable
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.engine.family import copy_bound
+from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixTable, PushPacer
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.shard.hints import HintPools
 from ucm_ray.store.types import Membership, ShardRecord, random_id
@@ -53,7 +56,11 @@ class ShardDirectory:
         self._changed = asyncio.Event()
         self._found: asyncio.Task | None = None
         self._served = {"membership": 0, "wait_for_change": 0}
-        self._hot = HotPrefixTable()
+        nodes_per_pool = self._config.get("copy_nodes_per_pool")
+        self._nodes_per_pool: int = (nodes_per_pool if isinstance(nodes_per_pool, int)
+                                     else UcmRayConfig().copy_nodes_per_pool)
+        self._hot = HotPrefixTable(start=random_id() >> 16)
+        self._copies_pacer = PushPacer()
         """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
@@ -64,10 +71,12 @@ class ShardDirectory:
 
     async def deregister(self, shard_id: str) -> int:
         await self._rediscovered()
-        if self._shards.pop(shard_id, None) is not None:
+        record = self._shards.pop(shard_id, None)
+        if record is not None:
             task = self._watchers.pop(shard_id, None)
             if task is not None:
                 task.cancel()
+            self._hot.remove_pool(record.key)
             self._bump(f"shard {shard_id} left")
         return self._version
 
@@ -83,9 +92,12 @@ class ShardDirectory:
         self._served["membership"] += 1
         return self._snapshot()
 
-    async def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S) -> Membership:
+    async def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S,
+                              known_hot: int = -1) -> Membership:
         """The membership as soon as it differs from ``known_version`` (at once if it does
-        already), else after ``timeout_s``: the caller re-posts the call either way."""
+        already), else after ``timeout_s``: the caller re-posts the call either way.
+        ``known_hot``: the hot-prefix table revision the caller holds (-1: none); the answer then
+        carries what changed since (``Membership.hot_delta``), not the whole table."""
         await self._rediscovered()
         self._served["wait_for_change"] += 1
         if self._version == known_version:
@@ -94,7 +106,28 @@ class ShardDirectory:
                 await asyncio.wait_for(changed.wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 pass
-        return self._snapshot()
+        membership = self._snapshot()
+        push = self._hot.since(known_hot) if known_hot >= 0 else None
+        if isinstance(push, HotPrefixDelta):
+            return dataclasses.replace(membership, hot=NO_HOT_PREFIXES, hot_delta=push)
+        return membership
+
+    async def announce_hot_copies(self, pool: tuple[str, int], keys: list[bytes]) -> int:
+        """A reader's pool ``pool`` keeps copies of these hot-prefix blocks: the table names it
+        for each (up to the copy bound, ``copy_nodes_per_pool``), and every engine gets the
+        changed rows with the next version, so readers of a hot prefix spread over its copies
+        instead of all reading the pools that held it when it became hot."""
+        await self._rediscovered()
+        nodes = len({record.pool.node_id for record in self._shards.values()})
+        if self._hot.add_copies(pool, keys, copy_bound(nodes, self._nodes_per_pool)):
+            delay = self._copies_pacer.due()
+            if delay is not None:
+                asyncio.get_running_loop().call_later(delay, self._push_copies)
+        return self._version
+
+    def _push_copies(self) -> None:
+        self._copies_pacer.pushed()
+        self._bump(f"readers' copies of hot prefixes ({self._hot.pools_named} pools named)")
 
     async def add_hot_prefix(self, entries: dict[bytes, HintPools],
                              handover: dict[bytes, dict[bytes, HintPools]] | None = None) -> int:
@@ -127,7 +160,8 @@ class ShardDirectory:
     async def ping(self) -> dict[str, Any]:
         await self._rediscovered()
         return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
-                "served": dict(self._served), "hot_blocks": len(self._hot)}
+                "served": dict(self._served), "hot_blocks": len(self._hot),
+                "hot_revision": self._hot.revision, "hot_pools_named": self._hot.pools_named}
 
     # --- internals -----------------------------------------------------------------------
 

@@ -44,7 +44,8 @@ class Family:
         """The root a block is registered under; ``NO_HINT`` for a copy of a hot prefix's block
         (``remote_copy_reads``): readers of a hot prefix take the table's pools or their own
         node's, and never ask its first block's owner, where every node's copy would be posted
-        (at 1,000 nodes that owner was the fleet's hottest: docs/scaling.md, stop 53)."""
+        (at 1,000 nodes that owner was the fleet's hottest: docs/scaling.md, stop 53); the copy
+        is announced to the directory instead, whose table names it (stop 54)."""
         if group_is_chain and block < self.hot:
             return NO_HINT if copy else self.first
         return self.root

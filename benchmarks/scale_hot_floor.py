@@ -1,0 +1,75 @@
+"""Issue 40, goal 1: what the hottest node's bytes are made of under (k) as built, per node: bytes
+served of a hot prefix's blocks (the table's) and of the blocks past it (families, documents).
+
+Runs (k) (``HandoverCopyOnSecondRead``, the defaults: what the package does) once and prints the
+hottest node's bytes over the mean, split, and the ratio left if the hot-prefix bytes were
+served perfectly evenly (the floor the hot-prefix table's copies can reach; the rest is each
+document's writer and its few copies serving every node's reads of it).
+
+Run: ``python benchmarks/scale_hot_floor.py --nodes 1000 --requests 4000 --router random``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
+from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
+from benchmarks.scale.metrics import RequestTally  # noqa: E402
+from benchmarks.scale.runner import pool_tokens_for  # noqa: E402
+from benchmarks.scale.workload import BYTES_PER_TOKEN, ROUTERS, Request, Workload, WorkloadSpec  # noqa: E402
+
+
+class SplitBytes(HandoverCopyOnSecondRead):
+    """(k), counting each node's bytes served of hot-prefix blocks apart."""
+
+    def __init__(self, cluster: Cluster, params: DesignParams) -> None:
+        super().__init__(cluster, params)
+        self.hot_served = np.zeros(cluster.nodes)
+
+    def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
+        hit, sources = super().walk(req, tally)
+        for position in range(min(hit, self._hot_blocks)):
+            if sources[position] != req.node:
+                self.hot_served[sources[position]] += self.cluster.block_bytes
+        return hit, sources
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--block-size", type=int, default=128, choices=[16, 128])
+    parser.add_argument("--router", default="random", choices=list(ROUTERS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    spec = WorkloadSpec(nodes=args.nodes, block_size=args.block_size, requests=args.requests, router=args.router,
+                        seed=args.seed)
+    requests = Workload(spec).requests()
+    unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
+    pool = pool_tokens_for(unique_tokens, spec.nodes, 0.5, 262144)
+    cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
+    design = SplitBytes(cluster, DesignParams(seed=spec.seed))
+    design.run(requests)
+    served = design.stats.bytes_served
+    hot = design.hot_served
+    rest = served - hot
+    mean = served.mean()
+    top = int(served.argmax())
+    even = (rest + hot.sum() / spec.nodes).max() / mean
+    print(f"nodes={spec.nodes} router={spec.router} requests={spec.requests} block={spec.block_size}: "
+          f"hottest node {served[top] / mean:.1f}x the mean ({hot[top] / mean:.1f} hot prefix + "
+          f"{rest[top] / mean:.1f} past it); the most any node serves past the hot prefix: "
+          f"{rest.max() / mean:.1f}; of hot prefixes: {hot.max() / mean:.1f}; "
+          f"hot-prefix bytes spread evenly: {even:.1f}; hot-prefix share of all bytes served "
+          f"{hot.sum() / served.sum():.2f}")
+
+
+if __name__ == "__main__":
+    main()
