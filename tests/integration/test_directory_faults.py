@@ -96,3 +96,22 @@ def test_membership_changes_are_pushed_not_polled(fleet):
     os.kill(shard_pid(cfg, 1), signal.SIGKILL)
     assert until(lambda: (client.refresh(), len(client.membership.shards) == 2)[1], timeout_s=10), \
         "the shard's death never reached the client"
+
+
+def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to_its_workers(fleet):
+    """A change of the hot-prefix table only (a prefix learned, readers' copies named: up to once a
+    second at scale) moves the membership's version but no shard: the client's ``pools()`` must
+    stay the same (same version), or every such push makes the scheduler send every pool's
+    descriptor to its workers again and re-run its slot supply's full tick (``part._sync_pools``)."""
+    cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
+    client = StoreClient(cfg)
+    before = client.pools()
+    shards = client.membership.shards
+    hot = key(0)
+    ray.get(directory(cfg).add_hot_prefix.remote({hot: [shards[0].key]}), timeout=30)
+    assert until(lambda: (client.refresh(), hot in client.membership.hot.pools)[1]), "the table never came"
+    ray.get(directory(cfg).announce_hot_copies.remote(shards[1].key, [hot]), timeout=30)
+    assert until(lambda: (client.refresh(), len(client.membership.hot.pools[hot]) == 2)[1]), "the copy never came"
+    after = client.pools()
+    assert after.version == before.version and after is before
+    assert client.membership.shards == shards
