@@ -115,3 +115,22 @@ def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to
     after = client.pools()
     assert after.version == before.version and after is before
     assert client.membership.shards == shards
+
+
+def test_the_hot_prefix_table_names_only_member_pools(fleet):
+    """A pool that left (or never was a member) is named by no row of the table, whatever arrives
+    after it left: a root owner's hints still naming it when a prefix becomes hot, or a reader's
+    announcement of a copy posted before its shard died. A row naming it would keep one of the
+    copy bound's places forever (``remove_pool`` ran when it left), so readers would find fewer
+    live pools than the bound and copy the block on every node, announcing copies the directory
+    then ignores."""
+    cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
+    d = directory(cfg)
+    shards = ray.get(d.membership.remote(), timeout=30).shards
+    live, other, gone = (s.key for s in shards)
+    ray.get(d.deregister.remote(shards[2].shard_id), timeout=30)
+    hot = key(0)
+    ray.get(d.add_hot_prefix.remote({hot: [live, gone]}), timeout=30)
+    for pool in (gone, ("ucm_ray_shard_nobody", 7), other):
+        ray.get(d.announce_hot_copies.remote(pool, [hot]), timeout=30)
+    assert ray.get(d.membership.remote(), timeout=30).hot.pools[hot] == (live, other)

@@ -118,6 +118,8 @@ class ShardDirectory:
         changed rows with the next version, so readers of a hot prefix spread over its copies
         instead of all reading the pools that held it when it became hot."""
         await self._rediscovered()
+        if (pool[0], pool[1]) not in self._members():
+            return self._version  # posted before its shard left (or no member's): it holds nothing
         nodes = len({record.pool.node_id for record in self._shards.values()})
         if self._hot.add_copies(pool, keys, copy_bound(nodes, self._nodes_per_pool)):
             delay = self._copies_pacer.due()
@@ -136,6 +138,8 @@ class ShardDirectory:
         per new family root, the hints of the families written under the old one, passed on to
         the new root's owners (posted: a lost one is a miss once, as without a handover)."""
         await self._rediscovered()
+        members = self._members()  # a hint can name a pool that left since: it holds nothing
+        entries = {key: tuple(p for p in pools if (p[0], p[1]) in members) for key, pools in entries.items()}
         if self._hot.add(entries):
             self._bump(f"{len(entries)} hot-prefix block(s) ({len(self._hot)} in the table)")
         if handover:
@@ -165,6 +169,11 @@ class ShardDirectory:
 
     # --- internals -----------------------------------------------------------------------
 
+    def _members(self) -> set[tuple[str, int]]:
+        """The pools of the shards listed now: the only ones the hot-prefix table may name (a
+        departed pool named would hold one of a row's ``copy_bound`` places forever)."""
+        return {record.key for record in self._shards.values()}
+
     def _snapshot(self) -> Membership:
         return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication,
                           self._placement, self._hot.snapshot())
@@ -177,6 +186,9 @@ class ShardDirectory:
 
     async def _add(self, shard_id: str, handle: ActorHandle) -> None:
         pool: PoolDescriptor = await handle.describe.remote()
+        replaced = self._shards.get(shard_id)
+        if replaced is not None and replaced.key != pool.key:
+            self._hot.remove_pool(replaced.key)  # a restart registered before its death was seen
         self._shards[shard_id] = ShardRecord(shard_id, handle, pool)
         old = self._watchers.pop(shard_id, None)
         if old is not None:
