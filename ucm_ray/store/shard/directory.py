@@ -53,6 +53,8 @@ class ShardDirectory:
         self._shards: dict[str, ShardRecord] = {}
         self._watchers: dict[str, asyncio.Task] = {}
         self._version = random_id() >> 16  # room to count up, and unlike any other start's
+        self._shards_version = self._version
+        """The version at which the shard list last changed (a later one moved the hot table only)."""
         self._changed = asyncio.Event()
         self._found: asyncio.Task | None = None
         self._served = {"membership": 0, "wait_for_change": 0}
@@ -77,7 +79,7 @@ class ShardDirectory:
             if task is not None:
                 task.cancel()
             self._hot.remove_pool(record.key)
-            self._bump(f"shard {shard_id} left")
+            self._bump(f"shard {shard_id} left", shards=True)
         return self._version
 
     async def version(self) -> int:
@@ -97,7 +99,8 @@ class ShardDirectory:
         """The membership as soon as it differs from ``known_version`` (at once if it does
         already), else after ``timeout_s``: the caller re-posts the call either way.
         ``known_hot``: the hot-prefix table revision the caller holds (-1: none); the answer then
-        carries what changed since (``Membership.hot_delta``), not the whole table."""
+        carries what changed since (``Membership.hot_delta``), not the whole table; and when no
+        shard joined or left since ``known_version``, no shard list (``Membership.shards_held``)."""
         await self._rediscovered()
         self._served["wait_for_change"] += 1
         if self._version == known_version:
@@ -107,6 +110,8 @@ class ShardDirectory:
             except asyncio.TimeoutError:
                 pass
         membership = self._snapshot()
+        if known_version and self._shards_version <= known_version <= self._version:
+            membership = dataclasses.replace(membership, shards=(), shards_held=True)
         push = self._hot.since(known_hot) if known_hot >= 0 else None
         if isinstance(push, HotPrefixDelta):
             return dataclasses.replace(membership, hot=NO_HOT_PREFIXES, hot_delta=push)
@@ -178,8 +183,11 @@ class ShardDirectory:
         return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication,
                           self._placement, self._hot.snapshot())
 
-    def _bump(self, why: str) -> None:
+    def _bump(self, why: str, *, shards: bool = False) -> None:
+        """A new version (``shards``: the shard list changed, not only the hot-prefix table)."""
         self._version += 1
+        if shards:
+            self._shards_version = self._version
         self._changed.set()  # wakes every waiting long poll
         self._changed = asyncio.Event()
         log.info("%s (version %d)", why, self._version)
@@ -194,7 +202,7 @@ class ShardDirectory:
         if old is not None:
             old.cancel()
         self._watchers[shard_id] = asyncio.create_task(self._watch(shard_id, handle))
-        self._bump(f"shard {shard_id} joined")
+        self._bump(f"shard {shard_id} joined", shards=True)
 
     async def _rediscovered(self) -> None:
         """On this start's first call: adopt the shards already running in our namespace (a
