@@ -55,6 +55,8 @@ class ShardDirectory:
         self._version = random_id() >> 16  # room to count up, and unlike any other start's
         self._shards_version = self._version
         """The version at which the shard list last changed (a later one moved the hot table only)."""
+        self._listed: tuple[ShardRecord, ...] | None = None
+        """The shard list of now, sorted once per change (every engine's long poll answer has it)."""
         self._changed = asyncio.Event()
         self._found: asyncio.Task | None = None
         self._served = {"membership": 0, "wait_for_change": 0}
@@ -180,7 +182,9 @@ class ShardDirectory:
         return {record.key for record in self._shards.values()}
 
     def _snapshot(self) -> Membership:
-        return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication,
+        if self._listed is None:
+            self._listed = tuple(self._shards[k] for k in sorted(self._shards))
+        return Membership(self._version, self._listed, self._replication,
                           self._placement, self._hot.snapshot())
 
     def _bump(self, why: str, *, shards: bool = False) -> None:
@@ -188,6 +192,7 @@ class ShardDirectory:
         self._version += 1
         if shards:
             self._shards_version = self._version
+            self._listed = None
         self._changed.set()  # wakes every waiting long poll
         self._changed = asyncio.Event()
         log.info("%s (version %d)", why, self._version)
