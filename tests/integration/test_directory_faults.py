@@ -143,3 +143,21 @@ def test_the_hot_prefix_table_names_only_member_pools(fleet):
     for pool in (gone, ("ucm_ray_shard_nobody", 7), other):
         ray.get(d.announce_hot_copies.remote(pool, [hot]), timeout=30)
     assert ray.get(d.membership.remote(), timeout=30).hot.pools[hot] == (live, other)
+
+
+def test_readers_copies_another_push_carried_are_not_pushed_again(fleet):
+    """Copies announced within a second of the last copies' push wait for the next (``PushPacer``);
+    when another change's push carried them meanwhile, the waiting one has nothing to say and
+    must not wake every engine's long poll (1,000 answers and re-posts at 1,000 nodes)."""
+    cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
+    d = directory(cfg)
+    first, second, third = (s.key for s in ray.get(d.membership.remote(), timeout=30).shards)
+    hot, other = key(0), key(1)
+    ray.get(d.add_hot_prefix.remote({hot: [first]}), timeout=30)
+    ray.get(d.announce_hot_copies.remote(second, [hot]), timeout=30)  # pushed at once
+    time.sleep(0.3)
+    ray.get(d.announce_hot_copies.remote(third, [hot]), timeout=30)  # its push waits out the second
+    carried = ray.get(d.add_hot_prefix.remote({other: [first]}), timeout=30)  # a push that carries it
+    time.sleep(1.5)
+    status = ray.get(d.ping.remote(), timeout=30)
+    assert status["hot_pools_named"] == 4 and status["version"] == carried

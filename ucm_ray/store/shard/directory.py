@@ -65,6 +65,8 @@ class ShardDirectory:
                                      else UcmRayConfig().copy_nodes_per_pool)
         self._hot = HotPrefixTable(start=random_id() >> 16)
         self._copies_pacer = PushPacer()
+        self._pushed_revision = self._hot.revision
+        """The hot table's revision the last version carried (a paced push past it says nothing new)."""
         """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
@@ -136,6 +138,8 @@ class ShardDirectory:
 
     def _push_copies(self) -> None:
         self._copies_pacer.pushed()
+        if self._hot.revision == self._pushed_revision:
+            return  # another change's version carried these copies meanwhile
         self._bump(f"readers' copies of hot prefixes ({self._hot.pools_named} pools named)")
 
     async def add_hot_prefix(self, entries: dict[bytes, HintPools],
@@ -190,6 +194,7 @@ class ShardDirectory:
     def _bump(self, why: str, *, shards: bool = False) -> None:
         """A new version (``shards``: the shard list changed, not only the hot-prefix table)."""
         self._version += 1
+        self._pushed_revision = self._hot.revision
         if shards:
             self._shards_version = self._version
             self._listed = None
