@@ -119,7 +119,8 @@ def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to
     # shard with NIXL: 1.4 MiB to each of 1,000 engines per push at 1,000 shards), only the delta
     held = client.membership
     ray.get(directory(cfg).announce_hot_copies.remote(shards[2].key, [hot]), timeout=30)
-    answer = ray.get(directory(cfg).wait_for_change.remote(held.version, 10.0, known_hot=held.hot.revision))
+    answer = ray.get(directory(cfg).wait_for_change.remote(held.version, 10.0, known_hot=held.hot.revision,
+                                                            shards_held=True))
     assert answer.version != held.version and answer.shards == ()
     assert answer.hot_delta.changed == {hot: tuple(s.key for s in shards)}
     assert until(lambda: (client.refresh(), len(client.membership.hot.pools[hot]) == 3)[1]), "the copy never came"

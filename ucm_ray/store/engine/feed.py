@@ -63,7 +63,7 @@ class MembershipFeed:
             if not self._find():
                 return None
             self._pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
-                known.version, known_hot=known.hot.revision if known.version else -1)
+                known.version, known_hot=known.hot.revision if known.version else -1, shards_held=True)
             self._arrived = self._pending.future()
             self._posted_for = known.version
         assert self._arrived is not None

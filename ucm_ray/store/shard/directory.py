@@ -99,12 +99,14 @@ class ShardDirectory:
         return self._snapshot()
 
     async def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S,
-                              known_hot: int = -1) -> Membership:
+                              known_hot: int = -1, shards_held: bool = False) -> Membership:
         """The membership as soon as it differs from ``known_version`` (at once if it does
         already), else after ``timeout_s``: the caller re-posts the call either way.
         ``known_hot``: the hot-prefix table revision the caller holds (-1: none); the answer then
-        carries what changed since (``Membership.hot_delta``), not the whole table; and when no
-        shard joined or left since ``known_version``, no shard list (``Membership.shards_held``)."""
+        carries what changed since (``Membership.hot_delta``), not the whole table. ``shards_held``:
+        the caller puts back the shard list it holds, so when no shard joined or left since
+        ``known_version`` the answer carries none (``Membership.shards_held``; an engine of an
+        older package, which does not, gets the list)."""
         await self._rediscovered()
         self._served["wait_for_change"] += 1
         if self._version == known_version:
@@ -114,7 +116,7 @@ class ShardDirectory:
             except asyncio.TimeoutError:
                 pass
         membership = self._snapshot()
-        if known_version and self._shards_version <= known_version <= self._version:
+        if shards_held and known_version and self._shards_version <= known_version <= self._version:
             membership = dataclasses.replace(membership, shards=(), shards_held=True)
         push = self._hot.since(known_hot) if known_hot >= 0 else None
         if isinstance(push, HotPrefixDelta):
