@@ -314,6 +314,13 @@ class Pools:
     version: int
     descriptors: Mapping[PoolKey, PoolDescriptor]
     replication: int = 1
+    home: frozenset[PoolKey] | None = None
+    """The pools this client's saves land in first (its own node's under writer-local placement);
+    None: any pool. Only these keep free slots for saves nobody announced: a baseline on every
+    pool of a 1,000-node fleet was a reservation, and its renewals, per engine and pool."""
+
+    def is_home(self, pool: PoolKey) -> bool:
+        return self.home is None or pool in self.home
 
 
 class Pending(ABC, Generic[T]):
