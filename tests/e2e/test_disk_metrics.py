@@ -95,11 +95,14 @@ def test_disk_hits_on_vllms_metrics_endpoint(tmp_path):
 
         want = {"disk_hit_blocks": BLOCKS, "disk_promoted_entries": BLOCKS, "disk_promoted_bytes": BLOCKS * entry}
 
+        scraped: list = []
+
         def settled():
-            s = scrape(f"{base}/metrics")
-            seen = {name: total(s, f"vllm:ucm_ray_{name}_total") for name in want}
-            return seen == want, (seen, s)
-        seen, samples = wait_until(settled, "the engine's disk counters on vLLM's /metrics")
+            scraped[:] = scrape(f"{base}/metrics")
+            seen = {name: total(scraped, f"vllm:ucm_ray_{name}_total") for name in want}
+            return seen == want, seen
+        seen = wait_until(settled, "the engine's disk counters on vLLM's /metrics")
+        samples = list(scraped)
         hit = policy.dense_external_hit(PROMPT + SUFFIX, 0, PROMPT, policy.recompute_tokens(True))
         assert total(samples, "vllm:ucm_ray_hit_tokens_total") == hit
         assert total(samples, "vllm:ucm_ray_load_blocks_total") == total(samples, "vllm:ucm_ray_loaded_blocks_total")
