@@ -7,15 +7,16 @@ shard's segment is), its ``BlockIndex`` with the published index same-node reade
 so every committed entry is demoted; each demotion batch ends with the tier's checkpoint (data
 fsynced, manifest replaced), as in the shard. Per entry size:
 
-- ``raw``: the same bytes written with ``O_DIRECT`` from one aligned buffer to successive offsets of
-  a preallocated file, one ``fsync`` at the end, then read back the same way: the disk's speed with
+- ``raw``: the same bytes written with ``O_DIRECT`` from a pool-sized aligned mapping to successive,
+  never-written offsets of a preallocated file as large as the tier's writes (as the tier's land
+  while it fills), one ``fsync`` per batch, then read back the same way: the disk's speed with
   nothing of ours in the way, depth 1 as the tier's I/O is.
 - ``demote``: ``--disk-pools`` pools' worth committed a quarter pool at a time, each followed by the
-  tier's ``demote()``; the figure is bytes over the time inside ``demote()`` (CRC32, writes, fsyncs,
+  tier's ``demote()``; the figure is bytes over the time inside ``demote()`` (checksums, writes, fsyncs,
   manifests). ``disk_demote_vs_raw`` divides it by the raw write speed.
 - ``promote``: ``--promote-pools`` pools' worth of keys evicted from the pool, read back with
   ``DiskTier.promote`` an eighth of a pool per call (a prompt's blocks), each read verified against
-  its CRC32; over the raw read speed. Four pools (1 GiB, about a second of reads here) by default:
+  its checksum; over the raw read speed. Four pools (1 GiB, about a second of reads here) by default:
   with two, one burst of another process's load on either side moved a run's ratio by 0.3.
 - ``lookup``: 1,024 keys (half held, half never written) looked up in the published index as a
   same-node reader does, and by the shard's ``contains`` path (index, then disk membership),
@@ -91,17 +92,23 @@ class SizeFigures:
 class RawDisk:
     """The baseline: plain ``O_DIRECT`` I/O of the same sizes at depth 1, from and into a pool-sized
     mapping of its own at successive offsets (as the tier moves pool slots: one hot buffer would
-    flatter the baseline by a fifth to a half here)."""
+    flatter the baseline by a fifth to a half here). Writes go to a preallocated file as large as
+    all the writes, each offset written once, as the tier's writes land in its preallocated files
+    while it fills: rewriting one pool-sized region (the baseline until 2026-12-06) overwrote
+    extents already written, which ext4 takes 1.4-1.6x faster than its first write into an
+    allocated-but-unwritten extent here (performance log), and flattered raw against the tier."""
 
-    def __init__(self, directory: str, entry: int, pool_bytes: int) -> None:
+    def __init__(self, directory: str, entry: int, pool_bytes: int, file_bytes: int) -> None:
         self.path = os.path.join(directory, "raw-baseline")
         self.entry = entry
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0), 0o600)
-        os.posix_fallocate(self.fd, 0, pool_bytes)
+        self.file_bytes = round_up(file_bytes)
+        os.posix_fallocate(self.fd, 0, self.file_bytes)
         self.size = pool_bytes
         self.memory = aligned_buffer(pool_bytes)
         self.memory.write(os.urandom(pool_bytes))
         self.at = 0
+        self.file_at = 0
 
     def _next(self, size: int) -> memoryview:
         if self.at + size > self.size:
@@ -111,11 +118,13 @@ class RawDisk:
         return view
 
     def write(self, count: int) -> float:
-        """Seconds to write ``count`` entries at successive offsets (wrapping) and fsync them."""
+        """Seconds to write ``count`` entries at the file's next unwritten offsets and fsync them."""
         started = time.perf_counter()
         for _ in range(count):
-            view = self._next(self.entry)
-            os.pwritev(self.fd, [view], self.at - self.entry)
+            if self.file_at + self.entry > self.file_bytes:
+                self.file_at = 0  # only if asked for more than the file holds
+            os.pwritev(self.fd, [self._next(self.entry)], self.file_at)
+            self.file_at += self.entry
         os.fsync(self.fd)
         return time.perf_counter() - started
 
@@ -237,7 +246,7 @@ def measure_size(directory: str, entry: int, pool_bytes: int, disk_pools: int, p
     index_file = f"/dev/shm/ucmray-bench-disk-index-{os.getpid()}"
     store_dir = tempfile.mkdtemp(prefix="tier-", dir=directory)
     parts = ShardParts(store_dir, pool_bytes, on_disk + on_disk // 8, index_file)
-    raw = RawDisk(directory, entry, pool_bytes)
+    raw = RawDisk(directory, entry, pool_bytes, on_disk)
     try:
         keys = keys_for(f"disk-{entry}", on_disk // entry)
         absent = keys_for(f"absent-{entry}", LOOKUP_KEYS)

@@ -52,7 +52,7 @@ COUNTERS = {
     "disk_promote_late": "Keys left on disk because a lookup had spent its disk_wait_s (recomputed).",
     "disk_promote_skipped": "Keys not read: their measured read cost was above recomputing them "
                             "(disk_recompute_bytes_s), or would not end within disk_wait_s (recomputed).",
-    "disk_corrupt": "Disk tier reads whose bytes failed their CRC32 (dropped; a miss).",
+    "disk_corrupt": "Disk tier reads whose bytes failed their checksum (dropped; a miss).",
     "disk_io_errors": "Disk I/O errors (the first turns the disk tier off).",
     "disk_adopted": "Entries the disk tier re-adopted from its manifest at start.",
 }

@@ -39,12 +39,24 @@ def block_bytes(model: str) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4 * BLOCK
 
 
-def external_hits(engine) -> float:
-    """vLLM's own counter (``vllm:external_prefix_cache_hits``), read inside the engine's process."""
+def engine_counter(engine, name: str) -> float:
+    """A counter of the engine's Prometheus registry (what its ``/metrics`` serves), read inside
+    the engine's process: vLLM's own (``vllm:external_prefix_cache_hits``) or the connector's."""
     def probe(eng):
-        return sum(m.value for m in eng.llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+        return sum(m.value for m in eng.llm.get_metrics() if m.name == name)
 
     return ray.get(engine.__ray_call__.remote(probe))
+
+
+def external_hits(engine) -> float:
+    return engine_counter(engine, "vllm:external_prefix_cache_hits")
+
+
+def disk_counters(engine) -> tuple[float, float, float]:
+    """The connector's disk hits as the engine saw them: blocks loaded after a promotion, entries
+    and bytes its lookups had promoted."""
+    return tuple(engine_counter(engine, f"vllm:ucm_ray_disk_{name}")  # type: ignore[return-value]
+                 for name in ("hit_blocks", "promoted_entries", "promoted_bytes"))
 
 
 def test_a_prompt_evicted_to_disk_is_a_hit_with_the_reference_output(ray_cluster, fleet, tmp_path):
@@ -73,6 +85,7 @@ def test_a_prompt_evicted_to_disk_is_a_hit_with_the_reference_output(ray_cluster
     print(f"three prompts saved {time.monotonic() - started:.1f} s into the test", flush=True)
     assert ray.get(a.__ray_call__.remote(lambda eng: eng.llm.reset_prefix_cache()))
     hits_before = external_hits(a)
+    assert disk_counters(a) == (0, 0, 0)  # the three cold prompts found nothing on disk
 
     out = ray.get(a.generate.remote(p1))  # prompt 1 plus a suffix: its blocks come from disk
     hit = policy.dense_external_hit(PROMPT + SUFFIX, 0, PROMPT, policy.recompute_tokens(True))
@@ -80,6 +93,11 @@ def test_a_prompt_evicted_to_disk_is_a_hit_with_the_reference_output(ray_cluster
     assert out["tokens"] == expected
     shard = fleet_status(cfg)["shards"][0]
     assert shard["disk_promoted"] == BLOCKS and shard["disk_corrupt"] == 0 and shard["disk_promote_late"] == 0
+    # the engine's own metrics say so too: every promoted block loaded (the hit is whole blocks)
+    deadline = time.monotonic() + 30  # the stat logger's interval
+    while (seen := disk_counters(a)) != (BLOCKS, BLOCKS, BLOCKS * entry) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert seen == (BLOCKS, BLOCKS, BLOCKS * entry), seen
 
     print(f"first disk hit {time.monotonic() - started:.1f} s into the test", flush=True)
 

@@ -77,3 +77,32 @@ def test_a_store_holding_5x_its_pool_serves_evicted_keys_from_disk(fleet, tmp_pa
     assert len(failed) <= shard["evicted_dirty"] - lost_before, (failed, shard)
     by_call.close()
     client.close()
+
+
+@pytest.mark.parametrize("local_lookups", [True, False], ids=["published-index", "ray-calls"])
+def test_a_lookup_says_which_keys_its_shard_read_from_disk(fleet, tmp_path, local_lookups):
+    """The engine's disk counters (``disk_hit_blocks``, ``disk_promoted_*``) come from this: the
+    lease marks the keys the shard promoted for the lookup, no more (pool hits, misses) and no
+    fewer (what the shard counts as promoted)."""
+    n = 60
+    working_set = sum(SIZES[i % len(SIZES)] for i in range(5)) * n // 5
+    cfg = fleet(num_shards=1, pool_bytes=working_set // 3, local_lookups=local_lookups, disk_dir=str(tmp_path),
+                disk_bytes=4 * working_set, disk_write_policy="through", disk_wait_s=5.0)
+    writer = ClientProcess.remote(cfg.to_dict())
+    for first in range(0, n, 5):  # an engine's saves, a step at a time (each written through)
+        assert all(ray.get(writer.write_keys.remote([key(i) for i in range(first, first + 5)]), timeout=60))
+        _wait_until_demoted(cfg)
+    client = StoreClient(cfg)
+    asked = [key(i) for i in range(10)] + [key(i, "absent") for i in range(3)]
+    before = fleet_status(cfg)["shards"][0]
+    lease = client.acquire(asked).result()
+    after = fleet_status(cfg)["shards"][0]
+    read = after["disk_promoted"] - before["disk_promoted"]
+    assert read > 0, (before, after)  # the first keys were evicted: only the disk held them
+    assert lease.promoted is not None and int(lease.promoted.sum()) == read
+    assert lease.locations.found()[lease.promoted].all() and not lease.promoted[10:].any()
+    client.release(lease.lease_ids).result()
+    again = client.acquire(asked[:10]).result()  # in the pool now: nothing read
+    assert again.promoted is None or not again.promoted.any()
+    client.release(again.lease_ids).result()
+    client.close()

@@ -59,6 +59,15 @@ def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_one_call(re
     assert after["calls"] == 1  # the root's owner answers (or its successor); the dead pool is not read
 
 
+def test_an_engine_keeps_free_slots_only_where_its_saves_land(results):
+    """A baseline of free slots for saves nobody announced: on the writer's own node under
+    writer-local placement (a slot on every pool of a 1,000-node fleet, renewed, was a
+    reservation per engine and pool), on every node under per-block placement."""
+    local = results["writer_local:1"]
+    assert local["slot_nodes"] == [local["writer_node"]]
+    assert len(results["per_block:1"]["slot_nodes"]) == 3
+
+
 def test_a_replica_on_another_node_keeps_the_blocks_when_the_writers_shard_dies(results):
     result = results["writer_local:2"]
     entries = dict(result["entries_by_node"])

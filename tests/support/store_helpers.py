@@ -12,7 +12,7 @@ import ray
 import torch
 
 from ucm_ray.store.shard.fleet import shard_name, start_fleet
-from ucm_ray.store.types import DIRECTORY_NAME, Removal
+from ucm_ray.store.types import DIRECTORY_NAME, Publishes, Removal
 
 SIZES = (4096, 12288, 65536, 1000, 131072, 777)
 
@@ -173,6 +173,21 @@ class ClientProcess:
         lease = self.client.acquire(keys).result()
         self.client.release(lease.lease_ids).result()
         return {"found": int(lease.locations.found().sum()), "calls": lease.calls}
+
+    def slot_nodes(self, size: int = 65536, ticks: int = 20) -> list[str]:
+        """The nodes of the pools an engine's slot supply on this client keeps free slots on,
+        after ``ticks`` full ticks with no save announced (the baseline alone)."""
+        from ucm_ray.store.engine.slots import QUIET_TICK_S, SlotSupply
+
+        supply = SlotSupply(self.client, max_free=8, renew_after_s=20, idle_s=20, usable_s=50)
+        supply.want(size)
+        for _ in range(ticks):
+            supply.tick(self.client.pools())
+            time.sleep(QUIET_TICK_S)
+        pools = self.client.pools().descriptors
+        unused = supply.close()
+        self.client.commit(Publishes.of([]), unused).result()  # handed back, as an engine's shutdown does
+        return sorted({pools[pool].node_id for pool, _ in unused if pool in pools})
 
     def hot_blocks(self) -> int:
         """Blocks of the fleet's hot-prefix table this client holds, once it asked for news."""

@@ -47,6 +47,7 @@ def scenario(placement: str, replication: int) -> dict:
             "same_node": ray.get(clients[1].read.remote(BLOCKS, 5, "doc")),
             "other_node": ray.get(clients[2].read.remote(BLOCKS, 5, "doc")),
             "diverged": ray.get(clients[0].read.remote(BLOCKS, 5, "doc", diverge_at=DIVERGE_AT)),
+            "slot_nodes": ray.get(clients[1].slot_nodes.remote()),
         }
         # another writer's blocks, read unpinned from another node, then removed at their shard
         ray.get(clients[0].write.remote(8, 6, "gone"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import struct
+import zlib
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch
 from ucm_ray.store.shard.allocator import ExtentAllocator
 from ucm_ray.store.shard.disk import DiskInUse, DiskStore, FileOps
 from ucm_ray.store.shard.disk import store as store_module
-from ucm_ray.store.shard.disk.manifest import DiskSlot
+from ucm_ray.store.shard.disk.manifest import DiskSlot, decode
 from ucm_ray.store.shard.disk.store import MANIFEST, coalesce, shard_dir
 
 SLOT = 8192
@@ -224,6 +226,28 @@ def test_a_damaged_manifest_starts_empty_and_reuses_the_files(root):
     open(path, "wb").write(bytes(data))
     again = DiskStore([root], SHARD, 4 * SLOT)
     assert again.snapshot().entries == 0
+    assert all(again.put(key(i), payload(i)) for i in range(4))  # every slot is free again
+    again.close()
+
+
+def test_a_version_1_manifest_is_refused_not_misread(root, caplog):
+    """Entries listed with CRC32 sums (format 1) are not adopted: their slots are free again."""
+    store = DiskStore([root], SHARD, 4 * SLOT)
+    assert store.put(key(0), payload(0))
+    store.close()
+    path = os.path.join(shard_dir(root, SHARD), MANIFEST)
+    listed = decode(open(path, "rb").read())
+    body = [struct.pack("<8sIIQQQ", b"UCMDISK\x01", 1, listed.layout.files, listed.layout.file_bytes,
+                        listed.generation, len(listed.entries))]
+    for k, slot in listed.entries:  # as format 1 wrote them: each entry's CRC32
+        crc = zlib.crc32(memoryview(payload(0).numpy()))
+        body += [struct.pack("<HHQQIQ", len(k), slot.file, slot.offset, slot.size, crc, slot.generation), k]
+    old = b"".join(body)
+    open(path, "wb").write(old + struct.pack("<I", zlib.crc32(old)))
+    with caplog.at_level(logging.WARNING):
+        again = DiskStore([root], SHARD, 4 * SLOT)
+    assert again.snapshot().adopted == 0 and read(again, key(0)) is None
+    assert "version-1" in caplog.text
     assert all(again.put(key(i), payload(i)) for i in range(4))  # every slot is free again
     again.close()
 

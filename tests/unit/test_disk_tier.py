@@ -229,7 +229,7 @@ def test_a_key_evicted_to_disk_is_listed_as_ask_the_shard_and_promotion_makes_it
     assert s.lookup(0, 1, 2, 3, 4, 5, 6) == ["ask", "ask", "hit", "hit", "hit", "hit", "miss"]
     assert s.reader.generation_of(key(0)) is None  # the one-key probe cannot say either
     # a reader told "ask" calls the shard's acquire: promoted, pinned, the bytes exact
-    out, lease = s.tier.promote_pinned([key(0), key(1)])
+    out, lease, _ = s.tier.promote_pinned([key(0), key(1)])
     s.tier.unpin(lease)
     assert out == [True, True] and s.lookup(0, 1) == ["hit", "hit"]
     assert torch.equal(s.read(0), payload(0)) and torch.equal(s.read(1), payload(1))
@@ -265,7 +265,7 @@ def test_what_the_disk_drops_is_unlisted_and_a_restart_lists_what_it_adopts(tmp_
     s.published.close()
     restarted = PublishedShard(str(tmp_path), 2, 2, index_file)  # the pool is empty, the disk adopted
     assert restarted.lookup(0, 1, 2, 3) == ["miss", "miss", "ask", "ask"]
-    out, lease = restarted.tier.promote_pinned([key(2), key(3)])
+    out, lease, _ = restarted.tier.promote_pinned([key(2), key(3)])
     assert out == [True, True] and torch.equal(restarted.read(3), payload(3))
 
 
@@ -289,7 +289,7 @@ def test_promotion_stops_at_its_bound_and_the_rest_are_misses(tmp_path, index_fi
     for i in range(8, 16):
         s.write(i)  # 0..7 now on disk only
     started = time.monotonic()
-    out, lease = s.tier.promote_pinned([key(i) for i in range(8)])
+    out, lease, _ = s.tier.promote_pinned([key(i) for i in range(8)])
     took = time.monotonic() - started
     s.tier.unpin(lease)
     # reads of 150 ms against a 100 ms bound: the first READ_DEPTH start at once, none after the

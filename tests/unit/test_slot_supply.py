@@ -5,6 +5,7 @@ once the asks they count on are answered."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -93,3 +94,33 @@ def test_a_save_announced_and_taken_in_one_step_leaves_no_promise_behind(shards)
     asks = len(store.asked)
     supply.expect({slot_class: spare})
     assert len(store.asked) == asks, f"asked {store.asked[asks:]} for {spare} slots the stock holds"
+
+
+def test_only_home_pools_keep_a_baseline_and_another_pools_slots_go_back_once_unused():
+    """Two pools, one of them home (the engine's own node's under writer-local placement): the
+    baseline asks only there. A save announced on the other pool (a replica) gets its slots
+    there; once they sat unused past ``idle_s`` they go back, and that pool is not balanced any
+    more: nothing is held or renewed on it."""
+    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20)
+    now = [0.0]
+    try:
+        store = SlowReserves(local)
+        supply = SlotSupply(store, max_free=8, renew_after_s=20.0, idle_s=20.0, usable_s=50.0, clock=lambda: now[0])
+        supply.want(SIZE)
+        home, other = list(store.pools().descriptors)
+        pools = replace(store.pools(), home=frozenset({home}))
+        for _ in range(3):
+            supply.tick(pools)
+            now[0] += 1.0
+        assert supply.free_slots((home, SIZE)) == 1 and supply.free_slots((other, SIZE)) == 0
+        supply.expect({(other, SIZE): 3})
+        supply.tick(pools)
+        assert supply.free_slots((other, SIZE)) >= 3
+        for _ in range(60):
+            now[0] += 1.0
+            supply.tick(pools)
+        assert supply.free_slots((other, SIZE)) == 0, "unused slots of a pool that is not home went back"
+        assert all(grant.pool == home for grant in supply._grants.values())
+        assert supply.free_slots((home, SIZE)) == 1
+    finally:
+        local.shutdown()

@@ -74,7 +74,8 @@ class Location(NamedTuple):
     offset: int
     size: int
     checksum: int | None = None
-    """CRC32 taken by the writer at commit, a property of the entry: every reader verifies it."""
+    """The checksum (``store.checksum``) taken by the writer at commit, a property of the entry:
+    every reader verifies it."""
     generation: int = 0
     """Nonzero: found in the shard's published index, unpinned; a copy from it counts only if
     the same generation is still listed afterwards (``store.engine.published_reader``). 0: pinned by a lease."""
@@ -85,7 +86,7 @@ class Location(NamedTuple):
 
 
 NO_CHECKSUM = -1
-"""``Locations.checksum`` of an entry committed without one (a CRC32 is never negative)."""
+"""``Locations.checksum`` of an entry committed without one (a checksum is never negative)."""
 
 
 @dataclass(eq=False)
@@ -102,7 +103,7 @@ class Locations:
     pool: np.ndarray  # int32: index into ``pools``, -1 a miss
     offset: np.ndarray  # int64
     size: np.ndarray  # int64
-    checksum: np.ndarray  # int64: CRC32, or NO_CHECKSUM
+    checksum: np.ndarray  # int64: the entry's checksum, or NO_CHECKSUM
     generation: np.ndarray  # uint64: 0 pinned, else unpinned (see ``Location.generation``)
 
     @classmethod
@@ -206,10 +207,17 @@ class ReadLease:
     earlier_reads: np.ndarray | None = None
     """Writer-local placement across nodes: per key, how often this node asked the family root's
     owner for it before (``shard.remote_reads``); None where the owner was not asked."""
+    promoted: np.ndarray | None = None
+    """Per key, whether its shard read it from its disk tier into the pool to answer this lookup
+    (a disk hit; the engine's ``disk_*`` counters); None where no shard did."""
 
     def merge(self, rows: np.ndarray, other: ReadLease) -> None:
         """Take ``other``'s finds (a lookup of the keys at ``rows`` of this one) and its pins."""
         self.locations.fill(rows, other.locations)
+        if other.promoted is not None:
+            if self.promoted is None:
+                self.promoted = np.zeros(len(self.locations), dtype=bool)
+            self.promoted[rows] = other.promoted
         for pool, ids in other.lease_ids.items():
             self.lease_ids.setdefault(pool, []).extend(ids)
         self.calls += other.calls
@@ -314,6 +322,13 @@ class Pools:
     version: int
     descriptors: Mapping[PoolKey, PoolDescriptor]
     replication: int = 1
+    home: frozenset[PoolKey] | None = None
+    """The pools this client's saves land in first (its own node's under writer-local placement);
+    None: any pool. Only these keep free slots for saves nobody announced: a baseline on every
+    pool of a 1,000-node fleet was a reservation, and its renewals, per engine and pool."""
+
+    def is_home(self, pool: PoolKey) -> bool:
+        return self.home is None or pool in self.home
 
 
 class Pending(ABC, Generic[T]):

@@ -119,7 +119,7 @@ class SaveResult:
     landed: np.ndarray
     """Per row of the job (bool), whether every byte of the entry landed in that slot."""
     checksums: np.ndarray | None = None
-    """Per row (int64), CRC32 of the entry, when the writer runs in paranoid mode."""
+    """Per row (int64), the checksum of the entry, when the writer runs in paranoid mode."""
     uncertain: bool = False
     """A copy timed out and may still land: the slots must never be reused."""
 

@@ -36,6 +36,12 @@ COUNTERS: dict[str, str] = {
     "recompute_trimmed_tokens": "Tokens the tier had but the hit policy left to recompute (last block tail, "
                                 "FULL CUDA graph threshold).",
     "load_blocks": "Blocks scheduled to load from the tier.",
+    "disk_hit_blocks": "Of load_blocks, those a shard read from its disk tier into its pool to answer the "
+                       "request's lookup (disk hits: promoted, then loaded from the pool like any hit).",
+    "disk_promoted_entries": "Entries shards read from their disk tiers into their pools to answer this engine's "
+                             "lookups (one per block and tp rank; the hit policy may load fewer: disk_hit_blocks).",
+    "disk_promoted_bytes": "Bytes of disk_promoted_entries. Tier-wide disk figures (demotions, bytes used, I/O "
+                           "errors, adopted entries) are the shards' (ray_ucm_ray_shard_disk_*).",
     "saved_blocks": "Blocks saved into the tier and sent to their shards to commit.",
     "copies_kept": "Blocks loaded from another node's pool at this node's remote_copy_reads-th read of them (a hot "
                    "prefix's at the first), to be saved again into this node's pool (writer-local placement across "
@@ -66,7 +72,7 @@ COUNTERS: dict[str, str] = {
                    "copying (freed and allocated again). The compute stream waits on the device (shared "
                    "memory on CUDA); elsewhere the host waits.",
     "unwaited_layer_loads": "Layer loads the forward pass never waited for (failed so vLLM recomputes).",
-    "checksum_mismatches": "Loaded blocks whose CRC32 did not match (paranoid mode): removed, recomputed.",
+    "checksum_mismatches": "Loaded blocks whose checksum did not match (paranoid mode): removed, recomputed.",
     "stale_loads": "Blocks copied unpinned (found in a same-node shard's published index) whose entry was "
                    "evicted or replaced meanwhile: recomputed.",
 }

@@ -83,10 +83,14 @@ class Acquire(Pending[ReadLease]):
             if got is None:
                 failed.extend(idx)
                 continue
-            lease_id, slots = got
+            lease_id, slots, promoted = got
             if any(s is not None for s in slots):
                 self._lease.lease_ids.setdefault(rec.key, []).append(lease_id)
             self._lease.locations.put_slots(idx, rec.key, slots)
+            if promoted:
+                if self._lease.promoted is None:
+                    self._lease.promoted = np.zeros(len(self._keys), dtype=bool)
+                self._lease.promoted[[idx[i] for i in promoted]] = True
         self._calls = []
         if failed:
             self._rank[failed] += 1

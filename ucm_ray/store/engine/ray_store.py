@@ -142,7 +142,9 @@ class RayBlockStore(BlockStore):
         self._local = [s.pool.node_id == self._node_id for s in membership.shards]
         self._families = self.placement_mode == "writer_local" and not all(self._local)
         self._copy_bound = copy_bound(len({s.pool.node_id for s in membership.shards}), self.config.copy_nodes_per_pool)
-        self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication)
+        home = (frozenset(s.key for s, local in zip(membership.shards, self._local) if local)
+                if self.placement_mode == "writer_local" and 0 < sum(self._local) < len(self._local) else None)
+        self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication, home)
         self._records = {s.key: s for s in membership.shards}
         self.connections.sync(membership.descriptors)
         self._readers.sync(membership.descriptors)

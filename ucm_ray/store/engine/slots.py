@@ -260,9 +260,9 @@ class SlotSupply:
         for key in [k for k in self._grants if k[0] not in live]:
             self._drop(self._grants[key])  # a dead shard or an old incarnation
         self._give_excess_back()
-        for pool in live:
-            for size in self._sizes:
-                self._rebalance((pool, size), pools.descriptors[pool].pool_bytes, fade, now)
+        for slot_class in self._balanced(pools):
+            self._rebalance(slot_class, pools.descriptors[slot_class[0]].pool_bytes, fade, now,
+                            home=pools.is_home(slot_class[0]))
         self._used.clear()  # takes from pools no longer live: nothing to remember them for
         self._renew(now)
         self._returning = [answer for answer in self._returning if not answer.poll()]
@@ -298,19 +298,36 @@ class SlotSupply:
             else:
                 self._excess[slot_class] = count - back
 
-    def _rebalance(self, slot_class: SlotClass, pool_bytes: int, fade: float, now: float) -> None:
-        """Follow the demand: ask up to the baseline, give back what sat idle above it."""
+    def _balanced(self, pools: Pools) -> list[SlotClass]:
+        """The classes a full tick balances: every size on the home pools, and any other live
+        class this engine took from or still holds slots of (its stock follows its demand down
+        to none, and is then forgotten): never every pool of the fleet."""
+        live = pools.descriptors
+        home = [pool for pool in live if pools.is_home(pool)]
+        classes = [(pool, size) for pool in home for size in sorted(self._sizes)]
+        classes += [slot_class for slot_class in (*self._used, *self._demand, *self._free) if slot_class[0] in live]
+        return list(dict.fromkeys(classes))
+
+    def _rebalance(self, slot_class: SlotClass, pool_bytes: int, fade: float, now: float, *, home: bool) -> None:
+        """Follow the demand: ask up to the baseline, give back what sat idle above it. A home
+        pool keeps one free slot more than its demand; another keeps slots only while this
+        engine's demand there is at least one."""
         demand = max(float(self._used.pop(slot_class, 0)), self._demand.get(slot_class, 0.0) * fade)
-        self._demand[slot_class] = demand
         room = max(1, pool_bytes // (slot_class[1] * FREE_POOL_SHARE))
         self._cap[slot_class] = min(self._max_free, room)
-        base = self._base[slot_class] = min(self._max_free, math.ceil(1.5 * demand) + 1, room)
+        kept = math.ceil(1.5 * demand) + 1 if home else math.ceil(1.5 * demand) if demand >= 1 else 0
+        base = self._base[slot_class] = min(self._max_free, kept, room)
+        if base == 0 and not self._free.get(slot_class) and not self._asked(slot_class):
+            for known in (self._demand, self._base, self._cap, self._free, self._last_take):
+                known.pop(slot_class, None)  # nothing of it here: no longer balanced
+            return
+        self._demand[slot_class] = demand
         have = self.free_slots(slot_class) + self._asked(slot_class)
         if have < base:  # refilled past the baseline once taken from: a trickle of takes asks now and then
             top = max(base, min(REFILL * base, room)) if slot_class in self._last_take else base
             self._ask(slot_class, top - have)
-        elif (have > base and now - self._last_take.get(slot_class, now) > self._idle_s
-              and slot_class not in self._promises):  # not what announced saves count on
+        elif (have > base and now - self._last_take.get(slot_class, -math.inf) > self._idle_s
+              and slot_class not in self._promises):  # not what announced saves count on (nor ever taken from)
             self._give_back(slot_class, self.free_slots(slot_class) - base)
 
     def take(self, pool: PoolKey, size: int, count: int = 1) -> list[tuple[int, int]]:

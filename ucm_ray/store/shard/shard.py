@@ -148,17 +148,20 @@ class CacheShard:
             found = [f or d for f, d in zip(found, self._tier.on_disk(keys))]
         return found
 
-    def acquire(self, incarnation: int, owner: int, keys: Sequence[Key]) -> tuple[int, list[Slot | None]]:
+    def acquire(self, incarnation: int, owner: int,
+                keys: Sequence[Key]) -> tuple[int, list[Slot | None], list[int]]:
         """Pins what the pool holds, after promoting what only the disk holds (head first): the
-        engine's lookup is asynchronous, so the disk read delays this answer, never a step."""
+        engine's lookup is asynchronous, so the disk read delays this answer, never a step. Also
+        says which keys (indices) were read from disk for it: the engine counts its disk hits."""
         self._check(incarnation)
         if self._tier is None:
             with self._lock:
-                return self._index.acquire(owner, keys)
-        _, promoted = self._tier.promote_pinned(keys)
+                return (*self._index.acquire(owner, keys), [])
+        _, promoted, read = self._tier.promote_pinned(keys)
         try:
             with self._lock:
-                return self._index.acquire(owner, keys)
+                lease_id, slots = self._index.acquire(owner, keys)
+            return lease_id, slots, [i for i in read if slots[i] is not None]
         finally:
             self._tier.unpin(promoted)
 

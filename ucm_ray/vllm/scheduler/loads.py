@@ -43,6 +43,8 @@ class LoadInFlight:
     earlier_reads: np.ndarray | None = None
     """Per block of ``blocks``, this node's reads of it before (``ReadLease.earlier_reads``):
     whether to keep a copy of it once it came from another node; None: not counted."""
+    from_disk: int = 0
+    """Of ``blocks``, those its shard read from its disk tier to answer the lookup (disk hits)."""
 
     def positions(self, attn: Sequence[int], block_sizes: Sequence[int]) -> dict[int, dict[int, int]]:
         """Per attention group, each loaded vLLM block id's index among the request's blocks
@@ -93,8 +95,9 @@ class LoadPlanner:
             job = LoadJob(next(self._job_ids), request_id, blocks, complete_in_start=self._geometry.async_loads,
                           is_async=self._geometry.async_loads, failed=not usable)
             earlier = None if lease.earlier_reads is None or not usable else lease.earlier_reads.take(taken)
+            from_disk = 0 if lease.promoted is None or not usable else int(lease.promoted[taken].sum())
             self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock(), start,
-                                                      earlier)
+                                                      earlier, from_disk)
             loads.append(job)
         self._loading[request_id] = (tracked, loads)
         return loads

@@ -85,6 +85,7 @@ class Lookups:
         if not lookup.answered:
             leases = lookup.take_answers()
             self._stats.add(lookup_calls=sum(lease.calls for lease in leases))
+            self._count_promoted(leases)
             tracked.hit_tokens = self._hit_tokens(leases, lookup)
             if self._handoff_waits(tracked, num_computed_tokens):
                 self.release(tracked)  # looked up again after the backoff
@@ -234,6 +235,13 @@ class Lookups:
         group = geometry.attn[0]
         return self._store.surely_absent([tracked.attn_keys(rank, group, range(1))[0]
                                           for rank in range(len(geometry.namespaces))])
+
+    def _count_promoted(self, leases: list[ReadLease]) -> None:
+        """The entries (and bytes) shards read from their disk tiers to answer this lookup."""
+        promoted = [lease.locations.size[lease.promoted] for lease in leases if lease.promoted is not None]
+        if promoted:
+            self._stats.add(disk_promoted_entries=sum(len(sizes) for sizes in promoted),
+                            disk_promoted_bytes=int(sum(int(sizes.sum()) for sizes in promoted)))
 
     def _hit_tokens(self, leases: list[ReadLease], lookup: Lookup) -> int:
         """Stage 1 (longest attention prefix over all ranks and groups), then for hybrid

@@ -136,6 +136,9 @@ class SchedulerPart:
             tracked.last_state_pos = tracked.hit_tokens
             tracked.state_positions.append(tracked.hit_tokens)
         self.stats.add(load_blocks=len(loads[0].blocks))
+        from_disk = self.loads.in_flight[loads[0].job_id].from_disk
+        if from_disk:
+            self.stats.add(disk_hit_blocks=from_disk)
 
     def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
         """The step's plan: the store's answers and the pools first, then the block ids the

@@ -132,7 +132,7 @@ class StepLoads:
     def _order_or_land(self, step: StepState, posted: Posted) -> None:
         """The compute stream waits for ``posted`` on the device, or (checksums read each
         layer's blocks as they land; or a transfer needs the host) the host waits now."""
-        if step.crc or not self._copies.order_compute(posted):
+        if step.sums or not self._copies.order_compute(posted):
             self._land(step, posted)
         else:
             step.unlanded.append(posted)
@@ -194,7 +194,8 @@ class StepLoads:
         for job in step.loads:
             tags, locations = step.tags[job.job_id], job.blocks.locations
             for row in np.flatnonzero(locations.checksum != NO_CHECKSUM).tolist():
-                if tags[row] not in step.failed and step.crc.get(tags[row]) != locations.checksum[row]:
+                running = step.sums.get(tags[row])
+                if tags[row] not in step.failed and (running is None or running.value() != locations.checksum[row]):
                     location = locations[row]
                     assert location is not None
                     log.error("ucm-ray: checksum mismatch for block %d of %s (shard %s): recomputed",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ucm_ray.store.checksum import checksum
+from ucm_ray.store.checksum import Checksum
 from ucm_ray.store.types import NO_CHECKSUM
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import BlockSaves, SaveResult
@@ -215,7 +215,7 @@ class SavesInFlight:
         self._stats.observe("save_seconds", time.perf_counter() - job.posted_at)
 
     def _entry_checksums(self, saves: BlockSaves, landed: np.ndarray) -> np.ndarray:
-        """Per row, CRC32 of the entry as its bytes lie in the pool (layers in order, segments
+        """Per row, the checksum of the entry as its bytes lie in the pool (layers in order, segments
         in order), taken once per block (its replicas share it); NO_CHECKSUM where not landed."""
         layouts = self._copies.caches.layouts
         out: np.ndarray = np.full(len(saves), NO_CHECKSUM, dtype=np.int64)
@@ -223,10 +223,10 @@ class SavesInFlight:
         for row in np.flatnonzero(landed).tolist():
             block = (int(saves.groups[row]), int(saves.block_ids[row]))
             if block not in done:
-                value = 0
+                running = Checksum()
                 for layer in layouts[block[0]].layers:
                     for segment in layer.segments(block[1]):
-                        value = checksum(segment, value)
-                done[block] = value
+                        running.update(segment)
+                done[block] = running.value()
             out[row] = done[block]
         return out

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ucm_ray.store.checksum import checksum
+from ucm_ray.store.checksum import Checksum
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.layout import GroupLayout
 from ucm_ray.vllm.metadata import BlockSaves, LoadJob
@@ -47,8 +47,8 @@ class StepState:
     tags: dict[int, list[Tag]] = field(default_factory=dict)
     """Per load job, each of its blocks' tag (row order)."""
     failed: set[Tag] = field(default_factory=set)
-    crc: dict[Tag, int] = field(default_factory=dict)
-    """Running CRC32 of each loaded block whose entry has a checksum, taken as each of its layers
+    sums: dict[Tag, Checksum] = field(default_factory=dict)
+    """Running checksum of each loaded block whose entry has one, taken as each of its layers
     landed (layer order), before the forward pass can write into the block's tail."""
     threaded_layers: dict[str, ThreadedLoad] = field(default_factory=dict)
     """Layer name -> its loads on the copy thread."""
@@ -70,7 +70,7 @@ class StepState:
         """The plan's tags, its unloadable blocks as failed, and checksums to take."""
         self.tags = plan.tags
         self.failed |= plan.unsized
-        self.crc = dict.fromkeys(plan.checksummed, 0)
+        self.sums = {tag: Checksum() for tag in plan.checksummed}
 
     def loads_started(self) -> None:
         """``start_load_kv`` posted the step's loads (or queued them on the copy thread)."""
@@ -113,7 +113,7 @@ class StepState:
         """A posted load batch is over: its failures, its time, and its blocks' checksums."""
         self.load_s += seconds
         self.failed |= posted.failed_tags | posted.batch.tags_in(failed_pools)
-        if self.crc:
+        if self.sums:
             self._update_checksums(posted.batch, failed_pools, layouts)
 
     def loads_finished(self) -> list[LoadJob]:
@@ -133,9 +133,10 @@ class StepState:
                 if pool in failed_pools or group not in by_group:
                     continue
                 for block_id, tag in zip(by_group[group].block_ids.tolist(), by_group[group].tags):
-                    if tag in self.crc:
+                    running = self.sums.get(tag)
+                    if running is not None:
                         for segment in layouts[group].layers[index].segments(block_id):
-                            self.crc[tag] = checksum(segment, self.crc[tag])
+                            running.update(segment)
 
     # --- state saves ---------------------------------------------------------------------
 

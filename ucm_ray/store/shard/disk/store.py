@@ -6,14 +6,14 @@ Why it looks like this:
   I/O; a lookup is a dict probe and never touches the disk.
 - The bound: the files are preallocated to ``capacity`` bytes in all (rounded down to 4 KiB per
   file) and never grow; slots live inside them, so the tier cannot pass ``disk_bytes``.
-- Crash consistency without a journal: the manifest lists (key, slot, CRC32) as of one
+- Crash consistency without a journal: the manifest lists (key, slot, checksum) as of one
   generation and is replaced atomically (data files fsynced, manifest written to a temporary
   name and fsynced, renamed over the old one, directory fsynced). A restarted store adopts what
   the manifest lists, in a new generation; whatever was written after it is not listed and its
   slots are free again: lost, never leaked. A slot the current manifest lists is not reused
   before the next manifest is durable (an entry evicted meanwhile *retires* its slot), so a
   manifest never names bytes that were overwritten after it.
-- Every read verifies the entry's CRC32 before a byte is served (``store.checksum``), adopted
+- Every read verifies the entry's checksum before a byte is served (``store.checksum``), adopted
   or not: a flipped byte on disk is a miss and the entry is dropped. Reads land in a staging
   buffer of the reading thread, are checked there and only then copied to the caller's memory
   (unchecked bytes never reach the pool; and ``O_DIRECT`` reads straight into pool pages ran at
@@ -80,7 +80,7 @@ class DiskStats:
     dropped_writes: int = 0
     """Writes refused: the entry is larger than one data file."""
     corrupt: int = 0
-    """Reads whose bytes did not match the entry's CRC32 (the entry was dropped)."""
+    """Reads whose bytes did not match the entry's checksum (the entry was dropped)."""
     io_errors: int = 0
     adopted: int = 0
     """Entries re-adopted from the manifest at start."""
@@ -554,7 +554,7 @@ class DiskStore:
 
     def _read_checked(self, slots: Sequence[DiskSlot], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Read ``slots`` (adjacent in one file, in file order) with one ``preadv`` into this
-        thread's staging buffer and check each there: per slot, whether it matched its CRC32
+        thread's staging buffer and check each there: per slot, whether it matched its checksum
         (then, and only then, its bytes are copied into its ``out``). Runs on reader threads:
         the read, the checksums and the copies all release the GIL."""
         first, last = slots[0], slots[-1]

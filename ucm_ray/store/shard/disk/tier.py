@@ -223,7 +223,7 @@ class DiskTier:
         """Bring ``keys`` from disk into the pool, head first; per key, whether it is in the pool
         now (already there, or read and committed). A key whose bytes fail their check is dropped
         from disk and reported False (the engine recomputes it)."""
-        out, lease = self.promote_pinned(keys)
+        out, lease, _ = self.promote_pinned(keys)
         with self._lock:
             self._index.release(self._owner, [lease])
         return out
@@ -232,9 +232,10 @@ class DiskTier:
         with self._lock:
             self._index.release(self._owner, [lease])
 
-    def promote_pinned(self, keys: Sequence[Key]) -> tuple[list[bool], int]:
+    def promote_pinned(self, keys: Sequence[Key]) -> tuple[list[bool], int, list[int]]:
         """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
-        with ``unpin`` once the reader pinned them): promoting a later key of a prompt must not
+        with ``unpin`` once the reader pinned them), and the indices of the keys it read from disk
+        (checked and committed): promoting a later key of a prompt must not
         evict an earlier one. Keys go in chunks of ``PROMOTE_CHUNK`` (one reservation, reads in
         flight together, one commit), the next chunk's reads in flight while the last one commits
         (the disk lock is held throughout: demotion waits, at most ``wait_s`` and a read); no read
@@ -244,7 +245,8 @@ class DiskTier:
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
-        todo = self._worth_reading(keys, [i for i, found in enumerate(out) if not found])
+        missing = [i for i, found in enumerate(out) if not found]
+        todo = self._worth_reading(keys, missing)
         started = 0
         with self._disk_lock:
             reading: _Chunk | None = None
@@ -262,7 +264,7 @@ class DiskTier:
                 self._finish_chunk(reading, keys, lease, out)
         if not self._store.enabled:  # a read failed: the disk is off from now on
             self._after_turned_off()
-        return out, lease
+        return out, lease, [i for i in missing if out[i]]
 
     def _worth_reading(self, keys: Sequence[Key], todo: list[int]) -> list[int]:
         """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
