@@ -96,3 +96,69 @@ def test_membership_changes_are_pushed_not_polled(fleet):
     os.kill(shard_pid(cfg, 1), signal.SIGKILL)
     assert until(lambda: (client.refresh(), len(client.membership.shards) == 2)[1], timeout_s=10), \
         "the shard's death never reached the client"
+
+
+def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to_its_workers(fleet):
+    """A change of the hot-prefix table only (a prefix learned, readers' copies named: up to once a
+    second at scale) moves the membership's version but no shard: the client's ``pools()`` must
+    stay the same (same version), or every such push makes the scheduler send every pool's
+    descriptor to its workers again and re-run its slot supply's full tick (``part._sync_pools``)."""
+    cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
+    client = StoreClient(cfg)
+    before = client.pools()
+    shards = client.membership.shards
+    hot = key(0)
+    ray.get(directory(cfg).add_hot_prefix.remote({hot: [shards[0].key]}), timeout=30)
+    assert until(lambda: (client.refresh(), hot in client.membership.hot.pools)[1]), "the table never came"
+    ray.get(directory(cfg).announce_hot_copies.remote(shards[1].key, [hot]), timeout=30)
+    assert until(lambda: (client.refresh(), len(client.membership.hot.pools[hot]) == 2)[1]), "the copy never came"
+    after = client.pools()
+    assert after.version == before.version and after is before
+    assert client.membership.shards == shards
+    # nor does the long poll's answer carry the shard list the client holds already (~1.4 KiB a
+    # shard with NIXL: 1.4 MiB to each of 1,000 engines per push at 1,000 shards), only the delta
+    held = client.membership
+    ray.get(directory(cfg).announce_hot_copies.remote(shards[2].key, [hot]), timeout=30)
+    answer = ray.get(directory(cfg).wait_for_change.remote(held.version, 10.0, known_hot=held.hot.revision,
+                                                            shards_held=True))
+    assert answer.version != held.version and answer.shards == ()
+    assert answer.hot_delta.changed == {hot: tuple(s.key for s in shards)}
+    assert until(lambda: (client.refresh(), len(client.membership.hot.pools[hot]) == 3)[1]), "the copy never came"
+    assert client.membership.shards == shards and client.pools() is before
+
+
+def test_the_hot_prefix_table_names_only_member_pools(fleet):
+    """A pool that left (or never was a member) is named by no row of the table, whatever arrives
+    after it left: a root owner's hints still naming it when a prefix becomes hot, or a reader's
+    announcement of a copy posted before its shard died. A row naming it would keep one of the
+    copy bound's places forever (``remove_pool`` ran when it left), so readers would find fewer
+    live pools than the bound and copy the block on every node, announcing copies the directory
+    then ignores."""
+    cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
+    d = directory(cfg)
+    shards = ray.get(d.membership.remote(), timeout=30).shards
+    live, other, gone = (s.key for s in shards)
+    ray.get(d.deregister.remote(shards[2].shard_id), timeout=30)
+    hot = key(0)
+    ray.get(d.add_hot_prefix.remote({hot: [live, gone]}), timeout=30)
+    for pool in (gone, ("ucm_ray_shard_nobody", 7), other):
+        ray.get(d.announce_hot_copies.remote(pool, [hot]), timeout=30)
+    assert ray.get(d.membership.remote(), timeout=30).hot.pools[hot] == (live, other)
+
+
+def test_readers_copies_another_push_carried_are_not_pushed_again(fleet):
+    """Copies announced within a second of the last copies' push wait for the next (``PushPacer``);
+    when another change's push carried them meanwhile, the waiting one has nothing to say and
+    must not wake every engine's long poll (1,000 answers and re-posts at 1,000 nodes)."""
+    cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
+    d = directory(cfg)
+    first, second, third = (s.key for s in ray.get(d.membership.remote(), timeout=30).shards)
+    hot, other = key(0), key(1)
+    ray.get(d.add_hot_prefix.remote({hot: [first]}), timeout=30)
+    ray.get(d.announce_hot_copies.remote(second, [hot]), timeout=30)  # pushed at once
+    time.sleep(0.3)
+    ray.get(d.announce_hot_copies.remote(third, [hot]), timeout=30)  # its push waits out the second
+    carried = ray.get(d.add_hot_prefix.remote({other: [first]}), timeout=30)  # a push that carries it
+    time.sleep(1.5)
+    status = ray.get(d.ping.remote(), timeout=30)
+    assert status["hot_pools_named"] == 4 and status["version"] == carried

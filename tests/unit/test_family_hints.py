@@ -51,3 +51,16 @@ def test_adopted_hints_keep_the_order_they_were_handed_over_in_and_merge_with_re
     assert taker.where([b"k1", b"k2"]) == [(B, A), (A, C)]
     assert (taker.adopted, taker.registered) == (2, 1)
     assert taker.stats()["hints_adopted"] == 2
+
+
+def test_a_lookup_tries_a_few_member_pools_of_a_block_however_many_the_table_names():
+    """A hot block's row names up to the copy bound (100 pools at 1,000 nodes); a lookup tries
+    the first ``READ_POOLS`` members in the order its node spread them, skipping pools that left."""
+    from ucm_ray.store.engine.family import READ_POOLS, read_candidates, spread
+
+    pools = [(f"shard-{i}", i) for i in range(100)]
+    at = {pool: i for i, pool in enumerate(pools) if i % 3}  # every third pool left
+    order = spread(pools, "node-7")
+    got = read_candidates([order, pools[:2], ()], at)
+    assert got[0] == [at[pool] for pool in order if pool in at][:READ_POOLS] and READ_POOLS <= 4
+    assert got[1:] == [[1], []]

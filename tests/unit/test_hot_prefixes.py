@@ -204,3 +204,22 @@ def test_copies_announced_within_the_push_interval_ride_on_one_push():
     pacer.pushed()
     clock.advance(5.0)
     assert pacer.due() == 0.0
+
+
+def test_the_directory_builds_one_answer_per_revision_not_one_per_engine_that_asks():
+    """Every engine's long poll is answered at each push (1,000 at 1,000 nodes): a full table at
+    its bound (4,096 rows naming 100 pools each) took ~1.2 ms to copy and ~0.4 ms to diff per
+    answer on the CPU box, ~1.6 s of the directory's one thread per push. Engines at the same
+    revision get the same answer, built once; a change builds the next."""
+    table = HotPrefixTable(start=10)
+    system = chain("system", 0, 4)
+    table.add({key: (POOL_A,) for key in system})
+    held = table.revision
+    table.add_copies(POOL_B, system[:2], bound=0)
+    assert table.snapshot() is table.snapshot()
+    assert table.since(held) is table.since(held)
+    first = table.since(held)
+    table.add_copies(POOL_C, system[:1], bound=0)
+    assert table.since(held) is not first and table.since(held) == HotPrefixDelta(
+        held, table.revision, {system[0]: (POOL_A, POOL_B, POOL_C), system[1]: (POOL_A, POOL_B)})
+    assert table.snapshot().pools[system[0]] == (POOL_A, POOL_B, POOL_C)

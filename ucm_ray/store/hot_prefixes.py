@@ -27,7 +27,9 @@ SCAN_BLOCKS = 512
 """Blocks past its root that a lookup shows the root's owner (8 KiB of keys): a hot prefix grows
 by at most this much per learning, and a longer one by a later root's learning."""
 MAX_HOT_BLOCKS = 4096
-"""The table's bound, oldest out: it travels with every membership push (~150 KiB at most)."""
+"""The table's bound, oldest out. Engines get it whole once (then deltas, ``HotPrefixDelta``): with
+readers' copies a row names up to the copy bound, so at 1,000 nodes (100 pools a row) the whole
+table pickles to ~12 MiB (review54, measured), ~150 KiB with one pool a row."""
 WINDOW_S = 10.0
 """A root's asks are counted over this long."""
 SESSIONS = 4
@@ -248,6 +250,9 @@ class HotPrefixTable:
         """Per key held, the revision that last changed its row."""
         self._dropped: deque[tuple[int, bytes]] = deque(maxlen=DROP_LOG)
         """(revision, key) of the keys dropped, oldest first."""
+        self._answers: dict[int, HotPrefixPush] = {}
+        """``since``'s and ``snapshot``'s (key -1) answers at this revision: every engine's long
+        poll asks at each push, nearly all from the same revision (one diff, not one per engine)."""
 
     def add(self, entries: Mapping[bytes, Sequence[PoolKey]]) -> bool:
         """Hot blocks a root's owner learned, with the pools its hints name (a row given again is
@@ -287,6 +292,7 @@ class HotPrefixTable:
         if not changed:
             return False
         self._revision += 1
+        self._answers.clear()
         for key in changed:
             self._changed_at[key] = self._revision
         while len(self._pools) > self._max_blocks:
@@ -296,12 +302,23 @@ class HotPrefixTable:
         return True
 
     def snapshot(self) -> HotPrefixes:
-        return HotPrefixes(dict(self._pools), self._revision)
+        """The whole table (the same object until it changes: read-only, as ``HotPrefixes`` is)."""
+        whole = self._answers.get(-1)
+        if whole is None:
+            whole = self._answers[-1] = HotPrefixes(dict(self._pools), self._revision)
+        assert isinstance(whole, HotPrefixes)
+        return whole
 
     def since(self, revision: int) -> HotPrefixPush:
         """What an engine holding ``revision`` needs: the rows changed after it and the keys
         dropped after it, or the whole table when it holds none (-1), one from another directory
-        start, or one older than the drop log remembers."""
+        start, or one older than the drop log remembers. Built once per revision asked about."""
+        answer = self._answers.get(revision)
+        if answer is None:
+            answer = self._answers[revision] = self._since(revision)
+        return answer
+
+    def _since(self, revision: int) -> HotPrefixPush:
         if revision == self._revision:
             return HotPrefixDelta(revision, revision, {})
         if not self._start <= revision < self._revision or (self._dropped and len(self._dropped) == self._dropped.maxlen

@@ -386,6 +386,10 @@ class Membership:
     hot_delta: HotPrefixDelta | None = None
     """Set instead of ``hot`` by a long poll that knew the table revision its caller holds: what
     changed since (``MembershipFeed`` applies it, so a client's membership always has ``hot``)."""
+    shards_held: bool = False
+    """Set by a long poll whose caller holds the shard list of now (only the hot-prefix table moved
+    since its version): ``shards`` is then empty, not re-sent (~1.4 KiB a shard with NIXL, to every
+    engine on every push), and ``MembershipFeed`` puts back the caller's."""
 
     @property
     def shard_ids(self) -> list[str]:

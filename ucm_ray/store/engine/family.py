@@ -13,7 +13,7 @@ without waiting.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,14 @@ for it as ``copy_bound`` allows."""
 ENOUGH_COPIES = -1
 """What a block counts as read before (``ReadLease.earlier_reads``) when the root's owner already
 names as many pools for it as ``copy_bound`` allows: no reader keeps another copy of it."""
+
+
+READ_POOLS = 4
+"""A block's pools a lookup tries at most, members only, in the order named (a hot block's from the
+one its node picks, ``spread``): a plain miss on one is final and a failure moves to the next, so
+more only cost the scheduler's Python per lookup (and ``Acquire``'s per column). A hot prefix's
+row names up to ``copy_bound`` pools (100 at 1,000 nodes): a 128-block hot prefix's lookup took
+~2.8 ms of this step's Python with all of them, ~0.9-1.7 ms with 4 (docs/performance-log.md, review54)."""
 
 
 def copy_bound(nodes: int, nodes_per_pool: int) -> int:
@@ -140,8 +148,7 @@ class FamilyAcquire(Pending[ReadLease]):
         self._local.result().earlier_reads = earlier  # the lease ``result`` returns
         if not named:
             return
-        candidates = _fewest_sources([[at[pool] for pool in map(tuple, named.get(row, ())) if pool in at]
-                                      for row in self._missing.tolist()])
+        candidates = _fewest_sources(read_candidates([named.get(row, ()) for row in self._missing.tolist()], at))
         rows = [i for i, found in enumerate(candidates) if found]
         if not rows:
             return
@@ -165,9 +172,35 @@ def spread(pools: Sequence[PoolKey], reader: str) -> Sequence[PoolKey]:
     return tuple(pools[start:]) + tuple(pools[:start])
 
 
+def read_candidates(named: Sequence[Sequence[PoolKey]], at: Mapping[PoolKey, int]) -> list[list[int]]:
+    """Per row, the first ``READ_POOLS`` of the pools named for it that are members, in order, as
+    indices (``at``: a member's index); looked at no further than needed."""
+    out = []
+    for pools in named:
+        row: list[int] = []
+        for pool in pools:
+            index = at.get((pool[0], pool[1]))  # a list, from a root's owner
+            if index is not None:
+                row.append(index)
+                if len(row) == READ_POOLS:
+                    break
+        out.append(row)
+    return out
+
+
 def _members(named: Sequence[Sequence[PoolKey]], members: Collection[PoolKey]) -> list[int]:
-    """Per row, how many of the pools named for it are members (a departed pool holds nothing)."""
-    return [sum(1 for pool in map(tuple, pools) if pool in members) for pools in named]
+    """Per row, how many of the pools named for it are members (a departed pool holds nothing);
+    counted once per distinct row (a hot prefix's rows mostly name the same pools, up to the copy
+    bound each)."""
+    counted: dict[tuple, int] = {}
+    out = []
+    for pools in named:
+        row = tuple(map(tuple, pools))
+        count = counted.get(row)
+        if count is None:
+            count = counted[row] = sum(map(members.__contains__, row))
+        out.append(count)
+    return out
 
 
 def _fewest_sources(candidates: list[list[int]]) -> list[list[int]]:

@@ -36,6 +36,8 @@ class MembershipFeed:
         the answer is there (``ray.wait``) cost ~85 us, twice per scheduler step."""
         self._next_try = 0.0
         self._missing_logged = False
+        self._posted_for = 0
+        """The version the outstanding long poll was posted with (its answer's ``shards_held`` means it)."""
         self.hot_deltas = 0
         """Long-poll answers whose hot-prefix table came as a delta (``Membership.hot_delta``)."""
 
@@ -54,14 +56,16 @@ class MembershipFeed:
     def poll(self, known: Membership) -> Membership | None:
         """A membership with another version than ``known``'s if one arrived; never waits. The
         long poll names ``known``'s hot-prefix table revision, so the directory sends only the
-        rows changed since (applied here: the membership returned carries the whole table); an
+        rows changed since (applied here: the membership returned carries the whole table), and
+        the shard list only when it changed since ``known``'s version (else ``known``'s is kept); an
         answer whose delta does not apply to ``known``'s table is dropped and the poll re-posted."""
         if self._pending is None:
             if not self._find():
                 return None
             self._pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
-                known.version, known_hot=known.hot.revision if known.version else -1)
+                known.version, known_hot=known.hot.revision if known.version else -1, shards_held=True)
             self._arrived = self._pending.future()
+            self._posted_for = known.version
         assert self._arrived is not None
         if not self._arrived.done():
             return None
@@ -71,6 +75,10 @@ class MembershipFeed:
         except RayError as e:
             self._lost(e)
             return None
+        if membership.shards_held:
+            if known.version != self._posted_for:
+                return None  # ``known`` moved since the poll was posted: ask again
+            membership = dataclasses.replace(membership, shards=known.shards, shards_held=False)
         if membership.hot_delta is not None:
             hot = membership.hot_delta.apply(known.hot)
             if hot is None:

@@ -131,7 +131,14 @@ class RayBlockStore(BlockStore):
                         "Serve app's tier, not per engine)", self.config.ray_namespace,
                         membership.replication, "y" if membership.replication == 1 else "ies",
                         self.config.replication)
+        held = self._membership
         self._membership = membership
+        if (held.version and membership.replication == held.replication and membership.placement == held.placement
+                and [s.key for s in membership.shards] == list(self._records)):
+            # the hot-prefix table moved, no shard did: ``pools()`` stays as it was, or every push
+            # of readers' copies (once a second at scale) would send every pool's descriptor to the
+            # workers again and re-run the slot supply's full tick (``part._sync_pools``)
+            return
         self._local = [s.pool.node_id == self._node_id for s in membership.shards]
         self._families = self.placement_mode == "writer_local" and not all(self._local)
         self._copy_bound = copy_bound(len({s.pool.node_id for s in membership.shards}), self.config.copy_nodes_per_pool)

@@ -53,6 +53,10 @@ class ShardDirectory:
         self._shards: dict[str, ShardRecord] = {}
         self._watchers: dict[str, asyncio.Task] = {}
         self._version = random_id() >> 16  # room to count up, and unlike any other start's
+        self._shards_version = self._version
+        """The version at which the shard list last changed (a later one moved the hot table only)."""
+        self._listed: tuple[ShardRecord, ...] | None = None
+        """The shard list of now, sorted once per change (every engine's long poll answer has it)."""
         self._changed = asyncio.Event()
         self._found: asyncio.Task | None = None
         self._served = {"membership": 0, "wait_for_change": 0}
@@ -61,6 +65,8 @@ class ShardDirectory:
                                      else UcmRayConfig().copy_nodes_per_pool)
         self._hot = HotPrefixTable(start=random_id() >> 16)
         self._copies_pacer = PushPacer()
+        self._pushed_revision = self._hot.revision
+        """The hot table's revision the last version carried (a paced push past it says nothing new)."""
         """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
@@ -77,7 +83,7 @@ class ShardDirectory:
             if task is not None:
                 task.cancel()
             self._hot.remove_pool(record.key)
-            self._bump(f"shard {shard_id} left")
+            self._bump(f"shard {shard_id} left", shards=True)
         return self._version
 
     async def version(self) -> int:
@@ -93,11 +99,14 @@ class ShardDirectory:
         return self._snapshot()
 
     async def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S,
-                              known_hot: int = -1) -> Membership:
+                              known_hot: int = -1, shards_held: bool = False) -> Membership:
         """The membership as soon as it differs from ``known_version`` (at once if it does
         already), else after ``timeout_s``: the caller re-posts the call either way.
         ``known_hot``: the hot-prefix table revision the caller holds (-1: none); the answer then
-        carries what changed since (``Membership.hot_delta``), not the whole table."""
+        carries what changed since (``Membership.hot_delta``), not the whole table. ``shards_held``:
+        the caller puts back the shard list it holds, so when no shard joined or left since
+        ``known_version`` the answer carries none (``Membership.shards_held``; an engine of an
+        older package, which does not, gets the list)."""
         await self._rediscovered()
         self._served["wait_for_change"] += 1
         if self._version == known_version:
@@ -107,6 +116,8 @@ class ShardDirectory:
             except asyncio.TimeoutError:
                 pass
         membership = self._snapshot()
+        if shards_held and known_version and self._shards_version <= known_version <= self._version:
+            membership = dataclasses.replace(membership, shards=(), shards_held=True)
         push = self._hot.since(known_hot) if known_hot >= 0 else None
         if isinstance(push, HotPrefixDelta):
             return dataclasses.replace(membership, hot=NO_HOT_PREFIXES, hot_delta=push)
@@ -118,6 +129,8 @@ class ShardDirectory:
         changed rows with the next version, so readers of a hot prefix spread over its copies
         instead of all reading the pools that held it when it became hot."""
         await self._rediscovered()
+        if (pool[0], pool[1]) not in self._members():
+            return self._version  # posted before its shard left (or no member's): it holds nothing
         nodes = len({record.pool.node_id for record in self._shards.values()})
         if self._hot.add_copies(pool, keys, copy_bound(nodes, self._nodes_per_pool)):
             delay = self._copies_pacer.due()
@@ -127,6 +140,8 @@ class ShardDirectory:
 
     def _push_copies(self) -> None:
         self._copies_pacer.pushed()
+        if self._hot.revision == self._pushed_revision:
+            return  # another change's version carried these copies meanwhile
         self._bump(f"readers' copies of hot prefixes ({self._hot.pools_named} pools named)")
 
     async def add_hot_prefix(self, entries: dict[bytes, HintPools],
@@ -136,6 +151,8 @@ class ShardDirectory:
         per new family root, the hints of the families written under the old one, passed on to
         the new root's owners (posted: a lost one is a miss once, as without a handover)."""
         await self._rediscovered()
+        members = self._members()  # a hint can name a pool that left since: it holds nothing
+        entries = {key: tuple(p for p in pools if (p[0], p[1]) in members) for key, pools in entries.items()}
         if self._hot.add(entries):
             self._bump(f"{len(entries)} hot-prefix block(s) ({len(self._hot)} in the table)")
         if handover:
@@ -165,24 +182,39 @@ class ShardDirectory:
 
     # --- internals -----------------------------------------------------------------------
 
+    def _members(self) -> set[tuple[str, int]]:
+        """The pools of the shards listed now: the only ones the hot-prefix table may name (a
+        departed pool named would hold one of a row's ``copy_bound`` places forever)."""
+        return {record.key for record in self._shards.values()}
+
     def _snapshot(self) -> Membership:
-        return Membership(self._version, tuple(self._shards[k] for k in sorted(self._shards)), self._replication,
+        if self._listed is None:
+            self._listed = tuple(self._shards[k] for k in sorted(self._shards))
+        return Membership(self._version, self._listed, self._replication,
                           self._placement, self._hot.snapshot())
 
-    def _bump(self, why: str) -> None:
+    def _bump(self, why: str, *, shards: bool = False) -> None:
+        """A new version (``shards``: the shard list changed, not only the hot-prefix table)."""
         self._version += 1
+        self._pushed_revision = self._hot.revision
+        if shards:
+            self._shards_version = self._version
+            self._listed = None
         self._changed.set()  # wakes every waiting long poll
         self._changed = asyncio.Event()
         log.info("%s (version %d)", why, self._version)
 
     async def _add(self, shard_id: str, handle: ActorHandle) -> None:
         pool: PoolDescriptor = await handle.describe.remote()
+        replaced = self._shards.get(shard_id)
+        if replaced is not None and replaced.key != pool.key:
+            self._hot.remove_pool(replaced.key)  # a restart registered before its death was seen
         self._shards[shard_id] = ShardRecord(shard_id, handle, pool)
         old = self._watchers.pop(shard_id, None)
         if old is not None:
             old.cancel()
         self._watchers[shard_id] = asyncio.create_task(self._watch(shard_id, handle))
-        self._bump(f"shard {shard_id} joined")
+        self._bump(f"shard {shard_id} joined", shards=True)
 
     async def _rediscovered(self) -> None:
         """On this start's first call: adopt the shards already running in our namespace (a
