@@ -25,24 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
 from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
-from benchmarks.scale.runner import pool_tokens_for  # noqa: E402
-from benchmarks.scale.workload import BYTES_PER_TOKEN, ROUTERS, Workload, WorkloadSpec  # noqa: E402
+from benchmarks.scale.workload import BYTES_PER_TOKEN, add_single_run_args, single_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--requests", type=int, default=4000)
-    parser.add_argument("--block-size", type=int, default=128, choices=[16, 128])
-    parser.add_argument("--router", default="random", choices=list(ROUTERS))
-    parser.add_argument("--seed", type=int, default=0)
+    add_single_run_args(parser)
     parser.add_argument("--every", type=int, action="append", help="K: blocks per sub-root (default 64..1024)")
     args = parser.parse_args(argv)
-    spec = WorkloadSpec(nodes=args.nodes, block_size=args.block_size, requests=args.requests, router=args.router,
-                        seed=args.seed)
-    requests = Workload(spec).requests()
-    unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
-    pool = pool_tokens_for(unique_tokens, spec.nodes, 0.5, 262144)
+    spec, requests, pool = single_run(args)
     placement = Placement(shard_ids(spec.nodes))
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, placement)
     design = HandoverCopyOnSecondRead(cluster, DesignParams(seed=spec.seed))

@@ -10,6 +10,7 @@ a shared prefix is shared exactly up to its last whole segment, as vLLM's block 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from dataclasses import dataclass, field
 
@@ -203,3 +204,25 @@ class Workload:
     def _new_session(self) -> int:
         self._next_session += 1
         return self._next_session
+
+
+def add_single_run_args(parser: argparse.ArgumentParser) -> None:
+    """One workload's arguments, as the single-run tools (``scale_hot_floor.py``,
+    ``scale_split.py``) take them."""
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--block-size", type=int, default=128, choices=[16, 128])
+    parser.add_argument("--router", default="random", choices=list(ROUTERS))
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def single_run(args: argparse.Namespace) -> tuple[WorkloadSpec, list[Request], int]:
+    """The workload ``add_single_run_args`` described: its spec, its requests, and each node's
+    pool in tokens (half the unique tokens over the fleet, at most 262,144)."""
+    from benchmarks.scale.runner import pool_tokens_for
+
+    spec = WorkloadSpec(nodes=args.nodes, block_size=args.block_size, requests=args.requests, router=args.router,
+                        seed=args.seed)
+    requests = Workload(spec).requests()
+    unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
+    return spec, requests, pool_tokens_for(unique_tokens, spec.nodes, 0.5, 262144)
