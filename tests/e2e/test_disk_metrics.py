@@ -11,16 +11,24 @@ engine-side disk metric the Grafana dashboard charts is one vLLM exports.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 
 import pytest
 
 from tests.e2e.test_e2e_disk_tier import block_bytes
-from tests.e2e.test_metrics import BLOCK, ROOT, cli, http_json, scrape, stop_server, total, wait_until
-from tests.support.private_cluster import PrivateCluster, cluster_env, free_port
+from tests.e2e.test_metrics import (
+    BLOCK,
+    cli,
+    http_json,
+    scrape,
+    start_server,
+    stop_server,
+    total,
+    wait_server_up,
+    wait_until,
+)
+from tests.support.private_cluster import PrivateCluster, free_port
 from tests.support.prometheus import DASHBOARD, as_ray_name, dashboard_exprs, promql_metric_names
 from ucm_ray import policy
 from ucm_ray.tiny_model import make_tiny_model, synthetic_prompt
@@ -54,22 +62,10 @@ def test_disk_hits_on_vllms_metrics_endpoint(tmp_path):
         up = cli("up", "--address", cluster.address, "--config", str(fleet_file))
         assert up.returncode == 0, up.stderr[-3000:]
         log = tmp_path / "api_server.log"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-             "--port", str(port), "--model", model, "--served-model-name", "tiny", "--dtype", "float32",
-             "--block-size", str(BLOCK), "--max-model-len", "4096", "--max-num-seqs", "4", "--enforce-eager",
-             "--enable-prefix-caching", "--seed", "0", "--kv-transfer-config", json.dumps(kv)],
-            cwd=ROOT, env={**cluster_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"},
-            stdin=subprocess.DEVNULL, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        server = start_server(model, port, kv, log, "tiny", "--max-model-len", "4096", "--max-num-seqs", "4",
+                              env={"VLLM_SERVER_DEV_MODE": "1"})
         base = f"http://127.0.0.1:{port}"
-
-        def server_up():
-            assert server.poll() is None, f"api_server exited:\n{log.read_text()[-4000:]}"
-            try:
-                return True, http_json(f"{base}/v1/models")
-            except OSError as e:
-                return False, e
-        wait_until(server_up, "vLLM's OpenAI server on loopback", timeout_s=180)
+        wait_server_up(server, log, base)
         print(f"disk metrics: server up {time.monotonic() - started:.0f} s in", flush=True)
 
         def ask(prompt: list[int]) -> None:

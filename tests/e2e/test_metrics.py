@@ -164,6 +164,29 @@ def total(samples, name: str, **labels: str) -> float:
     return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
 
 
+def start_server(model: str, port: int, kv: dict[str, Any], log: Path, served_name: str, *flags: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server on loopback with the connector (``kv``), as a user starts it, its
+    output in ``log``; ``flags``: more of its command-line flags."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+         "--model", model, "--served-model-name", served_name, "--dtype", "float32", "--block-size", str(BLOCK),
+         *flags, "--enforce-eager", "--enable-prefix-caching", "--seed", "0", "--kv-transfer-config", json.dumps(kv)],
+        cwd=ROOT, env={**cluster_env(), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}, stdin=subprocess.DEVNULL,
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_server_up(server: subprocess.Popen, log: Path, base: str) -> None:
+    """Until ``server`` answers at ``base`` (one line with its log's tail if it exited first)."""
+    def server_up():
+        assert server.poll() is None, f"api_server exited:\n{log.read_text()[-4000:]}"
+        try:
+            return True, http_json(f"{base}/v1/models")
+        except OSError as e:
+            return False, e
+    wait_until(server_up, "vLLM's OpenAI server on loopback", timeout_s=180)
+
+
 def stop_server(server: subprocess.Popen) -> None:
     """Ctrl-C to vLLM's server, then end whatever of its family is left (only PIDs we started)."""
     import psutil
@@ -221,24 +244,11 @@ def test_workload_moves_the_counters_on_both_endpoints(model, tmp_path):
         up = cli("up", "--address", cluster.address, "--config", str(fleet_file))
         assert up.returncode == 0, up.stderr[-3000:]
         server_log = tmp_path / "api_server.log"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-             "--port", str(vllm_port), "--model", model, "--served-model-name", "tiny-a", "--dtype", "float32",
-             "--block-size", str(BLOCK), "--max-model-len", "8192", "--max-num-batched-tokens", "8192",
-             "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
-             "--kv-transfer-config", json.dumps(kv)],
-            cwd=ROOT, env={**cluster_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}, stdin=subprocess.DEVNULL,
-            stdout=open(server_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        server = start_server(model, vllm_port, kv, server_log, "tiny-a", "--max-model-len", "8192",
+                              "--max-num-batched-tokens", "8192", "--max-num-seqs", str(MAX_NUM_SEQS))
         driver = Driver(cluster.address, model, kv, tmp_path / "driver.log")
         assert driver.read() == {"ready": True}
-
-        def server_up():
-            assert server.poll() is None, f"api_server exited:\n{server_log.read_text()[-4000:]}"
-            try:
-                return True, http_json(f"http://127.0.0.1:{vllm_port}/v1/models")
-            except OSError as e:
-                return False, e
-        wait_until(server_up, "vLLM's OpenAI server on loopback", timeout_s=180)
+        wait_server_up(server, server_log, f"http://127.0.0.1:{vllm_port}")
         print(f"metrics: both engines up {time.monotonic() - started:.0f} s after the cluster started", flush=True)
 
         def on_a(prompt: list[int]) -> None:
