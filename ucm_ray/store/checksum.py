@@ -1,6 +1,6 @@
 """Entry checksums: taken by the writer, verified by every reader (paranoid mode, the disk tier).
 
-XXH3-64 (``xxhash``): ~10x CRC32's speed on the hosts measured (performance log), so a disk
+XXH3-64 (``xxhash``): 3.6-4.9x CRC32's speed for whole entries on the CPU box (performance log), so a disk
 promotion or a paranoid load spends its time on the bytes' move, not their check. ``Checksum``
 streams: an entry scattered over many ranges (layers, K/V halves) sums as its bytes in the
 pool do, however they are cut into segments. The value keeps the low 63 bits: the published
