@@ -11,8 +11,9 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from ucm_ray.store.engine.family import ENOUGH_COPIES, copy_bound, mark_enough_copies
+from ucm_ray.store.engine.family import ENOUGH_COPIES, mark_enough_copies
 from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.store.placement import copy_bound
 from ucm_ray.store.types import NO_HINT, Done, Locations, Pending, Publishes, ReadLease
 from ucm_ray.testing.harness import make_engine, prompt
 from ucm_ray.testing.timing import timed_calls

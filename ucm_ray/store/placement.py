@@ -90,3 +90,10 @@ def writer_owners(keys: Sequence[bytes], shard_ids: Sequence[str], local: Sequen
         return primary
     others = remote_at[owners(keys, [shard_ids[i] for i in remote_at.tolist()], extra)]
     return np.concatenate([primary, others], axis=1)
+
+
+def copy_bound(nodes: int, nodes_per_pool: int) -> int:
+    """Pools a block may be held by before readers stop copying it (``copy_nodes_per_pool``): one
+    per ``nodes_per_pool`` nodes of the fleet, rounded up; 0: no bound. Here, not with the
+    engine's reads: the directory's hot-prefix table keeps to the same bound."""
+    return -(-nodes // nodes_per_pool) if nodes_per_pool > 0 else 0

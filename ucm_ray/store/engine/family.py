@@ -43,12 +43,6 @@ row names up to ``copy_bound`` pools (100 at 1,000 nodes): a 128-block hot prefi
 ~2.8 ms of this step's Python with all of them, ~0.9-1.7 ms with 4 (docs/performance-log.md, review54)."""
 
 
-def copy_bound(nodes: int, nodes_per_pool: int) -> int:
-    """Pools a block may be held by before readers stop copying it (``copy_nodes_per_pool``): one
-    per ``nodes_per_pool`` nodes of the fleet, rounded up; 0: no bound."""
-    return -(-nodes // nodes_per_pool) if nodes_per_pool > 0 else 0
-
-
 def mark_enough_copies(earlier: np.ndarray, rows: Sequence[int], named: Sequence[int], bound: int) -> None:
     """Rows whose key the root's owner named ``bound`` pools or more for (``named``, per row of
     ``rows``) count as ``ENOUGH_COPIES`` in ``earlier`` (every row when the bound is 1: the

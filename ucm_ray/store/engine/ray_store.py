@@ -32,15 +32,15 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.acquire import Acquire
 from ucm_ray.store.engine.calls import Fanout, ShardAccess
-from ucm_ray.store.engine.family import FamilyAcquire, HintPoster, copy_bound
+from ucm_ray.store.engine.family import FamilyAcquire, HintPoster
 from ucm_ray.store.engine.feed import MembershipFeed
 from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.suspects import Suspects
 from ucm_ray.store.engine.touches import TouchSender
 from ucm_ray.store.hot_prefixes import SCAN_BLOCKS
+from ucm_ray.store.placement import copy_bound, writer_owners
 from ucm_ray.store.placement import owners as place
-from ucm_ray.store.placement import writer_owners
 from ucm_ray.store.types import (
     Done,
     GrantCommit,

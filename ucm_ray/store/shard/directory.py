@@ -24,8 +24,8 @@ import ray
 from ray.actor import ActorHandle
 
 from ucm_ray.config import UcmRayConfig
-from ucm_ray.store.engine.family import copy_bound
 from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixTable, PushPacer
+from ucm_ray.store.placement import copy_bound
 from ucm_ray.store.placement import owners as place
 from ucm_ray.store.shard.hints import HintPools
 from ucm_ray.store.types import Membership, ShardRecord, random_id
