@@ -64,10 +64,10 @@ class ShardDirectory:
         self._nodes_per_pool: int = (nodes_per_pool if isinstance(nodes_per_pool, int)
                                      else UcmRayConfig().copy_nodes_per_pool)
         self._hot = HotPrefixTable(start=random_id() >> 16)
+        """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
         self._copies_pacer = PushPacer()
         self._pushed_revision = self._hot.revision
         """The hot table's revision the last version carried (a paced push past it says nothing new)."""
-        """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
         """Add (or replace) a shard; returns the new membership version."""
