@@ -12,7 +12,8 @@ engines' saves run meanwhile), then 4k store hits: a prompt one tier engine comp
 with their prefix caches emptied. ``batch8_stored``: batches of 8 prompts another engine stored,
 every prefix cache emptied: the tier engines load them and save no prompt, so the decode gap of
 fresh prompts less this one is the saves' part. Per engine and shape, the median step time of
-decode steps 1-16 and of the steps after is printed too. GPU only:
+decode steps 1-16 and of the steps after is printed too, and one more batch of each kind (fresh,
+stored) per engine is timed part by part (ms per decode step of each hook). GPU only:
 ``python benchmarks/gpu_async_tier.py``; the last line is ``async_tier:
 decode_batch8=<tier_async / none_async> decode_single=<...>
 sync_batch8=<tier_sync / none_async> sync_single=<...> stored_batch8=<...>
@@ -68,7 +69,7 @@ def main() -> None:
             engines[label] = start_engine(engine_actor(setting), model, setting, label,
                                           connector_config(cfg) if tier else None, cores.parked, warmup)
         rates, steps = decode_rounds(engines, cores, model, n)
-        parts = timed_parts(engines, cores, model, n)
+        parts = {stored: timed_parts(engines, cores, model, n, stored=stored) for stored in (False, True)}
         ttft: dict[str, list[float]] = {"tier_async": [], "tier_sync": []}
         cached: dict[str, list[int]] = {"tier_async": [], "tier_sync": []}
         same = True  # both readers of a stored prompt compute the same tail over the same bytes
@@ -93,7 +94,8 @@ def main() -> None:
     for shape, by_label in steps.items():  # which steps the gap is in: the first ones (saves posted) or all
         log.info("%s decode step ms, median of steps 1-16 / of steps 17 on / p90 of 17 on: %s", shape,
                  {label: step_quantiles(runs) for label, runs in by_label.items()})
-    log_parts(parts)
+    for stored, by_engine in parts.items():
+        log_parts(by_engine, "stored" if stored else "fresh")
     log.info("store hit TTFT ms: %s; vLLM's cached tokens: %s",
              {label: [round(s * 1e3, 2) for s in got] for label, got in ttft.items()}, cached)
     log.info("store hits' first tokens equal on both tier engines: %s", same)
@@ -132,26 +134,34 @@ def decode_rounds(engines: dict[str, Any], cores: Any, model: str, n: int
     return rates, steps
 
 
-def timed_parts(engines: dict[str, Any], cores: Any, model: str, n: int) -> dict[str, dict[str, float]]:
-    """One more batch of 8 fresh prompts on ``tier_async`` and ``none_async``, their decode
-    steps' parts timed (the engine's step parts, every connector hook, our code inside them):
-    per engine, each part's ms per decode step. Which part the tier's extra step time is in."""
+def timed_parts(engines: dict[str, Any], cores: Any, model: str, n: int, *,
+                stored: bool) -> dict[str, dict[str, float]]:
+    """One more batch of 8 prompts on ``tier_async`` and ``none_async``, their decode steps'
+    parts timed (the engine's step parts, every connector hook, our code inside them): per
+    engine, each part's ms per decode step. Which part the tier's extra step time is in: with
+    fresh prompts (the tier saves them) or ``stored`` ones (another engine stored them, every
+    prefix cache emptied: the tier loads them and saves none, so its hooks' time per step is
+    what a quiet decode step costs)."""
+    prompts = [synthetic_prompt(model, n, seed=90000 + i) for i in range(BATCH)]
+    if stored:
+        ray.get(engines["tier_sync"].decode_batch.remote(prompts, 1))
     out: dict[str, dict[str, float]] = {}
     for k, label in enumerate(("tier_async", "none_async")):
-        prompts = [synthetic_prompt(model, n, seed=80000 + 10 * k + i) for i in range(BATCH)]
+        batch = prompts if stored else [synthetic_prompt(model, n, seed=80000 + 10 * k + i) for i in range(BATCH)]
+        ray.get(engines[label].reset_prefix_cache.remote())
         with turn_cores(engines[label], cores):
-            result = ray.get(engines[label].decode_batch.remote(prompts, TOKENS, timed=True))
+            result = ray.get(engines[label].decode_batch.remote(batch, TOKENS, timed=True))
         steps = max(1, len(result["step_s"]))
         out[label] = {part: 1e3 * sum(calls) / steps for part, calls in result["timed"].items() if calls}
         out[label]["step_ms_mean"] = 1e3 * sum(result["step_s"]) / steps
     return out
 
 
-def log_parts(parts: dict[str, dict[str, float]]) -> None:
+def log_parts(parts: dict[str, dict[str, float]], shape: str) -> None:
     tier, none = parts["tier_async"], parts["none_async"]
     for part in sorted(set(tier) | set(none), key=lambda name: -tier.get(name, 0.0)):
-        log.info("timed decode, ms per step: %-45s tier %.4f  none %.4f", part, tier.get(part, 0.0),
-                 none.get(part, 0.0))
+        log.info("timed decode (%s batch), ms per step: %-45s tier %.4f  none %.4f", shape, part,
+                 tier.get(part, 0.0), none.get(part, 0.0))
 
 
 def step_quantiles(runs: list[list[float]]) -> list[float]:
