@@ -8,17 +8,21 @@ cost 35-39% of it on a ~1B model). The price is the layer-by-layer overlap of a 
 its forward pass. Three engines, vLLM's V1 runner: ``tier_async`` (the connector, asynchronous
 scheduling), ``tier_sync`` (the connector, synchronous: layer-by-layer loads) and ``none_async``
 (no connector). Batches of 8 fresh 4k prompts and single 4k requests decoding 128 tokens (the tier
-engines' saves run meanwhile), then 4k store hits: a prompt one tier engine computed, asked of both
-with their prefix caches emptied. ``batch8_stored``: batches of 8 prompts another engine stored,
-every prefix cache emptied: the tier engines load them and save no prompt, so the decode gap of
-fresh prompts less this one is the saves' part. Per engine and shape, the median step time of
+engines' saves run meanwhile), then 4k and 16k store hits: a prompt one tier engine computed, asked
+of both with their prefix caches emptied, then again (their own prefix-cache hit). A store hit's
+floor over PCIe is that own hit plus the hit's bytes at one pinned host-to-device copy's speed,
+measured in the same run: ``store_hit_<size>_vs_floor_<mode>`` is the hit's median TTFT over it.
+``batch8_stored``: batches of 8 prompts another engine stored, every prefix cache emptied: the
+tier engines load them and save no prompt, so the decode gap of fresh prompts less this one is
+the saves' part. Per engine and shape, the median step time of
 decode steps 1-16 and of the steps after is printed too, and one more batch of each kind (fresh,
 stored) per engine is timed part by part (ms per decode step of each hook). GPU only:
 ``python benchmarks/gpu_async_tier.py``; the last line is ``async_tier:
 decode_batch8=<tier_async / none_async> decode_single=<...>
 sync_batch8=<tier_sync / none_async> sync_single=<...> stored_batch8=<...>
 store_hit_ttft_async_vs_sync=<ratio>``
-(decode tokens/s ratios; the TTFT ratio of medians).
+(decode tokens/s ratios; the TTFT ratio of medians, 4k), then ``async_tier_floor:
+store_hit_4k_vs_floor_async=<ratio> ...`` (4k and 16k, asynchronous and synchronous scheduling).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 import os
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
@@ -36,6 +40,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
+import torch  # noqa: E402
 
 from benchmarks.gpu.common import (  # noqa: E402
     connector_config,
@@ -46,12 +51,15 @@ from benchmarks.gpu.common import (  # noqa: E402
     ttft_of,
     turn_cores,
 )
+from benchmarks.gpu.data_plane import pinned_copy  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
 from ucm_ray.tiny_model import synthetic_prompt  # noqa: E402
 
 log = logging.getLogger("bench.gpu")
 BATCH, TOKENS, ROUNDS, HITS = 8, 128, 3, 4
+HIT_SIZES = {"4k": 4096 + 8, "16k": 16384 + 8}
+"""Prompt sizes of the store hits (tokens)."""
 ENGINES = {"tier_async": (True, True), "tier_sync": (True, False), "none_async": (False, True)}
 """label -> (with the connector, asynchronous scheduling)"""
 
@@ -70,21 +78,7 @@ def main() -> None:
                                           connector_config(cfg) if tier else None, cores.parked, warmup)
         rates, steps = decode_rounds(engines, cores, model, n)
         parts = {stored: timed_parts(engines, cores, model, n, stored=stored) for stored in (False, True)}
-        ttft: dict[str, list[float]] = {"tier_async": [], "tier_sync": []}
-        cached: dict[str, list[int]] = {"tier_async": [], "tier_sync": []}
-        same = True  # both readers of a stored prompt compute the same tail over the same bytes
-        for i in range(HITS):
-            hit = synthetic_prompt(model, n, seed=70000 + i)
-            ray.get(engines["tier_sync" if i % 2 else "tier_async"].generate.remote(hit, 1))  # saved (flushed)
-            firsts = []
-            for reader in (("tier_async", "tier_sync") if i % 2 else ("tier_sync", "tier_async")):
-                ray.get(engines[reader].reset_prefix_cache.remote())  # the writer's own cache too: a store hit
-                with turn_cores(engines[reader], cores):
-                    result = ray.get(engines[reader].generate.remote(hit, 1))
-                ttft[reader].append(ttft_of(result))
-                cached[reader].append(result["cached"])
-                firsts.append(result["tokens"])
-            same = same and firsts[0] == firsts[1]
+        hits = {size: store_hits(engines, cores, model, tokens) for size, tokens in HIT_SIZES.items()}
         for engine in engines.values():
             ray.kill(engine)
     ray.shutdown()
@@ -96,9 +90,7 @@ def main() -> None:
                  {label: step_quantiles(runs) for label, runs in by_label.items()})
     for stored, by_engine in parts.items():
         log_parts(by_engine, "stored" if stored else "fresh")
-    log.info("store hit TTFT ms: %s; vLLM's cached tokens: %s",
-             {label: [round(s * 1e3, 2) for s in got] for label, got in ttft.items()}, cached)
-    log.info("store hits' first tokens equal on both tier engines: %s", same)
+    floors = {size: hit_floor(hit, prof.kv_bytes_per_token, device) for size, hit in hits.items()}
     median = {shape: {label: statistics.median(got) for label, got in by_label.items()}
               for shape, by_label in rates.items()}
     log.info("async_tier: decode_batch8=%.3f decode_single=%.3f sync_batch8=%.3f sync_single=%.3f "
@@ -108,7 +100,63 @@ def main() -> None:
              median["batch8"]["tier_sync"] / median["batch8"]["none_async"],
              median["single"]["tier_sync"] / median["single"]["none_async"],
              median["batch8_stored"]["tier_async"] / median["batch8_stored"]["none_async"],
-             statistics.median(ttft["tier_async"]) / statistics.median(ttft["tier_sync"]))
+             statistics.median(hits["4k"].ttft["tier_async"]) / statistics.median(hits["4k"].ttft["tier_sync"]))
+    log.info("async_tier_floor: %s", " ".join(f"store_hit_{size}_vs_floor_{mode}={ratio:.3f}"
+                                              for size, by_mode in floors.items() for mode, ratio in by_mode.items()))
+
+
+@dataclass
+class StoreHits:
+    """One prompt size's store hits on both tier engines: per engine, the TTFT of each hit (its
+    prefix cache emptied, every block from the store) and of the same prompt asked again right
+    after (its own prefix-cache hit), and vLLM's cached tokens of each store hit."""
+
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {"tier_async": [], "tier_sync": []})
+    own: dict[str, list[float]] = field(default_factory=lambda: {"tier_async": [], "tier_sync": []})
+    cached: dict[str, list[int]] = field(default_factory=lambda: {"tier_async": [], "tier_sync": []})
+    same: bool = True
+    """Both readers of each stored prompt gave the same first token (same tail over the same bytes)."""
+
+
+def store_hits(engines: dict[str, Any], cores: Any, model: str, tokens: int) -> StoreHits:
+    """``HITS`` prompts of ``tokens`` tokens, each computed by one tier engine (saved and flushed)
+    and asked of both with their prefix caches emptied, then asked again (their own hit)."""
+    out = StoreHits()
+    for i in range(HITS):
+        hit = synthetic_prompt(model, tokens, seed=70000 + 100 * tokens + i)
+        ray.get(engines["tier_sync" if i % 2 else "tier_async"].generate.remote(hit, 1))  # saved (flushed)
+        firsts = []
+        for reader in (("tier_async", "tier_sync") if i % 2 else ("tier_sync", "tier_async")):
+            ray.get(engines[reader].reset_prefix_cache.remote())  # the writer's own cache too: a store hit
+            with turn_cores(engines[reader], cores):
+                result = ray.get(engines[reader].generate.remote(hit, 1))
+                own = ray.get(engines[reader].generate.remote(hit, 1))
+            out.ttft[reader].append(ttft_of(result))
+            out.own[reader].append(ttft_of(own))
+            out.cached[reader].append(result["cached"])
+            firsts.append(result["tokens"])
+        out.same = out.same and firsts[0] == firsts[1]
+    return out
+
+
+def hit_floor(hits: StoreHits, kv_bytes_per_token: int, device: torch.device) -> dict[str, float]:
+    """Per scheduling mode, the store hit's median TTFT over its floor over PCIe: the engine's own
+    prefix hit (median) plus the hit's bytes at one pinned host-to-device copy's speed, measured
+    here, in the same run (``pinned_copy``)."""
+    nbytes = statistics.median(hits.cached["tier_async"]) * kv_bytes_per_token
+    h2d_gb_s, _ = pinned_copy(int(nbytes), device, repeat=5)
+    out = {}
+    for label, mode in (("tier_async", "async"), ("tier_sync", "sync")):
+        own, hit = statistics.median(hits.own[label]), statistics.median(hits.ttft[label])
+        floor = own + nbytes / (h2d_gb_s * 1e9)
+        out[mode] = hit / floor
+        log.info("%s store hit of %d cached tokens (%.0f MiB): TTFT %s ms, own prefix hit %s ms, pinned copy "
+                 "%.1f GB/s: floor %.2f ms", label, int(nbytes // kv_bytes_per_token), nbytes / 2**20,
+                 [round(s * 1e3, 2) for s in hits.ttft[label]], [round(s * 1e3, 2) for s in hits.own[label]],
+                 h2d_gb_s, floor * 1e3)
+    log.info("store hits' first tokens equal on both tier engines: %s; vLLM's cached tokens: %s", hits.same,
+             hits.cached)
+    return out
 
 
 def decode_rounds(engines: dict[str, Any], cores: Any, model: str, n: int
