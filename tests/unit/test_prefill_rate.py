@@ -42,7 +42,7 @@ def test_an_engine_times_its_prefill_steps_not_its_decode_steps(model_dir, async
         assert 1024 * per_token / (2 * STEP_S) <= rate.bytes_per_s <= 1024 * per_token / STEP_S
     else:
         assert rate.bytes_per_s == pytest.approx(1024 * per_token / STEP_S)  # decode steps not timed
-    assert len(rate._rates) == 2
+    assert len(rate.rates) == 2
 
 
 def test_the_median_of_recent_steps_ignores_one_slow_step_and_follows_a_change():
@@ -59,7 +59,7 @@ def test_the_median_of_recent_steps_ignores_one_slow_step_and_follows_a_change()
     assert rate.bytes_per_s == pytest.approx(16384 * KV_PER_TOKEN / 0.122)
     step(MIN_TOKENS - 1, 1.0)  # too small to mean anything
     step(1, 0.01)  # a decode step
-    assert len(rate._rates) == 1
+    assert len(rate.rates) == 1
     for _ in range(4):
         step(16384, 0.122)
     step(16384, 5.0)  # a compile, a preemption, a busy host
@@ -67,7 +67,7 @@ def test_the_median_of_recent_steps_ignores_one_slow_step_and_follows_a_change()
     for _ in range(WINDOW):  # the engine got slower (longer prompts, more load): followed
         step(4096, 0.244)
     assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.244)
-    assert len(rate._rates) == WINDOW
+    assert len(rate.rates) == WINDOW
 
 
 def test_two_steps_in_flight_are_matched_in_order():
@@ -79,7 +79,7 @@ def test_two_steps_in_flight_are_matched_in_order():
     rate.planned(2048, 0.11)
     rate.answered(0.12)  # the decode step's: not timed
     rate.answered(0.21)  # 2048 tokens in 0.1 s
-    assert sorted(rate._rates) == pytest.approx([2048 * KV_PER_TOKEN / 0.1, 4096 * KV_PER_TOKEN / 0.1])
+    assert sorted(rate.rates) == pytest.approx([2048 * KV_PER_TOKEN / 0.1, 4096 * KV_PER_TOKEN / 0.1])
 
 
 def test_an_answer_that_never_comes_only_makes_later_steps_look_slower():

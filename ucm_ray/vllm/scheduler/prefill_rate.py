@@ -47,6 +47,11 @@ class PrefillRate:
     """(step number, planned at, tokens) of timed steps whose output has not come back."""
     _rates: deque[float] = field(default_factory=deque)
 
+    @property
+    def rates(self) -> list[float]:
+        """The timed steps' rates the estimate is the median of, oldest first."""
+        return list(self._rates)
+
     def planned(self, tokens: int, now: float) -> None:
         """A step was planned at ``now`` with ``tokens`` scheduled tokens."""
         self._planned += 1
