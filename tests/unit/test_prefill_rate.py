@@ -27,6 +27,13 @@ def forward_takes(seconds: float):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_an_engine_times_its_prefill_steps_not_its_decode_steps(model_dir, async_scheduling):
     store = LocalBlockStore(num_shards=1, pool_bytes=64 << 20)
+    try:
+        _time_a_prompt(store, model_dir, async_scheduling)
+    finally:
+        store.shutdown()  # its pool and index in /dev/shm
+
+
+def _time_a_prompt(store: LocalBlockStore, model_dir: str, async_scheduling: bool) -> None:
     engine = make_engine(store.client(), model_dir, max_batched=1024, async_scheduling=async_scheduling)
     engine.clock.freeze()  # only the stand-in forward's time counts
     engine.before_worker = forward_takes(STEP_S)
