@@ -13,9 +13,10 @@ Each hit's ``cached`` tokens are checked against the prompt's full blocks (a mis
 
 Then decode with demotion running (``--decode-rounds``): "ucm-ray" decodes a fresh prompt right after
 a pool's worth of new entries was stored (the shard writes them to disk meanwhile), and in turn after
-the same store once the disk caught up. ``disk_decode_demoting_vs_quiet=`` is the ratio of the decode
-rates' medians (1.0: demotion costs decode nothing), with the share of the demotion that overlapped
-the decodes logged.
+the same store once the disk caught up, twice ("quiet" and "quiet_b"). ``disk_decode_demoting_vs_quiet=``
+is the ratio of the decode rates' medians (1.0: demotion costs decode nothing; quiet: both quiet cases'
+rounds), ``disk_decode_quiet_b_vs_quiet=`` the same for the two quiet cases: the run's own noise. The
+share of the demotion that overlapped the decodes and the load average are logged.
 
 ``--profile bench`` runs the GPU benchmark's engines instead of the tiny model (``benchmarks/gpu``):
 on a GPU the ~1B profile (bf16, 32 KiB of KV a token, 16-token blocks, vLLM's dummy weights: nothing
@@ -193,19 +194,22 @@ def decode(ucm: Any, prompt: list[int]) -> tuple[float, float]:
 
 
 def decode_while_demoting(ucm: Any, cfg: UcmRayConfig, setup: Setup, rounds: int) -> dict[str, list[float]]:
-    """Per round, in alternating order: "demoting" decodes right after a pool's worth was stored
-    (its demotion runs meanwhile), "quiet" after the same once the disk caught up. Logs how long
-    a pool's demotion took (quiet rounds) against a decode: the share of a decode it overlapped."""
+    """Per round, in rotating order: "demoting" decodes right after a pool's worth was stored (its
+    demotion runs meanwhile), "quiet" and "quiet_b" after the same once the disk caught up: the two
+    quiet cases against each other are the run's noise. Logs how long a pool's demotion took (quiet
+    rounds) against a decode (the share of a decode it overlapped), and the load average."""
     load = DemotionLoad(cfg, setup.block * setup.kv_per_token)
-    rates: dict[str, list[float]] = {"quiet": [], "demoting": []}
+    cases = ("demoting", "quiet", "quiet_b")
+    rates: dict[str, list[float]] = {case: [] for case in cases}
     demotion_s: list[float] = []
     decode_s: list[float] = []
+    load_before = os.getloadavg()[0]
     try:
         for r in range(rounds):
-            for case in (("demoting", "quiet") if r % 2 == 0 else ("quiet", "demoting")):
-                prompt = synthetic_prompt(setup.model, DECODE_PROMPT, seed=900000 + 10 * r + len(rates[case]))
+            for case in cases[r % 3:] + cases[:r % 3]:
+                prompt = synthetic_prompt(setup.model, DECODE_PROMPT, seed=900000 + 10 * r + cases.index(case))
                 load.store()
-                if case == "quiet":
+                if case != "demoting":
                     started = time.monotonic()
                     wait_demoted(cfg)
                     demotion_s.append(time.monotonic() - started)
@@ -216,9 +220,10 @@ def decode_while_demoting(ucm: Any, cfg: UcmRayConfig, setup: Setup, rounds: int
                 wait_demoted(cfg)
     finally:
         load.close()
-    log.info("decode tok/s %s; a pool's demotion (%d MiB) took %.2f s, a demoting decode %.2f s (medians)",
-             {case: [round(v, 1) for v in values] for case, values in rates.items()}, cfg.pool_bytes >> 20,
-             statistics.median(demotion_s), statistics.median(decode_s))
+    log.info("decode tok/s %s; a pool's demotion (%d MiB) took %.2f s, a demoting decode %.2f s (medians); "
+             "load average %.1f -> %.1f", {case: [round(v, 1) for v in values] for case, values in rates.items()},
+             cfg.pool_bytes >> 20, statistics.median(demotion_s), statistics.median(decode_s), load_before,
+             os.getloadavg()[0])
     return rates
 
 
@@ -261,7 +266,7 @@ def main() -> None:
     ap.add_argument("--profile", choices=("tiny", "bench"), default="tiny",
                     help="tiny: the project's tiny model on CPU; bench: the GPU benchmark's (~1B on a GPU)")
     ap.add_argument("--lengths", default=None, help="prompt lengths in tokens (tiny: 4096,16384; bench: the profile's)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="TTFT rounds per length (0: decode figures only)")
     ap.add_argument("--decode-rounds", type=int, default=3, help="decode with and without demotion running (0: skip)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk (not tmpfs)")
     args = ap.parse_args()
@@ -275,8 +280,11 @@ def main() -> None:
     setup = tiny_setup(lengths or [4096, 16384]) if args.profile == "tiny" else bench_setup(lengths)
     disk_dir = tempfile.mkdtemp(prefix="disk-ttft-", dir=args.dir)
     pool = (max(setup.lengths) + setup.block) * setup.kv_per_token * 5 // 4
+    # disk_recompute_bytes_s 1: every disk hit is read, so that it is timed (left at 0, an engine
+    # that recomputes faster than the disk reads, as on a GPU, would get misses: no figure)
     cfg = UcmRayConfig(num_shards=1, pool_bytes=pool, transport="shm", ray_namespace=NAMESPACE,
-                       disk_dir=disk_dir, disk_bytes=16 * pool, disk_write_policy="through", disk_wait_s=4.0)
+                       disk_dir=disk_dir, disk_bytes=16 * pool, disk_write_policy="through", disk_wait_s=4.0,
+                       disk_recompute_bytes_s=1.0)
     results: dict[int, dict[str, list[float]]] = {}
     decode: dict[str, list[float]] = {}
     direct_io = False
@@ -310,9 +318,12 @@ def main() -> None:
         print(f"disk_hit_vs_recompute_{tag(n)}={m['disk_hit'] / m['recompute']:.3f} "
               f"disk_hit_vs_dram_hit_{tag(n)}={m['disk_hit'] / m['dram_hit']:.3f}")
     if decode:
-        print(f"disk_decode_demoting_vs_quiet={median(decode['demoting']) / median(decode['quiet']):.3f}")
-    print("disk_crossover_tokens=" + crossover(setup.lengths, [medians[n]["disk_hit"] for n in setup.lengths],
-                                               [medians[n]["recompute"] for n in setup.lengths]))
+        quiet = median(decode["quiet"] + decode["quiet_b"])
+        print(f"disk_decode_demoting_vs_quiet={median(decode['demoting']) / quiet:.3f} "
+              f"disk_decode_quiet_b_vs_quiet={median(decode['quiet_b']) / median(decode['quiet']):.3f} (noise)")
+    if medians:  # --rounds 0: the decode figures only
+        print("disk_crossover_tokens=" + crossover(setup.lengths, [medians[n]["disk_hit"] for n in setup.lengths],
+                                                   [medians[n]["recompute"] for n in setup.lengths]))
 
 
 if __name__ == "__main__":

@@ -192,7 +192,10 @@ class UcmRayConfig:
     """How fast the engines recompute what the disk would give back, in KV bytes per second
     (prefill tokens/s x KV bytes per token; an 8B model prefilling 10k tokens/s at 128 KiB a token:
     1.3e9). A shard whose measured promotion rate is below it leaves its disk hits to be
-    recomputed (one chunk every 10 s is still read, to measure again). 0: always promote."""
+    recomputed (one chunk is still read when nothing was for 10 s, to measure again). 0: each
+    engine's own rate, measured from its prefill steps and sent with its lookups (an engine that
+    has not yet timed a step of 512 tokens or more sends none: its disk hits are read). Set it
+    to override the engines' rates for the whole fleet (1: always read)."""
     disk_io: str = "auto"
     """How bytes reach the disk: posix (``preadv``/``pwritev``, ``O_DIRECT`` where the file system
     takes it); auto picks the best that works here (posix for now)."""
@@ -282,7 +285,7 @@ class UcmRayConfig:
              and 0 < self.disk_wait_s <= 3600, "disk_wait_s", "a number of seconds above 0, at most 3600")
         need(isinstance(self.disk_recompute_bytes_s, (int, float)) and not isinstance(self.disk_recompute_bytes_s, bool)
              and 0 <= self.disk_recompute_bytes_s <= 1e13, "disk_recompute_bytes_s",
-             "KV bytes per second, from 0 (always promote) to 1e13")
+             "KV bytes per second, from 0 (measured by the engines) to 1e13")
         need(self.disk_io in DISK_IO, "disk_io", " | ".join(DISK_IO) + " (nixl is not built yet)")
         # Relations: a tier needs both its place and its size; each file holds at least one 4 KiB slot.
         need(not roots or self.disk_bytes >= 4096 * len(roots), "disk_bytes",

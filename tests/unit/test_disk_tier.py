@@ -326,6 +326,36 @@ def test_a_disk_slower_than_recomputing_is_not_read_until_a_probe_is_due(tmp_pat
     assert s.tier.promote([key(i) for i in range(1, 5)]) == [True, True, False, False]  # a probe: one chunk
 
 
+def test_the_asking_engines_rate_decides_unless_the_fleet_set_one(tmp_path):
+    """``disk_recompute_bytes_s`` 0: each lookup brings its engine's measured prefill rate. An
+    engine that recomputes faster than this disk reads gets misses, a slow one (or one that has
+    not measured yet: 0) gets its keys read; a rate the fleet set overrides the engines'."""
+    s = Shard(str(tmp_path), 8, 64, write_through=True)
+    on_disk_only(s, 8)
+    assert s.tier.promote([key(0)]) == [True]  # measures the reads
+    assert s.tier.promote([key(1), key(2)], recompute_bytes_s=1e12) == [False, False]  # no disk here reads 1 TB/s
+    assert s.tier.stats.promote_skipped == 2
+    assert s.tier.promote([key(1), key(2)], recompute_bytes_s=1e3) == [True, True]  # 1 KB/s: read
+    assert s.tier.promote([key(3)]) == [True]  # no rate: read
+    fleet = Shard(str(tmp_path / "fleet"), 8, 64, write_through=True, recompute_bytes_s=1e12)
+    on_disk_only(fleet, 8)
+    assert fleet.tier.promote([key(0)]) == [True]
+    assert fleet.tier.promote([key(1)], recompute_bytes_s=1e3) == [False]  # the fleet's rate wins
+
+
+def test_any_read_counts_as_the_probe(tmp_path, monkeypatch):
+    """A probe re-measures a disk nothing was read from for ``PROBE_S``; every read measures it.
+    It was due ``PROBE_S`` after the tier started, whatever was read since: a fast engine's first
+    lookup on a shard up for longer read a chunk (32 keys) it was faster to recompute, right after
+    a slow engine's read had measured the disk."""
+    monkeypatch.setattr(tier_module, "PROBE_S", 1.0)
+    s = Shard(str(tmp_path), 8, 64, write_through=True)
+    on_disk_only(s, 8)
+    time.sleep(1.1)  # the shard has been up for longer than PROBE_S
+    assert s.tier.promote([key(0)], recompute_bytes_s=1e3) == [True]  # a slow engine's read: measured now
+    assert s.tier.promote([key(1), key(2)], recompute_bytes_s=1e12) == [False, False]  # no probe owed
+
+
 def test_a_lookup_reads_only_what_the_measured_rate_reads_within_its_wait(tmp_path, index_file, monkeypatch):
     digest_keys(monkeypatch)
     s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=0.1,

@@ -55,8 +55,8 @@ class EnoughCopiesElsewhere(EveryPoolElsewhere):
     fleet's copy bound allows (``copy_nodes_per_pool``: ``FamilyAcquire`` marks them)."""
 
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
-                chain: int | None = None) -> Pending[ReadLease]:
-        lease = super().acquire(keys, pin, chain).result()
+                chain: int | None = None, recompute_bytes_s: float = 0.0) -> Pending[ReadLease]:
+        lease = super().acquire(keys, pin, chain, recompute_bytes_s).result()
         lease.earlier_reads = np.full(len(keys), ENOUGH_COPIES, dtype=np.int64)
         return Done(lease)
 

@@ -55,12 +55,14 @@ class BlockStore(ABC):
 
     @abstractmethod
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
-                chain: int | None = None) -> Pending[ReadLease]:
+                chain: int | None = None, recompute_bytes_s: float = 0.0) -> Pending[ReadLease]:
         """Locate what is committed among ``keys`` on a live replica: read from the published
         index of a pool on this node (no call, no pin: the reader validates its copy), pinned
         through a call elsewhere and on the pools in ``pin`` (where a reader cannot validate).
         ``chain``: how many leading keys are the prompt's block chain, in order (its first
-        attention group: its family root is among them); None: all of them."""
+        attention group: its family root is among them); None: all of them.
+        ``recompute_bytes_s``: the asker's prefill rate in KV bytes a second (0.0: unknown): a
+        shard reads keys from its disk tier only where that is faster."""
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt's chain are in the fleet's hot-prefix table

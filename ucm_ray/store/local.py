@@ -122,7 +122,7 @@ class LocalBlockStore(BlockStore):
         return [s.key for s in shards], owners(keys, [s.shard_id for s in shards], self._world.replication)
 
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
-                chain: int | None = None) -> Pending[ReadLease]:
+                chain: int | None = None, recompute_bytes_s: float = 0.0) -> Pending[ReadLease]:
         """As the Ray client's: each pool's published index first (every pool here is on this
         node), pinned through the index where it cannot answer or ``pin`` asks for pins."""
         self._sync_readers()

@@ -23,15 +23,17 @@ class Acquire(Pending[ReadLease]):
     as arrays: a lookup of a long prompt costs no Python per key before its answer."""
 
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
-                 shards: tuple[ShardRecord, ...], owners: np.ndarray) -> None:
+                 shards: tuple[ShardRecord, ...], owners: np.ndarray, recompute_bytes_s: float = 0.0) -> None:
         """``shards``: the membership's; ``owners``: ``[key, replica]``, each key's owners over all
-        of them, best first, as indices into ``shards``."""
+        of them, best first, as indices into ``shards``; ``recompute_bytes_s``: the asker's prefill
+        rate, sent with each call (``BlockStore.acquire``)."""
         self._access = access
         self._keys = keys
         self._pin = pin
         self._lease = ReadLease(Locations.missing(len(keys)))
         self._shards = shards
         self._owners = owners
+        self._recompute_bytes_s = recompute_bytes_s
         self._rank: np.ndarray = np.zeros(len(keys), dtype=np.int64)
         self._deadline = time.monotonic() + access.timeout_s
         self._calls: list[tuple[ShardRecord, list[int], ray.ObjectRef]] = []
@@ -72,7 +74,8 @@ class Acquire(Pending[ReadLease]):
                 keys = [keys[u] for u in unknown]
             # posted at once (the step waits for its answer), after what this client queued
             access.poster.drain(access.timeout_s)
-            self._calls.append((rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, access.owner, keys)))
+            self._calls.append((rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, access.owner, keys,
+                                                                   self._recompute_bytes_s)))
             self._lease.calls += 1
         self._arrived = None
 

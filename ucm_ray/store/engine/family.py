@@ -63,13 +63,14 @@ class FamilyAcquire(Pending[ReadLease]):
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
                  shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord],
                  hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = (),
-                 reader: str = "", copy_bound: int = 0) -> None:
+                 reader: str = "", copy_bound: int = 0, recompute_bytes_s: float = 0.0) -> None:
         """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
         the table names for it (those rows are never asked about); ``family``: the chain from the
         family root on, shown to the root's owner (what its hot-prefix learner counts);
         ``reader``: this node's id (the root's owner counts each node's reads of each block:
         ``ReadLease.earlier_reads``); ``copy_bound``: pools named for a block past which it is
-        not copied (``copy_bound()``; 0: none)."""
+        not copied (``copy_bound()``; 0: none); ``recompute_bytes_s``: the asker's prefill rate
+        (``BlockStore.acquire``), sent to the pools it names too."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -80,6 +81,7 @@ class FamilyAcquire(Pending[ReadLease]):
         self._family = family
         self._reader = reader
         self._copy_bound = copy_bound
+        self._recompute_bytes_s = recompute_bytes_s
         self._missing: np.ndarray | None = None  # rows the local step did not find
         self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
         self._where: Fanout[tuple[list[tuple[PoolKey, ...]], list[int]] | None] | None = None
@@ -152,7 +154,7 @@ class FamilyAcquire(Pending[ReadLease]):
                             dtype=np.int64)
         self._remote_rows = self._missing[rows]
         self._remote = Acquire(self._access, [self._keys[i] for i in self._remote_rows.tolist()], self._pin,
-                               self._shards, owners)
+                               self._shards, owners, self._recompute_bytes_s)
 
 
 def spread(pools: Sequence[PoolKey], reader: str) -> Sequence[PoolKey]:

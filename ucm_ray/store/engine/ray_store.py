@@ -181,10 +181,10 @@ class RayBlockStore(BlockStore):
         return [s.key for s in self._membership.shards], self._owner_indices(keys)
 
     def acquire(self, keys: Sequence[bytes], pin: Collection[PoolKey] = (),
-                chain: int | None = None) -> Pending[ReadLease]:
+                chain: int | None = None, recompute_bytes_s: float = 0.0) -> Pending[ReadLease]:
         keys = list(keys)
         shards = self._membership.shards
-        local = Acquire(self.access, keys, pin, shards, self._owner_indices(keys))
+        local = Acquire(self.access, keys, pin, shards, self._owner_indices(keys), recompute_bytes_s)
         if not self._families or not keys:
             return local
         chain_keys = keys if chain is None else keys[:chain]
@@ -193,7 +193,7 @@ class RayBlockStore(BlockStore):
         root = hot.root_position(chain_keys) if chain_keys else 0
         return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners([keys[root]])[0],
                              [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS],
-                             self._node_id, self._copy_bound)
+                             self._node_id, self._copy_bound, recompute_bytes_s)
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0

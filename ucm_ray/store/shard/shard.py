@@ -148,16 +148,18 @@ class CacheShard:
             found = [f or d for f, d in zip(found, self._tier.on_disk(keys))]
         return found
 
-    def acquire(self, incarnation: int, owner: int,
-                keys: Sequence[Key]) -> tuple[int, list[Slot | None], list[int]]:
-        """Pins what the pool holds, after promoting what only the disk holds (head first): the
-        engine's lookup is asynchronous, so the disk read delays this answer, never a step. Also
-        says which keys (indices) were read from disk for it: the engine counts its disk hits."""
+    def acquire(self, incarnation: int, owner: int, keys: Sequence[Key],
+                recompute_bytes_s: float = 0.0) -> tuple[int, list[Slot | None], list[int]]:
+        """Pins what the pool holds, after promoting what only the disk holds (head first) where
+        reading it is faster than the asker recomputes it (``recompute_bytes_s``, its measured
+        prefill rate; 0.0: unknown): the engine's lookup is asynchronous, so the disk read delays
+        this answer, never a step. Also says which keys (indices) were read from disk for it: the
+        engine counts its disk hits."""
         self._check(incarnation)
         if self._tier is None:
             with self._lock:
                 return (*self._index.acquire(owner, keys), [])
-        _, promoted, read = self._tier.promote_pinned(keys)
+        _, promoted, read = self._tier.promote_pinned(keys, recompute_bytes_s)
         try:
             with self._lock:
                 lease_id, slots = self._index.acquire(owner, keys)

@@ -144,6 +144,13 @@ class CacheGeometry:
     def hybrid(self) -> bool:
         return bool(self.states)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One rank's stored bytes a token: each attention group's entry over its block, each
+        state group's over the LCM block it is stored at."""
+        return round(sum(self.entry_bytes[g] / self.block_sizes[g] for g in self.attn)
+                     + sum(self.entry_bytes[g] / self.lcm for g in self.states))
+
     def hash_at(self, hashes: list, end_token: int) -> bytes:
         """The chained hash identifying the prefix ``[0, end_token)``."""
         return hashes[end_token // self.hash_block_size - 1]

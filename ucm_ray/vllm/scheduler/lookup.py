@@ -26,6 +26,7 @@ from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.scheduler.answers import StoreAnswers
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
 from ucm_ray.vllm.scheduler.handoff import Handoffs
+from ucm_ray.vllm.scheduler.prefill_rate import PrefillRate
 from ucm_ray.vllm.scheduler.request import Lookup, SlotAsks, TrackedRequest, TrackedRequests
 from ucm_ray.vllm.scheduler.saves import SavePlanner
 from ucm_ray.vllm.stats import UcmRayStats
@@ -45,7 +46,9 @@ class Lookups:
 
     def __init__(self, geometry: CacheGeometry, config: UcmRayConfig, store: BlockStore, slots: SlotSupply,
                  requests: TrackedRequests, saves: SavePlanner, answers: StoreAnswers, handoffs: Handoffs,
-                 stats: UcmRayStats, clock: Callable[[], float]) -> None:
+                 stats: UcmRayStats, clock: Callable[[], float], prefill_rate: PrefillRate) -> None:
+        """``prefill_rate``: this engine's, sent with each lookup (a shard reads a disk hit only
+        where reading it is faster than this engine recomputes it)."""
         self._geometry = geometry
         self._config = config
         self._store = store
@@ -56,6 +59,7 @@ class Lookups:
         self._handoffs = handoffs
         self._stats = stats
         self._clock = clock
+        self._prefill_rate = prefill_rate
         self._pin_pools: set[PoolKey] = set()  # pools some worker cannot validate unpinned loads of
 
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -202,6 +206,7 @@ class Lookups:
         if self._first_block_absent(tracked):
             return Lookup([], [], [], started=self._clock())  # a cold prompt: no key derived yet, and a hit of 0
         attn_keys, state_keys, futures = [], [], []
+        recompute_bytes_s = self._prefill_rate.bytes_per_s
         for rank in range(len(geometry.namespaces)):
             per_group = [tracked.attn_keys(rank, g, range(max_tokens // geometry.block_sizes[g]))
                          for g in geometry.attn]
@@ -211,7 +216,7 @@ class Lookups:
             state_keys.append(per_state)
             flat = [key for keys in per_group + per_state for key in keys]
             chain = len(per_group[0]) if per_group else None
-            futures.append(self._store.acquire(flat, self._pin_pools, chain))
+            futures.append(self._store.acquire(flat, self._pin_pools, chain, recompute_bytes_s))
         return Lookup(futures, attn_keys, state_keys, started=self._clock())
 
     def _lookup_cap(self, request: Request, full_tokens: int) -> int:

@@ -24,6 +24,7 @@ from ucm_ray.vllm.scheduler.geometry import CacheGeometry
 from ucm_ray.vllm.scheduler.handoff import Handoffs
 from ucm_ray.vllm.scheduler.loads import LoadPlanner
 from ucm_ray.vllm.scheduler.lookup import Lookups
+from ucm_ray.vllm.scheduler.prefill_rate import PrefillRate
 from ucm_ray.vllm.scheduler.request import Phase, TrackedRequests
 from ucm_ray.vllm.scheduler.results import Results
 from ucm_ray.vllm.scheduler.save_jobs import SaveJobs
@@ -64,8 +65,9 @@ class SchedulerPart:
         save_jobs = SaveJobs(store, self.slots, self.geometry.entry_bytes, self._requests, job_ids, clock)
         self.saves = SavePlanner(self.geometry, store, self.slots, self._requests, save_jobs, self.stats, clock)
         self.handoffs = Handoffs(self.geometry, config, self.stats)
+        self.prefill_rate = PrefillRate(self.geometry.kv_bytes_per_token)
         self.lookups = Lookups(self.geometry, config, store, self.slots, self._requests, self.saves, self._answers,
-                               self.handoffs, self.stats, clock)
+                               self.handoffs, self.stats, clock, self.prefill_rate)
         self.loads = LoadPlanner(self.geometry, config, self._requests, save_jobs, job_ids, clock)
         self.results = Results(self.geometry, config, store, self._requests, self.lookups, self.loads, self.saves,
                                self._answers, self.slots, self.stats, clock)
@@ -155,6 +157,7 @@ class SchedulerPart:
             self.saves.plan_step(out, meta)
         meta.saved_requests.update(self._requests.release_held(self._clock()))
         self.timer.observe_step(out.total_num_scheduled_tokens, meta.carries_work(), self.timer.clock() - started)
+        self.prefill_rate.planned(out.total_num_scheduled_tokens, self._clock())
         return meta
 
     def _sync_pools(self, meta: UcmRayConnectorMetadata) -> None:
@@ -167,6 +170,7 @@ class SchedulerPart:
             self.lookups.keep_pools(set(pools.descriptors))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.prefill_rate.answered(self._clock())
         results = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(results, UcmRayWorkerMetadata):  # None: a step whose workers had nothing to say
             self._take_results(results)

@@ -19,9 +19,10 @@ crash the store serves it, and a crash loses the pool's copy too, so it is lost,
 
 Promotion is planned against the measured cost of its reads (``ReadCost``: a chunk's seconds as a
 fixed part plus a part per byte, fitted to the chunks this tier read): keys are read only while
-reading is worth it. A chunk that would take longer to read than the engines take to recompute it
-(``recompute_bytes_s``, the prefill's KV bytes per second) is not read, and nor is anything after
-it; otherwise only the head of a lookup's disk keys that is predicted read within ``wait_s`` is
+reading is worth it. A chunk that would take longer to read than the asking engine takes to
+recompute it (the prefill's KV bytes per second: the engine's own measured rate, sent with its
+lookup, or the fleet's ``recompute_bytes_s`` where that is set) is not read, and nor is anything
+after it; otherwise only the head of a lookup's disk keys that is predicted read within ``wait_s`` is
 reserved and read, so no clean entry is evicted for a read the bound would give up anyway. The
 keys cut are misses, recomputed (``promote_skipped``).
 """
@@ -52,8 +53,8 @@ duration where that is longer (manifest writes take at most a tenth of the tier'
 RATE_WEIGHT = 0.3
 """Weight of the newest chunk in the measured read cost: a few chunks follow a change of load."""
 PROBE_S = 10.0
-"""While the plan cuts keys, one chunk is still read this often: the rate is only measured by
-reading, and a rate measured under a burst of load must be able to recover."""
+"""While the plan cuts keys, one chunk is still read when nothing was for this long: the rate is
+only measured by reading, and a rate measured under a burst of load must be able to recover."""
 
 
 @dataclass
@@ -91,7 +92,7 @@ class DiskTier:
         shard's control calls. Watermarks are fractions of the pool's capacity. ``wait_s``: the
         longest one ``promote`` reads from disk (the shard's calls wait behind it).
         ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
-        measured slower is not read (0: always read)."""
+        measured slower is not read (0: the asking engine's rate, given to ``promote_pinned``)."""
         if not 0 <= low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
         self._index = index
@@ -219,11 +220,11 @@ class DiskTier:
         with self._disk_lock:
             self._store.close()
 
-    def promote(self, keys: Sequence[Key]) -> list[bool]:
+    def promote(self, keys: Sequence[Key], recompute_bytes_s: float = 0.0) -> list[bool]:
         """Bring ``keys`` from disk into the pool, head first; per key, whether it is in the pool
         now (already there, or read and committed). A key whose bytes fail their check is dropped
         from disk and reported False (the engine recomputes it)."""
-        out, lease, _ = self.promote_pinned(keys)
+        out, lease, _ = self.promote_pinned(keys, recompute_bytes_s)
         with self._lock:
             self._index.release(self._owner, [lease])
         return out
@@ -232,7 +233,8 @@ class DiskTier:
         with self._lock:
             self._index.release(self._owner, [lease])
 
-    def promote_pinned(self, keys: Sequence[Key]) -> tuple[list[bool], int, list[int]]:
+    def promote_pinned(self, keys: Sequence[Key],
+                       recompute_bytes_s: float = 0.0) -> tuple[list[bool], int, list[int]]:
         """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
         with ``unpin`` once the reader pinned them), and the indices of the keys it read from disk
         (checked and committed): promoting a later key of a prompt must not
@@ -240,13 +242,14 @@ class DiskTier:
         flight together, one commit), the next chunk's reads in flight while the last one commits
         (the disk lock is held throughout: demotion waits, at most ``wait_s`` and a read); no read
         starts once ``wait_s`` has passed: the keys left are misses (recomputed), so no shard call
-        waits on the disk longer than that and a read."""
+        waits on the disk longer than that and a read. ``recompute_bytes_s``: the asking engine's
+        prefill rate (0.0: unknown, read), used unless the tier was given one."""
         deadline = time.monotonic() + self._wait_s
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
         missing = [i for i, found in enumerate(out) if not found]
-        todo = self._worth_reading(keys, missing)
+        todo = self._worth_reading(keys, missing, self._recompute_bytes_s or recompute_bytes_s)
         started = 0
         with self._disk_lock:
             reading: _Chunk | None = None
@@ -266,13 +269,13 @@ class DiskTier:
             self._after_turned_off()
         return out, lease, [i for i in missing if out[i]]
 
-    def _worth_reading(self, keys: Sequence[Key], todo: list[int]) -> list[int]:
+    def _worth_reading(self, keys: Sequence[Key], todo: list[int], recompute_bytes_s: float) -> list[int]:
         """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
         docstring says, chunk by chunk as ``promote_pinned`` reads them: all of it until a chunk
         was measured; then chunks while each costs less to read than to recompute (``read_cost``
-        against ``recompute_bytes_s``) and the reads end within ``wait_s``, and of the chunk that
-        would not end in time, the keys that would. When that cuts keys and ``PROBE_S`` has
-        passed, one chunk is read regardless (the cost is measured again). Sizes are dict probes
+        against ``recompute_bytes_s``; 0: no limit) and the reads end within ``wait_s``, and of the
+        chunk that would not end in time, the keys that would. When that cuts keys and nothing was
+        read for ``PROBE_S``, one chunk is read regardless (the cost is measured again). Sizes are dict probes
         without the disk lock (as ``on_disk``): a lookup never waits behind a demotion batch."""
         if not self.read_cost.samples or not todo:
             return todo
@@ -281,7 +284,7 @@ class DiskTier:
         keep = 0
         for first in range(0, len(todo), PROMOTE_CHUNK):
             sizes = [self._store.size_of(keys[i]) or 0 for i in todo[first:first + PROMOTE_CHUNK]]
-            if self._recompute_bytes_s and fixed + per_byte * sum(sizes) > sum(sizes) / self._recompute_bytes_s:
+            if recompute_bytes_s and fixed + per_byte * sum(sizes) > sum(sizes) / recompute_bytes_s:
                 break  # recomputing these is faster than reading them
             spent, fits = fixed, 0
             for size in sizes:
@@ -325,8 +328,11 @@ class DiskTier:
         pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots:
         one commit per reservation."""
         read = chunk.finish()
-        self.read_cost.add(sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None),
-                           time.monotonic() - chunk.started)
+        done = time.monotonic()
+        nbytes = sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None)
+        self.read_cost.add(nbytes, done - chunk.started)
+        if nbytes:
+            self._probed_at = done  # measured: no probe is owed for another PROBE_S
         gone = self._store.take_gone()  # a failed check dropped it
         by_token: dict[int, list[tuple[int, int, int, bool | None]]] = {}
         for (i, token, offset, size), ok in zip(chunk.grants, read):

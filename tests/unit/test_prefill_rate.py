@@ -1,0 +1,99 @@
+"""The engine's prefill rate (``vllm.scheduler.prefill_rate``): what its steps took, from vLLM's real
+scheduler (the two-halves harness, a stand-in forward of a set duration), and the estimate's rules
+on step records shaped as vLLM hands them (in order, two in flight under asynchronous scheduling)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucm_ray.store.local import LocalBlockStore
+from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
+from ucm_ray.vllm.scheduler.prefill_rate import MIN_TOKENS, WINDOW, PrefillRate
+
+KV_PER_TOKEN = 32 << 10  # the GPU benchmark's ~1B model: bf16, 32 KiB of KV a token
+STEP_S = 0.05
+
+
+@pytest.fixture
+def model_dir(tmp_path_factory):
+    return write_model_dir(str(tmp_path_factory.mktemp("model")))
+
+
+def forward_takes(seconds: float):
+    """A ``before_worker`` hook: the step's forward takes ``seconds`` on the engine's clock."""
+    return lambda engine, meta: engine.clock.advance(seconds)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_engine_times_its_prefill_steps_not_its_decode_steps(model_dir, async_scheduling):
+    store = LocalBlockStore(num_shards=1, pool_bytes=64 << 20)
+    try:
+        _time_a_prompt(store, model_dir, async_scheduling)
+    finally:
+        store.shutdown()  # its pool and index in /dev/shm
+
+
+def _time_a_prompt(store: LocalBlockStore, model_dir: str, async_scheduling: bool) -> None:
+    engine = make_engine(store.client(), model_dir, max_batched=1024, async_scheduling=async_scheduling)
+    engine.clock.freeze()  # only the stand-in forward's time counts
+    engine.before_worker = forward_takes(STEP_S)
+    rate = engine.connector.scheduler_part.prefill_rate
+    assert rate.bytes_per_s == 0.0  # nothing timed yet: the shard reads what it holds
+    per_token = rate.kv_bytes_per_token
+    assert per_token == 2 * 16 * 2 * 4  # 2 layers of 1 head of 16, K and V, float32
+    engine.serve("A", prompt(2048), max_tokens=8)  # two 1,024-token prefill steps, then decode steps
+    engine.settle()
+    if async_scheduling:
+        # The harness runs the next step before it hands the last one back (vLLM's batch queue of
+        # two): a step is timed over both forwards, a rate half as high at worst (the safe side).
+        assert 1024 * per_token / (2 * STEP_S) <= rate.bytes_per_s <= 1024 * per_token / STEP_S
+    else:
+        assert rate.bytes_per_s == pytest.approx(1024 * per_token / STEP_S)  # decode steps not timed
+    assert len(rate.rates) == 2
+
+
+def test_the_median_of_recent_steps_ignores_one_slow_step_and_follows_a_change():
+    rate = PrefillRate(KV_PER_TOKEN)
+    t = 0.0
+
+    def step(tokens: int, seconds: float) -> None:
+        nonlocal t
+        rate.planned(tokens, t)
+        t += seconds
+        rate.answered(t)
+
+    step(16384, 0.122)  # the H100 crossover's 16k-token prefill of a ~1B model: 4.4 GB/s of KV
+    assert rate.bytes_per_s == pytest.approx(16384 * KV_PER_TOKEN / 0.122)
+    step(MIN_TOKENS - 1, 1.0)  # too small to mean anything
+    step(1, 0.01)  # a decode step
+    assert len(rate.rates) == 1
+    for _ in range(4):
+        step(16384, 0.122)
+    step(16384, 5.0)  # a compile, a preemption, a busy host
+    assert rate.bytes_per_s == pytest.approx(16384 * KV_PER_TOKEN / 0.122)
+    for _ in range(WINDOW):  # the engine got slower (longer prompts, more load): followed
+        step(4096, 0.244)
+    assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.244)
+    assert len(rate.rates) == WINDOW
+
+
+def test_two_steps_in_flight_are_matched_in_order():
+    """Under asynchronous scheduling vLLM plans step N+1 before step N's output comes back."""
+    rate = PrefillRate(KV_PER_TOKEN)
+    rate.planned(4096, 0.0)
+    rate.planned(1, 0.05)  # a decode step planned while the prefill runs
+    rate.answered(0.10)  # the prefill's output: 4096 tokens in 0.1 s
+    rate.planned(2048, 0.11)
+    rate.answered(0.12)  # the decode step's: not timed
+    rate.answered(0.21)  # 2048 tokens in 0.1 s
+    assert sorted(rate.rates) == pytest.approx([2048 * KV_PER_TOKEN / 0.1, 4096 * KV_PER_TOKEN / 0.1])
+
+
+def test_an_answer_that_never_comes_only_makes_later_steps_look_slower():
+    """If vLLM ever skipped a step's output, each later answer is matched to an older plan: a
+    longer time, a lower rate, so the shard reads more (as without an estimate), never less."""
+    rate = PrefillRate(KV_PER_TOKEN)
+    rate.planned(4096, 0.0)  # its answer is lost
+    rate.planned(4096, 0.1)
+    rate.answered(0.2)  # matched to the first plan: 0.2 s, not 0.1 s
+    assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.2)
