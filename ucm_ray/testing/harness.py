@@ -270,6 +270,9 @@ class Engine:
             if req_id not in failed:
                 self.wrong_blocks += len(blocks - errors)
         self.failed_loads += len(errors) + len(failed)
+        kv_output = connector_output(sending, recving, failed, errors, worker_meta)
+        if not out.total_num_scheduled_tokens:  # as vLLM's runner: empty when its workers had nothing to say
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -278,7 +281,7 @@ class Engine:
             sampled.append([POISONED_TOKEN if rid in poisoned else TOKEN] if done else [])
         return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=connector_output(sending, recving, failed, errors, worker_meta))
+            kv_connector_output=kv_output)
 
     def _apply(self, out, runner_output: ModelRunnerOutput) -> None:
         outputs = self.sched.update_from_output(out, runner_output)
