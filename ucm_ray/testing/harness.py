@@ -51,7 +51,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -270,8 +270,13 @@ class Engine:
             if req_id not in failed:
                 self.wrong_blocks += len(blocks - errors)
         self.failed_loads += len(errors) + len(failed)
-        kv_output = connector_output(sending, recving, failed, errors, worker_meta)
-        if not out.total_num_scheduled_tokens:  # as vLLM's runner: empty when its workers had nothing to say
+        return self._output(out, poisoned, connector_output(sending, recving, failed, errors, worker_meta))
+
+    def _output(self, out, poisoned: set[str], kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+        """The step's output as vLLM's model runner hands it back: a step without tokens only
+        with what its workers reported (empty when they had nothing to say); otherwise each
+        request's sampled token (``POISONED_TOKEN`` where its forward read other bytes)."""
+        if not out.total_num_scheduled_tokens:
             return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         ids = list(out.num_scheduled_tokens)
         sampled = []
