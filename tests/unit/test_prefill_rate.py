@@ -97,3 +97,44 @@ def test_an_answer_that_never_comes_only_makes_later_steps_look_slower():
     rate.planned(4096, 0.1)
     rate.answered(0.2)  # matched to the first plan: 0.2 s, not 0.1 s
     assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.2)
+
+
+def test_steps_without_a_forward_that_report_nothing_shift_no_timing():
+    """vLLM hands a step without tokens back only when its workers had something to report
+    (``ModelRunnerOutput.with_kv_conn_output_only``: nothing, and ``update_connector_output`` is
+    never called for it). Such steps run whenever nothing can be scheduled, e.g. while finished
+    requests' saves land: counting them made every later prefill's answer match an older plan."""
+    rate = PrefillRate(KV_PER_TOKEN)
+    t = 0.0
+    for _ in range(100):  # idle steps while saves land: no tokens, nothing to report
+        rate.planned(0, t)
+        t += 0.002
+    rate.planned(4096, t)
+    rate.answered(t + 0.1)
+    assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.1)
+    rate.planned(0, t + 0.2)  # one that reports (a save landed): its answer has no step of tokens to match
+    rate.answered(t + 0.21)
+    rate.planned(4096, t + 0.3)
+    rate.answered(t + 0.4)
+    assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.1)
+
+
+def test_the_harness_hands_back_what_vllms_runner_does_for_a_step_without_tokens(model_dir):
+    """The harness's engine, as vLLM's model runner: a step without tokens whose workers have
+    nothing to report comes back empty, and the connector's ``update_connector_output`` is not
+    called for it (its prefill rate is then matched step for step)."""
+    store = LocalBlockStore(num_shards=1, pool_bytes=64 << 20)
+    engine = make_engine(store.client(), model_dir, max_batched=1024)
+    engine.clock.freeze()
+    engine.before_worker = forward_takes(STEP_S)
+    answers = []
+    part = engine.connector.scheduler_part
+    update = part.update_connector_output
+    part.update_connector_output = lambda output: (answers.append(output), update(output))[-1]
+    engine.serve("A", prompt(2048), max_tokens=2)
+    engine.settle()
+    answered = len(answers)
+    engine.step()  # nothing to schedule, nothing to report
+    assert len(answers) == answered
+    engine.serve("B", prompt(2048, seed=7), max_tokens=2)
+    assert part.prefill_rate.bytes_per_s == pytest.approx(1024 * part.prefill_rate.kv_bytes_per_token / STEP_S)

@@ -51,7 +51,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -270,6 +270,14 @@ class Engine:
             if req_id not in failed:
                 self.wrong_blocks += len(blocks - errors)
         self.failed_loads += len(errors) + len(failed)
+        return self._output(out, poisoned, connector_output(sending, recving, failed, errors, worker_meta))
+
+    def _output(self, out, poisoned: set[str], kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+        """The step's output as vLLM's model runner hands it back: a step without tokens only
+        with what its workers reported (empty when they had nothing to say); otherwise each
+        request's sampled token (``POISONED_TOKEN`` where its forward read other bytes)."""
+        if not out.total_num_scheduled_tokens:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -278,7 +286,7 @@ class Engine:
             sampled.append([POISONED_TOKEN if rid in poisoned else TOKEN] if done else [])
         return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            kv_connector_output=connector_output(sending, recving, failed, errors, worker_meta))
+            kv_connector_output=kv_output)
 
     def _apply(self, out, runner_output: ModelRunnerOutput) -> None:
         outputs = self.sched.update_from_output(out, runner_output)

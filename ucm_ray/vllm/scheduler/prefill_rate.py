@@ -9,14 +9,18 @@ What is timed: from the scheduler half's plan of a step (``build_connector_meta`
 the step's output back (``update_connector_output``): the forward, its sampling and the host work
 around them, so a measured rate is, if anything, low (the shard then reads a little more than it
 should: the behaviour without an estimate). vLLM runs and hands back steps in the order it
-planned them (two in flight under asynchronous scheduling), so answers are matched to plans by
-counting. Only steps of at least ``MIN_TOKENS`` scheduled tokens are timed: a decode step's time is
+planned them (two in flight under asynchronous scheduling), so answers are matched to plans in
+order, but only steps with tokens count: a step without any (nothing to schedule, e.g. while
+finished requests' saves land) comes back only when its workers had something to report
+(``ModelRunnerOutput.with_kv_conn_output_only``), so an answer with no step of tokens in flight
+is such a step's and matches nothing, and no more than ``IN_FLIGHT`` steps are kept waiting for
+theirs. Only steps of at least ``MIN_TOKENS`` scheduled tokens are timed: a decode step's time is
 mostly fixed costs and says nothing of a prefill's. A step's bytes are its scheduled tokens times
 one rank's KV bytes a token (each rank's lookup asks for its own entries, and its forward computes
 them at the same time as the other ranks'). The estimate is the median of the last ``WINDOW`` such
 steps: one step slowed by a preemption, a compile or a busy host does not move it.
 
-Per step the cost is two counters; per timed step a deque append and a sort of ``WINDOW`` floats.
+Per step with tokens a deque append and pop; per timed step a median of ``WINDOW`` floats.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ MIN_TOKENS = 512
 """Scheduled tokens a step needs to be timed (below, fixed costs dominate its time)."""
 WINDOW = 16
 """Timed steps the median is taken over."""
+IN_FLIGHT = 2
+"""Steps vLLM plans before it hands the oldest back (its batch queue under asynchronous scheduling;
+one under synchronous): an older one waiting still would never be answered."""
 
 
 @dataclass
@@ -41,10 +48,8 @@ class PrefillRate:
     window: int = WINDOW
     bytes_per_s: float = 0.0
     """The median of the timed steps' rates; 0.0 until a step was timed (the shard then reads)."""
-    _planned: int = 0
-    _answered: int = 0
-    _timing: deque[tuple[int, float, int]] = field(default_factory=deque)
-    """(step number, planned at, tokens) of timed steps whose output has not come back."""
+    _in_flight: deque[tuple[float, int]] = field(default_factory=deque)
+    """(planned at, tokens) of the steps with tokens whose output has not come back, oldest first."""
     _rates: deque[float] = field(default_factory=deque)
 
     @property
@@ -54,18 +59,18 @@ class PrefillRate:
 
     def planned(self, tokens: int, now: float) -> None:
         """A step was planned at ``now`` with ``tokens`` scheduled tokens."""
-        self._planned += 1
-        if tokens >= self.min_tokens and self.kv_bytes_per_token > 0:
-            self._timing.append((self._planned, now, tokens))
+        if tokens <= 0:
+            return  # answered only if its workers report anything: never matched to a plan
+        while len(self._in_flight) >= IN_FLIGHT:
+            self._in_flight.popleft()
+        self._in_flight.append((now, tokens))
 
     def answered(self, now: float) -> None:
-        """The output of the oldest step not yet answered came back at ``now``."""
-        self._answered += 1
-        timing = self._timing
-        if not timing or timing[0][0] != self._answered:
-            return
-        _, started, tokens = timing.popleft()
-        if now <= started:
+        """A step's output came back at ``now``: the oldest step with tokens in flight, if any."""
+        if not self._in_flight:
+            return  # a step without tokens that had something to report
+        started, tokens = self._in_flight.popleft()
+        if tokens < self.min_tokens or self.kv_bytes_per_token <= 0 or now <= started:
             return
         rates = self._rates
         rates.append(tokens * self.kv_bytes_per_token / (now - started))
