@@ -124,17 +124,20 @@ def test_the_harness_hands_back_what_vllms_runner_does_for_a_step_without_tokens
     nothing to report comes back empty, and the connector's ``update_connector_output`` is not
     called for it (its prefill rate is then matched step for step)."""
     store = LocalBlockStore(num_shards=1, pool_bytes=64 << 20)
-    engine = make_engine(store.client(), model_dir, max_batched=1024)
-    engine.clock.freeze()
-    engine.before_worker = forward_takes(STEP_S)
-    answers = []
-    part = engine.connector.scheduler_part
-    update = part.update_connector_output
-    part.update_connector_output = lambda output: (answers.append(output), update(output))[-1]
-    engine.serve("A", prompt(2048), max_tokens=2)
-    engine.settle()
-    answered = len(answers)
-    engine.step()  # nothing to schedule, nothing to report
-    assert len(answers) == answered
-    engine.serve("B", prompt(2048, seed=7), max_tokens=2)
-    assert part.prefill_rate.bytes_per_s == pytest.approx(1024 * part.prefill_rate.kv_bytes_per_token / STEP_S)
+    try:
+        engine = make_engine(store.client(), model_dir, max_batched=1024)
+        engine.clock.freeze()
+        engine.before_worker = forward_takes(STEP_S)
+        answers = []
+        part = engine.connector.scheduler_part
+        update = part.update_connector_output
+        part.update_connector_output = lambda output: (answers.append(output), update(output))[-1]
+        engine.serve("A", prompt(2048), max_tokens=2)
+        engine.settle()
+        answered = len(answers)
+        engine.step()  # nothing to schedule, nothing to report
+        assert len(answers) == answered
+        engine.serve("B", prompt(2048, seed=7), max_tokens=2)
+        assert part.prefill_rate.bytes_per_s == pytest.approx(1024 * part.prefill_rate.kv_bytes_per_token / STEP_S)
+    finally:
+        store.shutdown()  # its pool and index in /dev/shm
