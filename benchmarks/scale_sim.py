@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
+    parser.add_argument("--popular-readers", type=int, default=0,
+                        help="(k): a block this many other nodes read within --popular-window requests is "
+                             "copied at a reader's first read (0: off)")
+    parser.add_argument("--popular-window", type=int, default=1000, help="(k): requests, see --popular-readers")
+    parser.add_argument("--spread-reads", action="store_true",
+                        help="(k): a reader past the hot prefix starts at the named pool a hash of its node picks")
     parser.add_argument("--unbounded-hot-copies", action="store_true",
                         help="(k): copy_nodes_per_pool does not bound a hot prefix's copies")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
@@ -161,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
                           copy_nodes_per_pool=args.copy_nodes_per_pool, hot_copies=args.hot_copies,
                           peer_probes=args.peer_probes, push_growth=args.push_growth,
                           push_every=args.push_every, announce_share=args.announce_share,
-                          spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies)
+                          spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
+                          popular_readers=args.popular_readers, popular_window=args.popular_window,
+                          spread_reads=args.spread_reads)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):
