@@ -9,6 +9,13 @@ landed), the next readers on its node find it locally, and other nodes' readers 
 the original. Counted per node, not per engine (a node's engines share its pool, and an engine's
 own repeat reads mostly hit vLLM's prefix cache), and per block, not per family (a system prompt
 not yet hot is the root of every document after it).
+
+A block that ``POPULAR_READERS`` other nodes began reading within ``POPULAR_WINDOW_S`` is
+popular: the next node copies it at its first read. With a random router a popular document is
+read about once per node in a large fleet, so a node's second read rarely comes and every reader
+loaded it from its writer's pool (44.8 of the hottest node's 45.3x the mean bytes at 1,000 nodes,
+docs/scaling.md, stop 55); the copy bound (``copy_nodes_per_pool``, counted by the engine over
+the pools named) still applies.
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ MAX_KEYS = 65536
 """Blocks whose readers are remembered, the least recently asked out first (~15 MB at most)."""
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
+POPULAR_READERS = 2
+"""Other nodes whose read of a block began within ``POPULAR_WINDOW_S`` that make it popular."""
+POPULAR_WINDOW_S = 60.0
+"""How recent those reads must be (a document stops being popular once its readers stop)."""
+POPULAR = 1 << 30
+"""What a popular block counts as read before: past any ``remote_copy_reads``."""
 
 
 class RemoteReads:
@@ -33,27 +46,51 @@ class RemoteReads:
         self._clock = clock
         self._keys: OrderedDict[bytes, dict[str, tuple[int, float]]] = OrderedDict()
 
-    def ask(self, keys: Sequence[bytes], reader: str) -> list[int]:
+    def ask(self, keys: Sequence[bytes], reader: str, held: Sequence[bool] | None = None) -> list[int]:
         """``reader`` (a node id) asks where ``keys`` are: per key, how many reads of it by that
-        node came before this one."""
+        node came before this one, or ``POPULAR`` where other nodes read it often enough.
+        ``held``: per key, whether any pool is named for it (None: all are); an ask of a key
+        nobody holds is no read (a writer looks its prompt up before it writes), 0."""
         now = self._clock()
         table = self._keys
         out = []
-        for key in keys:
+        for at, key in enumerate(keys):
+            if held is not None and not held[at]:
+                out.append(0)
+                continue
             readers = table.pop(key, None)
             if readers is None:
                 readers = {}
             table[key] = readers
+            popular = _popular(readers, reader, now)
             reads, began = readers.pop(reader, (0, -SESSION_S))
             if now - began >= SESSION_S:
                 reads, began = reads + 1, now
             readers[reader] = (reads, began)  # re-inserted: the most recent reader last
             if len(readers) > MAX_READERS:
                 del readers[next(iter(readers))]
-            out.append(reads - 1)
+            out.append(POPULAR if popular else reads - 1)
         while len(table) > MAX_KEYS:
             table.popitem(last=False)
         return out
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _popular(readers: dict[str, tuple[int, float]], reader: str, now: float) -> bool:
+    """Whether ``POPULAR_READERS`` nodes other than ``reader`` began a read within
+    ``POPULAR_WINDOW_S``: walked from the most recent asker back, stopping at the count or at
+    askers too old (a read begins at most ``SESSION_S`` before its node's last ask)."""
+    wanted = POPULAR_READERS
+    if wanted <= 0:
+        return False
+    since = now - POPULAR_WINDOW_S
+    for node, (_, began) in reversed(readers.items()):
+        if began < since - SESSION_S:
+            return False
+        if node != reader and began >= since:
+            wanted -= 1
+            if not wanted:
+                return True
+    return False

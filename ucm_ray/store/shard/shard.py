@@ -214,14 +214,16 @@ class CacheShard:
               reader: str = "") -> tuple[list[HintPools], list[int]]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
         (most recent first; a reader pins it there, and a stale hint is a miss there), and how
-        many times the asker's node (``reader``; none: not counted) asked for it before
-        (``RemoteReads``: its engine keeps a copy of a block it loads from another node at the
-        ``remote_copy_reads``-th). ``family``: the asker's chain from the root on, what the
-        hot-prefix learner counts and a handover reads (``FamilyRecords``)."""
+        many times the asker's node (``reader``; none: not counted) asked for it before while a
+        pool held it (``RemoteReads``: its engine keeps a copy of a block it loads from another
+        node at the ``remote_copy_reads``-th, or at its first once other nodes made it popular).
+        ``family``: the asker's chain from the root on, what the hot-prefix learner counts and a
+        handover reads (``FamilyRecords``)."""
         self._check(incarnation)
         with self._lock:
             answer = self._hints.where(keys)
-            earlier = self._remote_reads.ask(keys, reader) if reader else [0] * len(keys)
+            earlier = self._remote_reads.ask(keys, reader, [bool(pools) for pools in answer]) if reader \
+                else [0] * len(keys)
             self._records.record(family, keys)
             hot = self._hot.observe(family)
             entries = self._hot_entries(hot) if hot else {}
