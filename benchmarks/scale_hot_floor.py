@@ -58,7 +58,8 @@ class SplitBytes(HandoverCopyOnSecondRead):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_single_run_args(parser)
-    parser.add_argument("--popular-readers", type=int, default=0, help="(k): DesignParams.popular_readers")
+    parser.add_argument("--popular-readers", type=int, default=DesignParams.popular_readers,
+                        help="(k): DesignParams.popular_readers (0: before stop 55)")
     parser.add_argument("--spread-reads", action="store_true", help="(k): DesignParams.spread_reads")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)

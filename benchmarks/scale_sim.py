@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
-    parser.add_argument("--popular-readers", type=int, default=0,
+    parser.add_argument("--popular-readers", type=int, default=2,
                         help="(k): a block this many other nodes read within --popular-window requests is "
-                             "copied at a reader's first read (0: off)")
+                             "copied at a reader's first read (0: off, before stop 55)")
     parser.add_argument("--popular-window", type=int, default=1000, help="(k): requests, see --popular-readers")
     parser.add_argument("--spread-reads", action="store_true",
                         help="(k): a reader past the hot prefix starts at the named pool a hash of its node picks")

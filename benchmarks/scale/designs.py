@@ -101,11 +101,12 @@ class DesignParams:
     """(k): ``copy_nodes_per_pool`` bounds a hot prefix's copies too, counted over the pools the
     table names (as the package does since stop 53; False: a hot prefix is copied at every
     node's first read whatever the fleet's size)."""
-    popular_readers: int = 0
+    popular_readers: int = 2
     """(k): a block past the hot prefix that this many other nodes read within ``popular_window``
     requests is popular: the next reader keeps a copy at its first read, not its
-    ``copy_session``-th (0: off, the package through stop 54). The root's owner sees every
-    node's asks (``shard.remote_reads``), so it can tell."""
+    ``copy_session``-th (0: off, the package through stop 54; since stop 55 the package's
+    ``shard.remote_reads.POPULAR_READERS``). The root's owner sees every node's asks, so it
+    can tell."""
     popular_window: int = 1000
     """(k): requests within which distinct readers count towards ``popular_readers``."""
     spread_reads: bool = False
