@@ -63,10 +63,13 @@ def test_a_block_two_other_nodes_began_reading_within_the_window_is_popular_at_a
     assert reads.ask([b"doc"], "node-1") == [0]  # the same read: one node so far
     assert reads.ask([b"doc"], "node-2") == [0]  # one other node
     assert reads.ask([b"doc", b"other"], "node-3") == [remote_reads.POPULAR, 0]
-    assert reads.ask([b"doc"], "node-1") == [remote_reads.POPULAR]  # node-2 and node-3 read it too
+    assert reads.ask([b"doc"], "node-3") == [remote_reads.POPULAR]  # the same read, told the same
+    assert reads.ask([b"doc"], "node-1") == [0]  # node-1's first read still
+    clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "node-1") == [remote_reads.POPULAR]  # its second: node-2 and node-3 read it too
     clock.advance(remote_reads.POPULAR_WINDOW_S + remote_reads.SESSION_S)
     assert reads.ask([b"doc"], "node-4") == [0]  # their reads are too old now
-    assert reads.ask([b"doc"], "node-1") == [1]  # only node-4's within the window: node-1's second read
+    assert reads.ask([b"doc"], "node-1") == [2]  # only node-4's within the window: node-1's third read
 
 
 def test_popularity_counts_reads_not_asks_and_only_within_the_window(monkeypatch):
@@ -80,6 +83,19 @@ def test_popularity_counts_reads_not_asks_and_only_within_the_window(monkeypatch
     clock.advance(remote_reads.POPULAR_WINDOW_S - 5 * SESSION_S)  # n1's reads all began longer ago
     assert reads.ask([b"doc"], "n4") == [0]  # n2, n3 within the window: two of three
     assert reads.ask([b"doc"], "n5") == [remote_reads.POPULAR]  # n2, n3, n4
+
+
+def test_no_more_reads_of_a_block_are_told_it_is_popular_than_the_askers_copy_bound():
+    """Each read told so keeps a copy: unbounded, popular copies filled evicting pools at 100
+    nodes (docs/scaling.md, stop 55); the engine's own count of named pools stops at 4."""
+    reads, clock = _reads()
+    reads.ask([b"doc"], "n1", copy_bound=2)
+    reads.ask([b"doc"], "n2", copy_bound=2)
+    told = [reads.ask([b"doc"], f"n{i}", copy_bound=2)[0] for i in range(3, 7)]
+    assert told == [remote_reads.POPULAR] * 2 + [0] * 2
+    clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "n5", copy_bound=2) == [1]  # its second read: counted, not told
+    assert reads.ask([b"doc"], "n7") == [remote_reads.POPULAR]  # no bound asked
 
 
 def test_an_ask_of_a_block_no_pool_holds_is_no_read():

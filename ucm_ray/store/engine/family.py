@@ -69,7 +69,8 @@ class FamilyAcquire(Pending[ReadLease]):
         family root on, shown to the root's owner (what its hot-prefix learner counts);
         ``reader``: this node's id (the root's owner counts each node's reads of each block:
         ``ReadLease.earlier_reads``); ``copy_bound``: pools named for a block past which it is
-        not copied (``copy_bound()``; 0: none)."""
+        not copied (``copy_bound()``; 0: none), and the root's owner's bound on the readers it
+        tells a block is popular (``shard.remote_reads``)."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -119,7 +120,7 @@ class FamilyAcquire(Pending[ReadLease]):
             return
         keys = [self._keys[i] for i in self._asked.tolist()]
         posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys, self._family,
-                                          self._reader)
+                                          self._reader, self._copy_bound)
         self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
         lease.calls += 1
 

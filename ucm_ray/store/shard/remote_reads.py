@@ -14,8 +14,10 @@ A block that ``POPULAR_READERS`` other nodes began reading within ``POPULAR_WIND
 popular: the next node copies it at its first read. With a random router a popular document is
 read about once per node in a large fleet, so a node's second read rarely comes and every reader
 loaded it from its writer's pool (44.8 of the hottest node's 45.3x the mean bytes at 1,000 nodes,
-docs/scaling.md, stop 55); the copy bound (``copy_nodes_per_pool``, counted by the engine over
-the pools named) still applies.
+docs/scaling.md, stop 55). At most the asker's copy bound (``copy_nodes_per_pool``: one pool per
+that many nodes) of reads of a block are told so: the engine's own count of the pools named
+for a block stops at the 4 a root's owner names (``MAX_POOLS_PER_KEY``), and unbounded, popular
+copies filled evicting pools at 100 nodes (2.8 points of hits below per-block placement).
 """
 
 from __future__ import annotations
@@ -39,18 +41,32 @@ POPULAR = 1 << 30
 """What a popular block counts as read before: past any ``remote_copy_reads``."""
 
 
+class _Block:
+    """One block's reader nodes, least recent first: per node, its reads, when the last began and
+    whether that read was told the block is popular; and how many reads were told so."""
+
+    __slots__ = ("readers", "told")
+
+    def __init__(self) -> None:
+        self.readers: dict[str, tuple[int, float, bool]] = {}
+        self.told = 0
+
+
 class RemoteReads:
     """Per block, per reader node: its reads (``SESSION_S`` apart) and when the last began."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._keys: OrderedDict[bytes, dict[str, tuple[int, float]]] = OrderedDict()
+        self._keys: OrderedDict[bytes, _Block] = OrderedDict()
 
-    def ask(self, keys: Sequence[bytes], reader: str, held: Sequence[bool] | None = None) -> list[int]:
+    def ask(self, keys: Sequence[bytes], reader: str, held: Sequence[bool] | None = None,
+            copy_bound: int = 0) -> list[int]:
         """``reader`` (a node id) asks where ``keys`` are: per key, how many reads of it by that
-        node came before this one, or ``POPULAR`` where other nodes read it often enough.
-        ``held``: per key, whether any pool is named for it (None: all are); an ask of a key
-        nobody holds is no read (a writer looks its prompt up before it writes), 0."""
+        node came before this one, or ``POPULAR`` where other nodes read it often enough
+        (decided at a read's first ask; at most ``copy_bound`` reads of a block are told so, each
+        keeping a copy: the asker's ``copy_nodes_per_pool`` bound, 0: none). ``held``: per key,
+        whether any pool is named for it (None: all are); an ask of a key nobody holds is no
+        read (a writer looks its prompt up before it writes), 0."""
         now = self._clock()
         table = self._keys
         out = []
@@ -58,18 +74,20 @@ class RemoteReads:
             if held is not None and not held[at]:
                 out.append(0)
                 continue
-            readers = table.pop(key, None)
-            if readers is None:
-                readers = {}
-            table[key] = readers
-            popular = _popular(readers, reader, now)
-            reads, began = readers.pop(reader, (0, -SESSION_S))
-            if now - began >= SESSION_S:
+            block = table.pop(key, None)
+            if block is None:
+                block = _Block()
+            table[key] = block
+            readers = block.readers
+            reads, began, told = readers.pop(reader, (0, -SESSION_S, False))
+            if now - began >= SESSION_S:  # a new read
                 reads, began = reads + 1, now
-            readers[reader] = (reads, began)  # re-inserted: the most recent reader last
+                told = (not copy_bound or block.told < copy_bound) and _popular(readers, reader, now)
+                block.told += told
+            readers[reader] = (reads, began, told)  # re-inserted: the most recent reader last
             if len(readers) > MAX_READERS:
                 del readers[next(iter(readers))]
-            out.append(POPULAR if popular else reads - 1)
+            out.append(POPULAR if told else reads - 1)
         while len(table) > MAX_KEYS:
             table.popitem(last=False)
         return out
@@ -78,7 +96,7 @@ class RemoteReads:
         return len(self._keys)
 
 
-def _popular(readers: dict[str, tuple[int, float]], reader: str, now: float) -> bool:
+def _popular(readers: dict[str, tuple[int, float, bool]], reader: str, now: float) -> bool:
     """Whether ``POPULAR_READERS`` nodes other than ``reader`` began a read within
     ``POPULAR_WINDOW_S``: walked from the most recent asker back, stopping at the count or at
     askers too old (a read begins at most ``SESSION_S`` before its node's last ask)."""
@@ -86,7 +104,7 @@ def _popular(readers: dict[str, tuple[int, float]], reader: str, now: float) -> 
     if wanted <= 0:
         return False
     since = now - POPULAR_WINDOW_S
-    for node, (_, began) in reversed(readers.items()):
+    for node, (_, began, _) in reversed(readers.items()):
         if began < since - SESSION_S:
             return False
         if node != reader and began >= since:
