@@ -148,7 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--popular-readers", type=int, default=2,
                         help="(k): a block this many other nodes read within --popular-window requests is "
                              "copied at a reader's first read (0: off, before stop 55)")
-    parser.add_argument("--popular-window", type=int, default=1000, help="(k): requests, see --popular-readers")
+    parser.add_argument("--popular-window", type=int, default=DesignParams.popular_window,
+                        help="(k): requests, see --popular-readers")
+    parser.add_argument("--unbounded-popular", action="store_true",
+                        help="(k): every reader of a popular block copies it, not the copy bound's count")
+    parser.add_argument("--popular-share", type=float, default=1.0,
+                        help="(k): readers told a block is popular, at most this share of the copy bound")
     parser.add_argument("--spread-reads", action="store_true",
                         help="(k): a reader past the hot prefix starts at the named pool a hash of its node picks")
     parser.add_argument("--unbounded-hot-copies", action="store_true",
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
                           push_every=args.push_every, announce_share=args.announce_share,
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
-                          spread_reads=args.spread_reads)
+                          spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
+                          popular_share=args.popular_share)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):
