@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     add_single_run_args(parser)
     parser.add_argument("--popular-readers", type=int, default=DesignParams.popular_readers,
                         help="(k): DesignParams.popular_readers (0: before stop 55)")
-    parser.add_argument("--spread-reads", action="store_true", help="(k): DesignParams.spread_reads")
+    parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
+                        help="(k): DesignParams.spread_reads off (before stop 55)")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))

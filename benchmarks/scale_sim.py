@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): every reader of a popular block copies it, not the copy bound's count")
     parser.add_argument("--popular-share", type=float, default=1.0,
                         help="(k): readers told a block is popular, at most this share of the copy bound")
-    parser.add_argument("--spread-reads", action="store_true",
-                        help="(k): a reader past the hot prefix starts at the named pool a hash of its node picks")
+    parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
+                        help="(k): a reader past the hot prefix starts at the most recent pool named (before stop 55)")
     parser.add_argument("--unbounded-hot-copies", action="store_true",
                         help="(k): copy_nodes_per_pool does not bound a hot prefix's copies")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "

@@ -118,10 +118,14 @@ class DesignParams:
     popular_share: float = 1.0
     """(k), ``bound_popular``: the readers told a block is popular are at most this share of the
     copy bound, rounded up."""
-    spread_reads: bool = False
+    spread_from: int = MAX_POOLS_PER_KEY
+    """(k), ``spread_reads``: only a block named by at least this many pools is spread (fewer:
+    the most recent first, as before)."""
+    spread_reads: bool = True
     """(k): a reader of a block past the hot prefix starts at the pool a hash of its node picks
     among the ``MAX_POOLS_PER_KEY`` most recent the root's owner names (as ``spread_hot_reads``
-    for a hot block's), not at the most recent."""
+    for a hot block's), not at the most recent (the package since stop 55: with popular copies
+    bounded, the last copy made would serve every later reader)."""
     seed: int = 0
 
 
@@ -958,7 +962,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             return None
         newest = list(reversed(listed))
         named, older = newest[:MAX_POOLS_PER_KEY], newest[MAX_POOLS_PER_KEY:]
-        start = (node * 0x9E3779B1) % len(named)
+        start = (node * 0x9E3779B1) % len(named) if len(named) >= self.params.spread_from else 0
         order = ([self._previous] if self._previous in listed else []) + named[start:] + named[:start] + older
         found = self._first_holding(key, order, tally)
         if found is not None and found != node:
