@@ -145,6 +145,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
+    parser.add_argument("--popular-readers", type=int, default=2,
+                        help="(k): a block this many other nodes read within --popular-window requests is "
+                             "copied at a reader's first read (0: off, before stop 55)")
+    parser.add_argument("--popular-window", type=int, default=DesignParams.popular_window,
+                        help="(k): requests, see --popular-readers")
+    parser.add_argument("--unbounded-popular", action="store_true",
+                        help="(k): every reader of a popular block copies it, not the copy bound's count")
+    parser.add_argument("--popular-share", type=float, default=1.0,
+                        help="(k): readers told a block is popular, at most this share of the copy bound")
+    parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
+                        help="(k): a reader past the hot prefix starts at the most recent pool named (before stop 55)")
     parser.add_argument("--unbounded-hot-copies", action="store_true",
                         help="(k): copy_nodes_per_pool does not bound a hot prefix's copies")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
@@ -161,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
                           copy_nodes_per_pool=args.copy_nodes_per_pool, hot_copies=args.hot_copies,
                           peer_probes=args.peer_probes, push_growth=args.push_growth,
                           push_every=args.push_every, announce_share=args.announce_share,
-                          spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies)
+                          spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
+                          popular_readers=args.popular_readers, popular_window=args.popular_window,
+                          spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
+                          popular_share=args.popular_share)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

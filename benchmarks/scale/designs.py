@@ -27,6 +27,7 @@ from benchmarks.scale.metrics import INDEX_ENTRY_BYTES, DesignStats, RequestTall
 from benchmarks.scale.workload import Request
 from ucm_ray.store.hot_prefixes import shared_prefix
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
+from ucm_ray.store.shard.remote_reads import MAX_READERS
 
 DIRECTORY_NODE = 0
 """The node the directory actor runs on (``hot_copies="pushed"``: copies are announced to it)."""
@@ -100,6 +101,31 @@ class DesignParams:
     """(k): ``copy_nodes_per_pool`` bounds a hot prefix's copies too, counted over the pools the
     table names (as the package does since stop 53; False: a hot prefix is copied at every
     node's first read whatever the fleet's size)."""
+    popular_readers: int = 2
+    """(k): a block past the hot prefix that this many other nodes read within ``popular_window``
+    requests is popular: the next reader keeps a copy at its first read, not its
+    ``copy_session``-th (0: off, the package through stop 54; since stop 55 the package's
+    ``shard.remote_reads.POPULAR_READERS``). The root's owner sees every node's asks, so it
+    can tell."""
+    popular_window: int = 200
+    """(k): requests of the whole fleet within which distinct readers count towards
+    ``popular_readers``: a popular document's readers come together, a chat's turns (one user)
+    come apart (1,000: 1.4 points of hits below per-block at 100 nodes random, copies of chat
+    histories filling evicting pools; 200: 0.8, as without popular copies)."""
+    bound_popular: bool = True
+    """(k): the root's owner tells at most the copy bound's count of readers that a block is
+    popular (each such reader keeps a copy; False: every reader while it is popular)."""
+    popular_share: float = 1.0
+    """(k), ``bound_popular``: the readers told a block is popular are at most this share of the
+    copy bound, rounded up."""
+    spread_from: int = MAX_POOLS_PER_KEY
+    """(k), ``spread_reads``: only a block named by at least this many pools is spread (fewer:
+    the most recent first, as before)."""
+    spread_reads: bool = True
+    """(k): a reader of a block past the hot prefix starts at the pool a hash of its node picks
+    among the ``MAX_POOLS_PER_KEY`` most recent the root's owner names (as ``spread_hot_reads``
+    for a hot block's), not at the most recent (the package since stop 55: with popular copies
+    bounded, the last copy made would serve every later reader)."""
     seed: int = 0
 
 
@@ -800,6 +826,11 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """Per hot block, the pools the table named when it became hot (``hot_copies`` != registered)."""
         self._announced: dict[bytes, dict[int, None]] = {}
         """``hot_copies="pushed"``: per hot block, the copies announced to the directory, not pushed yet."""
+        self._readers: dict[bytes, dict[int, int]] = {}
+        """``popular_readers``: per block, the nodes that read it from another node and when (a
+        request index), least recent first, at most ``MAX_READERS`` (as ``shard.remote_reads``)."""
+        self._popular_told: Counter[bytes] = Counter()
+        """``bound_popular``: per block, the readers told it is popular."""
         self._windows = 0
         self._hot_reader = -1
         self._hot_family = b""
@@ -827,7 +858,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             key = req.keys[position]
             if position >= self._hot_blocks:
                 self._reads[req.node, key] += 1
-                if self._reads[req.node, key] < self.params.copy_session:
+                popular = self._popular(key, req)
+                if self._reads[req.node, key] < self.params.copy_session and not popular:
                     continue
                 if bound and self.holders(key) >= bound:
                     continue
@@ -849,6 +881,28 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         stored = self.save_local(req, again)
         tally.copy_bytes += len(stored) * self.cluster.block_bytes
         return stored
+
+    def _popular(self, key: bytes, req: Request) -> bool:
+        """Whether ``popular_readers`` other nodes read ``key`` within ``popular_window`` requests
+        (this read counted for the next)."""
+        wanted = self.params.popular_readers
+        if not wanted:
+            return False
+        readers = self._readers.setdefault(key, {})
+        since = req.index - self.params.popular_window
+        others = sum(1 for node, at in readers.items() if node != req.node and at > since)
+        readers.pop(req.node, None)
+        readers[req.node] = req.index
+        if len(readers) > MAX_READERS:
+            del readers[next(iter(readers))]
+        if others < wanted:
+            return False
+        bound = -(-int(self.copy_bound() * self.params.popular_share * 1000) // 1000)
+        if self.params.bound_popular and bound:
+            if self._popular_told[key] >= bound:
+                return False
+            self._popular_told[key] += 1
+        return True
 
     def _announces(self, node: int) -> bool:
         """Whether ``node`` tells the directory of its copies of this request's hot prefix."""
@@ -878,6 +932,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             self.stats.index_bytes += tally.index_bytes
 
     def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
+        if key not in self.table and self.params.spread_reads and key not in self.cluster.stored[node]:
+            return self._spread_copy(key, node, tally)
         if self.params.hot_copies == "registered" or key not in self.table or key in self.cluster.stored[node]:
             return super()._valid_copy(key, node, tally)
         order = []
@@ -890,6 +946,24 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             start = (node * 0x9E3779B1) % len(named)
             named = named[start:] + named[:start]
         order += named
+        found = self._first_holding(key, order, tally)
+        if found is not None and found != node:
+            self._previous = found
+        return found
+
+    def _spread_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
+        """``spread_reads``: past the hot prefix, the previous block's source if it holds the key,
+        else the most recent ``MAX_POOLS_PER_KEY`` named from the one a hash of the node picks,
+        then older ones."""
+        if self.hint_root.get(key) != self._root:
+            return None  # registered under another root (``BuiltHotRoots._valid_copy``)
+        listed = self.locs.get(key)
+        if not listed:
+            return None
+        newest = list(reversed(listed))
+        named, older = newest[:MAX_POOLS_PER_KEY], newest[MAX_POOLS_PER_KEY:]
+        start = (node * 0x9E3779B1) % len(named) if len(named) >= self.params.spread_from else 0
+        order = ([self._previous] if self._previous in listed else []) + named[start:] + named[:start] + older
         found = self._first_holding(key, order, tally)
         if found is not None and found != node:
             self._previous = found

@@ -168,6 +168,41 @@ class ClientProcess:
         self.client.release(lease.lease_ids).result()
         return None if lease.earlier_reads is None else lease.earlier_reads.tolist()
 
+    def read_and_keep(self, keys: list[bytes], seed: int = 0) -> dict:
+        """A reader's connector on this node: one lookup (pinned, then released) telling this
+        node's reads of each key before (``ReadLease.earlier_reads``) and the node of the pool
+        each was found in, then the bytes (how many exact); where the root's owner counted a
+        key as popular (``POPULAR``), a copy of it kept in this node's pool, committed under the
+        keys' family as the connector's ``keep_copies`` saves are (its hint goes to the root's
+        owner). How many copies became visible."""
+        from ucm_ray.store.shard.remote_reads import POPULAR
+        from ucm_ray.store.types import Location, Publishes
+        from ucm_ray.transport.base import CopyOp, Ranges, as_bytes
+
+        client = self.client
+        lease = client.acquire(keys).result()
+        client.release(lease.lease_ids).result()
+        nodes = {pool: d.node_id for pool, d in client.pools().descriptors.items()}
+        sources = [None if loc is None else nodes.get(loc.pool) for loc in lease.locations]
+        marks = [] if lease.earlier_reads is None else lease.earlier_reads.tolist()
+        got = self.read_keys(keys, seed)
+        popular = [i for i, mark in enumerate(marks) if mark == POPULAR]
+        kept = 0
+        if popular:
+            buf, tensors = arena(len(keys), seed)
+            client.register_local(buf)
+            views = [as_bytes(t) for t in tensors]
+            placed = client._reserve(keys, views, popular)
+            ops: dict = {}
+            for i, pool, _, off in placed:
+                ops.setdefault(pool, []).append(CopyOp(off, views[i]))
+            failed = client.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()},
+                                                 write=True, timeout_s=client.config.transfer_timeout_s)
+            rows = [(keys[i], Location(pool[0], pool[1], off, views[i].numel(), None), token)
+                    for i, pool, token, off in placed if pool not in failed]
+            kept = sum(client.commit(Publishes.of(rows, family=keys[0])).result())
+        return {"marks": marks, "sources": sources, "exact": got["exact"], "kept": kept}
+
     def ask(self, keys: list[bytes]) -> dict:
         """One lookup (pinned, then released): how many it found, the shard calls it took."""
         lease = self.client.acquire(keys).result()

@@ -145,6 +145,36 @@ def hot_copies_scenario() -> dict:
         stop_fleet(config)
 
 
+POPULAR_DOC = 6
+"""Blocks of the popular document (``popular`` scenario)."""
+
+
+def popular_scenario() -> dict:
+    """A document written on node 0 and read once by each of nodes 1-4 in turn (a random
+    router in a large fleet): nodes 1 and 2 read it for the first time and keep no copy; node 3's
+    first read comes after two other nodes' (``POPULAR_READERS``), so the root's owner counts it
+    popular and node 3 keeps a copy; node 4 then loads it from node 3's copy, not the writer's
+    pool. ``copy_nodes_per_pool: 1``: the bound (5 pools a block) does not stop the copy."""
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_popular", pool_bytes=32 << 20, shard_cpus=0,
+                                               lookup_timeout_s=30, copy_nodes_per_pool=1), 1)
+    try:
+        clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(config.to_dict()) for i in range(5)]
+        nodes = ray.get([c.node.remote() for c in clients])
+        doc = prompt_keys([("popular", POPULAR_DOC)])
+        written = ray.get(clients[0].write_keys.remote(doc, 13))
+        registered = lambda: sum(s["hints_registered"] for s in fleet_status(config)["shards"])  # noqa: E731
+        before = _settled(registered, lambda count: count >= POPULAR_DOC)
+        reads = [ray.get(clients[i].read_and_keep.remote(doc, 13)) for i in (1, 2, 3)]
+        after_copy = _settled(registered, lambda count: count >= before + reads[-1]["kept"])
+        reads.append(ray.get(clients[4].read_and_keep.remote(doc, 13)))
+        node_name = {node: i for i, node in enumerate(nodes)}
+        for read in reads:
+            read["sources"] = [node_name.get(source) for source in read["sources"]]
+        return {"written": sum(written), "reads": reads, "hints_registered": [before, after_copy]}
+    finally:
+        stop_fleet(config)
+
+
 def main(address: str, scenarios: str) -> None:
     """``scenarios``: comma-separated ``placement:replication`` pairs (or ``hot``: hot prefixes),
     run one after another."""
@@ -159,6 +189,9 @@ def main(address: str, scenarios: str) -> None:
                 continue
             if name == "hot_copies":
                 results[name] = hot_copies_scenario()
+                continue
+            if name == "popular":
+                results[name] = popular_scenario()
                 continue
             placement, replication = name.split(":")
             results[name] = scenario(placement, int(replication))

@@ -64,3 +64,21 @@ def test_a_lookup_tries_a_few_member_pools_of_a_block_however_many_the_table_nam
     got = read_candidates([order, pools[:2], ()], at)
     assert got[0] == [at[pool] for pool in order if pool in at][:READ_POOLS] and READ_POOLS <= 4
     assert got[1:] == [[1], []]
+
+
+def test_readers_spread_over_a_blocks_copies_once_its_root_owner_names_four():
+    """A popular document's copies stop at the copy bound, and the newest would then serve every
+    later reader: once a root's owner names 4 pools for a block (all it keeps), each reader
+    starts at the one its node picks; with fewer, the most recent writer's first, as before."""
+    from collections import Counter
+
+    from ucm_ray.store.engine.family import SPREAD_COPIES_FROM, spread_copies
+
+    assert SPREAD_COPIES_FROM == MAX_POOLS_PER_KEY
+    few = (A, B, C)
+    assert {spread_copies(few, f"node-{n}") for n in range(50)} == {few}
+    full = tuple((f"shard-{i}", i) for i in range(MAX_POOLS_PER_KEY))
+    starts = Counter(spread_copies(full, f"node-{n}")[0] for n in range(400))
+    assert set(starts) == set(full) and min(starts.values()) > 50
+    order = spread_copies(full, "node-3")
+    assert sorted(order) == sorted(full) and spread_copies(full, "node-3") == order

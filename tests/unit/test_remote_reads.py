@@ -39,6 +39,7 @@ def test_asks_within_a_second_of_a_reads_first_are_that_read():
 def test_blocks_and_readers_are_bounded_least_recent_out(monkeypatch):
     monkeypatch.setattr(remote_reads, "MAX_KEYS", 2)
     monkeypatch.setattr(remote_reads, "MAX_READERS", 2)
+    monkeypatch.setattr(remote_reads, "POPULAR_READERS", 0)  # counted reads only
     reads, clock = _reads()
     reads.ask([b"a", b"b"], "n1")
     clock.advance(SESSION_S)
@@ -51,3 +52,59 @@ def test_blocks_and_readers_are_bounded_least_recent_out(monkeypatch):
     reads.ask([b"c"], "n3")  # n1 out of c's readers
     clock.advance(SESSION_S)
     assert reads.ask([b"c"], "n1") == [0]
+
+
+def test_a_block_two_other_nodes_began_reading_within_the_window_is_popular_at_a_third_nodes_first_read():
+    """With a random router a popular document is read about once per node: the owner tells the
+    next node to copy it at its first read once ``POPULAR_READERS`` other nodes read it."""
+    assert remote_reads.POPULAR_READERS == 2
+    reads, clock = _reads()
+    assert reads.ask([b"doc", b"other"], "node-1") == [0, 0]
+    assert reads.ask([b"doc"], "node-1") == [0]  # the same read: one node so far
+    assert reads.ask([b"doc"], "node-2") == [0]  # one other node
+    assert reads.ask([b"doc", b"other"], "node-3") == [remote_reads.POPULAR, 0]
+    assert reads.ask([b"doc"], "node-3") == [remote_reads.POPULAR]  # the same read, told the same
+    assert reads.ask([b"doc"], "node-1") == [0]  # node-1's first read still
+    clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "node-1") == [remote_reads.POPULAR]  # its second: node-2 and node-3 read it too
+    clock.advance(remote_reads.POPULAR_WINDOW_S + remote_reads.SESSION_S)
+    assert reads.ask([b"doc"], "node-4") == [0]  # their reads are too old now
+    assert reads.ask([b"doc"], "node-1") == [2]  # only node-4's within the window: node-1's third read
+
+
+def test_popularity_counts_reads_not_asks_and_only_within_the_window(monkeypatch):
+    monkeypatch.setattr(remote_reads, "POPULAR_READERS", 3)
+    reads, clock = _reads()
+    for node in ("n1", "n2"):
+        for _ in range(5):  # many asks of one node are one reader
+            reads.ask([b"doc"], node)
+            clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "n3") == [0]
+    clock.advance(remote_reads.POPULAR_WINDOW_S - 5 * SESSION_S)  # n1's reads all began longer ago
+    assert reads.ask([b"doc"], "n4") == [0]  # n2, n3 within the window: two of three
+    assert reads.ask([b"doc"], "n5") == [remote_reads.POPULAR]  # n2, n3, n4
+
+
+def test_no_more_reads_of_a_block_are_told_it_is_popular_than_the_askers_copy_bound():
+    """Each read told so keeps a copy: unbounded, popular copies filled evicting pools at 100
+    nodes (docs/scaling.md, stop 55); the engine's own count of named pools stops at 4."""
+    reads, clock = _reads()
+    reads.ask([b"doc"], "n1", copy_bound=2)
+    reads.ask([b"doc"], "n2", copy_bound=2)
+    told = [reads.ask([b"doc"], f"n{i}", copy_bound=2)[0] for i in range(3, 7)]
+    assert told == [remote_reads.POPULAR] * 2 + [0] * 2
+    clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "n5", copy_bound=2) == [1]  # its second read: counted, not told
+    assert reads.ask([b"doc"], "n7") == [remote_reads.POPULAR]  # no bound asked
+
+
+def test_an_ask_of_a_block_no_pool_holds_is_no_read():
+    """A writer looks its prompt up before it writes: that miss must not count its node as a
+    reader of what it then writes (two readers after it would make it popular at once)."""
+    reads, clock = _reads()
+    assert reads.ask([b"doc", b"new"], "writer", held=[True, False]) == [0, 0]
+    assert reads.ask([b"new"], "n1") == [0]
+    assert reads.ask([b"new"], "n2") == [0]  # one other reader: the writer's miss did not count
+    assert reads.ask([b"new"], "n3") == [remote_reads.POPULAR]
+    clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "writer") == [1]  # a held key's ask is a read

@@ -43,6 +43,15 @@ row names up to ``copy_bound`` pools (100 at 1,000 nodes): a 128-block hot prefi
 ~2.8 ms of this step's Python with all of them, ~0.9-1.7 ms with 4 (docs/performance-log.md, review54)."""
 
 
+SPREAD_COPIES_FROM = 4
+"""A root's owner names a block's pools most recent first, at most 4 (``shard.hints``'s
+``MAX_POOLS_PER_KEY``); once it names that many (a block copied widely: a popular document),
+a reader starts at the one a hash of its node picks (``spread_copies``). Bounded by the copy
+bound, popular copies stop, and the last one made would serve every later reader: in the
+simulation's small popular-document run (200 nodes) the hottest node's bytes were 24.7x the mean
+newest-first, 19.0x spread (unbounded copies: 18.8x), docs/scaling.md, stop 55."""
+
+
 def mark_enough_copies(earlier: np.ndarray, rows: Sequence[int], named: Sequence[int], bound: int) -> None:
     """Rows whose key the root's owner named ``bound`` pools or more for (``named``, per row of
     ``rows``) count as ``ENOUGH_COPIES`` in ``earlier`` (every row when the bound is 1: the
@@ -69,8 +78,9 @@ class FamilyAcquire(Pending[ReadLease]):
         family root on, shown to the root's owner (what its hot-prefix learner counts);
         ``reader``: this node's id (the root's owner counts each node's reads of each block:
         ``ReadLease.earlier_reads``); ``copy_bound``: pools named for a block past which it is
-        not copied (``copy_bound()``; 0: none); ``recompute_bytes_s``: the asker's prefill rate
-        (``BlockStore.acquire``), sent to the pools it names too."""
+        not copied (``copy_bound()``; 0: none), and the root's owner's bound on the readers it
+        tells a block is popular (``shard.remote_reads``); ``recompute_bytes_s``: the asker's
+        prefill rate (``BlockStore.acquire``), sent to the pools it names too."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -121,7 +131,7 @@ class FamilyAcquire(Pending[ReadLease]):
             return
         keys = [self._keys[i] for i in self._asked.tolist()]
         posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys, self._family,
-                                          self._reader)
+                                          self._reader, self._copy_bound)
         self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
         lease.calls += 1
 
@@ -139,7 +149,7 @@ class FamilyAcquire(Pending[ReadLease]):
         if answer:
             pools, earlier_reads = answer
             earlier[self._asked] = earlier_reads
-            named.update(zip(self._asked.tolist(), pools))
+            named.update(zip(self._asked.tolist(), (spread_copies(row, self._reader) for row in pools)))
             mark_enough_copies(earlier, self._asked.tolist(), _members(pools, at), self._copy_bound)
         self._local.result().earlier_reads = earlier  # the lease ``result`` returns
         if not named:
@@ -166,6 +176,13 @@ def spread(pools: Sequence[PoolKey], reader: str) -> Sequence[PoolKey]:
         return pools
     start = zlib.crc32(reader.encode()) % len(pools)
     return tuple(pools[start:]) + tuple(pools[:start])
+
+
+def spread_copies(pools: Sequence[PoolKey], reader: str) -> Sequence[PoolKey]:
+    """A root's owner's pools for a block (most recent first), in the order ``reader``'s node tries
+    them: as named while fewer than ``SPREAD_COPIES_FROM`` (the most recent writer holds the
+    longest prefix, and is its pool's most recently used), else ``spread``."""
+    return spread(pools, reader) if len(pools) >= SPREAD_COPIES_FROM else pools
 
 
 def read_candidates(named: Sequence[Sequence[PoolKey]], at: Mapping[PoolKey, int]) -> list[list[int]]:

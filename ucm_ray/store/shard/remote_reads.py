@@ -9,6 +9,15 @@ landed), the next readers on its node find it locally, and other nodes' readers 
 the original. Counted per node, not per engine (a node's engines share its pool, and an engine's
 own repeat reads mostly hit vLLM's prefix cache), and per block, not per family (a system prompt
 not yet hot is the root of every document after it).
+
+A block that ``POPULAR_READERS`` other nodes began reading within ``POPULAR_WINDOW_S`` is
+popular: the next node copies it at its first read. With a random router a popular document is
+read about once per node in a large fleet, so a node's second read rarely comes and every reader
+loaded it from its writer's pool (44.8 of the hottest node's 45.3x the mean bytes at 1,000 nodes,
+docs/scaling.md, stop 55). At most the asker's copy bound (``copy_nodes_per_pool``: one pool per
+that many nodes) of reads of a block are told so: the engine's own count of the pools named
+for a block stops at the 4 a root's owner names (``MAX_POOLS_PER_KEY``), and unbounded, popular
+copies filled evicting pools at 100 nodes (2.8 points of hits below per-block placement).
 """
 
 from __future__ import annotations
@@ -24,6 +33,27 @@ MAX_KEYS = 65536
 """Blocks whose readers are remembered, the least recently asked out first (~15 MB at most)."""
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
+POPULAR_READERS = 2
+"""Other nodes whose read of a block began within ``POPULAR_WINDOW_S`` that make it popular."""
+POPULAR_WINDOW_S = 10.0
+"""How recent those reads must be: a popular document's readers come together, while a chat's
+turns on other nodes (one user's history, read by whichever node the router picked) come a
+user's reply apart; the hot-prefix learner's window too. In the simulation a window of 1,000
+requests counted chats and cost 1.4 points of hits at 100 nodes, 200 requests 0.8 (as
+without popular copies); the seconds are not calibrated by it."""
+POPULAR = 1 << 30
+"""What a popular block counts as read before: past any ``remote_copy_reads``."""
+
+
+class _Block:
+    """One block's reader nodes, least recent first: per node, its reads, when the last began and
+    whether that read was told the block is popular; and how many reads were told so."""
+
+    __slots__ = ("readers", "told")
+
+    def __init__(self) -> None:
+        self.readers: dict[str, tuple[int, float, bool]] = {}
+        self.told = 0
 
 
 class RemoteReads:
@@ -31,29 +61,58 @@ class RemoteReads:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._keys: OrderedDict[bytes, dict[str, tuple[int, float]]] = OrderedDict()
+        self._keys: OrderedDict[bytes, _Block] = OrderedDict()
 
-    def ask(self, keys: Sequence[bytes], reader: str) -> list[int]:
+    def ask(self, keys: Sequence[bytes], reader: str, held: Sequence[bool] | None = None,
+            copy_bound: int = 0) -> list[int]:
         """``reader`` (a node id) asks where ``keys`` are: per key, how many reads of it by that
-        node came before this one."""
+        node came before this one, or ``POPULAR`` where other nodes read it often enough
+        (decided at a read's first ask; at most ``copy_bound`` reads of a block are told so, each
+        keeping a copy: the asker's ``copy_nodes_per_pool`` bound, 0: none). ``held``: per key,
+        whether any pool is named for it (None: all are); an ask of a key nobody holds is no
+        read (a writer looks its prompt up before it writes), 0."""
         now = self._clock()
         table = self._keys
         out = []
-        for key in keys:
-            readers = table.pop(key, None)
-            if readers is None:
-                readers = {}
-            table[key] = readers
-            reads, began = readers.pop(reader, (0, -SESSION_S))
-            if now - began >= SESSION_S:
+        for at, key in enumerate(keys):
+            if held is not None and not held[at]:
+                out.append(0)
+                continue
+            block = table.pop(key, None)
+            if block is None:
+                block = _Block()
+            table[key] = block
+            readers = block.readers
+            reads, began, told = readers.pop(reader, (0, -SESSION_S, False))
+            if now - began >= SESSION_S:  # a new read
                 reads, began = reads + 1, now
-            readers[reader] = (reads, began)  # re-inserted: the most recent reader last
+                told = (not copy_bound or block.told < copy_bound) and _popular(readers, reader, now)
+                block.told += told
+            readers[reader] = (reads, began, told)  # re-inserted: the most recent reader last
             if len(readers) > MAX_READERS:
                 del readers[next(iter(readers))]
-            out.append(reads - 1)
+            out.append(POPULAR if told else reads - 1)
         while len(table) > MAX_KEYS:
             table.popitem(last=False)
         return out
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _popular(readers: dict[str, tuple[int, float, bool]], reader: str, now: float) -> bool:
+    """Whether ``POPULAR_READERS`` nodes other than ``reader`` began a read within
+    ``POPULAR_WINDOW_S``: walked from the most recent asker back, stopping at the count or at
+    askers too old (a read begins at most ``SESSION_S`` before its node's last ask)."""
+    wanted = POPULAR_READERS
+    if wanted <= 0:
+        return False
+    since = now - POPULAR_WINDOW_S
+    for node, (_, began, _) in reversed(readers.items()):
+        if began < since - SESSION_S:
+            return False
+        if node != reader and began >= since:
+            wanted -= 1
+            if not wanted:
+                return True
+    return False

@@ -213,17 +213,20 @@ class CacheShard:
             self._hints.register((pool[0], pool[1]), keys)
 
     def where(self, incarnation: int, keys: Sequence[Key], family: Sequence[Key] = (),
-              reader: str = "") -> tuple[list[HintPools], list[int]]:
+              reader: str = "", copy_bound: int = 0) -> tuple[list[HintPools], list[int]]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
         (most recent first; a reader pins it there, and a stale hint is a miss there), and how
-        many times the asker's node (``reader``; none: not counted) asked for it before
-        (``RemoteReads``: its engine keeps a copy of a block it loads from another node at the
-        ``remote_copy_reads``-th). ``family``: the asker's chain from the root on, what the
-        hot-prefix learner counts and a handover reads (``FamilyRecords``)."""
+        many times the asker's node (``reader``; none: not counted) asked for it before while a
+        pool held it (``RemoteReads``: its engine keeps a copy of a block it loads from another
+        node at the ``remote_copy_reads``-th, or at its first once other nodes made it popular).
+        ``family``: the asker's chain from the root on, what the hot-prefix learner counts and a
+        handover reads (``FamilyRecords``); ``copy_bound``: the asker's bound on a block's copies
+        (``copy_nodes_per_pool``; 0: none), past which no reader is told a block is popular."""
         self._check(incarnation)
         with self._lock:
             answer = self._hints.where(keys)
-            earlier = self._remote_reads.ask(keys, reader) if reader else [0] * len(keys)
+            held = [bool(pools) for pools in answer]
+            earlier = self._remote_reads.ask(keys, reader, held, copy_bound) if reader else [0] * len(keys)
             self._records.record(family, keys)
             hot = self._hot.observe(family)
             entries = self._hot_entries(hot) if hot else {}

@@ -1,0 +1,48 @@
+"""A popular document's copies under writer-local placement, on five raylets (one shard each):
+a document read once by each of several nodes (a random router in a large fleet: no node reads
+it twice, so ``remote_copy_reads: 2`` never copies it) is counted popular by its family root's
+owner once two other nodes read it (``shard.remote_reads.POPULAR_READERS``); the next node
+keeps a copy at its first read, and a later node loads from that copy, not the writer's pool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+from tests.support.private_cluster import PrivateCluster, cluster_env
+from ucm_ray.store.shard.remote_reads import POPULAR
+
+DOC = 6
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(5)])
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "tests/support/writer_local_driver.py"), cluster.address,
+                               "popular"], capture_output=True, text=True, timeout=300, env=cluster_env(), cwd=ROOT)
+    finally:
+        cluster.close()
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["popular"]
+
+
+def test_a_third_nodes_first_read_of_a_block_two_other_nodes_read_keeps_a_copy(result):
+    assert result["written"] == DOC
+    first, second, third, _ = result["reads"]
+    for read in (first, second):  # a node's first read, fewer than two other nodes before it
+        assert read == {"marks": [0] * DOC, "sources": [0] * DOC, "exact": DOC, "kept": 0}
+    # two other nodes read it: popular, so node 3 keeps a copy at its first read
+    assert third == {"marks": [POPULAR] * DOC, "sources": [0] * DOC, "exact": DOC, "kept": DOC}
+    before, after = result["hints_registered"]
+    assert after == before + DOC  # the copy registered at the family root's owner
+
+
+def test_a_fourth_nodes_read_loads_from_the_copy_not_the_writer(result):
+    fourth = result["reads"][3]
+    assert fourth["sources"] == [3] * DOC  # the most recent holder first: node 3's copy
+    assert fourth["exact"] == DOC
