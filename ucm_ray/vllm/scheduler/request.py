@@ -40,15 +40,20 @@ class Family:
     hot: int
     """Leading blocks of the first attention group in the hot prefix."""
 
-    def of(self, group_is_chain: bool, block: int, copy: bool = False) -> bytes:
-        """The root a block is registered under; ``NO_HINT`` for a copy of a hot prefix's block
+    def roots(self, group_is_chain: bool, blocks: list[int], copies: set[int]) -> list[bytes]:
+        """The root each of these blocks is registered under (``copies``: those among them that
+        are copies kept of another node's block): ``NO_HINT`` for a copy of a hot prefix's block
         (``remote_copy_reads``): readers of a hot prefix take the table's pools or their own
         node's, and never ask its first block's owner, where every node's copy would be posted
         (at 1,000 nodes that owner was the fleet's hottest: docs/scaling.md, stop 53); the copy
-        is announced to the directory instead, whose table names it (stop 54)."""
-        if group_is_chain and block < self.hot:
-            return NO_HINT if copy else self.first
-        return self.root
+        is announced to the directory instead, whose table names it (stop 54). Only the hot
+        prefix's blocks (usually none) are looked at one by one."""
+        out = [self.root] * len(blocks)
+        if group_is_chain and self.hot:
+            for at, block in enumerate(blocks):
+                if block < self.hot:
+                    out[at] = NO_HINT if block in copies else self.first
+        return out
 
 
 STATE_SLOT_WAIT_S = 0.5

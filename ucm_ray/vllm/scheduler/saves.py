@@ -22,8 +22,8 @@ from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
-from ucm_ray.vllm.scheduler.request import BlockAt, SlotCounts, TrackedRequest, TrackedRequests
-from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRow, SaveRowsByRank, save_rows
+from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests
+from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, save_rows
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
@@ -205,23 +205,31 @@ class SavePlanner:
         if not tracked.pending and not tracked.finishing and self._still_waiting(tracked, filled, hashed):
             return False
         tracked.waiting_at = None
-        wanted, pending = self._wanted(tracked, since, filled)
+        wanted = self._wanted(tracked, since, filled)
         # the slots expected for what is planned now are used: a resumed request's local hit
         # must not hand them back (``skip``), or the free stock would drain
         tracked.unexpected_until = max(tracked.unexpected_until, min(tracked.saved_tokens(), tracked.expected_until))
-        if not wanted:
+        if not len(wanted):
             return False
         bound = self.jobs.bind(saves, wanted)
-        waiting = 0
-        for block, ok in zip(pending, bound.tolist()):
-            if ok:
+        if tracked.pending or not bound.all():
+            self._settle_pending(tracked, wanted, bound)
+        return bool(bound.any())
+
+    def _settle_pending(self, tracked: TrackedRequest, wanted: WantedSaves, bound: np.ndarray) -> None:
+        """Blocks planned now that got a slot are no longer pending; those without one stay
+        resident while the request runs (or is held), pending, counted as skipped once (not at
+        every retry)."""
+        ranks, groups, blocks, _ = wanted.columns()
+        if tracked.pending:
+            for block in zip(*(column[bound].tolist() for column in (groups, ranks, blocks))):
                 tracked.pending.pop(block, None)
-            else:  # no slot yet: the block stays resident while the request runs (or is held)
-                waiting += not tracked.pending.get(block, False)  # counted once, not at every retry
-                tracked.pending[block] = True
+        waiting = 0
+        for block in zip(*(column[~bound].tolist() for column in (groups, ranks, blocks))):
+            waiting += not tracked.pending.get(block, False)
+            tracked.pending[block] = True
         if waiting:
             self._stats.add(saves_skipped=waiting)
-        return bool(bound.any())
 
     def _still_waiting(self, tracked: TrackedRequest, filled: int, hashed: int) -> bool:
         """Whether a running request's blocks wait for a later plan (``_saves_wait``), recorded
@@ -237,29 +245,32 @@ class SavePlanner:
         tracked.waiting_at = (filled, hashed)
         return True  # no block filled since the last plan, or too few past the prompt yet
 
-    def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> tuple[list[SaveRow], list[BlockAt]]:
-        """The blocks to save now, as rows, and the (group, rank, block index) of each: those
-        filled since the last plan, and pending ones now valid (first)."""
-        wanted: list[SaveRow] = []  # rank, group, vLLM block id, key, family root
-        pending: list[BlockAt] = []  # where each is
+    def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> WantedSaves:
+        """The blocks to save now: those filled since the last plan, and pending ones now valid
+        (first), a run per group and rank (no Python per block but for pending ones)."""
+        wanted = WantedSaves()
         for g in self._geometry.attn:
             size = self._geometry.block_sizes[g]
             full = filled // size
             first = tracked.saved_blocks.get(g, 0)
             computed_now = range(since // size, full)
             self._drop_stale(tracked, g, computed_now.start)
+            ids = tracked.block_ids[g]
             for rank in range(len(self._geometry.namespaces)):
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
-                blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                if retry:
+                    blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                    copies = {i for i in retry if tracked.pending.get((g, rank, i), False)}  # kept copies, valid now
+                    block_ids = np.asarray([ids[i] for i in blocks], dtype=np.int64)
+                else:
+                    blocks, copies = list(range(first, full)), set()
+                    block_ids = np.asarray(ids[first:full], dtype=np.int64)
                 family = tracked.family(rank, self._store.hot_prefix)
-                chain = g == self._geometry.attn[0]
-                for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
-                    copy = tracked.pending.get((g, rank, i), False)  # True: a copy kept, valid now
-                    wanted.append((rank, g, tracked.block_ids[g][i], key, family.of(chain, i, copy)))
-                    pending.append((g, rank, i))
+                wanted.add(rank, g, np.asarray(blocks, dtype=np.int64), block_ids, tracked.attn_keys(rank, g, blocks),
+                           family.roots(g == self._geometry.attn[0], blocks, copies))
             tracked.saved_blocks[g] = max(first, full)
-        return wanted, pending
+        return wanted
 
     @staticmethod
     def _drop_stale(tracked: TrackedRequest, group: int, recomputed_from: int) -> None:
@@ -305,18 +316,20 @@ class SavePlanner:
         saved after its forward: the next step overwrites them."""
         geometry = self._geometry
         hashes = tracked.request.block_hashes
-        wanted: list[SaveRow] = []
+        wanted = WantedSaves()
         for pos in policy.state_dump_positions(tracked.request.num_computed_tokens, end, geometry.lcm):
             if pos > tracked.hashed_tokens() or pos <= tracked.last_state_pos:
                 continue
             for rank in range(len(geometry.namespaces)):
                 family = tracked.family(rank, self._store.hot_prefix).root
                 for g in geometry.states:
-                    wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
-                                   geometry.state_key(rank, hashes, g, pos), family))
+                    block = pos // geometry.block_sizes[g] - 1
+                    wanted.add(rank, g, np.asarray([block], dtype=np.int64),
+                               np.asarray([tracked.block_ids[g][block]], dtype=np.int64),
+                               [geometry.state_key(rank, hashes, g, pos)], [family])
             tracked.last_state_pos = pos
             tracked.state_positions.append(pos)
-        if wanted:
+        if len(wanted):
             lost = int((~self.jobs.bind(saves, wanted)).sum())  # a state cannot wait: it is lost
             if lost:
                 self._stats.add(saves_skipped=lost)
