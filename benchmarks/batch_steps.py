@@ -17,6 +17,9 @@ end there), over ``--requests``. The worker's ``wait_for_save`` is left out: on 
 mostly the copy itself (``save_plan.py`` times the worker's planning of a save). The scheduler's
 and the worker's shares are printed beside it (``save_scheduler_ms_per_prompt``), and with
 ``--baseline`` ``save_host_vs_baseline``. ``--async-scheduling``: vLLM's asynchronous scheduler.
+``--thread-time``: every figure in the engine thread's CPU time (``time.thread_time``) instead of
+wall time, which on a loaded box also counts other processes' turns on the cores (the baseline's
+``timed_calls`` must take a clock).
 
 Run: ``python benchmarks/batch_steps.py [--baseline /path/to/other/checkout]``.
 """
@@ -34,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 log = logging.getLogger("bench.batch_steps")
 
@@ -64,7 +68,7 @@ def _spent(step: dict[str, float], half: str) -> float:
 
 
 def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
-        window: int, async_scheduling: bool) -> dict[str, float]:
+        window: int, async_scheduling: bool, thread_time: bool) -> dict[str, float]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
     the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
     (``save_host_ms``)."""
@@ -103,7 +107,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                 targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
                 gc.collect()
                 gc.freeze()
-                with timed_calls(targets) as timed:
+                with timed_calls(targets, time.thread_time if thread_time else time.perf_counter) as timed:
                     for _ in range(steps):
                         before = {name: sum(calls) for name, calls in timed.items()}
                         if profiler is not None:
@@ -145,13 +149,14 @@ def main() -> None:
     ap.add_argument("--save-window", type=int, default=8,
                     help="steps after the prefill that announce, plan, dispatch and commit the prompts' saves")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
         print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip,
-                             args.save_window, args.async_scheduling)))
+                             args.save_window, args.async_scheduling, args.thread_time)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -162,6 +167,7 @@ def main() -> None:
                    "--prompt", str(args.prompt), "--layers", str(args.layers), "--steps", str(args.steps),
                    "--skip", str(args.skip), "--save-window", str(args.save_window)]
             cmd += ["--async-scheduling"] if args.async_scheduling else []
+            cmd += ["--thread-time"] if args.thread_time else []
             python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
             out = subprocess.run(cmd + (["--profile"] if args.profile else []),
                                  env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
