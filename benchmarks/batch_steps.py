@@ -10,10 +10,11 @@ and the worst steps, per hook, and with ``--profile`` our functions that took th
 checkout's code in the same run (alternating processes) and prints ``batch_hooks_vs_baseline``.
 
 With ``--skip 0`` it also prints what saving the fresh prompts cost the engine's host, per prompt
-(``save_host_ms_per_prompt``): the hooks' time over the ``--save-window`` steps after the prefill
-(the prompts' announcement, plan, dispatch and the results' commit), less as many quiet decode
-steps (the median of the steps after the window, the batch's last step left out: its requests
-end there), over ``--requests``. The worker's ``wait_for_save`` is left out: on CPU pools it is
+(``save_host_ms_per_prompt``): the hooks' time over the steps after the prefill up to the one
+after which every prompt block was sent to commit and the store answered (the prompts'
+announcement, plan, any retries for slots, dispatch and the results' commit: the save window),
+less as many quiet decode steps (the median of the steps after the window, the batch's last step
+left out: its requests end there), over ``--requests``. The worker's ``wait_for_save`` is left out: on CPU pools it is
 mostly the copy itself (``save_plan.py`` times the worker's planning of a save). The scheduler's
 and the worker's shares are printed beside it (``save_scheduler_ms_per_prompt``), and with
 ``--baseline`` ``save_host_vs_baseline``. ``--async-scheduling``: vLLM's asynchronous scheduler.
@@ -49,11 +50,12 @@ SAVE_EXCLUDED = ("worker.wait_for_save",)
 def save_host_ms(per_step: list[dict[str, float]], window: int, requests: int) -> dict[str, float]:
     """Per prompt, the host ms the steps after the prefill (steps 1 to ``window``) spent in the
     hooks beyond as many quiet steps (the median of the later ones but the last), in all and
-    per half (scheduler, worker), ``wait_for_save`` left out."""
+    per half (scheduler, worker), ``wait_for_save`` left out; ``save_window_steps``: ``window``."""
     quiet_steps = per_step[window + 1:-1]
     if len(quiet_steps) < 3:
-        raise SystemExit(f"--steps must exceed --save-window + 4 (got {len(per_step)} steps, window {window})")
-    out: dict[str, float] = {}
+        raise SystemExit(f"the prompts' saves took {window} of {len(per_step)} steps: too few quiet ones left, "
+                         "raise --steps")
+    out: dict[str, float] = {"save_window_steps": window}
     for half, key in (("scheduler", "save_scheduler_ms_per_prompt"), ("worker", "save_worker_ms_per_prompt"),
                       ("", "save_host_ms_per_prompt")):
         quiet = statistics.median(_spent(step, half) for step in quiet_steps)
@@ -68,7 +70,7 @@ def _spent(step: dict[str, float], half: str) -> float:
 
 
 def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
-        window: int, async_scheduling: bool, thread_time: bool) -> dict[str, float]:
+        async_scheduling: bool, thread_time: bool) -> dict[str, float]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
     the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
     (``save_host_ms``)."""
@@ -88,6 +90,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
     cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="ucm_ray_batch_steps")
     per_step: list[float] = []
     per_hook: list[dict[str, float]] = []  # per step, seconds per hook
+    window = 0  # the step after which the prompts' saves were committed
     totals: dict[str, float] = {}
     profiler = cProfile.Profile() if profile else None
     try:
@@ -100,6 +103,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
             try:
                 engine.serve("warm", prompt(prompt_tokens, seed=1), max_tokens=2)  # pools mapped, code warm
                 engine.settle()
+                part = engine.connector.scheduler_part
+                saved = part.stats.totals.get("saved_blocks", 0) + requests * (prompt_tokens // 16)
                 for i in range(requests):
                     engine.add(f"r{i}", prompt(prompt_tokens, seed=100 + i), max_tokens=skip + steps)
                 for _ in range(skip):
@@ -117,6 +122,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                             profiler.disable()
                         per_hook.append({name: sum(calls) - before[name] for name, calls in timed.items()})
                         per_step.append(sum(per_hook[-1].values()))
+                        if not window and part.stats.totals.get("saved_blocks", 0) >= saved and part.settled():
+                            window = len(per_step) - 1
                 totals = {name: sum(calls) for name, calls in timed.items() if calls}
                 engine.settle()
                 if engine.wrong_blocks or engine.failed_loads:
@@ -133,7 +140,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
     log.info("worst steps (index: ms): %s", {i: round(1e3 * per_step[i], 2) for i in worst})
     return {"hooks_ms": 1e3 * sum(per_step), "worst_step_ms": 1e3 * max(per_step),
             "median_step_ms": 1e3 * statistics.median(per_step),
-            **(save_host_ms(per_hook, window, requests) if not skip else {}),
+            **(save_host_ms(per_hook, window or len(per_hook), requests) if not skip else {}),
             **{f"{name}_ms": round(1e3 * s, 3) for name, s in totals.items()}}
 
 
@@ -146,8 +153,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray runs in the same run")
     ap.add_argument("--skip", type=int, default=0, help="steps run untimed first (0: time the prompts' steps)")
-    ap.add_argument("--save-window", type=int, default=8,
-                    help="steps after the prefill that announce, plan, dispatch and commit the prompts' saves")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
     ap.add_argument("--profile", action="store_true")
@@ -156,7 +161,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
         print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip,
-                             args.save_window, args.async_scheduling, args.thread_time)))
+                             args.async_scheduling, args.thread_time)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -165,7 +170,7 @@ def main() -> None:
         for name, path in checkouts.items():
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests),
                    "--prompt", str(args.prompt), "--layers", str(args.layers), "--steps", str(args.steps),
-                   "--skip", str(args.skip), "--save-window", str(args.save_window)]
+                   "--skip", str(args.skip)]
             cmd += ["--async-scheduling"] if args.async_scheduling else []
             cmd += ["--thread-time"] if args.thread_time else []
             python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
@@ -177,7 +182,8 @@ def main() -> None:
                 sys.stderr.write(out.stderr[-12000:])
             got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             log.info("%s: %s", name, got[name][-1])
-    saves = ("save_host_ms_per_prompt", "save_scheduler_ms_per_prompt", "save_worker_ms_per_prompt")
+    saves = ("save_host_ms_per_prompt", "save_scheduler_ms_per_prompt", "save_worker_ms_per_prompt",
+             "save_window_steps")
     for name, runs in got.items():
         suffix = "" if name == "this" else "_baseline"
         for key in ("hooks_ms", "worst_step_ms", "median_step_ms"):
