@@ -18,9 +18,12 @@ left out: its requests end there), over ``--requests``. The worker's ``wait_for_
 mostly the copy itself (``save_plan.py`` times the worker's planning of a save). The scheduler's
 and the worker's shares are printed beside it (``save_scheduler_ms_per_prompt``), and with
 ``--baseline`` ``save_host_vs_baseline``. ``--async-scheduling``: vLLM's asynchronous scheduler.
-``--thread-time``: every figure in the engine thread's CPU time (``time.thread_time``) instead of
-wall time, which on a loaded box also counts other processes' turns on the cores (the baseline's
-``timed_calls`` must take a clock).
+``--step-gap-ms``: a pause between steps, untimed (a small model's forward on a GPU, ~2 ms,
+during which the store's answers come in: with none, the CPU stand-in's fast decode steps ran
+past the prompts' wait for their slots, and the slots' arrival in steps, which sets how often a
+save is retried, followed this box's load). ``--thread-time``: every figure in the engine
+thread's CPU time (``time.thread_time``) instead of wall time, which on a loaded box also counts
+other processes' turns on the cores (the baseline's ``timed_calls`` must take a clock).
 
 Run: ``python benchmarks/batch_steps.py [--baseline /path/to/other/checkout]``.
 """
@@ -70,7 +73,7 @@ def _spent(step: dict[str, float], half: str) -> float:
 
 
 def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
-        async_scheduling: bool, thread_time: bool) -> dict[str, float]:
+        async_scheduling: bool, thread_time: bool, step_gap_s: float) -> dict[str, float]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
     the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
     (``save_host_ms``)."""
@@ -122,6 +125,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                             profiler.disable()
                         per_hook.append({name: sum(calls) - before[name] for name, calls in timed.items()})
                         per_step.append(sum(per_hook[-1].values()))
+                        time.sleep(step_gap_s)
                         if not window and part.stats.totals.get("saved_blocks", 0) >= saved and part.settled():
                             window = len(per_step) - 1
                 totals = {name: sum(calls) for name, calls in timed.items() if calls}
@@ -154,6 +158,7 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray runs in the same run")
     ap.add_argument("--skip", type=int, default=0, help="steps run untimed first (0: time the prompts' steps)")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--step-gap-ms", type=float, default=2.0, help="untimed pause between steps (a GPU's forward)")
     ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -161,7 +166,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
         print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip,
-                             args.async_scheduling, args.thread_time)))
+                             args.async_scheduling, args.thread_time, args.step_gap_ms / 1e3)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -173,6 +178,7 @@ def main() -> None:
                    "--skip", str(args.skip)]
             cmd += ["--async-scheduling"] if args.async_scheduling else []
             cmd += ["--thread-time"] if args.thread_time else []
+            cmd += ["--step-gap-ms", str(args.step_gap_ms)]
             python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
             out = subprocess.run(cmd + (["--profile"] if args.profile else []),
                                  env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
