@@ -20,10 +20,11 @@ import numpy as np
 from ucm_ray import policy
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
 from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests
-from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, save_rows
+from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, one_pool_list, save_rows
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
@@ -76,13 +77,14 @@ class SavePlanner:
         until = min(until, tracked.hashed_tokens())
         if until <= start:
             return {}
-        return self._counts_of(*self._keys_between(tracked, start, until))
+        return self._counts_of(*self._owners_between(tracked, start, until))
 
-    def _counts_of(self, keys: list[bytes], sizes: list[int]) -> SlotCounts:
-        """Per (pool, entry size), how many entries saving ``keys`` (of ``sizes``) writes."""
-        if not keys:
+    @staticmethod
+    def _counts_of(pools: list[PoolKey], owners: np.ndarray, sizes: list[int]) -> SlotCounts:
+        """Per (pool, entry size), how many entries saving keys of these ``owners`` (rows of
+        indices into ``pools``, and ``sizes``) writes."""
+        if not len(owners):
             return {}
-        pools, owners = self._store.placement(keys)
         distinct = set(sizes)  # a model's groups have one or two entry sizes
         out: SlotCounts = {}
         for size in distinct:
@@ -94,22 +96,29 @@ class SavePlanner:
             out.update(((pools[pool_at], size), count) for pool_at, count in enumerate(counts) if count)
         return out
 
-    def _keys_between(self, tracked: TrackedRequest, start: int, until: int) -> tuple[list[bytes], list[int]]:
-        """The keys (and entry sizes) of the blocks and states of the prompt's ``[start, until)``."""
+    def _owners_between(self, tracked: TrackedRequest, start: int,
+                        until: int) -> tuple[list[PoolKey], np.ndarray, list[int]]:
+        """The owners (and entry sizes) of the keys of the blocks and states of the prompt's
+        ``[start, until)``: the blocks' as placed once per request, the states' placed now."""
         geometry = self._geometry
         hashes = tracked.request.block_hashes
-        keys: list[bytes] = []
+        placed: list[tuple[list[PoolKey], np.ndarray]] = []
         sizes: list[int] = []
+        state_keys: list[bytes] = []
         for rank in range(len(geometry.namespaces)):
             for g in geometry.attn:
                 blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
-                keys.extend(tracked.attn_keys(rank, g, blocks))
-                sizes.extend([geometry.entry_bytes[g]] * len(blocks))
+                if len(blocks):
+                    placed.append(tracked.attn_owners(rank, g, blocks, self._store))
+                    sizes.extend([geometry.entry_bytes[g]] * len(blocks))
             for g in geometry.states:
                 for pos in range((start // geometry.lcm + 1) * geometry.lcm, until + 1, geometry.lcm):
-                    keys.append(geometry.state_key(rank, hashes, g, pos))
+                    state_keys.append(geometry.state_key(rank, hashes, g, pos))
                     sizes.append(geometry.entry_bytes[g])
-        return keys, sizes
+        if state_keys:
+            placed.append(self._store.placement(state_keys))
+        pools, owners = one_pool_list(placed)
+        return pools, owners, sizes
 
     def skip(self, tracked: TrackedRequest, until: int) -> None:
         """Blocks up to token ``until`` came from vLLM's own cache or the store (a loaded tail
@@ -127,14 +136,15 @@ class SavePlanner:
         """Blocks of the request's hit (per attention group, their indices) that its landed load
         brought from another node, to be saved again into this node's pool by the next plans,
         as a pending save is; their slots are announced now."""
-        keys: list[bytes] = []
+        placed: list[tuple[list[PoolKey], np.ndarray]] = []
         sizes: list[int] = []
         for g, indices in blocks.items():
             tracked.keep_copies(g, rank, indices)
-            keys.extend(tracked.attn_keys(rank, g, indices))
+            placed.append(tracked.attn_owners(rank, g, indices, self._store))
             sizes.extend([self._geometry.entry_bytes[g]] * len(indices))
-        self._slots.expect(self._counts_of(keys, sizes), later=True)  # one ask per class a tick, whatever the ranks
-        self._stats.add(copies_kept=len(keys))
+        # one ask per class a tick, whatever the ranks
+        self._slots.expect(self._counts_of(*one_pool_list(placed), sizes), later=True)
+        self._stats.add(copies_kept=len(sizes))
 
     # --- the step's plan --------------------------------------------------------------------
 
@@ -268,7 +278,8 @@ class SavePlanner:
                     block_ids = np.asarray(ids[first:full], dtype=np.int64)
                 family = tracked.family(rank, self._store.hot_prefix)
                 wanted.add(rank, g, np.asarray(blocks, dtype=np.int64), block_ids, tracked.attn_keys(rank, g, blocks),
-                           family.roots(g == self._geometry.attn[0], blocks, copies))
+                           family.roots(g == self._geometry.attn[0], blocks, copies),
+                           tracked.attn_owners(rank, g, blocks, self._store))
             tracked.saved_blocks[g] = max(first, full)
         return wanted
 
@@ -316,19 +327,24 @@ class SavePlanner:
         saved after its forward: the next step overwrites them."""
         geometry = self._geometry
         hashes = tracked.request.block_hashes
-        wanted = WantedSaves()
+        runs: list[tuple[int, int, int, bytes, bytes]] = []  # rank, group, block index, key, family root
         for pos in policy.state_dump_positions(tracked.request.num_computed_tokens, end, geometry.lcm):
             if pos > tracked.hashed_tokens() or pos <= tracked.last_state_pos:
                 continue
             for rank in range(len(geometry.namespaces)):
                 family = tracked.family(rank, self._store.hot_prefix).root
                 for g in geometry.states:
-                    block = pos // geometry.block_sizes[g] - 1
-                    wanted.add(rank, g, np.asarray([block], dtype=np.int64),
-                               np.asarray([tracked.block_ids[g][block]], dtype=np.int64),
-                               [geometry.state_key(rank, hashes, g, pos)], [family])
+                    runs.append((rank, g, pos // geometry.block_sizes[g] - 1, geometry.state_key(rank, hashes, g, pos),
+                                 family))
             tracked.last_state_pos = pos
             tracked.state_positions.append(pos)
+        wanted = WantedSaves()
+        if runs:
+            pools, owners = self._store.placement([key for _, _, _, key, _ in runs])  # one call for the step's states
+            for at, (rank, g, block, key, family) in enumerate(runs):
+                wanted.add(rank, g, np.asarray([block], dtype=np.int64),
+                           np.asarray([tracked.block_ids[g][block]], dtype=np.int64), [key], [family],
+                           (pools, owners[at:at + 1]))
         if len(wanted):
             lost = int((~self.jobs.bind(saves, wanted)).sum())  # a state cannot wait: it is lost
             if lost:
