@@ -11,17 +11,19 @@ checkout's code in the same run (alternating processes) and prints ``batch_hooks
 
 With ``--skip 0`` it also prints what saving the fresh prompts cost the engine's host, per prompt
 (``save_host_ms_per_prompt``): the hooks' time over the steps after the prefill up to the one
-after which every prompt block was sent to commit and the store answered (the prompts'
-announcement, plan, any retries for slots, dispatch and the results' commit: the save window),
+after which every prompt block was sent to commit (the prompts' announcement, plan, any retries
+for slots, dispatch and the results' commit: the save window; the store's answer to the commit
+is collected later, at a quiet step's cost),
 less as many quiet decode steps (the median of the steps after the window, the batch's last step
 left out: its requests end there), over ``--requests``. The worker's ``wait_for_save`` is left out: on CPU pools it is
 mostly the copy itself (``save_plan.py`` times the worker's planning of a save). The scheduler's
 and the worker's shares are printed beside it (``save_scheduler_ms_per_prompt``), and with
 ``--baseline`` ``save_host_vs_baseline``. ``--async-scheduling``: vLLM's asynchronous scheduler.
-``--step-gap-ms``: a pause between steps, untimed (a small model's forward on a GPU, ~2 ms,
-during which the store's answers come in: with none, the CPU stand-in's fast decode steps ran
-past the prompts' wait for their slots, and the slots' arrival in steps, which sets how often a
-save is retried, followed this box's load). ``--thread-time``: every figure in the engine
+Between steps, untimed, it waits (up to a second) for the answers to the slot supply's asks,
+as if the store answered within a step (~2 ms on a GPU host): on this box the answers took as
+many steps as its load made them, and a prompt whose slots came after its wait
+(``PROMPT_SLOT_WAIT_S``) was planned again every step until they did (a save window of 9 to 25
+steps, 1.0 to 2.8 ms a prompt, from one run to the next). ``--thread-time``: every figure in the engine
 thread's CPU time (``time.thread_time``) instead of wall time, which on a loaded box also counts
 other processes' turns on the cores (the baseline's ``timed_calls`` must take a clock).
 
@@ -42,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 log = logging.getLogger("bench.batch_steps")
 
@@ -72,8 +75,16 @@ def _spent(step: dict[str, float], half: str) -> float:
     return sum(s for name, s in step.items() if name.startswith(half) and name not in SAVE_EXCLUDED)
 
 
+def _wait_for_slots(slots: Any, timeout_s: float = 1.0) -> None:
+    """Until every slot ask the supply posted was answered (its private list of asks: the same
+    in the baseline's checkout, which has no public way to say it)."""
+    deadline = time.monotonic() + timeout_s
+    while any(not ask.answer.poll() for ask in slots._asks) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
 def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
-        async_scheduling: bool, thread_time: bool, step_gap_s: float) -> dict[str, float]:
+        async_scheduling: bool, thread_time: bool) -> dict[str, float]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
     the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
     (``save_host_ms``)."""
@@ -125,8 +136,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                             profiler.disable()
                         per_hook.append({name: sum(calls) - before[name] for name, calls in timed.items()})
                         per_step.append(sum(per_hook[-1].values()))
-                        time.sleep(step_gap_s)
-                        if not window and part.stats.totals.get("saved_blocks", 0) >= saved and part.settled():
+                        _wait_for_slots(part.slots)
+                        if not window and part.stats.totals.get("saved_blocks", 0) >= saved:
                             window = len(per_step) - 1
                 totals = {name: sum(calls) for name, calls in timed.items() if calls}
                 engine.settle()
@@ -158,7 +169,6 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray runs in the same run")
     ap.add_argument("--skip", type=int, default=0, help="steps run untimed first (0: time the prompts' steps)")
     ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--step-gap-ms", type=float, default=2.0, help="untimed pause between steps (a GPU's forward)")
     ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -166,7 +176,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
         print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip,
-                             args.async_scheduling, args.thread_time, args.step_gap_ms / 1e3)))
+                             args.async_scheduling, args.thread_time)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -178,7 +188,6 @@ def main() -> None:
                    "--skip", str(args.skip)]
             cmd += ["--async-scheduling"] if args.async_scheduling else []
             cmd += ["--thread-time"] if args.thread_time else []
-            cmd += ["--step-gap-ms", str(args.step_gap_ms)]
             python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
             out = subprocess.run(cmd + (["--profile"] if args.profile else []),
                                  env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
