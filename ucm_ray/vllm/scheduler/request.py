@@ -42,7 +42,7 @@ class Family:
     hot: int
     """Leading blocks of the first attention group in the hot prefix."""
 
-    def roots(self, group_is_chain: bool, blocks: list[int], copies: set[int]) -> list[bytes]:
+    def roots(self, group_is_chain: bool, blocks: range | list[int], copies: set[int]) -> list[bytes]:
         """The root each of these blocks is registered under (``copies``: those among them that
         are copies kept of another node's block): ``NO_HINT`` for a copy of a hot prefix's block
         (``remote_copy_reads``): readers of a hot prefix take the table's pools or their own

@@ -269,15 +269,17 @@ class SavePlanner:
             for rank in range(len(self._geometry.namespaces)):
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
+                blocks: range | list[int] = range(first, full)  # most plans: sliced, never listed
+                copies: set[int] = set()
                 if retry:
-                    blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                    blocks = list(dict.fromkeys(retry + list(blocks)))
                     copies = {i for i in retry if tracked.pending.get((g, rank, i), False)}  # kept copies, valid now
                     block_ids = np.asarray([ids[i] for i in blocks], dtype=np.int64)
                 else:
-                    blocks, copies = list(range(first, full)), set()
                     block_ids = np.asarray(ids[first:full], dtype=np.int64)
                 family = tracked.family(rank, self._store.hot_prefix)
-                wanted.add(rank, g, np.asarray(blocks, dtype=np.int64), block_ids, tracked.attn_keys(rank, g, blocks),
+                at = np.arange(first, full) if isinstance(blocks, range) else np.asarray(blocks, dtype=np.int64)
+                wanted.add(rank, g, at, block_ids, tracked.attn_keys(rank, g, blocks),
                            family.roots(g == self._geometry.attn[0], blocks, copies),
                            tracked.attn_owners(rank, g, blocks, self._store))
             tracked.saved_blocks[g] = max(first, full)
