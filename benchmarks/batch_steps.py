@@ -9,6 +9,24 @@ and the worst steps, per hook, and with ``--profile`` our functions that took th
 (cProfile inflates small Python calls several times: use it for where, not how much). ``--baseline PATH`` runs another
 checkout's code in the same run (alternating processes) and prints ``batch_hooks_vs_baseline``.
 
+With ``--skip 0`` it also prints what saving the fresh prompts cost the engine's host, per prompt
+(``save_host_ms_per_prompt``): the hooks' time over the steps after the prefill up to the one
+after which every prompt block was sent to commit (the prompts' announcement, plan, any retries
+for slots, dispatch and the results' commit: the save window; the store's answer to the commit
+is collected later, at a quiet step's cost),
+less as many quiet decode steps (the median of the steps after the window, the batch's last step
+left out: its requests end there), over ``--requests``. The worker's ``wait_for_save`` is left out: on CPU pools it is
+mostly the copy itself (``save_plan.py`` times the worker's planning of a save). The scheduler's
+and the worker's shares are printed beside it (``save_scheduler_ms_per_prompt``), and with
+``--baseline`` ``save_host_vs_baseline``. ``--async-scheduling``: vLLM's asynchronous scheduler.
+Between steps, untimed, it waits (up to a second) for the answers to the slot supply's asks,
+as if the store answered within a step (~2 ms on a GPU host): on this box the answers took as
+many steps as its load made them, and a prompt whose slots came after its wait
+(``PROMPT_SLOT_WAIT_S``) was planned again every step until they did (a save window of 9 to 25
+steps, 1.0 to 2.8 ms a prompt, from one run to the next). ``--thread-time``: every figure in the engine
+thread's CPU time (``time.thread_time``) instead of wall time, which on a loaded box also counts
+other processes' turns on the cores (the baseline's ``timed_calls`` must take a clock).
+
 Run: ``python benchmarks/batch_steps.py [--baseline /path/to/other/checkout]``.
 """
 
@@ -25,13 +43,51 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from typing import Any
 
 log = logging.getLogger("bench.batch_steps")
 
 
-def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int) -> dict[str, float]:
+SAVE_EXCLUDED = ("worker.wait_for_save",)
+"""Hooks left out of a save's host time: on CPU pools the worker's wait is mostly the copy."""
+
+
+def save_host_ms(per_step: list[dict[str, float]], window: int, requests: int) -> dict[str, float]:
+    """Per prompt, the host ms the steps after the prefill (steps 1 to ``window``) spent in the
+    hooks beyond as many quiet steps (the median of the later ones but the last), in all and
+    per half (scheduler, worker), ``wait_for_save`` left out; ``save_window_steps``: ``window``."""
+    quiet_steps = per_step[window + 1:-1]
+    if len(quiet_steps) < 3:
+        raise SystemExit(f"the prompts' saves took {window} of {len(per_step)} steps: too few quiet ones left, "
+                         "raise --steps")
+    out: dict[str, float] = {"save_window_steps": window}
+    for half, key in (("scheduler", "save_scheduler_ms_per_prompt"), ("worker", "save_worker_ms_per_prompt"),
+                      ("", "save_host_ms_per_prompt")):
+        quiet = statistics.median(_spent(step, half) for step in quiet_steps)
+        extra = sum(_spent(step, half) - quiet for step in per_step[1:window + 1])
+        out[key] = 1e3 * extra / requests
+    return out
+
+
+def _spent(step: dict[str, float], half: str) -> float:
+    """Seconds one step spent in one half's hooks (``""``: both), ``SAVE_EXCLUDED`` left out."""
+    return sum(s for name, s in step.items() if name.startswith(half) and name not in SAVE_EXCLUDED)
+
+
+def _wait_for_slots(slots: Any, timeout_s: float = 1.0) -> None:
+    """Until every slot ask the supply posted was answered (its private list of asks: the same
+    in the baseline's checkout, which has no public way to say it)."""
+    deadline = time.monotonic() + timeout_s
+    while any(not ask.answer.poll() for ask in slots._asks) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
+def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
+        async_scheduling: bool, thread_time: bool) -> dict[str, float]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
-    the step whose hooks took longest."""
+    the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
+    (``save_host_ms``)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -47,6 +103,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
              _temp_dir=tempfile.mkdtemp(prefix="ucmb-", dir="/tmp"))
     cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="ucm_ray_batch_steps")
     per_step: list[float] = []
+    per_hook: list[dict[str, float]] = []  # per step, seconds per hook
+    window = 0  # the step after which the prompts' saves were committed
     totals: dict[str, float] = {}
     profiler = cProfile.Profile() if profile else None
     try:
@@ -55,10 +113,12 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
             blocks = requests * (prompt_tokens + steps + 64) // 16 + 16
             engine = make_engine(StoreClient(cfg), model_dir, config=cfg, block_size=16, num_layers=layers,
                                  num_blocks=blocks, max_seqs=max(8, requests),
-                                 max_batched=requests * prompt_tokens + 64)
+                                 max_batched=requests * prompt_tokens + 64, async_scheduling=async_scheduling)
             try:
                 engine.serve("warm", prompt(prompt_tokens, seed=1), max_tokens=2)  # pools mapped, code warm
                 engine.settle()
+                part = engine.connector.scheduler_part
+                saved = part.stats.totals.get("saved_blocks", 0) + requests * (prompt_tokens // 16)
                 for i in range(requests):
                     engine.add(f"r{i}", prompt(prompt_tokens, seed=100 + i), max_tokens=skip + steps)
                 for _ in range(skip):
@@ -66,15 +126,19 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                 targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
                 gc.collect()
                 gc.freeze()
-                with timed_calls(targets) as timed:
+                with timed_calls(targets, time.thread_time if thread_time else time.perf_counter) as timed:
                     for _ in range(steps):
-                        before = sum(sum(calls) for calls in timed.values())
+                        before = {name: sum(calls) for name, calls in timed.items()}
                         if profiler is not None:
                             profiler.enable()
                         engine.step()
                         if profiler is not None:
                             profiler.disable()
-                        per_step.append(sum(sum(calls) for calls in timed.values()) - before)
+                        per_hook.append({name: sum(calls) - before[name] for name, calls in timed.items()})
+                        per_step.append(sum(per_hook[-1].values()))
+                        _wait_for_slots(part.slots)
+                        if not window and part.stats.totals.get("saved_blocks", 0) >= saved:
+                            window = len(per_step) - 1
                 totals = {name: sum(calls) for name, calls in timed.items() if calls}
                 engine.settle()
                 if engine.wrong_blocks or engine.failed_loads:
@@ -91,6 +155,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
     log.info("worst steps (index: ms): %s", {i: round(1e3 * per_step[i], 2) for i in worst})
     return {"hooks_ms": 1e3 * sum(per_step), "worst_step_ms": 1e3 * max(per_step),
             "median_step_ms": 1e3 * statistics.median(per_step),
+            **(save_host_ms(per_hook, window or len(per_hook), requests) if not skip else {}),
             **{f"{name}_ms": round(1e3 * s, 3) for name, s in totals.items()}}
 
 
@@ -103,12 +168,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="processes per checkout, alternating")
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray runs in the same run")
     ap.add_argument("--skip", type=int, default=0, help="steps run untimed first (0: time the prompts' steps)")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
-        print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip)))
+        print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip,
+                             args.async_scheduling, args.thread_time)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -118,6 +186,8 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests),
                    "--prompt", str(args.prompt), "--layers", str(args.layers), "--steps", str(args.steps),
                    "--skip", str(args.skip)]
+            cmd += ["--async-scheduling"] if args.async_scheduling else []
+            cmd += ["--thread-time"] if args.thread_time else []
             python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
             out = subprocess.run(cmd + (["--profile"] if args.profile else []),
                                  env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
@@ -127,13 +197,20 @@ def main() -> None:
                 sys.stderr.write(out.stderr[-12000:])
             got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             log.info("%s: %s", name, got[name][-1])
+    saves = ("save_host_ms_per_prompt", "save_scheduler_ms_per_prompt", "save_worker_ms_per_prompt",
+             "save_window_steps")
     for name, runs in got.items():
+        suffix = "" if name == "this" else "_baseline"
         for key in ("hooks_ms", "worst_step_ms", "median_step_ms"):
-            print(f"batch_{key}{'' if name == 'this' else '_baseline'}={statistics.median(r[key] for r in runs):.3f}")
+            print(f"batch_{key}{suffix}={statistics.median(r[key] for r in runs):.3f}")
+        for key in saves if not args.skip else ():
+            print(f"{key}{suffix}={statistics.median(r[key] for r in runs):.3f}")
     if args.baseline:
-        ratio = statistics.median(r["hooks_ms"] for r in got["this"]) / statistics.median(
-            r["hooks_ms"] for r in got["baseline"])
-        print(f"batch_hooks_vs_baseline={ratio:.3f}")
+        def ratio(key: str) -> float:
+            return statistics.median(r[key] for r in got["this"]) / statistics.median(r[key] for r in got["baseline"])
+        print(f"batch_hooks_vs_baseline={ratio('hooks_ms'):.3f}")
+        if not args.skip:
+            print(f"save_host_vs_baseline={ratio('save_host_ms_per_prompt'):.3f}")
 
 
 if __name__ == "__main__":

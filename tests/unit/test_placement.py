@@ -85,3 +85,16 @@ def test_writer_local_is_per_block_on_one_node_or_without_a_local_shard():
     shards = [f"s{i}" for i in range(4)]
     for local in ([True] * 4, [False] * 4):
         assert np.array_equal(writer_owners(ks, shards, local, 2), owners(ks, shards, 2))
+
+
+def test_placements_under_two_pool_lists_are_joined_under_one():
+    """A step's saves placed under two pool lists (the fleet changed between two placements)
+    still name the pools each placement named, row by row."""
+    from ucm_ray.vllm.scheduler.save_jobs import one_pool_list
+
+    first = ([("a", 0), ("b", 0)], np.asarray([[0], [1]]))
+    later = ([("b", 0), ("c", 0)], np.asarray([[1], [0], [1]]))
+    pools, owners = one_pool_list([first, later])
+    named = [pools[row[0]] for row in owners.tolist()]
+    assert named == [("a", 0), ("b", 0), ("c", 0), ("b", 0), ("c", 0)]
+    assert one_pool_list([first])[0] == [("a", 0), ("b", 0)]

@@ -33,6 +33,7 @@ by the shard, never reused while a late copy might land.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -62,7 +63,10 @@ class _Grant:
     deadline is at least ``reserve_timeout_s`` after it."""
     renewed: float
     """When a renew was last posted."""
-    free: deque[int] = field(default_factory=deque)
+    free: list[int] = field(default_factory=list)
+    """Offsets of its free slots, handed out from the front: a list, so that a save's slots are
+    taken as one slice (one at a time from a deque, a 4k prompt's 256 slots were ~0.1 ms of the
+    scheduler's step)."""
     in_use: int = 0
 
 
@@ -349,7 +353,8 @@ class SlotSupply:
                 continue
             taken = min(count - len(out), len(grant.free))
             grant.in_use += taken
-            out.extend((grant.token, grant.free.popleft()) for _ in range(taken))
+            out.extend(zip(itertools.repeat(grant.token, taken), grant.free[:taken]))
+            del grant.free[:taken]
         if promised:
             self._unpromise(slot_class, len(out), oldest_first=True)
         # The baseline is for saves nobody announced (announced ones were asked for), and for
@@ -427,7 +432,7 @@ class SlotSupply:
         return answer
 
     def _add(self, grant: SlotGrant, posted: float) -> None:
-        entry = _Grant(grant.pool, grant.size, grant.token, posted, posted, deque(grant.offsets))
+        entry = _Grant(grant.pool, grant.size, grant.token, posted, posted, list(grant.offsets))
         self._grants[(grant.pool, grant.token)] = entry
         self._free[(grant.pool, grant.size)].append(entry)
 

@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 from vllm.v1.request import RequestStatus
 
+from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.store.types import NO_HINT, Pending, ReadLease
 from ucm_ray.transport.base import PoolKey
@@ -40,15 +42,20 @@ class Family:
     hot: int
     """Leading blocks of the first attention group in the hot prefix."""
 
-    def of(self, group_is_chain: bool, block: int, copy: bool = False) -> bytes:
-        """The root a block is registered under; ``NO_HINT`` for a copy of a hot prefix's block
+    def roots(self, group_is_chain: bool, blocks: range | list[int], copies: set[int]) -> list[bytes]:
+        """The root each of these blocks is registered under (``copies``: those among them that
+        are copies kept of another node's block): ``NO_HINT`` for a copy of a hot prefix's block
         (``remote_copy_reads``): readers of a hot prefix take the table's pools or their own
         node's, and never ask its first block's owner, where every node's copy would be posted
         (at 1,000 nodes that owner was the fleet's hottest: docs/scaling.md, stop 53); the copy
-        is announced to the directory instead, whose table names it (stop 54)."""
-        if group_is_chain and block < self.hot:
-            return NO_HINT if copy else self.first
-        return self.root
+        is announced to the directory instead, whose table names it (stop 54). Only the hot
+        prefix's blocks (usually none) are looked at one by one."""
+        out = [self.root] * len(blocks)
+        if group_is_chain and self.hot:
+            for at, block in enumerate(blocks):
+                if block < self.hot:
+                    out[at] = NO_HINT if block in copies else self.first
+        return out
 
 
 STATE_SLOT_WAIT_S = 0.5
@@ -186,6 +193,11 @@ class TrackedRequest:
     valid yet (a block whose load failed is not, until a step recomputes it)."""
     keys: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
     """(rank, attention group) -> the keys of the request's first blocks (``attn_keys``)."""
+    owners: dict[tuple[int, int], tuple[list[PoolKey], np.ndarray]] = field(default_factory=dict)
+    """(rank, attention group) -> the pools and the owners of the first of those keys, as the
+    store placed them under ``placed_under`` (``attn_owners``)."""
+    placed_under: int = -1
+    """The version of the fleet's pools that ``owners`` were placed under."""
     _families: dict[int, Family] = field(default_factory=dict)
     """Rank -> the request's family root (``family``)."""
     expected_until: int = 0  # saves of tokens below this were announced to the slot supply
@@ -287,6 +299,26 @@ class TrackedRequest:
         if isinstance(blocks, range) and blocks.step == 1:
             return known[blocks.start:blocks.stop]
         return [known[i] for i in blocks]
+
+    def attn_owners(self, rank: int, group: int, blocks: range | list[int],
+                    store: BlockStore) -> tuple[list[PoolKey], np.ndarray]:
+        """The owners of these blocks' keys (``BlockStore.placement``: the pools, and per block
+        a row of indices into them), placed once per request while the fleet's pools stay as
+        they are: its prompt's announcement and its saves both ask (placed twice, they cost a
+        4k prompt ~0.1-0.2 ms of the scheduler's step here)."""
+        version = store.pools().version
+        if version != self.placed_under:
+            self.owners.clear()
+            self.placed_under = version
+        pools, known = self.owners.get((rank, group), ([], np.zeros((0, 0), dtype=np.int64)))
+        needed = max(blocks, default=-1) + 1
+        if needed > len(known):
+            pools, more = store.placement(self.attn_keys(rank, group, range(len(known), needed)))
+            known = np.concatenate([known, more]) if len(known) else more
+            self.owners[(rank, group)] = (pools, known)
+        if isinstance(blocks, range) and blocks.step == 1:
+            return pools, known[blocks.start:blocks.stop]
+        return pools, known[np.asarray(blocks, dtype=np.int64)]
 
     def family(self, rank: int, hot_prefix: Callable[[Sequence[bytes]], int]) -> Family:
         """The family of the request's blocks on one rank: its root is the first block of its

@@ -71,8 +71,10 @@ class Results:
             stored = locations.take(rows)
             if result.checksums is not None:
                 stored.checksum = result.checksums[rows].astype(np.int64)
-            landed.append(Publishes([job.keys[row] for row in rows.tolist()], stored, job.tokens[rows],
-                                    [job.families[row] for row in rows.tolist()]))
+            every = len(rows) == len(job.keys)  # most jobs: no row picked out one by one
+            landed.append(Publishes(job.keys if every else [job.keys[row] for row in rows.tolist()], stored,
+                                    job.tokens[rows],
+                                    job.families if every else [job.families[row] for row in rows.tolist()]))
             for row in np.flatnonzero(~result.landed).tolist():
                 pool, token = locations.pools[locations.pool[row]], int(job.tokens[row])
                 if result.uncertain:

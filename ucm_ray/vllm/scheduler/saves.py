@@ -20,10 +20,11 @@ import numpy as np
 from ucm_ray import policy
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
-from ucm_ray.vllm.scheduler.request import BlockAt, SlotCounts, TrackedRequest, TrackedRequests
-from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRow, SaveRowsByRank, save_rows
+from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests
+from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, one_pool_list, save_rows
 from ucm_ray.vllm.stats import UcmRayStats
 
 if TYPE_CHECKING:
@@ -76,13 +77,14 @@ class SavePlanner:
         until = min(until, tracked.hashed_tokens())
         if until <= start:
             return {}
-        return self._counts_of(*self._keys_between(tracked, start, until))
+        return self._counts_of(*self._owners_between(tracked, start, until))
 
-    def _counts_of(self, keys: list[bytes], sizes: list[int]) -> SlotCounts:
-        """Per (pool, entry size), how many entries saving ``keys`` (of ``sizes``) writes."""
-        if not keys:
+    @staticmethod
+    def _counts_of(pools: list[PoolKey], owners: np.ndarray, sizes: list[int]) -> SlotCounts:
+        """Per (pool, entry size), how many entries saving keys of these ``owners`` (rows of
+        indices into ``pools``, and ``sizes``) writes."""
+        if not len(owners):
             return {}
-        pools, owners = self._store.placement(keys)
         distinct = set(sizes)  # a model's groups have one or two entry sizes
         out: SlotCounts = {}
         for size in distinct:
@@ -94,22 +96,29 @@ class SavePlanner:
             out.update(((pools[pool_at], size), count) for pool_at, count in enumerate(counts) if count)
         return out
 
-    def _keys_between(self, tracked: TrackedRequest, start: int, until: int) -> tuple[list[bytes], list[int]]:
-        """The keys (and entry sizes) of the blocks and states of the prompt's ``[start, until)``."""
+    def _owners_between(self, tracked: TrackedRequest, start: int,
+                        until: int) -> tuple[list[PoolKey], np.ndarray, list[int]]:
+        """The owners (and entry sizes) of the keys of the blocks and states of the prompt's
+        ``[start, until)``: the blocks' as placed once per request, the states' placed now."""
         geometry = self._geometry
         hashes = tracked.request.block_hashes
-        keys: list[bytes] = []
+        placed: list[tuple[list[PoolKey], np.ndarray]] = []
         sizes: list[int] = []
+        state_keys: list[bytes] = []
         for rank in range(len(geometry.namespaces)):
             for g in geometry.attn:
                 blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
-                keys.extend(tracked.attn_keys(rank, g, blocks))
-                sizes.extend([geometry.entry_bytes[g]] * len(blocks))
+                if len(blocks):
+                    placed.append(tracked.attn_owners(rank, g, blocks, self._store))
+                    sizes.extend([geometry.entry_bytes[g]] * len(blocks))
             for g in geometry.states:
                 for pos in range((start // geometry.lcm + 1) * geometry.lcm, until + 1, geometry.lcm):
-                    keys.append(geometry.state_key(rank, hashes, g, pos))
+                    state_keys.append(geometry.state_key(rank, hashes, g, pos))
                     sizes.append(geometry.entry_bytes[g])
-        return keys, sizes
+        if state_keys:
+            placed.append(self._store.placement(state_keys))
+        pools, owners = one_pool_list(placed)
+        return pools, owners, sizes
 
     def skip(self, tracked: TrackedRequest, until: int) -> None:
         """Blocks up to token ``until`` came from vLLM's own cache or the store (a loaded tail
@@ -127,14 +136,15 @@ class SavePlanner:
         """Blocks of the request's hit (per attention group, their indices) that its landed load
         brought from another node, to be saved again into this node's pool by the next plans,
         as a pending save is; their slots are announced now."""
-        keys: list[bytes] = []
+        placed: list[tuple[list[PoolKey], np.ndarray]] = []
         sizes: list[int] = []
         for g, indices in blocks.items():
             tracked.keep_copies(g, rank, indices)
-            keys.extend(tracked.attn_keys(rank, g, indices))
+            placed.append(tracked.attn_owners(rank, g, indices, self._store))
             sizes.extend([self._geometry.entry_bytes[g]] * len(indices))
-        self._slots.expect(self._counts_of(keys, sizes), later=True)  # one ask per class a tick, whatever the ranks
-        self._stats.add(copies_kept=len(keys))
+        # one ask per class a tick, whatever the ranks
+        self._slots.expect(self._counts_of(*one_pool_list(placed), sizes), later=True)
+        self._stats.add(copies_kept=len(sizes))
 
     # --- the step's plan --------------------------------------------------------------------
 
@@ -205,23 +215,31 @@ class SavePlanner:
         if not tracked.pending and not tracked.finishing and self._still_waiting(tracked, filled, hashed):
             return False
         tracked.waiting_at = None
-        wanted, pending = self._wanted(tracked, since, filled)
+        wanted = self._wanted(tracked, since, filled)
         # the slots expected for what is planned now are used: a resumed request's local hit
         # must not hand them back (``skip``), or the free stock would drain
         tracked.unexpected_until = max(tracked.unexpected_until, min(tracked.saved_tokens(), tracked.expected_until))
-        if not wanted:
+        if not len(wanted):
             return False
         bound = self.jobs.bind(saves, wanted)
-        waiting = 0
-        for block, ok in zip(pending, bound.tolist()):
-            if ok:
+        if tracked.pending or not bound.all():
+            self._settle_pending(tracked, wanted, bound)
+        return bool(bound.any())
+
+    def _settle_pending(self, tracked: TrackedRequest, wanted: WantedSaves, bound: np.ndarray) -> None:
+        """Blocks planned now that got a slot are no longer pending; those without one stay
+        resident while the request runs (or is held), pending, counted as skipped once (not at
+        every retry)."""
+        ranks, groups, blocks, _ = wanted.columns()
+        if tracked.pending:
+            for block in zip(*(column[bound].tolist() for column in (groups, ranks, blocks))):
                 tracked.pending.pop(block, None)
-            else:  # no slot yet: the block stays resident while the request runs (or is held)
-                waiting += not tracked.pending.get(block, False)  # counted once, not at every retry
-                tracked.pending[block] = True
+        waiting = 0
+        for block in zip(*(column[~bound].tolist() for column in (groups, ranks, blocks))):
+            waiting += not tracked.pending.get(block, False)
+            tracked.pending[block] = True
         if waiting:
             self._stats.add(saves_skipped=waiting)
-        return bool(bound.any())
 
     def _still_waiting(self, tracked: TrackedRequest, filled: int, hashed: int) -> bool:
         """Whether a running request's blocks wait for a later plan (``_saves_wait``), recorded
@@ -237,29 +255,35 @@ class SavePlanner:
         tracked.waiting_at = (filled, hashed)
         return True  # no block filled since the last plan, or too few past the prompt yet
 
-    def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> tuple[list[SaveRow], list[BlockAt]]:
-        """The blocks to save now, as rows, and the (group, rank, block index) of each: those
-        filled since the last plan, and pending ones now valid (first)."""
-        wanted: list[SaveRow] = []  # rank, group, vLLM block id, key, family root
-        pending: list[BlockAt] = []  # where each is
+    def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> WantedSaves:
+        """The blocks to save now: those filled since the last plan, and pending ones now valid
+        (first), a run per group and rank (no Python per block but for pending ones)."""
+        wanted = WantedSaves()
         for g in self._geometry.attn:
             size = self._geometry.block_sizes[g]
             full = filled // size
             first = tracked.saved_blocks.get(g, 0)
             computed_now = range(since // size, full)
             self._drop_stale(tracked, g, computed_now.start)
+            ids = tracked.block_ids[g]
             for rank in range(len(self._geometry.namespaces)):
                 retry = sorted(i for (pg, pr, i), ready in tracked.pending.items()
                                if pg == g and pr == rank and i < full and (ready or i in computed_now))
-                blocks = list(dict.fromkeys(retry + list(range(first, full))))
+                blocks: range | list[int] = range(first, full)  # most plans: sliced, never listed
+                copies: set[int] = set()
+                if retry:
+                    blocks = list(dict.fromkeys(retry + list(blocks)))
+                    copies = {i for i in retry if tracked.pending.get((g, rank, i), False)}  # kept copies, valid now
+                    block_ids = np.asarray([ids[i] for i in blocks], dtype=np.int64)
+                else:
+                    block_ids = np.asarray(ids[first:full], dtype=np.int64)
                 family = tracked.family(rank, self._store.hot_prefix)
-                chain = g == self._geometry.attn[0]
-                for i, key in zip(blocks, tracked.attn_keys(rank, g, blocks)):
-                    copy = tracked.pending.get((g, rank, i), False)  # True: a copy kept, valid now
-                    wanted.append((rank, g, tracked.block_ids[g][i], key, family.of(chain, i, copy)))
-                    pending.append((g, rank, i))
+                at = np.arange(first, full) if isinstance(blocks, range) else np.asarray(blocks, dtype=np.int64)
+                wanted.add(rank, g, at, block_ids, tracked.attn_keys(rank, g, blocks),
+                           family.roots(g == self._geometry.attn[0], blocks, copies),
+                           tracked.attn_owners(rank, g, blocks, self._store))
             tracked.saved_blocks[g] = max(first, full)
-        return wanted, pending
+        return wanted
 
     @staticmethod
     def _drop_stale(tracked: TrackedRequest, group: int, recomputed_from: int) -> None:
@@ -305,18 +329,25 @@ class SavePlanner:
         saved after its forward: the next step overwrites them."""
         geometry = self._geometry
         hashes = tracked.request.block_hashes
-        wanted: list[SaveRow] = []
+        runs: list[tuple[int, int, int, bytes, bytes]] = []  # rank, group, block index, key, family root
         for pos in policy.state_dump_positions(tracked.request.num_computed_tokens, end, geometry.lcm):
             if pos > tracked.hashed_tokens() or pos <= tracked.last_state_pos:
                 continue
             for rank in range(len(geometry.namespaces)):
                 family = tracked.family(rank, self._store.hot_prefix).root
                 for g in geometry.states:
-                    wanted.append((rank, g, tracked.block_ids[g][pos // geometry.block_sizes[g] - 1],
-                                   geometry.state_key(rank, hashes, g, pos), family))
+                    runs.append((rank, g, pos // geometry.block_sizes[g] - 1, geometry.state_key(rank, hashes, g, pos),
+                                 family))
             tracked.last_state_pos = pos
             tracked.state_positions.append(pos)
-        if wanted:
+        wanted = WantedSaves()
+        if runs:
+            pools, owners = self._store.placement([key for _, _, _, key, _ in runs])  # one call for the step's states
+            for at, (rank, g, block, key, family) in enumerate(runs):
+                wanted.add(rank, g, np.asarray([block], dtype=np.int64),
+                           np.asarray([tracked.block_ids[g][block]], dtype=np.int64), [key], [family],
+                           (pools, owners[at:at + 1]))
+        if len(wanted):
             lost = int((~self.jobs.bind(saves, wanted)).sum())  # a state cannot wait: it is lost
             if lost:
                 self._stats.add(saves_skipped=lost)
