@@ -1102,3 +1102,34 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         assert b.wrong_blocks == 0
     finally:
         store.shutdown()
+
+
+def test_a_shard_joining_while_a_prompt_is_placed_neither_fails_the_step_nor_loses_its_saves(model_dir):
+    """Replication 2 over a fleet of one shard (one owner a key); a second shard joins between
+    the placement of a hybrid prompt's attention blocks and that of its states, in one plan (on
+    Ray, ``pools()`` adopts a pushed membership at any call). Found by review: the two placements'
+    rows (one owner, then two) were joined into one array, which raised in vLLM's scheduler."""
+    store = LocalBlockStore(num_shards=1, pool_bytes=64 << 20, replication=2)
+    try:
+        client = store.client()
+        a = make_engine(client, model_dir, block_size=2048, hybrid=True)
+        p = prompt(8192)
+        attention = set(a.block_keys(p))
+        place = client.placement
+        joined: list[PoolKey] = []
+
+        def join_after_the_attention_blocks(keys):
+            placed = place(keys)
+            if not joined and len(keys) > 1 and set(keys) <= attention:
+                joined.append(store.restart("local_shard_1"))  # an id not in the fleet: a shard joins
+            return placed
+
+        client.placement = join_after_the_attention_blocks  # type: ignore[method-assign]
+        a.serve("A", p)
+        a.settle()
+        assert joined and a.wrong_blocks == 0 and a.stats()["save_failures"] == 0
+        b = make_engine(store.client(), model_dir, block_size=2048, hybrid=True)
+        assert b.serve("B", p + [3] * 300)[0] >= 8192  # A's blocks and states were saved
+        assert b.wrong_blocks == 0 and b.failed_loads == 0
+    finally:
+        store.shutdown()
