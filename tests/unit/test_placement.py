@@ -87,14 +87,27 @@ def test_writer_local_is_per_block_on_one_node_or_without_a_local_shard():
         assert np.array_equal(writer_owners(ks, shards, local, 2), owners(ks, shards, 2))
 
 
-def test_placements_under_two_pool_lists_are_joined_under_one():
-    """A step's saves placed under two pool lists (the fleet changed between two placements)
-    still name the pools each placement named, row by row."""
+def test_placements_under_two_memberships_are_placed_again_under_the_current_one():
+    """A step's saves placed in parts under one membership are joined as they are; where the
+    fleet changed between two parts (another pool list, or rows of another width: replication 2
+    over one shard, then two), every key is placed again under the current membership, never
+    joined (rows of two widths raised; an older row may name a pool that is gone)."""
+    from ucm_ray.store.local import LocalBlockStore
     from ucm_ray.vllm.scheduler.save_jobs import one_pool_list
 
-    first = ([("a", 0), ("b", 0)], np.asarray([[0], [1]]))
-    later = ([("b", 0), ("c", 0)], np.asarray([[1], [0], [1]]))
-    pools, owners = one_pool_list([first, later])
-    named = [pools[row[0]] for row in owners.tolist()]
-    assert named == [("a", 0), ("b", 0), ("c", 0), ("b", 0), ("c", 0)]
-    assert one_pool_list([first])[0] == [("a", 0), ("b", 0)]
+    store = LocalBlockStore(num_shards=1, pool_bytes=1 << 20, replication=2)
+    try:
+        ks = keys(6)
+        first = store.placement(ks[:2])
+        same = store.placement(ks[2:])
+        pools, owners = one_pool_list([first, same], lambda: ks, store)
+        assert pools == first[0] and owners.tolist() == [[0]] * 6
+        store.restart("local_shard_1")  # a second shard joins: rows two owners wide
+        later = store.placement(ks[2:])
+        assert later[1].shape == (4, 2)
+        pools, owners = one_pool_list([first, later], lambda: ks, store)
+        current = store.placement(ks)
+        assert pools == current[0] and np.array_equal(owners, current[1])
+        assert one_pool_list([first], lambda: ks[:2], store) == first
+    finally:
+        store.shutdown()

@@ -4,7 +4,7 @@ rank, and remembered until a worker reports them (or never will)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,22 +22,21 @@ Placed = tuple[list[PoolKey], np.ndarray]
 into them, best first."""
 
 
-def one_pool_list(placed: list[Placed]) -> Placed:
-    """Several placements' rows under one pool list: they were placed under one membership
-    (the fleet's pools did not change between them) unless their lists differ; then the later
-    list's indices are remapped onto the first's, pools it lacks appended."""
+def one_pool_list(placed: list[Placed], keys: Callable[[], Sequence[bytes]], store: BlockStore) -> Placed:
+    """Several placements' rows (of ``keys()``, in order) as one. They were placed under one
+    membership unless their pool lists or widths differ: the fleet changed between two of them
+    (on Ray, ``pools()`` adopts a pushed membership at any call, and a request's blocks are
+    placed once per membership). Then every key is placed again, under the current membership:
+    rows of two memberships may not be as wide (replication over fewer shards than it asks for:
+    joined, they raised in vLLM's step), and the older rows may name a pool that is gone."""
     if not placed:
         return [], np.zeros((0, 0), dtype=np.int64)
-    pools = list(placed[0][0])
-    rows = []
-    for theirs, owners in placed:
-        if theirs != pools:
-            for pool in theirs:
-                if pool not in pools:
-                    pools.append(pool)
-            owners = np.asarray([pools.index(pool) for pool in theirs], dtype=np.int64)[owners]
-        rows.append(owners)
-    return pools, rows[0] if len(rows) == 1 else np.concatenate(rows)
+    pools, first = placed[0]
+    if len(placed) == 1:
+        return pools, first
+    if any(theirs != pools or owners.shape[1] != first.shape[1] for theirs, owners in placed[1:]):
+        return store.placement(keys())
+    return pools, np.concatenate([owners for _, owners in placed])
 
 
 @dataclass
@@ -169,7 +168,7 @@ class SaveJobs:
         real = np.flatnonzero(~bound)
         if not len(real):
             return bound
-        pools, owners = one_pool_list(wanted.placed)
+        pools, owners = one_pool_list(wanted.placed, lambda: keys, self._store)
         if len(real) < len(keys):
             owners = owners[real]
         sizes = self._sizes

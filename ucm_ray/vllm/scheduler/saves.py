@@ -103,6 +103,7 @@ class SavePlanner:
         geometry = self._geometry
         hashes = tracked.request.block_hashes
         placed: list[tuple[list[PoolKey], np.ndarray]] = []
+        runs: list[tuple[int, int, range]] = []  # (rank, group, blocks) of each attention placement
         sizes: list[int] = []
         state_keys: list[bytes] = []
         for rank in range(len(geometry.namespaces)):
@@ -110,6 +111,7 @@ class SavePlanner:
                 blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
                 if len(blocks):
                     placed.append(tracked.attn_owners(rank, g, blocks, self._store))
+                    runs.append((rank, g, blocks))
                     sizes.extend([geometry.entry_bytes[g]] * len(blocks))
             for g in geometry.states:
                 for pos in range((start // geometry.lcm + 1) * geometry.lcm, until + 1, geometry.lcm):
@@ -117,7 +119,8 @@ class SavePlanner:
                     sizes.append(geometry.entry_bytes[g])
         if state_keys:
             placed.append(self._store.placement(state_keys))
-        pools, owners = one_pool_list(placed)
+        pools, owners = one_pool_list(
+            placed, lambda: [key for run in runs for key in tracked.attn_keys(*run)] + state_keys, self._store)
         return pools, owners, sizes
 
     def skip(self, tracked: TrackedRequest, until: int) -> None:
@@ -143,7 +146,10 @@ class SavePlanner:
             placed.append(tracked.attn_owners(rank, g, indices, self._store))
             sizes.extend([self._geometry.entry_bytes[g]] * len(indices))
         # one ask per class a tick, whatever the ranks
-        self._slots.expect(self._counts_of(*one_pool_list(placed), sizes), later=True)
+        placed_once = one_pool_list(
+            placed, lambda: [key for g, indices in blocks.items() for key in tracked.attn_keys(rank, g, indices)],
+            self._store)
+        self._slots.expect(self._counts_of(*placed_once, sizes), later=True)
         self._stats.add(copies_kept=len(sizes))
 
     # --- the step's plan --------------------------------------------------------------------
