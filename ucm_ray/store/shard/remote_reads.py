@@ -30,7 +30,9 @@ SESSION_S = 1.0
 """Asks of a block from one node within this long of the first are one read: a decode that asks
 again while its prefill's saves land, a request looked up again after a preemption."""
 MAX_KEYS = 65536
-"""Blocks whose readers are remembered, the least recently asked out first (~15 MB at most)."""
+"""Blocks whose readers are remembered, the least recently asked out first: ~23 MiB a shard with
+one reader node a block, ~366 MiB were every block read by ``MAX_READERS`` nodes (5.9 KB a block,
+measured: docs/performance-log.md, stop 55)."""
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
 POPULAR_READERS = 2
