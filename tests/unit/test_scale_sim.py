@@ -208,21 +208,34 @@ def test_the_builts_copies_at_a_nodes_second_session_spread_a_popular_document(r
     assert first.hit_rate == second.hit_rate == built.hit_rate
 
 
+def popular_document_runs(nodes: int, requests: int, variants: dict[int, DesignParams]
+                          ) -> dict[int, tuple[Cluster, HandoverCopyOnSecondRead]]:
+    """Design (k) over a random router's workload of two Zipf documents read by most requests
+    (pools large enough never to evict), once per variant of its parameters: each run's cluster
+    and design."""
+    spec = WorkloadSpec(nodes=nodes, block_size=128, requests=requests, router="random", seed=2, documents=2,
+                        doc_zipf=4.0, doc_share=0.8, chat_share=0.1)
+    workload = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    runs = {}
+    for name, params in variants.items():
+        cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = HandoverCopyOnSecondRead(cluster, params)
+        design.run(workload)
+        runs[name] = (cluster, design)
+    return runs
+
+
 def test_the_fleet_bound_caps_the_pools_a_read_block_is_copied_to() -> None:
     """``copy_nodes_per_pool`` (10): at 20 nodes a block past the hot prefix is copied while fewer
     than 2 pools are named for it, so no such block is held by more than 2 pools (its writer's
     and one copy; unbounded, the popular document is on many), and at 10 nodes by 1 (no copies:
     copies there cost hits where pools evict, docs/scaling.md)."""
     for nodes, bound in ((20, 2), (10, 1)):
-        spec = WorkloadSpec(nodes=nodes, block_size=128, requests=120, router="random", seed=2, documents=2,
-                            doc_zipf=4.0, doc_share=0.8, chat_share=0.1)
-        requests = Workload(spec).requests()
-        placement = Placement(shard_ids(spec.nodes))
+        runs = popular_document_runs(nodes, 120, {per_pool: DesignParams(copy_nodes_per_pool=per_pool)
+                                                  for per_pool in (0, 10)})
         most = {}
-        for per_pool in (0, 10):
-            cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
-            design = HandoverCopyOnSecondRead(cluster, DesignParams(copy_nodes_per_pool=per_pool))
-            design.run(requests)
+        for per_pool, (cluster, design) in runs.items():
             held = Counter(key for pool in cluster.stored for key in pool if key not in design.table)
             most[per_pool] = max(held.values())
         assert most[10] == bound and most[0] > 2, most
@@ -280,15 +293,9 @@ def test_a_popular_document_read_once_per_node_is_copied_at_a_third_nodes_first_
     reader's first read, up to the copy bound, and later readers spread over the copies named:
     the hottest node's bytes about halve (38.3x the mean -> 19.0x), hits unchanged (pools never
     evict here)."""
-    spec = WorkloadSpec(nodes=200, block_size=128, requests=300, router="random", seed=2, documents=2,
-                        doc_zipf=4.0, doc_share=0.8, chat_share=0.1)
-    requests = Workload(spec).requests()
-    placement = Placement(shard_ids(spec.nodes))
     rows = {}
-    for readers in (0, 2):
-        cluster = Cluster(spec.nodes, (1 << 24) * BYTES_PER_TOKEN, spec.block_bytes, placement)
-        design = HandoverCopyOnSecondRead(cluster, DesignParams(popular_readers=readers))
-        design.run(requests)
+    for readers, (cluster, design) in popular_document_runs(
+            200, 300, {readers: DesignParams(popular_readers=readers) for readers in (0, 2)}).items():
         assert cluster.evictions() == 0
         rows[readers] = summarise(design.name, design.stats, Movement(0, 0, 0), None)
     before, after = rows[0], rows[2]
