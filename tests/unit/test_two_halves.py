@@ -1104,6 +1104,7 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         store.shutdown()
 
 
+@hybrid_harness
 def test_a_shard_joining_while_a_prompt_is_placed_neither_fails_the_step_nor_loses_its_saves(model_dir):
     """Replication 2 over a fleet of one shard (one owner a key); a second shard joins between
     the placement of a hybrid prompt's attention blocks and that of its states, in one plan (on
