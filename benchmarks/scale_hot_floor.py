@@ -62,11 +62,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): DesignParams.popular_readers (0: before stop 55)")
     parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
                         help="(k): DesignParams.spread_reads off (before stop 55)")
+    parser.add_argument("--popular-window", type=int, default=DesignParams.popular_window,
+                        help="(k): DesignParams.popular_window, requests")
+    parser.add_argument("--popular-window-per-node", type=float, default=0.0,
+                        help="(k): DesignParams.popular_window_per_node (0: --popular-window)")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
     design = SplitBytes(cluster, DesignParams(seed=spec.seed, popular_readers=args.popular_readers,
-                                              spread_reads=args.spread_reads))
+                                              spread_reads=args.spread_reads, popular_window=args.popular_window,
+                                              popular_window_per_node=args.popular_window_per_node))
     design.run(requests)
     served = design.stats.bytes_served
     hot = design.hot_served

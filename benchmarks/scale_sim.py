@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): requests, see --popular-readers")
     parser.add_argument("--unbounded-popular", action="store_true",
                         help="(k): every reader of a popular block copies it, not the copy bound's count")
+    parser.add_argument("--popular-places", default=DesignParams.popular_places, choices=["held", "lifetime", "oracle"],
+                        help="(k): how long a reader told a block is popular holds a place (lifetime: stop 55)")
     parser.add_argument("--popular-share", type=float, default=1.0,
                         help="(k): readers told a block is popular, at most this share of the copy bound")
     parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
-                          popular_share=args.popular_share)
+                          popular_share=args.popular_share, popular_places=args.popular_places)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):
