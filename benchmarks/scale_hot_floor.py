@@ -66,12 +66,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): DesignParams.popular_window, requests")
     parser.add_argument("--popular-window-per-node", type=float, default=0.0,
                         help="(k): DesignParams.popular_window_per_node (0: --popular-window)")
+    parser.add_argument("--overload-copy", type=float, default=0.0, help="(k): DesignParams.overload_copy")
+    parser.add_argument("--spread-pools", type=int, default=DesignParams.spread_pools,
+                        help="(k): DesignParams.spread_pools")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
     design = SplitBytes(cluster, DesignParams(seed=spec.seed, popular_readers=args.popular_readers,
                                               spread_reads=args.spread_reads, popular_window=args.popular_window,
-                                              popular_window_per_node=args.popular_window_per_node))
+                                              popular_window_per_node=args.popular_window_per_node,
+                                              overload_copy=args.overload_copy, spread_pools=args.spread_pools))
     design.run(requests)
     served = design.stats.bytes_served
     hot = design.hot_served

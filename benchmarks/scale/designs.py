@@ -112,6 +112,10 @@ class DesignParams:
     ``popular_readers``: a popular document's readers come together, a chat's turns (one user)
     come apart (1,000: 1.4 points of hits below per-block at 100 nodes random, copies of chat
     histories filling evicting pools; 200: 0.8, as without popular copies)."""
+    overload_copy: float = 0.0
+    """(k): a reader keeps a copy at its first read of a block it loaded from a node that served
+    more than this many times the fleet's mean bytes so far (load-aware; a place of the block's,
+    as a popular block's; 0: off; not built)."""
     popular_window_per_node: float = 0.0
     """(k): when > 0, ``popular_window`` is this many requests per node (the fleet's requests within
     it grow with the fleet, as the package's seconds do at a steady request rate per node)."""
@@ -132,6 +136,10 @@ class DesignParams:
     popular_share: float = 1.0
     """(k), ``bound_popular``: the readers told a block is popular are at most this share of the
     copy bound, rounded up."""
+    spread_pools: int = MAX_POOLS_PER_KEY
+    """(k), ``spread_reads``: the most recent pools a root's owner remembers per block (the
+    package's ``MAX_POOLS_PER_KEY``) among which a reader's start is picked by its node (more: the
+    owner would name each reader 4 of them so picked; not built)."""
     spread_from: int = MAX_POOLS_PER_KEY
     """(k), ``spread_reads``: only a block named by at least this many pools is spread (fewer:
     the most recent first, as before)."""
@@ -870,13 +878,14 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         told: list[bytes] = []
         bound = self.copy_bound()
         copies = req.node >= self.params.no_copy_share * self.cluster.nodes
+        busy = self.params.overload_copy * self.stats.bytes_served.mean()
         for position in range(hit):
             if sources[position] == req.node:
                 continue
             key = req.keys[position]
             if position >= self._hot_blocks:
                 self._reads[req.node, key] += 1
-                popular = self._popular(key, req)
+                popular = self._popular(key, req) or self._overloaded(sources[position], key, req.node, busy)
                 if popular:
                     told.append(key)
                 if self._reads[req.node, key] < self.params.copy_session and not popular or not copies:
@@ -934,6 +943,14 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if self.params.bound_popular and bound:
             return self._take_place(key, req.node, bound)
         return True
+
+    def _overloaded(self, source: int, key: bytes, node: int, busy: float) -> bool:
+        """``overload_copy``: whether ``source`` served more than ``busy`` bytes (that many times
+        the fleet's mean), and a place of ``key``'s is free for ``node``."""
+        if not busy or self.stats.bytes_served[source] <= busy:
+            return False
+        bound = self.copy_bound()
+        return not (self.params.bound_popular and bound) or self._take_place(key, node, bound)
 
     def _take_place(self, key: bytes, node: int, bound: int) -> bool:
         """``bound_popular``: whether one of ``key``'s ``bound`` places is free for ``node``
@@ -1010,7 +1027,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if not listed:
             return None
         newest = list(reversed(listed))
-        named, older = newest[:MAX_POOLS_PER_KEY], newest[MAX_POOLS_PER_KEY:]
+        named, older = newest[:self.params.spread_pools], newest[self.params.spread_pools:]
         start = (node * 0x9E3779B1) % len(named) if len(named) >= self.params.spread_from else 0
         order = ([self._previous] if self._previous in listed else []) + named[start:] + named[:start] + older
         found = self._first_holding(key, order, tally)
