@@ -851,7 +851,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._readers: dict[bytes, dict[int, int]] = {}
         """``popular_readers``: per block, the nodes that read it from another node and when (a
         request index), least recent first, at most ``MAX_READERS`` (as ``shard.remote_reads``)."""
-        self._places: dict[bytes, set[int]] = {}
+        self.places: dict[bytes, set[int]] = {}
         """``bound_popular``: per block, the nodes told it is popular that hold one of its places."""
         self._told_ever: Counter[bytes] = Counter()
         """``popular_places="lifetime"``: per block, the reads ever told it is popular."""
@@ -911,8 +911,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             return
         kept = set(stored)
         for key in told:
-            if key not in kept and key in self._places:
-                self._places[key].discard(node)
+            if key not in kept and key in self.places:
+                self.places[key].discard(node)
 
     def _keep_hot_copies(self, req: Request, tally: RequestTally, keys: list[bytes]) -> None:
         """A hot prefix's copies: kept, told to nobody (unregistered) or to the directory (pushed)."""
@@ -960,7 +960,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                 return False
             self._told_ever[key] += 1
             return True
-        places = self._places.setdefault(key, set())
+        places = self.places.setdefault(key, set())
         if self.params.popular_places == "held":
             places.discard(node)  # it reads from another node again: its copy is gone
         else:
