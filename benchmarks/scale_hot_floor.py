@@ -62,10 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): DesignParams.popular_readers (0: before stop 55)")
     parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
                         help="(k): DesignParams.spread_reads off (before stop 55)")
-    parser.add_argument("--popular-window", type=int, default=DesignParams.popular_window,
-                        help="(k): DesignParams.popular_window, requests")
-    parser.add_argument("--popular-window-per-node", type=float, default=0.0,
-                        help="(k): DesignParams.popular_window_per_node (0: --popular-window)")
+    parser.add_argument("--popular-window", type=float, default=DesignParams.popular_window,
+                        help="(k): DesignParams.popular_window, requests a node")
     parser.add_argument("--overload-copy", type=float, default=0.0, help="(k): DesignParams.overload_copy")
     parser.add_argument("--spread-pools", type=int, default=DesignParams.spread_pools,
                         help="(k): DesignParams.spread_pools")
@@ -78,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
     design = SplitBytes(cluster, DesignParams(seed=spec.seed, popular_readers=args.popular_readers,
                                               spread_reads=args.spread_reads, popular_window=args.popular_window,
-                                              popular_window_per_node=args.popular_window_per_node,
                                               overload_copy=args.overload_copy, spread_pools=args.spread_pools,
                                               copy_session=args.copy_session,
                                               copy_nodes_per_pool=args.copy_nodes_per_pool))

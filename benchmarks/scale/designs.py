@@ -107,18 +107,20 @@ class DesignParams:
     ``copy_session``-th (0: off, the package through stop 54; since stop 55 the package's
     ``shard.remote_reads.POPULAR_READERS``). The root's owner sees every node's asks, so it
     can tell."""
-    popular_window: int = 200
-    """(k): requests of the whole fleet within which distinct readers count towards
-    ``popular_readers``: a popular document's readers come together, a chat's turns (one user)
-    come apart (1,000: 1.4 points of hits below per-block at 100 nodes random, copies of chat
-    histories filling evicting pools; 200: 0.8, as without popular copies)."""
+    popular_window: float = 2.0
+    """(k): requests per node (``popular_window`` x nodes requests of the whole fleet) within
+    which distinct readers count towards ``popular_readers``: a popular document's readers come
+    together, a chat's turns (one user) come apart. Per node since stop 56: the package's window
+    is seconds (``POPULAR_WINDOW_S``), and at a steady request rate per node the fleet's requests
+    in it grow with the fleet; a fixed 200 requests (stop 55) was 2 a node at 100 nodes but 0.2
+    at 1,000, where documents read 11-18 times in 4,000 requests never became popular and their
+    writers served every read (16.4x the mean; 11.0 per node). At 100 nodes random: 10 a node
+    cost 1.4 points of hits below per-block (chat histories copied into evicting pools), 2: 0.8
+    (stop 55)."""
     overload_copy: float = 0.0
     """(k): a reader keeps a copy at its first read of a block it loaded from a node that served
     more than this many times the fleet's mean bytes so far (load-aware; a place of the block's,
     as a popular block's; 0: off; not built)."""
-    popular_window_per_node: float = 0.0
-    """(k): when > 0, ``popular_window`` is this many requests per node (the fleet's requests within
-    it grow with the fleet, as the package's seconds do at a steady request rate per node)."""
     bound_popular: bool = True
     """(k): the root's owner tells at most the copy bound's count of readers that a block is
     popular (each such reader keeps a copy; False: every reader while it is popular)."""
@@ -924,14 +926,13 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
 
     def _popular(self, key: bytes, req: Request) -> bool:
-        """Whether ``popular_readers`` other nodes read ``key`` within ``popular_window`` requests
+        """Whether ``popular_readers`` other nodes read ``key`` within ``popular_window`` requests a node
         (this read counted for the next)."""
         wanted = self.params.popular_readers
         if not wanted:
             return False
         readers = self._readers.setdefault(key, {})
-        per_node = self.params.popular_window_per_node
-        since = req.index - (per_node * self.cluster.nodes if per_node else self.params.popular_window)
+        since = req.index - self.params.popular_window * self.cluster.nodes
         others = sum(1 for node, at in readers.items() if node != req.node and at > since)
         readers.pop(req.node, None)
         readers[req.node] = req.index
