@@ -40,8 +40,9 @@ SESSION_S = 1.0
 again while its prefill's saves land, a request looked up again after a preemption."""
 MAX_KEYS = 65536
 """Blocks whose readers are remembered, the least recently asked out first: ~23 MiB a shard with
-one reader node a block, ~366 MiB were every block read by ``MAX_READERS`` nodes (5.9 KB a block,
-measured: docs/performance-log.md, stop 55)."""
+one reader node a block, ~363 MiB were every block read by ``MAX_READERS`` nodes (5.8 KB a block),
+~555 MiB were each of those reads also told the block is popular under a bound of 100 (8.9 KB a
+block: the places; measured with ``tracemalloc``: docs/performance-log.md, stop 56)."""
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
 POPULAR_READERS = 2
@@ -64,14 +65,16 @@ HELD = float("inf")
 
 
 class _Block:
-    """One block's reader nodes, least recent first: per node, its reads and when the last began;
-    and the places (``copy_bound``): per node told the block is popular, the time by which its copy
-    must be registered, or ``HELD`` once it was (None: no place taken, most blocks)."""
+    """One block's reader nodes, least recent first: per node, its reads, when the last began and
+    whether that read was told the block is popular; and its places (``copy_bound``): per node
+    told so under a bound, the time by which its copy must be registered, or ``HELD`` once it was
+    (None: no place taken, most blocks). At most the largest bound asked (one per node and
+    ``copy_nodes_per_pool`` nodes): an unbounded tell takes none."""
 
     __slots__ = ("readers", "places")
 
     def __init__(self) -> None:
-        self.readers: dict[str, tuple[int, float]] = {}
+        self.readers: dict[str, tuple[int, float, bool]] = {}
         self.places: dict[str, float] | None = None
 
 
@@ -82,7 +85,7 @@ class RemoteReads:
         self._clock = clock
         self._keys: OrderedDict[bytes, _Block] = OrderedDict()
         self.told = 0
-        """Reads told a block is popular (each took a place)."""
+        """Reads told a block is popular (each took a place, under a bound)."""
         self.confirmed = 0
         """Of those, places whose copy was registered here (``copied``)."""
         self.unconfirmed = 0
@@ -109,21 +112,22 @@ class RemoteReads:
                 block = _Block()
             table[key] = block
             readers = block.readers
-            reads, began = readers.pop(reader, (0, -SESSION_S))
-            places = block.places
+            reads, began, told = readers.pop(reader, (0, -SESSION_S, False))
             if now - began >= SESSION_S:  # a new read: a copy it was told to keep is gone
                 reads, began = reads + 1, now
+                places = block.places
                 if places is not None:
                     places.pop(reader, None)
-                if self._may_take_place(block, now, copy_bound) and _popular(readers, reader, now):
-                    if places is None:
-                        places = block.places = {}
-                    places[reader] = now + CONFIRM_S
+                told = self._may_take_place(block, now, copy_bound) and _popular(readers, reader, now)
+                if told:
                     self.told += 1
-            readers[reader] = (reads, began)  # re-inserted: the most recent reader last
+                    if copy_bound:
+                        if places is None:
+                            places = block.places = {}
+                        places[reader] = now + CONFIRM_S
+            readers[reader] = (reads, began, told)  # re-inserted: the most recent reader last
             if len(readers) > MAX_READERS:
                 del readers[next(iter(readers))]
-            told = places is not None and reader in places
             out.append(POPULAR if told else reads - 1)
         while len(table) > MAX_KEYS:
             table.popitem(last=False)
@@ -160,7 +164,7 @@ class RemoteReads:
         return len(self._keys)
 
 
-def _popular(readers: dict[str, tuple[int, float]], reader: str, now: float) -> bool:
+def _popular(readers: dict[str, tuple[int, float, bool]], reader: str, now: float) -> bool:
     """Whether ``POPULAR_READERS`` nodes other than ``reader`` began a read within
     ``POPULAR_WINDOW_S``: walked from the most recent asker back, stopping at the count or at
     askers too old (a read begins at most ``SESSION_S`` before its node's last ask)."""
@@ -168,7 +172,7 @@ def _popular(readers: dict[str, tuple[int, float]], reader: str, now: float) -> 
     if wanted <= 0:
         return False
     since = now - POPULAR_WINDOW_S
-    for node, (_, began) in reversed(readers.items()):
+    for node, (_, began, _) in reversed(readers.items()):
         if began < since - SESSION_S:
             return False
         if node != reader and began >= since:
