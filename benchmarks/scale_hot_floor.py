@@ -62,11 +62,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): DesignParams.popular_readers (0: before stop 55)")
     parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
                         help="(k): DesignParams.spread_reads off (before stop 55)")
+    parser.add_argument("--popular-window", type=float, default=DesignParams.popular_window,
+                        help="(k): DesignParams.popular_window, requests a node")
+    parser.add_argument("--overload-copy", type=float, default=0.0, help="(k): DesignParams.overload_copy")
+    parser.add_argument("--spread-pools", type=int, default=DesignParams.spread_pools,
+                        help="(k): DesignParams.spread_pools")
+    parser.add_argument("--copy-session", type=int, default=DesignParams.copy_session,
+                        help="(k): DesignParams.copy_session (remote_copy_reads)")
+    parser.add_argument("--copy-nodes-per-pool", type=int, default=DesignParams.copy_nodes_per_pool,
+                        help="(k): DesignParams.copy_nodes_per_pool (0: no bound)")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
     design = SplitBytes(cluster, DesignParams(seed=spec.seed, popular_readers=args.popular_readers,
-                                              spread_reads=args.spread_reads))
+                                              spread_reads=args.spread_reads, popular_window=args.popular_window,
+                                              overload_copy=args.overload_copy, spread_pools=args.spread_pools,
+                                              copy_session=args.copy_session,
+                                              copy_nodes_per_pool=args.copy_nodes_per_pool))
     design.run(requests)
     served = design.stats.bytes_served
     hot = design.hot_served

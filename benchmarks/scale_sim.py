@@ -146,12 +146,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--popular-readers", type=int, default=2,
-                        help="(k): a block this many other nodes read within --popular-window requests is "
+                        help="(k): a block this many other nodes read within --popular-window requests a node is "
                              "copied at a reader's first read (0: off, before stop 55)")
-    parser.add_argument("--popular-window", type=int, default=DesignParams.popular_window,
-                        help="(k): requests, see --popular-readers")
+    parser.add_argument("--popular-window", type=float, default=DesignParams.popular_window,
+                        help="(k): requests a node, see --popular-readers")
     parser.add_argument("--unbounded-popular", action="store_true",
                         help="(k): every reader of a popular block copies it, not the copy bound's count")
+    parser.add_argument("--popular-places", default=DesignParams.popular_places, choices=["held", "lifetime", "oracle"],
+                        help="(k): how long a reader told a block is popular holds a place (lifetime: stop 55)")
+    parser.add_argument("--overload-copy", type=float, default=0.0,
+                        help="(k): copy at the first read from a node serving more than this x the mean (0: off)")
+    parser.add_argument("--spread-pools", type=int, default=DesignParams.spread_pools,
+                        help="(k): pools remembered per block among which a reader's start is picked")
     parser.add_argument("--popular-share", type=float, default=1.0,
                         help="(k): readers told a block is popular, at most this share of the copy bound")
     parser.add_argument("--no-spread-reads", dest="spread_reads", action="store_false",
@@ -175,7 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
-                          popular_share=args.popular_share)
+                          popular_share=args.popular_share, popular_places=args.popular_places,
+                          overload_copy=args.overload_copy,
+                          spread_pools=args.spread_pools)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

@@ -42,6 +42,11 @@ COUNTERS = {
     "hints_adopted": "Keys handed over by another shard when a prefix of its family root became hot (new root here).",
     "hints_asked": "Keys readers on other nodes asked this shard where they are.",
     "hints_answered": "Of those, the keys it named a pool for.",
+    "popular_told": "Reads of a block from another node told it is popular (each keeps a copy and holds one of the "
+                    "block's copy_nodes_per_pool places).",
+    "popular_confirmed": "Of those, places whose copy the reader's node registered here.",
+    "popular_unconfirmed": "Places given back: no copy registered within 10 s of the tell (a hybrid engine, "
+                           "remote_copy_reads 0, a failed load).",
     "hot_blocks_learned": "Blocks this shard found shared by the many askers of a family root it owns (hot prefixes).",
     "evicted_dirty": "Evictions, with a disk tier, of entries not yet on disk (demotion fell behind).",
     "disk_demoted": "Entries written from the pool to the disk tier.",

@@ -107,17 +107,41 @@ class DesignParams:
     ``copy_session``-th (0: off, the package through stop 54; since stop 55 the package's
     ``shard.remote_reads.POPULAR_READERS``). The root's owner sees every node's asks, so it
     can tell."""
-    popular_window: int = 200
-    """(k): requests of the whole fleet within which distinct readers count towards
-    ``popular_readers``: a popular document's readers come together, a chat's turns (one user)
-    come apart (1,000: 1.4 points of hits below per-block at 100 nodes random, copies of chat
-    histories filling evicting pools; 200: 0.8, as without popular copies)."""
+    popular_window: float = 2.0
+    """(k): requests per node (``popular_window`` x nodes requests of the whole fleet) within
+    which distinct readers count towards ``popular_readers``: a popular document's readers come
+    together, a chat's turns (one user) come apart. Per node since stop 56: the package's window
+    is seconds (``POPULAR_WINDOW_S``), and at a steady request rate per node the fleet's requests
+    in it grow with the fleet; a fixed 200 requests (stop 55) was 2 a node at 100 nodes but 0.2
+    at 1,000, where documents read 11-18 times in 4,000 requests never became popular and their
+    writers served every read (16.4x the mean; 11.0 per node). At 100 nodes random: 10 a node
+    cost 1.4 points of hits below per-block (chat histories copied into evicting pools), 2: 0.8
+    (stop 55)."""
+    overload_copy: float = 0.0
+    """(k): a reader keeps a copy at its first read of a block it loaded from a node that served
+    more than this many times the fleet's mean bytes so far (load-aware; a place of the block's,
+    as a popular block's; 0: off; not built)."""
     bound_popular: bool = True
     """(k): the root's owner tells at most the copy bound's count of readers that a block is
     popular (each such reader keeps a copy; False: every reader while it is popular)."""
+    popular_places: str = "held"
+    """(k), ``bound_popular``: how long a reader told a block is popular holds one of its places.
+    ``held`` (the package since stop 56: ``shard.remote_reads``): while its copy is believed held:
+    given back when no copy was made (the copy bound's named pools reached, the pool refused it;
+    in the package: none registered within ``CONFIRM_S``) and when its node reads the block from
+    another node again (its copy was evicted); ``lifetime`` (stop 55): for the block's lifetime;
+    ``oracle``: only while the node's pool holds the copy (what the root's owner cannot see: a copy
+    evicted on a node that never reads the block again; not built)."""
+    no_copy_share: float = 0.0
+    """(k): the share of nodes (the lowest-numbered) whose engines keep no copies (a hybrid model,
+    ``remote_copy_reads: 0``): read and told a block is popular like the others, they copy nothing."""
     popular_share: float = 1.0
     """(k), ``bound_popular``: the readers told a block is popular are at most this share of the
     copy bound, rounded up."""
+    spread_pools: int = MAX_POOLS_PER_KEY
+    """(k), ``spread_reads``: the most recent pools a root's owner remembers per block (the
+    package's ``MAX_POOLS_PER_KEY``) among which a reader's start is picked by its node (more: the
+    owner would name each reader 4 of them so picked; not built)."""
     spread_from: int = MAX_POOLS_PER_KEY
     """(k), ``spread_reads``: only a block named by at least this many pools is spread (fewer:
     the most recent first, as before)."""
@@ -829,8 +853,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._readers: dict[bytes, dict[int, int]] = {}
         """``popular_readers``: per block, the nodes that read it from another node and when (a
         request index), least recent first, at most ``MAX_READERS`` (as ``shard.remote_reads``)."""
-        self._popular_told: Counter[bytes] = Counter()
-        """``bound_popular``: per block, the readers told it is popular."""
+        self.places: dict[bytes, set[int]] = {}
+        """``bound_popular``: per block, the nodes told it is popular that hold one of its places."""
+        self._told_ever: Counter[bytes] = Counter()
+        """``popular_places="lifetime"``: per block, the reads ever told it is popular."""
         self._windows = 0
         self._hot_reader = -1
         self._hot_family = b""
@@ -851,15 +877,20 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
         again, hot_copies = [], []
+        told: list[bytes] = []
         bound = self.copy_bound()
+        copies = req.node >= self.params.no_copy_share * self.cluster.nodes
+        busy = self.params.overload_copy * self.stats.bytes_served.mean()
         for position in range(hit):
             if sources[position] == req.node:
                 continue
             key = req.keys[position]
             if position >= self._hot_blocks:
                 self._reads[req.node, key] += 1
-                popular = self._popular(key, req)
-                if self._reads[req.node, key] < self.params.copy_session and not popular:
+                popular = self._popular(key, req) or self._overloaded(sources[position], key, req.node, busy)
+                if popular:
+                    told.append(key)
+                if self._reads[req.node, key] < self.params.copy_session and not popular or not copies:
                     continue
                 if bound and self.holders(key) >= bound:
                     continue
@@ -869,27 +900,39 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                 hot_copies.append(key)
                 continue
             again.append(key)
-        if hot_copies:  # kept, told to nobody (unregistered) or to the directory (pushed)
-            copied, _ = self.cluster.store(req.node, hot_copies)
-            tally.copy_bytes += len(copied) * self.cluster.block_bytes
-            if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
-                for key in copied:
-                    self._announced.setdefault(key, {})[req.node] = None
-                self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
-        if not again:
-            return []
-        stored = self.save_local(req, again)
+        if hot_copies:
+            self._keep_hot_copies(req, tally, hot_copies)
+        stored = self.save_local(req, again) if again else []
         tally.copy_bytes += len(stored) * self.cluster.block_bytes
+        self._give_back_places(req.node, told, stored)
         return stored
 
+    def _give_back_places(self, node: int, told: list[bytes], stored: list[bytes]) -> None:
+        """Places ``node`` was told to take this read and made no copy for (none registered)."""
+        if self.params.popular_places == "lifetime":
+            return
+        kept = set(stored)
+        for key in told:
+            if key not in kept and key in self.places:
+                self.places[key].discard(node)
+
+    def _keep_hot_copies(self, req: Request, tally: RequestTally, keys: list[bytes]) -> None:
+        """A hot prefix's copies: kept, told to nobody (unregistered) or to the directory (pushed)."""
+        copied, _ = self.cluster.store(req.node, keys)
+        tally.copy_bytes += len(copied) * self.cluster.block_bytes
+        if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
+            for key in copied:
+                self._announced.setdefault(key, {})[req.node] = None
+            self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
+
     def _popular(self, key: bytes, req: Request) -> bool:
-        """Whether ``popular_readers`` other nodes read ``key`` within ``popular_window`` requests
+        """Whether ``popular_readers`` other nodes read ``key`` within ``popular_window`` requests a node
         (this read counted for the next)."""
         wanted = self.params.popular_readers
         if not wanted:
             return False
         readers = self._readers.setdefault(key, {})
-        since = req.index - self.params.popular_window
+        since = req.index - self.params.popular_window * self.cluster.nodes
         others = sum(1 for node, at in readers.items() if node != req.node and at > since)
         readers.pop(req.node, None)
         readers[req.node] = req.index
@@ -899,9 +942,33 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             return False
         bound = -(-int(self.copy_bound() * self.params.popular_share * 1000) // 1000)
         if self.params.bound_popular and bound:
-            if self._popular_told[key] >= bound:
+            return self._take_place(key, req.node, bound)
+        return True
+
+    def _overloaded(self, source: int, key: bytes, node: int, busy: float) -> bool:
+        """``overload_copy``: whether ``source`` served more than ``busy`` bytes (that many times
+        the fleet's mean), and a place of ``key``'s is free for ``node``."""
+        if not busy or self.stats.bytes_served[source] <= busy:
+            return False
+        bound = self.copy_bound()
+        return not (self.params.bound_popular and bound) or self._take_place(key, node, bound)
+
+    def _take_place(self, key: bytes, node: int, bound: int) -> bool:
+        """``bound_popular``: whether one of ``key``'s ``bound`` places is free for ``node``
+        (then taken), as ``popular_places`` gives them back."""
+        if self.params.popular_places == "lifetime":
+            if self._told_ever[key] >= bound:
                 return False
-            self._popular_told[key] += 1
+            self._told_ever[key] += 1
+            return True
+        places = self.places.setdefault(key, set())
+        if self.params.popular_places == "held":
+            places.discard(node)  # it reads from another node again: its copy is gone
+        else:
+            places.intersection_update([holder for holder in places if key in self.cluster.stored[holder]])
+        if len(places) >= bound:
+            return False
+        places.add(node)
         return True
 
     def _announces(self, node: int) -> bool:
@@ -961,7 +1028,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if not listed:
             return None
         newest = list(reversed(listed))
-        named, older = newest[:MAX_POOLS_PER_KEY], newest[MAX_POOLS_PER_KEY:]
+        named, older = newest[:self.params.spread_pools], newest[self.params.spread_pools:]
         start = (node * 0x9E3779B1) % len(named) if len(named) >= self.params.spread_from else 0
         order = ([self._previous] if self._previous in listed else []) + named[start:] + named[:start] + older
         found = self._first_holding(key, order, tally)

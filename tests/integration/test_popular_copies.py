@@ -40,6 +40,8 @@ def test_a_third_nodes_first_read_of_a_block_two_other_nodes_read_keeps_a_copy(r
     assert third == {"marks": [POPULAR] * DOC, "sources": [0] * DOC, "exact": DOC, "kept": DOC}
     before, after = result["hints_registered"]
     assert after == before + DOC  # the copy registered at the family root's owner
+    # ... with node 3's id: its places at the root's owner are held, not given back after a while
+    assert result["places"] == {"popular_told": DOC, "popular_confirmed": DOC}
 
 
 def test_a_fourth_nodes_read_loads_from_the_copy_not_the_writer(result):

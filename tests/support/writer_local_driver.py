@@ -166,11 +166,13 @@ def popular_scenario() -> dict:
         before = _settled(registered, lambda count: count >= POPULAR_DOC)
         reads = [ray.get(clients[i].read_and_keep.remote(doc, 13)) for i in (1, 2, 3)]
         after_copy = _settled(registered, lambda count: count >= before + reads[-1]["kept"])
+        shards = fleet_status(config)["shards"]  # node 3's registration confirmed its places
+        places = {name: sum(s[name] for s in shards) for name in ("popular_told", "popular_confirmed")}
         reads.append(ray.get(clients[4].read_and_keep.remote(doc, 13)))
         node_name = {node: i for i, node in enumerate(nodes)}
         for read in reads:
             read["sources"] = [node_name.get(source) for source in read["sources"]]
-        return {"written": sum(written), "reads": reads, "hints_registered": [before, after_copy]}
+        return {"written": sum(written), "reads": reads, "hints_registered": [before, after_copy], "places": places}
     finally:
         stop_fleet(config)
 

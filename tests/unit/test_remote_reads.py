@@ -108,3 +108,46 @@ def test_an_ask_of_a_block_no_pool_holds_is_no_read():
     assert reads.ask([b"new"], "n3") == [remote_reads.POPULAR]
     clock.advance(SESSION_S)
     assert reads.ask([b"doc"], "writer") == [1]  # a held key's ask is a read
+
+
+def _popular_among(reads: RemoteReads, bound: int) -> None:
+    """Two other nodes read ``doc``: the next new read is told it is popular if a place is free."""
+    reads.ask([b"doc"], "a", copy_bound=bound)
+    reads.ask([b"doc"], "b", copy_bound=bound)
+
+
+def test_a_place_whose_copy_was_never_registered_is_given_back():
+    """The review of stop 55: a hybrid engine or one with ``remote_copy_reads: 0`` is told, keeps
+    no copy, and used to take one of the block's places for its lifetime."""
+    reads, clock = _reads()
+    _popular_among(reads, 1)
+    assert reads.ask([b"doc"], "hybrid", copy_bound=1) == [remote_reads.POPULAR]  # never copies
+    assert reads.ask([b"doc"], "n1", copy_bound=1) == [0]  # its place is held for now
+    clock.advance(remote_reads.CONFIRM_S + SESSION_S)
+    _popular_among(reads, 1)  # new reads by a and b: popular again
+    assert reads.ask([b"doc"], "n2", copy_bound=1) == [remote_reads.POPULAR]  # the place came back
+    assert reads.stats()["popular_unconfirmed"] == 1
+
+
+def test_a_node_told_before_that_reads_again_lost_its_copy_and_is_told_again():
+    """A node asks only for what its own shards lack: its next read means its copy is gone
+    (evicted), so its place is free again, and the bound still holds against others."""
+    reads, clock = _reads()
+    _popular_among(reads, 1)
+    assert reads.ask([b"doc"], "n1", copy_bound=1) == [remote_reads.POPULAR]
+    reads.copied([b"doc"], "n1")
+    clock.advance(SESSION_S)
+    assert reads.ask([b"doc"], "n1", copy_bound=1) == [remote_reads.POPULAR]  # its copy was evicted
+    assert reads.ask([b"doc"], "n2", copy_bound=1) == [0]
+
+
+def test_a_registered_copy_holds_its_place_past_the_confirmation_time():
+    reads, clock = _reads()
+    _popular_among(reads, 1)
+    assert reads.ask([b"doc"], "n1", copy_bound=1) == [remote_reads.POPULAR]
+    reads.copied([b"doc", b"other"], "n1")
+    reads.copied([b"doc"], "n9")  # no place of n9's: nothing
+    clock.advance(remote_reads.CONFIRM_S + SESSION_S)
+    _popular_among(reads, 1)
+    assert reads.ask([b"doc"], "n2", copy_bound=1) == [0]  # n1 holds the one place
+    assert reads.stats() == {"popular_told": 1, "popular_confirmed": 1, "popular_unconfirmed": 0}

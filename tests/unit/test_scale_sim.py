@@ -302,3 +302,21 @@ def test_a_popular_document_read_once_per_node_is_copied_at_a_third_nodes_first_
     assert after.hot_bytes < 0.55 * before.hot_bytes, rows
     assert after.hit_rate == before.hit_rate
     assert after.copy_mib > before.copy_mib
+
+
+def test_a_popular_blocks_places_go_to_nodes_that_keep_copies_not_for_its_lifetime() -> None:
+    """The review of stop 55: half the fleet keeps no copies (hybrid engines, ``remote_copy_reads:
+    0``). Told a block is popular, they used up its places for good (``lifetime``); given back
+    when no copy is registered (``held``, the package since stop 56), the places go to nodes that
+    copy: more copies, every place a node holding the block, and no more places than the bound."""
+    share = 0.5
+    runs = popular_document_runs(40, 200, {0: DesignParams(popular_places="lifetime", no_copy_share=share),
+                                           1: DesignParams(popular_places="held", no_copy_share=share)})
+    (_, lifetime), (cluster, held) = runs[0], runs[1]
+    copies = {name: summarise(design.name, design.stats, Movement(0, 0, 0), None).copy_mib
+              for name, design in (("lifetime", lifetime), ("held", held))}
+    assert copies["held"] > 1.2 * copies["lifetime"], copies
+    bound = held.copy_bound()
+    assert 0 < max(len(nodes) for nodes in held.places.values()) <= bound
+    assert all(node >= share * cluster.nodes and key in cluster.stored[node]
+               for key, nodes in held.places.items() for node in nodes)

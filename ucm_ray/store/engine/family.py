@@ -237,11 +237,14 @@ class HintPoster:
     miss for readers on other nodes, nothing worse). A hot prefix's copies (``NO_HINT`` rows)
     are told to the directory instead (``announce``), whose table then names their pools."""
 
-    def __init__(self, access: ShardAccess, directory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, access: ShardAccess, directory: Callable[[], Any] | None = None, node: str = "") -> None:
         """``directory``: the directory actor's handle now, or None (a hot prefix's copies are then
-        told to nobody: the table keeps naming the pools it named)."""
+        told to nobody: the table keeps naming the pools it named); ``node``: this writer's node
+        id, told with each registration (a popular block's copy holds its place at the root's
+        owner: ``shard.remote_reads``)."""
         self._access = access
         self._directory = directory
+        self._node = node
 
     def post(self, publish: Publishes, visible: Sequence[bool],
              root_owners: Callable[[Sequence[bytes]], list[list[ShardRecord]]]) -> None:
@@ -263,7 +266,7 @@ class HintPoster:
             for owner in owners:
                 batches.setdefault((owner.key, pool), (owner, []))[1].append(key)
         for (_, pool), (owner, keys) in batches.items():
-            self._access.poster.post(owner.handle.register_hints, owner.pool.incarnation, pool, keys)
+            self._access.poster.post(owner.handle.register_hints, owner.pool.incarnation, pool, keys, self._node)
 
     def _announce(self, publish: Publishes, rows: list[int]) -> None:
         """One ``announce_hot_copies`` per pool of these rows (a hot prefix's copies), posted."""

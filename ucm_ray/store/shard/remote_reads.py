@@ -15,9 +15,18 @@ popular: the next node copies it at its first read. With a random router a popul
 read about once per node in a large fleet, so a node's second read rarely comes and every reader
 loaded it from its writer's pool (44.8 of the hottest node's 45.3x the mean bytes at 1,000 nodes,
 docs/scaling.md, stop 55). At most the asker's copy bound (``copy_nodes_per_pool``: one pool per
-that many nodes) of reads of a block are told so: the engine's own count of the pools named
-for a block stops at the 4 a root's owner names (``MAX_POOLS_PER_KEY``), and unbounded, popular
-copies filled evicting pools at 100 nodes (2.8 points of hits below per-block placement).
+that many nodes) of nodes hold a place of a block's at once, each told so: the engine's own count
+of the pools named for a block stops at the 4 a root's owner names (``MAX_POOLS_PER_KEY``), and
+unbounded, popular copies filled evicting pools at 100 nodes (2.8 points of hits below per-block
+placement).
+
+A place is held while its node is believed to hold the copy, not for the block's lifetime (what
+stop 55 built: once the bound's count of readers were told, no later one was, even after their
+copies were evicted or never made). A place is given back when its node's copy was not
+registered here within ``CONFIRM_S`` of the tell (``copied``: a hybrid engine, one with
+``remote_copy_reads: 0`` or a load that failed keeps none), and when its node begins another read
+of the block: a node asks only for what its own shards lack, so its copy is gone (evicted). A
+copy evicted on a node that never reads the block again keeps its place: this owner cannot see it.
 """
 
 from __future__ import annotations
@@ -31,8 +40,9 @@ SESSION_S = 1.0
 again while its prefill's saves land, a request looked up again after a preemption."""
 MAX_KEYS = 65536
 """Blocks whose readers are remembered, the least recently asked out first: ~23 MiB a shard with
-one reader node a block, ~366 MiB were every block read by ``MAX_READERS`` nodes (5.9 KB a block,
-measured: docs/performance-log.md, stop 55)."""
+one reader node a block, ~363 MiB were every block read by ``MAX_READERS`` nodes (5.8 KB a block),
+~555 MiB were each of those reads also told the block is popular under a bound of 100 (8.9 KB a
+block: the places; measured with ``tracemalloc``: docs/performance-log.md, stop 56)."""
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
 POPULAR_READERS = 2
@@ -45,17 +55,27 @@ requests counted chats and cost 1.4 points of hits at 100 nodes, 200 requests 0.
 without popular copies); the seconds are not calibrated by it."""
 POPULAR = 1 << 30
 """What a popular block counts as read before: past any ``remote_copy_reads``."""
+CONFIRM_S = 10.0
+"""How long a node told a block is popular holds its place before its copy is registered here
+(``copied``): a copy is saved once its load landed and committed, well within this; one that
+never comes (a hybrid engine, ``remote_copy_reads: 0``, a failed load) frees the place after it.
+A copy registered later is one past the bound, at most one a late node."""
+HELD = float("inf")
+"""A place's deadline once its copy is registered: held until its node reads the block again."""
 
 
 class _Block:
     """One block's reader nodes, least recent first: per node, its reads, when the last began and
-    whether that read was told the block is popular; and how many reads were told so."""
+    whether that read was told the block is popular; and its places (``copy_bound``): per node
+    told so under a bound, the time by which its copy must be registered, or ``HELD`` once it was
+    (None: no place taken, most blocks). At most the largest bound asked (one per node and
+    ``copy_nodes_per_pool`` nodes): an unbounded tell takes none."""
 
-    __slots__ = ("readers", "told")
+    __slots__ = ("readers", "places")
 
     def __init__(self) -> None:
         self.readers: dict[str, tuple[int, float, bool]] = {}
-        self.told = 0
+        self.places: dict[str, float] | None = None
 
 
 class RemoteReads:
@@ -64,13 +84,20 @@ class RemoteReads:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._keys: OrderedDict[bytes, _Block] = OrderedDict()
+        self.told = 0
+        """Reads told a block is popular (each took a place, under a bound)."""
+        self.confirmed = 0
+        """Of those, places whose copy was registered here (``copied``)."""
+        self.unconfirmed = 0
+        """Places given back because no copy was registered within ``CONFIRM_S``."""
 
     def ask(self, keys: Sequence[bytes], reader: str, held: Sequence[bool] | None = None,
             copy_bound: int = 0) -> list[int]:
         """``reader`` (a node id) asks where ``keys`` are: per key, how many reads of it by that
         node came before this one, or ``POPULAR`` where other nodes read it often enough
-        (decided at a read's first ask; at most ``copy_bound`` reads of a block are told so, each
-        keeping a copy: the asker's ``copy_nodes_per_pool`` bound, 0: none). ``held``: per key,
+        (decided at a read's first ask; each read told so takes one of the block's places, at
+        most ``copy_bound`` held at once: the asker's ``copy_nodes_per_pool`` bound, 0: none;
+        see the module's docstring for when a place is given back). ``held``: per key,
         whether any pool is named for it (None: all are); an ask of a key nobody holds is no
         read (a writer looks its prompt up before it writes), 0."""
         now = self._clock()
@@ -86,10 +113,18 @@ class RemoteReads:
             table[key] = block
             readers = block.readers
             reads, began, told = readers.pop(reader, (0, -SESSION_S, False))
-            if now - began >= SESSION_S:  # a new read
+            if now - began >= SESSION_S:  # a new read: a copy it was told to keep is gone
                 reads, began = reads + 1, now
-                told = (not copy_bound or block.told < copy_bound) and _popular(readers, reader, now)
-                block.told += told
+                places = block.places
+                if places is not None:
+                    places.pop(reader, None)
+                told = self._may_take_place(block, now, copy_bound) and _popular(readers, reader, now)
+                if told:
+                    self.told += 1
+                    if copy_bound:
+                        if places is None:
+                            places = block.places = {}
+                        places[reader] = now + CONFIRM_S
             readers[reader] = (reads, began, told)  # re-inserted: the most recent reader last
             if len(readers) > MAX_READERS:
                 del readers[next(iter(readers))]
@@ -97,6 +132,33 @@ class RemoteReads:
         while len(table) > MAX_KEYS:
             table.popitem(last=False)
         return out
+
+    def copied(self, keys: Sequence[bytes], node: str) -> None:
+        """``node``'s pool registered ``keys`` (a write's hints): a place it was told to take for
+        any of them is held (until it reads that block again)."""
+        table = self._keys
+        for key in keys:
+            block = table.get(key)
+            places = block.places if block is not None else None
+            if places and places.get(node, HELD) != HELD:
+                places[node] = HELD
+                self.confirmed += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"popular_told": self.told, "popular_confirmed": self.confirmed,
+                "popular_unconfirmed": self.unconfirmed}
+
+    def _may_take_place(self, block: _Block, now: float, copy_bound: int) -> bool:
+        """Whether a place of ``block``'s is free under ``copy_bound`` (0: no bound), once the
+        places whose copy was not registered in time are given back."""
+        places = block.places
+        if not copy_bound or places is None or len(places) < copy_bound:
+            return True
+        late = [node for node, deadline in places.items() if deadline < now]
+        for node in late:
+            del places[node]
+        self.unconfirmed += len(late)
+        return len(places) < copy_bound
 
     def __len__(self) -> int:
         return len(self._keys)

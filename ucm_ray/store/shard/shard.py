@@ -205,12 +205,15 @@ class CacheShard:
         with self._lock:
             return self._index.remove(items)
 
-    def register_hints(self, incarnation: int, pool: tuple[str, int], keys: Sequence[Key]) -> None:
+    def register_hints(self, incarnation: int, pool: tuple[str, int], keys: Sequence[Key], writer: str = "") -> None:
         """Writer-local placement: ``pool`` (on the writer's node) committed ``keys``, whose family
-        root this shard owns (posted after the commit, never awaited)."""
+        root this shard owns (posted after the commit, never awaited); ``writer``: the writer's
+        node id, whose copies of popular blocks now hold their places (``RemoteReads.copied``)."""
         self._check(incarnation)
         with self._lock:
             self._hints.register((pool[0], pool[1]), keys)
+            if writer:
+                self._remote_reads.copied(keys, writer)
 
     def where(self, incarnation: int, keys: Sequence[Key], family: Sequence[Key] = (),
               reader: str = "", copy_bound: int = 0) -> tuple[list[HintPools], list[int]]:
@@ -290,6 +293,7 @@ class CacheShard:
         with self._lock:
             figures: dict[str, Any] = asdict(self._index.stats())
             figures.update(self._hints.stats())
+            figures.update(self._remote_reads.stats())
             figures["hot_blocks_learned"] = self._hot.learned
         tier = self._tier
         if tier is not None:
