@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -178,6 +179,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="with --batch: one more batch of A and of C, its last this many decode steps under torch's "
                     "profiler (host and device timelines, batch_A/C.trace.json.gz in $OUT)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="both engines schedule asynchronously (vLLM 0.26's default on GPUs)")
     return ap
 
 
@@ -241,6 +244,8 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; run with --device cpu for a smoke check")
     prof = ttft_profile(device, False, args.shape)
+    if args.async_scheduling:
+        prof = replace(prof, engine={**prof.engine, "async_scheduling": True})
     model = bench_model(prof, None)
     long = max(prof.sizes.values())
     ray.init(num_cpus=8, num_gpus=int(device.type == "cuda"), include_dashboard=False, _node_ip_address="127.0.0.1",
