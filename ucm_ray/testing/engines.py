@@ -65,3 +65,7 @@ class ProbedEngine(Engine):
     def flush(self) -> None:
         """Run the steps that save what the last request computed, and wait for the commits."""
         self._flush()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop vLLM's own prefix cache (nothing running), so the next prompt starts cold."""
+        return bool(self.llm.reset_prefix_cache())
