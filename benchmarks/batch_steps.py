@@ -29,7 +29,9 @@ other processes' turns on the cores (the baseline's ``timed_calls`` must take a 
 
 With ``--skip`` above 0 (a quiet decode window: nothing to load, no prompt left to save) it also
 prints a quiet step's hooks, the median over the window's steps but its last (its requests end
-there): ``quiet_step_us`` for both halves, ``quiet_scheduler_us`` and ``quiet_worker_us``, of the
+there): ``quiet_step_us`` for both halves (``quiet_step_mean_us``: the mean, which counts the
+window's steps where a block filled, a decode batch's slots were asked for or the slot supply
+ticked in full), ``quiet_scheduler_us`` and ``quiet_worker_us``, of the
 worker's ``quiet_layer_hooks_us`` (``wait_for_layer_load`` and ``save_kv_layer``, called per layer
 where vLLM calls them) and each hook's median (``quiet_hook_us``). What the clock itself adds to
 each timed call (one reading, ~0.7 us for ``time.thread_time`` on this box, against hooks of a
@@ -112,6 +114,7 @@ def quiet_step_us(per_hook: list[dict[str, float]], per_calls: list[dict[str, in
 
     names = sorted({name for calls in per_calls[:-1] for name, count in calls.items() if count})
     return {"quiet_step_us": median_us(lambda name: True),
+            "quiet_step_mean_us": round(1e6 * statistics.mean(sum(step.values()) for step in steps), 2),
             "quiet_scheduler_us": median_us(lambda name: name.startswith("scheduler.")),
             "quiet_worker_us": median_us(lambda name: name.startswith("worker.")),
             "quiet_layer_hooks_us": median_us(lambda name: name in LAYER_HOOKS),
@@ -208,7 +211,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
             **{f"{name}_ms": round(1e3 * s, 3) for name, s in totals.items()}}
 
 
-QUIET = ("quiet_step_us", "quiet_scheduler_us", "quiet_worker_us", "quiet_layer_hooks_us", "clock_us")
+QUIET = ("quiet_step_us", "quiet_step_mean_us", "quiet_scheduler_us", "quiet_worker_us", "quiet_layer_hooks_us",
+         "clock_us")
 """A quiet step's figures printed with ``--skip`` (medians over the rounds)."""
 
 

@@ -150,18 +150,22 @@ class WorkerPart:
         self._saves.poll(step_end=True)
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
-        self._saves.poll(step_end=True)
+        if self._saves.pending:
+            self._saves.poll(step_end=True)
         return self._results.take_meta()
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
         """(finished sending: their saves landed, finished receiving, of which failed); None
         when there are none."""
-        self._loads.finish_posted(self._step)
-        self._saves.poll(step_end=True)
+        if self._step.phase is LoadPhase.POSTED:
+            self._loads.finish_posted(self._step)
+        if self._saves.pending:
+            self._saves.poll(step_end=True)
         return self._results.take_transfers()
 
     def load_errors(self) -> set[int]:
-        self._loads.finish_posted(self._step)
+        if self._step.phase is LoadPhase.POSTED:
+            self._loads.finish_posted(self._step)
         return self._results.take_load_errors()
 
     def shutdown(self) -> None:
