@@ -27,6 +27,17 @@ steps, 1.0 to 2.8 ms a prompt, from one run to the next). ``--thread-time``: eve
 thread's CPU time (``time.thread_time``) instead of wall time, which on a loaded box also counts
 other processes' turns on the cores (the baseline's ``timed_calls`` must take a clock).
 
+With ``--skip`` above 0 (a quiet decode window: nothing to load, no prompt left to save) it also
+prints a quiet step's hooks, the median over the window's steps but its last (its requests end
+there): ``quiet_step_us`` for both halves (``quiet_step_mean_us``: the mean, which counts the
+window's steps where a block filled, a decode batch's slots were asked for or the slot supply
+ticked in full), ``quiet_scheduler_us`` and ``quiet_worker_us``, of the
+worker's ``quiet_layer_hooks_us`` (``wait_for_layer_load`` and ``save_kv_layer``, called per layer
+where vLLM calls them) and each hook's median (``quiet_hook_us``). What the clock itself adds to
+each timed call (one reading, ~0.7 us for ``time.thread_time`` on this box, against hooks of a
+microsecond) is measured in the same process and taken off per call (``clock_us``). With
+``--baseline``: ``quiet_step_vs_baseline``.
+
 Run: ``python benchmarks/batch_steps.py [--baseline /path/to/other/checkout]``.
 """
 
@@ -75,6 +86,42 @@ def _spent(step: dict[str, float], half: str) -> float:
     return sum(s for name, s in step.items() if name.startswith(half) and name not in SAVE_EXCLUDED)
 
 
+def clock_cost(clock: Any, samples: int = 20001) -> float:
+    """Seconds one reading of ``clock`` adds to a call timed by two of them (the median of
+    back-to-back readings' differences): taken off each timed call's figure."""
+    gaps = []
+    for _ in range(samples):
+        started = clock()
+        gaps.append(clock() - started)
+    return statistics.median(gaps)
+
+
+LAYER_HOOKS = ("worker.wait_for_layer_load", "worker.save_kv_layer")
+"""The hooks vLLM calls per attention layer (where the connector has metadata bound)."""
+
+
+def quiet_step_us(per_hook: list[dict[str, float]], per_calls: list[dict[str, int]], clock_s: float) \
+        -> dict[str, Any]:
+    """A quiet step's hooks in us (the median over the steps but the last, where the requests
+    end), each call's clock reading taken off: both halves, each half, the layer hooks, per hook."""
+    steps = [{name: seconds - clock_s * calls[name] for name, seconds in hooks.items()}
+             for hooks, calls in zip(per_hook[:-1], per_calls[:-1])]
+    if len(steps) < 3:
+        raise SystemExit("too few steps for a quiet step's median: raise --steps")
+
+    def median_us(pick: Any) -> float:
+        return round(1e6 * statistics.median(sum(s for name, s in step.items() if pick(name)) for step in steps), 2)
+
+    names = sorted({name for calls in per_calls[:-1] for name, count in calls.items() if count})
+    return {"quiet_step_us": median_us(lambda name: True),
+            "quiet_step_mean_us": round(1e6 * statistics.mean(sum(step.values()) for step in steps), 2),
+            "quiet_scheduler_us": median_us(lambda name: name.startswith("scheduler.")),
+            "quiet_worker_us": median_us(lambda name: name.startswith("worker.")),
+            "quiet_layer_hooks_us": median_us(lambda name: name in LAYER_HOOKS),
+            "quiet_hook_us": {name: median_us(lambda other, name=name: other == name) for name in names},
+            "clock_us": round(1e6 * clock_s, 3)}
+
+
 def _wait_for_slots(slots: Any, timeout_s: float = 1.0) -> None:
     """Until every slot ask the supply posted was answered (its private list of asks: the same
     in the baseline's checkout, which has no public way to say it)."""
@@ -84,7 +131,7 @@ def _wait_for_slots(slots: Any, timeout_s: float = 1.0) -> None:
 
 
 def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
-        async_scheduling: bool, thread_time: bool) -> dict[str, float]:
+        async_scheduling: bool, thread_time: bool) -> dict[str, Any]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
     the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
     (``save_host_ms``)."""
@@ -104,6 +151,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
     cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="ucm_ray_batch_steps")
     per_step: list[float] = []
     per_hook: list[dict[str, float]] = []  # per step, seconds per hook
+    per_calls: list[dict[str, int]] = []  # per step, calls per hook
+    clock = time.thread_time if thread_time else time.perf_counter
     window = 0  # the step after which the prompts' saves were committed
     totals: dict[str, float] = {}
     profiler = cProfile.Profile() if profile else None
@@ -126,15 +175,17 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                 targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
                 gc.collect()
                 gc.freeze()
-                with timed_calls(targets, time.thread_time if thread_time else time.perf_counter) as timed:
+                with timed_calls(targets, clock) as timed:
                     for _ in range(steps):
                         before = {name: sum(calls) for name, calls in timed.items()}
+                        counted = {name: len(calls) for name, calls in timed.items()}
                         if profiler is not None:
                             profiler.enable()
                         engine.step()
                         if profiler is not None:
                             profiler.disable()
                         per_hook.append({name: sum(calls) - before[name] for name, calls in timed.items()})
+                        per_calls.append({name: len(calls) - counted[name] for name, calls in timed.items()})
                         per_step.append(sum(per_hook[-1].values()))
                         _wait_for_slots(part.slots)
                         if not window and part.stats.totals.get("saved_blocks", 0) >= saved:
@@ -155,8 +206,37 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
     log.info("worst steps (index: ms): %s", {i: round(1e3 * per_step[i], 2) for i in worst})
     return {"hooks_ms": 1e3 * sum(per_step), "worst_step_ms": 1e3 * max(per_step),
             "median_step_ms": 1e3 * statistics.median(per_step),
-            **(save_host_ms(per_hook, window or len(per_hook), requests) if not skip else {}),
+            **(save_host_ms(per_hook, window or len(per_hook), requests) if not skip else
+               quiet_step_us(per_hook, per_calls, clock_cost(clock))),
             **{f"{name}_ms": round(1e3 * s, 3) for name, s in totals.items()}}
+
+
+QUIET = ("quiet_step_us", "quiet_step_mean_us", "quiet_scheduler_us", "quiet_worker_us", "quiet_layer_hooks_us",
+         "clock_us")
+"""A quiet step's figures printed with ``--skip`` (medians over the rounds)."""
+
+
+def print_figures(got: dict[str, list[dict[str, Any]]], *, quiet: bool) -> None:
+    """Each checkout's medians over its rounds (``quiet``: a quiet window's figures, else the
+    prompts' saves), and with a baseline the ratios."""
+    saves = ("save_host_ms_per_prompt", "save_scheduler_ms_per_prompt", "save_worker_ms_per_prompt",
+             "save_window_steps")
+    for name, runs in got.items():
+        suffix = "" if name == "this" else "_baseline"
+        for key in ("hooks_ms", "worst_step_ms", "median_step_ms"):
+            print(f"batch_{key}{suffix}={statistics.median(r[key] for r in runs):.3f}")
+        for key in QUIET if quiet else saves:
+            print(f"{key}{suffix}={statistics.median(r[key] for r in runs):.{2 if quiet else 3}f}")
+        if quiet:
+            hooks = sorted({hook for r in runs for hook in r["quiet_hook_us"]})
+            print(f"quiet_hook_us{suffix}=" + " ".join(
+                f"{hook}:{statistics.median(r['quiet_hook_us'].get(hook, 0.0) for r in runs):.2f}" for hook in hooks))
+    if "baseline" in got:
+        def ratio(key: str) -> float:
+            return statistics.median(r[key] for r in got["this"]) / statistics.median(r[key] for r in got["baseline"])
+        print(f"batch_hooks_vs_baseline={ratio('hooks_ms'):.3f}")
+        print(f"quiet_step_vs_baseline={ratio('quiet_step_us'):.3f}" if quiet
+              else f"save_host_vs_baseline={ratio('save_host_ms_per_prompt'):.3f}")
 
 
 def main() -> None:
@@ -180,7 +260,7 @@ def main() -> None:
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
-    got: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in checkouts}
     for _ in range(args.rounds):
         for name, path in checkouts.items():
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests),
@@ -197,21 +277,7 @@ def main() -> None:
                 sys.stderr.write(out.stderr[-12000:])
             got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             log.info("%s: %s", name, got[name][-1])
-    saves = ("save_host_ms_per_prompt", "save_scheduler_ms_per_prompt", "save_worker_ms_per_prompt",
-             "save_window_steps")
-    for name, runs in got.items():
-        suffix = "" if name == "this" else "_baseline"
-        for key in ("hooks_ms", "worst_step_ms", "median_step_ms"):
-            print(f"batch_{key}{suffix}={statistics.median(r[key] for r in runs):.3f}")
-        for key in saves if not args.skip else ():
-            print(f"{key}{suffix}={statistics.median(r[key] for r in runs):.3f}")
-    if args.baseline:
-        def ratio(key: str) -> float:
-            return statistics.median(r[key] for r in got["this"]) / statistics.median(r[key] for r in got["baseline"])
-        print(f"batch_hooks_vs_baseline={ratio('hooks_ms'):.3f}")
-        if not args.skip:
-            print(f"save_host_vs_baseline={ratio('save_host_ms_per_prompt'):.3f}")
-
+    print_figures(got, quiet=bool(args.skip))
 
 if __name__ == "__main__":
     main()

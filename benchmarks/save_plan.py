@@ -54,7 +54,8 @@ def _aligned(device: str, *shape: int):
     return torch.from_numpy(raw[skip: skip + nbytes]).view(torch.bfloat16).view(*shape)
 
 
-def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", shape: str = "1b") -> dict[str, float]:
+def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", shape: str = "1b",
+               load: bool = False) -> dict[str, float]:
     """Median ms of the save's ranges (``post_by_pool``'s part), and of the shm transport's
     ``prepare`` on them (the range check and the gather plan), over ``repeat`` plans; on CUDA
     also of posting them (``post_ms``)."""
@@ -78,23 +79,27 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
     block_ids = np.random.default_rng(0).permutation(num_blocks)[:count].astype(np.int64)
     entries = {("shard-0", 1): {0: Entries(block_ids, (np.arange(count, dtype=np.int64) + 3) * entry, [])}}
     every = caches.every_layer()
+    # a save: every layer as one part, ranges entry by entry; a load: a part per layer, posted
+    # layer by layer (``StepLoads._post_by_layer``), ranges layer by layer
+    parts = [((0, index),) for _, index in every] if load else [every]
     transport, pool = _pool((count + 8) * entry, device)
     ranges_s, plan_s, post_s = [], [], []
     try:
         for _ in range(repeat):
             started = time.perf_counter()
-            ranges = caches.ranges(Batch(every, entries), by_entry=True)[("shard-0", 1)]
-            ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], [every])).tolist()
+            ranges = caches.ranges(Batch(every, entries), by_entry=not load)[("shard-0", 1)]
+            ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], parts)).tolist()
             planned = time.perf_counter()
             if transport is None:
                 ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
                 plan = GatherPlan.build(pool, ranges, ends, host_pool=pool)
-                assert plan is not None and plan.staged(0), "the save is not planned as on a GPU: staged DMA"
+                assert plan is not None and (load or plan.staged(0)), "not planned as on a GPU: staged DMA"
                 done = posted = time.perf_counter()
             else:
-                copies = transport.prepare(ranges, ends, to_pool=True)
+                copies = transport.prepare(ranges, ends, to_pool=not load)
                 done = time.perf_counter()
-                copies.post(0)
+                for part in range(len(parts)):
+                    copies.post(part)
                 posted = time.perf_counter()
                 torch.cuda.synchronize()
             ranges_s.append(planned - started)
@@ -127,13 +132,15 @@ def _pool(nbytes: int, device: str):
     return transport, None
 
 
-def run_in(checkout: str, requests: int, blocks: int, repeat: int, device: str, shape: str) -> dict[str, float]:
+def run_in(checkout: str, requests: int, blocks: int, repeat: int, device: str, shape: str,
+           load: bool) -> dict[str, float]:
     """``time_plans`` in a fresh process importing ``checkout``'s ``ucm_ray`` (this file run as
     a script: its own directory first on the path, then only ``checkout``)."""
     # the checkout first, then whatever the path held (on the GPU machine: the bundle's vLLM)
     path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--requests", str(requests),
-                          "--blocks", str(blocks), "--repeat", str(repeat), "--device", device, "--shape", shape],
+                          "--blocks", str(blocks), "--repeat", str(repeat), "--device", device, "--shape", shape]
+                         + (["--load"] if load else []),
                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"save_plan in {checkout} failed:\n{out.stderr[-4000:]}")
@@ -149,10 +156,11 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray is timed in the same run")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the worker's path on a GPU (see above)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--load", action="store_true", help="a load posted layer by layer instead of a save")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat, args.device, args.shape)))
+        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat, args.device, args.shape, args.load)))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +168,7 @@ def main() -> None:
     got: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for _ in range(args.rounds):
         for name, path in checkouts.items():
-            got[name].append(run_in(path, args.requests, args.blocks, args.repeat, args.device, args.shape))
+            got[name].append(run_in(path, args.requests, args.blocks, args.repeat, args.device, args.shape, args.load))
             log.info("%s: %s", name, got[name][-1])
     figures: dict[str, float] = {}
     for name, runs in got.items():

@@ -9,13 +9,17 @@ samples ``POISONED_TOKEN`` for a request whose attention read a block holding ot
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 from vllm.config import DeviceConfig, VllmConfig
 
 from tests.support.store_helpers import corrupt_stored_blocks
+from ucm_ray.store.types import Pending
 from ucm_ray.testing.harness import POISONED_TOKEN, TOKEN, make_engine, prompt
 from ucm_ray.vllm.compat import check_model_runner, loads_land_before_scheduling
 
+T = TypeVar("T")
 BLOCKS = 16
 CORRUPT = [10]
 """The stored block that fails its checksum: vLLM keeps the hit's first 10 blocks."""
@@ -117,3 +121,32 @@ def test_vllms_v2_model_runner_is_refused_at_start_up(monkeypatch):
     assert vllm_config.use_v2_model_runner
     with pytest.raises(ValueError, match="V2 model runner.*wrong tokens; set VLLM_USE_V2_MODEL_RUNNER=0"):
         check_model_runner(vllm_config)
+
+
+
+class _LateCommit(Pending[T]):
+    """A commit answered only once it was looked at ``polls`` times (a shard's round trip)."""
+
+    def __init__(self, answer: Pending[T], polls: int = 3) -> None:
+        self._answer, self._polls = answer, polls
+
+    def poll(self) -> bool:
+        self._polls -= 1
+        return self._polls < 0 and self._answer.poll()
+
+    def result(self) -> T:
+        return self._answer.result()
+
+
+def test_an_engine_that_ran_out_of_requests_still_settles_under_async_scheduling(store, model_dir):
+    """The harness: vLLM's batch queue schedules no step without requests, so a commit still
+    unanswered when the last request's blocks were freed was never collected and ``settle``
+    waited out its timeout (``batch_steps.py --async-scheduling`` could not start on a real
+    fleet). Settling plans steps without requests there too, as the synchronous engine does."""
+    client = store.client()
+    commit = client.commit
+    client.commit = lambda *args, **kwargs: _LateCommit(commit(*args, **kwargs))  # type: ignore[method-assign]
+    engine = make_engine(client, model_dir, async_scheduling=True)
+    engine.serve("A", prompt(BLOCKS * 128), max_tokens=2)
+    engine.settle(timeout_s=5.0)
+    assert engine.connector.scheduler_part.settled() and engine.stats()["saved_blocks"] == BLOCKS

@@ -29,7 +29,7 @@ from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm import compat
 from ucm_ray.vllm.compat import check_one_compute_stream
-from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.metadata import QUIET_STEP, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler import DECODE_SAVE_TOKENS, HOLD_S, Phase
 from ucm_ray.vllm.worker import StepState
 
@@ -420,6 +420,38 @@ def test_steps_without_loads_share_one_step_state_that_nothing_writes_into(store
     assert ext > 0 and b.wrong_blocks == 0 and b.stats()["saved_blocks"] > 0
     assert not all(shared) and sum(shared) > 250, f"{sum(shared)} of {len(shared)} steps shared"
     assert worker._idle_step == StepState()
+
+
+def test_only_steps_with_layer_loads_get_layer_hooks_and_quiet_steps_share_one_empty_metadata(store, model_dir):
+    """vLLM calls a layer's hooks (``wait_for_layer_load``, ``save_kv_layer``) only while the
+    connector has metadata bound; the worker binds it only for a step whose loads may wait for
+    their layer, so a decode step makes none of those calls (two a layer, every step). A step
+    with nothing for the workers gets the scheduler's one ``QUIET_STEP``, which nothing writes
+    into; a hit still loads layer by layer, every layer waited for."""
+    p = prompt(512, seed=91)
+    a = make_engine(store.client(), model_dir, block_size=16, num_layers=4)
+    a.serve("A", p, max_tokens=2)
+    a.settle()
+    b = make_engine(store.client(), model_dir, block_size=16, num_layers=4)
+    metas: list[UcmRayConnectorMetadata] = []
+    build = b.connector.build_connector_meta
+
+    def built(out):
+        metas.append(build(out))
+        return metas[-1]
+
+    b.connector.build_connector_meta = built  # type: ignore[method-assign]
+    with timed_calls([(b.worker, ("wait_for_layer_load", "save_kv_layer"), "worker")]) as timed:
+        ext, _ = b.serve("B", p + prompt(40, seed=92), max_tokens=40)
+    b.settle()
+    assert ext > 0 and b.wrong_blocks == 0 and b.failed_loads == 0
+    loading = [meta for meta in metas if meta.loads]
+    assert len(loading) == 1 and any(job.blocks.before_forward.sum() < len(job.blocks) for job in loading[0].loads[0])
+    # the hit's step waited for each of its 4 layers; no other step called a layer hook
+    assert len(timed["worker.wait_for_layer_load"]) == len(timed["worker.save_kv_layer"]) == 4
+    quiet = [meta for meta in metas if meta is QUIET_STEP]
+    assert len(quiet) > 30 and QUIET_STEP == UcmRayConnectorMetadata(work=False)
+    assert not b.worker.has_connector_metadata()
 
 
 def test_one_decoding_request_asks_for_slots_far_less_often_than_it_fills_blocks(store, model_dir):

@@ -252,13 +252,15 @@ class Engine:
         for index, (name, group, attention) in enumerate(self.layer_groups):
             if attention:
                 self._write_tails(loads, begins, name, group, index)
-            if attention and hooks:
+            # as vLLM's layer wrapper: the layer hooks only while the connector has metadata bound
+            layer_hooks = attention and hooks and worker.has_connector_metadata()
+            if layer_hooks:
                 worker.wait_for_layer_load(name)
             if attention and index == 0 and self.check_reads:
                 poisoned = self._poisoned_reads(begins, name, group)
             self._check_loaded(loads, begins, name, group, index, mismatched)
             self._compute(out, name, group, index, attention)
-            if attention and hooks:
+            if layer_hooks:
                 worker.save_kv_layer(name, self.kv[name], None)
         if out.total_num_scheduled_tokens:
             worker.wait_for_save()  # vLLM 0.26 calls none in a step without tokens: saves land anyway
@@ -317,7 +319,11 @@ class Engine:
         while not self.connector.scheduler_part.settled():
             assert time.monotonic() < deadline, "the store did not answer"
             time.sleep(0.001)
-            self.step()
+            if self.async_scheduling and not self.sched.has_requests() and not self._in_flight:
+                # the batch queue schedules nothing without requests: a plan still collects answers
+                self._apply(out := self.sched.schedule(), self._execute(out))
+            else:
+                self.step()
 
     def block_keys(self, tokens: list[int]) -> list[bytes]:
         """The store keys of the full blocks of ``tokens`` (rank 0, first attention group)."""

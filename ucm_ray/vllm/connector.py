@@ -200,9 +200,13 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         return membership.descriptors if membership is not None else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
+        """The step's jobs to the worker. vLLM calls the layer hooks (``wait_for_layer_load``,
+        ``save_kv_layer``: two calls a layer) only while metadata is bound
+        (``has_connector_metadata``), so it is bound only for a step whose layer hooks may have
+        loads to wait for: most steps make none of those calls."""
         assert isinstance(connector_metadata, UcmRayConnectorMetadata)
         self.worker_part.bind(connector_metadata)
+        super().bind_connector_metadata(connector_metadata if self.worker_part.waits_by_layer else None)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before vLLM writes this step's new blocks (zeroing, copy-on-write, loads, the
@@ -212,6 +216,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_part.start_load_kv()
+        if self._connector_metadata is not None and not self.worker_part.waits_by_layer:
+            self.clear_connector_metadata()  # every load posted at once: no layer hook waits
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker_part.wait_for_layer_load(layer_name)
@@ -227,13 +233,19 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_part.build_worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, done, _ = self.worker_part.transfer_results()
+        results = self.worker_part.transfer_results()
+        if results is None:
+            return None, None
+        sending, done, _ = results
         return sending or None, done or None
 
     if KVConnectorTransferResults is not None:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-            sending, done, failed = self.worker_part.transfer_results()
+            results = self.worker_part.transfer_results()
+            if results is None:
+                return KVConnectorTransferResults()
+            sending, done, failed = results
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

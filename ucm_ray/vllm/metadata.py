@@ -107,11 +107,20 @@ class UcmRayConnectorMetadata(KVConnectorMetadata):
     pools: Mapping[PoolKey, PoolDescriptor] | None = None
     """Every live pool, sent when membership changed since the last step (None: unchanged).
     A worker closes the mapping of any pool not listed (a dead shard, an old incarnation)."""
+    work: bool = True
+    """False only in ``QUIET_STEP``, the metadata of every step with nothing for the workers:
+    a worker with no job of its own left then does nothing in the step's hooks."""
 
     def carries_work(self) -> bool:
-        """Whether the workers have anything to do for this step beyond looking at their copies."""
-        return bool(any(self.loads.values()) or self.saves or self.state_saves or self.saved_requests
+        """Whether the workers have anything to do for this step beyond looking at their copies
+        (``loads`` holds a rank only once a job is added for it)."""
+        return bool(self.loads or self.saves or self.state_saves or self.saved_requests
                     or self.fences or self.pools is not None)
+
+
+QUIET_STEP = UcmRayConnectorMetadata(work=False)
+"""The scheduler's metadata for every step that gives the workers nothing to do (most decode
+steps), one object: such a step makes none, and a worker sees ``work`` False (read only)."""
 
 
 @dataclass(eq=False)

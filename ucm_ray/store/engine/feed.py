@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -31,9 +30,11 @@ class MembershipFeed:
         self._timeout_s = timeout_s
         self._directory = directory
         self._pending: ray.ObjectRef | None = None
-        self._arrived: Future | None = None
-        """Done once the long poll answered: checking it costs nothing, where asking Ray whether
-        the answer is there (``ray.wait``) cost ~85 us, twice per scheduler step."""
+        self._answered: ray.ObjectRef | None = None
+        """The long poll whose answer arrived (set by its future's callback, on Ray's thread):
+        checking it is one comparison, where asking Ray whether the answer is there
+        (``ray.wait``) cost ~85 us, twice per scheduler step, and the future's ``done()`` takes
+        its lock at every step."""
         self._next_try = 0.0
         self._missing_logged = False
         self._posted_for = 0
@@ -62,12 +63,12 @@ class MembershipFeed:
         if self._pending is None:
             if not self._find():
                 return None
-            self._pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
+            pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
                 known.version, known_hot=known.hot.revision if known.version else -1, shards_held=True)
-            self._arrived = self._pending.future()
+            self._pending = pending
             self._posted_for = known.version
-        assert self._arrived is not None
-        if not self._arrived.done():
+            pending.future().add_done_callback(lambda _: self._arrived(pending))
+        if self._answered is not self._pending:
             return None
         ref, self._pending = self._pending, None
         try:
@@ -86,6 +87,11 @@ class MembershipFeed:
             membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
             self.hot_deltas += 1
         return membership if membership.version != known.version else None
+
+    def _arrived(self, poll: ray.ObjectRef) -> None:
+        """A long poll's answer is in (Ray's thread): ``poll`` sees it at its next look, unless
+        that poll was dropped meanwhile (``fetch``, a lost directory)."""
+        self._answered = poll
 
     def directory(self) -> ray.actor.ActorHandle | None:
         """The directory's handle, if one was found (looked up again at most every ``RETRY_S``)."""

@@ -156,6 +156,7 @@ class SlotSupply:
         self._ticked: tuple[int, float] | None = None  # (pools' version, when) of the last full tick
         self._steps = 0  # steps since the last full tick
         self._held: dict[SlotClass, int] | None = None  # inside ``batched``: expected saves not yet asked for
+        self._holding: defaultdict[SlotClass, int] = defaultdict(int)  # what ``_held`` is next, empty
         self._later: dict[SlotClass, int] = defaultdict(int)  # expected saves for the next tick to ask for
         self._batched = _Batched(self)
 
@@ -218,11 +219,12 @@ class SlotSupply:
         return self._batched
 
     def _hold(self) -> None:
-        self._held = defaultdict(int)
+        self._held = self._holding  # empty: a step that expects nothing (most) makes no dict
 
     def _ask_held(self) -> None:
         held, self._held = self._held, None
         if held:
+            self._holding = defaultdict(int)
             for slot_class, count in self._shortfalls(held).items():
                 self._ask(slot_class, count)
 

@@ -18,7 +18,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.store.types import Publishes
-from ucm_ray.vllm.metadata import UcmRayConnectorMetadata, UcmRayWorkerMetadata
+from ucm_ray.vllm.metadata import QUIET_STEP, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.scheduler.answers import StoreAnswers
 from ucm_ray.vllm.scheduler.geometry import CacheGeometry
 from ucm_ray.vllm.scheduler.handoff import Handoffs
@@ -72,6 +72,8 @@ class SchedulerPart:
         self.results = Results(self.geometry, config, store, self._requests, self.lookups, self.loads, self.saves,
                                self._answers, self.slots, self.stats, clock)
         self._pools_sent: int | None = None
+        self._next_meta = UcmRayConnectorMetadata()
+        """What the next step is planned into (handed out only if it gets work)."""
         geometry = self.geometry
         log.info("ucm-ray scheduler: groups attn=%s state=%s block sizes=%s lcm=%d hash=%d recompute=%d",
                  geometry.attn, geometry.states, geometry.block_sizes, geometry.lcm, geometry.hash_block_size,
@@ -145,19 +147,28 @@ class SchedulerPart:
     def build_connector_meta(self, out: SchedulerOutput) -> UcmRayConnectorMetadata:
         """The step's plan: the store's answers and the pools first, then the block ids the
         output hands out, the loads and their fences, the saves (one slot ask per pool and size
-        for the step's expected saves), and the finished requests whose blocks vLLM may free."""
+        for the step's expected saves), and the finished requests whose blocks vLLM may free.
+        Planned into a metadata object that is handed out only when the step has work for the
+        workers; a step without (most decode steps) gets ``QUIET_STEP`` and makes none."""
         started = self.timer.clock()
         self.results.collect()
-        meta = UcmRayConnectorMetadata()
+        meta = self._next_meta
         self._sync_pools(meta)
         self._requests.take_block_ids(out)
         self.loads.dispatch(out, meta)
-        meta.fences = self.loads.fences(out, meta.loads)
+        if self.saves.jobs.in_flight:  # none: nothing to fence
+            meta.fences = self.loads.fences(out, meta.loads)
         with self.slots.batched():
             self.saves.plan_step(out, meta)
-        meta.saved_requests.update(self._requests.release_held(self._clock()))
-        self.timer.observe_step(out.total_num_scheduled_tokens, meta.carries_work(), self.timer.clock() - started)
+        released = self._requests.release_held(self._clock())
+        if released:
+            meta.saved_requests.update(released)
+        work = meta.carries_work()
+        self.timer.observe_step(out.total_num_scheduled_tokens, work, self.timer.clock() - started)
         self.prefill_rate.planned(out.total_num_scheduled_tokens, self._clock())
+        if not work:
+            return QUIET_STEP  # ``_next_meta`` is still empty: the next step plans into it
+        self._next_meta = UcmRayConnectorMetadata()
         return meta
 
     def _sync_pools(self, meta: UcmRayConnectorMetadata) -> None:

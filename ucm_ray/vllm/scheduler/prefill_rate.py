@@ -20,7 +20,8 @@ one rank's KV bytes a token (each rank's lookup asks for its own entries, and it
 them at the same time as the other ranks'). The estimate is the median of the last ``WINDOW`` such
 steps: one step slowed by a preemption, a compile or a busy host does not move it.
 
-Per step with tokens a deque append and pop; per timed step a median of ``WINDOW`` floats.
+Per step with tokens a deque append and pop (a decode step's makes no tuple); per timed step a
+median of ``WINDOW`` floats.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ MIN_TOKENS = 512
 """Scheduled tokens a step needs to be timed (below, fixed costs dominate its time)."""
 WINDOW = 16
 """Timed steps the median is taken over."""
+_UNTIMED = (0.0, 0)
+"""What an untimed step (fewer than ``min_tokens``) holds in the queue: one object for all."""
 IN_FLIGHT = 2
 """Steps vLLM plans before it hands the oldest back (its batch queue under asynchronous scheduling;
 one under synchronous): an older one waiting still would never be answered."""
@@ -58,19 +61,24 @@ class PrefillRate:
         return list(self._rates)
 
     def planned(self, tokens: int, now: float) -> None:
-        """A step was planned at ``now`` with ``tokens`` scheduled tokens."""
+        """A step was planned at ``now`` with ``tokens`` scheduled tokens (a step too small to be
+        timed, every decode step, queues one shared object, not a tuple of its own)."""
         if tokens <= 0:
             return  # answered only if its workers report anything: never matched to a plan
         while len(self._in_flight) >= IN_FLIGHT:
             self._in_flight.popleft()
-        self._in_flight.append((now, tokens))
+        timed = tokens >= self.min_tokens and self.kv_bytes_per_token > 0
+        self._in_flight.append((now, tokens) if timed else _UNTIMED)
 
     def answered(self, now: float) -> None:
         """A step's output came back at ``now``: the oldest step with tokens in flight, if any."""
         if not self._in_flight:
             return  # a step without tokens that had something to report
-        started, tokens = self._in_flight.popleft()
-        if tokens < self.min_tokens or self.kv_bytes_per_token <= 0 or now <= started:
+        planned = self._in_flight.popleft()
+        if planned is _UNTIMED:
+            return
+        started, tokens = planned
+        if now <= started:
             return
         rates = self._rates
         rates.append(tokens * self.kv_bytes_per_token / (now - started))

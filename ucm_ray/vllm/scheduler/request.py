@@ -432,8 +432,10 @@ class TrackedRequests:
         if dropped:
             self._stats.add(saves_dropped=dropped)
 
-    def release_held(self, now: float) -> list[str]:
+    def release_held(self, now: float) -> Sequence[str]:
         """The finishing requests whose blocks vLLM may free now (``hold_over``), forgotten."""
+        if not self._finishing:
+            return ()  # most steps
         released = []
         for req_id in list(self._finishing):
             tracked = self.by_id.get(req_id)

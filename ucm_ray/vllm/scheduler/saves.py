@@ -157,11 +157,13 @@ class SavePlanner:
     def plan_step(self, out: SchedulerOutput, meta: UcmRayConnectorMetadata) -> None:
         """This step's saves (of blocks filled before it), into ``meta``; slots expected for the
         prompts whose first token is out and for decode batches as their blocks fill."""
-        saves = save_rows()
+        saves: SaveRowsByRank | None = None  # made once a request's plan may change (none in most steps)
         saving: list[str] = []  # requests with rows in this step's saves
         for req_id, tracked in self._requests.by_id.items():
             if tracked.plan_stands():
                 continue  # as at the last plan (most decode steps)
+            if saves is None:
+                saves = save_rows()
             if self._plan_request(tracked, saves):
                 saving.append(req_id)
         if saves:

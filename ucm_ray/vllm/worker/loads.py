@@ -112,9 +112,9 @@ class StepLoads:
         FULL CUDA graph replay runs no Python). Its output cannot be trusted, so the loads are
         failed and vLLM drops this step's tokens and recomputes: wrong tokens stay impossible
         even if the hit policy let such a step through."""
-        unwaited = step.unwaited_layers()
-        if not unwaited:
+        if not step.layers_pending:
             return
+        unwaited = step.unwaited_layers()
         log.warning("ucm-ray: %d layer load(s) were never waited for by the forward pass; "
                     "failing them so vLLM recomputes", len(unwaited))
         self._stats.add(unwaited_layer_loads=len(unwaited))

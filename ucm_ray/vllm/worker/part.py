@@ -74,6 +74,11 @@ class WorkerPart:
     # --- per step ------------------------------------------------------------------------
 
     def bind(self, meta: UcmRayConnectorMetadata) -> None:
+        """The step's jobs (``meta``). A step whose metadata carries nothing for the workers,
+        while no step's loads or save jobs are left here (most decode steps), does nothing else:
+        no clock, no state, no call below."""
+        if not meta.work and self._step is self._idle_step and not self._saves.pending:
+            return
         if self._step.phase is LoadPhase.POSTED:
             # No results were asked for since the last step posted them: its execution failed,
             # and its output with it. Land them (their blocks may be reused now); their block
@@ -89,14 +94,25 @@ class WorkerPart:
         self._results.saved_requests(meta.saved_requests)
         self.fence(meta)  # where vLLM did not call ``handle_preemptions`` first
         saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
-        deadline = time.monotonic() + self._config.transfer_timeout_s
         loads, state_saves = meta.loads.get(self._rank), states if states is not None and len(states) else None
+        if not (loads or state_saves is not None or saves is not None and len(saves)):
+            self._step = self._idle_step
+            return
+        deadline = time.monotonic() + self._config.transfer_timeout_s
         # A step that loads nothing and saves no state (most decode steps) never writes into its
         # state: they share one, made once.
         self._step = StepState.bound(loads or [], deadline, state_saves) \
             if loads or state_saves is not None else self._idle_step
         if saves is not None and len(saves):
             self._saves.post(saves, deadline)
+
+    @property
+    def waits_by_layer(self) -> bool:
+        """Whether this step's layer hooks have anything to do: some of its loads wait for their
+        layer's hook (``BY_LAYER``), or they are bound and not posted yet (``PLANNED``: whether
+        they go by layer is decided in ``start_load_kv``). Otherwise the connector leaves its
+        metadata unbound, and vLLM calls neither layer hook (two calls a layer, every step)."""
+        return self._step.phase is LoadPhase.BY_LAYER or self._step.phase is LoadPhase.PLANNED
 
     def fence(self, meta: UcmRayConnectorMetadata) -> None:
         """This step reuses blocks that these save jobs may still be reading (freed and
@@ -106,12 +122,14 @@ class WorkerPart:
         if meta is self._fenced:
             return  # ``handle_preemptions`` did, before ``bind``
         self._fenced = meta
-        self._saves.fence(meta.fences)
+        if meta.fences:
+            self._saves.fence(meta.fences)
 
     def start_load_kv(self) -> None:
         if self._step.phase is LoadPhase.PLANNED:
             self._loads.start(self._step)
-        self._saves.loads_queued()
+        if self._saves.pending:
+            self._saves.loads_queued()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Only a step whose loads were posted layer by layer has any for a layer's hook (most
@@ -120,8 +138,10 @@ class WorkerPart:
             self._loads.wait_for_layer(self._step, layer_name)
 
     def wait_for_save(self) -> None:
-        self._saves.forward_queued()
         step = self._step
+        if step is self._idle_step and not self._saves.pending:
+            return  # most decode steps: no load, no state, no save job
+        self._saves.forward_queued()
         self._loads.finish_posted(step)
         self._loads.fail_unwaited(step)
         states = step.take_state_saves()
@@ -130,17 +150,22 @@ class WorkerPart:
         self._saves.poll(step_end=True)
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
-        self._saves.poll(step_end=True)
+        if self._saves.pending:
+            self._saves.poll(step_end=True)
         return self._results.take_meta()
 
-    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending: their saves landed, finished receiving, of which failed)."""
-        self._loads.finish_posted(self._step)
-        self._saves.poll(step_end=True)
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
+        """(finished sending: their saves landed, finished receiving, of which failed); None
+        when there are none."""
+        if self._step.phase is LoadPhase.POSTED:
+            self._loads.finish_posted(self._step)
+        if self._saves.pending:
+            self._saves.poll(step_end=True)
         return self._results.take_transfers()
 
     def load_errors(self) -> set[int]:
-        self._loads.finish_posted(self._step)
+        if self._step.phase is LoadPhase.POSTED:
+            self._loads.finish_posted(self._step)
         return self._results.take_load_errors()
 
     def shutdown(self) -> None:

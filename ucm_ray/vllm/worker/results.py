@@ -69,12 +69,19 @@ class WorkerResults:
         out, self._meta = self._meta, UcmRayWorkerMetadata()
         return out
 
-    def take_transfers(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending: their saves landed, finished receiving, of which failed)."""
+    def take_transfers(self) -> tuple[set[str], set[str], set[str]] | None:
+        """(finished sending: their saves landed, finished receiving, of which failed); None when
+        there are none (most steps: no set is made)."""
+        if not (self._finished_sending or self._finished_recving or self._failed_recving):
+            return None
         sending, done, failed = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return sending, done | failed, failed
 
     def take_load_errors(self) -> set[int]:
+        """The block ids whose loads failed since the last take; the same empty set when there
+        are none (most steps: none is made)."""
+        if not self._load_errors:
+            return self._load_errors
         out, self._load_errors = self._load_errors, set()
         return out

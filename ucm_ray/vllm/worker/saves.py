@@ -78,6 +78,11 @@ class SavesInFlight:
         self._checksums = checksums
         self._jobs: list[SaveJob] = []
 
+    @property
+    def pending(self) -> bool:
+        """Whether any job is posted and not yet seen landed (most decode steps: none)."""
+        return bool(self._jobs)
+
     def post(self, saves: BlockSaves, deadline: float) -> None:
         """A step's save job (``bind``): its stream-ordered part waits for ``forward_queued``."""
         self._jobs.append(self._job(saves, deadline, ordered_later=True))
