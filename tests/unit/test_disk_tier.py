@@ -110,6 +110,35 @@ def test_demotion_starts_above_the_high_watermark_and_cleans_the_cold_end(tmp_pa
     assert s.demote_all() == 0  # the cold end is clean already
 
 
+def test_a_pool_evicting_below_its_high_watermark_gets_its_cold_end_demoted(tmp_path):
+    """Entries of mixed sizes fragment a pool: a save can find no hole large enough while the
+    pool's used bytes are under the high watermark. Such a pool is full in effect: once it has
+    evicted, demotion cleans its cold end as it would a full pool's, so the next save evicts
+    clean entries (CI lost the last-written keys of ``test_disk_tier_store`` this way: after
+    the pool dropped under its watermark, nothing was demoted and every eviction was dirty)."""
+    s = Shard(str(tmp_path), 8, 64)  # 8 slots of 8 KiB; high 0.9 (7.2 slots), low 0.75 (6)
+    for i in range(7):
+        s.write(i)
+    assert s.demote_all() == 0  # 7 of 8 slots: under the high watermark, nothing is cold yet
+
+    def save_double(i: int) -> None:  # one 16 KiB entry: no hole fits it, the pool evicts
+        with s.lock:
+            token, offs = s.index.reserve(WRITER, 2 * SLOT, 1)
+            assert offs, "no room in the pool"
+            s.pool[offs[0]:offs[0] + 2 * SLOT] = torch.cat([payload(i), payload(i)])
+            assert s.index.commit(WRITER, token, [(key(i), offs[0], None)]) == [True]
+
+    save_double(100)  # evicts 0 and 1, both dirty: nothing warned demotion (the cost of a first eviction)
+    assert s.index.stats().evicted_dirty == 2 and s.in_pool(0, 1) == [False, False]  # (a hit would touch)
+    assert s.index.stats().used_bytes <= 0.9 * 8 * SLOT  # 7 slots used again: under the watermark
+    assert s.tier.behind()  # ...but evicting: its cold end (2 slots) is owed to disk
+    assert s.demote_all() == 2 * SLOT
+    assert s.tier.on_disk([key(2), key(3), key(4)]) == [True, True, False] and not s.tier.behind()
+    save_double(101)  # evicts 2 and 3 again, clean now: nothing is lost
+    assert s.index.stats().evicted_dirty == 2
+    assert s.tier.promote([key(2), key(3)]) == [True, True]
+
+
 def test_a_store_holding_10x_its_pool_serves_any_of_it(tmp_path):
     """The issue's 10x: eighty entries through a pool of eight, every one served in random order."""
     s = Shard(str(tmp_path), 8, 96)

@@ -295,15 +295,13 @@ class BlockIndex:
 
     # --- the disk tier ---------------------------------------------------------------------
 
-    def demotion_batch(self, owner: int, low_bytes: int, max_bytes: int) -> tuple[int, list[tuple[Key, Slot]]]:
-        """The dirty entries among the coldest ``used - low_bytes`` bytes (at most ``max_bytes``
-        of them), pinned under a lease of ``owner`` so their slots stay put while their bytes go
-        to disk; (lease id, [(key, slot)]). Empty when the pool holds no more than ``low_bytes``.
-        Admission is this rule: an entry reaches disk only once it has aged to the cold end of a
-        pool above its watermark (write-through asks with ``low_bytes`` 0: every dirty entry)."""
+    def demotion_batch(self, owner: int, cold_bytes: int, max_bytes: int) -> tuple[int, list[tuple[Key, Slot]]]:
+        """The dirty entries among the coldest ``cold_bytes`` bytes (at most ``max_bytes`` of
+        them), pinned under a lease of ``owner`` so their slots stay put while their bytes go to
+        disk; (lease id, [(key, slot)]). The tier sizes the cold end (its watermarks: admission)."""
         self._expire()
         lease = self._fresh_id(self._leases)
-        cold = self._used - low_bytes
+        cold = cold_bytes
         picked: list[_Entry] = []
         items: list[tuple[Key, Slot]] = []
         taken = 0
@@ -321,9 +319,9 @@ class BlockIndex:
             self._leases[lease] = _Lease(owner, self._clock() + self._lease_s, picked)
         return lease, items
 
-    def cold_dirty_bytes(self, low_bytes: int) -> int:
-        """Bytes of dirty entries among the coldest ``used - low_bytes``: what demotion still owes."""
-        cold, owed = self._used - low_bytes, 0
+    def cold_dirty_bytes(self, cold_bytes: int) -> int:
+        """Bytes of dirty entries among the coldest ``cold_bytes``: what demotion still owes."""
+        cold, owed = cold_bytes, 0
         for e in self._entries.values():
             if cold <= 0:
                 break

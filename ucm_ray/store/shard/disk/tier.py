@@ -5,6 +5,10 @@ Why this shape: the pool stays the only place block bytes are read from (engines
 as today); the disk only ever talks to the pool. Demotion copies the coldest dirty entries of a
 pool above its high watermark until its coldest ``used - low`` bytes are all on disk, so the
 index's eviction (``prefer_clean``) finds clean entries and a save never waits on the disk.
+A pool that has evicted since demotion last found its cold end clean counts as full (``used`` =
+capacity): entries of mixed sizes fragment a pool, and a save that finds no hole large enough
+evicts while the used bytes are under the high watermark. Measured by used bytes alone, such a
+pool was never demoted and every eviction took a dirty entry (CI's lost keys, stop 56).
 Both directions take the index lock only to pick, pin, commit or release, never across the
 disk I/O: the shard's control calls go on while bytes move.
 
@@ -40,7 +44,7 @@ import torch
 
 from ucm_ray.store.shard.disk.read_cost import ReadCost
 from ucm_ray.store.shard.disk.store import DiskStats, DiskStore
-from ucm_ray.store.shard.index import BlockIndex, Key
+from ucm_ray.store.shard.index import BlockIndex, IndexStats, Key
 from ucm_ray.store.types import random_id
 
 PROMOTE_CHUNK = 32
@@ -115,6 +119,9 @@ class DiskTier:
         self._checkpointed_at = time.monotonic()
         self._checkpoint_s = 0.0
         self._off = False
+        self._evictions_seen = index.stats().evictions
+        """The pool's eviction count when demotion last found its cold end clean: more since
+        means the pool is evicting (full in effect, whatever its used bytes say)."""
         self.stats = TierStats()
         with self._lock:  # what a restart adopted: same-node readers must ask for it
             self._index.list_on_disk([(k, store.size_of(k) or 0) for k in store.keys()])
@@ -126,9 +133,14 @@ class DiskTier:
             self._after_turned_off()
             return 0
         with self._lock:
-            if self._index.stats().used_bytes <= self._high:
+            stats = self._index.stats()
+            used = self._used(stats)
+            if used <= self._high:
                 return 0
-            lease, items = self._index.demotion_batch(self._owner, self._low, self._batch_bytes)
+            lease, items = self._index.demotion_batch(self._owner, used - self._low, self._batch_bytes)
+            if not items:  # the cold end is clean: caught up with the evictions so far
+                self._evictions_seen = stats.evictions
+                return 0
         done: list[tuple[Key, int]] = []
         gone: list[Key] = []
         written = 0
@@ -202,8 +214,13 @@ class DiskTier:
         if not self._store.enabled:
             return False
         with self._lock:
-            stats = self._index.stats()
-            return stats.used_bytes > self._high and self._index.cold_dirty_bytes(self._low) > 0
+            used = self._used(self._index.stats())
+            return used > self._high and self._index.cold_dirty_bytes(used - self._low) > 0
+
+    def _used(self, stats: IndexStats) -> int:
+        """The pool's used bytes as the watermarks see them: its capacity while it is evicting
+        (see the module's docstring)."""
+        return self._capacity if stats.evictions != self._evictions_seen else stats.used_bytes
 
     def on_disk(self, keys: Sequence[Key]) -> list[bool]:
         """Which keys the disk holds: dict probes without the disk lock, so a lookup never waits
