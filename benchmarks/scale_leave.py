@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
 from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
-from benchmarks.scale.workload import BYTES_PER_TOKEN, add_single_run_args, single_run  # noqa: E402
+from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, add_single_run_args, single_run  # noqa: E402
 
 TRIALS = 20
 """Random placements per fill and variant (the worst node's share is averaged over them)."""
@@ -72,6 +72,18 @@ def leave_parts(design: HandoverCopyOnSecondRead, cluster: Cluster) -> dict[str,
         for pool in pools:
             parts["table rows"][pool] += 1
     return parts
+
+
+def largest_family(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: list[bytes], entry_unit: float) -> str:
+    """What the largest family's entries are: how many prompts wrote into it, how many nodes,
+    and the blocks its prompts share (its trunk) against those only one prompt wrote (its branches)."""
+    root, size = Counter(roots).most_common(1)[0]
+    members = [key for key, of in zip(keys, roots) if of == root]
+    prompts = {id(design.chain_of[key][0]) for key in members if key in design.chain_of}
+    writers = {design.locs[key][0] for key in members if design.locs.get(key)}
+    deepest = max((design.chain_of[key][1] for key in members if key in design.chain_of), default=0)
+    return (f"largest family: {size} entries ({size / entry_unit:.2f} x 1/N of entries), written by "
+            f"{len(prompts)} prompts on {len(writers)} nodes, its deepest block at position {deepest}")
 
 
 def variant_groups(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: list[bytes],
@@ -115,6 +127,30 @@ def worst_share(families: list[np.ndarray], nodes: int, per_node: float, rng: np
     return float(np.mean(shares))
 
 
+def bounded_table(design: HandoverCopyOnSecondRead, requests: list[Request], roots: list[bytes], nodes: int,
+                  fills: list[int], rng: np.random.Generator) -> str:
+    """``bounded``: a family larger than a cap (``cap`` x the entries a node) spread over
+    ceil(size / cap) of its root's owners by a hash of the key, a lookup asking each: per fill, the
+    worst node's share and a request's calls at p99 (its family's final size: an upper bound)."""
+    sizes = Counter(roots)
+    lines = ["", "| bounded: family spread over ceil(size / (cap x fill)) owners | "
+             + " | ".join(f"{fill} a node: worst / calls p99" for fill in fills) + " |",
+             "|---|" + "---|" * len(fills)]
+    for cap in (0.5, 1.0, 2.0):
+        cells = []
+        for fill in fills:
+            bound = cap * fill
+            families = [np.full(int(-(-size // bound)), size / -(-size // bound)) for size in sizes.values()]
+            calls = []
+            for request in requests:
+                hot = design.hot_prefix(request.keys)
+                root = request.keys[hot] if hot < len(request.keys) else request.keys[0]
+                calls.append(int(-(-sizes.get(root, 1) // bound)))
+            cells.append(f"{worst_share(families, nodes, fill, rng):.2f} / {np.percentile(calls, 99):.0f}")
+        lines.append(f"| cap {cap} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_single_run_args(parser)
@@ -151,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
           f"lost data alone: {lost.max() / unit:.2f} x 1/N of keys (node {int(lost.argmax())}); "
           f"nodes {worst_leave} (worst leave) and {worst_index} (worst index)")
 
+    print(largest_family(design, keys, roots, entry_unit))
+
     longest = -(-spec.max_prompt_tokens // spec.block_size)
     lengths = [len(request.keys) - design.hot_prefix(request.keys) for request in requests]
     spreads, everies = args.spread or [2, 4], args.every or [512, 256, 64]
@@ -176,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             calls = [1, 1]
         cells = [f"{worst_share(families, nodes, fill, rng):.2f}" for fill in fills]
         print(f"| {name} | {calls[0]} | {calls[1]} | {largest:.2f} | " + " | ".join(cells) + " |")
+    print(bounded_table(design, requests, roots, nodes, fills, rng))
 
 
 if __name__ == "__main__":
