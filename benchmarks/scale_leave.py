@@ -91,7 +91,8 @@ def largest_family(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: l
 
 
 def variant_groups(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: list[bytes],
-                   spreads: list[int], everies: list[int]) -> dict[str, list[tuple[bytes, bytes]]]:
+                   spreads: list[int], everies: list[int], order: dict[int, int]
+                   ) -> dict[str, list[tuple[bytes, bytes]]]:
     """Per variant, each entry's (family, anchor): the family it belongs to (sampled together) and
     the anchor whose owner holds its hint."""
     hot_of = {id(chain): design.hot_prefix(chain) for chain, _ in design.chain_of.values()}
@@ -120,7 +121,40 @@ def variant_groups(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: l
         start = first_new.get(id(chain), 0)
         branched.append((root, root if chain is None or position < hot or start <= hot else chain[start]))
     groups["branch roots"] = branched
+    groups["branch roots, chats kept"] = kept_branches(design, keys, roots, first_new, hot_of, order)
     return groups
+
+
+def kept_branches(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: list[bytes],
+                  first_new: dict[int, int], hot_of: dict[int, int], order: dict[int, int]
+                  ) -> list[tuple[bytes, bytes]]:
+    """Branch roots, but a prompt that continues a block nobody continued before (the next turn
+    of its own chat, the first question on a document) joins that block's anchor: only the
+    second and later continuations of a block start a branch of their own."""
+    anchor_of: dict[bytes, bytes] = {}
+    continued: set[bytes] = set()
+    by_chain: dict[int, list[tuple[int, bytes, bytes]]] = {}
+    for key, root in zip(keys, roots):
+        chain, position = design.chain_of.get(key, (None, 0))
+        if chain is None:
+            anchor_of[key] = root
+            continue
+        by_chain.setdefault(id(chain), []).append((position, key, root))
+    chains = {id(chain): chain for chain, _ in design.chain_of.values()}
+    for chain_id in sorted(by_chain, key=lambda at: order.get(at, 0)):
+        chain, start, hot = chains[chain_id], first_new[chain_id], hot_of.get(chain_id, 0)
+        parent = chain[start - 1] if start > hot else None
+        if parent is None or parent not in anchor_of:
+            branch = None
+        elif parent in continued:
+            branch = chain[start]
+        else:
+            branch = anchor_of[parent]
+        if parent is not None:
+            continued.add(parent)
+        for position, key, root in by_chain[chain_id]:
+            anchor_of[key] = root if branch is None or position < hot else branch
+    return [(root, anchor_of[key]) for key, root in zip(keys, roots)]
 
 
 def lookup_calls(design: HandoverCopyOnSecondRead, requests: list[Request], anchor_of: dict[bytes, bytes]) -> list[int]:
@@ -218,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
 
     spreads, everies = args.spread or [2, 4], args.every or [512, 256, 64]
     fills = [round(entry_unit)] + (args.fill or [1024, 2048, 16384])
-    groups = variant_groups(design, keys, roots, spreads, everies)
+    order = {id(request.keys): index for index, request in enumerate(requests)}
+    groups = variant_groups(design, keys, roots, spreads, everies, order)
     rng = np.random.default_rng(spec.seed)
     print("\n| variant | calls p50 / p99 | largest group (x 1/N, run) | "
           + " | ".join(f"worst node at {fill} entries a node" for fill in fills) + " |")
