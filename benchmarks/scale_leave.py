@@ -99,7 +99,8 @@ def variant_groups(design: HandoverCopyOnSecondRead, keys: list[bytes], roots: l
     groups: dict[str, list[tuple[bytes, bytes]]] = {"family": list(zip(roots, roots))}
     for spread in spreads:
         groups[f"spread {spread}"] = [
-            (root, root + bytes([hashlib.blake2b(key, digest_size=1).digest()[0] % spread]))
+            (root, hashlib.blake2b(root + bytes([hashlib.blake2b(key, digest_size=1).digest()[0] % spread]),
+                                   digest_size=16).digest())
             for key, root in zip(keys, roots)]
     for every in everies:
         anchored = []
@@ -255,9 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     order = {id(request.keys): index for index, request in enumerate(requests)}
     groups = variant_groups(design, keys, roots, spreads, everies, order)
     rng = np.random.default_rng(spec.seed)
-    print("\n| variant | calls p50 / p99 | largest group (x 1/N, run) | "
+    print("\n| variant | calls p50 / p99 | largest group (x 1/N, run) | worst node, the run's owners | "
           + " | ".join(f"worst node at {fill} entries a node" for fill in fills) + " |")
-    print("|---|---|---|" + "---|" * len(fills))
+    print("|---|---|---|---|" + "---|" * len(fills))
     for name, pairs in groups.items():
         per_family: dict[bytes, Counter[bytes]] = {}
         for family, anchor in pairs:
@@ -265,7 +266,9 @@ def main(argv: list[str] | None = None) -> None:
         families = [np.array(list(anchors.values()), dtype=float) for anchors in per_family.values()]
         largest = max(max(anchors.values()) for anchors in per_family.values()) / entry_unit
         calls = lookup_calls(design, requests, dict(zip(keys, (anchor for _, anchor in pairs))))
-        cells = [f"{worst_share(families, nodes, fill, rng):.2f}" for fill in fills]
+        owned = np.bincount(placement.primary([anchor for _, anchor in pairs]), minlength=nodes)
+        cells = [f"{owned.max() / owned.mean():.2f}"]
+        cells += [f"{worst_share(families, nodes, fill, rng):.2f}" for fill in fills]
         print(f"| {name} | {np.percentile(calls, 50):.0f} / {np.percentile(calls, 99):.0f} | {largest:.2f} | "
               + " | ".join(cells) + " |")
     print(bounded_table(design, requests, roots, nodes, fills, rng))
