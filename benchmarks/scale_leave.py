@@ -18,12 +18,16 @@ state (entries a node = pool blocks a node). It prints the worst node's index sh
 1/N of the entries (mean over trials) and the calls a lookup takes, per variant:
 
 - ``family``: (k), all of a family's hints at ``owners(root)``: 1 call;
-- ``spread r``: a family's hints over its root's best ``r`` owners by a hash of the key: r calls;
+- ``spread r``: a family's hints over ``r`` anchors (the root and a hash of the key): r calls;
 - ``sub-root K``: every K blocks past the hot prefix a new anchor (``scale_split.py``);
 - ``branch roots``: the blocks a prompt wrote past what it found (its branch) anchored at the
   first of them, unless it wrote its family from the root (a new family); the root's owner
-  answers how far its hints reach, the next call goes to that point's owner.
+  answers how far its hints reach, the next call goes to that point's owner;
+- ``branch roots, chats kept``: as branch roots, but only a block's second and later
+  continuations start a branch (a chat's next turn stays with its branch);
+- ``bounded`` (a table of its own): a family spread over ceil(size / (cap x fill)) anchors.
 
+Beside the model, each variant's worst node under the run's real rendezvous owners.
 Calls: per request, the distinct anchors of the blocks another prompt wrote past its hot prefix.
 
 The fills sample families from the run with replacement: the steady state's families are assumed
