@@ -320,3 +320,24 @@ def test_a_popular_blocks_places_go_to_nodes_that_keep_copies_not_for_its_lifeti
     assert 0 < max(len(nodes) for nodes in held.places.values()) <= bound
     assert all(node >= share * cluster.nodes and key in cluster.stored[node]
                for key, nodes in held.places.items() for node in nodes)
+
+
+def test_a_leaves_parts_add_up_to_the_movement_reported_and_one_family_fills_one_node() -> None:
+    """``scale_leave.py`` splits each node's leave into lost data and re-homed index entries: what
+    it counts per node is what ``movement`` reports (mean and worst), the index entries are 1/N on
+    average, and its placement of families puts one family on one node (worst = N x the mean)
+    while many one-entry families spread (worst near the mean)."""
+    from benchmarks.scale.runner import movement
+    from benchmarks.scale_leave import leave_parts, worst_share
+
+    cluster, design = popular_document_runs(20, 60, {0: DesignParams()})[0]
+    parts = leave_parts(design, cluster)
+    unit = len({key for pool in cluster.stored for key in pool}) / cluster.nodes
+    counted = parts["own lost"] + parts["copy lost"] + parts["index not lost"]
+    moved = movement(design, cluster)
+    assert counted.mean() / unit == pytest.approx(moved.leave_mean)
+    assert counted.max() / unit == pytest.approx(moved.leave_worst)
+    assert parts["index"].sum() == len(design.entries()[0])
+    rng = np.random.default_rng(0)
+    assert worst_share([np.array([500.0])], 20, 25.0, rng) == pytest.approx(20.0)
+    assert worst_share([np.array([1.0])], 20, 5000.0, rng) < 1.1
