@@ -170,5 +170,5 @@ def test_a_node_that_keeps_no_copy_does_not_hold_a_place_by_reading_often():
     clock.advance(2.0)  # t = 11 s: its place was not confirmed within CONFIRM_S
     assert reads.ask([b"doc"], "copier", copy_bound=1) == [remote_reads.POPULAR]
     clock.advance(2.0)
-    assert reads.ask([b"doc"], "nocopy", copy_bound=1) == [6]  # not told again for this block
+    assert reads.ask([b"doc"], "nocopy", copy_bound=1) == [5]  # not told again for this block
     assert reads.stats()["popular_unconfirmed"] == 1
