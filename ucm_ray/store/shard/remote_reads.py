@@ -64,6 +64,11 @@ CONFIRM_S = 10.0
 (``copied``): a copy is saved once its load landed and committed, well within this; one that
 never comes (a hybrid engine, ``remote_copy_reads: 0``, a failed load) frees the place after it.
 A copy registered later is one past the bound, at most one a late node."""
+MAX_BARRED = 8
+"""Nodes remembered per block as keeping no copy (a place given back unconfirmed): past it, a
+further such node may take a place again once its last one was given back (one ``CONFIRM_S``
+a read). Bounds the memory: 1.6 KB a block with this many (``MAX_KEYS`` blocks: ~98 MiB were every
+block's places given back by this many nodes; ``tracemalloc``, 56-character node ids)."""
 HELD = float("inf")
 """A place's deadline once its copy is registered: held until its node reads the block again."""
 
@@ -75,7 +80,7 @@ class _Block:
     (None: no place taken, most blocks). At most the largest bound asked (one per node and
     ``copy_nodes_per_pool`` nodes): an unbounded tell takes none. ``barred``: the nodes whose
     place was given back unconfirmed, not told again (None: none, most blocks; at most
-    ``MAX_READERS``)."""
+    ``MAX_BARRED``)."""
 
     __slots__ = ("readers", "places", "barred")
 
@@ -192,7 +197,7 @@ class RemoteReads:
         barred = block.barred
         if barred is None:
             barred = block.barred = set()
-        if len(barred) < MAX_READERS:
+        if len(barred) < MAX_BARRED:
             barred.add(node)
 
     def __len__(self) -> int:
