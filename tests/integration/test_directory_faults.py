@@ -162,3 +162,27 @@ def test_readers_copies_another_push_carried_are_not_pushed_again(fleet):
     time.sleep(1.5)
     status = ray.get(d.ping.remote(), timeout=30)
     assert status["hot_pools_named"] == 4 and status["version"] == carried
+
+
+def test_a_dropped_long_poll_answered_after_the_next_one_does_not_stall_the_feed(fleet):
+    """review56: ``fetch`` drops an outstanding long poll; the next poll's answer can come first
+    (it was posted for an older version: answered at once) and the dropped one's later (the
+    membership changed). Its callback then marked the dropped poll as the answered one, so the
+    outstanding answer was never looked at again: the feed saw no membership from then on."""
+    import dataclasses
+
+    from tests.support.store_helpers import restart_shard
+    from ucm_ray.store.engine.feed import MembershipFeed
+
+    cfg = fleet(num_shards=2)
+    feed = MembershipFeed(cfg.ray_namespace, 20.0)
+    known = feed.fetch()
+    assert known is not None and known.version > 1
+    assert feed.poll(known) is None  # a long poll, waiting for a change
+    assert feed.fetch() is not None  # drops it
+    older = dataclasses.replace(known, version=known.version - 1)
+    assert feed.poll(older) is None  # posted for an older version: answered at once
+    time.sleep(1.0)  # ... its answer is in
+    restart_shard(cfg, 0)  # a change: the dropped poll is answered now, after the other
+    time.sleep(1.0)
+    assert feed.poll(older) is not None

@@ -150,3 +150,38 @@ def test_an_engine_that_ran_out_of_requests_still_settles_under_async_scheduling
     engine.serve("A", prompt(BLOCKS * 128), max_tokens=2)
     engine.settle(timeout_s=5.0)
     assert engine.connector.scheduler_part.settled() and engine.stats()["saved_blocks"] == BLOCKS
+
+
+def test_a_steps_output_carries_only_its_own_failed_blocks_when_vllm_takes_it_back(store, model_dir):
+    """review56: the worker handed vLLM its own (empty) set of failed block ids in a step without
+    failures and filled that same set in the next step, which ran before vLLM took the first
+    step's output back (the batch queue): the earlier step's output then carried the later
+    step's failures. Each output, when vLLM takes it back, holds what its step reported."""
+    p = prompt(BLOCKS * 128)
+    _stored(store, model_dir, p)
+    b = make_engine(store.client(), model_dir, async_scheduling=True)
+    execute, apply = b._execute, b._apply
+
+    def failed_blocks(runner_output) -> set[int]:
+        kv_output = runner_output.kv_connector_output
+        return set(kv_output.invalid_block_ids) if kv_output is not None else set()
+
+    reported: list[set[int]] = []  # per step run, oldest first: vLLM takes outputs back in order
+    taken_back: list[tuple[set[int], set[int]]] = []
+
+    def execute_noting(out):
+        runner_output = execute(out)
+        reported.append(failed_blocks(runner_output))
+        return runner_output
+
+    def apply_checking(out, runner_output) -> None:
+        taken_back.append((reported.pop(0), failed_blocks(runner_output)))
+        apply(out, runner_output)
+
+    b._execute, b._apply = execute_noting, apply_checking  # type: ignore[method-assign]
+    b.add("warm", prompt(4 * 128, seed=7), max_tokens=8)  # steps in flight before B's load
+    for _ in range(3):
+        b.step()
+    assert _tokens(b, "B", p, max_tokens=4) == [TOKEN] * 4
+    assert b.failed_loads == 1 and any(ids for ids, _ in taken_back)
+    assert [ids for ids, _ in taken_back] == [ids for _, ids in taken_back]

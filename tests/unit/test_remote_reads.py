@@ -151,3 +151,24 @@ def test_a_registered_copy_holds_its_place_past_the_confirmation_time():
     _popular_among(reads, 1)
     assert reads.ask([b"doc"], "n2", copy_bound=1) == [0]  # n1 holds the one place
     assert reads.stats() == {"popular_told": 1, "popular_confirmed": 1, "popular_unconfirmed": 0}
+
+
+def test_a_node_that_keeps_no_copy_does_not_hold_a_place_by_reading_often():
+    """review56: a node told a block is popular that never registers its copy (a hybrid engine,
+    ``remote_copy_reads: 0``, a failed load) but reads the block again every few seconds took its
+    place afresh at each read, so its deadline never came and, under a bound of one, no node that
+    copies was ever told. Its place goes once ``CONFIRM_S`` passed unconfirmed, and it is not told
+    again for that block; a node that copies gets the place."""
+    reads, clock = _reads()
+    _popular_among(reads, 1)
+    assert reads.ask([b"doc"], "nocopy", copy_bound=1) == [remote_reads.POPULAR]
+    for _ in range(4):  # a read every 2 s: it copies nothing
+        clock.advance(2.0)
+        assert reads.ask([b"doc"], "nocopy", copy_bound=1) == [remote_reads.POPULAR]  # its place, for now
+    clock.advance(1.0)
+    _popular_among(reads, 1)  # t = 9 s
+    clock.advance(2.0)  # t = 11 s: its place was not confirmed within CONFIRM_S
+    assert reads.ask([b"doc"], "copier", copy_bound=1) == [remote_reads.POPULAR]
+    clock.advance(2.0)
+    assert reads.ask([b"doc"], "nocopy", copy_bound=1) == [5]  # not told again for this block
+    assert reads.stats()["popular_unconfirmed"] == 1

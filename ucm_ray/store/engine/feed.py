@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import ray
@@ -30,11 +31,16 @@ class MembershipFeed:
         self._timeout_s = timeout_s
         self._directory = directory
         self._pending: ray.ObjectRef | None = None
-        self._answered: ray.ObjectRef | None = None
-        """The long poll whose answer arrived (set by its future's callback, on Ray's thread):
-        checking it is one comparison, where asking Ray whether the answer is there
-        (``ray.wait``) cost ~85 us, twice per scheduler step, and the future's ``done()`` takes
-        its lock at every step."""
+        self._posted = 0
+        """Long polls posted so far: the outstanding one is the last (each numbered in order)."""
+        self._answered = 0
+        """The highest number of a long poll whose answer arrived (its future's callback, on
+        Ray's thread): checking it is one comparison, where asking Ray whether the answer is
+        there (``ray.wait``) cost ~85 us, twice per scheduler step, and the future's ``done()``
+        takes its lock at every step. A number, not the poll: a poll dropped by ``fetch`` may be
+        answered after the next one, and marked as the answered one it hid that answer for good
+        (review56)."""
+        self._answers = threading.Lock()  # taken by the callbacks only
         self._next_try = 0.0
         self._missing_logged = False
         self._posted_for = 0
@@ -67,8 +73,10 @@ class MembershipFeed:
                 known.version, known_hot=known.hot.revision if known.version else -1, shards_held=True)
             self._pending = pending
             self._posted_for = known.version
-            pending.future().add_done_callback(lambda _: self._arrived(pending))
-        if self._answered is not self._pending:
+            self._posted += 1
+            number = self._posted
+            pending.future().add_done_callback(lambda _: self._arrived(number))
+        if self._answered < self._posted:
             return None
         ref, self._pending = self._pending, None
         try:
@@ -88,10 +96,13 @@ class MembershipFeed:
             self.hot_deltas += 1
         return membership if membership.version != known.version else None
 
-    def _arrived(self, poll: ray.ObjectRef) -> None:
-        """A long poll's answer is in (Ray's thread): ``poll`` sees it at its next look, unless
-        that poll was dropped meanwhile (``fetch``, a lost directory)."""
-        self._answered = poll
+    def _arrived(self, number: int) -> None:
+        """The answer of long poll ``number`` is in (Ray's thread; the caller's, when it was in
+        before the callback was added): ``poll`` sees it at its next look, unless that poll was
+        dropped meanwhile (``fetch``, a lost directory) and a later one is outstanding."""
+        with self._answers:
+            if number > self._answered:
+                self._answered = number
 
     def directory(self) -> ray.actor.ActorHandle | None:
         """The directory's handle, if one was found (looked up again at most every ``RETRY_S``)."""

@@ -25,8 +25,12 @@ stop 55 built: once the bound's count of readers were told, no later one was, ev
 copies were evicted or never made). A place is given back when its node's copy was not
 registered here within ``CONFIRM_S`` of the tell (``copied``: a hybrid engine, one with
 ``remote_copy_reads: 0`` or a load that failed keeps none), and when its node begins another read
-of the block: a node asks only for what its own shards lack, so its copy is gone (evicted). A
-copy evicted on a node that never reads the block again keeps its place: this owner cannot see it.
+of the block after its copy was registered: a node asks only for what its own shards lack, so its
+copy is gone (evicted). A node that reads again before its copy was registered keeps its place
+and its deadline (renewed at each read, a node that keeps no copy and reads often held its place
+for ever, review56), and a node whose place was given back unconfirmed is not told again for that
+block until it registers a copy of it. A copy evicted on a node that never reads the block again
+keeps its place: this owner cannot see it.
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ CONFIRM_S = 10.0
 (``copied``): a copy is saved once its load landed and committed, well within this; one that
 never comes (a hybrid engine, ``remote_copy_reads: 0``, a failed load) frees the place after it.
 A copy registered later is one past the bound, at most one a late node."""
+MAX_BARRED = 8
+"""Nodes remembered per block as keeping no copy (a place given back unconfirmed): past it, a
+further such node may take a place again once its last one was given back (one ``CONFIRM_S``
+a read). Bounds the memory: 1.6 KB a block with this many (``MAX_KEYS`` blocks: ~98 MiB were every
+block's places given back by this many nodes; ``tracemalloc``, 56-character node ids)."""
 HELD = float("inf")
 """A place's deadline once its copy is registered: held until its node reads the block again."""
 
@@ -69,13 +78,16 @@ class _Block:
     whether that read was told the block is popular; and its places (``copy_bound``): per node
     told so under a bound, the time by which its copy must be registered, or ``HELD`` once it was
     (None: no place taken, most blocks). At most the largest bound asked (one per node and
-    ``copy_nodes_per_pool`` nodes): an unbounded tell takes none."""
+    ``copy_nodes_per_pool`` nodes): an unbounded tell takes none. ``barred``: the nodes whose
+    place was given back unconfirmed, not told again (None: none, most blocks; at most
+    ``MAX_BARRED``)."""
 
-    __slots__ = ("readers", "places")
+    __slots__ = ("readers", "places", "barred")
 
     def __init__(self) -> None:
         self.readers: dict[str, tuple[int, float, bool]] = {}
         self.places: dict[str, float] | None = None
+        self.barred: set[str] | None = None
 
 
 class RemoteReads:
@@ -113,18 +125,20 @@ class RemoteReads:
             table[key] = block
             readers = block.readers
             reads, began, told = readers.pop(reader, (0, -SESSION_S, False))
-            if now - began >= SESSION_S:  # a new read: a copy it was told to keep is gone
+            if now - began >= SESSION_S:  # a new read
                 reads, began = reads + 1, now
                 places = block.places
-                if places is not None:
-                    places.pop(reader, None)
-                told = self._may_take_place(block, now, copy_bound) and _popular(readers, reader, now)
-                if told:
-                    self.told += 1
-                    if copy_bound:
-                        if places is None:
-                            places = block.places = {}
-                        places[reader] = now + CONFIRM_S
+                if places is not None and self._keeps_place(block, places, reader, now):
+                    told = True  # not copied yet: its place and deadline stand
+                else:
+                    told = (not (block.barred and reader in block.barred)
+                            and self._may_take_place(block, now, copy_bound) and _popular(readers, reader, now))
+                    if told:
+                        self.told += 1
+                        if copy_bound:
+                            if places is None:
+                                places = block.places = {}
+                            places[reader] = now + CONFIRM_S
             readers[reader] = (reads, began, told)  # re-inserted: the most recent reader last
             if len(readers) > MAX_READERS:
                 del readers[next(iter(readers))]
@@ -143,6 +157,8 @@ class RemoteReads:
             if places and places.get(node, HELD) != HELD:
                 places[node] = HELD
                 self.confirmed += 1
+            if block is not None and block.barred:
+                block.barred.discard(node)  # it keeps copies after all (a load that failed once)
 
     def stats(self) -> dict[str, int]:
         return {"popular_told": self.told, "popular_confirmed": self.confirmed,
@@ -156,9 +172,33 @@ class RemoteReads:
             return True
         late = [node for node, deadline in places.items() if deadline < now]
         for node in late:
-            del places[node]
-        self.unconfirmed += len(late)
+            self._give_back(block, places, node)
         return len(places) < copy_bound
+
+    def _keeps_place(self, block: _Block, places: dict[str, float], reader: str, now: float) -> bool:
+        """At ``reader``'s new read: whether it still holds a place of ``block``'s, unconfirmed
+        and in time. A confirmed one is given back (its copy is gone), a late one too (and the
+        node is barred)."""
+        deadline = places.get(reader)
+        if deadline is None:
+            return False
+        if deadline == HELD:
+            del places[reader]
+            return False
+        if deadline < now:
+            self._give_back(block, places, reader)
+            return False
+        return True
+
+    def _give_back(self, block: _Block, places: dict[str, float], node: str) -> None:
+        """``node``'s place, never confirmed: given back, and the node not told again."""
+        del places[node]
+        self.unconfirmed += 1
+        barred = block.barred
+        if barred is None:
+            barred = block.barred = set()
+        if len(barred) < MAX_BARRED:
+            barred.add(node)
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -42,15 +42,23 @@ class WorkerResults:
         receiving (its hit is dropped whole). A synchronous job's failed blocks go to vLLM when
         ``to_vllm`` (it may only be told in the step that loaded them)."""
         if job.is_async and self._one_group and not job.failed:
-            self._load_errors.update(bad)
+            self._blocks_failed(bad)
             self._finished_recving.add(job.req_id)
         elif job.is_async:
             (self._failed_recving if bad or job.failed else self._finished_recving).add(job.req_id)
         elif to_vllm:
-            self._load_errors.update(bad)
+            self._blocks_failed(bad)
         self._meta.loads_done.add(job.job_id)
         if bad:
             self._meta.load_failures[job.job_id] = bad
+
+    def _blocks_failed(self, bad: list[int]) -> None:
+        """``bad`` joins the failed block ids for vLLM in a new set, never the one held: the empty
+        set ``take_load_errors`` handed out last may sit in a step's output that vLLM takes back
+        only after the next step ran (asynchronous scheduling's batch queue), and filled in place
+        it would carry that step's failures too (review56)."""
+        if bad:
+            self._load_errors = self._load_errors.union(bad)
 
     def save_done(self, job_id: int, result: SaveResult) -> None:
         self._meta.saves[job_id] = result
@@ -80,7 +88,7 @@ class WorkerResults:
 
     def take_load_errors(self) -> set[int]:
         """The block ids whose loads failed since the last take; the same empty set when there
-        are none (most steps: none is made)."""
+        are none (most steps: none is made; it is never filled afterwards, ``_blocks_failed``)."""
         if not self._load_errors:
             return self._load_errors
         out, self._load_errors = self._load_errors, set()
