@@ -48,9 +48,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
-from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
-from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, add_single_run_args, single_run  # noqa: E402
+from benchmarks.scale.cluster import Cluster  # noqa: E402
+from benchmarks.scale.designs import HandoverCopyOnSecondRead, run_built  # noqa: E402
+from benchmarks.scale.workload import Request, add_single_run_args, single_run  # noqa: E402
 
 TRIALS = 20
 """Random placements per fill and variant (the worst node's share is averaged over them)."""
@@ -226,10 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="index entries a node to place at (default: the run's own, 1,024, 2,048, 16,384)")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
-    placement = Placement(shard_ids(spec.nodes))
-    cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, placement)
-    design = HandoverCopyOnSecondRead(cluster, DesignParams(seed=spec.seed))
-    design.run(requests)
+    cluster, design = run_built(spec, requests, pool)
+    placement = cluster.placement
     nodes = spec.nodes
 
     parts = leave_parts(design, cluster)

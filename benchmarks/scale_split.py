@@ -23,9 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
-from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
-from benchmarks.scale.workload import BYTES_PER_TOKEN, add_single_run_args, single_run  # noqa: E402
+from benchmarks.scale.designs import run_built  # noqa: E402
+from benchmarks.scale.workload import add_single_run_args, single_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,10 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, action="append", help="K: blocks per sub-root (default 64..1024)")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
-    placement = Placement(shard_ids(spec.nodes))
-    cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, placement)
-    design = HandoverCopyOnSecondRead(cluster, DesignParams(seed=spec.seed))
-    design.run(requests)
+    cluster, design = run_built(spec, requests, pool)
+    placement = cluster.placement
     keys, roots = design.entries()
     longest = -(-spec.max_prompt_tokens // spec.block_size)
     print(f"nodes={spec.nodes} block={spec.block_size} router={spec.router} requests={spec.requests}: "

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.scale.cluster import Cluster
+from benchmarks.scale.cluster import Cluster, Placement, shard_ids
 from benchmarks.scale.metrics import INDEX_ENTRY_BYTES, DesignStats, RequestTally
-from benchmarks.scale.workload import Request
+from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, WorkloadSpec
 from ucm_ray.store.hot_prefixes import shared_prefix
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 from ucm_ray.store.shard.remote_reads import MAX_READERS
@@ -1053,3 +1053,13 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
 
 DESIGNS = DESIGNS + (BuiltHotRoots, BuiltHotRootsCopy, BuiltHotRootsHandover, HandoverCopyOnSecondRead)
+
+
+def run_built(spec: WorkloadSpec, requests: Sequence[Request],
+              pool_tokens: int) -> tuple[Cluster, HandoverCopyOnSecondRead]:
+    """The built design (k) run over one workload on a fresh cluster: where the diagnostics that
+    take its state apart (``scale_split.py``, ``scale_leave.py``) start."""
+    cluster = Cluster(spec.nodes, pool_tokens * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
+    design = HandoverCopyOnSecondRead(cluster, DesignParams(seed=spec.seed))
+    design.run(requests)
+    return cluster, design
