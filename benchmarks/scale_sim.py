@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--push-every", type=int, default=1, help="(k), --hot-copies pushed: windows between pushes")
     parser.add_argument("--announce-share", action="store_true",
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
+    parser.add_argument("--relay-announcements", action="store_true",
+                        help="(k), --hot-copies pushed: copies announced to a steward (the first copied block's "
+                             "owner) that forwards them to the directory once a window (not built)")
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--popular-readers", type=int, default=2,
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                           push_every=args.push_every, announce_share=args.announce_share,
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
-                          learn_window=args.learn_window,
+                          learn_window=args.learn_window, relay_announcements=args.relay_announcements,
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,
