@@ -884,7 +884,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._told_ever: Counter[bytes] = Counter()
         """``popular_places="lifetime"``: per block, the reads ever told it is popular."""
         self._windows = 0
-        self._relayed: dict[int, list[tuple[int, list[bytes]]]] = {}
+        self._relayed: list[tuple[int, int, list[bytes]]] = []
+        """``relay_announcements``: (steward, copying node, keys) announced this window, in order."""
         self._hot_reader = -1
         self._hot_family = b""
 
@@ -953,7 +954,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
             if self.params.relay_announcements:
                 steward = int(self.cluster.placement.primary(copied[:1])[0])
-                self._relayed.setdefault(steward, []).append((req.node, copied))
+                self._relayed.append((steward, req.node, copied))
                 self.stats.message(steward, tally, len(copied), req.node)
                 return
             for key in copied:
@@ -961,14 +962,17 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
 
     def _forward_relayed(self) -> None:
-        """``relay_announcements``: each steward's gathered copies to the directory, one message."""
+        """``relay_announcements``: each steward's gathered copies to the directory, one message
+        (taken in the order they were announced, as direct announcements would be)."""
         tally = RequestTally()
-        for steward, gathered in self._relayed.items():
-            for node, copied in gathered:
-                for key in copied:
-                    self._announced.setdefault(key, {})[node] = None
-            self.stats.message(DIRECTORY_NODE, tally, sum(len(copied) for _, copied in gathered), steward)
-        self._relayed = {}
+        gathered: Counter[int] = Counter()
+        for steward, node, copied in self._relayed:
+            for key in copied:
+                self._announced.setdefault(key, {})[node] = None
+            gathered[steward] += len(copied)
+        for steward, entries in gathered.items():
+            self.stats.message(DIRECTORY_NODE, tally, entries, steward)
+        self._relayed = []
         self.stats.index_msgs += tally.index_msgs
         self.stats.index_bytes += tally.index_bytes
 
