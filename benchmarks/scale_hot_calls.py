@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="DesignParams.hot_root_lookups (the package's hot_prefix_asks: 64)")
     parser.add_argument("--announced-pools", type=int, default=0, help="DesignParams.announced_pools")
     parser.add_argument("--relay", action="store_true", help="DesignParams.relay_announcements")
+    parser.add_argument("--relay-stewards", type=int, default=0, help="DesignParams.relay_stewards")
+    parser.add_argument("--relay-every", type=int, default=1, help="DesignParams.relay_every")
     parser.add_argument("--peer-probes", type=int, default=0, help="DesignParams.peer_probes")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                                               hot_copies=args.hot_copies, peer_probes=args.peer_probes,
                                               hot_root_lookups=args.hot_root_lookups,
                                               announced_pools=args.announced_pools,
-                                              relay_announcements=args.relay))
+                                              relay_announcements=args.relay,
+                                              relay_stewards=args.relay_stewards, relay_every=args.relay_every))
     design.run(requests)
     calls = design.stats.calls_received
     mean = calls.mean()

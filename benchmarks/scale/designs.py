@@ -155,6 +155,12 @@ class DesignParams:
     block it copied (a steward, by rendezvous), not to the directory; each steward forwards what
     it gathered to the directory once a window (one message): the directory's calls are the
     stewards' forwards, not one per copying request (not built)."""
+    relay_stewards: int = 0
+    """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied;
+    else one of this many fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
+    hash of the copying node: the directory hears from at most this many a forward."""
+    relay_every: int = 1
+    """(k), ``relay_announcements``: windows between a steward's forwards (the announced copies wait)."""
     announced_pools: int = 0
     """(k), ``hot_copies="pushed"``: a hot block's row names at most this many pools (0: the copy
     bound); past it a reader still keeps its copy (its node's readers find it) but announces
@@ -884,6 +890,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._told_ever: Counter[bytes] = Counter()
         """``popular_places="lifetime"``: per block, the reads ever told it is popular."""
         self._windows = 0
+        self._stewards: list[int] = []
         self._relayed: list[tuple[int, int, list[bytes]]] = []
         """``relay_announcements``: (steward, copying node, keys) announced this window, in order."""
         self._hot_reader = -1
@@ -953,13 +960,23 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             copied = [key for key in copied if len(self.table_pools.get(key, ())) < named]
         if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
             if self.params.relay_announcements:
-                steward = int(self.cluster.placement.primary(copied[:1])[0])
+                steward = self._steward(req.node, copied[0])
                 self._relayed.append((steward, req.node, copied))
                 self.stats.message(steward, tally, len(copied), req.node)
                 return
             for key in copied:
                 self._announced.setdefault(key, {})[req.node] = None
             self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
+
+    def _steward(self, node: int, first: bytes) -> int:
+        """Where ``node`` announces a copy whose first block is ``first`` (``relay_stewards``)."""
+        count = self.params.relay_stewards
+        if not count:
+            return int(self.cluster.placement.primary([first])[0])
+        if not self._stewards:
+            self._stewards = [int(owner) for owner in self.cluster.placement.primary(
+                [hashlib.blake2b(f"relay-{index}".encode(), digest_size=16).digest() for index in range(count)])]
+        return self._stewards[(node * 0x9E3779B1) % 0xFFFFFFFB % count]
 
     def _forward_relayed(self) -> None:
         """``relay_announcements``: each steward's gathered copies to the directory, one message
@@ -1097,7 +1114,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             self.table_pools[key] = list(reversed(self.locs.get(key, [])))[:MAX_POOLS_PER_KEY]
         self._windows += 1
         if self.params.hot_copies == "pushed" and self._windows % self.params.push_every == 0:
-            self._forward_relayed()
+            if self._windows % self.params.relay_every == 0:
+                self._forward_relayed()
             self._push_announced()
         if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
             tally = RequestTally()
