@@ -352,7 +352,7 @@ def test_the_hottest_nodes_calls_split_by_kind_add_up_and_relaying_announcements
     from benchmarks.scale.designs import DIRECTORY_NODE
     from benchmarks.scale_hot_calls import KINDS, SplitCalls
 
-    spec = WorkloadSpec(nodes=200, block_size=128, requests=400, router="random", seed=0)
+    spec = WorkloadSpec(nodes=100, block_size=128, requests=250, router="random", seed=0)
     requests = Workload(spec).requests()
     placement = Placement(shard_ids(spec.nodes))
     runs = {}
