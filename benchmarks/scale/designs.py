@@ -150,6 +150,30 @@ class DesignParams:
     among the ``MAX_POOLS_PER_KEY`` most recent the root's owner names (as ``spread_hot_reads``
     for a hot block's), not at the most recent (the package since stop 55: with popular copies
     bounded, the last copy made would serve every later reader)."""
+    relay_announcements: bool = False
+    """(k), ``hot_copies="pushed"``: a reader announces its hot copies to the owner of the first
+    block it copied (a steward, by rendezvous), not to the directory; each steward forwards what
+    it gathered to the directory once a window (one message): the directory's calls are the
+    stewards' forwards, not one per copying request (not built)."""
+    relay_stewards: int = 0
+    """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied;
+    else one of this many fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
+    hash of the copying node: the directory hears from at most this many a forward."""
+    relay_every: int = 1
+    """(k), ``relay_announcements``: windows between a steward's forwards (the announced copies wait)."""
+    announced_pools: int = 0
+    """(k), ``hot_copies="pushed"``: a hot block's row names at most this many pools (0: the copy
+    bound); past it a reader still keeps its copy (its node's readers find it) but announces
+    nothing: the directory's announcements are bounded by this per hot row, not the copy bound
+    (not built)."""
+    learn_window: float = 0.0
+    """(h)-(k): requests per node over which a family root's asks are counted towards
+    ``hot_root_lookups`` (0: one ``window``, a fixed 100 requests of the fleet, the simulation
+    through stop 56). The package counts a root's asks over ``hot_prefixes.WINDOW_S`` (10 s); at a
+    steady request rate per node the fleet's requests in it grow with the fleet, as
+    ``popular_window``'s do (2 a node ~ 10 s, the same judgement): at 1,000 nodes a document read
+    162 times in 4,000 requests was asked ~4 times a window of 100 and never became hot, so its
+    root's owner answered every lookup and hint of it (stop 57)."""
     seed: int = 0
 
 
@@ -703,6 +727,7 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         """Key -> the root its hint was registered under (a reader asking another root misses it)."""
         self._hot_blocks = 0
         self._root: bytes | None = None
+        self._rolled = 0
 
     def hot_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of ``keys`` in the table."""
@@ -774,8 +799,15 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
             self.stats.index_bytes += tally.index_bytes
             self.table.update(fresh)
         self._learned = {}
-        self._asked.clear()
-        self._prefixes.clear()
+        self._rolled += 1
+        if self._rolled % self.learn_windows() == 0:
+            self._asked.clear()
+            self._prefixes.clear()
+
+    def learn_windows(self) -> int:
+        """Windows (of ``window`` requests) over which a root's asks are counted (``learn_window``)."""
+        per_node = self.params.learn_window
+        return max(1, round(per_node * self.cluster.nodes / self.params.window)) if per_node else 1
 
 
 class BuiltHotRootsCopy(BuiltHotRoots):
@@ -858,6 +890,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._told_ever: Counter[bytes] = Counter()
         """``popular_places="lifetime"``: per block, the reads ever told it is popular."""
         self._windows = 0
+        self._stewards: list[int] = []
+        self._relayed: list[tuple[int, int, list[bytes]]] = []
+        """``relay_announcements``: (steward, copying node, keys) announced this window, in order."""
         self._hot_reader = -1
         self._hot_family = b""
 
@@ -920,10 +955,43 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """A hot prefix's copies: kept, told to nobody (unregistered) or to the directory (pushed)."""
         copied, _ = self.cluster.store(req.node, keys)
         tally.copy_bytes += len(copied) * self.cluster.block_bytes
+        named = self.params.announced_pools
+        if named:
+            copied = [key for key in copied if len(self.table_pools.get(key, ())) < named]
         if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
+            if self.params.relay_announcements:
+                steward = self._steward(req.node, copied[0])
+                self._relayed.append((steward, req.node, copied))
+                self.stats.message(steward, tally, len(copied), req.node)
+                return
             for key in copied:
                 self._announced.setdefault(key, {})[req.node] = None
             self.stats.message(DIRECTORY_NODE, tally, len(copied), req.node)
+
+    def _steward(self, node: int, first: bytes) -> int:
+        """Where ``node`` announces a copy whose first block is ``first`` (``relay_stewards``)."""
+        count = self.params.relay_stewards
+        if not count:
+            return int(self.cluster.placement.primary([first])[0])
+        if not self._stewards:
+            self._stewards = [int(owner) for owner in self.cluster.placement.primary(
+                [hashlib.blake2b(f"relay-{index}".encode(), digest_size=16).digest() for index in range(count)])]
+        return self._stewards[(node * 0x9E3779B1) % 0xFFFFFFFB % count]
+
+    def _forward_relayed(self) -> None:
+        """``relay_announcements``: each steward's gathered copies to the directory, one message
+        (taken in the order they were announced, as direct announcements would be)."""
+        tally = RequestTally()
+        gathered: Counter[int] = Counter()
+        for steward, node, copied in self._relayed:
+            for key in copied:
+                self._announced.setdefault(key, {})[node] = None
+            gathered[steward] += len(copied)
+        for steward, entries in gathered.items():
+            self.stats.message(DIRECTORY_NODE, tally, entries, steward)
+        self._relayed = []
+        self.stats.index_msgs += tally.index_msgs
+        self.stats.index_bytes += tally.index_bytes
 
     def _popular(self, key: bytes, req: Request) -> bool:
         """Whether ``popular_readers`` other nodes read ``key`` within ``popular_window`` requests a node
@@ -983,6 +1051,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """The directory's delta push: the blocks whose announced pools reached ``push_growth``
         times those the table names get them (up to the copy bound), one message to every node."""
         bound = self.copy_bound() or self.cluster.nodes
+        if self.params.announced_pools:
+            bound = min(bound, self.params.announced_pools)
         changed = 0
         for key, announced in list(self._announced.items()):
             listed = self.table_pools.setdefault(key, [])
@@ -1044,6 +1114,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             self.table_pools[key] = list(reversed(self.locs.get(key, [])))[:MAX_POOLS_PER_KEY]
         self._windows += 1
         if self.params.hot_copies == "pushed" and self._windows % self.params.push_every == 0:
+            if self._windows % self.params.relay_every == 0:
+                self._forward_relayed()
             self._push_announced()
         if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
             tally = RequestTally()

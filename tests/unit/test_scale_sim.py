@@ -341,3 +341,29 @@ def test_a_leaves_parts_add_up_to_the_movement_reported_and_one_family_fills_one
     rng = np.random.default_rng(0)
     assert worst_share([np.array([500.0])], 20, 25.0, rng) == pytest.approx(20.0)
     assert worst_share([np.array([1.0])], 20, 5000.0, rng) < 1.1
+
+
+def test_the_hottest_nodes_calls_split_by_kind_add_up_and_relaying_announcements_unloads_the_directory() -> None:
+    """``scale_hot_calls.py`` splits each node's calls received by kind: the parts add up to what
+    the design counts. At 1,000 nodes the hottest node was the directory's, answering readers'
+    announcements of hot-prefix copies (stop 57); relayed through a steward per copied block (one
+    forward a window each, ``relay_announcements``) the directory gets fewer of them, hits and
+    bytes unchanged (a forward is counted too)."""
+    from benchmarks.scale.designs import DIRECTORY_NODE
+    from benchmarks.scale_hot_calls import KINDS, SplitCalls
+
+    spec = WorkloadSpec(nodes=100, block_size=128, requests=250, router="random", seed=0)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    runs = {}
+    for relay in (False, True):
+        cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = SplitCalls(cluster, DesignParams(relay_announcements=relay))
+        design.run(requests)
+        assert np.allclose(sum(design.by_kind[kind] for kind in KINDS), design.stats.calls_received)
+        runs[relay] = design
+    direct, relayed = runs[False], runs[True]
+    assert direct.by_kind["announce"][DIRECTORY_NODE] > 0
+    assert relayed.by_kind["announce"][DIRECTORY_NODE] < 0.5 * direct.by_kind["announce"][DIRECTORY_NODE]
+    assert relayed.stats.hit_tokens == direct.stats.hit_tokens
+    assert np.array_equal(relayed.stats.bytes_served, direct.stats.bytes_served)
