@@ -288,29 +288,31 @@ class GatherPlan:
 
     def move(self, part: int, *, to_pool: bool) -> None:
         """Queue part ``part``'s copies on the current stream."""
-        pool, host, local_base = self._pool, self._host, 0
+        local_base = pool_base = 0
         if self._bases is None:
             steps = self._parts[part]
         else:  # the first part's rows, from this part's bases
             steps, (local_base, pool_base) = self._parts[0], self._bases[part]
-            pool, host = pool[pool_base:], None if host is None else host[pool_base:]
         for step in steps:
-            local = self._spans[step.span][local_base:]
+            local = self._spans[step.span]
+            local = local[local_base:] if local_base else local
             if isinstance(step, _Kernels):
+                pool = self._pool[pool_base:] if pool_base else self._pool
                 if to_pool:
                     pool.index_copy_(0, step.pool_rows, local.index_select(0, step.local_rows))
                 else:
                     local.index_copy_(0, step.local_rows, pool.index_select(0, step.pool_rows))
                 continue
+            host = self._host
             assert host is not None
             if to_pool:
                 staging = local.index_select(0, step.local_rows)
                 for strip in step.strips:
-                    _copy(_strided(host, strip), _packed(staging, strip))
+                    _copy(_strided(host, strip, pool_base), _packed(staging, strip))
             else:
                 staging = local.new_empty((len(step.local_rows), local.shape[1]))
                 for strip in step.strips:
-                    _copy(_packed(staging, strip), _strided(host, strip))
+                    _copy(_packed(staging, strip), _strided(host, strip, pool_base))
                 local.index_copy_(0, step.local_rows, staging)
 
 
@@ -407,11 +409,12 @@ def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: boo
     return np.concatenate([[0], np.flatnonzero(~keep) + 1])
 
 
-def _strided(host: torch.Tensor, strip: _Strip) -> torch.Tensor:
-    """The strip's stretches in the pool (rows of words) as one strided 2-D view."""
+def _strided(host: torch.Tensor, strip: _Strip, pool_base: int = 0) -> torch.Tensor:
+    """The strip's stretches in the pool (rows of words), ``pool_base`` rows on, as one strided
+    2-D view."""
     words = host.shape[1]
     return host.as_strided((strip.height, strip.rows * words), (strip.pitch * words, 1),
-                           host.storage_offset() + strip.pool_row * words)
+                           host.storage_offset() + (pool_base + strip.pool_row) * words)
 
 
 def _packed(staging: torch.Tensor, strip: _Strip) -> torch.Tensor:
