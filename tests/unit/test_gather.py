@@ -321,3 +321,45 @@ def test_random_steps_move_exactly_whatever_the_path(seed, device, monkeypatch):
         plan.move(part, to_pool=True)
     _expect(fresh, back, saves, to_pool=True)  # synchronizes
     assert int(fresh.count_nonzero()) == sum(n for *_, n in saves)  # loaded bytes are never 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_layer_by_layer_is_planned_once_for_every_layer_and_lands_exactly(device, monkeypatch):
+    """A load posted layer by layer: every layer holds the same blocks and every entry holds the
+    layer at the same place, so each part is the first moved by whole rows on both sides. The
+    plan indexes one layer's rows (not every layer's), and each part lands exactly its own
+    bytes, both ways, by kernels and by staged DMA. Parts that are not such moves (another
+    layer's blocks differ) are planned part by part, as before, and land exactly too."""
+    slots = [*range(20), *range(25, 45)]
+    blocks = list(np.random.default_rng(7).permutation(48)[:len(slots)])
+    rows = _entry_rows(slots, blocks)
+    per_layer = [len(slots) * (layer + 1) for layer in range(LAYERS)]
+    for dma_bytes in (gather.DMA_COPY_BYTES, 1 << 40):  # staged DMA, then kernels only
+        monkeypatch.setattr(gather, "DMA_COPY_BYTES", dma_bytes)
+        mapped, pool = _pool(1 << 24, device, fill=True)
+        back = _layer_buffers(fill=False, blocks=48, device=device)
+        plan = GatherPlan.build(mapped, _ranges(back, rows), per_layer, host_pool=pool)
+        assert plan is not None and plan.indexed_rows == len(slots)
+        assert all(plan.staged(part) == (dma_bytes < 1 << 40) for part in range(LAYERS))
+        plan.move(2, to_pool=False)  # one layer: only its ranges land
+        _expect(pool, back, [row for row in rows if row[0] == 2], to_pool=False)
+        assert sum(int(b.count_nonzero()) for b in back) == len(slots) * SEGMENT
+        for part in (0, 1):
+            plan.move(part, to_pool=False)
+        _expect(pool, back, rows, to_pool=False)
+        fresh_mapped, fresh = _pool(1 << 24, device)
+        plan = GatherPlan.build(fresh_mapped, _ranges(back, rows), per_layer, host_pool=fresh)
+        assert plan is not None and plan.indexed_rows == len(slots)
+        for part in range(LAYERS):
+            plan.move(part, to_pool=True)
+        _expect(fresh, back, rows, to_pool=True)
+        assert int(fresh.count_nonzero()) == sum(n for *_, n in rows)
+    shuffled = [(layer, (blocks[(i + layer) % len(blocks)]) * SEGMENT, pool_at, size)
+                for i, (layer, _, pool_at, size) in enumerate(rows)]  # each layer its own blocks
+    mapped, pool = _pool(1 << 24, device, fill=True)
+    back = _layer_buffers(fill=False, blocks=48, device=device)
+    plan = GatherPlan.build(mapped, _ranges(back, shuffled), per_layer, host_pool=pool)
+    assert plan is not None and plan.indexed_rows == len(rows)
+    for part in range(LAYERS):
+        plan.move(part, to_pool=False)
+    _expect(pool, back, shuffled, to_pool=False)

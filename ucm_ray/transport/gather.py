@@ -199,13 +199,21 @@ class GatherPlan:
         limit = max(1, run_bytes // line)
         pool_at: np.ndarray = ranges.pool_offsets // line
         counts: np.ndarray = ranges.sizes // line
+        span_of: np.ndarray = spans.span_of[ranges.buffer_index]
+        local_at: np.ndarray = spans.first_row[ranges.buffer_index] + ranges.local_offsets // line
+        # a load posted layer by layer: every part the first one moved by whole rows, on both
+        # sides; planned once, each part moved by its bases (``_template``)
+        template = _template(local_at, pool_at, counts, ends) if len(spans.views) == 1 else None
+        self._bases: list[tuple[int, int]] | None = None
+        if template is not None:
+            self._bases, local_at, pool_at, counts = template
+            ends, span_of = [len(counts)], span_of[: len(counts)]
         # ranges are grouped per part, per span (None: one part over one span, as a save or a
         # load of every layer at once is: the pool rows alone order them)
         group: np.ndarray | None = None
         if len(ends) > 1 or len(spans.views) > 1:
             bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
             part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
-            span_of = spans.span_of[ranges.buffer_index]
             group = part_of * len(spans.views) + span_of
         order = _pool_order(group, pool_at)  # per part, per span, in pool order
 
@@ -214,8 +222,7 @@ class GatherPlan:
 
         counts = ordered(counts)
         single = bool((counts == 1).all())  # the usual case, a range one row: nothing to expand
-        local = _rows(spans.first_row[ordered(ranges.buffer_index)] + ordered(ranges.local_offsets) // line, counts,
-                      single)
+        local = _rows(ordered(local_at), counts, single)
         pooled = _rows(ordered(pool_at), counts, single)
         total = len(pooled)
         span_rows: np.ndarray
@@ -246,6 +253,8 @@ class GatherPlan:
         part_at = np.searchsorted(part_rows, np.arange(len(ends) + 1))  # where each part's rows begin
         strips_in = np.diff(np.searchsorted(strip_at, part_at))
         staged = (np.diff(part_at) >= max(1, DMA_COPY_BYTES // line) * strips_in) & (self._host is not None)
+        self.indexed_rows = total
+        """Rows of the index tensors uploaded: one part's when its parts share a template."""
         index = torch.from_numpy(np.stack([local, pooled]))
         if pool.is_cuda:
             index = index.pin_memory().to(pool.device, non_blocking=True)
@@ -275,28 +284,60 @@ class GatherPlan:
 
     def staged(self, part: int) -> bool:
         """Whether part ``part`` moves by staged DMA."""
-        return any(isinstance(step, _Staged) for step in self._parts[part])
+        return any(isinstance(step, _Staged) for step in self._parts[0 if self._bases else part])
 
     def move(self, part: int, *, to_pool: bool) -> None:
         """Queue part ``part``'s copies on the current stream."""
-        for step in self._parts[part]:
+        local_base = pool_base = 0
+        if self._bases is None:
+            steps = self._parts[part]
+        else:  # the first part's rows, from this part's bases
+            steps, (local_base, pool_base) = self._parts[0], self._bases[part]
+        for step in steps:
             local = self._spans[step.span]
+            local = local[local_base:] if local_base else local
             if isinstance(step, _Kernels):
+                pool = self._pool[pool_base:] if pool_base else self._pool
                 if to_pool:
-                    self._pool.index_copy_(0, step.pool_rows, local.index_select(0, step.local_rows))
+                    pool.index_copy_(0, step.pool_rows, local.index_select(0, step.local_rows))
                 else:
-                    local.index_copy_(0, step.local_rows, self._pool.index_select(0, step.pool_rows))
+                    local.index_copy_(0, step.local_rows, pool.index_select(0, step.pool_rows))
                 continue
-            assert self._host is not None
+            host = self._host
+            assert host is not None
             if to_pool:
                 staging = local.index_select(0, step.local_rows)
                 for strip in step.strips:
-                    _copy(_strided(self._host, strip), _packed(staging, strip))
+                    _copy(_strided(host, strip, pool_base), _packed(staging, strip))
             else:
                 staging = local.new_empty((len(step.local_rows), local.shape[1]))
                 for strip in step.strips:
-                    _copy(_packed(staging, strip), _strided(self._host, strip))
+                    _copy(_packed(staging, strip), _strided(host, strip, pool_base))
                 local.index_copy_(0, step.local_rows, staging)
+
+
+def _template(local_at: np.ndarray, pool_at: np.ndarray, counts: np.ndarray, ends: Sequence[int],
+              ) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray, np.ndarray] | None:
+    """Parts of equal length whose every range is the first part's moved by one number of rows
+    on the local side and one on the pool side (a load posted layer by layer: each layer's
+    buffer holds the same blocks, each entry the layer at the same place): per part the rows
+    its template rows start from (its lowest local and pool rows), and the template (the first
+    part's start rows less its bases, its row counts). None for any other shape. Planning 32
+    layers as one (index arrays, strips, the upload) instead of each is most of a 256-block
+    load's host time."""
+    parts = len(ends)
+    size = len(counts) // parts if parts else 0
+    if parts < 2 or not size or not np.array_equal(np.asarray(ends), size * np.arange(1, parts + 1)):
+        return None
+    local, pooled, widths = (values.reshape(parts, size) for values in (local_at, pool_at, counts))
+    if not (widths == widths[0]).all():
+        return None
+    local_moved, pool_moved = local - local[:, :1], pooled - pooled[:, :1]
+    if not ((local_moved == local_moved[0]).all() and (pool_moved == pool_moved[0]).all()):
+        return None
+    local_base, pool_base = local.min(axis=1), pooled.min(axis=1)
+    return (list(zip(local_base.tolist(), pool_base.tolist())), local[0] - local_base[0], pooled[0] - pool_base[0],
+            widths[0])
 
 
 def _batch_starts(group_first: np.ndarray, total: int, limit: int) -> np.ndarray:
@@ -368,11 +409,12 @@ def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: boo
     return np.concatenate([[0], np.flatnonzero(~keep) + 1])
 
 
-def _strided(host: torch.Tensor, strip: _Strip) -> torch.Tensor:
-    """The strip's stretches in the pool (rows of words) as one strided 2-D view."""
+def _strided(host: torch.Tensor, strip: _Strip, pool_base: int = 0) -> torch.Tensor:
+    """The strip's stretches in the pool (rows of words), ``pool_base`` rows on, as one strided
+    2-D view."""
     words = host.shape[1]
     return host.as_strided((strip.height, strip.rows * words), (strip.pitch * words, 1),
-                           host.storage_offset() + strip.pool_row * words)
+                           host.storage_offset() + (pool_base + strip.pool_row) * words)
 
 
 def _packed(staging: torch.Tensor, strip: _Strip) -> torch.Tensor:
