@@ -10,11 +10,18 @@ runs. Prints, per size, the median over the requests of the hooks' total
 (``scheduler_ms_per_cold_request_<size>``), of each hook (``..._hook_ms_<size>``: the lookup's
 key hashing and round trip are in ``get_num_new_matched_tokens``, save planning and slot asks in
 ``build_connector_meta``), the worker half's total beside it (``worker_ms_per_cold_request``)
-and the steps taken. What the clock adds per timed call is taken off. ``--baseline PATH`` runs
+and the steps taken. ``schedule_ms_per_cold_request`` is the connector's own ``schedule_seconds``
+(what ``gpu_data_plane.py`` prints as ``a_scheduler_host_ms_per_cold_request``: the hooks' time
+of steps that run tokens) and ``idle_ms_per_cold_request`` its ``idle_schedule_us`` (steps that
+run none, while the request's saves are planned, posted and committed after it finished: with
+``--max-tokens 2`` most of its save work lands there; under load it lands in other requests'
+steps). What the clock adds per timed call is taken off. ``--baseline PATH`` runs
 another checkout's code in the same run (alternating processes) and prints
 ``scheduler_cold_vs_baseline_<size>``. ``--thread-time``: the engine thread's CPU time instead of
 wall time (which on a loaded box counts other processes' turns on the cores). ``--profile``: our
-functions that took the most time (cProfile inflates small calls: for where, not how much).
+functions that took the most time (cProfile inflates small calls: for where, not how much;
+in wall time it also counts waits for the GIL). ``--parts``: the scheduler half's parts
+(``PARTS``) timed too.
 
 Run: ``python benchmarks/cold_request.py --prompt 4096 --prompt 16384 --baseline /path/to/other/checkout``.
 """
@@ -42,6 +49,15 @@ SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "bu
                    "get_kv_connector_stats", "take_events")
 """The scheduler half's hooks (the ones vLLM's scheduler calls)."""
 
+PARTS = (("part", ("_sync_pools", "_take_results")), ("results", ("collect", "take")),
+         ("lookups", ("matched",)), ("loads", ("dispatch",)), ("requests", ("take_block_ids", "release_held")),
+         ("saves", ("plan_step", "_announce_prompt", "_plan_saves", "_wanted", "expect", "skip")),
+         ("jobs", ("bind", "dispatch")),
+         ("slots", ("tick", "expect", "unexpect", "holds", "_ask", "_take_arrived", "_rebalance")),
+         ("store", ("pools", "placement", "commit", "lookup")))
+"""With ``--parts``: the scheduler half's parts timed inside its hooks (nested ones count in
+their callers too), as ``attribute.method`` of the scheduler part."""
+
 
 def clock_cost(clock: Any, samples: int = 20001) -> float:
     """Seconds one reading of ``clock`` adds to a timed call (median of back-to-back readings)."""
@@ -53,7 +69,7 @@ def clock_cost(clock: Any, samples: int = 20001) -> float:
 
 
 def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile: bool,
-        thread_time: bool) -> dict[str, Any]:
+        thread_time: bool, parts: bool) -> dict[str, Any]:
     """Per cold request: the scheduler half's hooks (total and per hook, ms), the worker's
     total, and the engine steps it took (to its saves' answer)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -84,11 +100,18 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
                 engine.serve("warm", prompt(prompt_tokens, seed=1), max_tokens=max_tokens)  # pools mapped, code warm
                 engine.settle()
                 cost = clock_cost(clock)
+                part = engine.connector.scheduler_part
                 targets = [(engine.connector, SCHEDULER_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
+                if parts:
+                    owners = {"part": part, "results": part.results, "lookups": part.lookups, "loads": part.loads,
+                              "requests": part._requests, "saves": part.saves, "jobs": part.saves.jobs,
+                              "slots": part.slots, "store": part._store}
+                    targets += [(owners[label], names, label) for label, names in PARTS]
                 for i in range(requests):
                     tokens = prompt(prompt_tokens, seed=1000 + i)
                     gc.collect()
                     steps = engine.steps
+                    before = dict(part.stats.totals)
                     with timed_calls(targets, clock) as timed:
                         if profiler is not None:
                             profiler.enable()
@@ -99,7 +122,10 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
                     if hit:
                         raise RuntimeError(f"request {i} was not cold: {hit} tokens hit")
                     hooks = {name: 1e3 * (sum(calls) - cost * len(calls)) for name, calls in timed.items() if calls}
-                    per_request.append({"hooks": hooks, "steps": engine.steps - steps})
+                    totals = part.stats.totals
+                    per_request.append({"hooks": hooks, "steps": engine.steps - steps, "schedule_ms": 1e3 * (
+                        totals.get("schedule_seconds", 0.0) - before.get("schedule_seconds", 0.0)),
+                        "idle_ms": 1e-3 * (totals.get("idle_schedule_us", 0) - before.get("idle_schedule_us", 0))})
                 if engine.wrong_blocks or engine.failed_loads:
                     raise RuntimeError(f"{engine.wrong_blocks} wrong blocks, {engine.failed_loads} failed loads")
             finally:
@@ -118,8 +144,13 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
 
     return {"scheduler_ms": median(lambda name: name.startswith("scheduler.")),
             "worker_ms": median(lambda name: name.startswith("worker.")),
+            "parts_ms": {name: median(lambda other, name=name: other == name) for name in names
+                         if not name.startswith(("scheduler.", "worker."))},
             "steps": statistics.median(r["steps"] for r in per_request),
-            "hook_ms": {name: median(lambda other, name=name: other == name) for name in names},
+            "schedule_ms": round(statistics.median(r["schedule_ms"] for r in per_request), 3),
+            "idle_ms": round(statistics.median(r["idle_ms"] for r in per_request), 3),
+            "hook_ms": {name: median(lambda other, name=name: other == name) for name in names
+                        if name.startswith(("scheduler.", "worker."))},
             "clock_us": round(1e6 * cost, 3)}
 
 
@@ -129,10 +160,16 @@ def print_figures(size: int, got: dict[str, list[dict[str, Any]]]) -> None:
         suffix = f"_{size}" + ("" if name == "this" else "_baseline")
         print(f"scheduler_ms_per_cold_request{suffix}={statistics.median(r['scheduler_ms'] for r in runs):.3f}")
         print(f"worker_ms_per_cold_request{suffix}={statistics.median(r['worker_ms'] for r in runs):.3f}")
+        for key in ("schedule_ms", "idle_ms"):
+            print(f"{key}_per_cold_request{suffix}={statistics.median(r[key] for r in runs):.3f}")
         print(f"steps_per_cold_request{suffix}={statistics.median(r['steps'] for r in runs):.0f}")
         hooks = sorted({hook for r in runs for hook in r["hook_ms"]})
         print(f"hook_ms{suffix}=" + " ".join(
             f"{hook}:{statistics.median(r['hook_ms'].get(hook, 0.0) for r in runs):.3f}" for hook in hooks))
+        parts = sorted({p for r in runs for p in r["parts_ms"]})
+        if parts:
+            print(f"parts_ms{suffix}=" + " ".join(
+                f"{p}:{statistics.median(r['parts_ms'].get(p, 0.0) for r in runs):.3f}" for p in parts))
     if "baseline" in got:
         this = statistics.median(r["scheduler_ms"] for r in got["this"])
         base = statistics.median(r["scheduler_ms"] for r in got["baseline"])
@@ -149,12 +186,14 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="another checkout whose ucm_ray runs in the same run")
     ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="also time the scheduler half's parts (PARTS)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sizes = args.prompt or [4096, 16384]
     if args.child:
-        print(json.dumps(run(sizes[0], args.requests, args.layers, args.max_tokens, args.profile, args.thread_time)))
+        print(json.dumps(run(sizes[0], args.requests, args.layers, args.max_tokens, args.profile, args.thread_time,
+                             args.parts)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -167,6 +206,7 @@ def main() -> None:
                        "--max-tokens", str(args.max_tokens)]
                 cmd += ["--thread-time"] if args.thread_time else []
                 cmd += ["--profile"] if args.profile else []
+                cmd += ["--parts"] if args.parts else []
                 python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
                 out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": python_path}, capture_output=True,
                                      text=True)
