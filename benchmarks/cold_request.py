@@ -81,7 +81,7 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
     from ucm_ray.store.engine.client import StoreClient
     from ucm_ray.store.shard.fleet import running_fleet
     from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
-    from ucm_ray.testing.timing import CONNECTOR_HOOKS, timed_calls
+    from ucm_ray.testing.timing import CONNECTOR_HOOKS, Target, timed_calls
 
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ucmc-", dir="/tmp"))
@@ -89,7 +89,7 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
                        ray_namespace="ucm_ray_cold_request")
     clock = time.thread_time if thread_time else time.perf_counter
     per_request: list[dict[str, Any]] = []
-    profiler = cProfile.Profile() if profile else None
+    profiler = cProfile.Profile(clock) if profile else None  # thread time: no waits for the GIL
     try:
         with running_fleet(cfg), tempfile.TemporaryDirectory(prefix="ucmc-model-") as model_dir:
             write_model_dir(model_dir)
@@ -101,7 +101,8 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
                 engine.settle()
                 cost = clock_cost(clock)
                 part = engine.connector.scheduler_part
-                targets = [(engine.connector, SCHEDULER_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
+                targets: list[Target] = [(engine.connector, SCHEDULER_HOOKS, "scheduler"),
+                                         (engine.worker, CONNECTOR_HOOKS, "worker")]
                 if parts:
                     owners = {"part": part, "results": part.results, "lookups": part.lookups, "loads": part.loads,
                               "requests": part._requests, "saves": part.saves, "jobs": part.saves.jobs,
