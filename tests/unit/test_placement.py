@@ -2,7 +2,7 @@ import hashlib
 
 import numpy as np
 
-from ucm_ray.store.placement import SCALAR_KEYS, owners, writer_owners
+from ucm_ray.store.placement import owners, writer_owners
 
 
 def keys(n, seed=0):
@@ -59,13 +59,11 @@ def test_the_primary_alone_is_the_first_of_the_replica_order():
 def test_scores_are_splitmix64_as_published():
     """Every engine and shard must place a key alike, whatever numpy does: the scores are the
     published splitmix64 sequence (seed 0: e220a8397b1dcdaf, 6e789e6aa1b965f4, 06c45d188009454f)."""
-    from ucm_ray.store.placement import _splitmix64, _splitmix64_int
+    from ucm_ray.store.placement import _splitmix64
 
     golden = 0x9E3779B97F4A7C15
     states = np.array([0, golden, 2 * golden % 2**64], dtype=np.uint64)
-    published = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
-    assert [int(v) for v in _splitmix64(states)] == published
-    assert [_splitmix64_int(int(v)) for v in states] == published  # the few-keys path's
+    assert [int(v) for v in _splitmix64(states)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
     assert [int(v) for v in states] == [0, golden, 2 * golden % 2**64], "the input is left as it was"
 
 
@@ -113,20 +111,3 @@ def test_placements_under_two_memberships_are_placed_again_under_the_current_one
         assert one_pool_list([first], lambda: ks[:2], store) == first
     finally:
         store.shutdown()
-
-
-def test_a_few_keys_are_placed_as_many_are():
-    """Up to SCALAR_KEYS keys take the Python-integer path (a cold lookup's first block): each
-    key's row must be the one the array path gives it among many keys."""
-    for n_shards in (1, 2, 3, 5, 17):
-        shards = [f"s{i}" for i in range(n_shards)]
-        for r in (1, 2, 3):
-            many = keys(64, seed=n_shards)
-            rows = owners(many, shards, r)
-            for n in range(SCALAR_KEYS + 1):
-                few = owners(many[:n], shards, r)
-                assert few.dtype == rows.dtype and few.shape == (n, min(r, n_shards))
-                assert np.array_equal(few, rows[:n])
-    local = [True, False, True, False]
-    assert np.array_equal(writer_owners(keys(3), [f"s{i}" for i in range(4)], local, 2),
-                          writer_owners(keys(64), [f"s{i}" for i in range(4)], local, 2)[:3])

@@ -35,22 +35,6 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return z
 
 
-_MASK64 = (1 << 64) - 1
-SCALAR_KEYS = 4
-"""Up to this many keys are placed with Python integers instead of arrays: a cold prompt's lookup
-places one key per rank (its first block) on the way to its first token, and the array path's
-fixed cost (~15 numpy calls, 14-17 us on a warm core, ~70 us of thread time inside an engine
-step on this box) was a quarter of that lookup's host time."""
-
-
-def _splitmix64_int(x: int) -> int:
-    """``_splitmix64`` of one uint64 held in a Python int (the same bits)."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def shard_salt(shard_id: str) -> np.uint64:
     return np.uint64(int.from_bytes(hashlib.blake2b(shard_id.encode(), digest_size=8).digest(), "little"))
 
@@ -75,38 +59,12 @@ def _salts(shard_ids: tuple[str, ...]) -> np.ndarray:
     return salts
 
 
-@functools.lru_cache(maxsize=64)
-def _int_salts(shard_ids: tuple[str, ...]) -> tuple[int, ...]:
-    """``_salts`` as Python ints (the scalar path's)."""
-    return tuple(int(salt) for salt in _salts(shard_ids))
-
-
-def _few_owners(keys: Sequence[bytes], shard_ids: Sequence[str], r: int) -> np.ndarray:
-    """``owners`` of a few keys, with Python integers: the same rows as the array path (two
-    equal 64-bit scores, which the array path may order either way, go higher index first
-    here but for the primary alone, which is the lower, as ``argmax`` picks)."""
-    salts = _int_salts(tuple(shard_ids))
-    rows = []
-    for key in keys:
-        if len(key) < 8:
-            raise ValueError("store keys must be digests of at least 8 bytes (see ucm_ray.keys)")
-        word = int.from_bytes(key[:8], "little")
-        scores = [_splitmix64_int(word ^ salt) for salt in salts]
-        if r == 1:
-            rows.append([scores.index(max(scores))])
-        else:
-            rows.append(sorted(range(len(scores)), key=lambda at: (scores[at], at), reverse=True)[:r])
-    return np.array(rows, dtype=np.int64).reshape(len(keys), r)
-
-
 def owners(keys: Sequence[bytes], shard_ids: Sequence[str], replication: int) -> np.ndarray:
     """``[len(keys), min(replication, len(shard_ids))]`` indices into ``shard_ids``,
     best-scoring first (index 0 is the primary)."""
     if not shard_ids:
         return np.zeros((len(keys), 0), dtype=np.int64)
     r = min(replication, len(shard_ids))
-    if len(keys) <= SCALAR_KEYS:
-        return _few_owners(keys, shard_ids, r)
     words = key_words(keys)
     salts = _salts(tuple(shard_ids))
     scores = _splitmix64(words[:, None] ^ salts[None, :])
