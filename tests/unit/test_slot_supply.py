@@ -124,3 +124,21 @@ def test_only_home_pools_keep_a_baseline_and_another_pools_slots_go_back_once_un
         assert supply.free_slots((home, SIZE)) == 1
     finally:
         local.shutdown()
+
+
+def test_ticks_while_asks_are_out_take_each_answer_at_the_first_tick_after_it_and_ask_nothing_more(shards):
+    """A tick whose only news could be an answer to an ask does a full tick only once one came:
+    none is missed or delayed a step, and waiting for them posts nothing."""
+    store, supply, slot_class = _supply(shards)
+    store.answering = False
+    free = supply.free_slots(slot_class)
+    supply.expect({slot_class: 10})
+    supply.tick(store.pools())
+    asks = len(store.asked)
+    for _ in range(3):
+        supply.tick(store.pools())
+    assert len(store.asked) == asks and supply.free_slots(slot_class) == free
+    store.answering = True
+    supply.tick(store.pools())
+    assert supply.free_slots(slot_class) >= 10, "the answer is taken at the first tick after it came"
+    assert len(supply.take(*slot_class, 10)) == 10
