@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -194,7 +194,6 @@ class DiskStore:
         self._bounce = aligned_buffer(DIRECT_ALIGN)  # writes of unaligned data
         self._staging = threading.local()  # reads: one aligned buffer per reading thread
         self._readers: ThreadPoolExecutor | None = None
-        self._writer: ThreadPoolExecutor | None = None  # demotion: one run written while the next is summed
         self._lock_fd = -1
         try:
             for d in self._dirs:
@@ -403,10 +402,9 @@ class DiskStore:
         """``put`` of each key, entering the LRU in the order given. Why a batch: its slots are
         allocated together, so entries landing next to each other in one file (as a filling file,
         or one freed by evicting ahead, hands them out) are written with one ``pwritev``
-        (``coalesce``, up to ``WRITE_RUN_BYTES``), and each run's checksums are taken while the
-        previous run is being written (the store's writer thread; the write releases the GIL).
-        Allocation goes a group of at most ``1/EVICT_AHEAD`` of the tier at a time: slots of a
-        group are not yet entries, so evicting for room never takes them."""
+        (``coalesce``, up to ``WRITE_RUN_BYTES``). Allocation goes a group of at most
+        ``1/EVICT_AHEAD`` of the tier at a time: slots of a group are not yet entries, so evicting
+        for room never takes them."""
         for data in datas:
             if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() <= 0:
                 raise ValueError(f"data must be contiguous, non-empty uint8, got {data.dtype} x {data.numel()}")
@@ -474,34 +472,18 @@ class DiskStore:
     def _write_placed(self, placed: dict[int, tuple[int, int]], datas: Sequence[torch.Tensor]) -> dict[int, DiskSlot]:
         """Write each ``datas[i]`` at its ``placed[i]`` (file, offset): adjacent slots of directly
         writable data (aligned address and size) as one run each, the rest one by one through the
-        bounce buffer; a run's checksums are taken while the previous run is on the writer thread
-        (the last run is written here: nothing is left to overlap it with). Returns the slots
-        written; raises the first ``OSError`` once no write is in flight."""
+        bounce buffer. Returns the slots written; raises the first ``OSError``."""
         order = list(placed)
         views = {i: self._direct_view(datas[i]) for i in order}
         as_is = [DiskSlot(*placed[i], datas[i].numel(), 0, 0) if views[i] is not None else None for i in order]
         runs = [[order[n] for n in run] for run in coalesce(as_is, WRITE_RUN_BYTES)]
         runs += [[i] for i in order if views[i] is None]
         slots: dict[int, DiskSlot] = {}
-        writing: Future | None = None
-        try:
-            for n, run in enumerate(runs):
-                for i in run:
-                    slots[i] = DiskSlot(*placed[i], datas[i].numel(), checksum(datas[i]), self.stats.generation)
-                if writing is not None:
-                    writing.result()
-                    writing = None
-                buffers = [v for i in run if (v := views[i]) is not None] or [self._bounced(datas[run[0]])]
-                file, offset = placed[run[0]]
-                if n == len(runs) - 1:
-                    self._write_run(file, offset, buffers)
-                else:
-                    if self._writer is None:
-                        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-disk-write")
-                    writing = self._writer.submit(self._write_run, file, offset, buffers)
-        finally:
-            if writing is not None:
-                wait([writing])
+        for run in runs:
+            for i in run:
+                slots[i] = DiskSlot(*placed[i], datas[i].numel(), checksum(datas[i]), self.stats.generation)
+            buffers = [v for i in run if (v := views[i]) is not None] or [self._bounced(datas[run[0]])]
+            self._write_run(*placed[run[0]], buffers)
         return slots
 
     def _write_run(self, file: int, offset: int, buffers: list[memoryview]) -> None:
@@ -552,10 +534,9 @@ class DiskStore:
         """Write a last manifest (unless told not to), close the files, release the lock."""
         if checkpoint and self._fds:
             self.checkpoint()
-        for pool in (self._readers, self._writer):
-            if pool is not None:
-                pool.shutdown()
-        self._readers = self._writer = None
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -626,7 +607,7 @@ class DiskStore:
 
     def _bounced(self, data: torch.Tensor) -> memoryview:
         """``data``'s bytes copied into the bounce buffer, zero-padded to the alignment (for data
-        whose address or size ``O_DIRECT`` refuses). One buffer: no other write may be in flight."""
+        whose address or size ``O_DIRECT`` refuses)."""
         size = data.numel()
         need = round_up(size)
         if len(self._bounce) < need:
