@@ -94,6 +94,13 @@ class Engine:
         """Empty vLLM's own prefix cache: the next request's hit can only come from the store."""
         return bool(self.llm.reset_prefix_cache())
 
+    def prefill_bytes_s(self) -> float:
+        """This engine's measured prefill rate in KV bytes a second, as its lookups send it to a
+        shard deciding between promoting a disk hit and leaving it to be recomputed (0.0: no step
+        timed yet)."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        return float(scheduler.connector.scheduler_part.prefill_rate.bytes_per_s)
+
     def connector_totals(self) -> dict[str, dict[str, Any]]:
         """The connector's counters since start-up (scheduler and worker parts)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group

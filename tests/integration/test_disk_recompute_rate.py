@@ -71,6 +71,9 @@ def test_a_fast_engine_recomputes_what_a_slow_one_reads_from_disk(fleet, tmp_pat
     read = shard(cfg)
     assert got == (TOKENS, SUFFIX), (got, {k: (before[k], v) for k, v in read.items() if before[k] != v})
     assert read["disk_promoted"] - before["disk_promoted"] == BLOCKS, read
+    # the read side of the decision, as the shard's status shows it: nothing fitted before a read
+    assert (before["disk_read_fixed_s"], before["disk_read_s_per_byte"]) == (0.0, 0.0)
+    assert read["disk_read_s_per_byte"] > 0 or read["disk_read_fixed_s"] > 0, read
     assert fast.serve("f1", on_disk[1]) == (0, TOKENS + SUFFIX)  # recomputing is faster: a miss
     skipped = shard(cfg)
     assert skipped["disk_promoted"] == read["disk_promoted"], skipped

@@ -19,6 +19,7 @@ import torch
 from ucm_ray.store.shard.allocator import ExtentAllocator
 from ucm_ray.store.shard.disk import DiskInUse, DiskStore, FileOps
 from ucm_ray.store.shard.disk import store as store_module
+from ucm_ray.store.shard.disk.fileops import aligned_buffer
 from ucm_ray.store.shard.disk.manifest import DiskSlot, decode
 from ucm_ray.store.shard.disk.store import MANIFEST, coalesce, shard_dir
 
@@ -202,6 +203,77 @@ def test_adjacent_entries_are_read_together_up_to_the_cap(root, monkeypatch):
     assert all(torch.equal(outs[i], payload(i)) for i in range(6))
     assert sorted(ops.reads) == [(0, 4 * SLOT), (4 * SLOT, 2 * SLOT)]  # keys 5..2, then 1 and 0
     store.close()
+
+
+class CountedWrites(FileOps):
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, int, int]] = []  # (offset, bytes, buffers) of each pwritev
+
+    def pwritev(self, fd, buffers, offset):
+        self.writes.append((offset, sum(len(b) for b in buffers), len(buffers)))
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_a_batch_writes_adjacent_entries_together_up_to_the_cap(root, monkeypatch):
+    """``put_many`` writes entries that land next to each other as one vectored write (at most
+    ``WRITE_RUN_BYTES``), data ``O_DIRECT`` cannot take as it is (odd size, odd address) one by
+    one; every entry reads back, enters the LRU in the order given, and a restarted store
+    adopts them all from the manifest."""
+    monkeypatch.setattr(store_module, "WRITE_RUN_BYTES", 4 * SLOT)
+    ops = CountedWrites()
+    store = DiskStore([root], SHARD, 128 * SLOT, ops=ops)  # groups of 1/16 of the tier: 8 slots
+    pool = torch.frombuffer(aligned_buffer(8 * SLOT), dtype=torch.uint8)  # page-aligned, as a shard's pool
+    data = [pool[i * SLOT:(i + 1) * SLOT].copy_(payload(i)) for i in range(6)]
+    data += [payload(6, 5000), pool[6 * SLOT + 7:7 * SLOT + 7].copy_(payload(7))]
+    keys = [key(i) for i in range(8)]
+    assert store.put_many(keys, data) == [True] * 8
+    assert sorted(ops.writes) == [(0, 4 * SLOT, 4), (4 * SLOT, 2 * SLOT, 2), (6 * SLOT, SLOT, 1),
+                                  (7 * SLOT, SLOT, 1)]
+    assert store.keys() == keys
+    assert all(torch.equal(read(store, k), v) for k, v in zip(keys, data))
+    assert store.snapshot().writes == 8
+    store.close()
+    again = DiskStore([root], SHARD, 128 * SLOT)
+    assert again.snapshot().adopted == 8
+    assert all(torch.equal(read(again, k), v) for k, v in zip(keys, data))
+    again.close()
+
+
+def test_a_batch_larger_than_the_tier_keeps_its_last_entries(root):
+    """Slots are allocated a group (1/16 of the tier) at a time: a batch that does not fit ends
+    as puts one by one would, its last entries on disk, never its own entries evicted for
+    room before they were listed, nothing past the bound."""
+    store = DiskStore([root], SHARD, 4 * SLOT)
+    keys = [key(i) for i in range(6)]
+    assert store.put_many(keys, [payload(i) for i in range(6)]) == [True] * 6
+    assert store.keys() == keys[2:]
+    assert all(torch.equal(read(store, key(i)), payload(i)) for i in range(2, 6))
+    assert store.snapshot().used_bytes <= 4 * SLOT
+    store.close()
+
+
+def test_a_key_twice_in_one_batch_is_written_once(root):
+    store = DiskStore([root], SHARD, 8 * SLOT)
+    assert store.put_many([key(0), key(1), key(0)], [payload(0), payload(1), payload(0)]) == [True] * 3
+    s = store.snapshot()
+    assert (s.writes, s.entries, s.used_bytes) == (2, 2, 2 * SLOT)
+    store.close()
+
+
+def test_a_write_failing_mid_batch_turns_the_tier_off_and_lists_none_of_it(root, monkeypatch):
+    """The second run's write fails (EIO) while the first is on disk: the tier goes off and the
+    batch reports nothing stored; a restarted store adopts none of it (no manifest listed it)."""
+    monkeypatch.setattr(store_module, "WRITE_RUN_BYTES", 2 * SLOT)
+    store = DiskStore([root], SHARD, 128 * SLOT, ops=FailingOps("pwritev", errno.EIO, after=1))
+    pool = torch.frombuffer(aligned_buffer(6 * SLOT), dtype=torch.uint8)
+    data = [pool[i * SLOT:(i + 1) * SLOT].copy_(payload(i)) for i in range(6)]
+    assert store.put_many([key(i) for i in range(6)], data) == [False] * 6
+    s = store.snapshot()
+    assert (s.enabled, s.io_errors, s.entries, s.writes) == (False, 1, 0, 0)
+    store.close()
+    again = DiskStore([root], SHARD, 128 * SLOT)
+    assert again.snapshot().adopted == 0 and again.keys() == []
+    again.close()
 
 
 def test_coalesce_groups_runs_per_file_and_orders_them_head_first(monkeypatch):

@@ -300,6 +300,9 @@ class CacheShard:
             disk = {**asdict(tier.disk_stats()), **asdict(tier.stats)}
             figures.update({f"disk_{k}": v for k, v in disk.items()})
             figures["disk_behind"] = tier.behind()
+            # what a promotion's chunk is predicted to cost (seconds = fixed + bytes x per byte): the
+            # read side of the promote-or-recompute decision
+            figures["disk_read_fixed_s"], figures["disk_read_s_per_byte"] = tier.read_cost.fit()
         return figures
 
     def _demote(self) -> None:

@@ -99,19 +99,30 @@ COALESCE_BYTES = 1 << 20
 one spent more time per entry in Python, system calls and thread hand-offs than in the disk
 (performance log, 2026-12-05 night)."""
 
+WRITE_RUN_BYTES = 8 << 20
+"""Entries in adjacent slots are written together up to this many bytes a write: at depth 1 this
+disk took 64 KiB writes at 0.40-0.48 GB/s and 4-8 MiB ones at 1.6-1.9 GB/s, vectored from scattered
+64 KiB buffers alike (performance log, 2026-12-06 disk9)."""
+
+IOV_MAX = 1024
+"""Buffers one ``pwritev`` takes on Linux."""
+
 DIR_PREFIX = "ucm-ray-disk-"
 
 
-def coalesce(slots: Sequence[DiskSlot | None]) -> list[list[int]]:
-    """Indices of ``slots`` grouped into reads: runs of slots that follow each other in one file
-    (in file order; demotion writes a prompt's blocks tail first, so a prompt's slots run
-    backwards), at most ``COALESCE_BYTES`` a run unless one slot is larger. Runs are ordered by
-    their first index in ``slots``, so the head of a prompt is read first. None is skipped."""
+def coalesce(slots: Sequence[DiskSlot | None], limit: int | None = None, most: int = IOV_MAX) -> list[list[int]]:
+    """Indices of ``slots`` grouped into reads (or writes): runs of slots that follow each other in
+    one file (in file order; demotion writes a prompt's blocks tail first, so a prompt's slots run
+    backwards), at most ``limit`` bytes (``COALESCE_BYTES`` unless given) and ``most`` slots a run
+    unless one slot is larger. Runs are ordered by their first index in ``slots``, so the head of
+    a prompt is read first. None is skipped."""
+    limit = COALESCE_BYTES if limit is None else limit
     present = sorted(((i, s) for i, s in enumerate(slots) if s is not None), key=lambda p: (p[1].file, p[1].offset))
     runs: list[list[int]] = []
     file = start = end = -1
     for i, slot in present:
-        if runs and (slot.file, slot.offset) == (file, end) and end + round_up(slot.size) - start <= COALESCE_BYTES:
+        if (runs and (slot.file, slot.offset) == (file, end) and end + round_up(slot.size) - start <= limit
+                and len(runs[-1]) < most):
             runs[-1].append(i)
         else:
             runs.append([i])
@@ -385,35 +396,101 @@ class DiskStore:
     def put(self, key: bytes, data: torch.Tensor) -> bool:
         """Write ``data`` (contiguous uint8) under ``key``, evicting least recently used entries
         for room. True when the entry is now on disk (written now or already there)."""
+        return self.put_many([key], [data])[0]
+
+    def put_many(self, keys: Sequence[bytes], datas: Sequence[torch.Tensor]) -> list[bool]:
+        """``put`` of each key, entering the LRU in the order given. Why a batch: its slots are
+        allocated together, so entries landing next to each other in one file (as a filling file,
+        or one freed by evicting ahead, hands them out) are written with one ``pwritev``
+        (``coalesce``, up to ``WRITE_RUN_BYTES``). Allocation goes a group of at most
+        ``1/EVICT_AHEAD`` of the tier at a time: slots of a group are not yet entries, so evicting
+        for room never takes them."""
+        for data in datas:
+            if data.dtype != torch.uint8 or not data.is_contiguous() or data.numel() <= 0:
+                raise ValueError(f"data must be contiguous, non-empty uint8, got {data.dtype} x {data.numel()}")
+        done = [False] * len(keys)
         if not self.stats.enabled:
-            return False
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return True
-        size = data.numel()
-        if data.dtype != torch.uint8 or not data.is_contiguous() or size <= 0:
-            raise ValueError(f"data must be contiguous, non-empty uint8, got {data.dtype} x {size}")
-        try:
-            placed = self._allocate(size)
-            if placed is None:
-                self.stats.dropped_writes += 1
+            return done
+        fresh: dict[bytes, int] = {}  # a key twice in one batch is written once
+        for i, key in enumerate(keys):
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                done[i] = True
+            elif key not in fresh:
+                fresh[key] = i
+        group: list[int] = []
+        group_bytes = 0
+        most = max(DIRECT_ALIGN, self.stats.capacity_bytes // EVICT_AHEAD)
+        for i in fresh.values():
+            size = round_up(datas[i].numel())
+            if group and group_bytes + size > most:
+                if not self._put_group(group, keys, datas, done):
+                    return done
+                group, group_bytes = [], 0
+            group.append(i)
+            group_bytes += size
+        if group:
+            self._put_group(group, keys, datas, done)
+        for i, key in enumerate(keys):  # the later copies of a key given twice
+            done[i] = done[i] or (key in fresh and done[fresh[key]])
+        return done
+
+    def _put_group(self, group: list[int], keys: Sequence[bytes], datas: Sequence[torch.Tensor],
+                   done: list[bool]) -> bool:
+        """Allocate, write and list ``group`` (indices of fresh keys), setting ``done``; False
+        once the tier is off."""
+        placed: dict[int, tuple[int, int]] = {}
+        for i in group:
+            at = self._allocate(datas[i].numel())
+            if not self.stats.enabled:  # its checkpoint failed
                 return False
-            file, offset = placed
-            slot = DiskSlot(file, offset, size, checksum(data), self.stats.generation)
-            try:
-                self._write(slot, data)
-            except BaseException:
-                self._allocs[file].free(offset, size)
-                raise
-        except OSError as e:
-            self._turn_off(e, "writing")
-            return False
-        self._entries[key] = slot
-        self.stats.used_bytes += round_up(size)
-        self.stats.writes += 1
-        self.stats.written_bytes += size
-        self._dirty = True
+            if at is None:
+                self.stats.dropped_writes += 1
+            else:
+                placed[i] = at
+        try:
+            slots = self._write_placed(placed, datas)
+        except BaseException as e:
+            for i, (file, offset) in placed.items():
+                self._allocs[file].free(offset, datas[i].numel())
+            if isinstance(e, OSError):
+                self._turn_off(e, "writing")
+                return False
+            raise
+        for i in group:
+            slot = slots.get(i)
+            if slot is None:
+                continue
+            self._entries[keys[i]] = slot
+            self.stats.used_bytes += round_up(slot.size)
+            self.stats.writes += 1
+            self.stats.written_bytes += slot.size
+            done[i] = True
+        self._dirty = self._dirty or bool(slots)
         return True
+
+    def _write_placed(self, placed: dict[int, tuple[int, int]], datas: Sequence[torch.Tensor]) -> dict[int, DiskSlot]:
+        """Write each ``datas[i]`` at its ``placed[i]`` (file, offset): adjacent slots of directly
+        writable data (aligned address and size) as one run each, the rest one by one through the
+        bounce buffer. Returns the slots written; raises the first ``OSError``."""
+        order = list(placed)
+        views = {i: self._direct_view(datas[i]) for i in order}
+        as_is = [DiskSlot(*placed[i], datas[i].numel(), 0, 0) if views[i] is not None else None for i in order]
+        runs = [[order[n] for n in run] for run in coalesce(as_is, WRITE_RUN_BYTES)]
+        runs += [[i] for i in order if views[i] is None]
+        slots: dict[int, DiskSlot] = {}
+        for run in runs:
+            for i in run:
+                slots[i] = DiskSlot(*placed[i], datas[i].numel(), checksum(datas[i]), self.stats.generation)
+            buffers = [v for i in run if (v := views[i]) is not None] or [self._bounced(datas[run[0]])]
+            self._write_run(*placed[run[0]], buffers)
+        return slots
+
+    def _write_run(self, file: int, offset: int, buffers: list[memoryview]) -> None:
+        need = sum(len(b) for b in buffers)
+        done = self._ops.pwritev(self._fds[file], buffers, offset)
+        if done != need:
+            raise OSError(errno.EIO, f"short write: {done} of {need} bytes")
 
     def remove(self, key: bytes) -> bool:
         if key not in self._entries:
@@ -528,11 +605,17 @@ class DiskStore:
         self._allocs[slot.file].free(slot.offset, slot.size)
         self.stats.used_bytes -= round_up(slot.size)
 
-    def _bounce_of(self, size: int) -> memoryview:
+    def _bounced(self, data: torch.Tensor) -> memoryview:
+        """``data``'s bytes copied into the bounce buffer, zero-padded to the alignment (for data
+        whose address or size ``O_DIRECT`` refuses)."""
+        size = data.numel()
         need = round_up(size)
         if len(self._bounce) < need:
             self._bounce = aligned_buffer(need)  # the old one goes with its last view (a traceback may hold one)
-        return memoryview(self._bounce)[:need]
+        view = memoryview(self._bounce)[:need]
+        view[:size] = memoryview(data.numpy()).cast("B")
+        view[size:] = bytes(need - size)
+        return view
 
     @staticmethod
     def _direct_view(t: torch.Tensor) -> memoryview | None:
@@ -541,16 +624,6 @@ class DiskStore:
         if t.data_ptr() % DIRECT_ALIGN or t.numel() % DIRECT_ALIGN:
             return None
         return memoryview(t.numpy()).cast("B")
-
-    def _write(self, slot: DiskSlot, data: torch.Tensor) -> None:
-        view = self._direct_view(data)
-        if view is None:
-            view = self._bounce_of(slot.size)
-            view[:slot.size] = memoryview(data.numpy()).cast("B")
-            view[slot.size:] = bytes(len(view) - slot.size)
-        done = self._ops.pwritev(self._fds[slot.file], [view], slot.offset)
-        if done != len(view):
-            raise OSError(errno.EIO, f"short write: {done} of {len(view)} bytes")
 
     def _read_checked(self, slots: Sequence[DiskSlot], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Read ``slots`` (adjacent in one file, in file order) with one ``preadv`` into this

@@ -146,11 +146,11 @@ class DiskTier:
         written = 0
         try:
             with self._disk_lock:
-                for key, slot in items:
-                    if self._store.put(key, self._pool[slot.offset:slot.offset + slot.size]):
-                        done.append((key, slot.offset))
-                        written += slot.size
+                stored = self._store.put_many([key for key, _ in items],
+                                              [self._pool[slot.offset:slot.offset + slot.size] for _, slot in items])
                 gone = self._store.take_gone()
+            done = [(key, slot.offset) for (key, slot), ok in zip(items, stored) if ok]
+            written = sum(slot.size for (_, slot), ok in zip(items, stored) if ok)
         finally:
             with self._lock:
                 self._index.mark_clean(done)
