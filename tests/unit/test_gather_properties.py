@@ -144,7 +144,7 @@ def _aligned(nbytes: int, seed: int) -> torch.Tensor:
     return flat[-flat.data_ptr() % 4096:][:nbytes]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(steps())
 def test_a_templated_or_part_by_part_plan_moves_exactly_the_reference_bytes(step: Step):
     u, stride = step.unit, step.buffer_rows + GAP_ROWS
