@@ -142,3 +142,34 @@ def test_ticks_while_asks_are_out_take_each_answer_at_the_first_tick_after_it_an
     supply.tick(store.pools())
     assert supply.free_slots(slot_class) >= 10, "the answer is taken at the first tick after it came"
     assert len(supply.take(*slot_class, 10)) == 10
+
+
+def test_asks_that_never_answer_do_not_stop_renewals_or_the_slots_held(shards):
+    """A shard that never answers an ask (the asks stay out): ticks on ~10 ms steps are quiet
+    only up to ``QUIET_TICK_S`` apart, so the grants held are still renewed and stay usable,
+    and nothing more is asked for the saves already asked for."""
+    now = [0.0]
+    renewals: list[float] = []
+
+    class CountedRenewals(SlowReserves):
+        def renew(self, grants):
+            renewals.append(now[0])
+            return super().renew(grants)
+
+    store = CountedRenewals(shards)
+    supply = SlotSupply(store, max_free=8, renew_after_s=1.0, idle_s=2.0, usable_s=3.0, clock=lambda: now[0])
+    supply.want(SIZE)
+    pools = store.pools()
+    supply.tick(pools)
+    supply.tick(pools)
+    slot_class = (next(iter(pools.descriptors)), SIZE)
+    assert supply.free_slots(slot_class) == 1
+    store.answering = False
+    supply.expect({slot_class: 10})
+    asks = len(store.asked)
+    for _ in range(1000):  # 10 s of 10 ms steps
+        now[0] += 0.01
+        supply.tick(pools)
+    assert len(store.asked) == asks, "the asks out cover the saves: nothing asked again"
+    assert len(renewals) >= 8 and max(b - a for a, b in zip(renewals, renewals[1:])) < 1.1
+    assert supply.free_slots(slot_class) == 1, "the baseline's grant was renewed: still usable"
