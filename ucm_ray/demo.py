@@ -82,13 +82,17 @@ class Engine:
         that step (an engine that keeps serving runs it at once, and never waits for the store)."""
         from ucm_ray.vllm.connector import UcmRayConnector
 
-        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler = self._scheduler()
         if not isinstance(scheduler.connector, UcmRayConnector):  # the benchmark also runs vLLM's own
             return
         deadline = time.monotonic() + 10.0
         while scheduler.has_requests() and time.monotonic() < deadline:
             self.llm.llm_engine.step()
         scheduler.connector.scheduler_part.flush(timeout_s=10.0)
+
+    def _scheduler(self) -> Any:
+        """vLLM's scheduler of this in-process engine (its connector's scheduler half hangs off it)."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler
 
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache: the next request's hit can only come from the store."""
@@ -98,15 +102,13 @@ class Engine:
         """This engine's measured prefill rate in KV bytes a second, as its lookups send it to a
         shard deciding between promoting a disk hit and leaving it to be recomputed (0.0: no step
         timed yet)."""
-        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
-        return float(scheduler.connector.scheduler_part.prefill_rate.bytes_per_s)
+        return float(self._scheduler().connector.scheduler_part.prefill_rate.bytes_per_s)
 
     def connector_totals(self) -> dict[str, dict[str, Any]]:
         """The connector's counters since start-up (scheduler and worker parts)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        core = self.llm.llm_engine.engine_core.engine_core
-        return {"scheduler": dict(core.scheduler.connector.scheduler_part.stats.totals),
+        return {"scheduler": dict(self._scheduler().connector.scheduler_part.stats.totals),
                 "worker": dict(get_kv_transfer_group().worker_part.stats.totals)}
 
 

@@ -475,13 +475,11 @@ class DiskStore:
         bounce buffer. Returns the slots written; raises the first ``OSError``."""
         order = list(placed)
         views = {i: self._direct_view(datas[i]) for i in order}
-        as_is = [DiskSlot(*placed[i], datas[i].numel(), 0, 0) if views[i] is not None else None for i in order]
-        runs = [[order[n] for n in run] for run in coalesce(as_is, WRITE_RUN_BYTES)]
+        slots = {i: DiskSlot(*placed[i], datas[i].numel(), checksum(datas[i]), self.stats.generation) for i in order}
+        runs = [[order[n] for n in run]
+                for run in coalesce([slots[i] if views[i] is not None else None for i in order], WRITE_RUN_BYTES)]
         runs += [[i] for i in order if views[i] is None]
-        slots: dict[int, DiskSlot] = {}
         for run in runs:
-            for i in run:
-                slots[i] = DiskSlot(*placed[i], datas[i].numel(), checksum(datas[i]), self.stats.generation)
             buffers = [v for i in run if (v := views[i]) is not None] or [self._bounced(datas[run[0]])]
             self._write_run(*placed[run[0]], buffers)
         return slots
