@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import Ranges
-from ucm_ray.transport.cudart import copy_2d, has_copy_2d
+from ucm_ray.transport.base import Ranges, RepeatedRanges
+from ucm_ray.transport.cudart import copy_rows, has_copy_rows
 
 WORD = 8
 MAX_LINE = 1 << 20
@@ -126,6 +126,15 @@ class _Spans:
             base, end = min(starts), max(buffers[b].data_ptr() + buffers[b].numel() for b in members)
             self.first_row[members] = [(start - base) // line for start in starts]
             self.views.append(_as_rows(_span_view(base, end - base, device), line))
+        self._from: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rows_from(self, span: int, row: int) -> torch.Tensor:
+        """``views[span]`` from row ``row`` on, made once: a layer's rows in a load posted layer
+        by layer start at the same row every step (its buffer's), so each post reuses its view."""
+        view = self._from.get((span, row))
+        if view is None:
+            view = self._from[(span, row)] = self.views[span][row:]
+        return view
 
 
 SPANS_KEPT = 8
@@ -160,61 +169,56 @@ class _Kernels:
 
 
 @dataclass(frozen=True)
-class _Strip:
-    """``height`` stretches of ``rows`` rows, ``pitch`` rows apart in the pool from ``pool_row``,
-    packed side by side in staging from ``staging_row``: one (strided) copy."""
-
-    pool_row: int
-    staging_row: int
-    rows: int
-    pitch: int
-    height: int
-
-
-@dataclass(frozen=True)
 class _Staged:
-    """Staged DMA: these rows of one span, gathered in pool order in device memory; then each
-    strip is one copy with the pool as host memory."""
+    """Staged DMA: these rows of one span, gathered in pool order in device memory (``staging``,
+    the plan's one buffer); then each copy (``_copies``: addresses and bytes, made once) moves
+    one strip with the pool as host memory."""
 
     span: int
     local_rows: torch.Tensor
-    strips: list[_Strip]
+    staging: torch.Tensor
+    copies: list[tuple[int, int, int, int, int]]
+    """Per strip: (its address in staging, its offset in the pool from the part's base, the
+    pool's pitch, a row's bytes, rows)."""
 
 
 class GatherPlan:
     """The copies of ``ranges`` as rows, split into parts (``ends[k]`` is where part k's ranges
     end), each part into kernel pairs or DMA batches of one span and at most ``run_bytes``. Built
-    on the stream that will move it (the index upload is queued there). ``host_pool``: the pool
-    as host memory (page-locked), which enables the DMA path; ``pool`` is what kernels address."""
+    on the stream that will move it (the index upload is queued there, and its DMA copies go
+    there). ``host_pool``: the pool as host memory (page-locked), which enables the DMA path;
+    ``pool`` is what kernels address. ``repeats``: ``ranges`` are one part's, and every part is
+    them from rows of its own (``build_repeated``)."""
 
     def __init__(self, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], line: int,
-                 run_bytes: int = GATHER_BYTES, host_pool: torch.Tensor | None = None) -> None:
+                 run_bytes: int = GATHER_BYTES, host_pool: torch.Tensor | None = None,
+                 repeats: list[tuple[int, int, int]] | None = None) -> None:
         if not len(ends) or ends[-1] != len(ranges):
             raise ValueError(f"part ends {list(ends)[-3:]} must end at the last of the {len(ranges)} ranges")
+        self._line = line
         self._pool = _as_rows(pool, line)
-        self._host = _as_rows(host_pool, line) if host_pool is not None else None
+        self._host_address = host_pool.data_ptr() if host_pool is not None else 0
         self._buffers = ranges.buffers  # the spans' views own nothing: these keep the memory alive
-        spans = _spans_of(ranges.buffers, line)
-        self._spans = spans.views
+        self._spans = _spans_of(ranges.buffers, line)
+        self._repeats = repeats
+        """Per part (span, local row, pool row): where its rows start, when every part repeats
+        the one part planned (whose rows then count from there)."""
         limit = max(1, run_bytes // line)
         pool_at: np.ndarray = ranges.pool_offsets // line
         counts: np.ndarray = ranges.sizes // line
-        span_of: np.ndarray = spans.span_of[ranges.buffer_index]
-        local_at: np.ndarray = spans.first_row[ranges.buffer_index] + ranges.local_offsets // line
-        # a load posted layer by layer: every part the first one moved by whole rows, on both
-        # sides; planned once, each part moved by its bases (``_template``)
-        template = _template(local_at, pool_at, counts, ends) if len(spans.views) == 1 else None
-        self._bases: list[tuple[int, int]] | None = None
-        if template is not None:
-            self._bases, local_at, pool_at, counts = template
-            ends, span_of = [len(counts)], span_of[: len(counts)]
-        # ranges are grouped per part, per span (None: one part over one span, as a save or a
-        # load of every layer at once is: the pool rows alone order them)
+        if repeats is None:
+            span_of: np.ndarray = self._spans.span_of[ranges.buffer_index]
+            local_at: np.ndarray = self._spans.first_row[ranges.buffer_index] + ranges.local_offsets // line
+        else:  # rows from a part's own first rows: no span of their own
+            span_of, local_at = np.zeros(len(ranges), dtype=np.int64), ranges.local_offsets // line
+        spans = len(self._spans.views) if repeats is None else 1
+        # ranges are grouped per part, per span (None: one part over one span, as a save, a
+        # load of every layer at once or a repeated part is: the pool rows alone order them)
         group: np.ndarray | None = None
-        if len(ends) > 1 or len(spans.views) > 1:
+        if len(ends) > 1 or spans > 1:
             bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
             part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
-            group = part_of * len(spans.views) + span_of
+            group = part_of * spans + span_of
         order = _pool_order(group, pool_at)  # per part, per span, in pool order
 
         def ordered(values: np.ndarray) -> np.ndarray:
@@ -245,99 +249,121 @@ class GatherPlan:
         stretch_first = np.flatnonzero(breaks)
         widths = np.diff(np.append(stretch_first, total))
         starts = pooled[stretch_first]
-        strided = not (pool.is_cuda or ranges.device.type == "cuda") or has_copy_2d()
-        first = strip_starts(starts, widths, line, strided, apart=begins_batch[stretch_first[1:]])
+        on_gpu = pool.is_cuda or ranges.device.type == "cuda"
+        dma = host_pool is not None and (not on_gpu or has_copy_rows())
+        self._copy_rows = copy_rows if on_gpu else _memmove_rows
+        self._stream = torch.cuda.current_stream(ranges.device).cuda_stream if ranges.device.type == "cuda" else 0
+        first = strip_starts(starts, widths, line, apart=begins_batch[stretch_first[1:]])
         heights = np.diff(np.append(first, len(starts)))
         pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
         strip_at = stretch_first[first]  # the row where each strip begins
         part_at = np.searchsorted(part_rows, np.arange(len(ends) + 1))  # where each part's rows begin
         strips_in = np.diff(np.searchsorted(strip_at, part_at))
-        staged = (np.diff(part_at) >= max(1, DMA_COPY_BYTES // line) * strips_in) & (self._host is not None)
+        staged = (np.diff(part_at) >= max(1, DMA_COPY_BYTES // line) * strips_in) & dma
         self.indexed_rows = total
-        """Rows of the index tensors uploaded: one part's when its parts share a template."""
+        """Rows of the index tensors uploaded: one part's when its parts repeat it."""
         index = torch.from_numpy(np.stack([local, pooled]))
         if pool.is_cuda:
             index = index.pin_memory().to(pool.device, non_blocking=True)
         strip_bounds: list[int] = np.append(np.searchsorted(strip_at, batch_first), len(strip_at)).tolist()
         strip_rows = list(zip(starts[first].tolist(), strip_at.tolist(), widths[first].tolist(), pitches.tolist(),
                               heights.tolist()))
+        batch_rows: list[int] = np.diff(np.append(batch_first, total)).tolist()
+        batch_parts: list[int] = part_rows[batch_first].tolist()
         local_rows, pool_rows = _cut(index[0], batch_first), _cut(index[1], batch_first)
+        # one staging buffer for the plan: its parts move one after another on its stream
+        staged_rows = [rows for rows, part in zip(batch_rows, batch_parts) if staged[part]]
+        staging = self._spans.views[0].new_empty((max(staged_rows), line // WORD)) if staged_rows else None
         self._parts: list[list[_Kernels | _Staged]] = [[] for _ in ends]
-        for batch, (at, part, span) in enumerate(zip(batch_first.tolist(), part_rows[batch_first].tolist(),
+        for batch, (at, part, span) in enumerate(zip(batch_first.tolist(), batch_parts,
                                                      span_rows[batch_first].tolist())):
             if not staged[part]:
                 self._parts[part].append(_Kernels(span, local_rows[batch], pool_rows[batch]))
                 continue
-            self._parts[part].append(_Staged(span, local_rows[batch], [
-                _Strip(pool_row, row - at, rows, pitch, height)
+            assert staging is not None
+            address = staging.data_ptr()
+            self._parts[part].append(_Staged(span, local_rows[batch], staging[:batch_rows[batch]], [
+                (address + (row - at) * line, pool_row * line, pitch * line, rows * line, height)
                 for pool_row, row, rows, pitch, height in strip_rows[strip_bounds[batch]:strip_bounds[batch + 1]]]))
 
     @classmethod
     def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], run_bytes: int = GATHER_BYTES,
               host_pool: torch.Tensor | None = None) -> GatherPlan | None:
         """The plan, or None when the ranges or a tensor's start share no 8-byte alignment."""
-        hosts = () if host_pool is None else (host_pool,)
-        if any(t.data_ptr() % WORD for t in (pool, *hosts, *ranges.buffers)):
-            return None
-        line = line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets]))
+        line = _line(pool, host_pool, ranges, ranges.sizes, ranges.pool_offsets, ranges.local_offsets)
         return cls(pool, ranges, ends, line, run_bytes, host_pool) if line else None
+
+    @classmethod
+    def build_repeated(cls, pool: torch.Tensor, repeated: RepeatedRanges, run_bytes: int = GATHER_BYTES,
+                       host_pool: torch.Tensor | None = None) -> GatherPlan | None:
+        """The plan of parts that repeat one part's ranges (a load posted layer by layer): that
+        part's index arrays, strips and upload, made once, each part moved from rows of its own
+        (its buffer's first row and its shifts; the same rows every step, so a post reuses its
+        views). None as ``build``, or when the template's ranges lie in more than one buffer or
+        a part's first rows would lie before its span's (then ``build`` of
+        ``repeated.expand()``)."""
+        template = repeated.template
+        line = _line(pool, host_pool, template, template.sizes, template.pool_offsets, template.local_offsets,
+                     repeated.local_shifts, repeated.pool_shifts)
+        if not line or not len(template):
+            return None
+        home = int(repeated.buffer_index[0])
+        if template.buffer_index.min() != home or template.buffer_index.max() != home:
+            return None
+        spans = _spans_of(template.buffers, line)
+        local_base: np.ndarray = spans.first_row[repeated.buffer_index] + repeated.local_shifts // line
+        pool_base: np.ndarray = repeated.pool_shifts // line
+        if local_base.min() < 0 or pool_base.min() < 0:
+            return None
+        repeats = list(zip(spans.span_of[repeated.buffer_index].tolist(), local_base.tolist(), pool_base.tolist()))
+        return cls(pool, template, [len(template)], line, run_bytes, host_pool, repeats)
 
     def staged(self, part: int) -> bool:
         """Whether part ``part`` moves by staged DMA."""
-        return any(isinstance(step, _Staged) for step in self._parts[0 if self._bases else part])
+        return any(isinstance(step, _Staged) for step in self._parts[0 if self._repeats else part])
 
     def move(self, part: int, *, to_pool: bool) -> None:
-        """Queue part ``part``'s copies on the current stream."""
-        local_base = pool_base = 0
-        if self._bases is None:
+        """Queue part ``part``'s copies on the current stream (the one the plan was built on)."""
+        local: torch.Tensor | None = None
+        pool_base = 0
+        if self._repeats is None:
             steps = self._parts[part]
-        else:  # the first part's rows, from this part's bases
-            steps, (local_base, pool_base) = self._parts[0], self._bases[part]
+        else:  # the one part planned, from this part's rows
+            span, local_base, pool_base = self._repeats[part]
+            steps, local = self._parts[0], self._spans.rows_from(span, local_base)
         for step in steps:
-            local = self._spans[step.span]
-            local = local[local_base:] if local_base else local
+            rows = self._spans.views[step.span] if local is None else local
             if isinstance(step, _Kernels):
                 pool = self._pool[pool_base:] if pool_base else self._pool
                 if to_pool:
-                    pool.index_copy_(0, step.pool_rows, local.index_select(0, step.local_rows))
+                    pool.index_copy_(0, step.pool_rows, rows.index_select(0, step.local_rows))
                 else:
-                    local.index_copy_(0, step.local_rows, pool.index_select(0, step.pool_rows))
+                    rows.index_copy_(0, step.local_rows, pool.index_select(0, step.pool_rows))
                 continue
-            host = self._host
-            assert host is not None
+            host = self._host_address + pool_base * self._line
             if to_pool:
-                staging = local.index_select(0, step.local_rows)
-                for strip in step.strips:
-                    _copy(_strided(host, strip, pool_base), _packed(staging, strip))
+                torch.index_select(rows, 0, step.local_rows, out=step.staging)
+                for staging, at, pitch, width, height in step.copies:
+                    self._copy_rows(host + at, pitch, staging, width, width, height, self._stream)
             else:
-                staging = local.new_empty((len(step.local_rows), local.shape[1]))
-                for strip in step.strips:
-                    _copy(_packed(staging, strip), _strided(host, strip, pool_base))
-                local.index_copy_(0, step.local_rows, staging)
+                for staging, at, pitch, width, height in step.copies:
+                    self._copy_rows(staging, width, host + at, pitch, width, height, self._stream)
+                rows.index_copy_(0, step.local_rows, step.staging)
 
 
-def _template(local_at: np.ndarray, pool_at: np.ndarray, counts: np.ndarray, ends: Sequence[int],
-              ) -> tuple[list[tuple[int, int]], np.ndarray, np.ndarray, np.ndarray] | None:
-    """Parts of equal length whose every range is the first part's moved by one number of rows
-    on the local side and one on the pool side (a load posted layer by layer: each layer's
-    buffer holds the same blocks, each entry the layer at the same place): per part the rows
-    its template rows start from (its lowest local and pool rows), and the template (the first
-    part's start rows less its bases, its row counts). None for any other shape. Planning 32
-    layers as one (index arrays, strips, the upload) instead of each is most of a 256-block
-    load's host time."""
-    parts = len(ends)
-    size = len(counts) // parts if parts else 0
-    if parts < 2 or not size or not np.array_equal(np.asarray(ends), size * np.arange(1, parts + 1)):
-        return None
-    local, pooled, widths = (values.reshape(parts, size) for values in (local_at, pool_at, counts))
-    if not (widths == widths[0]).all():
-        return None
-    local_moved, pool_moved = local - local[:, :1], pooled - pooled[:, :1]
-    if not ((local_moved == local_moved[0]).all() and (pool_moved == pool_moved[0]).all()):
-        return None
-    local_base, pool_base = local.min(axis=1), pooled.min(axis=1)
-    return (list(zip(local_base.tolist(), pool_base.tolist())), local[0] - local_base[0], pooled[0] - pool_base[0],
-            widths[0])
+def _line(pool: torch.Tensor, host_pool: torch.Tensor | None, ranges: Ranges, *values: np.ndarray) -> int:
+    """The plan's row size (``line_bytes`` of ``values``), or 0 when a tensor's start or a value
+    shares no 8-byte alignment."""
+    hosts = () if host_pool is None else (host_pool,)
+    if any(t.data_ptr() % WORD for t in (pool, *hosts, *ranges.buffers)):
+        return 0
+    return line_bytes(np.concatenate(values))
+
+
+def _memmove_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
+    """``copy_rows`` between CPU addresses (a plan over CPU tensors: tests, benchmarks)."""
+    for row in range(height):
+        ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
 
 
 def _batch_starts(group_first: np.ndarray, total: int, limit: int) -> np.ndarray:
@@ -382,17 +408,15 @@ def _pool_order(group: np.ndarray | None, pool_row: np.ndarray) -> np.ndarray | 
     return None if bool((key[1:] >= key[:-1]).all()) else np.argsort(key, kind="stable")
 
 
-def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: bool = True,
-                 apart: np.ndarray | None = None) -> np.ndarray:
+def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, apart: np.ndarray | None = None) -> np.ndarray:
     """Where strips begin among stretches (pool rows ``starts``, ``widths`` rows each, in pool
     order, packed in that order in staging). A strip is stretches of one width at one pitch (the
-    gap from one to the next): one strided copy. Without ``strided`` copies every stretch is its
-    own strip, and ``apart[i]`` keeps stretches i and i + 1 in strips of their own (stretch
-    i + 1 begins another staging batch). Links
+    gap from one to the next): one strided copy. ``apart[i]`` keeps stretches i and i + 1 in
+    strips of their own (stretch i + 1 begins another staging batch). Links
     (stretch i to i+1) are runs of equal pitch; where two runs meet, one of the two links is cut:
     a lone link (one odd gap between two runs) rather than a run's first link."""
     count = len(starts)
-    if not strided or count < 2:
+    if count < 2:
         return np.arange(count)
     pitch = np.diff(starts)
     link = ((widths[1:] == widths[:-1]) & (pitch >= widths[:-1]) & (pitch * line <= MAX_PITCH)
@@ -407,26 +431,3 @@ def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, strided: boo
     keep = link.copy()
     keep[np.where(run_length[run_of[meet - 1]] == 1, meet - 1, meet)] = False
     return np.concatenate([[0], np.flatnonzero(~keep) + 1])
-
-
-def _strided(host: torch.Tensor, strip: _Strip, pool_base: int = 0) -> torch.Tensor:
-    """The strip's stretches in the pool (rows of words), ``pool_base`` rows on, as one strided
-    2-D view."""
-    words = host.shape[1]
-    return host.as_strided((strip.height, strip.rows * words), (strip.pitch * words, 1),
-                           host.storage_offset() + (pool_base + strip.pool_row) * words)
-
-
-def _packed(staging: torch.Tensor, strip: _Strip) -> torch.Tensor:
-    """The strip's rows in staging, packed, as the same 2-D shape."""
-    rows = strip.rows * strip.height
-    return staging[strip.staging_row: strip.staging_row + rows].view(strip.height, -1)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """An asynchronous copy of one strip; one stretch or CPU tensors by torch, a strided copy to
-    or from the GPU by the CUDA runtime (torch would pack it on the host first)."""
-    if dst.shape[0] > 1 and (dst.is_cuda or src.is_cuda):
-        copy_2d(dst, src)
-    else:
-        dst.copy_(src, non_blocking=True)

@@ -26,6 +26,7 @@ from ucm_ray.transport.base import (
     PoolTransport,
     PreparedCopies,
     Ranges,
+    RepeatedRanges,
     Transfer,
 )
 
@@ -113,12 +114,16 @@ class PoolConnections:
                 failed.add(pool)
         return posted, failed
 
-    def prepare(self, pool: PoolKey, ranges: Ranges, ends: list[int], *, write: bool) -> PreparedCopies | None:
+    def prepare(self, pool: PoolKey, ranges: Ranges | RepeatedRanges, ends: list[int], *,
+                write: bool) -> PreparedCopies | None:
         """A step's copies with ``pool``, planned once to be posted part by part with
-        ``post_part`` (``ends[k]``: where part k's ranges end); None when the pool cannot be
-        reached or planned (its copies fail). Never raises."""
+        ``post_part`` (``ends[k]``: where part k's ranges end; ``RepeatedRanges`` carry their
+        own); None when the pool cannot be reached or planned (its copies fail). Never raises."""
         try:
-            return self._transport(pool).prepare(ranges, ends, to_pool=write)
+            transport = self._transport(pool)
+            if isinstance(ranges, RepeatedRanges):
+                return transport.prepare_repeated(ranges, to_pool=write)
+            return transport.prepare(ranges, ends, to_pool=write)
         except Exception as e:  # noqa: BLE001 -- as in ``post``
             _not_started(write, pool, e)
             return None

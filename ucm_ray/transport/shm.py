@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from ucm_ray.transport.base import (
+    EMPTY,
     CompletedTransfer,
     PoolDescriptor,
     PoolTransport,
     PreparedCopies,
     Ranges,
+    RepeatedRanges,
     Transfer,
     TransferError,
 )
@@ -168,31 +170,29 @@ that filled one."""
 
 class _CudaCopies(PreparedCopies):
     """A step's copies with one pool on CUDA: planned once (one gather plan, its indices
-    uploaded once), each part then posted as a few kernels (or staged DMA copies) on the pool's
-    stream for that direction, queued behind the caller's current stream (a save's KV is
-    written, a load's blocks zeroed, by then)."""
+    uploaded once; without one, range by range), each part then posted as a few kernels (or
+    staged DMA copies) on the pool's stream for that direction. That stream waits once, as the
+    copies are prepared, for the caller's current stream (a save's KV is written, a load's
+    blocks zeroed, by then): the worker prepares a step's copies and posts all their parts at
+    once, and a wait per post cost each layer's post three more CUDA calls."""
 
     def __init__(self, transport: ShmPoolTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
-                 stream: torch.cuda.Stream, pool: torch.Tensor, mapped: torch.Tensor | None) -> None:
+                 stream: torch.cuda.Stream, plan: GatherPlan | None) -> None:
         super().__init__(transport, ranges, ends, to_pool=to_pool)
         self._stream = stream
-        self._pool = pool
-        self._plan = None
-        if mapped is not None and len(ranges) > FEW_RANGES:
-            with _queued_on(stream):
-                self._plan = GatherPlan.build(mapped, ranges, ends, host_pool=pool)
+        self._pool = transport.pool_tensor
+        self._plan = plan
 
     def post(self, part: int) -> Transfer:
         error = None
-        with _queued_on(self._stream) as caller:
-            self._stream.wait_stream(caller)
+        with _queued_on(self._stream):
             try:
                 if self._plan is not None:
                     self._plan.move(part, to_pool=self._to_pool)
                 else:
                     _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
                                      to_pool=self._to_pool)
-            except RuntimeError as e:  # e.g. out of device memory for a gather's staging
+            except RuntimeError as e:  # e.g. a copy the CUDA runtime refused
                 error = e
             event = torch.cuda.Event()
             event.record(self._stream)  # after whatever was queued, failed part or not
@@ -261,15 +261,44 @@ class ShmPoolTransport(PoolTransport):
             self._host_registered = False
         self._pool.close()
 
+    @property
+    def pool_tensor(self) -> torch.Tensor:
+        return self._pool.tensor
+
     def prepare(self, ranges: Ranges, ends: Sequence[int], *, to_pool: bool) -> PreparedCopies:
         """On CUDA, the step planned once (``_CudaCopies``); on CPU a post is the copy itself,
         planned as it runs."""
         if ranges.device.type != "cuda" or not len(ranges):
             return super().prepare(ranges, ends, to_pool=to_pool)
         ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        stream = self._stream_for(to_pool)
+        with _queued_on(stream) as caller:
+            stream.wait_stream(caller)
+            plan = None
+            if self._uva is not None and len(ranges) > FEW_RANGES:
+                plan = GatherPlan.build(self._uva, ranges, ends, host_pool=self._pool.tensor)
+        return _CudaCopies(self, ranges, ends, to_pool=to_pool, stream=stream, plan=plan)
+
+    def prepare_repeated(self, repeated: RepeatedRanges, *, to_pool: bool) -> PreparedCopies:
+        """On CUDA, one gather plan for the part every part repeats (checked once, its shifts
+        per part); otherwise, or where it cannot be planned so, as ``prepare`` of every range."""
+        if repeated.device.type != "cuda" or len(repeated) <= FEW_RANGES:
+            return super().prepare_repeated(repeated, to_pool=to_pool)
+        repeated.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        stream = self._stream_for(to_pool)
+        with _queued_on(stream) as caller:
+            plan = None if self._uva is None else \
+                GatherPlan.build_repeated(self._uva, repeated, host_pool=self._pool.tensor)
+            if plan is not None:
+                stream.wait_stream(caller)
+        if plan is None:  # (outside: ``prepare`` waits for the caller's stream itself)
+            return super().prepare_repeated(repeated, to_pool=to_pool)
+        return _CudaCopies(self, EMPTY, repeated.ends(), to_pool=to_pool, stream=stream, plan=plan)
+
+    def _stream_for(self, to_pool: bool) -> torch.cuda.Stream:
+        """The pool's stream for that direction (the pool page-locked and mapped first)."""
         self._pin_for_cuda()
-        return _CudaCopies(self, ranges, ends, to_pool=to_pool, stream=self._streams[to_pool], pool=self._pool.tensor,
-                           mapped=self._uva)
+        return self._streams[to_pool]
 
     def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
         if not len(ranges):

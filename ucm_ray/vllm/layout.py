@@ -19,7 +19,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import Ranges, as_bytes, flat_buffer
+from ucm_ray.transport.base import Ranges, RepeatedRanges, as_bytes, flat_buffer
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,42 @@ class GroupLayout:
             sizes = sizes[:, None, :]
         return Ranges(buffers, np.broadcast_to(homes, local.shape).ravel(), local.ravel(), pool.ravel(),
                       np.broadcast_to(sizes, local.shape).ravel())
+
+    def repeated_ranges(self, indices: Sequence[int], block_ids: np.ndarray, entry_offsets: np.ndarray,
+                        buffers: tuple[torch.Tensor, ...], buffer_index: Sequence[int]) -> RepeatedRanges | None:
+        """``ranges(indices, ...)`` part by part (a part per layer) as the first layer's ranges
+        and each layer's shifts (``RepeatedRanges``), or None when the layers' blocks are not
+        laid out alike (segments of other sizes, at other relative offsets, or another block
+        stride): the first layer's arrays stand for every layer's."""
+        shifts = self._shifts(tuple(indices), tuple(buffer_index))
+        if shifts is None:
+            return None
+        template = self.ranges(indices[:1], block_ids, entry_offsets, buffers, buffer_index[:1])
+        return RepeatedRanges(template, *shifts)
+
+    def _shifts(self, indices: tuple[int, ...],
+                buffer_index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(buffer, local shift, pool shift) per layer against the first (``repeated_ranges``),
+        made once per layer set; None when the layers' blocks are not laid out alike."""
+        key = (indices, buffer_index)
+        if key not in self._repeats:
+            first = self.layers[indices[0]]
+            relative = first.segment_offsets - first.segment_offsets[:1]
+            alike = all(np.array_equal(layer.segment_sizes, first.segment_sizes)
+                        and np.array_equal(layer.segment_offsets - layer.segment_offsets[:1], relative)
+                        and layer.block_stride == first.block_stride and len(layer.segment_sizes)
+                        for layer in (self.layers[i] for i in indices))
+            self._repeats[key] = None if not alike else (
+                np.asarray(buffer_index, dtype=np.int64),
+                np.asarray([self.layers[i].segment_offsets[0] - first.segment_offsets[0] for i in indices],
+                           dtype=np.int64),
+                np.asarray([self.layer_offset(i) - self.layer_offset(indices[0]) for i in indices], dtype=np.int64))
+        return self._repeats[key]
+
+    @cached_property
+    def _repeats(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]],
+                               tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+        return {}
 
     def _shape(self, indices: tuple[int, ...], buffer_index: tuple[int, ...]) -> _RangeShape | None:
         """What ``ranges`` needs of these layers besides the blocks, made once per layer set (a

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import EMPTY, PoolDescriptor, PoolKey, PreparedCopies, Transfer
+from ucm_ray.transport.base import EMPTY, PoolDescriptor, PoolKey, PreparedCopies, Ranges, RepeatedRanges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.stats import UcmRayStats
 from ucm_ray.vllm.worker.plan import Batch, ByPool, KvCaches, Layer, Tag, split_entries
@@ -137,14 +137,16 @@ class Copier:
         """The step's copies, one pool at a time (each planned once, part k being the layers
         ``parts[k]``); the ranges of every pool are computed together first."""
         every = tuple(layer for part in parts for layer in part)
-        try:
-            plans = self.caches.ranges(Batch(every, entries), by_entry=len(parts) == 1)
+        try:  # a load layer by layer: one layer's ranges repeated (else every layer's)
+            repeated = self.caches.repeated_ranges(parts, entries) if len(parts) > 1 else None
+            plans: Mapping[PoolKey, Ranges | RepeatedRanges] = repeated if repeated is not None else \
+                self.caches.ranges(Batch(every, entries), by_entry=len(parts) == 1)
         except Exception:  # noqa: BLE001 -- every pool's copies fail, nothing reaches vLLM
             log.exception("ucm-ray: planning a step's %s failed", "saves" if write else "loads")
             yield {pool: None for pool in entries}
             return
         for pool, by_group in entries.items():
-            ends = np.cumsum(self.caches.segment_counts(by_group, parts)).tolist()
+            ends = [] if repeated is not None else np.cumsum(self.caches.segment_counts(by_group, parts)).tolist()
             yield {pool: self._pools.prepare(pool, plans.get(pool, EMPTY), ends, write=write)}
 
     def _post_parts(self, copies: Prepared, posted: list[Posted]) -> None:

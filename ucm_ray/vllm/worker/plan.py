@@ -16,7 +16,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.store.types import NO_CHECKSUM
-from ucm_ray.transport.base import PoolKey, Ranges
+from ucm_ray.transport.base import PoolKey, Ranges, RepeatedRanges
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
 from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob
 
@@ -186,6 +186,29 @@ class KvCaches:
                      for group, indices in runs if group in by_group]
             if parts:
                 out[pool] = Ranges.concat(parts)
+        return out
+
+    def repeated_ranges(self, parts: Sequence[tuple[Layer, ...]],
+                        entries: ByPool) -> dict[PoolKey, RepeatedRanges] | None:
+        """The copies of ``parts`` (a layer each, of one group: a load posted layer by layer)
+        per pool, as one layer's ranges repeated (``RepeatedRanges``): the arrays of one layer
+        instead of every layer's. None for any other step (then ``ranges``)."""
+        if not parts or any(len(part) != 1 for part in parts):
+            return None
+        group = parts[0][0][0]
+        if any(part[0][0] != group for part in parts):
+            return None
+        layout, indices = self.layouts[group], [index for ((_, index),) in parts]
+        homes = [self.buffer_of[layout.layers[i].name] for i in indices]
+        out = {}
+        for pool, by_group in entries.items():
+            chosen = by_group.get(group)
+            if chosen is None:
+                return None
+            repeated = layout.repeated_ranges(indices, chosen.block_ids, chosen.pool_offsets, self.buffers, homes)
+            if repeated is None:
+                return None
+            out[pool] = repeated
         return out
 
     def segment_counts(self, entries: dict[int, Entries], parts: Sequence[tuple[Layer, ...]]) -> list[int]:
