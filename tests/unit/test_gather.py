@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ucm_ray.transport import gather
-from ucm_ray.transport.base import Ranges
+from ucm_ray.transport.base import Ranges, RepeatedRanges
 from ucm_ray.transport.gather import DeviceView, GatherPlan, line_bytes, strip_starts
 
 
@@ -321,22 +321,29 @@ def test_random_steps_move_exactly_whatever_the_path(seed, device, monkeypatch):
     assert int(fresh.count_nonzero()) == sum(n for *_, n in saves)  # loaded bytes are never 0
 
 
+def _repeated(buffers: tuple[torch.Tensor, ...], slots: list[int], blocks: list[int]) -> RepeatedRanges:
+    """``_entry_rows(slots, blocks)`` as the worker hands a load posted layer by layer: layer 0's
+    ranges, and each layer's buffer and its place in an entry."""
+    return RepeatedRanges(_ranges(buffers, _entry_rows(slots, blocks)[:len(slots)]),
+                          np.arange(LAYERS, dtype=np.int64), np.zeros(LAYERS, dtype=np.int64),
+                          SEGMENT * np.arange(LAYERS, dtype=np.int64))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_load_layer_by_layer_is_planned_once_for_every_layer_and_lands_exactly(device, monkeypatch):
     """A load posted layer by layer: every layer holds the same blocks and every entry holds the
-    layer at the same place, so each part is the first moved by whole rows on both sides. The
-    plan indexes one layer's rows (not every layer's), and each part lands exactly its own
-    bytes, both ways, by kernels and by staged DMA. Parts that are not such moves (another
-    layer's blocks differ) are planned part by part, as before, and land exactly too."""
+    layer at the same place, so the worker hands one layer's ranges and each layer's shifts.
+    The plan indexes one layer's rows (not every layer's), and each part lands exactly its own
+    bytes, both ways, by kernels and by staged DMA; a second step over the same buffers with
+    other blocks (the layers' views reused) lands its own blocks, not the first step's."""
     slots = [*range(20), *range(25, 45)]
     blocks = list(np.random.default_rng(7).permutation(48)[:len(slots)])
     rows = _entry_rows(slots, blocks)
-    per_layer = [len(slots) * (layer + 1) for layer in range(LAYERS)]
     for dma_bytes in (gather.DMA_COPY_BYTES, 1 << 40):  # staged DMA, then kernels only
         monkeypatch.setattr(gather, "DMA_COPY_BYTES", dma_bytes)
         mapped, pool = _pool(1 << 24, device, fill=True)
         back = _layer_buffers(fill=False, blocks=48, device=device)
-        plan = GatherPlan.build(mapped, _ranges(back, rows), per_layer, host_pool=pool)
+        plan = GatherPlan.build_repeated(mapped, _repeated(back, slots, blocks), host_pool=pool)
         assert plan is not None and plan.indexed_rows == len(slots)
         assert all(plan.staged(part) == (dma_bytes < 1 << 40) for part in range(LAYERS))
         plan.move(2, to_pool=False)  # one layer: only its ranges land
@@ -345,19 +352,38 @@ def test_a_load_layer_by_layer_is_planned_once_for_every_layer_and_lands_exactly
         for part in (0, 1):
             plan.move(part, to_pool=False)
         _expect(pool, back, rows, to_pool=False)
+        other = [int(b) for b in np.random.default_rng(8).permutation(48)[:len(slots)]]  # the next step's blocks
+        again = GatherPlan.build_repeated(mapped, _repeated(back, slots, other), host_pool=pool)
+        assert again is not None
+        for buffer in back:
+            buffer.zero_()
+        for part in range(LAYERS):
+            again.move(part, to_pool=False)
+        _expect(pool, back, _entry_rows(slots, other), to_pool=False)
+        assert sum(int(b.count_nonzero()) for b in back) == len(rows) * SEGMENT
         fresh_mapped, fresh = _pool(1 << 24, device)
-        plan = GatherPlan.build(fresh_mapped, _ranges(back, rows), per_layer, host_pool=fresh)
+        plan = GatherPlan.build_repeated(fresh_mapped, _repeated(back, slots, other), host_pool=fresh)
         assert plan is not None and plan.indexed_rows == len(slots)
         for part in range(LAYERS):
             plan.move(part, to_pool=True)
-        _expect(fresh, back, rows, to_pool=True)
+        _expect(fresh, back, _entry_rows(slots, other), to_pool=True)
         assert int(fresh.count_nonzero()) == sum(n for *_, n in rows)
-    shuffled = [(layer, (blocks[(i + layer) % len(blocks)]) * SEGMENT, pool_at, size)
-                for i, (layer, _, pool_at, size) in enumerate(rows)]  # each layer its own blocks
-    mapped, pool = _pool(1 << 24, device, fill=True)
-    back = _layer_buffers(fill=False, blocks=48, device=device)
-    plan = GatherPlan.build(mapped, _ranges(back, shuffled), per_layer, host_pool=pool)
-    assert plan is not None and plan.indexed_rows == len(rows)
-    for part in range(LAYERS):
-        plan.move(part, to_pool=False)
-    _expect(pool, back, shuffled, to_pool=False)
+
+
+def test_repeated_ranges_expand_and_check_as_every_part_s_ranges():
+    """``expand`` lists every part's ranges part after part, and ``check`` refuses a part that
+    a shift moves outside its buffer or the pool, naming it, as ``Ranges.check`` would."""
+    buffers = _layer_buffers(fill=False)
+    repeated = _repeated(buffers, [0, 1, 4], [3, 0, 9])
+    expanded = repeated.expand()
+    assert list(zip(*(column.tolist() for column in (expanded.buffer_index, expanded.local_offsets,
+                                                      expanded.pool_offsets, expanded.sizes)))) == \
+        _entry_rows([0, 1, 4], [3, 0, 9])
+    assert repeated.ends() == [3, 6, 9] and len(repeated) == 9
+    repeated.check(5 * LAYERS * SEGMENT, "the pool")
+    with pytest.raises(ValueError, match="part 2: .* outside the pool"):
+        repeated.check(5 * LAYERS * SEGMENT - 1, "the pool")
+    moved = RepeatedRanges(repeated.template, repeated.buffer_index, np.asarray([0, 0, 7 * SEGMENT]),
+                           repeated.pool_shifts)
+    with pytest.raises(ValueError, match="part 2: .* outside the pool or its buffer"):
+        moved.check(1 << 30, "the pool")

@@ -1,9 +1,11 @@
 """Property tests of ``GatherPlan`` (hypothesis): random steps over one or several buffers and
-spans, split into parts that are translates of the first (a load posted layer by layer, which
-the plan indexes once) or almost so (one range's width, start or order changed, a range
-dropped or repeated, a part empty), moved in any order, by kernels or staged copies, both ways.
-Every byte of the buffers and the pool, guards around them included, must equal a reference
-that copies range by range."""
+spans, split into parts that are translates of the first or almost so (one range's width,
+start or order changed, a range dropped or repeated, a part empty), moved in any order, by
+kernels or staged copies, both ways; and parts given as one part's ranges repeated
+(``RepeatedRanges``, a load posted layer by layer, which the plan indexes once), two steps in a
+row over the same buffers with other rows the second time (the parts' views are reused across
+steps; their rows never are). Every byte of the buffers and the pool, guards around them
+included, must equal a reference that copies range by range."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from ucm_ray.transport import gather
-from ucm_ray.transport.base import Ranges
+from ucm_ray.transport.base import Ranges, RepeatedRanges
 from ucm_ray.transport.gather import GatherPlan
 
 POOL_ROWS = 96
@@ -146,7 +148,7 @@ def _aligned(nbytes: int, seed: int) -> torch.Tensor:
 
 @settings(max_examples=250, deadline=None)
 @given(steps())
-def test_a_templated_or_part_by_part_plan_moves_exactly_the_reference_bytes(step: Step):
+def test_a_plan_part_by_part_moves_exactly_the_reference_bytes(step: Step):
     u, stride = step.unit, step.buffer_rows + GAP_ROWS
     whole = _aligned((step.buffers * stride + GAP_ROWS) * u + 64, seed=1)
     starts = [b * stride * u + (8 if step.split and b % 2 else 0) for b in range(step.buffers)]
@@ -166,10 +168,8 @@ def test_a_templated_or_part_by_part_plan_moves_exactly_the_reference_bytes(step
     assert plan is not None
     bytes_of = [sum(n * u for *_, n in part) for part in step.parts]
     line = gather.line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets]))
-    one_span = len({b.data_ptr() % line for b in buffers}) == 1
-    templated = step.translates and one_span
-    assert plan.indexed_rows * line == (bytes_of[0] if templated else sum(bytes_of)), "planned once, or per part"
-    event(f"templated={templated} staged={any(plan.staged(k) for k in range(len(step.parts)))}")
+    assert plan.indexed_rows * line == sum(bytes_of), "every part planned"
+    event(f"translates={step.translates} staged={any(plan.staged(k) for k in range(len(step.parts)))}")
     for part in step.order:
         plan.move(part, to_pool=step.to_pool)
         for b, lo, p, n in step.parts[part]:
@@ -179,3 +179,100 @@ def test_a_templated_or_part_by_part_plan_moves_exactly_the_reference_bytes(step
             else:
                 expected_whole[local] = expected_pool[p * u: (p + n) * u]
         assert torch.equal(pool, expected_pool) and torch.equal(whole, expected_whole), part
+
+
+@dataclass(frozen=True)
+class Repeat:
+    unit: int
+    buffers: int
+    buffer_rows: int
+    split: bool
+    template: list[tuple[int, int, int]]
+    """(local row, pool row, rows) in buffer ``parts[0][0]``."""
+    next_template: list[tuple[int, int, int]]
+    """The next step's: the same ranges with their local rows dealt out again."""
+    parts: list[tuple[int, int, int]]
+    """(buffer, local shift, pool shift) in rows; the first (home, 0, 0)."""
+    order: list[int]
+    to_pool: bool
+    run_units: int
+    dma_units: int
+    host: bool
+
+
+@st.composite
+def repeats(draw: st.DrawFn) -> Repeat:
+    unit = draw(st.sampled_from([8, 64, 4096]))
+    buffers = draw(st.integers(1, 3))
+    buffer_rows = draw(st.integers(4, 24))
+    split = buffers > 1 and unit > 8 and draw(st.booleans())
+    home = draw(st.integers(0, buffers - 1))
+    template = []
+    for _ in range(draw(st.integers(1, 6))):
+        rows = draw(st.integers(1, 3))
+        template.append((draw(st.integers(0, buffer_rows - rows)), draw(st.integers(0, POOL_ROWS - rows)), rows))
+    dealt = draw(st.permutations(range(len(template))))
+    next_template = [(template[j][0], pooled, rows) if template[j][2] == rows else (local, pooled, rows)
+                     for j, (local, pooled, rows) in zip(dealt, template)]
+    low = min(min(lo for lo, _, _ in t) for t in (template, next_template))
+    high = max(max(lo + n for lo, _, n in t) for t in (template, next_template))
+    pool_low, pool_high = min(p for _, p, _ in template), max(p + n for _, p, n in template)
+    parts = [(home, 0, 0)]
+    for _ in range(draw(st.integers(0, 4))):
+        parts.append((draw(st.integers(0, buffers - 1)), draw(st.integers(-low, buffer_rows - high)),
+                      draw(st.integers(-pool_low, POOL_ROWS - pool_high))))
+    stride = buffer_rows + GAP_ROWS
+    for t in (template, next_template):
+        for b, d, q in parts:
+            if not _consistent([(b, lo + d, p + q, n) for lo, p, n in t], stride):
+                return draw(st.nothing())
+    order = draw(st.lists(st.integers(0, len(parts) - 1), min_size=1, max_size=2 * len(parts)))
+    order += list(range(len(parts)))
+    return Repeat(unit, buffers, buffer_rows, split, template, next_template, parts, order, draw(st.booleans()),
+                  draw(st.sampled_from([1, 2, 3, 5, 1 << 20])), draw(st.sampled_from([0, 1, 4, 1 << 20])),
+                  draw(st.booleans()))
+
+
+@settings(max_examples=250, deadline=None)
+@given(repeats())
+def test_repeated_parts_planned_once_move_exactly_the_reference_bytes_step_after_step(step: Repeat):
+    u, stride = step.unit, step.buffer_rows + GAP_ROWS
+    whole = _aligned((step.buffers * stride + GAP_ROWS) * u + 64, seed=1)
+    starts = [b * stride * u + (8 if step.split and b % 2 else 0) for b in range(step.buffers)]
+    buffers = tuple(whole[s: s + step.buffer_rows * u] for s in starts)
+    pool = _aligned(POOL_ROWS * u, seed=2)
+    expected_whole, expected_pool = whole.clone(), pool.clone()
+    home = step.parts[0][0]
+    column = [np.asarray(values, dtype=np.int64) for values in zip(*step.parts)]
+    for template in (step.template, step.next_template):  # two steps in a row, over the same buffers
+        ranges = Ranges(buffers, np.full(len(template), home, dtype=np.int64),
+                        *(u * np.asarray(values, dtype=np.int64) for values in zip(*template)))
+        ranges = Ranges(buffers, ranges.buffer_index, ranges.local_offsets, ranges.pool_offsets, ranges.sizes)
+        repeated = RepeatedRanges(ranges, column[0], u * column[1], u * column[2])
+        saved = gather.DMA_COPY_BYTES
+        gather.DMA_COPY_BYTES = step.dma_units * u
+        try:
+            plan = GatherPlan.build_repeated(pool, repeated, run_bytes=step.run_units * u,
+                                             host_pool=pool if step.host else None)
+            if plan is None:  # a part's rows before its span's or the pool's: every range planned instead
+                assert (column[1] < 0).any() or (column[2] < 0).any()
+                plan = GatherPlan.build(pool, repeated.expand(), repeated.ends(), run_bytes=step.run_units * u,
+                                        host_pool=pool if step.host else None)
+                assert plan is not None
+            else:
+                line = gather.line_bytes(np.concatenate([ranges.sizes, ranges.pool_offsets, ranges.local_offsets,
+                                                         repeated.local_shifts, repeated.pool_shifts]))
+                assert plan.indexed_rows * line == int(ranges.sizes.sum()), "one part planned"
+        finally:
+            gather.DMA_COPY_BYTES = saved
+        event(f"repeated staged={plan.staged(0)} parts={len(step.parts)}")
+        for part in step.order:
+            plan.move(part, to_pool=step.to_pool)
+            b, d, q = step.parts[part]
+            for lo, p, n in template:
+                local = slice(starts[b] + (lo + d) * u, starts[b] + (lo + d + n) * u)
+                if step.to_pool:
+                    expected_pool[(p + q) * u: (p + q + n) * u] = expected_whole[local]
+                else:
+                    expected_whole[local] = expected_pool[(p + q) * u: (p + q + n) * u]
+            assert torch.equal(pool, expected_pool) and torch.equal(whole, expected_whole), part
