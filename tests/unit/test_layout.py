@@ -78,3 +78,30 @@ def test_ranges_by_entry_are_the_same_copies_in_the_order_the_pool_holds_them():
     assert sorted(copies(by_entry)) == sorted(copies(by_layer)) and len(by_entry) == 3 * 3 * 2
     assert by_entry.pool_offsets.tolist() == sorted(by_entry.pool_offsets.tolist())
     assert by_layer.pool_offsets.tolist() != sorted(by_layer.pool_offsets.tolist())
+
+
+def test_repeated_ranges_are_the_layer_by_layer_ranges_or_none_where_layers_differ():
+    """A load posted layer by layer gets one layer's ranges and each layer's shifts: made out in
+    full, they are the very copies ``ranges`` lists layer by layer, in that order (for layers
+    in one allocation too, a layer's bytes a shift apart). Layers whose blocks are laid out
+    otherwise (here the last one's K and V side by side) get None: every layer's ranges then."""
+    own = {f"l{i}": torch.randn(2, N, 4, 2, 8) for i in range(3)}  # a buffer per layer, K and V apart
+    whole = torch.randn(3 * 2 * N * 4 * 2 * 8)
+    shared = {f"l{i}": whole[i * 2 * N * 64: (i + 1) * 2 * N * 64].view(2, N, 4, 2, 8) for i in range(3)}
+    for caches in (own, shared):
+        (layout,) = build_layouts(caches, [list(caches)], N)
+        buffers = tuple(base_buffers(caches))
+        index = [next(b for b, buf in enumerate(buffers) if buf.data_ptr() <= caches[f"l{i}"].data_ptr()
+                      < buf.data_ptr() + buf.numel()) for i in range(3)]
+        block_ids, offsets = np.asarray([4, 1, 3]), np.asarray([0, 1, 5]) * layout.entry_bytes
+        repeated = layout.repeated_ranges([0, 1, 2], block_ids, offsets, buffers, index)
+        assert repeated is not None and len(repeated.template) == 3 * 2
+        expanded, listed = repeated.expand(), layout.ranges([0, 1, 2], block_ids, offsets, buffers, index)
+        for field in ("buffer_index", "local_offsets", "pool_offsets", "sizes"):
+            assert getattr(expanded, field).tolist() == getattr(listed, field).tolist(), field
+        assert repeated.ends() == [6, 12, 18]
+    odd = {**own, "l2": torch.randn(N, 4, 2, 2 * 8)}  # same bytes a block, one segment
+    (layout,) = build_layouts(odd, [list(odd)], N)
+    buffers = tuple(base_buffers(odd))
+    assert layout.repeated_ranges([0, 1, 2], np.asarray([1]), np.asarray([0]), buffers, [0, 1, 2]) is None
+    assert layout.repeated_ranges([0, 1], np.asarray([1]), np.asarray([0]), buffers, [0, 1]) is not None

@@ -1,0 +1,75 @@
+"""The worker's ``Copier.post_by_pool`` on CPU tensors through a real shared-memory pool: a
+load posted layer by layer goes as one layer's ranges repeated (``RepeatedRanges``) where its
+layers are laid out alike, and as every layer's ranges where they are not; either way each
+layer's part lands exactly its own bytes. (On CPU the shm transport makes the repeated ranges
+out in full; the CUDA path plans them once: ``test_gather.py``, ``tests/gpu``.)"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from ucm_ray.transport.base import PoolDescriptor, RepeatedRanges
+from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.transport.shm import SharedPool
+from ucm_ray.vllm.layout import base_buffers, build_layouts
+from ucm_ray.vllm.stats import UcmRayStats
+from ucm_ray.vllm.worker.copies import Copier
+from ucm_ray.vllm.worker.plan import Entries, KvCaches
+
+BLOCKS, LAYERS = 12, 3
+
+
+def _caches(alike: bool) -> KvCaches:
+    shapes = [(2, BLOCKS, 4, 2, 8)] * LAYERS  # K and V apart: two segments a block
+    if not alike:
+        shapes[-1] = (BLOCKS, 4, 2, 16)  # the same bytes a block as one segment
+    kv = {f"l{i}": torch.zeros(shape, dtype=torch.float32) for i, shape in enumerate(shapes)}
+    layouts = build_layouts(kv, [list(kv)], BLOCKS)
+    buffers = tuple(base_buffers(kv))
+    at = {b.data_ptr(): i for i, b in enumerate(buffers)}
+    return KvCaches(layouts, np.asarray([layouts[0].entry_bytes]), np.ones(1, dtype=bool), buffers,
+                    {layer.name: at[layer.storage_address] for layer in layouts[0].layers}, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, monkeypatch):
+    caches = _caches(alike)
+    layout = caches.layouts[0]
+    slots = [0, 1, 2, 5, 6, 9]
+    blocks = np.asarray([7, 0, 3, 11, 4, 8], dtype=np.int64)
+    offsets = np.asarray(slots, dtype=np.int64) * layout.entry_bytes
+    path = os.path.join("/dev/shm", f"ucmray-copiertest-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    owner = SharedPool(path, 10 * layout.entry_bytes, create=True)
+    owner.tensor.copy_(torch.randint(1, 256, (owner.size,), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(3)))
+    pools = PoolConnections("shm", "here")
+    key = ("shard-0", 1)
+    pools.sync({key: PoolDescriptor("shard-0", "here", owner.size, path, None, None, 0, incarnation=1)})
+    copier = Copier(pools, 10.0, UcmRayStats())
+    copier.register(caches)
+    seen: list[object] = []
+    prepare = pools.prepare
+    monkeypatch.setattr(pools, "prepare", lambda pool, ranges, ends, *, write: (
+        seen.append(ranges), prepare(pool, ranges, ends, write=write))[1])
+    try:
+        entries = {key: {0: Entries(blocks, offsets, [])}}
+        parts = [((0, index),) for index in range(LAYERS)]
+        posted = copier.post_by_pool(entries, parts, write=False)
+        assert isinstance(seen[0], RepeatedRanges) == alike
+        for layer, out in enumerate(posted):
+            assert not copier.wait(out, deadline=float("inf")) and not out.failed
+            for block, offset in zip(blocks.tolist(), offsets.tolist()):
+                at = offset + layout.layer_offset(layer)
+                got = torch.cat([s for s in layout.layers[layer].segments(block)])
+                assert torch.equal(got, owner.tensor[at: at + layout.layers[layer].block_bytes]), (layer, block)
+        loaded = {b for b in blocks.tolist()}
+        for layer in layout.layers:  # no other block written
+            assert all(not torch.cat(layer.segments(b)).any() for b in range(BLOCKS) if b not in loaded)
+    finally:
+        copier.shutdown()
+        owner.close()
