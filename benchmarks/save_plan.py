@@ -80,36 +80,132 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
     entries = {("shard-0", 1): {0: Entries(block_ids, (np.arange(count, dtype=np.int64) + 3) * entry, [])}}
     every = caches.every_layer()
     # a save: every layer as one part, ranges entry by entry; a load: a part per layer, posted
-    # layer by layer (``StepLoads._post_by_layer``), ranges layer by layer
+    # layer by layer (``StepLoads._post_by_layer``): since stop 58 one layer's ranges repeated
+    # (``KvCaches.repeated_ranges``), before it every layer's ranges layer by layer
     parts = [((0, index),) for _, index in every] if load else [every]
+    repeats = load and hasattr(caches, "repeated_ranges")
     transport, pool = _pool((count + 8) * entry, device)
     ranges_s, plan_s, post_s = [], [], []
+    plans = []
     try:
         for _ in range(repeat):
             started = time.perf_counter()
-            ranges = caches.ranges(Batch(every, entries), by_entry=not load)[("shard-0", 1)]
-            ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], parts)).tolist()
+            if repeats:
+                ranges = caches.repeated_ranges(parts, entries)[("shard-0", 1)]
+                ends = ranges.ends()
+            else:
+                ranges = caches.ranges(Batch(every, entries), by_entry=not load)[("shard-0", 1)]
+                ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], parts)).tolist()
             planned = time.perf_counter()
             if transport is None:
                 ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
-                plan = GatherPlan.build(pool, ranges, ends, host_pool=pool)
+                plan = GatherPlan.build_repeated(pool, ranges, host_pool=pool) if repeats else \
+                    GatherPlan.build(pool, ranges, ends, host_pool=pool)
                 assert plan is not None and (load or plan.staged(0)), "not planned as on a GPU: staged DMA"
                 done = posted = time.perf_counter()
+                plans.append(plan)
             else:
-                copies = transport.prepare(ranges, ends, to_pool=not load)
+                copies = transport.prepare_repeated(ranges, to_pool=False) if repeats else \
+                    transport.prepare(ranges, ends, to_pool=not load)
                 done = time.perf_counter()
                 for part in range(len(parts)):
                     copies.post(part)
                 posted = time.perf_counter()
                 torch.cuda.synchronize()
+                plans.append(copies)
             ranges_s.append(planned - started)
             plan_s.append(done - planned)
             post_s.append(posted - done)
+            del plans[:-1]
+        calls = _calls_per_post(plans[-1], len(parts), load)
+        worker_ms = _worker_ms(caches, entries, parts, transport, repeat) if transport is not None else 0.0
     finally:
         if transport is not None:
             transport.close()
     return {"ranges_ms": 1e3 * statistics.median(ranges_s), "prepare_ms": 1e3 * statistics.median(plan_s),
-            "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges.sizes)}
+            "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges), "worker_ms": worker_ms, **calls}
+
+
+def _calls_per_post(prepared, parts: int, load: bool) -> dict[str, float]:
+    """A probe (benchmark only): per posted part, the torch calls (functions and tensor methods,
+    through a ``TorchFunctionMode``), the CUDA stream and event calls, and the DMA copy calls
+    (the CUDA runtime's, or their CPU stand-in) that a post makes, on a plan already made. On
+    CPU a post is ``GatherPlan.move`` (the CUDA wrapper around it does not run there)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    counts = {"torch": 0, "cuda": 0, "copy": 0}
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            counts["torch"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(kind: str, call):
+        def wrapped(*args, **kwargs):
+            counts[kind] += 1
+            return call(*args, **kwargs)
+        return wrapped
+
+    patched = []
+    plan = getattr(prepared, "_plan", prepared)  # the CUDA wrapper's gather plan, or the plan
+    for owner, name, kind in _probed(plan):
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, counted(kind, getattr(owner, name)))
+    try:
+        with Count():
+            for part in range(parts):
+                if hasattr(prepared, "post"):
+                    prepared.post(part)
+                else:
+                    prepared.move(part, to_pool=not load)
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {f"{kind}_calls_per_post": value / parts for kind, value in counts.items()}
+
+
+def _probed(plan) -> list[tuple[object, str, str]]:
+    """(owner, attribute, kind) of each call ``_calls_per_post`` counts: the DMA copies (the
+    plan's bound ``_copy_rows`` since stop 58, the module's ``copy_2d`` before), the CUDA
+    stream and event calls."""
+    import torch
+
+    from ucm_ray.transport import gather
+
+    probed: list[tuple[object, str, str]] = [(owner, name, "copy") for owner, name in ((gather, "copy_2d"),
+                                                                                      (plan, "_copy_rows"))
+                                             if hasattr(owner, name)]
+    probed += [(torch.cuda, name, "cuda") for name in ("current_stream", "set_stream", "current_device")]
+    return probed + [(torch.cuda.Event, "record", "cuda"), (torch.cuda.Event, "__init__", "cuda"),
+                     (torch.cuda.Stream, "wait_stream", "cuda")]
+
+
+def _worker_ms(caches, entries, parts, transport, repeat: int) -> float:
+    """Median ms of the worker's own call, ``Copier.post_by_pool`` (ranges, prepare and every
+    post, the same code in both checkouts), on the transport's pool."""
+    import torch
+
+    from ucm_ray.transport.pools import PoolConnections
+    from ucm_ray.vllm.stats import UcmRayStats
+    from ucm_ray.vllm.worker.copies import Copier
+
+    pools = PoolConnections("shm", "local")
+    pools._open[("shard-0", 1)] = transport  # the pool opened already (page-locked, mapped)
+    pools._descriptors[("shard-0", 1)] = transport._desc
+    copier = Copier(pools, 60.0, UcmRayStats())
+    copier.caches = caches
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        posted = copier.post_by_pool(entries, parts, write=len(parts) == 1)
+        times.append(time.perf_counter() - started)
+        assert not any(p.failed or p.failed_pools for p in posted), "the worker's copies failed: see its log"
+        torch.cuda.synchronize()
+    copier._thread.shutdown(wait=True)
+    return 1e3 * statistics.median(times)
 
 
 def _pool(nbytes: int, device: str):
@@ -173,13 +269,16 @@ def main() -> None:
     figures: dict[str, float] = {}
     for name, runs in got.items():
         prefix = "save_plan" if name == "this" else "save_plan_baseline"
-        for key in ("ranges_ms", "prepare_ms", "post_ms"):
+        for key in ("ranges_ms", "prepare_ms", "post_ms", "worker_ms"):
             figures[f"{prefix}_{key}"] = statistics.median(r[key] for r in runs)
         figures[f"{prefix}_ms"] = sum(figures[f"{prefix}_{key}"] for key in ("ranges_ms", "prepare_ms", "post_ms"))
+        for kind in ("torch", "cuda", "copy"):
+            figures[f"{prefix}_{kind}_calls_per_post"] = runs[0][f"{kind}_calls_per_post"]
     figures["save_plan_ranges"] = got["this"][0]["ranges"]
     if args.baseline:
-        figures["save_plan_vs_baseline"] = figures["save_plan_ms"] / figures["save_plan_baseline_ms"]
-        figures["prepare_vs_baseline"] = figures["save_plan_prepare_ms"] / figures["save_plan_baseline_prepare_ms"]
+        for key in ("ms", "ranges_ms", "prepare_ms") + (("post_ms", "worker_ms") if args.device != "cpu" else ()):
+            name = "save_plan_vs_baseline" if key == "ms" else f"{key.removesuffix('_ms')}_vs_baseline"
+            figures[name] = figures[f"save_plan_{key}"] / max(figures[f"save_plan_baseline_{key}"], 1e-9)
     for name, value in figures.items():
         print(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}")
 
