@@ -108,8 +108,7 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
                 copies = transport.prepare_repeated(ranges, to_pool=False) if repeats else \
                     transport.prepare(ranges, ends, to_pool=not load)
                 done = time.perf_counter()
-                for part in range(len(parts)):
-                    copies.post(part)
+                _post_all(copies, len(parts))
                 posted = time.perf_counter()
                 torch.cuda.synchronize()
                 plans.append(copies)
@@ -154,10 +153,10 @@ def _calls_per_post(prepared, parts: int, load: bool) -> dict[str, float]:
         setattr(owner, name, counted(kind, getattr(owner, name)))
     try:
         with Count():
-            for part in range(parts):
-                if hasattr(prepared, "post"):
-                    prepared.post(part)
-                else:
+            if hasattr(prepared, "post"):
+                _post_all(prepared, parts)
+            else:
+                for part in range(parts):
                     prepared.move(part, to_pool=not load)
     finally:
         for owner, name, original in reversed(patched):
@@ -165,6 +164,16 @@ def _calls_per_post(prepared, parts: int, load: bool) -> dict[str, float]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return {f"{kind}_calls_per_post": value / parts for kind, value in counts.items()}
+
+
+def _post_all(copies, parts: int) -> None:
+    """Every part posted as the worker posts one pool's parts: in one ``post_each`` since stop
+    58, one ``post`` each before."""
+    if hasattr(copies, "post_each"):
+        copies.post_each(parts)
+    else:
+        for part in range(parts):
+            copies.post(part)
 
 
 def _probed(plan) -> list[tuple[object, str, str]]:

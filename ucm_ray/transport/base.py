@@ -102,9 +102,11 @@ class Ranges:
     def device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
 
-    def check(self, pool_bytes: int, what: str) -> None:
-        """ValueError naming the first range outside the pool or outside its local buffer."""
-        limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
+    def check(self, pool_bytes: int, what: str, limits: np.ndarray | None = None) -> None:
+        """ValueError naming the first range outside the pool or outside its local buffer
+        (``limits``: the buffers' sizes, if the caller has them)."""
+        if limits is None:
+            limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
         bad = ((self.sizes < 0) | (self.pool_offsets < 0) | (self.pool_offsets + self.sizes > pool_bytes)
                | (self.local_offsets < 0) | (self.buffer_index < 0) | (self.buffer_index >= len(limits)))
         if not bad.any():
@@ -159,10 +161,10 @@ class RepeatedRanges:
     def check(self, pool_bytes: int, what: str) -> None:
         """``Ranges.check`` of every part, from the template's extremes and each part's shifts."""
         t = self.template
-        t.check(pool_bytes, what)
+        limits = np.asarray([b.numel() for b in t.buffers], dtype=np.int64)
+        t.check(pool_bytes, what, limits)
         if not len(t):
             return
-        limits = np.asarray([b.numel() for b in t.buffers], dtype=np.int64)
         if ((self.buffer_index < 0) | (self.buffer_index >= len(limits))).any():
             raise ValueError(f"a part's buffer is not one of the {len(limits)} buffers of {what}")
         local_low, local_high = int(t.local_offsets.min()), int((t.local_offsets + t.sizes).max())
@@ -250,6 +252,11 @@ class PreparedCopies:
         self._ranges = ranges
         self._bounds = [0, *ends]
         self._to_pool = to_pool
+
+    def post_each(self, parts: int) -> list[Transfer]:
+        """``post`` of parts 0 .. ``parts`` - 1, in order (one call: a transport may set up once
+        for all of them)."""
+        return [self.post(part) for part in range(parts)]
 
     def post(self, part: int) -> Transfer:
         batch = self._ranges.slice(self._bounds[part], self._bounds[part + 1])

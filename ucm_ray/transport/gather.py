@@ -192,14 +192,14 @@ class GatherPlan:
 
     def __init__(self, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], line: int,
                  run_bytes: int = GATHER_BYTES, host_pool: torch.Tensor | None = None,
-                 repeats: list[tuple[int, int, int]] | None = None) -> None:
+                 repeats: list[tuple[int, int, int]] | None = None, spans: _Spans | None = None) -> None:
         if not len(ends) or ends[-1] != len(ranges):
             raise ValueError(f"part ends {list(ends)[-3:]} must end at the last of the {len(ranges)} ranges")
         self._line = line
         self._pool = _as_rows(pool, line)
         self._host_address = host_pool.data_ptr() if host_pool is not None else 0
         self._buffers = ranges.buffers  # the spans' views own nothing: these keep the memory alive
-        self._spans = _spans_of(ranges.buffers, line)
+        self._spans = _spans_of(ranges.buffers, line) if spans is None else spans
         self._repeats = repeats
         """Per part (span, local row, pool row): where its rows start, when every part repeats
         the one part planned (whose rows then count from there)."""
@@ -211,14 +211,14 @@ class GatherPlan:
             local_at: np.ndarray = self._spans.first_row[ranges.buffer_index] + ranges.local_offsets // line
         else:  # rows from a part's own first rows: no span of their own
             span_of, local_at = np.zeros(len(ranges), dtype=np.int64), ranges.local_offsets // line
-        spans = len(self._spans.views) if repeats is None else 1
+        span_count = len(self._spans.views) if repeats is None else 1
         # ranges are grouped per part, per span (None: one part over one span, as a save, a
         # load of every layer at once or a repeated part is: the pool rows alone order them)
         group: np.ndarray | None = None
-        if len(ends) > 1 or spans > 1:
+        if len(ends) > 1 or span_count > 1:
             bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
             part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
-            group = part_of * spans + span_of
+            group = part_of * span_count + span_of
         order = _pool_order(group, pool_at)  # per part, per span, in pool order
 
         def ordered(values: np.ndarray) -> np.ndarray:
@@ -316,7 +316,7 @@ class GatherPlan:
         if local_base.min() < 0 or pool_base.min() < 0:
             return None
         repeats = list(zip(spans.span_of[repeated.buffer_index].tolist(), local_base.tolist(), pool_base.tolist()))
-        return cls(pool, template, [len(template)], line, run_bytes, host_pool, repeats)
+        return cls(pool, template, [len(template)], line, run_bytes, host_pool, repeats, spans)
 
     def staged(self, part: int) -> bool:
         """Whether part ``part`` moves by staged DMA."""

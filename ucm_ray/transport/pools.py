@@ -145,6 +145,19 @@ class PoolConnections:
                 failed.add(pool)
         return posted, failed
 
+    @staticmethod
+    def post_each(pool: PoolKey, copies: PreparedCopies | None, parts: int, *,
+                  write: bool) -> tuple[list[Transfer], set[PoolKey]]:
+        """``post_part`` of every part of one pool's prepared copies in one call (a transfer per
+        part; none and the pool failed if it could not). Never raises."""
+        if copies is None:  # logged by ``prepare``
+            return [], {pool}
+        try:
+            return copies.post_each(parts), set()
+        except Exception as e:  # noqa: BLE001 -- as in ``post``
+            _not_started(write, pool, e)
+            return [], {pool}
+
     def stream_ordered(self, pool: PoolKey, device: torch.device) -> bool:
         """Whether copies with ``pool`` into ``device`` memory are queued on the device in stream
         order (shared memory on CUDA): then they are posted from the caller's thread and the

@@ -184,18 +184,28 @@ class _CudaCopies(PreparedCopies):
         self._plan = plan
 
     def post(self, part: int) -> Transfer:
-        error = None
         with _queued_on(self._stream):
-            try:
-                if self._plan is not None:
-                    self._plan.move(part, to_pool=self._to_pool)
-                else:
-                    _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
-                                     to_pool=self._to_pool)
-            except RuntimeError as e:  # e.g. a copy the CUDA runtime refused
-                error = e
-            event = torch.cuda.Event()
-            event.record(self._stream)  # after whatever was queued, failed part or not
+            return self._queue(part)
+
+    def post_each(self, parts: int) -> list[Transfer]:
+        """Every part, the pool's stream made current once for all of them (a load posted layer
+        by layer: 32 posts on one stream)."""
+        with _queued_on(self._stream):
+            return [self._queue(part) for part in range(parts)]
+
+    def _queue(self, part: int) -> Transfer:
+        """Queue part ``part`` on the pool's stream (current), then its event."""
+        error = None
+        try:
+            if self._plan is not None:
+                self._plan.move(part, to_pool=self._to_pool)
+            else:
+                _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
+                                 to_pool=self._to_pool)
+        except Exception as e:  # noqa: BLE001 -- e.g. a copy CUDA refused: what was queued is waited for first
+            error = e
+        event = torch.cuda.Event()
+        event.record(self._stream)  # after whatever was queued, failed part or not
         return _CudaEventTransfer(event, error)
 
 

@@ -150,7 +150,18 @@ class Copier:
             yield {pool: self._pools.prepare(pool, plans.get(pool, EMPTY), ends, write=write)}
 
     def _post_parts(self, copies: Prepared, posted: list[Posted]) -> None:
-        """Post part k of ``copies`` (every pool in it) into ``posted[k]``, in order of k."""
+        """Post part k of ``copies`` (every pool in it) into ``posted[k]``, in order of k. One
+        pool's parts go in one call (its stream made current once, not once a layer)."""
+        if len(copies) == 1 and len(posted) > 1:
+            ((pool, prepared),) = copies.items()
+            started = time.perf_counter()
+            each, failed = self._pools.post_each(pool, prepared, len(posted), write=posted[0].write)
+            seconds = (time.perf_counter() - started) / len(posted)
+            for part, out in enumerate(posted):
+                out.transfers += [(pool, each[part])] if each else []
+                out.failed_pools |= failed
+                out.post_s += seconds
+            return
         for part, out in enumerate(posted):
             started = time.perf_counter()
             transfers, failed = self._pools.post_part(copies, part, write=out.write)
