@@ -73,7 +73,7 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
 
     out: list[Target] = [
         (gather.GatherPlan, ("__init__", "move"), "in.gather"),
-        (shm._CudaCopies, ("__init__", "post"), "in.shm_copies"),
+        (shm._CudaCopies, ("__init__", "post", "post_each"), "in.shm_copies"),
         (Acquire, ("__init__", "poll", "result"), "in.acquire"),
     ]
     if scheduler is not None:
@@ -93,7 +93,7 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
         part = worker.worker_part
         out.append((part, ("fence",), "in.worker"))
         out.append((loads, ("plan_loads",), "in.plan"))
-        out.append((KvCaches, ("ranges",), "in.plan"))
+        out.append((KvCaches, ("ranges", "repeated_ranges"), "in.plan"))
         out.append((part._loads, ("start", "_finish", "_land", "_validate_unpinned"), "in.loads"))
         out.append((part._copies, ("post_by_pool", "_post_parts", "count_bytes", "compute_ready", "order_compute"),
                     "in.copies"))
