@@ -387,3 +387,17 @@ def test_repeated_ranges_expand_and_check_as_every_part_s_ranges():
                            repeated.pool_shifts)
     with pytest.raises(ValueError, match="part 2: .* outside the pool or its buffer"):
         moved.check(1 << 30, "the pool")
+
+
+def test_repeated_ranges_in_more_than_one_buffer_or_of_negative_size_are_refused():
+    buffers = _layer_buffers(fill=False)
+    repeated = _repeated(buffers, [0, 1], [3, 0])
+    t = repeated.template
+    two = RepeatedRanges(Ranges(t.buffers, np.asarray([0, 1]), t.local_offsets, t.pool_offsets, t.sizes),
+                         repeated.buffer_index, repeated.local_shifts, repeated.pool_shifts)
+    with pytest.raises(ValueError, match="more than one buffer"):
+        two.check(1 << 30, "the pool")
+    negative = RepeatedRanges(Ranges(t.buffers, t.buffer_index, t.local_offsets, t.pool_offsets, -t.sizes),
+                              repeated.buffer_index, repeated.local_shifts, repeated.pool_shifts)
+    with pytest.raises(ValueError, match="size is negative"):
+        negative.check(1 << 30, "the pool")

@@ -102,11 +102,9 @@ class Ranges:
     def device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
 
-    def check(self, pool_bytes: int, what: str, limits: np.ndarray | None = None) -> None:
-        """ValueError naming the first range outside the pool or outside its local buffer
-        (``limits``: the buffers' sizes, if the caller has them)."""
-        if limits is None:
-            limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
+    def check(self, pool_bytes: int, what: str) -> None:
+        """ValueError naming the first range outside the pool or outside its local buffer."""
+        limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
         bad = ((self.sizes < 0) | (self.pool_offsets < 0) | (self.pool_offsets + self.sizes > pool_bytes)
                | (self.local_offsets < 0) | (self.buffer_index < 0) | (self.buffer_index >= len(limits)))
         if not bad.any():
@@ -159,14 +157,18 @@ class RepeatedRanges:
                       (t.pool_offsets[None, :] + self.pool_shifts[:, None]).ravel(), np.tile(t.sizes, parts))
 
     def check(self, pool_bytes: int, what: str) -> None:
-        """``Ranges.check`` of every part, from the template's extremes and each part's shifts."""
+        """``Ranges.check`` of every part, from the template's extremes (its ranges lie in one
+        buffer) and each part's shifts: a few reductions, not a pass over every part's ranges."""
         t = self.template
-        limits = np.asarray([b.numel() for b in t.buffers], dtype=np.int64)
-        t.check(pool_bytes, what, limits)
         if not len(t):
             return
-        if ((self.buffer_index < 0) | (self.buffer_index >= len(limits))).any():
-            raise ValueError(f"a part's buffer is not one of the {len(limits)} buffers of {what}")
+        limits = np.asarray([b.numel() for b in t.buffers], dtype=np.int64)
+        home = int(self.buffer_index[0])
+        if int(t.buffer_index.min()) != home or int(t.buffer_index.max()) != home:
+            raise ValueError(f"the repeated ranges of {what} lie in more than one buffer, or not in part 0's")
+        if ((self.buffer_index < 0) | (self.buffer_index >= len(limits))).any() or int(t.sizes.min()) < 0:
+            raise ValueError(f"a part's buffer is not one of the {len(limits)} buffers of {what}, "
+                             "or a range's size is negative")
         local_low, local_high = int(t.local_offsets.min()), int((t.local_offsets + t.sizes).max())
         pool_low, pool_high = int(t.pool_offsets.min()), int((t.pool_offsets + t.sizes).max())
         bad = ((local_low + self.local_shifts < 0) | (local_high + self.local_shifts > limits[self.buffer_index])
