@@ -14,9 +14,19 @@ posting the one part (``post_ms``: the staging gather and the DMA copies queued)
 work is waited for outside the timing. ``--shape 8b``: Llama-3.1-8B's KV (32 layers, 8 heads of
 128: 32 KiB segments) instead of the ~1B's.
 
+``--load``: a load posted layer by layer instead (``start_load_kv``'s stream-ordered path): a
+part per layer, as one layer's ranges repeated where the checkout has ``repeated_ranges``
+(stop 58), else every layer's ranges; on CUDA the parts are posted as the worker posts them.
+Each child also counts, in a probe outside the timing, the calls one post makes
+(``*_calls_per_post``: torch functions and tensor methods, CUDA stream and event calls, DMA
+copy calls; on CPU a post is ``GatherPlan.move``), and on CUDA times the worker's own
+``Copier.post_by_pool`` for the same step (``worker_ms``: ranges, prepare and every post).
+
 ``--baseline PATH`` times another checkout's code in the same run (each in its own process,
-rounds alternating) and prints ``save_plan_vs_baseline=<ratio>`` and ``prepare_vs_baseline``
-(this checkout's time over the baseline's: below 1 is cheaper).
+rounds alternating) and prints ``save_plan_vs_baseline=<ratio>`` (ranges, prepare and posts
+together) and a ratio per stage (``ranges_vs_baseline``, ``prepare_vs_baseline``, on CUDA
+``post_vs_baseline`` and ``worker_vs_baseline``): this checkout's time over the baseline's,
+below 1 is cheaper.
 
 Run: ``python benchmarks/save_plan.py [--baseline /path/to/other/checkout]``.
 """
