@@ -84,7 +84,7 @@ class StallEngine(ProfiledEngine):
         worker_saves.__dict__.pop("_job", None)
         gather.DMA_COPY_BYTES = (1 << 62) if name == "kernels" else (1 << 20)
         if name == "no-saves":
-            scheduler_saves._plan_saves = lambda tracked, rows: False
+            scheduler_saves._plan_saves = lambda tracked: None
         elif name == "sync":
             job = type(worker_saves)._job
 

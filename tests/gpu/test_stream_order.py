@@ -351,3 +351,55 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     finally:
         w.shutdown()
         exporter.close()
+
+
+@pytest.mark.parametrize("stream", ["own", "default"])
+def test_a_few_blocks_move_one_range_at_a_time_in_stream_order(pool, worker, cycles_for_delay, stream):
+    """A decode step's save (a block per layer per request) and a short load take too few ranges
+    for a gather plan (``FEW_RANGES``): each range is one ``cudaMemcpyAsync`` on the CUDA
+    runtime's raw addresses. The save runs after the step that wrote its blocks (behind a long
+    kernel), the load after the zeroing queued before it, and both move every byte."""
+    from ucm_ray.store.types import Locations
+    from ucm_ray.transport.cudart import has_copy_ranges
+    from ucm_ray.transport.shm import FEW_RANGES
+    from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob
+
+    few = 3
+    assert few * LAYERS <= FEW_RANGES and has_copy_ranges()  # the path under test
+    w, caches, desc = worker
+    fresh = {name: random_bytes(N * PAGE, seed=60 + i).cuda() for i, name in enumerate(caches)}
+    for t in caches.values():
+        t.view(torch.uint8).fill_(0x5A)
+    pool.tensor.zero_()
+    torch.cuda.synchronize()
+    blocks = [5, 17, 40]  # not adjacent: three ranges a layer
+    saves = BlockSaves(400, torch.zeros(few, dtype=torch.int64).numpy(), torch.tensor(blocks).numpy(),
+                       Locations.of([location(desc, i) for i in range(few)]))
+    with torch.cuda.stream(compute_stream(stream)):
+        w.bind(meta(desc))
+        for name, t in caches.items():
+            torch.cuda._sleep(cycles_for_delay)
+            t.view(torch.uint8).view(-1).copy_(fresh[name])
+        w.wait_for_save()
+        w.bind(meta(desc, saves={0: saves}))
+        w.wait_for_save()
+    torch.cuda.synchronize()
+    results = w.build_worker_meta()
+    assert results is not None and results.saves[400].landed.all()
+    written = [entry_bytes(caches, b) for b in blocks]
+    for i, expected in enumerate(written):
+        assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], expected), f"entry {i}: not block {blocks[i]}'s"
+    with torch.cuda.stream(compute_stream(stream)):
+        torch.cuda._sleep(cycles_for_delay)
+        for t in caches.values():
+            t.zero_()  # queued before the load: the load must land after it
+        job = LoadJob(2, "req", BlockLoads.of([(0, b, location(desc, i), b"") for i, b in enumerate(blocks)]),
+                      complete_in_start=True)
+        w.bind(meta(desc, loads={0: [job]}))
+        w.start_load_kv()
+        w.wait_for_save()
+    torch.cuda.synchronize()
+    assert not w.build_worker_meta().load_failures
+    for b, expected in zip(blocks, written):
+        assert torch.equal(entry_bytes(caches, b), expected), f"block {b}: not loaded back exactly"
+    assert not entry_bytes(caches, 6).any(), "a block outside the load was written"

@@ -337,6 +337,27 @@ def test_a_decode_step_plans_only_the_requests_whose_blocks_filled(store, model_
     assert a.stats()["saved_blocks"] == 8 * (generated // 16)
 
 
+def test_a_steps_saves_of_several_requests_are_bound_to_slots_in_one_call(store, model_dir):
+    """Prompts whose first tokens came out in the same step have their blocks saved by the next:
+    every request's blocks are bound to slots together, one ``bind`` per step with saves (per
+    request, a decode batch paid the binding's fixed cost once per request), and every block is
+    saved, each into a slot of its own."""
+    a = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    jobs = a.connector.scheduler_part.saves.jobs
+    dispatched: list[int] = []
+    a.before_worker = lambda engine, meta: dispatched.append(sum(len(job) for job in meta.saves.values()))
+    requests = [a.add(f"R{i}", prompt(256, seed=60 + i), max_tokens=3) for i in range(4)]
+    with timed_calls([(jobs, ("bind",), "jobs")]) as timed:
+        a.run(*requests)
+        a.settle()
+    steps_with_saves = sum(1 for n in dispatched if n)
+    assert len(timed["jobs.bind"]) == steps_with_saves, (len(timed["jobs.bind"]), dispatched)
+    assert max(dispatched) >= 2 * 256 // 16, f"the prompts' saves were not planned in one step: {dispatched}"
+    assert a.stats()["saved_blocks"] == 4 * (256 + 3 - 1) // 16
+    b = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    assert b.serve("B", prompt(256, seed=62))[0] >= 256 - 16  # another engine hits R2's saved prompt
+
+
 def test_generated_blocks_are_saved_in_batches_and_the_rest_when_the_request_ends(store, model_dir):
     """Blocks a request generates are saved DECODE_SAVE_TOKENS at a time and the remainder once
     it finishes (each save job costs the engine host time), and another engine then finds the

@@ -69,6 +69,22 @@ class WantedSaves:
             self.families += families
             self.placed.append(placed)
 
+    @classmethod
+    def joined(cls, parts: list[WantedSaves]) -> WantedSaves:
+        """Several requests' wanted saves as one, rows in the order of ``parts``."""
+        if len(parts) == 1:
+            return parts[0]
+        joined = cls()
+        for part in parts:
+            joined.ranks += part.ranks
+            joined.groups += part.groups
+            joined.blocks += part.blocks
+            joined.block_ids += part.block_ids
+            joined.keys += part.keys
+            joined.families += part.families
+            joined.placed += part.placed
+        return joined
+
     def __len__(self) -> int:
         return len(self.keys)
 
