@@ -171,7 +171,7 @@ class _Kernels:
 @dataclass(frozen=True)
 class _Staged:
     """Staged DMA: these rows of one span, gathered in pool order in device memory (``staging``,
-    the plan's one buffer); then each copy (``_copies``: addresses and bytes, made once) moves
+    the plan's one buffer); then each copy (``copies``: addresses and bytes, made once) moves
     one strip with the pool as host memory."""
 
     span: int
