@@ -35,7 +35,8 @@ def test_relayed_announcements_take_the_directorys_calls_down_and_name_the_same_
         assert phase["written"] == COPIES and phase["copied"] == 2 * COPIES
         assert phase["named"] == [3] * COPIES  # the writer's pool and both readers' copies
     # direct: one directory call per copying request; relayed: the steward's forwards, at most
-    # one a second (the 12 copies took a few seconds on the shared 2-core box)
+    # one a second and one at the start (the 12 copies took ~0.08 s here: 2 forwards)
     assert off["directory_calls"] == 2 * COPIES
-    assert on["directory_calls"] == result["steward"]["relay_forwards"] < off["directory_calls"] // 2
+    assert on["directory_calls"] == result["steward"]["relay_forwards"] <= 2 + int(on["seconds"])
+    assert on["directory_calls"] < off["directory_calls"]
     assert result["steward"]["relayed_copies"] == 2 * COPIES and result["steward"]["relay_dropped"] == 0

@@ -33,7 +33,7 @@ def _until(condition, timeout_s: float = 20.0) -> bool:
     return True
 
 
-def test_a_stewards_window_of_announcements_reaches_the_directory_in_one_call(fleet):
+def test_a_burst_of_announcements_reaches_the_directory_in_a_stewards_forwards(fleet):
     cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
     d = _directory(cfg)
     shards = ray.get(d.membership.remote(), timeout=30).shards
@@ -41,17 +41,16 @@ def test_a_stewards_window_of_announcements_reaches_the_directory_in_one_call(fl
     hot = [key(i, "hot") for i in range(6)]
     ray.get(d.add_hot_prefix.remote({k: [writer.key] for k in hot}), timeout=30)
     served = ray.get(d.ping.remote(), timeout=30)["served"]["announce_hot_copies"]
-    # six readers' announcements in quick succession: the first forwarded at once, the rest
-    # gathered and forwarded together a window later
-    for i, k in enumerate(hot):
-        reader = shards[1 + i % 2].key
-        ray.get(steward.handle.relay_hot_copies.remote(steward.pool.incarnation, {reader: [k]}), timeout=30)
+    # six readers' announcements in a burst: what came before the first forward left goes with it
+    # (it leaves at once), the rest are gathered and forwarded together a window later
+    ray.get([steward.handle.relay_hot_copies.remote(steward.pool.incarnation, {shards[1 + i % 2].key: [k]})
+             for i, k in enumerate(hot)], timeout=30)
     assert _until(lambda: all(len(_table(cfg)[k]) == 2 for k in hot)), _table(cfg)
     assert {k: _table(cfg)[k] for k in hot} == {k: (writer.key, shards[1 + i % 2].key) for i, k in enumerate(hot)}
     calls = ray.get(d.ping.remote(), timeout=30)["served"]["announce_hot_copies"] - served
-    assert calls == 2, calls
     stats = ray.get(steward.handle.stats.remote(), timeout=30)
-    assert (stats["relayed_copies"], stats["relay_forwards"], stats["relay_dropped"]) == (6, 2, 0)
+    assert calls == stats["relay_forwards"] in (1, 2), (calls, stats["relay_forwards"])
+    assert (stats["relayed_copies"], stats["relay_dropped"], stats["relay_held"]) == (6, 0, 0)
 
 
 def test_a_steward_refuses_an_announcement_for_another_incarnation(fleet):

@@ -43,12 +43,14 @@ def phase(config: UcmRayConfig, relay: bool, tag: str, directory, writer_pool, s
     ray.get(directory.add_hot_prefix.remote({k: [writer_pool] for k in hot}))
     ray.get([c.hot_pools.remote(hot, 1) for c in clients])
     before = _announcements(directory)
-    copied = [ray.get(clients[node].copy_keys.remote([k], 3)) for k in hot for node in (0, 2)]
+    started = time.monotonic()  # each reader's copies one request at a time, both readers at once
+    copied = ray.get([clients[node].copy_keys.remote([k], 3) for k in hot for node in (0, 2)])
+    elapsed = time.monotonic() - started
     named = ray.get(clients[1].hot_pools.remote(hot, 3))["pools"]
     time.sleep(1.5)  # anything still on its way lands
     for client in clients:
         ray.kill(client)
-    return {"written": written, "copied": sum(copied), "named": named,
+    return {"written": written, "copied": sum(copied), "named": named, "seconds": elapsed,
             "directory_calls": _announcements(directory) - before}
 
 
