@@ -95,15 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_single_run_args(parser)
     parser.add_argument("--learn-window", type=float, default=DesignParams.learn_window,
-                        help="DesignParams.learn_window, requests a node (0: one window of 100)")
-    parser.add_argument("--hot-scan-tokens", type=int, default=DesignParams.hot_scan_tokens,
-                        help="DesignParams.hot_scan_tokens")
+                        help="DesignParams.learn_window, requests a node (0: one window of 100 of the fleet)")
+    parser.add_argument("--learn-scan-blocks", type=int, default=DesignParams.learn_scan_blocks,
+                        help="DesignParams.learn_scan_blocks (the package's SCAN_BLOCKS)")
     parser.add_argument("--announce-share", action="store_true", help="DesignParams.announce_share")
     parser.add_argument("--hot-copies", default=DesignParams.hot_copies, help="DesignParams.hot_copies")
-    parser.add_argument("--hot-root-lookups", type=int, default=DesignParams.hot_root_lookups,
-                        help="DesignParams.hot_root_lookups (the package's hot_prefix_asks: 64)")
+    parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
+                        help="DesignParams.learn_asks (the package's hot_prefix_asks)")
     parser.add_argument("--announced-pools", type=int, default=0, help="DesignParams.announced_pools")
-    parser.add_argument("--relay", action="store_true", help="DesignParams.relay_announcements")
+    parser.add_argument("--no-relay", dest="relay", action="store_false",
+                        help="not DesignParams.relay_announcements (the package's relay_hot_copies: false)")
     parser.add_argument("--relay-stewards", type=int, default=0, help="DesignParams.relay_stewards")
     parser.add_argument("--relay-every", type=int, default=1, help="DesignParams.relay_every")
     parser.add_argument("--peer-probes", type=int, default=0, help="DesignParams.peer_probes")
@@ -111,10 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
     design = SplitCalls(cluster, DesignParams(seed=spec.seed, learn_window=args.learn_window,
-                                              hot_scan_tokens=args.hot_scan_tokens,
+                                              learn_scan_blocks=args.learn_scan_blocks,
                                               announce_share=args.announce_share,
                                               hot_copies=args.hot_copies, peer_probes=args.peer_probes,
-                                              hot_root_lookups=args.hot_root_lookups,
+                                              learn_asks=args.learn_asks,
                                               announced_pools=args.announced_pools,
                                               relay_announcements=args.relay,
                                               relay_stewards=args.relay_stewards, relay_every=args.relay_every))

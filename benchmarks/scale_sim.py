@@ -143,9 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--push-every", type=int, default=1, help="(k), --hot-copies pushed: windows between pushes")
     parser.add_argument("--announce-share", action="store_true",
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
-    parser.add_argument("--relay-announcements", action="store_true",
-                        help="(k), --hot-copies pushed: copies announced to a steward (the first copied block's "
-                             "owner) that forwards them to the directory once a window (not built)")
+    parser.add_argument("--no-relay-announcements", dest="relay_announcements", action="store_false",
+                        help="(k), --hot-copies pushed: copies announced to the directory itself, not to a steward "
+                             "(the first copied block's owner) that forwards them once a window (the package's "
+                             "relay_hot_copies: false; before stop 58)")
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--popular-readers", type=int, default=2,
@@ -153,7 +154,14 @@ def main(argv: list[str] | None = None) -> None:
                              "copied at a reader's first read (0: off, before stop 55)")
     parser.add_argument("--learn-window", type=float, default=DesignParams.learn_window,
                         help="(h)-(k): requests a node over which a root's asks count towards a hot prefix "
-                             "(0: one window of 100 requests of the fleet, through stop 56)")
+                             "(default: the package's 10 s; 0: one window of 100 requests of the fleet, through "
+                             "stop 57)")
+    parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
+                        help="(h)-(k): a root asked this often in --learn-window becomes hot (default: the "
+                             "package's hot_prefix_asks; 8 through stop 57)")
+    parser.add_argument("--learn-scan-blocks", type=int, default=DesignParams.learn_scan_blocks,
+                        help="(h)-(k): blocks past its root a lookup shows the root's owner (default: the "
+                             "package's SCAN_BLOCKS; 8,192 tokens through stop 57)")
     parser.add_argument("--popular-window", type=float, default=DesignParams.popular_window,
                         help="(k): requests a node, see --popular-readers")
     parser.add_argument("--unbounded-popular", action="store_true",
@@ -187,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           learn_window=args.learn_window, relay_announcements=args.relay_announcements,
+                          learn_asks=args.learn_asks, learn_scan_blocks=args.learn_scan_blocks,
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,

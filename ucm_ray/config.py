@@ -140,6 +140,14 @@ class UcmRayConfig:
     small fleet the few pools that hold a block serve few nodes each (simulated at 10 nodes,
     random router, pools evicting: copies cost 4.5 points of hits unbounded, none with this
     bound; docs/scaling.md). 0: no bound (an engine's own setting)."""
+    relay_hot_copies: bool = True
+    """writer_local across nodes: this engine announces its copies of a hot prefix's blocks to a
+    steward shard (the owner of the first block copied), which forwards a second's announcements
+    to the directory in one call, instead of to the directory itself (one call per copying
+    request: the directory's node took 15x the mean calls at 1,000 nodes in the simulation;
+    docs/scaling.md, stop 58). A lost announcement (a steward that dies) leaves a copy unnamed by
+    the table: other nodes load the block from the pools it names. One node never announces
+    (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
@@ -237,7 +245,7 @@ class UcmRayConfig:
              "copy_nodes_per_pool", "an integer between 0 (no bound) and 1000000")
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
-        for key in ("layerwise", "checksum", "local_lookups"):
+        for key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies"):
             need(isinstance(getattr(self, key), bool), key, "true or false")
         for key, (lo, hi) in TIMEOUT_LIMITS.items():
             v = getattr(self, key)

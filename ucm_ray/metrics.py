@@ -20,6 +20,7 @@ GAUGES = {
     "pending_bytes": "Bytes granted to writers and not yet committed or freed.",
     "quarantined_bytes": "Bytes of lapsed write grants held back until no late write can land.",
     "hints": "Keys this shard can say the pool of (writer-local placement: blocks of the families it roots).",
+    "relay_held": "Keys of readers' hot-prefix copies this shard, as their steward, holds for its next forward.",
     "pins": "Entry pins held by read leases not yet released or lapsed.",
     "disk_capacity_bytes": "Bytes of the shard's disk tier files (disk_bytes, rounded down to 4 KiB).",
     "disk_used_bytes": "Bytes of the disk tier holding entries (and slots awaiting the next manifest).",
@@ -48,6 +49,9 @@ COUNTERS = {
     "popular_unconfirmed": "Places given back: no copy registered within 10 s of the tell (a hybrid engine, "
                            "remote_copy_reads 0, a failed load).",
     "hot_blocks_learned": "Blocks this shard found shared by the many askers of a family root it owns (hot prefixes).",
+    "relayed_copies": "Keys of readers' hot-prefix copies announced to this shard as their steward (relay_hot_copies).",
+    "relay_forwards": "Forwards of those to the directory (one call each, at most one a second).",
+    "relay_dropped": "Keys of announced copies dropped: more gathered than a forward holds (a lost announcement).",
     "evicted_dirty": "Evictions, with a disk tier, of entries not yet on disk (demotion fell behind).",
     "disk_demoted": "Entries written from the pool to the disk tier.",
     "disk_demoted_bytes": "Bytes of the entries written to the disk tier.",

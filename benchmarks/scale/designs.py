@@ -25,12 +25,24 @@ import numpy as np
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids
 from benchmarks.scale.metrics import INDEX_ENTRY_BYTES, DesignStats, RequestTally
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, WorkloadSpec
-from ucm_ray.store.hot_prefixes import shared_prefix
+from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.hot_copy_relay import HotCopyRelay, steward_key
+from ucm_ray.store.hot_prefixes import SCAN_BLOCKS, WINDOW_S, shared_prefix
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 from ucm_ray.store.shard.remote_reads import MAX_READERS
 
 DIRECTORY_NODE = 0
 """The node the directory actor runs on (``hot_copies="pushed"``: copies are announced to it)."""
+
+
+SECONDS_PER_REQUEST = 5.0
+"""A node's seconds between requests the simulation's windows per node stand for (``popular_window``
+2 a node ~ the package's 10 s, stop 56)."""
+
+
+def relay_pool(node: int) -> tuple[str, int]:
+    """The pool key a node's copies are announced under (a node's one pool in the simulation)."""
+    return (f"node-{node}", node)
 
 
 @dataclass(frozen=True)
@@ -44,11 +56,13 @@ class DesignParams:
     window: int = 100
     """(d): requests per learning window (hot blocks, hot families)."""
     hot_scan_tokens: int = 8192
-    """(d): how far into a prompt blocks are counted for the hot-prefix table."""
+    """(d): how far into a prompt blocks are counted for the hot-prefix table ((h)-(k):
+    ``learn_scan_blocks``)."""
     hot_table_blocks: int = 8192
     """(d): the table's capacity (it is on every node)."""
     hot_root_lookups: int = 8
-    """(d): a family whose root was looked up this often in a window is hot next window."""
+    """(d): a family whose root was looked up this often in a window is hot next window ((h)-(k):
+    ``learn_asks``)."""
     index_replicas: int = 3
     """(d): index owners of a hot family (top-r of ``owners``)."""
     max_copies: int = 8
@@ -150,11 +164,13 @@ class DesignParams:
     among the ``MAX_POOLS_PER_KEY`` most recent the root's owner names (as ``spread_hot_reads``
     for a hot block's), not at the most recent (the package since stop 55: with popular copies
     bounded, the last copy made would serve every later reader)."""
-    relay_announcements: bool = False
+    relay_announcements: bool = True
     """(k), ``hot_copies="pushed"``: a reader announces its hot copies to the owner of the first
     block it copied (a steward, by rendezvous), not to the directory; each steward forwards what
     it gathered to the directory once a window (one message): the directory's calls are the
-    stewards' forwards, not one per copying request (not built)."""
+    stewards' forwards, not one per copying request (built in stop 58: the package's
+    ``relay_hot_copies``, whose ``HotCopyRelay`` and ``steward_key`` this drives; the package
+    forwards at most once a second, here once a window)."""
     relay_stewards: int = 0
     """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied;
     else one of this many fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
@@ -166,14 +182,20 @@ class DesignParams:
     bound); past it a reader still keeps its copy (its node's readers find it) but announces
     nothing: the directory's announcements are bounded by this per hot row, not the copy bound
     (not built)."""
-    learn_window: float = 0.0
+    learn_window: float = WINDOW_S / SECONDS_PER_REQUEST
     """(h)-(k): requests per node over which a family root's asks are counted towards
-    ``hot_root_lookups`` (0: one ``window``, a fixed 100 requests of the fleet, the simulation
-    through stop 56). The package counts a root's asks over ``hot_prefixes.WINDOW_S`` (10 s); at a
+    ``learn_asks`` (0: one ``window``, a fixed 100 requests of the fleet, the simulation
+    through stop 57). The package counts a root's asks over ``hot_prefixes.WINDOW_S`` (10 s); at a
     steady request rate per node the fleet's requests in it grow with the fleet, as
     ``popular_window``'s do (2 a node ~ 10 s, the same judgement): at 1,000 nodes a document read
     162 times in 4,000 requests was asked ~4 times a window of 100 and never became hot, so its
-    root's owner answered every lookup and hint of it (stop 57)."""
+    root's owner answered every lookup and hint of it (stop 57). The package's since stop 58."""
+    learn_asks: int = UcmRayConfig().hot_prefix_asks
+    """(h)-(k): a family root asked this often within ``learn_window`` becomes hot (the package's
+    ``hot_prefix_asks``; the simulation used 8 through stop 57)."""
+    learn_scan_blocks: int = SCAN_BLOCKS
+    """(h)-(k): blocks past its root a lookup shows the root's owner (the package's ``SCAN_BLOCKS``;
+    the simulation used 8,192 tokens through stop 57: 64 blocks at block 128, 512 at 16)."""
     seed: int = 0
 
 
@@ -701,8 +723,8 @@ DESIGNS: tuple[type[Design], ...] = (PerBlock, WriterSharded, PerSegment, Prefix
 
 class BuiltHotRoots(BuiltFirstBlockRoot):
     """(h) (f) with the fleet's hot-prefix table (``placement: writer_local``'s second form): a
-    family root whose owner is asked ``hot_root_lookups`` times in a window becomes hot, and the
-    blocks its last ``hot_sessions`` askers shared from it on (at most ``hot_scan_tokens``) join
+    family root whose owner is asked ``learn_asks`` times in a window becomes hot, and the
+    blocks its last ``hot_sessions`` askers shared from it on (at most ``learn_scan_blocks``) join
     the table (``store.hot_prefixes.shared_prefix``, the built rule), pushed to every engine at
     the window's end (a new version). A prompt's leading
     blocks that are in the table are its hot prefix, found through the table (the pools that held
@@ -778,14 +800,14 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         return super()._valid_copy(key, node, tally)
 
     def _learn(self, root: bytes, family: Sequence[bytes]) -> None:
-        """At the root's owner: the askers' prefixes; at ``hot_root_lookups`` asks in a window,
+        """At the root's owner: the askers' prefixes; at ``learn_asks`` asks in a window,
         what the last ``hot_sessions`` of them shared becomes hot."""
-        scan = self.params.hot_scan_tokens // self.cluster.block_tokens
+        scan = self.params.learn_scan_blocks
         self._asked[root] += 1
         recent = self._prefixes[root]
         recent.append(list(family[:scan]))
         del recent[:-self.params.hot_sessions]
-        if self._asked[root] < self.params.hot_root_lookups or len(self.table) >= self.params.hot_table_blocks:
+        if self._asked[root] < self.params.learn_asks or len(self.table) >= self.params.hot_table_blocks:
             return
         self._learned.update(dict.fromkeys(shared_prefix(recent)))
 
@@ -891,8 +913,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """``popular_places="lifetime"``: per block, the reads ever told it is popular."""
         self._windows = 0
         self._stewards: list[int] = []
-        self._relayed: list[tuple[int, int, list[bytes]]] = []
-        """``relay_announcements``: (steward, copying node, keys) announced this window, in order."""
+        self._relays: dict[int, HotCopyRelay] = {}
+        """``relay_announcements``: per steward (in the order first announced to this window), the
+        package's gatherer of the copies announced to it."""
         self._hot_reader = -1
         self._hot_family = b""
 
@@ -960,8 +983,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             copied = [key for key in copied if len(self.table_pools.get(key, ())) < named]
         if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
             if self.params.relay_announcements:
-                steward = self._steward(req.node, copied[0])
-                self._relayed.append((steward, req.node, copied))
+                steward = self._steward(req.node, steward_key(copied))
+                self._relays.setdefault(steward, HotCopyRelay()).gather({relay_pool(req.node): copied})
                 self.stats.message(steward, tally, len(copied), req.node)
                 return
             for key in copied:
@@ -980,16 +1003,17 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
     def _forward_relayed(self) -> None:
         """``relay_announcements``: each steward's gathered copies to the directory, one message
-        (taken in the order they were announced, as direct announcements would be)."""
+        (the package's ``HotCopyRelay``: a pool's keys in the order announced, each once), taken
+        in the order the stewards first heard of this window's copies."""
         tally = RequestTally()
-        gathered: Counter[int] = Counter()
-        for steward, node, copied in self._relayed:
-            for key in copied:
-                self._announced.setdefault(key, {})[node] = None
-            gathered[steward] += len(copied)
-        for steward, entries in gathered.items():
-            self.stats.message(DIRECTORY_NODE, tally, entries, steward)
-        self._relayed = []
+        for steward, relay in self._relays.items():
+            copies = relay.take()
+            for pool, keys in copies.items():
+                for key in keys:
+                    self._announced.setdefault(key, {})[pool[1]] = None
+            if copies:
+                self.stats.message(DIRECTORY_NODE, tally, sum(map(len, copies.values())), steward)
+        self._relays = {}
         self.stats.index_msgs += tally.index_msgs
         self.stats.index_bytes += tally.index_bytes
 

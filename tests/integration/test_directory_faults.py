@@ -110,7 +110,7 @@ def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to
     hot = key(0)
     ray.get(directory(cfg).add_hot_prefix.remote({hot: [shards[0].key]}), timeout=30)
     assert until(lambda: (client.refresh(), hot in client.membership.hot.pools)[1]), "the table never came"
-    ray.get(directory(cfg).announce_hot_copies.remote(shards[1].key, [hot]), timeout=30)
+    ray.get(directory(cfg).announce_hot_copies.remote({shards[1].key: [hot]}), timeout=30)
     assert until(lambda: (client.refresh(), len(client.membership.hot.pools[hot]) == 2)[1]), "the copy never came"
     after = client.pools()
     assert after.version == before.version and after is before
@@ -118,7 +118,7 @@ def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to
     # nor does the long poll's answer carry the shard list the client holds already (~1.4 KiB a
     # shard with NIXL: 1.4 MiB to each of 1,000 engines per push at 1,000 shards), only the delta
     held = client.membership
-    ray.get(directory(cfg).announce_hot_copies.remote(shards[2].key, [hot]), timeout=30)
+    ray.get(directory(cfg).announce_hot_copies.remote({shards[2].key: [hot]}), timeout=30)
     answer = ray.get(directory(cfg).wait_for_change.remote(held.version, 10.0, known_hot=held.hot.revision,
                                                             shards_held=True))
     assert answer.version != held.version and answer.shards == ()
@@ -142,7 +142,7 @@ def test_the_hot_prefix_table_names_only_member_pools(fleet):
     hot = key(0)
     ray.get(d.add_hot_prefix.remote({hot: [live, gone]}), timeout=30)
     for pool in (gone, ("ucm_ray_shard_nobody", 7), other):
-        ray.get(d.announce_hot_copies.remote(pool, [hot]), timeout=30)
+        ray.get(d.announce_hot_copies.remote({pool: [hot]}), timeout=30)
     assert ray.get(d.membership.remote(), timeout=30).hot.pools[hot] == (live, other)
 
 
@@ -155,9 +155,9 @@ def test_readers_copies_another_push_carried_are_not_pushed_again(fleet):
     first, second, third = (s.key for s in ray.get(d.membership.remote(), timeout=30).shards)
     hot, other = key(0), key(1)
     ray.get(d.add_hot_prefix.remote({hot: [first]}), timeout=30)
-    ray.get(d.announce_hot_copies.remote(second, [hot]), timeout=30)  # pushed at once
+    ray.get(d.announce_hot_copies.remote({second: [hot]}), timeout=30)  # pushed at once
     time.sleep(0.3)
-    ray.get(d.announce_hot_copies.remote(third, [hot]), timeout=30)  # its push waits out the second
+    ray.get(d.announce_hot_copies.remote({third: [hot]}), timeout=30)  # its push waits out the second
     carried = ray.get(d.add_hot_prefix.remote({other: [first]}), timeout=30)  # a push that carries it
     time.sleep(1.5)
     status = ray.get(d.ping.remote(), timeout=30)

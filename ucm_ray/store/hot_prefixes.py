@@ -9,9 +9,10 @@ blocks, with the pools its hints name for them, to the directory, which pushes t
 engine with the membership (a new version: no polling). A prompt's leading blocks that are in the
 table are found in the pools the table names (no call); its family root moves to the first block
 after them, so the prompts under one system prompt spread their lookups and hints over the fleet.
-Readers' copies of a hot prefix are announced to the directory, whose table then names their pools
-too (up to the copy bound); engines get the table's changes as a delta of the revision they hold
-(``HotPrefixDelta``), readers' copies at most once a second (``PushPacer``).
+Readers' copies of a hot prefix are announced to the directory (through a steward shard that
+batches them, ``store.hot_copy_relay``), whose table then names their pools too (up to the copy
+bound); engines get the table's changes as a delta of the revision they hold (``HotPrefixDelta``),
+readers' copies at most once a second (``PushPacer``).
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ class SlotGrant:
 
 NO_HINT = b""
 """A row's family in ``Publishes.families`` when its commit is told to no family root's owner
-(a copy of a hot prefix's block: ``Family.of``; announced to the directory, ``HintPoster``)."""
+(a copy of a hot prefix's block: ``Family.of``; announced to the directory through a steward, ``HintPoster``)."""
 
 
 @dataclass(frozen=True)

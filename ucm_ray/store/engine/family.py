@@ -20,6 +20,7 @@ import numpy as np
 
 from ucm_ray.store.engine.acquire import Acquire
 from ucm_ray.store.engine.calls import Fanout, ShardAccess
+from ucm_ray.store.hot_copy_relay import HotCopies, steward_key
 from ucm_ray.store.types import Pending, Publishes, ReadLease, ShardRecord
 from ucm_ray.transport.base import PoolKey
 
@@ -235,21 +236,26 @@ class HintPoster:
     """Tells the owners of each committed block's family root which pool now holds it: one
     ``register_hints`` call per (root owner, pool), posted and never awaited (a lost hint is a
     miss for readers on other nodes, nothing worse). A hot prefix's copies (``NO_HINT`` rows)
-    are told to the directory instead (``announce``), whose table then names their pools."""
+    are announced instead (``_announce``): to a steward shard that relays them to the directory
+    (``store.hot_copy_relay``), or to the directory itself, whose table then names their pools."""
 
-    def __init__(self, access: ShardAccess, directory: Callable[[], Any] | None = None, node: str = "") -> None:
+    def __init__(self, access: ShardAccess, directory: Callable[[], Any] | None = None, node: str = "",
+                 relay: bool = True) -> None:
         """``directory``: the directory actor's handle now, or None (a hot prefix's copies are then
         told to nobody: the table keeps naming the pools it named); ``node``: this writer's node
         id, told with each registration (a popular block's copy holds its place at the root's
-        owner: ``shard.remote_reads``)."""
+        owner: ``shard.remote_reads``); ``relay``: a hot prefix's copies go through a steward
+        (``relay_hot_copies``)."""
         self._access = access
         self._directory = directory
         self._node = node
+        self._relay = relay
 
     def post(self, publish: Publishes, visible: Sequence[bool],
              root_owners: Callable[[Sequence[bytes]], list[list[ShardRecord]]]) -> None:
-        """``root_owners``: the owners of each family root. A row whose family is empty
-        (``NO_HINT``: a hot prefix's copy) registers nothing at any root: it is announced."""
+        """``root_owners``: the owners of each family root (and of a relayed announcement's
+        steward key). A row whose family is empty (``NO_HINT``: a hot prefix's copy) registers
+        nothing at any root: it is announced."""
         batches: dict[tuple[PoolKey, PoolKey], tuple[ShardRecord, list[bytes]]] = {}
         pools = publish.locations.pools
         families = publish.family_keys()
@@ -259,7 +265,7 @@ class HintPoster:
             if shown:
                 (rows if families[row] else copied).append(row)
         if copied:
-            self._announce(publish, copied)
+            self._announce(publish, copied, root_owners)
         for row, owners in zip(rows, root_owners([families[row] for row in rows]) if rows else []):
             key = publish.keys[row]
             pool = pools[int(publish.locations.pool[row])]
@@ -268,14 +274,20 @@ class HintPoster:
         for (_, pool), (owner, keys) in batches.items():
             self._access.poster.post(owner.handle.register_hints, owner.pool.incarnation, pool, keys, self._node)
 
-    def _announce(self, publish: Publishes, rows: list[int]) -> None:
-        """One ``announce_hot_copies`` per pool of these rows (a hot prefix's copies), posted."""
-        directory = self._directory() if self._directory is not None else None
-        if directory is None:
-            return
+    def _announce(self, publish: Publishes, rows: list[int],
+                  root_owners: Callable[[Sequence[bytes]], list[list[ShardRecord]]]) -> None:
+        """One call for these rows (a hot prefix's copies), posted: to the steward, the first owner
+        of ``steward_key`` that is not a suspect, or to the directory (relay off, or no steward)."""
         pools = publish.locations.pools
-        copies: dict[PoolKey, list[bytes]] = {}
+        copies: HotCopies = {}
         for row in rows:
             copies.setdefault(pools[int(publish.locations.pool[row])], []).append(publish.keys[row])
-        for pool, keys in copies.items():
-            self._access.poster.post(directory.announce_hot_copies, pool, keys)
+        if self._relay:
+            owners = root_owners([steward_key([publish.keys[rows[0]]])])[0]
+            steward = next((rec for rec in owners if not self._access.suspects.suspect(rec)), None)
+            if steward is not None:
+                self._access.poster.post(steward.handle.relay_hot_copies, steward.pool.incarnation, copies)
+                return
+        directory = self._directory() if self._directory is not None else None
+        if directory is not None:
+            self._access.poster.post(directory.announce_hot_copies, copies)

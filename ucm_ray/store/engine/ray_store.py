@@ -93,7 +93,7 @@ class RayBlockStore(BlockStore):
         self.access = ShardAccess(self.owner, config.lookup_timeout_s, self._suspects, self._readers,
                                   TouchSender(), CallPoster())
         """What this client's calls go through (its ``Acquire`` and ``Fanout`` calls take it)."""
-        self._hints = HintPoster(self.access, self._feed.directory, node_id)
+        self._hints = HintPoster(self.access, self._feed.directory, node_id, config.relay_hot_copies)
 
     # --- membership ----------------------------------------------------------------------
 

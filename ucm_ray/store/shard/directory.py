@@ -24,6 +24,7 @@ import ray
 from ray.actor import ActorHandle
 
 from ucm_ray.config import UcmRayConfig
+from ucm_ray.store.hot_copy_relay import HotCopies
 from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixTable, PushPacer
 from ucm_ray.store.placement import copy_bound
 from ucm_ray.store.placement import owners as place
@@ -59,7 +60,7 @@ class ShardDirectory:
         """The shard list of now, sorted once per change (every engine's long poll answer has it)."""
         self._changed = asyncio.Event()
         self._found: asyncio.Task | None = None
-        self._served = {"membership": 0, "wait_for_change": 0}
+        self._served = {"membership": 0, "wait_for_change": 0, "announce_hot_copies": 0}
         nodes_per_pool = self._config.get("copy_nodes_per_pool")
         self._nodes_per_pool: int = (nodes_per_pool if isinstance(nodes_per_pool, int)
                                      else UcmRayConfig().copy_nodes_per_pool)
@@ -123,16 +124,23 @@ class ShardDirectory:
             return dataclasses.replace(membership, hot=NO_HOT_PREFIXES, hot_delta=push)
         return membership
 
-    async def announce_hot_copies(self, pool: tuple[str, int], keys: list[bytes]) -> int:
-        """A reader's pool ``pool`` keeps copies of these hot-prefix blocks: the table names it
-        for each (up to the copy bound, ``copy_nodes_per_pool``), and every engine gets the
-        changed rows with the next version, so readers of a hot prefix spread over its copies
-        instead of all reading the pools that held it when it became hot."""
+    async def announce_hot_copies(self, copies: HotCopies) -> int:
+        """Readers' pools keep copies of these hot-prefix blocks (``{pool: keys}``: one reader's
+        announcement, or a steward's forward of a window's, ``store.hot_copy_relay``): the table
+        names each pool for each of its blocks (up to the copy bound, ``copy_nodes_per_pool``), and
+        every engine gets the changed rows with the next version (paced, ``PushPacer``), so readers
+        of a hot prefix spread over its copies instead of all reading the pools that held it when
+        it became hot. A pool that is not a member (it left since) is ignored: it holds nothing."""
         await self._rediscovered()
-        if (pool[0], pool[1]) not in self._members():
-            return self._version  # posted before its shard left (or no member's): it holds nothing
+        self._served["announce_hot_copies"] += 1
+        members = self._members()
         nodes = len({record.pool.node_id for record in self._shards.values()})
-        if self._hot.add_copies(pool, keys, copy_bound(nodes, self._nodes_per_pool)):
+        bound = copy_bound(nodes, self._nodes_per_pool)
+        changed = False
+        for pool, keys in copies.items():
+            if (pool[0], pool[1]) in members:
+                changed = self._hot.add_copies(pool, keys, bound) or changed
+        if changed:
             delay = self._copies_pacer.due()
             if delay is not None:
                 asyncio.get_running_loop().call_later(delay, self._push_copies)

@@ -27,7 +27,8 @@ import torch
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
-from ucm_ray.store.hot_prefixes import RECORDED_KEYS, FamilyRecords, HotPrefixLearner
+from ucm_ray.store.hot_copy_relay import HotCopies, HotCopyRelay
+from ucm_ray.store.hot_prefixes import RECORDED_KEYS, FamilyRecords, HotPrefixLearner, PushPacer
 from ucm_ray.store.published_layout import index_path
 from ucm_ray.store.shard.disk import DiskStore
 from ucm_ray.store.shard.disk.tier import DiskTier
@@ -102,6 +103,9 @@ class CacheShard:
         self._hot = HotPrefixLearner(cfg.hot_prefix_asks)
         self._records = FamilyRecords(RECORDED_KEYS if cfg.hot_prefix_asks else 0)
         self._remote_reads = RemoteReads()
+        self._relay = HotCopyRelay()
+        self._relay_pacer = PushPacer()
+        self._relay_lock = threading.Lock()  # the pacer's: a call schedules, the timer's thread forwards
         self._namespace = cfg.ray_namespace
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
@@ -277,6 +281,31 @@ class CacheShard:
         log.info("shard %s: %d block(s) of a family root asked by many became a hot prefix; hints handed over "
                  "to %d new root(s)", self._id, len(entries), len(handover))
 
+    def relay_hot_copies(self, incarnation: int, copies: HotCopies) -> None:
+        """As a steward (``store.hot_copy_relay``): readers' pools keep copies of these hot-prefix
+        blocks; gathered and forwarded to the directory in one call a window (posted by readers,
+        never awaited: what this shard holds when it dies is lost, a window at most)."""
+        self._check(incarnation)
+        self._relay.gather(copies)
+        with self._relay_lock:
+            delay = self._relay_pacer.due()
+        if delay is not None:
+            timer = threading.Timer(delay, self._forward_hot_copies)
+            timer.daemon = True
+            timer.start()
+
+    def _forward_hot_copies(self) -> None:
+        """The window's gathered copies to the directory, one call (posted; no directory: dropped)."""
+        with self._relay_lock:
+            self._relay_pacer.pushed()
+        copies = self._relay.take()
+        if not copies or self._stopped.is_set():
+            return
+        try:
+            ray.get_actor(DIRECTORY_NAME, namespace=self._namespace).announce_hot_copies.remote(copies)
+        except ValueError:  # no directory (a shard started alone): nobody to tell
+            return
+
     def _check(self, incarnation: int) -> None:
         if incarnation != self._incarnation:
             raise WrongIncarnation(f"shard {self._id} is incarnation {self._incarnation:x}, "
@@ -295,6 +324,9 @@ class CacheShard:
             figures.update(self._hints.stats())
             figures.update(self._remote_reads.stats())
             figures["hot_blocks_learned"] = self._hot.learned
+            counts = self._relay.counts
+            figures.update(relayed_copies=counts.gathered, relay_forwards=counts.forwarded,
+                           relay_dropped=counts.dropped, relay_held=len(self._relay))
         tier = self._tier
         if tier is not None:
             disk = {**asdict(tier.disk_stats()), **asdict(tier.stats)}
