@@ -394,6 +394,29 @@ def test_a_prompt_the_free_stock_cannot_hold_is_saved_as_one_job_once_its_slots_
     assert stats["save_seconds_count"] == 1, f"the prompt went as {stats['save_seconds_count']} save jobs"
 
 
+def test_prompts_out_together_that_the_free_stock_holds_one_at_a_time_wait_for_their_slots(store, model_dir):
+    """Two prompts whose first tokens come out in the same step, the free stock holding one's
+    slots but not both: the first is saved from the stock, the second waits for the slots its
+    announcement asked for (``PROMPT_SLOT_WAIT_S``) and goes whole once they are here; none of
+    its blocks is skipped (pending, retried step by step, counted as ``saves_skipped``). Since
+    every request's saves of a step are bound in one call (stop 58), each request's "does the
+    stock hold mine" was asked before the first had taken its slots: the second was planned
+    anyway and 6 of its 12 blocks found no slot."""
+    a = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    a.serve("W", prompt(40 * 16 + 1, seed=90), max_tokens=2)  # leaves the stock at its baseline
+    a.settle()
+    supply = a.connector.scheduler_part.saves._slots
+    free = sorted(supply.free_slots(slot_class) for slot_class in list(supply._free))
+    before = a.stats()
+    requests = [a.add(f"R{i}", prompt(12 * 16 + 1, seed=91 + i), max_tokens=2) for i in range(2)]
+    a.run(*requests)
+    a.settle()
+    stats = a.stats()
+    assert stats["saved_blocks"] - before["saved_blocks"] == 2 * 12 and not stats.get("saves_dropped")
+    skipped = stats.get("saves_skipped", 0) - before.get("saves_skipped", 0)
+    assert skipped == 0, f"{skipped} block(s) found no slot (free stock per pool before: {free})"
+
+
 def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, model_dir):
     """Requests that decode together fill their blocks together, and each asks for the slots of
     its next decode batch as they fill: in one step those asks go out as one call per pool (and
