@@ -13,6 +13,7 @@ them, or lost.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +23,7 @@ from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
-from ucm_ray.vllm.scheduler.geometry import CacheGeometry
+from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID, CacheGeometry
 from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests
 from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, one_pool_list, save_rows
 from ucm_ray.vllm.stats import UcmRayStats
@@ -43,6 +44,19 @@ slowed decode. A prompt's blocks are saved as soon as its first token is out, wh
 number."""
 
 
+@dataclass
+class StepClaims:
+    """The saves planned so far in this step, bound to slots together once every request is
+    planned: a prompt planned after them asks whether the free stock holds its slots beyond
+    theirs (bound request by request, theirs were taken by then). Counted only when asked (a
+    prompt's first plan: most steps ask nothing), each request's once."""
+
+    planned: list[WantedSaves] = field(default_factory=list)
+    counts: SlotCounts = field(default_factory=dict)
+    counted: int = 0
+    """Of ``planned``, how many are in ``counts``."""
+
+
 class SavePlanner:
     """Plans each step's saves into ``meta`` and tells the slot supply which saves are coming."""
 
@@ -55,6 +69,7 @@ class SavePlanner:
         self.jobs = jobs
         self._stats = stats
         self._clock = clock
+        self._claims = StepClaims()
 
     # --- announcements to the slot supply ---------------------------------------------------
 
@@ -162,12 +177,14 @@ class SavePlanner:
         slot classes, a slot take per class) once per request (0.1-0.26 ms each under the
         profiler on an H100 host, 8B)."""
         wanted: list[tuple[TrackedRequest, WantedSaves]] = []
+        self._claims = StepClaims()
         for tracked in self._requests.by_id.values():
             if tracked.plan_stands():
                 continue  # as at the last plan (most decode steps)
             planned = self._plan_request(tracked)
             if planned is not None:
                 wanted.append((tracked, planned))
+                self._claims.planned.append(planned)
         if wanted:
             self._bind(wanted, meta)
         if self._geometry.hybrid:
@@ -216,7 +233,7 @@ class SavePlanner:
         for slot_class, count in (tracked.awaited or {}).items():
             counts[slot_class] = counts.get(slot_class, 0) + count
         tracked.awaited = None
-        if not self._slots.holds(counts):
+        if not self._stock_holds(counts):
             tracked.await_slots(counts, self._clock() + PROMPT_SLOT_WAIT_S)
 
     def expect_prompt_early(self, tracked: TrackedRequest) -> None:
@@ -227,7 +244,27 @@ class SavePlanner:
         tracked.awaited = self.expect(tracked, tracked.request.num_prompt_tokens)
 
     def _slots_on_their_way(self, counts: SlotCounts, until: float) -> bool:
-        return not self._slots.holds(counts) and self._slots.asking(counts) and self._clock() < until
+        return not self._stock_holds(counts) and self._slots.asking(counts) and self._clock() < until
+
+    def _stock_holds(self, counts: SlotCounts) -> bool:
+        """Whether the free stock holds these slots beyond those the saves planned earlier in
+        this step will take (``StepClaims``)."""
+        claims = self._claims
+        for planned in claims.planned[claims.counted:]:
+            for slot_class, count in self._slot_counts(planned).items():
+                claims.counts[slot_class] = claims.counts.get(slot_class, 0) + count
+        claims.counted = len(claims.planned)
+        return self._slots.holds({slot_class: count + claims.counts.get(slot_class, 0)
+                                  for slot_class, count in counts.items()})
+
+    def _slot_counts(self, wanted: WantedSaves) -> SlotCounts:
+        """Per (pool, entry size), the slots binding ``wanted`` takes (every replica of each row
+        but vLLM's placeholder block's)."""
+        _, groups, _, block_ids = wanted.columns()
+        real = block_ids != NULL_BLOCK_ID
+        pools, owners = one_pool_list(wanted.placed, lambda: wanted.keys, self._store)
+        sizes = np.asarray(self._geometry.entry_bytes, dtype=np.int64)[groups[real]]
+        return self._counts_of(pools, owners[real], sizes.tolist())
 
     def _plan_saves(self, tracked: TrackedRequest) -> WantedSaves | None:
         """Blocks that the steps before this one filled (and hashed), copied while this one runs
