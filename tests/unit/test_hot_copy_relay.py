@@ -3,6 +3,9 @@ what a forward carries, in what order, and its bound."""
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+
 from ucm_ray.store.hot_copy_relay import HotCopyRelay, steward_key
 
 POOL_A, POOL_B = ("shard-a", 1), ("shard-b", 2)
@@ -30,3 +33,34 @@ def test_past_its_bound_an_announcement_is_dropped_and_counted():
 
 def test_the_steward_of_an_announcement_is_the_owner_of_its_first_copied_block():
     assert steward_key([b"first", b"second"]) == b"first"
+
+
+def test_announcements_gathered_while_forwards_are_taken_are_each_forwarded_once():
+    """The shard's calls gather on their threads while its forward timer takes on another: every
+    (pool, key) announced lands in exactly one forward, none lost between a take and a gather."""
+    relay = HotCopyRelay()
+    announced = [(POOL_A if i % 2 else POOL_B, i.to_bytes(4, "little")) for i in range(20_000)]
+    forwards: list[dict] = []
+    done = threading.Event()
+
+    def gather(start: int) -> None:
+        for pool, key in announced[start::4]:
+            relay.gather({pool: [key]})
+
+    def forward() -> None:
+        while not done.is_set():
+            forwards.append(relay.take())
+        forwards.append(relay.take())
+
+    taker = threading.Thread(target=forward)
+    taker.start()
+    gatherers = [threading.Thread(target=gather, args=(start,)) for start in range(4)]
+    for thread in gatherers:
+        thread.start()
+    for thread in gatherers:
+        thread.join()
+    done.set()
+    taker.join()
+    forwarded = Counter((pool, key) for out in forwards for pool, keys in out.items() for key in keys)
+    assert forwarded == Counter(announced)
+    assert len(relay) == 0 and relay.counts.gathered == len(announced) and not relay.counts.dropped
