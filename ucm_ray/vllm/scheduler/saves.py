@@ -248,7 +248,9 @@ class SavePlanner:
 
     def _stock_holds(self, counts: SlotCounts) -> bool:
         """Whether the free stock holds these slots beyond those the saves planned earlier in
-        this step will take (``StepClaims``)."""
+        this step will take (``StepClaims``; counted only where the stock holds these alone)."""
+        if not self._slots.holds(counts):
+            return False
         claims = self._claims
         for planned in claims.planned[claims.counted:]:
             for slot_class, count in self._slot_counts(planned).items():
