@@ -6,14 +6,9 @@ keeps a copy at its first read, and a later node loads from that copy, not the w
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.support import ROOT
-from tests.support.private_cluster import PrivateCluster, cluster_env
+from tests.support.private_cluster import pinned_nodes, run_driver
 from ucm_ray.store.shard.remote_reads import POPULAR
 
 DOC = 6
@@ -21,14 +16,7 @@ DOC = 6
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(5)])
-    try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests/support/writer_local_driver.py"), cluster.address,
-                               "popular"], capture_output=True, text=True, timeout=300, env=cluster_env(), cwd=ROOT)
-    finally:
-        cluster.close()
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["popular"]
+    return run_driver("writer_local_driver.py", ["popular"], pinned_nodes(5), 300)[0]["popular"]
 
 
 def test_a_third_nodes_first_read_of_a_block_two_other_nodes_read_keeps_a_copy(result):

@@ -5,28 +5,16 @@ copying request, and its table names the same pools."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.support import ROOT
-from tests.support.private_cluster import PrivateCluster, cluster_env
+from tests.support.private_cluster import pinned_nodes, run_driver
 
 COPIES = 6
 
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
-    try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests/support/relay_driver.py"), cluster.address],
-                              capture_output=True, text=True, timeout=300, env=cluster_env(), cwd=ROOT)
-    finally:
-        cluster.close()
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_driver("relay_driver.py", [], pinned_nodes(3), 300)[0]
 
 
 def test_relayed_announcements_take_the_directorys_calls_down_and_name_the_same_pools(result):

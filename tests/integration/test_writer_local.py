@@ -11,14 +11,9 @@ announced to the directory, whose table names them, pushed as deltas, up to the 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.support import ROOT
-from tests.support.private_cluster import PrivateCluster, cluster_env
+from tests.support.private_cluster import pinned_nodes, run_driver
 from ucm_ray.store.engine.family import ENOUGH_COPIES
 
 BLOCKS, DIVERGE_AT = 48, 30
@@ -28,15 +23,8 @@ SYSTEM, TURN, ASKS = 8, 8, 4
 @pytest.fixture(scope="module")
 def results() -> dict:
     """The three fleets, one after another on one three-node cluster."""
-    cluster = PrivateCluster([{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(3)])
-    try:
-        done = subprocess.run([sys.executable, str(ROOT / "tests/support/writer_local_driver.py"), cluster.address,
-                               "writer_local:1,writer_local:2,per_block:1,hot,hot_copies"], capture_output=True,
-                              text=True, timeout=400, env=cluster_env(), cwd=ROOT)
-    finally:
-        cluster.close()
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_driver("writer_local_driver.py", ["writer_local:1,writer_local:2,per_block:1,hot,hot_copies"],
+                      pinned_nodes(3), 400)[0]
 
 
 def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_one_call(results):

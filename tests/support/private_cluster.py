@@ -82,6 +82,28 @@ class PrivateCluster:
                 pass
 
 
+def run_driver(driver: str, args: list[str], nodes: list[dict[str, Any]],
+               timeout_s: float) -> tuple[Any, dict[str, Any]]:
+    """Run ``tests/support/<driver>`` (given the cluster's address, then ``args``) in a process of
+    its own against a fresh ``PrivateCluster`` of ``nodes``, closed afterwards: what the driver
+    printed last (one JSON line), and the cluster's info (its node ids)."""
+    from tests.support import ROOT
+
+    cluster = PrivateCluster(nodes)
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "tests/support" / driver), cluster.address, *args],
+                              capture_output=True, text=True, timeout=timeout_s, env=cluster_env(), cwd=ROOT)
+    finally:
+        cluster.close()
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), cluster.info
+
+
+def pinned_nodes(count: int) -> list[dict[str, Any]]:
+    """``count`` one-CPU nodes, node ``i`` with a ``node_i`` resource (to place actors on it)."""
+    return [{"num_cpus": 1, "resources": {f"node_{i}": 1}} for i in range(count)]
+
+
 def _main(spec: dict[str, Any]) -> None:
     import ray
     from ray.cluster_utils import Cluster

@@ -146,14 +146,21 @@ def _aligned(nbytes: int, seed: int) -> torch.Tensor:
     return flat[-flat.data_ptr() % 4096:][:nbytes]
 
 
-@settings(max_examples=250, deadline=None)
-@given(steps())
-def test_a_plan_part_by_part_moves_exactly_the_reference_bytes(step: Step):
+def _memory(step: Step | Repeat) -> tuple[torch.Tensor, list[int], tuple[torch.Tensor, ...], torch.Tensor]:
+    """The step's local memory, where each of its buffers starts in it (``buffer_rows`` rows each,
+    ``GAP_ROWS`` apart, every other one 8 bytes off a row when ``split``), the buffers, and a pool
+    of ``POOL_ROWS`` rows, random bytes."""
     u, stride = step.unit, step.buffer_rows + GAP_ROWS
     whole = _aligned((step.buffers * stride + GAP_ROWS) * u + 64, seed=1)
     starts = [b * stride * u + (8 if step.split and b % 2 else 0) for b in range(step.buffers)]
-    buffers = tuple(whole[s: s + step.buffer_rows * u] for s in starts)
-    pool = _aligned(POOL_ROWS * u, seed=2)
+    return whole, starts, tuple(whole[s: s + step.buffer_rows * u] for s in starts), _aligned(POOL_ROWS * u, seed=2)
+
+
+@settings(max_examples=250, deadline=None)
+@given(steps())
+def test_a_plan_part_by_part_moves_exactly_the_reference_bytes(step: Step):
+    u = step.unit
+    whole, starts, buffers, pool = _memory(step)
     flat = [(b, lo * u, p * u, n * u) for part in step.parts for b, lo, p, n in part]
     ends = np.cumsum([len(part) for part in step.parts]).tolist()
     ranges = Ranges(buffers, *(np.asarray(column, dtype=np.int64) for column in zip(*flat)))
@@ -236,11 +243,8 @@ def repeats(draw: st.DrawFn) -> Repeat:
 @settings(max_examples=250, deadline=None)
 @given(repeats())
 def test_repeated_parts_planned_once_move_exactly_the_reference_bytes_step_after_step(step: Repeat):
-    u, stride = step.unit, step.buffer_rows + GAP_ROWS
-    whole = _aligned((step.buffers * stride + GAP_ROWS) * u + 64, seed=1)
-    starts = [b * stride * u + (8 if step.split and b % 2 else 0) for b in range(step.buffers)]
-    buffers = tuple(whole[s: s + step.buffer_rows * u] for s in starts)
-    pool = _aligned(POOL_ROWS * u, seed=2)
+    u = step.unit
+    whole, starts, buffers, pool = _memory(step)
     expected_whole, expected_pool = whole.clone(), pool.clone()
     home = step.parts[0][0]
     column = [np.asarray(values, dtype=np.int64) for values in zip(*step.parts)]
