@@ -54,12 +54,12 @@ class SplitCalls(HandoverCopyOnSecondRead):
         self._request, self._phase = req, "register"
         return super().serve(req)
 
-    def _learn(self, root: bytes, family) -> None:  # type: ignore[no-untyped-def]
+    def _learn(self, root: bytes, family, node: int) -> None:  # type: ignore[no-untyped-def]
         owner = int(self.cluster.placement.primary([root])[0])
         self.by_kind["lookup"][owner] += 1
         assert self._request is not None
         self.by_family[owner]["lookup:" + self._request.kind, root] += 1
-        super()._learn(root, family)
+        super()._learn(root, family, node)
 
     def _keep_hot_copies(self, req: Request, tally: RequestTally, keys: list[bytes]) -> None:
         self._phase = "announce"

@@ -159,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
                         help="(h)-(k): a root asked this often in --learn-window becomes hot (default: the "
                              "package's hot_prefix_asks; 8 through stop 57)")
+    parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
+                        help="(h)-(k): a root asked by this many distinct nodes in --learn-window becomes hot, "
+                             "instead of --learn-asks asks (0: count asks)")
+    parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
+                        help="(h)-(k): distinct askers needed: at least this share of the fleet's nodes (rounded up)")
     parser.add_argument("--learn-scan-blocks", type=int, default=DesignParams.learn_scan_blocks,
                         help="(h)-(k): blocks past its root a lookup shows the root's owner (default: the "
                              "package's SCAN_BLOCKS; 8,192 tokens through stop 57)")
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           learn_window=args.learn_window, relay_announcements=args.relay_announcements,
-                          learn_asks=args.learn_asks, learn_scan_blocks=args.learn_scan_blocks,
+                          learn_asks=args.learn_asks, learn_askers=args.learn_askers,
+                          learn_askers_share=args.learn_askers_share, learn_scan_blocks=args.learn_scan_blocks,
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,

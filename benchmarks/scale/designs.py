@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -192,7 +193,16 @@ class DesignParams:
     root's owner answered every lookup and hint of it (stop 57). The package's since stop 58."""
     learn_asks: int = UcmRayConfig().hot_prefix_asks
     """(h)-(k): a family root asked this often within ``learn_window`` becomes hot (the package's
-    ``hot_prefix_asks``; the simulation used 8 through stop 57)."""
+    ``hot_prefix_asks``; the simulation used 8 through stop 57). Unused where ``learn_askers`` or
+    ``learn_askers_share`` is set."""
+    learn_askers: int = 0
+    """(h)-(k): a family root becomes hot once this many distinct nodes asked it within
+    ``learn_window`` (and at least ``hot_sessions`` asks came, what ``shared_prefix`` compares),
+    instead of ``learn_asks`` asks: a count that does not grow with each node's request rate
+    (stop 58, learn12). 0: counts asks."""
+    learn_askers_share: float = 0.0
+    """(h)-(k): with ``learn_askers``, the askers needed are at least this share of the fleet
+    (rounded up): ``max(learn_askers, ceil(share * nodes))``."""
     learn_scan_blocks: int = SCAN_BLOCKS
     """(h)-(k): blocks past its root a lookup shows the root's owner (the package's ``SCAN_BLOCKS``;
     the simulation used 8,192 tokens through stop 57: 64 blocks at block 128, 512 at 16)."""
@@ -744,6 +754,10 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         """The hot-prefix table, as engines hold it (pushed at a window's end)."""
         self._learned: dict[bytes, None] = {}
         self._asked: Counter[bytes] = Counter()
+        self._askers: defaultdict[bytes, set[int]] = defaultdict(set)
+        """Per root, the distinct nodes that asked it this learning window (``learn_askers``)."""
+        share = math.ceil(params.learn_askers_share * cluster.nodes) if params.learn_askers_share else 0
+        self._askers_needed = max(params.learn_askers, share)
         self._prefixes: dict[bytes, list[list[bytes]]] = defaultdict(list)
         self.hint_root: dict[bytes, bytes] = {}
         """Key -> the root its hint was registered under (a reader asking another root misses it)."""
@@ -770,7 +784,7 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
             self.stats.calls_received[root_owner] += 1
             if root_owner != req.node:
                 tally.touched.add(root_owner)
-            self._learn(root, keys[hot:])
+            self._learn(root, keys[hot:], req.node)
         hit, sources = self.walk(req, tally)
         if self.copy_hot:
             remote = [keys[position] for position in range(min(hit, hot)) if sources[position] != req.node]
@@ -799,15 +813,22 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
             return None  # registered under another root: this reader's root owner never heard of it
         return super()._valid_copy(key, node, tally)
 
-    def _learn(self, root: bytes, family: Sequence[bytes]) -> None:
-        """At the root's owner: the askers' prefixes; at ``learn_asks`` asks in a window,
-        what the last ``hot_sessions`` of them shared becomes hot."""
+    def _learn(self, root: bytes, family: Sequence[bytes], node: int) -> None:
+        """At the root's owner: the askers' prefixes; at ``learn_asks`` asks in a window (or
+        ``learn_askers`` distinct asking nodes), what the last ``hot_sessions`` of them shared
+        becomes hot."""
         scan = self.params.learn_scan_blocks
         self._asked[root] += 1
+        self._askers[root].add(node)
         recent = self._prefixes[root]
         recent.append(list(family[:scan]))
         del recent[:-self.params.hot_sessions]
-        if self._asked[root] < self.params.learn_asks or len(self.table) >= self.params.hot_table_blocks:
+        if len(self.table) >= self.params.hot_table_blocks:
+            return
+        if self._askers_needed:
+            if len(self._askers[root]) < self._askers_needed or len(recent) < self.params.hot_sessions:
+                return
+        elif self._asked[root] < self.params.learn_asks:
             return
         self._learned.update(dict.fromkeys(shared_prefix(recent)))
 
@@ -824,6 +845,7 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         self._rolled += 1
         if self._rolled % self.learn_windows() == 0:
             self._asked.clear()
+            self._askers.clear()
             self._prefixes.clear()
 
     def learn_windows(self) -> int:
