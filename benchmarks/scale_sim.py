@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                              "package's hot_prefix_asks; 8 through stop 57)")
     parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
                         help="(h)-(k): a root asked by this many distinct nodes in --learn-window becomes hot, "
-                             "instead of --learn-asks asks (0: count asks)")
+                             "as one asked --learn-asks times does (--learn-asks 0: by askers alone; 0: off)")
     parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
                         help="(h)-(k): distinct askers needed: at least this share of the fleet's nodes (rounded up)")
     parser.add_argument("--learn-scan-blocks", type=int, default=DesignParams.learn_scan_blocks,

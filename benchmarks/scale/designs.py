@@ -193,16 +193,16 @@ class DesignParams:
     root's owner answered every lookup and hint of it (stop 57). The package's since stop 58."""
     learn_asks: int = UcmRayConfig().hot_prefix_asks
     """(h)-(k): a family root asked this often within ``learn_window`` becomes hot (the package's
-    ``hot_prefix_asks``; the simulation used 8 through stop 57). Unused where ``learn_askers`` or
-    ``learn_askers_share`` is set."""
+    ``hot_prefix_asks``; the simulation used 8 through stop 57). With ``learn_askers`` or
+    ``learn_askers_share`` set, a root is hot at either count (0: by the askers' alone)."""
     learn_askers: int = 0
     """(h)-(k): a family root becomes hot once this many distinct nodes asked it within
     ``learn_window`` (and at least ``hot_sessions`` asks came, what ``shared_prefix`` compares),
-    instead of ``learn_asks`` asks: a count that does not grow with each node's request rate
-    (stop 58, learn12). 0: counts asks."""
+    as well as at ``learn_asks`` asks: a count that does not grow with each node's request rate
+    (stop 58, learn12). 0: counts asks only."""
     learn_askers_share: float = 0.0
-    """(h)-(k): with ``learn_askers``, the askers needed are at least this share of the fleet
-    (rounded up): ``max(learn_askers, ceil(share * nodes))``."""
+    """(h)-(k): the distinct askers needed are at least this share of the fleet (rounded up):
+    ``max(learn_askers, ceil(share * nodes))``."""
     learn_scan_blocks: int = SCAN_BLOCKS
     """(h)-(k): blocks past its root a lookup shows the root's owner (the package's ``SCAN_BLOCKS``;
     the simulation used 8,192 tokens through stop 57: 64 blocks at block 128, 512 at 16)."""
@@ -826,7 +826,9 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         if len(self.table) >= self.params.hot_table_blocks:
             return
         if self._askers_needed:
-            if len(self._askers[root]) < self._askers_needed or len(recent) < self.params.hot_sessions:
+            by_askers = len(self._askers[root]) >= self._askers_needed and len(recent) >= self.params.hot_sessions
+            by_asks = 0 < self.params.learn_asks <= self._asked[root]
+            if not by_askers and not by_asks:
                 return
         elif self._asked[root] < self.params.learn_asks:
             return

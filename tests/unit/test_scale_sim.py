@@ -381,7 +381,7 @@ def _learned_after(askers_by_ask: list[int], **params: object) -> set[bytes]:
     """A ``BuiltHotRoots`` whose one root's owner is asked once per entry (by that node), four
     chats under one system prompt in turn; the table after the window ends."""
     cluster = Cluster(100, 1 << 20, 128 * BYTES_PER_TOKEN)
-    design = BuiltHotRoots(cluster, DesignParams(**{"learn_window": 0.0, **params}))  # type: ignore[arg-type]
+    design = BuiltHotRoots(cluster, DesignParams(**{"learn_window": 0.0, "learn_asks": 0, **params}))  # type: ignore[arg-type]
     system = [f"system-{i}".encode() for i in range(4)]
     for ask, node in enumerate(askers_by_ask):
         design._learn(system[0], system + [f"chat{ask % 4}-{i}".encode() for i in range(3)], node)
@@ -392,7 +392,8 @@ def _learned_after(askers_by_ask: list[int], **params: object) -> set[bytes]:
 def test_the_distinct_askers_rule_learns_a_root_many_nodes_ask_not_one_node_asking_often() -> None:
     """``learn_askers`` (learn12): a root is hot once k distinct nodes asked it in the window, however
     few asks that is (and at least ``hot_sessions`` asks, what ``shared_prefix`` compares); one node
-    asking 40 times never makes it hot, which 8 asks would; a share of the fleet raises k with it."""
+    asking 40 times never makes it hot, which 8 asks would (with ``learn_asks`` set too, either count
+    does); a share of the fleet raises k with it."""
     system = {f"system-{i}".encode() for i in range(4)}
     assert _learned_after([1, 2, 3, 1], learn_askers=3) == system
     assert _learned_after([1, 2, 1, 2], learn_askers=3) == set()
@@ -400,4 +401,6 @@ def test_the_distinct_askers_rule_learns_a_root_many_nodes_ask_not_one_node_aski
     assert _learned_after([7] * 40, learn_asks=8) == system  # the asks rule: one node's own rate
     assert _learned_after(list(range(4)), learn_askers=2, learn_askers_share=0.05) == set()  # k = 5 of 100
     assert _learned_after(list(range(5)), learn_askers=2, learn_askers_share=0.05) == system
-    assert _learned_after(list(range(64)), learn_asks=64) == system and _learned_after(list(range(63))) == set()
+    assert _learned_after(list(range(64)), learn_asks=64) == system
+    assert _learned_after([7] * 63, learn_askers=2, learn_asks=64) == set()
+    assert _learned_after([7] * 64, learn_askers=2, learn_asks=64) == system  # either count
