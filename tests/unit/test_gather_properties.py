@@ -104,12 +104,18 @@ def _near_miss(draw: st.DrawFn, part: list[Row], a_range: Callable[[], Row], buf
         part[i], part[j] = part[j], part[i]
 
 
-@st.composite
-def steps(draw: st.DrawFn) -> Step:
+def _local_shape(draw: st.DrawFn) -> tuple[int, int, int, bool]:
+    """A step's row size, buffer count, rows a buffer, and whether every other buffer starts off a row."""
     unit = draw(st.sampled_from([8, 64, 4096]))
     buffers = draw(st.integers(1, 3))
     buffer_rows = draw(st.integers(4, 24))
     split = buffers > 1 and unit > 8 and draw(st.booleans())
+    return unit, buffers, buffer_rows, split
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> Step:
+    unit, buffers, buffer_rows, split = _local_shape(draw)
     stride = buffer_rows + GAP_ROWS
 
     def a_range() -> Row:
@@ -209,10 +215,7 @@ class Repeat:
 
 @st.composite
 def repeats(draw: st.DrawFn) -> Repeat:
-    unit = draw(st.sampled_from([8, 64, 4096]))
-    buffers = draw(st.integers(1, 3))
-    buffer_rows = draw(st.integers(4, 24))
-    split = buffers > 1 and unit > 8 and draw(st.booleans())
+    unit, buffers, buffer_rows, split = _local_shape(draw)
     home = draw(st.integers(0, buffers - 1))
     template = []
     for _ in range(draw(st.integers(1, 6))):

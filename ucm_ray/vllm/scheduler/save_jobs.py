@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -74,16 +74,8 @@ class WantedSaves:
         """Several requests' wanted saves as one, rows in the order of ``parts``."""
         if len(parts) == 1:
             return parts[0]
-        joined = cls()
-        for part in parts:
-            joined.ranks += part.ranks
-            joined.groups += part.groups
-            joined.blocks += part.blocks
-            joined.block_ids += part.block_ids
-            joined.keys += part.keys
-            joined.families += part.families
-            joined.placed += part.placed
-        return joined
+        return cls(**{column.name: [row for part in parts for row in getattr(part, column.name)]
+                      for column in fields(cls)})
 
     def __len__(self) -> int:
         return len(self.keys)
