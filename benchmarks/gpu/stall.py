@@ -15,7 +15,10 @@ requests:
 - ``kernels``: every save part by gather kernels instead of staged DMA (the copy engines: a
   sampled token's device-to-host copy queued behind the save's);
 - ``sync``: the host waits for the device right after posting a save (the stall moved to one
-  known place, or gone if it came from overlap).
+  known place, or gone if it came from overlap);
+- ``hollow``: every hook of the connector (both halves) answers at once with "nothing" (no
+  lookup, no save, no work bound): what is left of A's gap to C is the tier's presence in the
+  process (its threads, mapped pools, the hooks' calls), not the hooks' work.
 
 Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
@@ -63,9 +66,47 @@ from ucm_ray.store.shard.fleet import running_fleet
 
 log = logging.getLogger("bench.stall")
 
-VARIANTS = ("base", "switch", "no-saves", "kernels", "sync")
+VARIANTS = ("base", "switch", "no-saves", "kernels", "sync", "hollow")
 PARTS = ("vllm.engine.step", "vllm.executor.execute_model", "vllm.executor.sample_tokens", "vllm.scheduler.schedule",
          "vllm.scheduler.update_from_output", "vllm.output.process_outputs")
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _quiet_step(*args: Any, **kwargs: Any) -> Any:
+    from ucm_ray.vllm.metadata import QUIET_STEP
+
+    return QUIET_STEP
+
+
+HOLLOW_SCHEDULER = {
+    "get_num_new_matched_tokens": lambda request, computed: (0, False),
+    "update_state_after_alloc": _nothing,
+    "build_connector_meta": _quiet_step,
+    "update_connector_output": _nothing,
+    "request_finished": lambda request, block_ids: (False, None),
+    "request_finished_all_groups": lambda request, block_ids: (False, None),
+    "get_kv_connector_stats": _nothing,
+    "take_events": lambda: (),
+}
+"""The ``hollow`` variant's scheduler hooks: each answers "nothing" at once."""
+HOLLOW_WORKER = {
+    "bind_connector_metadata": _nothing,
+    "clear_connector_metadata": _nothing,
+    "handle_preemptions": _nothing,
+    "start_load_kv": _nothing,
+    "wait_for_layer_load": _nothing,
+    "save_kv_layer": _nothing,
+    "wait_for_save": _nothing,
+    "get_finished": lambda finished: (None, None),
+    "get_block_ids_with_load_errors": lambda: set(),
+    "build_connector_worker_meta": _nothing,
+    "get_kv_connector_stats": _nothing,
+    "get_kv_connector_kv_cache_events": _nothing,
+}
+"""... and its worker hooks."""
 
 
 class StallEngine(ProfiledEngine):
@@ -77,8 +118,16 @@ class StallEngine(ProfiledEngine):
 
         from ucm_ray.transport import gather
 
-        scheduler_saves = self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_part.saves
-        worker_saves = get_kv_transfer_group().worker_part._saves
+        scheduler_connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        worker_connector = get_kv_transfer_group()
+        scheduler_saves = scheduler_connector.scheduler_part.saves
+        worker_saves = worker_connector.worker_part._saves
+        for connector, hooks in ((scheduler_connector, HOLLOW_SCHEDULER), (worker_connector, HOLLOW_WORKER)):
+            for hook, answer in hooks.items():
+                if name == "hollow":
+                    setattr(connector, hook, answer)
+                else:
+                    connector.__dict__.pop(hook, None)
         sys.setswitchinterval(0.0002 if name == "switch" else 0.005)
         scheduler_saves.__dict__.pop("_plan_saves", None)
         worker_saves.__dict__.pop("_job", None)
