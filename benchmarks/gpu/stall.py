@@ -18,7 +18,9 @@ requests:
   known place, or gone if it came from overlap);
 - ``hollow``: every hook of the connector (both halves) answers at once with "nothing" (no
   lookup, no save, no work bound): what is left of A's gap to C is the tier's presence in the
-  process (its threads, mapped pools, the hooks' calls), not the hooks' work.
+  process (its threads, mapped pools, the hooks' calls), not the hooks' work;
+- ``unmapped``: ``hollow``, and the worker's shard pools and their indexes closed too (unmapped,
+  no longer page-locked; opened again when the variant ends): what the pools' presence costs.
 
 Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
@@ -66,7 +68,7 @@ from ucm_ray.store.shard.fleet import running_fleet
 
 log = logging.getLogger("bench.stall")
 
-VARIANTS = ("base", "switch", "no-saves", "kernels", "sync", "hollow")
+VARIANTS = ("base", "switch", "no-saves", "kernels", "sync", "hollow", "unmapped")
 PARTS = ("vllm.engine.step", "vllm.executor.execute_model", "vllm.executor.sample_tokens", "vllm.scheduler.schedule",
          "vllm.scheduler.update_from_output", "vllm.output.process_outputs")
 
@@ -122,9 +124,10 @@ class StallEngine(ProfiledEngine):
         worker_connector = get_kv_transfer_group()
         scheduler_saves = scheduler_connector.scheduler_part.saves
         worker_saves = worker_connector.worker_part._saves
+        self._pools_closed(worker_connector.worker_part, name == "unmapped")
         for connector, hooks in ((scheduler_connector, HOLLOW_SCHEDULER), (worker_connector, HOLLOW_WORKER)):
             for hook, answer in hooks.items():
-                if name == "hollow":
+                if name in ("hollow", "unmapped"):
                     setattr(connector, hook, answer)
                 else:
                     connector.__dict__.pop(hook, None)
@@ -145,6 +148,16 @@ class StallEngine(ProfiledEngine):
 
             worker_saves._job = post_and_wait
         return name
+
+
+    def _pools_closed(self, worker: Any, closed: bool) -> None:
+        """The worker's pools closed (their descriptors kept to open them again), or open."""
+        if closed and not hasattr(self, "_closed_pools"):
+            self._closed_pools = dict(worker._pools._descriptors)
+            worker._adopt_pools({})
+        elif not closed and hasattr(self, "_closed_pools"):
+            worker._adopt_pools(self.__dict__.pop("_closed_pools"))
+            worker._copies.open_pools()
 
 
 def first_steps(label: str, result: dict[str, Any]) -> str:
