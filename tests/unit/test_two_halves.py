@@ -950,10 +950,15 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
     than the request). vLLM keeps the finished request's blocks (``request_finished`` says so)
     and frees them once a later step saved them: nothing is dropped. (Before, the blocks were
     freed at the end of the request, and every save without a slot was lost: a flaky miss on
-    another engine.)"""
+    another engine.)
+
+    The hold lasts ``HOLD_S`` of the scheduler's clock, frozen here: on the host's time, a box
+    slow enough that the steps below took longer than that dropped the saves, as it should, and
+    failed the test."""
     for shard in ("local_shard_0", "local_shard_1"):
         store.set_answering(shard, False)
     a = make_engine(store.client(), model_dir)
+    a.clock.freeze()
     a.run(a.add("A", prompt(2048), max_tokens=1))
     for _ in range(3):  # steps that still find no slot: each block waits, counted once
         a.step()
