@@ -7,7 +7,9 @@ its stored prefix; the writer's shard dying makes its blocks misses. ``per_block
 same saves over every node (what writer-local placement is for). A system prompt many chats
 start with becomes a hot prefix: its root's owner stops answering for them, and hands the
 chats written before over to their new roots' owners. Readers' copies of a hot prefix are
-announced to the directory, whose table names them, pushed as deltas, up to the copy bound."""
+announced to the directory, whose table names them, pushed as deltas, up to the copy bound;
+relayed through a steward (``relay_hot_copies``), the directory takes a few forwards instead of
+one call per copying request, and its table names the same pools."""
 
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from ucm_ray.store.engine.family import ENOUGH_COPIES
 
 BLOCKS, DIVERGE_AT = 48, 30
 SYSTEM, TURN, ASKS = 8, 8, 4
+RELAYED_COPIES = 6
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    """The three fleets, one after another on one three-node cluster."""
-    return run_driver("writer_local_driver.py", ["writer_local:1,writer_local:2,per_block:1,hot,hot_copies"],
-                      pinned_nodes(3), 400)[0]
+    """The scenarios' fleets, one after another on one three-node cluster."""
+    return run_driver("writer_local_driver.py", ["writer_local:1,writer_local:2,per_block:1,hot,hot_copies,relay"],
+                      pinned_nodes(3), 500)[0]
 
 
 def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_one_call(results):
@@ -119,3 +122,17 @@ def test_a_readers_copy_of_a_hot_prefix_is_named_by_the_table_pushed_as_a_delta_
     assert result["read"] == {"found": SYSTEM, "got": SYSTEM, "exact": SYSTEM, "calls": 0}
     # node 2's own copy is past the bound (ceil(3 / 2) = 2 pools a block): the table is unchanged
     assert result["after_bound"] == {"revision": one_copy["revision"], "named": 2 * SYSTEM}
+
+
+def test_relayed_announcements_take_the_directorys_calls_down_and_name_the_same_pools(results):
+    result = results["relay"]
+    off, on = result["off"], result["on"]
+    for phase in (off, on):
+        assert phase["written"] == RELAYED_COPIES and phase["copied"] == 2 * RELAYED_COPIES
+        assert phase["named"] == [3] * RELAYED_COPIES  # the writer's pool and both readers' copies
+    # direct: one directory call per copying request; relayed: the steward's forwards, at most
+    # one a second and one at the start (the 12 copies took ~0.08 s here: 2 forwards)
+    assert off["directory_calls"] == 2 * RELAYED_COPIES
+    assert on["directory_calls"] == result["steward"]["relay_forwards"] <= 2 + int(on["seconds"])
+    assert on["directory_calls"] < off["directory_calls"]
+    assert result["steward"]["relayed_copies"] == 2 * RELAYED_COPIES and result["steward"]["relay_dropped"] == 0

@@ -1,6 +1,7 @@
 """Driver of the writer-local store test, run in a process of its own against a three-node
 ``PrivateCluster`` (one shard per node): clients on different nodes write and read through
-``StoreClient``; prints one JSON line of what each saw and what each shard holds."""
+``StoreClient``, one fleet per scenario on the one cluster; prints one JSON line of what each
+saw and what each shard holds."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import ray
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # run as a script: ``tests.support`` from this checkout
 
-from tests.support.store_helpers import ClientProcess, prompt_keys  # noqa: E402
+from tests.support.store_helpers import ClientProcess, key, prompt_keys  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.placement import owners  # noqa: E402
 from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet  # noqa: E402
 from ucm_ray.store.types import DIRECTORY_NAME  # noqa: E402
 
@@ -145,6 +147,67 @@ def hot_copies_scenario() -> dict:
         stop_fleet(config)
 
 
+RELAYED_COPIES = 6
+"""Blocks of the hot prefix each reader copies in the ``relay`` scenario, one request each."""
+
+
+def _announcements(directory) -> int:
+    return ray.get(directory.ping.remote())["served"]["announce_hot_copies"]
+
+
+def _relay_phase(config: UcmRayConfig, relay: bool, tag: str, directory, writer_pool, steward: int) -> dict:
+    """``RELAYED_COPIES`` hot blocks (each stewarded by shard ``steward``), written on node 1,
+    copied by readers on nodes 0 and 2 with ``relay_hot_copies`` set to ``relay``."""
+    settings = {**config.to_dict(), "relay_hot_copies": relay}
+    ids = ray.get(directory.membership.remote()).shard_ids
+    candidates = [key(i, tag) for i in range(64 * RELAYED_COPIES)]
+    hot = [k for k, row in zip(candidates, owners(candidates, ids, 1).tolist()) if row[0] == steward]
+    hot = hot[:RELAYED_COPIES]
+    clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(settings) for i in range(3)]
+    written = sum(ray.get(clients[1].write_keys.remote(hot, 3)))
+    ray.get(directory.add_hot_prefix.remote({k: [writer_pool] for k in hot}))
+    ray.get([c.hot_pools.remote(hot, 1) for c in clients])
+    before = _announcements(directory)
+    started = time.monotonic()  # each reader's copies one request at a time, both readers at once
+    copied = ray.get([clients[node].copy_keys.remote([k], 3) for k in hot for node in (0, 2)])
+    elapsed = time.monotonic() - started
+    named = ray.get(clients[1].hot_pools.remote(hot, 3))["pools"]
+    time.sleep(1.5)  # anything still on its way lands
+    for client in clients:
+        ray.kill(client)
+    return {"written": written, "copied": sum(copied), "named": named, "seconds": elapsed,
+            "directory_calls": _announcements(directory) - before}
+
+
+def relay_scenario() -> dict:
+    """Readers on two nodes keep copies of a hot prefix's blocks written on the third, one
+    copying request at a time, first with ``relay_hot_copies`` off (each copy announced to the
+    directory), then on (each to the steward, the owner of the block copied): the directory's
+    ``announce_hot_copies`` calls and the pools its table names in each phase, and the steward's
+    relay counters. Its own fleet: ``copy_nodes_per_pool: 1`` (both readers' copies within the
+    bound) and a directory whose call counts only this scenario moved."""
+    config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_relay", pool_bytes=32 << 20, shard_cpus=0,
+                                               lookup_timeout_s=30, copy_nodes_per_pool=1), 1)
+    try:
+        directory = ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
+        status = fleet_status(config)["shards"]
+        probe = ClientProcess.options(resources={"node_1": 0.01}).remote(config.to_dict())
+        writer_node = ray.get(probe.node.remote())
+        ray.kill(probe)
+        writer = next(s for s in status if s["node_id"] == writer_node)["shard_id"]
+        shards = ray.get(directory.membership.remote()).shards
+        writer_pool = next(s.key for s in shards if s.shard_id == writer)
+        steward = next(i for i, s in enumerate(shards) if s.shard_id != writer)
+        result = {"off": _relay_phase(config, False, "direct", directory, writer_pool, steward),
+                  "on": _relay_phase(config, True, "relayed", directory, writer_pool, steward)}
+        stats = {s["shard_id"]: s for s in fleet_status(config)["shards"]}
+        result["steward"] = {name: stats[shards[steward].shard_id][name]
+                             for name in ("relayed_copies", "relay_forwards", "relay_dropped")}
+        return result
+    finally:
+        stop_fleet(config)
+
+
 POPULAR_DOC = 6
 """Blocks of the popular document (``popular`` scenario)."""
 
@@ -178,22 +241,18 @@ def popular_scenario() -> dict:
 
 
 def main(address: str, scenarios: str) -> None:
-    """``scenarios``: comma-separated ``placement:replication`` pairs (or ``hot``: hot prefixes),
-    run one after another."""
+    """``scenarios``: comma-separated ``placement:replication`` pairs or named scenarios
+    (``hot``, ``hot_copies``, ``relay``, ``popular``), run one after another."""
     # the clients' class lives in this checkout's tests/: its workers import it from there too
     ray.init(address=address, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     try:
         results = {}
+        named = {"hot": hot_prefix_scenario, "hot_copies": hot_copies_scenario, "relay": relay_scenario,
+                 "popular": popular_scenario}
         for name in scenarios.split(","):
-            if name == "hot":
-                results[name] = hot_prefix_scenario()
-                continue
-            if name == "hot_copies":
-                results[name] = hot_copies_scenario()
-                continue
-            if name == "popular":
-                results[name] = popular_scenario()
+            if name in named:
+                results[name] = named[name]()
                 continue
             placement, replication = name.split(":")
             results[name] = scenario(placement, int(replication))

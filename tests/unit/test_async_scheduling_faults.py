@@ -11,7 +11,7 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tests.support.faulty_pools import BrokenPosts, HungLoads
+from tests.support.faulty_pools import BrokenPosts, hung_loads
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.local import LocalBlockStore
@@ -158,7 +158,7 @@ def test_a_hung_pool_under_async_scheduling_does_not_loop(store, model_dir):
     p = prompt(16 * 128)
     _written(store, model_dir, p, config=cfg)
 
-    b = _async(store, model_dir, config=cfg, pool_connections=HungLoads)
+    b = _async(store, model_dir, config=cfg, pool_connections=hung_loads())
     r = b.add("B", p + prompt(1024, seed=77), max_tokens=4)
     _steps(b, r, 40)
     stats = b.stats()

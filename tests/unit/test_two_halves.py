@@ -17,7 +17,7 @@ import pytest
 from vllm.config import ParallelConfig
 
 from tests.support import ROOT
-from tests.support.faulty_pools import BrokenPosts, HungLoads
+from tests.support.faulty_pools import BrokenPosts, hung_loads
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.published_reader import IndexReaders
@@ -258,20 +258,24 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
 
 
 def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, model_dir):
+    """Every layer's load waits for the hung pool, all within the step's one deadline: the
+    timeouts the worker gave the pool add up to one ``transfer_timeout_s`` (two layers each
+    given the whole timeout would add up to twice it). Counted, not timed: a loaded host makes
+    the step slower, not the sum larger (each wait sleeps its timeout out, so a later layer's
+    timeout is what is left of the step's)."""
     cfg = UcmRayConfig(transfer_timeout_s=0.5)
     a = make_engine(store.client(), model_dir, config=cfg)
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
 
-    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=HungLoads)
-    started = time.monotonic()
+    hung = hung_loads()
+    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=hung)
     b.serve("B", p + prompt(1024, seed=77))  # a long new part: the hit is loaded layer by layer
-    took = time.monotonic() - started
     assert b.wrong_blocks == 0 and b.failed_loads == 16
     assert store.suspected, "a pool whose transfers fail is reported to the store as suspect"
-    # Two layers each waiting the whole timeout would take >= 1.0 s in the loading step alone.
-    assert took < 0.9, f"the loading step took {took:.2f} s"
+    assert len(hung.waited) >= 2, "each of the two layers waits for its hung load"
+    assert 0 < sum(hung.waited) <= cfg.transfer_timeout_s, hung.waited
 
 
 def test_load_failure_policy_fail_is_refused_at_start_up(store, model_dir):
@@ -946,10 +950,15 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
     than the request). vLLM keeps the finished request's blocks (``request_finished`` says so)
     and frees them once a later step saved them: nothing is dropped. (Before, the blocks were
     freed at the end of the request, and every save without a slot was lost: a flaky miss on
-    another engine.)"""
+    another engine.)
+
+    The hold lasts ``HOLD_S`` of the scheduler's clock, frozen here: on the host's time, a box
+    slow enough that the steps below took longer than that dropped the saves, as it should, and
+    failed the test."""
     for shard in ("local_shard_0", "local_shard_1"):
         store.set_answering(shard, False)
     a = make_engine(store.client(), model_dir)
+    a.clock.freeze()
     a.run(a.add("A", prompt(2048), max_tokens=1))
     for _ in range(3):  # steps that still find no slot: each block waits, counted once
         a.step()
