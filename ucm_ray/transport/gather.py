@@ -147,8 +147,8 @@ def _spans_of(buffers: Sequence[torch.Tensor], line: int) -> _Spans:
     """``_Spans(buffers, line)``, made once per buffer set (by device, address and size: a view
     of a span owns nothing, so equal keys are the same memory). Safe beside another thread
     doing the same: the worst is a set's spans made twice."""
-    key = (line, buffers[0].device if buffers else None, tuple(b.data_ptr() for b in buffers),
-           tuple(b.numel() for b in buffers))
+    key = (line, buffers[0].device if buffers else None, tuple(map(torch.Tensor.data_ptr, buffers)),
+           tuple(map(torch.Tensor.numel, buffers)))
     spans = _recent_spans.pop(key, None)
     if spans is None:
         spans = _Spans(buffers, line)
@@ -241,10 +241,13 @@ class GatherPlan:
         # staging batches: rows of one part and one span, at most ``limit`` of them
         batch_first = _batch_starts(group_first, total, limit)
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
-        begins_batch: np.ndarray = np.zeros(total, dtype=bool)
-        begins_batch[batch_first] = True
-        breaks = begins_batch.copy()
-        breaks[1:] |= pooled[1:] - pooled[:-1] != 1
+        begins_batch: np.ndarray | None = None  # None: one batch, beginning at row 0
+        breaks = np.ones(total, dtype=bool)
+        np.not_equal(pooled[1:] - pooled[:-1], 1, out=breaks[1:])
+        if len(batch_first) > 1:
+            begins_batch = np.zeros(total, dtype=bool)
+            begins_batch[batch_first] = True
+            breaks |= begins_batch
         stretch_first = np.flatnonzero(breaks)
         widths = np.diff(stretch_first, append=total)
         starts = pooled[stretch_first]
@@ -252,7 +255,8 @@ class GatherPlan:
         dma = host_pool is not None and (not on_gpu or has_copy_rows())
         self._copy_rows = copy_rows if on_gpu else _memmove_rows
         self._stream = torch.cuda.current_stream(ranges.device).cuda_stream if ranges.device.type == "cuda" else 0
-        first = strip_starts(starts, widths, line, apart=begins_batch[stretch_first[1:]])
+        first = strip_starts(starts, widths, line,
+                             apart=None if begins_batch is None else begins_batch[stretch_first[1:]])
         heights = np.diff(first, append=len(starts))
         pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
         strip_at = stretch_first[first]  # the row where each strip begins
