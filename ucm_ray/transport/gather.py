@@ -242,7 +242,7 @@ class GatherPlan:
         batch_first = _batch_starts(group_first, total, limit)
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
         begins_batch: np.ndarray | None = None  # None: one batch, beginning at row 0
-        breaks = np.ones(total, dtype=bool)
+        breaks: np.ndarray = np.ones(total, dtype=bool)
         np.not_equal(pooled[1:] - pooled[:-1], 1, out=breaks[1:])
         if len(batch_first) > 1:
             begins_batch = np.zeros(total, dtype=bool)
