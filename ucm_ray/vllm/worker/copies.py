@@ -166,7 +166,7 @@ class Copier:
         if write or len(parts[0]) < 2:
             return None
         repeated = self.caches.repeated_ranges([(layer,) for layer in parts[0]], entries)
-        if repeated is None or min(len(r.template) for r in repeated.values()) < REPEAT_AT_ONCE_RANGES:
+        if repeated is None or min((len(r.template) for r in repeated.values()), default=0) < REPEAT_AT_ONCE_RANGES:
             return None
         return repeated
 
