@@ -22,6 +22,11 @@ Each child also counts, in a probe outside the timing, the calls one post makes
 copy calls; on CPU a post is ``GatherPlan.move``), and on CUDA times the worker's own
 ``Copier.post_by_pool`` for the same step (``worker_ms``: ranges, prepare and every post).
 
+``--at-once`` (with ``--load``): a load of every layer before the forward instead (one part of
+every layer, as ``start_load_kv`` posts loads that cannot wait for layer hooks); since stop 59
+planned as one layer's ranges repeated and posted whole where its layer's ranges reach
+``copies.REPEAT_AT_ONCE_RANGES``, before it (or below that) as every layer's ranges.
+
 ``--baseline PATH`` times another checkout's code in the same run (each in its own process,
 rounds alternating) and prints ``save_plan_vs_baseline=<ratio>`` (ranges, prepare and posts
 together) and a ratio per stage (``ranges_vs_baseline``, ``prepare_vs_baseline``, on CUDA
@@ -65,7 +70,7 @@ def _aligned(device: str, *shape: int):
 
 
 def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", shape: str = "1b",
-               load: bool = False) -> dict[str, float]:
+               load: bool = False, at_once: bool = False) -> dict[str, float]:
     """Median ms of the save's ranges (``post_by_pool``'s part), and of the shm transport's
     ``prepare`` on them (the range check and the gather plan), over ``repeat`` plans; on CUDA
     also of posting them (``post_ms``)."""
@@ -92,8 +97,11 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
     # a save: every layer as one part, ranges entry by entry; a load: a part per layer, posted
     # layer by layer (``StepLoads._post_by_layer``): since stop 58 one layer's ranges repeated
     # (``KvCaches.repeated_ranges``), before it every layer's ranges layer by layer
-    parts = [((0, index),) for _, index in every] if load else [every]
-    repeats = load and hasattr(caches, "repeated_ranges")
+    layers = [((0, index),) for _, index in every]
+    parts = layers if load and not at_once else [every]
+    repeats = load and hasattr(caches, "repeated_ranges") and \
+        (not at_once or _repeated_at_once(caches, layers, entries))
+    moves = len(layers) if repeats else len(parts)  # the plan's parts (a repeated load at once: a layer each)
     transport, pool = _pool((count + 8) * entry, device)
     ranges_s, plan_s, post_s = [], [], []
     plans = []
@@ -101,10 +109,10 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
         for _ in range(repeat):
             started = time.perf_counter()
             if repeats:
-                ranges = caches.repeated_ranges(parts, entries)[("shard-0", 1)]
+                ranges = caches.repeated_ranges(layers, entries)[("shard-0", 1)]
                 ends = ranges.ends()
             else:
-                ranges = caches.ranges(Batch(every, entries), by_entry=not load)[("shard-0", 1)]
+                ranges = caches.ranges(Batch(every, entries), by_entry=not load or at_once)[("shard-0", 1)]
                 ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], parts)).tolist()
             planned = time.perf_counter()
             if transport is None:
@@ -126,8 +134,8 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
             plan_s.append(done - planned)
             post_s.append(posted - done)
             del plans[:-1]
-        calls = _calls_per_post(plans[-1], len(parts), load)
-        worker_ms = _worker_ms(caches, entries, parts, transport, repeat) if transport is not None else 0.0
+        calls = _calls_per_post(plans[-1], len(parts), moves, load)
+        worker_ms = _worker_ms(caches, entries, parts, transport, repeat, load) if transport is not None else 0.0
     finally:
         if transport is not None:
             transport.close()
@@ -135,7 +143,17 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
             "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges), "worker_ms": worker_ms, **calls}
 
 
-def _calls_per_post(prepared, parts: int, load: bool) -> dict[str, float]:
+def _repeated_at_once(caches, layers, entries) -> bool:
+    """Whether the checkout's worker plans this load at once as one layer's ranges repeated
+    (``copies.REPEAT_AT_ONCE_RANGES``, stop 59; none before)."""
+    from ucm_ray.vllm.worker import copies
+
+    threshold = getattr(copies, "REPEAT_AT_ONCE_RANGES", None)
+    repeated = caches.repeated_ranges(layers, entries) if threshold is not None else None
+    return repeated is not None and min(len(r.template) for r in repeated.values()) >= threshold
+
+
+def _calls_per_post(prepared, parts: int, moves: int, load: bool) -> dict[str, float]:
     """A probe (benchmark only): per posted part, the torch calls (functions and tensor methods,
     through a ``TorchFunctionMode``), the CUDA stream and event calls, and the DMA copy calls
     (the CUDA runtime's, or their CPU stand-in) that a post makes, on a plan already made. On
@@ -166,7 +184,7 @@ def _calls_per_post(prepared, parts: int, load: bool) -> dict[str, float]:
             if hasattr(prepared, "post"):
                 _post_all(prepared, parts)
             else:
-                for part in range(parts):
+                for part in range(moves):
                     prepared.move(part, to_pool=not load)
     finally:
         for owner, name, original in reversed(patched):
@@ -178,8 +196,11 @@ def _calls_per_post(prepared, parts: int, load: bool) -> dict[str, float]:
 
 def _post_all(copies, parts: int) -> None:
     """Every part posted as the worker posts one pool's parts: in one ``post_each`` since stop
-    58, one ``post`` each before."""
-    if hasattr(copies, "post_each"):
+    58, one ``post`` each before; one part whole (``post_whole``, stop 59: every layer of a
+    repeated load at once), ``post(0)`` before."""
+    if parts == 1:
+        copies.post_whole() if hasattr(copies, "post_whole") else copies.post(0)
+    elif hasattr(copies, "post_each"):
         copies.post_each(parts)
     else:
         for part in range(parts):
@@ -202,7 +223,7 @@ def _probed(plan) -> list[tuple[object, str, str]]:
                      (torch.cuda.Stream, "wait_stream", "cuda")]
 
 
-def _worker_ms(caches, entries, parts, transport, repeat: int) -> float:
+def _worker_ms(caches, entries, parts, transport, repeat: int, load: bool) -> float:
     """Median ms of the worker's own call, ``Copier.post_by_pool`` (ranges, prepare and every
     post, the same code in both checkouts), on the transport's pool."""
     import torch
@@ -219,7 +240,7 @@ def _worker_ms(caches, entries, parts, transport, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        posted = copier.post_by_pool(entries, parts, write=len(parts) == 1)
+        posted = copier.post_by_pool(entries, parts, write=not load)
         times.append(time.perf_counter() - started)
         assert not any(p.failed or p.failed_pools for p in posted), "the worker's copies failed: see its log"
         torch.cuda.synchronize()
@@ -248,14 +269,14 @@ def _pool(nbytes: int, device: str):
 
 
 def run_in(checkout: str, requests: int, blocks: int, repeat: int, device: str, shape: str,
-           load: bool) -> dict[str, float]:
+           load: bool, at_once: bool) -> dict[str, float]:
     """``time_plans`` in a fresh process importing ``checkout``'s ``ucm_ray`` (this file run as
     a script: its own directory first on the path, then only ``checkout``)."""
     # the checkout first, then whatever the path held (on the GPU machine: the bundle's vLLM)
     path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--requests", str(requests),
                           "--blocks", str(blocks), "--repeat", str(repeat), "--device", device, "--shape", shape]
-                         + (["--load"] if load else []),
+                         + (["--load"] if load else []) + (["--at-once"] if at_once else []),
                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"save_plan in {checkout} failed:\n{out.stderr[-4000:]}")
@@ -272,10 +293,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the worker's path on a GPU (see above)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--load", action="store_true", help="a load posted layer by layer instead of a save")
+    ap.add_argument("--at-once", action="store_true", help="with --load: every layer at once, before the forward")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat, args.device, args.shape, args.load)))
+        print(json.dumps(time_plans(args.requests, args.blocks, args.repeat, args.device, args.shape, args.load,
+                                    args.at_once)))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -283,7 +306,8 @@ def main() -> None:
     got: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for _ in range(args.rounds):
         for name, path in checkouts.items():
-            got[name].append(run_in(path, args.requests, args.blocks, args.repeat, args.device, args.shape, args.load))
+            got[name].append(run_in(path, args.requests, args.blocks, args.repeat, args.device, args.shape, args.load,
+                                    args.at_once))
             log.info("%s: %s", name, got[name][-1])
     figures: dict[str, float] = {}
     for name, runs in got.items():

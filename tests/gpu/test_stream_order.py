@@ -136,16 +136,20 @@ def compute_stream(kind: str) -> torch.cuda.Stream:
     return torch.cuda.Stream() if kind == "own" else torch.cuda.default_stream()
 
 
-@pytest.fixture(params=["layers", "layers_kernels", "at_once"])
+@pytest.fixture(params=["layers", "layers_kernels", "at_once", "at_once_repeated"])
 def how(request, monkeypatch) -> str:
     """How a load moves: ``layers`` (layer by layer, a layer's ranges an entry apart: one strided
     copy each), ``layers_kernels`` (the same parts by gather kernels, as where the CUDA runtime
-    has no strided copy) or ``at_once`` (every layer before the forward: entries side by side in
-    the pool, one copy)."""
+    has no strided copy), ``at_once`` (every layer before the forward: entries side by side in
+    the pool, one copy) or ``at_once_repeated`` (the same load as one layer's ranges repeated,
+    every layer's copies posted as one transfer: a load at once of many blocks)."""
+    from ucm_ray.vllm.worker import copies
+
     if request.param == "layers_kernels":
         from ucm_ray.transport import gather
 
         monkeypatch.setattr(gather, "DMA_COPY_BYTES", 1 << 62)
+    monkeypatch.setattr(copies, "REPEAT_AT_ONCE_RANGES", 1 if request.param == "at_once_repeated" else 1 << 40)
     return request.param
 
 
@@ -154,7 +158,7 @@ def load_job(desc, how: str = "layers"):
     from ucm_ray.vllm.metadata import BlockLoads, LoadJob
 
     return LoadJob(1, "req", BlockLoads.of([(0, i, location(desc, i), b"") for i in range(N)]),
-                   complete_in_start=how == "at_once")
+                   complete_in_start=how.startswith("at_once"))
 
 
 @pytest.mark.parametrize("stream", ["own", "default"])

@@ -18,6 +18,7 @@ from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.transport.shm import SharedPool
 from ucm_ray.vllm.layout import base_buffers, build_layouts
 from ucm_ray.vllm.stats import UcmRayStats
+from ucm_ray.vllm.worker import copies
 from ucm_ray.vllm.worker.copies import Copier
 from ucm_ray.vllm.worker.plan import Entries, KvCaches
 
@@ -36,8 +37,13 @@ def _caches(alike: bool) -> KvCaches:
                     {layer.name: at[layer.storage_address] for layer in layouts[0].layers}, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("how", ["layers", "at_once", "at_once_few"])
 @pytest.mark.parametrize("alike", [True, False])
-def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, monkeypatch):
+def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, how, monkeypatch):
+    """``how``: posted layer by layer; at once with one layer's ranges at least
+    ``REPEAT_AT_ONCE_RANGES`` (one layer's ranges repeated, every layer in one transfer); at
+    once with fewer (every layer's ranges)."""
+    monkeypatch.setattr(copies, "REPEAT_AT_ONCE_RANGES", 1 if how == "at_once" else 1 << 20)
     caches = _caches(alike)
     layout = caches.layouts[0]
     slots = [0, 1, 2, 5, 6, 9]
@@ -59,10 +65,13 @@ def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, monkeypatch):
     try:
         entries = {key: {0: Entries(blocks, offsets, [])}}
         parts = [((0, index),) for index in range(LAYERS)]
-        posted = copier.post_by_pool(entries, parts, write=False)
-        assert isinstance(seen[0], RepeatedRanges) == alike
-        for layer, out in enumerate(posted):
+        posted = copier.post_by_pool(entries, parts if how == "layers" else [tuple(layer for (layer,) in parts)],
+                                     write=False)
+        assert isinstance(seen[0], RepeatedRanges) == (alike and how != "at_once_few")
+        assert len(posted) == (LAYERS if how == "layers" else 1)
+        for out in posted:
             assert not copier.wait(out, deadline=float("inf")) and not out.failed
+        for layer in range(LAYERS):
             for block, offset in zip(blocks.tolist(), offsets.tolist()):
                 at = offset + layout.layer_offset(layer)
                 got = torch.cat([s for s in layout.layers[layer].segments(block)])

@@ -240,6 +240,31 @@ def test_strips_are_runs_of_one_width_at_one_pitch(starts, widths, strips):
     assert got.tolist() == strips
 
 
+def test_the_one_strip_shortcut_agrees_with_the_general_rule(monkeypatch):
+    """Stretches of one width at one pitch (a load's layer of entries in adjacent slots) are one
+    strip without the general rule's ~20 numpy calls; wherever the shortcut answers, and wherever
+    it does not, the strips are what the general rule makes (random stretches, ``apart`` or not)."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for _ in range(400):
+        count = int(rng.integers(2, 12))
+        width = int(rng.integers(1, 4))
+        pitch = int(rng.choice([width, width + 1, 4 * width, 1 << 18]))
+        starts = pitch * np.arange(count, dtype=np.int64)
+        widths = np.full(count, width, dtype=np.int64)
+        if rng.random() < 0.5:  # break the uniformity somewhere
+            at = int(rng.integers(0, count))
+            widths[at] += int(rng.integers(0, 2))
+            starts[at:] += int(rng.integers(0, 3))
+        apart = rng.random(count - 1) < 0.1 if rng.random() < 0.3 else None
+        line = int(rng.choice([1024, 4096, 8192]))
+        cases.append((starts, widths, line, apart))
+    fast = [strip_starts(*case).tolist() for case in cases]
+    monkeypatch.setattr(gather, "_one_strip", lambda *_: False)
+    assert fast == [strip_starts(*case).tolist() for case in cases]
+    assert sum(got == [0] for got in fast) > 50  # the shortcut was taken often
+
+
 def test_strips_respect_the_pitch_limit_and_narrow_rows():
     starts, widths = np.asarray([0, 1 << 18, 2 << 18]), np.asarray([1, 1, 1])
     assert strip_starts(starts, widths, 4096).tolist() == [0]  # 1 GiB apart
@@ -346,6 +371,7 @@ def test_a_load_layer_by_layer_is_planned_once_for_every_layer_and_lands_exactly
         plan = GatherPlan.build_repeated(mapped, _repeated(back, slots, blocks), host_pool=pool)
         assert plan is not None and plan.indexed_rows == len(slots)
         assert all(plan.staged(part) == (dma_bytes < 1 << 40) for part in range(LAYERS))
+        assert (plan._pool is None) == (dma_bytes < 1 << 40), "pool rows made only for the kernels"
         plan.move(2, to_pool=False)  # one layer: only its ranges land
         _expect(pool, back, [row for row in rows if row[0] == 2], to_pool=False)
         assert sum(int(b.count_nonzero()) for b in back) == len(slots) * SEGMENT

@@ -261,7 +261,15 @@ class PreparedCopies:
         return [self.post(part) for part in range(parts)]
 
     def post(self, part: int) -> Transfer:
-        batch = self._ranges.slice(self._bounds[part], self._bounds[part + 1])
+        return self._post_slice(self._bounds[part], self._bounds[part + 1])
+
+    def post_whole(self) -> Transfer:
+        """Every part as one transfer: a step's one part, or a load at once planned as one
+        layer's ranges repeated (every layer posted, one transfer to wait for)."""
+        return self._post_slice(0, self._bounds[-1])
+
+    def _post_slice(self, start: int, end: int) -> Transfer:
+        batch = self._ranges.slice(start, end)
         if not len(batch):
             return CompletedTransfer()
         return self._transport.write(batch) if self._to_pool else self._transport.read(batch)

@@ -147,8 +147,8 @@ def _spans_of(buffers: Sequence[torch.Tensor], line: int) -> _Spans:
     """``_Spans(buffers, line)``, made once per buffer set (by device, address and size: a view
     of a span owns nothing, so equal keys are the same memory). Safe beside another thread
     doing the same: the worst is a set's spans made twice."""
-    key = (line, buffers[0].device if buffers else None, tuple(b.data_ptr() for b in buffers),
-           tuple(b.numel() for b in buffers))
+    key = (line, buffers[0].device if buffers else None, tuple(map(torch.Tensor.data_ptr, buffers)),
+           tuple(map(torch.Tensor.numel, buffers)))
     spans = _recent_spans.pop(key, None)
     if spans is None:
         spans = _Spans(buffers, line)
@@ -196,7 +196,6 @@ class GatherPlan:
         if not len(ends) or ends[-1] != len(ranges):
             raise ValueError(f"part ends {list(ends)[-3:]} must end at the last of the {len(ranges)} ranges")
         self._line = line
-        self._pool = _as_rows(pool, line)
         self._host_address = host_pool.data_ptr() if host_pool is not None else 0
         self._buffers = ranges.buffers  # the spans' views own nothing: these keep the memory alive
         self._spans = _spans_of(ranges.buffers, line) if spans is None else spans
@@ -242,35 +241,55 @@ class GatherPlan:
         # staging batches: rows of one part and one span, at most ``limit`` of them
         batch_first = _batch_starts(group_first, total, limit)
         # stretches: adjacent pool rows within a batch; strips: copies of stretches
-        begins_batch: np.ndarray = np.zeros(total, dtype=bool)
-        begins_batch[batch_first] = True
-        breaks = begins_batch.copy()
-        breaks[1:] |= pooled[1:] - pooled[:-1] != 1
+        begins_batch: np.ndarray | None = None  # None: one batch, beginning at row 0
+        breaks: np.ndarray = np.ones(total, dtype=bool)
+        np.not_equal(pooled[1:] - pooled[:-1], 1, out=breaks[1:])
+        if len(batch_first) > 1:
+            begins_batch = np.zeros(total, dtype=bool)
+            begins_batch[batch_first] = True
+            breaks |= begins_batch
         stretch_first = np.flatnonzero(breaks)
-        widths = np.diff(np.append(stretch_first, total))
+        widths = np.diff(stretch_first, append=total)
         starts = pooled[stretch_first]
         on_gpu = pool.is_cuda or ranges.device.type == "cuda"
         dma = host_pool is not None and (not on_gpu or has_copy_rows())
         self._copy_rows = copy_rows if on_gpu else _memmove_rows
         self._stream = torch.cuda.current_stream(ranges.device).cuda_stream if ranges.device.type == "cuda" else 0
-        first = strip_starts(starts, widths, line, apart=begins_batch[stretch_first[1:]])
-        heights = np.diff(np.append(first, len(starts)))
+        first = strip_starts(starts, widths, line,
+                             apart=None if begins_batch is None else begins_batch[stretch_first[1:]])
+        heights = np.diff(first, append=len(starts))
         pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
         strip_at = stretch_first[first]  # the row where each strip begins
-        part_at = np.searchsorted(part_rows, np.arange(len(ends) + 1))  # where each part's rows begin
-        strips_in = np.diff(np.searchsorted(strip_at, part_at))
-        staged = (np.diff(part_at) >= max(1, DMA_COPY_BYTES // line) * strips_in) & dma
+        per_strip = max(1, DMA_COPY_BYTES // line)  # rows a copy must move on average
+        staged: list[bool]
+        if len(ends) == 1:  # one part (a save, every layer at once, a repeated part): every row and strip
+            staged = [dma and total >= per_strip * len(first)]
+        else:
+            part_at = np.searchsorted(part_rows, np.arange(len(ends) + 1))  # where each part's rows begin
+            strips_in = np.diff(np.searchsorted(strip_at, part_at))
+            staged = ((np.diff(part_at) >= per_strip * strips_in) & dma).tolist()
+        kernels = not all(staged)
+        self._pool = _as_rows(pool, line) if kernels else None
+        """The pool as rows for the gather kernels (None: every part staged, none needs it)."""
         self.indexed_rows = total
         """Rows of the index tensors uploaded: one part's when its parts repeat it."""
-        index = torch.from_numpy(np.stack([local, pooled]))
+        # the local rows always (a staged part scatters from staging by them); the pool rows
+        # only for the kernels (a staged part's pool side is its strips' addresses)
+        index = torch.from_numpy(np.stack([local, pooled]) if kernels else local)
         if pool.is_cuda:
             index = index.pin_memory().to(pool.device, non_blocking=True)
-        strip_bounds: list[int] = np.append(np.searchsorted(strip_at, batch_first), len(strip_at)).tolist()
+        strip_bounds: list[int]
+        batch_rows: list[int]
+        if len(batch_first) == 1:  # one batch (a load's layer, a save up to ``run_bytes``): every strip, row
+            strip_bounds, batch_rows = [0, len(strip_at)], [total]
+        else:
+            strip_bounds = np.append(np.searchsorted(strip_at, batch_first), len(strip_at)).tolist()
+            batch_rows = np.diff(np.append(batch_first, total)).tolist()
         strip_rows = list(zip(starts[first].tolist(), strip_at.tolist(), widths[first].tolist(), pitches.tolist(),
                               heights.tolist()))
-        batch_rows: list[int] = np.diff(np.append(batch_first, total)).tolist()
         batch_parts: list[int] = part_rows[batch_first].tolist()
-        local_rows, pool_rows = _cut(index[0], batch_first), _cut(index[1], batch_first)
+        local_rows = _cut(index[0] if kernels else index, batch_first)
+        pool_rows = _cut(index[1], batch_first) if kernels else ()
         # one staging buffer for the plan: its parts move one after another on its stream
         staged_rows = [rows for rows, part in zip(batch_rows, batch_parts) if staged[part]]
         staging = self._spans.views[0].new_empty((max(staged_rows), line // WORD)) if staged_rows else None
@@ -282,7 +301,8 @@ class GatherPlan:
                 continue
             assert staging is not None
             address = staging.data_ptr()
-            self._parts[part].append(_Staged(span, local_rows[batch], staging[:batch_rows[batch]], [
+            rows_in = staging if len(staging) == batch_rows[batch] else staging[:batch_rows[batch]]
+            self._parts[part].append(_Staged(span, local_rows[batch], rows_in, [
                 (address + (row - at) * line, pool_row * line, pitch * line, rows * line, height)
                 for pool_row, row, rows, pitch, height in strip_rows[strip_bounds[batch]:strip_bounds[batch + 1]]]))
 
@@ -334,6 +354,7 @@ class GatherPlan:
         for step in steps:
             rows = self._spans.views[step.span] if local is None else local
             if isinstance(step, _Kernels):
+                assert self._pool is not None  # made for any plan with kernels
                 pool = self._pool[pool_base:] if pool_base else self._pool
                 if to_pool:
                     pool.index_copy_(0, step.pool_rows, rows.index_select(0, step.local_rows))
@@ -419,6 +440,8 @@ def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, apart: np.nd
     if count < 2:
         return np.arange(count)
     pitch = np.diff(starts)
+    if _one_strip(pitch, widths, line) and (apart is None or not apart.any()):
+        return np.zeros(1, dtype=np.int64)  # a load's layer of entries in adjacent slots: ~20 numpy calls spared
     link = ((widths[1:] == widths[:-1]) & (pitch >= widths[:-1]) & (pitch * line <= MAX_PITCH)
             & (widths[:-1] * line >= MIN_STRIDED_ROW))
     if apart is not None:
@@ -431,3 +454,11 @@ def strip_starts(starts: np.ndarray, widths: np.ndarray, line: int, apart: np.nd
     keep = link.copy()
     keep[np.where(run_length[run_of[meet - 1]] == 1, meet - 1, meet)] = False
     return np.concatenate([[0], np.flatnonzero(~keep) + 1])
+
+
+def _one_strip(pitch: np.ndarray, widths: np.ndarray, line: int) -> bool:
+    """Whether stretches of these ``widths`` (rows), ``pitch`` apart, are one strided copy:
+    one width, one pitch, within the copy's limits (``strip_starts``'s links, every one kept)."""
+    step, width = int(pitch[0]), int(widths[0])
+    return (step >= width and step * line <= MAX_PITCH and width * line >= MIN_STRIDED_ROW
+            and bool((pitch == step).all()) and bool((widths == width).all()))

@@ -129,9 +129,10 @@ class PoolConnections:
             return None
 
     @staticmethod
-    def post_part(prepared: Mapping[PoolKey, PreparedCopies | None], part: int, *,
+    def post_part(prepared: Mapping[PoolKey, PreparedCopies | None], part: int | None, *,
                   write: bool) -> tuple[list[tuple[PoolKey, Transfer]], set[PoolKey]]:
-        """``post`` for prepared copies: part ``part`` of each pool's. Never raises."""
+        """``post`` for prepared copies: part ``part`` of each pool's (None: every part of it as
+        one transfer, ``post_whole``). Never raises."""
         posted: list[tuple[PoolKey, Transfer]] = []
         failed: set[PoolKey] = set()
         for pool, copies in prepared.items():
@@ -139,7 +140,7 @@ class PoolConnections:
                 failed.add(pool)
                 continue
             try:
-                posted.append((pool, copies.post(part)))
+                posted.append((pool, copies.post(part) if part is not None else copies.post_whole()))
             except Exception as e:  # noqa: BLE001 -- as in ``post``
                 _not_started(write, pool, e)
                 failed.add(pool)

@@ -186,23 +186,30 @@ class _CudaCopies(PreparedCopies):
 
     def post(self, part: int) -> Transfer:
         with _queued_on(self._stream):
-            return self._queue(part)
+            return self._queue(range(part, part + 1))
 
     def post_each(self, parts: int) -> list[Transfer]:
         """Every part, the pool's stream made current once for all of them (a load posted layer
         by layer: 32 posts on one stream)."""
         with _queued_on(self._stream):
-            return [self._queue(part) for part in range(parts)]
+            return [self._queue(range(part, part + 1)) for part in range(parts)]
 
-    def _queue(self, part: int) -> Transfer:
-        """Queue part ``part`` on the pool's stream (current), then its event."""
+    def post_whole(self) -> Transfer:
+        """Every part queued, then one event (a load at once as one layer's ranges repeated:
+        32 layers' copies, one event for the step to wait for)."""
+        with _queued_on(self._stream):
+            return self._queue(range(len(self._bounds) - 1))
+
+    def _queue(self, parts: range) -> Transfer:
+        """Queue ``parts`` on the pool's stream (current), then one event after them."""
         error = None
         try:
-            if self._plan is not None:
-                self._plan.move(part, to_pool=self._to_pool)
-            else:
-                _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
-                                 to_pool=self._to_pool)
+            for part in parts:
+                if self._plan is not None:
+                    self._plan.move(part, to_pool=self._to_pool)
+                else:
+                    _copy_one_by_one(self._pool, self._ranges.slice(self._bounds[part], self._bounds[part + 1]),
+                                     to_pool=self._to_pool)
         except Exception as e:  # noqa: BLE001 -- e.g. a copy CUDA refused: what was queued is waited for first
             error = e
         event = torch.cuda.Event()
