@@ -181,7 +181,7 @@ def test_a_row_names_its_first_copies_one_by_one_then_as_they_double_up_to_the_b
     """Issue 40, stop 59: each change of a hot row is pushed to every engine (999 messages at 1,000
     nodes), and a row named each copy announced: up to 100 changes a row to reach the copy bound.
     Past ``COPIES_ONE_BY_ONE`` pools the copies wait until they double the row or fill the bound:
-    1, 2, 3, 4, 8, 16, 32, 64, 100 pools, 8 changes, every copy named in the end."""
+    1, 2, 3, 4, 8, 16, 32, 64, 100 pools, 8 changes, every copy named once the bound is full."""
     table = HotPrefixTable()
     hot = b"hot"
     table.add({hot: (POOL_A,)})
