@@ -42,9 +42,12 @@ RECORDED_KEYS = 1 << 17
 """Keys of recent lookups a root's owner remembers for a handover (~9 MiB of key objects): a
 family whose writer's lookup aged out of them is a miss once for other nodes when its prefix
 becomes hot, as before handovers."""
-ASKERS_MIN = 2
+ASKERS_MIN = SESSIONS
 """Distinct asking nodes that make a root hot within a window whatever its asks (with ``ASKERS_SHARE``):
-how many nodes share a prefix does not depend on each node's request rate, as the asks do."""
+how many nodes share a prefix does not depend on each node's request rate, as the asks do. At
+least ``SESSIONS``: the askers' families compared (``shared_prefix``) then come from as many
+different nodes (with 2, a chat one other node read twice became a hot prefix on three nodes:
+``tests/integration/test_writer_local.py``; the simulation's figures hold, docs/scaling.md, stop 59)."""
 ASKERS_SHARE = 0.02
 """... or this share of the fleet's nodes, if more: ``askers_needed``. At 1,000 nodes 20 (the
 simulation's best hot spot at 1,000 nodes with ``hot_prefix_asks`` kept for a sticky router's one
