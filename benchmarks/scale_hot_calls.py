@@ -102,6 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hot-copies", default=DesignParams.hot_copies, help="DesignParams.hot_copies")
     parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
                         help="DesignParams.learn_asks (the package's hot_prefix_asks)")
+    parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
+                        help="DesignParams.learn_askers (the package's ASKERS_MIN; 0 with --learn-askers-share 0: off)")
+    parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
+                        help="DesignParams.learn_askers_share (the package's ASKERS_SHARE)")
+    parser.add_argument("--push-growth", type=float, default=DesignParams.push_growth,
+                        help="DesignParams.push_growth (the package's COPIES_GROWTH; 1: through stop 58)")
+    parser.add_argument("--push-every", type=int, default=DesignParams.push_every,
+                        help="DesignParams.push_every (0: the package's COPIES_PUSH_S; 1: through stop 58)")
     parser.add_argument("--announced-pools", type=int, default=0, help="DesignParams.announced_pools")
     parser.add_argument("--no-relay", dest="relay", action="store_false",
                         help="not DesignParams.relay_announcements (the package's relay_hot_copies: false)")
@@ -115,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                                               learn_scan_blocks=args.learn_scan_blocks,
                                               announce_share=args.announce_share,
                                               hot_copies=args.hot_copies, peer_probes=args.peer_probes,
-                                              learn_asks=args.learn_asks,
+                                              learn_asks=args.learn_asks, learn_askers=args.learn_askers,
+                                              learn_askers_share=args.learn_askers_share,
+                                              push_growth=args.push_growth, push_every=args.push_every,
                                               announced_pools=args.announced_pools,
                                               relay_announcements=args.relay,
                                               relay_stewards=args.relay_stewards, relay_every=args.relay_every))
@@ -135,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"hit {100 * hit:.2f}% bytes hot {served.max() / served.mean():.2f} calls p99 "
           f"{np.percentile(row.lookup_calls, 99):.0f} idx msgs a request {row.index_msgs / len(requests):.1f}")
     order = np.argsort(calls)[::-1][:5]
+    unpushed = calls - design.by_kind["push"]
+    print(f"without pushes: mean calls a node {unpushed.mean():.2f}, hottest node {int(unpushed.argmax())} "
+          f"{unpushed.max() / unpushed.mean():.2f}x the mean ({unpushed.max():.0f} calls)")
     print("top nodes x mean:", " ".join(f"{int(n)}:{calls[n] / mean:.1f}" for n in order))
     for node in order[:3]:
         families = design.by_family[int(node)].most_common(6)

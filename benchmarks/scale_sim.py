@@ -137,10 +137,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): how a hot prefix's copies are found (DesignParams.hot_copies)")
     parser.add_argument("--peer-probes", type=int, default=0,
                         help="(k), unregistered: peers tried per hot block before the table's pools")
-    parser.add_argument("--push-growth", type=float, default=1.0,
+    parser.add_argument("--push-growth", type=float, default=DesignParams.push_growth,
                         help="(k), --hot-copies pushed: a block's announced pools are pushed at this many "
-                             "times those the table names (1: every window)")
-    parser.add_argument("--push-every", type=int, default=1, help="(k), --hot-copies pushed: windows between pushes")
+                             "times those the table names or at its copy bound (default: the package's "
+                             "COPIES_GROWTH, a doubling; 1: every push, through stop 58)")
+    parser.add_argument("--push-every", type=int, default=DesignParams.push_every,
+                        help="(k), --hot-copies pushed: windows between pushes (default 0: the package's "
+                             "COPIES_PUSH_S, 2 windows at 1,000 nodes; 1 through stop 58)")
     parser.add_argument("--announce-share", action="store_true",
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
     parser.add_argument("--no-relay-announcements", dest="relay_announcements", action="store_false",
@@ -161,9 +164,11 @@ def main(argv: list[str] | None = None) -> None:
                              "package's hot_prefix_asks; 8 through stop 57)")
     parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
                         help="(h)-(k): a root asked by this many distinct nodes in --learn-window becomes hot, "
-                             "as one asked --learn-asks times does (--learn-asks 0: by askers alone; 0: off)")
+                             "as one asked --learn-asks times does (--learn-asks 0: by askers alone; 0 with "
+                             "--learn-askers-share 0: off, through stop 58; default: the package's ASKERS_MIN)")
     parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
-                        help="(h)-(k): distinct askers needed: at least this share of the fleet's nodes (rounded up)")
+                        help="(h)-(k): distinct askers needed: at least this share of the fleet's nodes (rounded "
+                             "up; default: the package's ASKERS_SHARE)")
     parser.add_argument("--learn-scan-blocks", type=int, default=DesignParams.learn_scan_blocks,
                         help="(h)-(k): blocks past its root a lookup shows the root's owner (default: the "
                              "package's SCAN_BLOCKS; 8,192 tokens through stop 57)")

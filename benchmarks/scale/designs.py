@@ -28,7 +28,17 @@ from benchmarks.scale.metrics import INDEX_ENTRY_BYTES, DesignStats, RequestTall
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, WorkloadSpec
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.hot_copy_relay import HotCopyRelay, steward_key
-from ucm_ray.store.hot_prefixes import SCAN_BLOCKS, WINDOW_S, shared_prefix
+from ucm_ray.store.hot_prefixes import (
+    ASKERS_MIN,
+    ASKERS_SHARE,
+    COPIES_GROWTH,
+    COPIES_PUSH_S,
+    MAX_ASKERS,
+    SCAN_BLOCKS,
+    WINDOW_S,
+    copies_due,
+    shared_prefix,
+)
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 from ucm_ray.store.shard.remote_reads import MAX_READERS
 
@@ -92,15 +102,18 @@ class DesignParams:
     its copies batched) while the table names fewer pools for it than the copy bound; the
     directory adds the announced pools to the table and pushes only what changed (a delta, one
     message per node) at a window's end, and only once a block's announced pools reach
-    ``push_growth`` times those pushed (a doubling: a prefix's pools are pushed about
-    log2(bound) times, not every window; the package pushes each change, at most once a
-    second: ``push_growth`` 1).
+    ``push_growth`` times those pushed or the copy bound (a doubling: a prefix's pools are pushed
+    about log2(bound) times, not every window: the package's ``hot_prefixes.copies_due`` since
+    stop 59; through stop 58 the package pushed each change, at most once a second: growth 1).
     """
-    push_growth: float = 1.0
+    push_growth: float = COPIES_GROWTH
     """(k), ``hot_copies="pushed"``: a block's announced pools are pushed once they reach this many
-    times the pools the table names for it (1: every window where a copy was announced)."""
-    push_every: int = 1
-    """(k), ``hot_copies="pushed"``: windows between the directory's pushes (announcements wait)."""
+    times the pools the table names for it, or its copy bound (1: every push where a copy was
+    announced, through stop 58; ``hot_prefixes.copies_due``)."""
+    push_every: int = 0
+    """(k), ``hot_copies="pushed"``: windows between the directory's pushes (announcements wait);
+    0: the package's ``COPIES_PUSH_S`` at ``SECONDS_PER_REQUEST`` a node (``push_windows``: 2 at
+    1,000 nodes, where a window of 100 requests is 0.5 s; 1 through stop 58)."""
     announce_share: bool = False
     """(k), ``hot_copies="pushed"``: only a node whose hash with the prefix falls in one
     ``copy_nodes_per_pool``-th of the nodes announces its copy (the others keep theirs for their
@@ -195,14 +208,16 @@ class DesignParams:
     """(h)-(k): a family root asked this often within ``learn_window`` becomes hot (the package's
     ``hot_prefix_asks``; the simulation used 8 through stop 57). With ``learn_askers`` or
     ``learn_askers_share`` set, a root is hot at either count (0: by the askers' alone)."""
-    learn_askers: int = 0
+    learn_askers: int = ASKERS_MIN
     """(h)-(k): a family root becomes hot once this many distinct nodes asked it within
     ``learn_window`` (and at least ``hot_sessions`` asks came, what ``shared_prefix`` compares),
     as well as at ``learn_asks`` asks: a count that does not grow with each node's request rate
-    (stop 58, learn12). 0: counts asks only."""
-    learn_askers_share: float = 0.0
+    (stop 58, learn12; the package's ``hot_prefixes.ASKERS_MIN`` since stop 59). 0 (and a share
+    of 0): counts asks only."""
+    learn_askers_share: float = ASKERS_SHARE
     """(h)-(k): the distinct askers needed are at least this share of the fleet (rounded up):
-    ``max(learn_askers, ceil(share * nodes))``."""
+    ``min(MAX_ASKERS, max(learn_askers, ceil(share * nodes)))`` (the package's
+    ``hot_prefixes.askers_needed`` with its defaults)."""
     learn_scan_blocks: int = SCAN_BLOCKS
     """(h)-(k): blocks past its root a lookup shows the root's owner (the package's ``SCAN_BLOCKS``;
     the simulation used 8,192 tokens through stop 57: 64 blocks at block 128, 512 at 16)."""
@@ -757,7 +772,8 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         self._askers: defaultdict[bytes, set[int]] = defaultdict(set)
         """Per root, the distinct nodes that asked it this learning window (``learn_askers``)."""
         share = math.ceil(params.learn_askers_share * cluster.nodes) if params.learn_askers_share else 0
-        self._askers_needed = max(params.learn_askers, share)
+        needed = max(params.learn_askers, share)
+        self._askers_needed = min(MAX_ASKERS, needed) if needed else 0
         self._prefixes: dict[bytes, list[list[bytes]]] = defaultdict(list)
         self.hint_root: dict[bytes, bytes] = {}
         """Key -> the root its hint was registered under (a reader asking another root misses it)."""
@@ -943,6 +959,13 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._hot_reader = -1
         self._hot_family = b""
 
+    def push_windows(self) -> int:
+        """Windows between the directory's pushes (``push_every``; 0: the package's pace)."""
+        if self.params.push_every:
+            return self.params.push_every
+        window_s = self.params.window * SECONDS_PER_REQUEST / self.cluster.nodes
+        return max(1, math.ceil(COPIES_PUSH_S / window_s - 1e-9))
+
     def copy_bound(self) -> int:
         """Pools a block may be held by before a reader stops copying it (0: unbounded)."""
         divisor = self.params.copy_nodes_per_pool
@@ -1105,7 +1128,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         for key, announced in list(self._announced.items()):
             listed = self.table_pools.setdefault(key, [])
             fresh = [node for node in announced if node not in listed]
-            if not fresh or len(listed) + len(fresh) < self.params.push_growth * len(listed):
+            if not fresh or not copies_due(len(listed), len(fresh), bound, self.params.push_growth):
                 continue
             listed.extend(fresh[:max(0, bound - len(listed))])
             del self._announced[key]
@@ -1161,7 +1184,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         for key in fresh:
             self.table_pools[key] = list(reversed(self.locs.get(key, [])))[:MAX_POOLS_PER_KEY]
         self._windows += 1
-        if self.params.hot_copies == "pushed" and self._windows % self.params.push_every == 0:
+        if self.params.hot_copies == "pushed" and self._windows % self.push_windows() == 0:
             if self._windows % self.params.relay_every == 0:
                 self._forward_relayed()
             self._push_announced()

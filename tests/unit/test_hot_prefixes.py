@@ -8,7 +8,10 @@ from collections import Counter
 
 from ucm_ray.store.engine.family import spread
 from ucm_ray.store.hot_prefixes import (
+    ASKERS_MIN,
+    COPIES_ONE_BY_ONE,
     DROP_LOG,
+    MAX_ASKERS,
     MAX_HOT_BLOCKS,
     NO_HOT_PREFIXES,
     REANNOUNCE_S,
@@ -21,6 +24,7 @@ from ucm_ray.store.hot_prefixes import (
     HotPrefixLearner,
     HotPrefixTable,
     PushPacer,
+    askers_needed,
 )
 from ucm_ray.testing.clock import AdvancingClock
 
@@ -71,6 +75,37 @@ def test_an_announced_root_is_counted_again_after_the_reannounce_time():
 def test_zero_asks_never_learns():
     learner = HotPrefixLearner(asks=0, clock=AdvancingClock())
     assert all(learner.observe(chat(j)) == [] for j in range(50))
+
+
+def test_a_root_many_nodes_ask_once_each_is_learned_and_one_node_asking_often_only_by_the_asks():
+    """Issue 40, stop 59: 64 asks in 10 s are out of reach of a 100-node fleet at a request every
+    5 s a node, so the system prompt every node starts with never became hot and its root's owner
+    answered every lookup (docs/scaling.md, stop 58: 22.3x the mean calls). Distinct askers do not
+    depend on the rate: 2 % of the fleet (20 at 1,000 nodes) asking once each make it hot. One node
+    asking often (a sticky router's document) is one asker: learned by the asks only."""
+    assert askers_needed(1) == ASKERS_MIN and askers_needed(1000) == 20 and askers_needed(10**6) == MAX_ASKERS
+    learner = HotPrefixLearner(asks=64, clock=AdvancingClock())
+    answers = [learner.observe(chat(j), asker=f"node-{j}", nodes=1000) for j in range(20)]
+    assert answers[:19] == [[]] * 19
+    assert answers[19] == chain("system", 0, 8)
+    # one node asking a document again and again: 63 asks are not enough, the 64th is
+    document = chain("doc", 0, 16)
+    assert all(learner.observe(document, asker="node-7", nodes=1000) == [] for _ in range(63))
+    assert learner.observe(document, asker="node-7", nodes=1000) == document
+    # the askers of one window: a new window counts from nothing
+    clock = AdvancingClock()
+    learner = HotPrefixLearner(asks=64, clock=clock)
+    for j in range(19):
+        assert learner.observe(chat(j), asker=f"node-{j}", nodes=1000) == []
+    clock.advance(WINDOW_S + 1)
+    assert learner.observe(chat(19), asker="node-19", nodes=1000) == []
+
+
+def test_the_askers_counted_per_root_are_bounded():
+    learner = HotPrefixLearner(asks=10**6, clock=AdvancingClock())
+    for j in range(500):  # one chat's turns: parts nowhere, lengths differ, never hot
+        assert learner.observe(chain("chat", 0, 4 + j % 3), asker=f"node-{j}", nodes=10**6) == []
+    assert len(learner._askers[b"chat-0"]) == MAX_ASKERS
 
 
 def test_the_table_says_when_it_changed_and_forgets_the_oldest_past_its_bound():
@@ -140,6 +175,34 @@ def test_a_copy_is_named_after_the_pools_a_row_had_up_to_the_bound_and_only_for_
     assert table.snapshot().pools[system[0]] == (POOL_A, POOL_B, POOL_C)
     assert table.remove_pool(POOL_A)  # a pool that left is named nowhere
     assert table.snapshot().pools[system[1]] == (POOL_B,)
+
+
+def test_a_row_names_its_first_copies_one_by_one_then_as_they_double_up_to_the_bound():
+    """Issue 40, stop 59: each change of a hot row is pushed to every engine (999 messages at 1,000
+    nodes), and a row named each copy announced: up to 100 changes a row to reach the copy bound.
+    Past ``COPIES_ONE_BY_ONE`` pools the copies wait until they double the row or fill the bound:
+    1, 2, 3, 4, 8, 16, 32, 64, 100 pools, 8 changes, every copy named once the bound is full."""
+    table = HotPrefixTable()
+    hot = b"hot"
+    table.add({hot: (POOL_A,)})
+    readers = [(f"reader-{i}", i) for i in range(120)]
+    sizes = []
+    for pool in readers:
+        if table.add_copies(pool, [hot], bound=100):
+            sizes.append(len(table.snapshot().pools[hot]))
+    assert sizes == [2, 3, 4, 8, 16, 32, 64, 100]
+    assert table.snapshot().pools[hot] == (POOL_A,) + tuple(readers[:99])  # in the order announced
+    assert table.copies_waiting == 0
+    # a copy waiting is forgotten with its pool when the pool leaves, and with its row
+    table.add({b"other": tuple(readers[:COPIES_ONE_BY_ONE])})
+    assert table.add_copies(POOL_B, [b"other"], bound=0) is False and table.copies_waiting == 1
+    assert table.remove_pool(POOL_B) is False and table.copies_waiting == 0
+    table.add_copies(POOL_B, [b"other"], bound=0)
+    small = HotPrefixTable(max_blocks=1)
+    small.add({b"other": tuple(readers[:COPIES_ONE_BY_ONE])})
+    small.add_copies(POOL_B, [b"other"], bound=0)
+    small.add({b"next": (POOL_A,)})
+    assert small.copies_waiting == 0
 
 
 def test_an_engine_gets_the_rows_changed_since_its_revision_and_applies_them():

@@ -29,7 +29,10 @@ from benchmarks.scale_sim import result_line
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 
 REQUESTS = 150
-FAST_LEARNING = {"learn_asks": 8, "learn_window": 0.0, "learn_scan_blocks": 64}
+ASKS_ONLY = {"learn_askers": 0, "learn_askers_share": 0.0}
+"""Hot prefixes learned by the asks alone (through stop 58): the tests of popular copies past a hot
+prefix, whose popular documents the distinct askers (since stop 59) would make hot prefixes."""
+FAST_LEARNING = {"learn_asks": 8, "learn_window": 0.0, "learn_scan_blocks": 64, **ASKS_ONLY}
 """The hot-prefix learning the simulation used through stop 57 (8 asks in a window of 100 requests
 of the fleet, 8,192 tokens scanned at block 128): the tests of what learning does run 150-600
 requests, where the package's 64 asks in 10 s (the defaults since stop 58) make nothing hot."""
@@ -240,7 +243,7 @@ def test_the_fleet_bound_caps_the_pools_a_read_block_is_copied_to() -> None:
     and one copy; unbounded, the popular document is on many), and at 10 nodes by 1 (no copies:
     copies there cost hits where pools evict, docs/scaling.md)."""
     for nodes, bound in ((20, 2), (10, 1)):
-        runs = popular_document_runs(nodes, 120, {per_pool: DesignParams(copy_nodes_per_pool=per_pool)
+        runs = popular_document_runs(nodes, 120, {per_pool: DesignParams(copy_nodes_per_pool=per_pool, **ASKS_ONLY)
                                                   for per_pool in (0, 10)})
         most = {}
         for per_pool, (cluster, design) in runs.items():
@@ -318,8 +321,8 @@ def test_a_popular_blocks_places_go_to_nodes_that_keep_copies_not_for_its_lifeti
     when no copy is registered (``held``, the package since stop 56), the places go to nodes that
     copy: more copies, every place a node holding the block, and no more places than the bound."""
     share = 0.5
-    runs = popular_document_runs(40, 200, {0: DesignParams(popular_places="lifetime", no_copy_share=share),
-                                           1: DesignParams(popular_places="held", no_copy_share=share)})
+    runs = popular_document_runs(40, 200, {0: DesignParams(popular_places="lifetime", no_copy_share=share, **ASKS_ONLY),
+                                           1: DesignParams(popular_places="held", no_copy_share=share, **ASKS_ONLY)})
     (_, lifetime), (cluster, held) = runs[0], runs[1]
     copies = {name: summarise(design.name, design.stats, Movement(0, 0, 0), None).copy_mib
               for name, design in (("lifetime", lifetime), ("held", held))}

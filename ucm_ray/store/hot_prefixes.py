@@ -11,13 +11,16 @@ table are found in the pools the table names (no call); its family root moves to
 after them, so the prompts under one system prompt spread their lookups and hints over the fleet.
 Readers' copies of a hot prefix are announced to the directory (through a steward shard that
 batches them, ``store.hot_copy_relay``), whose table then names their pools too (up to the copy
-bound); engines get the table's changes as a delta of the revision they hold (``HotPrefixDelta``),
-readers' copies at most once a second (``PushPacer``).
+bound, a row's copies named as they double, ``copies_due``); engines get the table's changes as a
+delta of the revision they hold (``HotPrefixDelta``), readers' copies at most once a second
+(``PushPacer``).
 """
 
 from __future__ import annotations
 
+import math
 import time
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +42,19 @@ RECORDED_KEYS = 1 << 17
 """Keys of recent lookups a root's owner remembers for a handover (~9 MiB of key objects): a
 family whose writer's lookup aged out of them is a miss once for other nodes when its prefix
 becomes hot, as before handovers."""
+ASKERS_MIN = SESSIONS
+"""Distinct asking nodes that make a root hot within a window whatever its asks (with ``ASKERS_SHARE``):
+how many nodes share a prefix does not depend on each node's request rate, as the asks do. At
+least ``SESSIONS``: the askers' families compared (``shared_prefix``) then come from as many
+different nodes (with 2, a chat one other node read twice became a hot prefix on three nodes:
+``tests/integration/test_writer_local.py``; the simulation's figures hold, docs/scaling.md, stop 59)."""
+ASKERS_SHARE = 0.02
+"""... or this share of the fleet's nodes, if more: ``askers_needed``. At 1,000 nodes 20 (the
+simulation's best hot spot at 1,000 nodes with ``hot_prefix_asks`` kept for a sticky router's one
+asker, docs/scaling.md, stop 58 learn12 and stop 59)."""
+MAX_ASKERS = 64
+"""A root's distinct askers counted at most (the rule's bound past 3,200 nodes): a root holds at
+most this many asker hashes in a window."""
 REANNOUNCE_S = 300.0
 """A root announced is counted again after this long: the table's pools are refreshed, and a
 restarted directory (whose table starts empty) relearns what is still hot."""
@@ -104,35 +120,51 @@ HotPrefixPush = HotPrefixes | HotPrefixDelta
 """What a membership carries: the whole table, or what changed since the engine's revision."""
 
 
+def askers_needed(nodes: int) -> int:
+    """Distinct asking nodes that make a root hot in a fleet of ``nodes`` (``ASKERS_MIN``,
+    ``ASKERS_SHARE``; at most ``MAX_ASKERS``)."""
+    return min(MAX_ASKERS, max(ASKERS_MIN, math.ceil(ASKERS_SHARE * nodes)))
+
+
 class HotPrefixLearner:
-    """At a root's owner: counts the lookups that ask it; once ``asks`` came within a window, the
-    blocks the last ``SESSIONS`` askers share from the root on are hot (``shared_prefix``) (a root announced is not
-    counted again for ``REANNOUNCE_S``)."""
+    """At a root's owner: counts the lookups that ask it and the distinct nodes that ask; once
+    ``asks`` came within a window, or ``askers_needed`` nodes asked (at least ``SESSIONS`` asks
+    either way), the blocks the last ``SESSIONS`` askers share from the root on are hot
+    (``shared_prefix``) (a root announced is not counted again for ``REANNOUNCE_S``). The asks
+    alone learn what one node asks often (a sticky router sends a document's questions to one
+    node); the askers learn what many nodes share whatever each one's request rate (64 asks in
+    10 s are out of reach of a 100-node fleet at a request every 5 s a node)."""
 
     def __init__(self, asks: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._asks = asks
         self._clock = clock
         self._window_start = clock()
         self._counts: dict[bytes, int] = {}
+        self._askers: dict[bytes, set[int]] = {}
+        """Per root asked this window, hashes of the nodes that asked (at most ``MAX_ASKERS``)."""
         self._recent: dict[bytes, deque[tuple[bytes, ...]]] = {}
         self._announced: OrderedDict[bytes, float] = OrderedDict()
         self.learned = 0
 
-    def observe(self, family: Sequence[bytes]) -> list[bytes]:
-        """A lookup asked about ``family`` (its root first, at most ``SCAN_BLOCKS`` blocks): the
-        blocks that became hot with it, in chain order (usually none)."""
+    def observe(self, family: Sequence[bytes], asker: str = "", nodes: int = 0) -> list[bytes]:
+        """A lookup asked about ``family`` (its root first, at most ``SCAN_BLOCKS`` blocks) from
+        node ``asker`` (none: counted as an ask only) of a fleet of ``nodes`` (0: the asks rule
+        only): the blocks that became hot with it, in chain order (usually none)."""
         if not self._asks or not family:
             return []
         now = self._clock()
         if now - self._window_start > WINDOW_S:
-            self._window_start, self._counts, self._recent = now, {}, {}
+            self._window_start, self._counts, self._askers, self._recent = now, {}, {}, {}
         root = family[0]
         if now - self._announced.get(root, -REANNOUNCE_S) < REANNOUNCE_S:
             return []
         count = self._counts[root] = self._counts.get(root, 0) + 1
         recent = self._recent.setdefault(root, deque(maxlen=SESSIONS))
         recent.append(tuple(family[:SCAN_BLOCKS]))
-        if count < self._asks or len(recent) < SESSIONS:
+        askers = self._askers.setdefault(root, set())
+        if asker and nodes and len(askers) < MAX_ASKERS:
+            askers.add(zlib.crc32(asker.encode()))
+        if len(recent) < SESSIONS or count < self._asks and not (nodes and len(askers) >= askers_needed(nodes)):
             return []
         hot = shared_prefix(recent)
         if not hot:
@@ -141,7 +173,7 @@ class HotPrefixLearner:
         self._announced.move_to_end(root)
         while len(self._announced) > MAX_HOT_BLOCKS:
             self._announced.popitem(last=False)
-        del self._counts[root], self._recent[root]
+        del self._counts[root], self._recent[root], self._askers[root]
         self.learned += len(hot)
         return hot
 
@@ -231,6 +263,24 @@ class PushPacer:
         self._last = self._clock()
 
 
+COPIES_GROWTH = 2
+"""A hot row naming ``COPIES_ONE_BY_ONE`` pools or more names the copies readers announced once they
+are this many times, less one, the pools it names (a doubling), or fill its copy bound: each
+change of a row is pushed to every engine, so a row that grows to the bound is pushed about
+log2(bound) times (8 at 1,000 nodes, 100 pools), not once a copy (docs/scaling.md, stop 59)."""
+COPIES_ONE_BY_ONE = 4
+"""Below this many pools a row names each copy announced (the engine's ``READ_POOLS``: a reader
+tries at most 4 of a row's pools, so the first few copies are what spreads a hot prefix's reads)."""
+
+
+def copies_due(named: int, waiting: int, bound: int, growth: float = COPIES_GROWTH) -> bool:
+    """Whether a hot row naming ``named`` pools names the ``waiting`` copies announced since
+    (``COPIES_ONE_BY_ONE``, ``COPIES_GROWTH``; ``bound``: its copy bound, 0: none; the simulation
+    tries other growths)."""
+    return (named < COPIES_ONE_BY_ONE or waiting >= (growth - 1) * named
+            or bool(bound) and named + waiting >= bound)
+
+
 DROP_LOG = 4096
 """Keys dropped from the table (oldest out) that it remembers for deltas: an engine further behind
 gets the whole table."""
@@ -251,6 +301,8 @@ class HotPrefixTable:
         """Per key held, the revision that last changed its row."""
         self._dropped: deque[tuple[int, bytes]] = deque(maxlen=DROP_LOG)
         """(revision, key) of the keys dropped, oldest first."""
+        self._waiting: dict[bytes, dict[PoolKey, None]] = {}
+        """Per row, readers' copies announced and not named yet (``copies_due``), in order."""
         self._answers: dict[int, HotPrefixPush] = {}
         """``since``'s and ``snapshot``'s (key -1) answers at this revision: every engine's long
         poll asks at each push, nearly all from the same revision (one diff, not one per engine)."""
@@ -262,23 +314,33 @@ class HotPrefixTable:
         return self._commit(changed)
 
     def add_copies(self, pool: PoolKey, keys: Sequence[bytes], bound: int) -> bool:
-        """A reader's pool ``pool`` now holds a copy of these hot blocks: each row still naming
-        fewer than ``bound`` pools (0: no bound) names it too, last. Blocks not in the table are
-        ignored (dropped meanwhile, or never hot)."""
+        """A reader's pool ``pool`` now holds a copy of these hot blocks: a row still naming fewer
+        than ``bound`` pools (0: no bound) names it too, last, once ``copies_due`` (the copies
+        announced meanwhile wait here). Blocks not in the table are ignored (dropped meanwhile, or
+        never hot)."""
         listed = (pool[0], pool[1])
         changed = []
         for key in keys:
             pools = self._pools.get(key)
             if pools is None or listed in pools or (bound and len(pools) >= bound):
                 continue
-            if self._set(key, pools + (listed,)):
+            waiting = self._waiting.setdefault(key, {})
+            waiting[listed] = None
+            if not copies_due(len(pools), len(waiting), bound):
+                continue
+            del self._waiting[key]
+            added = tuple(waiting_pool for waiting_pool in waiting if waiting_pool not in pools)
+            added = added[:bound - len(pools)] if bound else added
+            if self._set(key, pools + added):
                 changed.append(key)
         return self._commit(changed)
 
     def remove_pool(self, pool: PoolKey) -> bool:
-        """A pool left the fleet: no row names it any more (a row naming nothing else stays, empty:
-        its blocks are still the hot prefix, found only in readers' own pools)."""
+        """A pool left the fleet: no row names it any more, nor waits to (a row naming nothing else
+        stays, empty: its blocks are still the hot prefix, found only in readers' own pools)."""
         listed = (pool[0], pool[1])
+        for waiting in self._waiting.values():
+            waiting.pop(listed, None)
         changed = [key for key, pools in list(self._pools.items())
                    if listed in pools and self._set(key, tuple(p for p in pools if p != listed))]
         return self._commit(changed)
@@ -299,6 +361,7 @@ class HotPrefixTable:
         while len(self._pools) > self._max_blocks:
             key, _ = self._pools.popitem(last=False)
             del self._changed_at[key]
+            self._waiting.pop(key, None)
             self._dropped.append((self._revision, key))
         return True
 
@@ -332,6 +395,11 @@ class HotPrefixTable:
     @property
     def revision(self) -> int:
         return self._revision
+
+    @property
+    def copies_waiting(self) -> int:
+        """Readers' copies announced that no row names yet (``copies_due``)."""
+        return sum(len(waiting) for waiting in self._waiting.values())
 
     @property
     def pools_named(self) -> int:

@@ -73,7 +73,7 @@ class FamilyAcquire(Pending[ReadLease]):
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
                  shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord],
                  hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = (),
-                 reader: str = "", copy_bound: int = 0, recompute_bytes_s: float = 0.0) -> None:
+                 reader: str = "", copy_bound: int = 0, recompute_bytes_s: float = 0.0, nodes: int = 0) -> None:
         """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
         the table names for it (those rows are never asked about); ``family``: the chain from the
         family root on, shown to the root's owner (what its hot-prefix learner counts);
@@ -81,7 +81,9 @@ class FamilyAcquire(Pending[ReadLease]):
         ``ReadLease.earlier_reads``); ``copy_bound``: pools named for a block past which it is
         not copied (``copy_bound()``; 0: none), and the root's owner's bound on the readers it
         tells a block is popular (``shard.remote_reads``); ``recompute_bytes_s``: the asker's
-        prefill rate (``BlockStore.acquire``), sent to the pools it names too."""
+        prefill rate (``BlockStore.acquire``), sent to the pools it names too; ``nodes``: the
+        fleet's nodes as this engine's membership has them (the root's owner's hot-prefix learner
+        counts distinct askers against a share of them, ``hot_prefixes.askers_needed``)."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -92,6 +94,7 @@ class FamilyAcquire(Pending[ReadLease]):
         self._family = family
         self._reader = reader
         self._copy_bound = copy_bound
+        self._nodes = nodes
         self._recompute_bytes_s = recompute_bytes_s
         self._missing: np.ndarray | None = None  # rows the local step did not find
         self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
@@ -132,7 +135,7 @@ class FamilyAcquire(Pending[ReadLease]):
             return
         keys = [self._keys[i] for i in self._asked.tolist()]
         posted = self._access.poster.post(owner.handle.where, owner.pool.incarnation, keys, self._family,
-                                          self._reader, self._copy_bound)
+                                          self._reader, self._copy_bound, self._nodes)
         self._where = Fanout(self._access, [(owner, posted)], lambda answers: answers[0])
         lease.calls += 1
 

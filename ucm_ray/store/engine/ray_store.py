@@ -80,6 +80,8 @@ class RayBlockStore(BlockStore):
         """Per member, whether it is on this client's node (where writer-local saves go)."""
         self._families = False
         """Whether lookups go by family (writer-local placement over more than this node)."""
+        self._nodes = 0
+        """The fleet's nodes (what a root's owner counts distinct askers against)."""
         self._copy_bound = 0
         """Pools named for a block past which a reader keeps no copy of it (``copy_nodes_per_pool``)."""
         self._pools = Pools(0, {}, config.replication)
@@ -141,7 +143,8 @@ class RayBlockStore(BlockStore):
             return
         self._local = [s.pool.node_id == self._node_id for s in membership.shards]
         self._families = self.placement_mode == "writer_local" and not all(self._local)
-        self._copy_bound = copy_bound(len({s.pool.node_id for s in membership.shards}), self.config.copy_nodes_per_pool)
+        self._nodes = len({s.pool.node_id for s in membership.shards})
+        self._copy_bound = copy_bound(self._nodes, self.config.copy_nodes_per_pool)
         home = (frozenset(s.key for s, local in zip(membership.shards, self._local) if local)
                 if self.placement_mode == "writer_local" and 0 < sum(self._local) < len(self._local) else None)
         self._pools = Pools(membership.version, MappingProxyType(membership.descriptors), self.replication, home)
@@ -193,7 +196,7 @@ class RayBlockStore(BlockStore):
         root = hot.root_position(chain_keys) if chain_keys else 0
         return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners([keys[root]])[0],
                              [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS],
-                             self._node_id, self._copy_bound, recompute_bytes_s)
+                             self._node_id, self._copy_bound, recompute_bytes_s, self._nodes)
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0

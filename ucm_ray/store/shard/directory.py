@@ -127,10 +127,11 @@ class ShardDirectory:
     async def announce_hot_copies(self, copies: HotCopies) -> int:
         """Readers' pools keep copies of these hot-prefix blocks (``{pool: keys}``: one reader's
         announcement, or a steward's forward of a window's, ``store.hot_copy_relay``): the table
-        names each pool for each of its blocks (up to the copy bound, ``copy_nodes_per_pool``), and
-        every engine gets the changed rows with the next version (paced, ``PushPacer``), so readers
-        of a hot prefix spread over its copies instead of all reading the pools that held it when
-        it became hot. A pool that is not a member (it left since) is ignored: it holds nothing."""
+        names each pool for each of its blocks (up to the copy bound, ``copy_nodes_per_pool``; as a
+        row's copies double, ``copies_due``), and every engine gets the changed rows with the next
+        version (paced, ``PushPacer``), so readers of a hot prefix spread over its copies instead of
+        all reading the pools that held it when it became hot. A pool that is not a member (it left
+        since) is ignored: it holds nothing."""
         await self._rediscovered()
         self._served["announce_hot_copies"] += 1
         members = self._members()
@@ -186,7 +187,8 @@ class ShardDirectory:
         await self._rediscovered()
         return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
                 "served": dict(self._served), "hot_blocks": len(self._hot),
-                "hot_revision": self._hot.revision, "hot_pools_named": self._hot.pools_named}
+                "hot_revision": self._hot.revision, "hot_pools_named": self._hot.pools_named,
+                "hot_copies_waiting": self._hot.copies_waiting}
 
     # --- internals -----------------------------------------------------------------------
 

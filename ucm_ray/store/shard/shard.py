@@ -220,7 +220,7 @@ class CacheShard:
                 self._remote_reads.copied(keys, writer)
 
     def where(self, incarnation: int, keys: Sequence[Key], family: Sequence[Key] = (),
-              reader: str = "", copy_bound: int = 0) -> tuple[list[HintPools], list[int]]:
+              reader: str = "", copy_bound: int = 0, nodes: int = 0) -> tuple[list[HintPools], list[int]]:
         """Per key of a family this shard owns, the pools that hold it as their writers said
         (most recent first; a reader pins it there, and a stale hint is a miss there), and how
         many times the asker's node (``reader``; none: not counted) asked for it before while a
@@ -228,14 +228,16 @@ class CacheShard:
         node at the ``remote_copy_reads``-th, or at its first once other nodes made it popular).
         ``family``: the asker's chain from the root on, what the hot-prefix learner counts and a
         handover reads (``FamilyRecords``); ``copy_bound``: the asker's bound on a block's copies
-        (``copy_nodes_per_pool``; 0: none), past which no reader is told a block is popular."""
+        (``copy_nodes_per_pool``; 0: none), past which no reader is told a block is popular;
+        ``nodes``: the asker's count of the fleet's nodes (the learner's distinct askers rule,
+        ``hot_prefixes.askers_needed``; 0: the asks rule only)."""
         self._check(incarnation)
         with self._lock:
             answer = self._hints.where(keys)
             held = [bool(pools) for pools in answer]
             earlier = self._remote_reads.ask(keys, reader, held, copy_bound) if reader else [0] * len(keys)
             self._records.record(family, keys)
-            hot = self._hot.observe(family)
+            hot = self._hot.observe(family, reader, nodes)
             entries = self._hot_entries(hot) if hot else {}
             handover = self._handover(entries) if entries else {}
         if entries:
