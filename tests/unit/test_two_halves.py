@@ -975,12 +975,17 @@ def test_a_request_that_ends_before_its_slots_came_keeps_its_blocks_until_they_a
     assert b.serve("B", prompt(2048))[0] > 0  # another engine hits what was saved
 
 
-@pytest.mark.parametrize("chunk", [8192, 1024], ids=["one chunk", "two chunks"])
-def test_no_save_runs_before_a_cold_prompts_first_token(store, model_dir, chunk):
+@pytest.mark.parametrize("chunk, slow_s", [(8192, 0.0), (1024, 0.0), (8192, HOLD_S + 0.2)],
+                         ids=["one chunk", "two chunks", "one chunk, a slow host"])
+def test_no_save_runs_before_a_cold_prompts_first_token(store, model_dir, chunk, slow_s):
     """A cold request's first token waits for no save: neither the steps that compute its
     prompt (with chunked prefill, chunk 2's step would otherwise save chunk 1) copy anything to
     the store, nor ask for its write slots; the steps after the first token copy all of it
-    (vLLM keeps the finished request's blocks until then)."""
+    (vLLM keeps the finished request's blocks until then).
+
+    The blocks are held ``HOLD_S`` of the scheduler's clock, frozen here: on the host's time, a
+    box slow enough that the steps after the first token came more than that later dropped the
+    saves, as it should, and failed the test (``slow_s``: host time between the two)."""
     a = make_engine(store.client(), model_dir, max_batched=chunk)
     saved_per_step: list[int] = []
 
@@ -991,6 +996,7 @@ def test_no_save_runs_before_a_cold_prompts_first_token(store, model_dir, chunk)
     a.before_worker = record
     a.run(a.add("A", prompt(2048), max_tokens=1))
     first_token = len(saved_per_step)  # steps until the one that ran the prompt's end, and finished it
+    time.sleep(slow_s)
     a.settle()
     assert saved_per_step[:first_token] == [0] * first_token == [0] * (2048 // min(chunk, 2048))
     assert sum(saved_per_step[first_token:]) == 16
