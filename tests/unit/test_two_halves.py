@@ -987,6 +987,7 @@ def test_no_save_runs_before_a_cold_prompts_first_token(store, model_dir, chunk,
     box slow enough that the steps after the first token came more than that later dropped the
     saves, as it should, and failed the test (``slow_s``: host time between the two)."""
     a = make_engine(store.client(), model_dir, max_batched=chunk)
+    a.clock.freeze()
     saved_per_step: list[int] = []
 
     def record(engine, meta) -> None:
