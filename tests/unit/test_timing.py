@@ -40,3 +40,21 @@ def test_originals_come_back_when_the_timed_work_raises() -> None:
     with pytest.raises(ValueError), timed_calls([(hooks, ("hook",), "obj")]):
         raise ValueError("the benchmark failed")
     assert "hook" not in vars(hooks)
+
+
+def test_the_gpu_benchmarks_inner_parts_time_every_way_a_step_posts_its_copies() -> None:
+    """``in.shm_copies`` (``benchmarks/gpu/engine.py``'s ``inner_parts``) times each of
+    ``_CudaCopies``'s posts: a save and a load at once go through ``post_whole`` since stop 59,
+    and an untimed post leaves the nested breakdown without them (``timed_calls`` skips a name
+    silently, so nothing else would say so)."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu.engine import inner_parts
+    from ucm_ray.transport import shm
+
+    saves = SimpleNamespace(jobs=object())
+    scheduler = SimpleNamespace(scheduler_part=SimpleNamespace(lookups=object(), saves=saves, results=object(),
+                                                               slots=object()))
+    (timed,) = [names for target, names, _ in inner_parts(scheduler, None) if target is shm._CudaCopies]
+    posts = {name for name in vars(shm._CudaCopies) if name.startswith("post")}
+    assert posts == {"post", "post_each", "post_whole"} and posts <= set(timed), timed
