@@ -73,7 +73,7 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
 
     out: list[Target] = [
         (gather.GatherPlan, ("__init__", "move"), "in.gather"),
-        (shm._CudaCopies, ("__init__", "post", "post_each"), "in.shm_copies"),
+        (shm._CudaCopies, ("__init__", "post", "post_each", "post_whole"), "in.shm_copies"),
         (Acquire, ("__init__", "poll", "result"), "in.acquire"),
     ]
     if scheduler is not None:
