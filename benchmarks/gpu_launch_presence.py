@@ -9,8 +9,11 @@ copy and of a fixed piece of Python (medians of ``--repeat``), measured in stage
 an engine with the tier holds, one at a time: nothing of ours; a store client (its threads and
 Ray calls); every shard pool mapped (faulted in); the pools page-locked and mapped into the GPU's
 address space (``cudaHostRegister``, as the worker does once it registers its KV cache). Each
-stage is measured ``--rounds`` times, interleaved with a re-measure of the stage before, so a
-drift of the host shows as such. Prints ``launch_presence: <stage>_launch_us=... ...``.
+stage is measured ``--rounds`` times in a row, the stages one after another (a stage cannot be
+undone to re-measure the one before: a drift of the host between stages reads as a stage's
+cost); the last stage is measured interleaved with itself (``registered_again``), which shows
+how far two measurements of one state drift. Prints ``launch_presence: <stage>_launch_us=... ...``
+(each figure the median over its rounds).
 
 Run: ``python benchmarks/gpu_launch_presence.py [--pool-gib 6]``.
 """
