@@ -9,7 +9,7 @@ copy and of a fixed piece of Python (medians of ``--repeat``), measured in stage
 an engine with the tier holds, one at a time: nothing of ours; a store client (its threads and
 Ray calls); every shard pool mapped (faulted in); the pools page-locked and mapped into the GPU's
 address space (``cudaHostRegister``, as the worker does once it registers its KV cache). Each
-stage is measured ``--rounds`` times in a row, the stages one after another (a stage cannot be
+stage is measured ``--rounds`` times in a row, the stages one after another (no stage is
 undone to re-measure the one before: a drift of the host between stages reads as a stage's
 cost); the last stage is measured interleaved with itself (``registered_again``), which shows
 how far two measurements of one state drift. Prints ``launch_presence: <stage>_launch_us=... ...``
