@@ -151,9 +151,13 @@ class StallEngine(ProfiledEngine):
 
 
     def _pools_closed(self, worker: Any, closed: bool) -> None:
-        """The worker's pools closed (their descriptors kept to open them again), or open."""
+        """The worker's pools closed (their descriptors kept to open them again), or open. Saves
+        still copying land first, as the worker's ``bind`` lands them before it changes pools: no
+        copy may use a mapping that closes (the turn before may leave a save job in flight, and
+        ``hollow``'s hooks never land it)."""
         if closed and not hasattr(self, "_closed_pools"):
             self._closed_pools = dict(worker._pools._descriptors)
+            worker._saves.land_all()
             worker._adopt_pools({})
         elif not closed and hasattr(self, "_closed_pools"):
             worker._adopt_pools(self.__dict__.pop("_closed_pools"))
