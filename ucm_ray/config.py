@@ -127,7 +127,7 @@ class UcmRayConfig:
     """writer_local across nodes: a family root asked this often within 10 s becomes a hot prefix
     (what its askers share joins a table every engine holds, and their lookups and hints move to
     the block after it: no single shard answers for a system prompt); so does one asked by
-    ``hot_prefixes.askers_needed`` distinct nodes (2 % of the fleet, at least 4). 0: never."""
+    ``hot_prefixes.askers_needed`` distinct nodes (2 % of the fleet, at least 4, at most 64). 0: never."""
     remote_copy_reads: int = 2
     """writer_local across nodes: at a node's this many'th read of a block from another node's
     pool (counted by the family root's owner), the engine saves it into its own node's pool too
