@@ -914,8 +914,11 @@ def test_a_worker_that_cannot_read_a_pools_index_fails_once_then_gets_pinned_ent
 def test_a_request_passes_through_its_phases_in_order(store, model_dir):
     """The scheduler half's record of a request: looked up, loading where vLLM took a store hit
     (until the step's plan hands its loads to the workers), running, and finishing (its blocks
-    held) while blocks it computed are unsaved; forgotten once they are saved."""
+    held) while blocks it computed are unsaved; forgotten once they are saved. A's hold lasts
+    ``HOLD_S`` of its scheduler's clock, frozen here (on a box slow enough that its steps took
+    longer, the saves would be dropped, as they should, and B's hit would fall short)."""
     a = make_engine(store.client(), model_dir)
+    a.clock.freeze()
     part_a = a.connector.scheduler_part
     p = prompt(2048)
     a.run(a.add("A", p, max_tokens=1))  # its prompt's blocks are saved after its only token
