@@ -22,7 +22,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
-from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
+from benchmarks.scale.designs import (  # noqa: E402
+    DesignParams,
+    HandoverCopyOnSecondRead,
+    add_learning_args,
+    learning_params,
+)
 from benchmarks.scale.metrics import DesignStats, RequestTally  # noqa: E402
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, add_single_run_args, single_run  # noqa: E402
 
@@ -100,16 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="DesignParams.learn_scan_blocks (the package's SCAN_BLOCKS)")
     parser.add_argument("--announce-share", action="store_true", help="DesignParams.announce_share")
     parser.add_argument("--hot-copies", default=DesignParams.hot_copies, help="DesignParams.hot_copies")
-    parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
-                        help="DesignParams.learn_asks (the package's hot_prefix_asks)")
-    parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
-                        help="DesignParams.learn_askers (the package's ASKERS_MIN; 0 with --learn-askers-share 0: off)")
-    parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
-                        help="DesignParams.learn_askers_share (the package's ASKERS_SHARE)")
-    parser.add_argument("--push-growth", type=float, default=DesignParams.push_growth,
-                        help="DesignParams.push_growth (the package's COPIES_GROWTH; 1: through stop 58)")
-    parser.add_argument("--push-every", type=int, default=DesignParams.push_every,
-                        help="DesignParams.push_every (0: the package's COPIES_PUSH_S; 1: through stop 58)")
+    add_learning_args(parser)
     parser.add_argument("--announced-pools", type=int, default=0, help="DesignParams.announced_pools")
     parser.add_argument("--no-relay", dest="relay", action="store_false",
                         help="not DesignParams.relay_announcements (the package's relay_hot_copies: false)")
@@ -123,12 +119,10 @@ def main(argv: list[str] | None = None) -> None:
                                               learn_scan_blocks=args.learn_scan_blocks,
                                               announce_share=args.announce_share,
                                               hot_copies=args.hot_copies, peer_probes=args.peer_probes,
-                                              learn_asks=args.learn_asks, learn_askers=args.learn_askers,
-                                              learn_askers_share=args.learn_askers_share,
-                                              push_growth=args.push_growth, push_every=args.push_every,
                                               announced_pools=args.announced_pools,
                                               relay_announcements=args.relay,
-                                              relay_stewards=args.relay_stewards, relay_every=args.relay_every))
+                                              relay_stewards=args.relay_stewards, relay_every=args.relay_every,
+                                              **learning_params(args)))
     design.run(requests)
     calls = design.stats.calls_received
     mean = calls.mean()

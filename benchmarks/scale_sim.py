@@ -52,7 +52,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
 
-from benchmarks.scale.designs import DesignParams, HandoverCopyOnSecondRead  # noqa: E402
+from benchmarks.scale.designs import (  # noqa: E402
+    DesignParams,
+    HandoverCopyOnSecondRead,
+    add_learning_args,
+    learning_params,
+)
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
 from benchmarks.scale.workload import ROUTERS, WorkloadSpec  # noqa: E402
@@ -137,19 +142,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): how a hot prefix's copies are found (DesignParams.hot_copies)")
     parser.add_argument("--peer-probes", type=int, default=0,
                         help="(k), unregistered: peers tried per hot block before the table's pools")
-    parser.add_argument("--push-growth", type=float, default=DesignParams.push_growth,
-                        help="(k), --hot-copies pushed: a block's announced pools are pushed at this many "
-                             "times those the table names or at its copy bound (default: the package's "
-                             "COPIES_GROWTH, a doubling; 1: every push, through stop 58)")
-    parser.add_argument("--push-every", type=int, default=DesignParams.push_every,
-                        help="(k), --hot-copies pushed: windows between pushes (default 0: the package's "
-                             "COPIES_PUSH_S, 2 windows at 1,000 nodes; 1 through stop 58)")
     parser.add_argument("--announce-share", action="store_true",
                         help="(k), --hot-copies pushed: one node in copy_nodes_per_pool (by hash) announces its copies")
     parser.add_argument("--no-relay-announcements", dest="relay_announcements", action="store_false",
                         help="(k), --hot-copies pushed: copies announced to the directory itself, not to a steward "
                              "(the first copied block's owner) that forwards them once a window (the package's "
                              "relay_hot_copies: false; before stop 58)")
+    add_learning_args(parser)
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--popular-readers", type=int, default=2,
@@ -159,16 +158,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="(h)-(k): requests a node over which a root's asks count towards a hot prefix "
                              "(default: the package's 10 s; 0: one window of 100 requests of the fleet, through "
                              "stop 57)")
-    parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
-                        help="(h)-(k): a root asked this often in --learn-window becomes hot (default: the "
-                             "package's hot_prefix_asks; 8 through stop 57)")
-    parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
-                        help="(h)-(k): a root asked by this many distinct nodes in --learn-window becomes hot, "
-                             "as one asked --learn-asks times does (--learn-asks 0: by askers alone; 0 with "
-                             "--learn-askers-share 0: off, through stop 58; default: the package's ASKERS_MIN)")
-    parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
-                        help="(h)-(k): distinct askers needed: at least this share of the fleet's nodes (rounded "
-                             "up; default: the package's ASKERS_SHARE)")
     parser.add_argument("--learn-scan-blocks", type=int, default=DesignParams.learn_scan_blocks,
                         help="(h)-(k): blocks past its root a lookup shows the root's owner (default: the "
                              "package's SCAN_BLOCKS; 8,192 tokens through stop 57)")
@@ -200,13 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     params = DesignParams(segment_blocks=args.segment_blocks, copy_session=args.copy_session,
                           copy_nodes_per_pool=args.copy_nodes_per_pool, hot_copies=args.hot_copies,
-                          peer_probes=args.peer_probes, push_growth=args.push_growth,
-                          push_every=args.push_every, announce_share=args.announce_share,
+                          peer_probes=args.peer_probes, announce_share=args.announce_share,
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           learn_window=args.learn_window, relay_announcements=args.relay_announcements,
-                          learn_asks=args.learn_asks, learn_askers=args.learn_askers,
-                          learn_askers_share=args.learn_askers_share, learn_scan_blocks=args.learn_scan_blocks,
+                          learn_scan_blocks=args.learn_scan_blocks, **learning_params(args),
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,

@@ -13,6 +13,7 @@ What eviction does to each (the pool's LRU evicts the least recently used blocks
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import math
@@ -20,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -272,6 +274,35 @@ class Design(ABC):
             if progress and served % progress == 0:
                 logging.info("%s: %d/%d requests", self.name, served, len(requests))
         self.flush()
+
+
+def add_learning_args(parser: argparse.ArgumentParser) -> None:
+    """The package's hot-prefix learning and copy-push rules as flags, defaults the package's
+    (every simulation that drives them takes the same ones): ``learning_params`` reads them."""
+    parser.add_argument("--learn-asks", type=int, default=DesignParams.learn_asks,
+                        help="(h)-(k): a root asked this often in --learn-window becomes hot (default: the "
+                             "package's hot_prefix_asks; 8 through stop 57)")
+    parser.add_argument("--learn-askers", type=int, default=DesignParams.learn_askers,
+                        help="(h)-(k): a root asked by this many distinct nodes in --learn-window becomes hot, "
+                             "as one asked --learn-asks times does (--learn-asks 0: by askers alone; 0 with "
+                             "--learn-askers-share 0: off, through stop 58; default: the package's ASKERS_MIN)")
+    parser.add_argument("--learn-askers-share", type=float, default=DesignParams.learn_askers_share,
+                        help="(h)-(k): distinct askers needed: at least this share of the fleet's nodes (rounded "
+                             "up; default: the package's ASKERS_SHARE)")
+    parser.add_argument("--push-growth", type=float, default=DesignParams.push_growth,
+                        help="(k), --hot-copies pushed: a block's announced pools are pushed at this many "
+                             "times those the table names or at its copy bound (default: the package's "
+                             "COPIES_GROWTH, a doubling; 1: every push, through stop 58)")
+    parser.add_argument("--push-every", type=int, default=DesignParams.push_every,
+                        help="(k), --hot-copies pushed: windows between pushes (default 0: the package's "
+                             "COPIES_PUSH_S, 2 windows at 1,000 nodes; 1 through stop 58)")
+
+
+def learning_params(args: argparse.Namespace) -> dict[str, Any]:
+    """``DesignParams``' fields set by ``add_learning_args``' flags."""
+    return {"learn_asks": args.learn_asks, "learn_askers": args.learn_askers,
+            "learn_askers_share": args.learn_askers_share, "push_growth": args.push_growth,
+            "push_every": args.push_every}
 
 
 def _first_false(flags: np.ndarray) -> int:
