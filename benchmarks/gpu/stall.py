@@ -22,6 +22,10 @@ requests:
 - ``unmapped``: ``hollow``, and the worker's shard pools and their indexes closed too (unmapped,
   no longer page-locked; opened again when the variant ends): what the pools' presence costs.
 
+``N`` among the variants adds engine N (the NullConnector, ``ucm_ray.testing.null_connector``)
+and a turn of it there: what vLLM's own connector plumbing costs an engine with no tier, the
+yardstick issue 43's decode target is set against.
+
 Per request it logs the decode steps' spread (the first 8 steps' sum is the figure) and each
 engine part's, our hooks' time in the first 8 steps, and then a 4k decode of A and C under
 cProfile (stats in ``$OUT`` or /tmp). ``--batch N`` serves batches of N fresh prompts instead
@@ -234,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--decode", type=int, default=24, help="tokens decoded after each prompt")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"A's, in turn: of {', '.join(VARIANTS)}; C: a turn of engine C")
+                    help=f"A's, in turn: of {', '.join(VARIANTS)}; C: a turn of engine C; N: a turn of "
+                    "engine N (the NullConnector: vLLM's connector plumbing alone), started only if named")
     ap.add_argument("--profile-tokens", type=int, default=200,
                     help="tokens of the cProfiled 4k decodes (0: none; with --batch, any other: one batch of A and "
                     "of C under cProfile)")
@@ -251,14 +256,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def start_engines(remote: Any, model: str, prof: TtftProfile, kv: dict[str, Any],
-                  cores: EngineCores) -> dict[str, Any]:
-    """A (the connector) and C (none), each up once it served a short prompt and one of each
-    size it is measured with."""
+                  cores: EngineCores, *, null: bool) -> dict[str, Any]:
+    """A (the connector), C (none) and, with ``null``, N (the NullConnector: what vLLM's
+    connector plumbing costs without any tier), each up once it served a short prompt and one
+    of each size it is measured with."""
+    from ucm_ray.testing.null_connector import null_kv_transfer_config
     from ucm_ray.tiny_model import synthetic_prompt
 
     long = max(prof.sizes.values())
     engines = {}
-    for label, kv_config in (("A", kv), ("C", None)):
+    configs: list[tuple[str, dict[str, Any] | None]] = [("A", kv), ("C", None)]
+    if null:
+        configs.append(("N", null_kv_transfer_config()))
+    for label, kv_config in configs:
         started = time.perf_counter()
         engine = remote.remote(model, kv_config, cpus=cores.parked, **prof.engine)
         for seed, n in ((9999, 64), (9000, prof.sizes["4k"]), (9001, long)):
@@ -273,7 +283,7 @@ def run_turns(engines: dict[str, Any], cores: EngineCores, model: str, long: int
     a long prompt each (or a batch of them), its first decode steps logged."""
     from ucm_ray.tiny_model import synthetic_prompt
 
-    turns = [("C", "base") if name == "C" else ("A", name) for name in args.variants.split(",")]
+    turns = [(name, "base") if name in ("C", "N") else ("A", name) for name in args.variants.split(",")]
     order = [("C", "base"), *turns, ("C", "base"), ("A", "base")]
     for seed, (label, name) in enumerate(order, start=500):
         if label == "A":
@@ -327,7 +337,8 @@ def main() -> None:
     cores = engine_cores(device)
     try:
         with running_fleet(cfg):
-            engines = start_engines(remote, model, prof, connector_config(cfg), cores)
+            engines = start_engines(remote, model, prof, connector_config(cfg), cores,
+                                    null="N" in args.variants.split(","))
             run_turns(engines, cores, model, long, args)
             if args.batch:
                 timed_batches(engines, cores, model, long, args)
