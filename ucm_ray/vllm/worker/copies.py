@@ -1,12 +1,13 @@
 """Copy execution: posting batches to the pools and waiting for them, within a deadline.
 
 Two kinds of pool take copies differently. Stream-ordered pools (shared memory mapped for
-CUDA) take every layer of a step at once, planned once and posted from the engine's own
-thread, and the compute stream waits for each layer's event: planning layer by layer on
-another thread cost more host time than the copies and fought the engine's thread for the
-GIL. The other pools (CPU, where a post is the copy itself; NIXL) get their batches from one
-copy thread, and the host waits for them. Whatever has not been posted or landed by the
-step's deadline is failed: a hung pool delays a forward pass by one deadline at most.
+CUDA) take every layer of a step planned at once and posted from the engine's own thread (a
+load layer by layer a few layers ahead of its hooks: ``PartPosts``), and the compute stream
+waits for each layer's event: planning layer by layer on another thread cost more host time
+than the copies and fought the engine's thread for the GIL. The other pools (CPU, where a
+post is the copy itself; NIXL) get their batches from one copy thread, and the host waits for
+them. Whatever has not been posted or landed by the step's deadline is failed: a hung pool
+delays a forward pass by one deadline at most.
 (Stream-ordered copies are kernels reading or writing mapped host memory: they cannot hang on
 a pool, and the host waits for their events without a timeout.)
 """
