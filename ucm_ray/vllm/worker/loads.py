@@ -32,18 +32,17 @@ from ucm_ray.vllm.worker.step import StepState, ThreadedLoad
 log = logging.getLogger(__name__)
 
 LAYERS_AHEAD = 2
-"""Stream-ordered layer loads: ``start_load_kv`` posts layers 0 .. ``LAYERS_AHEAD`` - 1 and layer
-k's hook posts layer k + ``LAYERS_AHEAD`` (every layer up to it not posted yet: a skipped hook or
-another order costs the lead, never a layer), before the compute stream waits for layer k. A
-layer is then queued on the pool's stream ``LAYERS_AHEAD`` launches before the layer that reads
-it, and as the compute stream takes layer k, layers k + 1 .. k + ``LAYERS_AHEAD`` are queued
-behind it: the copy engine only idles if the host spends longer launching one layer than the
-engine spends copying ``LAYERS_AHEAD`` + 1 of them (a 256-block 8B layer is 16 MiB, ~0.3 ms over
-PCIe, against tens of microseconds a layer under piecewise CUDA graphs), and a layer's copy lands
-before the layer computes unless it takes longer than ``LAYERS_AHEAD`` layers' launches plus the
-device's lag behind the host. Where the host waits for each layer (checksums), the next two keep
-the engine busy meanwhile. One more layer ahead costs ``start_load_kv`` a post (~30 us on an H100
-host) for slack those figures do not ask for; one fewer leaves the engine one layer of work."""
+"""Stream-ordered layer loads: ``start_load_kv`` posts layers 0 .. ``LAYERS_AHEAD`` - 1, and layer
+k's hook posts every layer up to k + ``LAYERS_AHEAD`` not posted yet (a skipped hook or another
+order costs lead, never a layer) before the compute stream waits for layer k. A layer's copy is
+then queued ``LAYERS_AHEAD`` launches before the layer that reads it, and while layer k computes
+the pool's stream holds layers k + 1 .. k + ``LAYERS_AHEAD``: the copy engine idles only where
+the host takes longer to launch one layer than the engine takes to copy ``LAYERS_AHEAD`` of them
+(a large load's layer copies for far longer than a layer launches; a small one lands long before
+its layer: performance log, stop 60). Where the host waits for each layer itself (checksums),
+the layers queued behind it keep the engine busy meanwhile. Each layer more ahead is one more
+post in ``start_load_kv``, whose host time this bounds; one fewer leaves a single layer queued
+behind the one computing."""
 
 
 class StepLoads:
