@@ -250,7 +250,8 @@ def _worker_ms(caches, entries, parts, transport, repeat: int, load: bool) -> tu
     checkouts): everything (ranges, prepare and every post) and what ``start_load_kv`` does of
     it. A load layer by layer posted ahead of the hooks (stop 60: ``Copier.prepare_parts``, then
     ``post_through`` the first ``LAYERS_AHEAD`` layers in ``start_load_kv`` and one more a hook);
-    else ``Copier.post_by_pool``, all of it in ``start_load_kv``."""
+    else ``Copier.post_by_pool`` (a list of parts before stop 60, one part's layers since), all of
+    it in ``start_load_kv``."""
     import torch
 
     from ucm_ray.transport.pools import PoolConnections
@@ -273,6 +274,9 @@ def _worker_ms(caches, entries, parts, transport, repeat: int, load: bool) -> tu
             for layer in range(len(parts)):  # as the hooks post them
                 copier.post_through(posts, layer + ahead)
             posted = posts.posted
+        elif hasattr(copier, "prepare_parts"):  # stop 60: one part is a tuple of layers
+            posted = [copier.post_by_pool(entries, parts[0], write=not load)]
+            start_s = time.perf_counter() - started
         else:
             posted = copier.post_by_pool(entries, parts, write=not load)
             start_s = time.perf_counter() - started

@@ -4,9 +4,10 @@ What orders the worker's side-stream copies against the forward pass (``ucm_ray.
 ``ucm_ray.transport.shm``). Shared-memory copies on CUDA are posted from the engine's own thread:
 1. ``ShmPoolTransport.prepare`` / ``prepare_repeated``: the pool's stream ``wait_stream``s the
    *calling thread's current stream* (the compute stream) as a step's copies are prepared, right
-   before their parts are posted (``Copier.post_by_pool``): a load runs after work already queued
-   (e.g. vLLM zeroing fresh blocks), a save (taken at the next step's ``bind``, prepared and
-   posted once that step's forward is queued) after the forward that wrote its blocks.
+   before their parts are posted (``Copier.post_by_pool``, ``post_through``): a load runs after
+   work already queued (e.g. vLLM zeroing fresh blocks), a save (taken at the next step's
+   ``bind``, prepared and posted once that step's forward is queued) after the forward that
+   wrote its blocks.
 2. ``WorkerPart.wait_for_layer_load``: the compute stream waits for the event recorded after
    the layer's copies (``_CudaEventTransfer.order_stream``), so the layer's compute queued
    after it reads landed bytes, with no host wait. A load layer by layer is posted

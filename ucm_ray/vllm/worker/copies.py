@@ -148,19 +148,14 @@ class Copier:
 
     # --- stream-ordered pools: planned once, posted from this thread -----------------------
 
-    def post_by_pool(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> list[Posted]:
-        """Plan and post every part (``parts[k]``: its layers) of ``entries``; one posted batch
-        per part, over every pool. One part (a save, or every layer at once) is posted pool by
-        pool as each is planned, so a pool's bytes move while the next one's gather plan is
-        built. Several (a layer each) are ``prepare_parts`` then ``post_through`` the last."""
-        if len(parts) > 1:
-            posts = self.prepare_parts(entries, parts, write=write)
-            self.post_through(posts, len(parts) - 1)
-            return posts.posted
-        posted = [Posted(Batch(parts[0], entries), write)]
-        for copies in self._prepared(entries, parts, write=write):  # every layer of a repeated one posted whole
+    def post_by_pool(self, entries: ByPool, layers: tuple[Layer, ...], *, write: bool) -> Posted:
+        """Plan and post ``layers`` of ``entries`` as one part (a save, or a load at once), over
+        every pool: pool by pool as each is planned, so a pool's bytes move while the next one's
+        gather plan is built. (A part per layer: ``prepare_parts``, ``post_through``.)"""
+        posted = [Posted(Batch(layers, entries), write)]
+        for copies in self._prepared(entries, [layers], write=write):  # every layer of a repeated one posted whole
             self._post_parts(copies, posted, range(1))
-        return posted
+        return posted[0]
 
     def prepare_parts(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> PartPosts:
         """Plan every part (a layer each) of ``entries`` on every pool, posting none: the parts

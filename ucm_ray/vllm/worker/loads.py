@@ -66,7 +66,7 @@ class StepLoads:
         step.adopt(plan)
         # e.g. vLLM zeroing fresh blocks, queued before us (stream-ordered posts queue behind it)
         ready = copies.compute_ready() if plan.at_once_threaded or plan.by_layer_threaded else None
-        first = copies.post_by_pool(plan.at_once, [plan.every_layer], write=False)[0] if plan.at_once else None
+        first = copies.post_by_pool(plan.at_once, plan.every_layer, write=False) if plan.at_once else None
         first_threaded = self._at_once_threaded(step, plan, ready)
         self._post_by_layer(step, plan, ready)
         if first is not None and all(job.is_async for job in step.loads):
