@@ -274,3 +274,49 @@ def test_two_kv_cache_groups_post_in_the_plans_order_and_a_group_never_hooked_fa
                     f"group 1's layer {layer} was posted though no hook came near it"
     finally:
         w.shutdown()
+
+
+# --- through both halves (vLLM's scheduler, the harness's forward) -----------------------------
+
+
+HARNESS_LAYERS = 6
+
+
+def test_a_store_hit_loaded_layer_by_layer_ahead_of_the_hooks_reads_every_byte_right(store, model_dir):
+    """The harness checks each loaded block's bytes as each layer computes, right after its hook:
+    a hit followed by a long new part, loaded layer by layer through the posting-ahead path."""
+    from ucm_ray.testing.harness import make_engine, prompt
+
+    a = make_engine(store.client(), model_dir, num_layers=HARNESS_LAYERS)
+    p = prompt(2048, seed=61)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir, num_layers=HARNESS_LAYERS, pool_connections=StreamOrderedOnCpu)
+    modes: dict[str, bool] = {}
+    b.before_worker = lambda _engine, meta: modes.update((job.req_id, job.complete_in_start)
+                                                         for job in meta.loads.get(0, []))
+    assert b.serve("B", p + prompt(1024, seed=62))[0] == 2048
+    assert modes == {"B": False}, "the hit was not loaded layer by layer"
+    assert b.loaded_blocks["B"] == 16 and b.wrong_blocks == 0 and b.failed_loads == 0
+    assert not b.stats().get("unwaited_layer_loads")
+
+
+def test_a_hit_in_a_step_without_hooks_fails_its_layer_loads_and_no_wrong_block_is_kept(store, model_dir):
+    """A 1-token step that a GPU would replay as a FULL CUDA graph (the harness runs no hook
+    below ``graph_replay_below``), with the recompute rule forced off: the layers posted in
+    ``start_load_kv`` land, the others are never posted, and every layer-by-layer block is failed
+    and recomputed (``test_two_halves``' copy-thread counterpart)."""
+    from ucm_ray.testing.harness import make_engine, prompt
+
+    layer_by_layer = {"load_at_once_ratio": 0}
+    a = make_engine(store.client(), model_dir, num_layers=HARNESS_LAYERS)
+    p = prompt(2048, seed=63)
+    a.serve("A", p)
+    a.settle()
+    b = make_engine(store.client(), model_dir, num_layers=HARNESS_LAYERS, extra=layer_by_layer,
+                    pool_connections=StreamOrderedOnCpu)
+    b.graph_replay_below = 2
+    b.connector.scheduler_part.recompute = 1  # test-only: the rule the seed fixed
+    assert b.serve("B", p)[0] == 2047
+    assert b.failed_loads == 15 and b.wrong_blocks == 0  # the last block lands before the forward
+    assert b.stats()["unwaited_layer_loads"] == HARNESS_LAYERS
