@@ -20,7 +20,13 @@ part per layer, as one layer's ranges repeated where the checkout has ``repeated
 Each child also counts, in a probe outside the timing, the calls one post makes
 (``*_calls_per_post``: torch functions and tensor methods, CUDA stream and event calls, DMA
 copy calls; on CPU a post is ``GatherPlan.move``), and on CUDA times the worker's own
-``Copier.post_by_pool`` for the same step (``worker_ms``: ranges, prepare and every post).
+``Copier`` calls for the same step (``worker_ms``: ranges, prepare and every post) and the part
+of them that ``start_load_kv`` makes (``start_ms``): since stop 60 a load layer by layer is
+planned there and only its first ``loads.LAYERS_AHEAD`` layers posted, each later layer posted
+from a layer hook (timed here as the hooks post them, one call a layer, into ``worker_ms``);
+before, ``start_load_kv`` posted every layer (``start_ms`` = ``worker_ms``). ``start_posts``:
+the layer posts ``start_load_kv`` makes in that checkout (printed on CPU too, where the posts
+are memcpys and are not timed).
 
 ``--at-once`` (with ``--load``): a load of every layer before the forward instead (one part of
 every layer, as ``start_load_kv`` posts loads that cannot wait for layer hooks); since stop 59
@@ -135,12 +141,28 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
             post_s.append(posted - done)
             del plans[:-1]
         calls = _calls_per_post(plans[-1], len(parts), moves, load)
-        worker_ms = _worker_ms(caches, entries, parts, transport, repeat, load) if transport is not None else 0.0
+        worker_ms, start_ms = _worker_ms(caches, entries, parts, transport, repeat, load) \
+            if transport is not None else (0.0, 0.0)
     finally:
         if transport is not None:
             transport.close()
     return {"ranges_ms": 1e3 * statistics.median(ranges_s), "prepare_ms": 1e3 * statistics.median(plan_s),
-            "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges), "worker_ms": worker_ms, **calls}
+            "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges), "worker_ms": worker_ms,
+            "start_ms": start_ms, "start_posts": _start_posts(len(parts)), **calls}
+
+
+def _layers_ahead() -> int | None:
+    """``loads.LAYERS_AHEAD`` of the checkout: layers a load layer by layer posts in
+    ``start_load_kv`` (None before stop 60: every layer)."""
+    from ucm_ray.vllm.worker import loads
+
+    return getattr(loads, "LAYERS_AHEAD", None)
+
+
+def _start_posts(parts: int) -> int:
+    """Layer posts ``start_load_kv`` makes for a load of ``parts`` parts in this checkout."""
+    ahead = _layers_ahead()
+    return parts if parts == 1 or ahead is None else min(ahead, parts)
 
 
 def _repeated_at_once(caches, layers, entries) -> bool:
@@ -223,9 +245,13 @@ def _probed(plan) -> list[tuple[object, str, str]]:
                      (torch.cuda.Stream, "wait_stream", "cuda")]
 
 
-def _worker_ms(caches, entries, parts, transport, repeat: int, load: bool) -> float:
-    """Median ms of the worker's own call, ``Copier.post_by_pool`` (ranges, prepare and every
-    post, the same code in both checkouts), on the transport's pool."""
+def _worker_ms(caches, entries, parts, transport, repeat: int, load: bool) -> tuple[float, float]:
+    """Median ms of the worker's own calls on the transport's pool (the same code in both
+    checkouts): everything (ranges, prepare and every post) and what ``start_load_kv`` does of
+    it. A load layer by layer posted ahead of the hooks (stop 60: ``Copier.prepare_parts``, then
+    ``post_through`` the first ``LAYERS_AHEAD`` layers in ``start_load_kv`` and one more a hook);
+    else ``Copier.post_by_pool`` (a list of parts before stop 60, one part's layers since), all of
+    it in ``start_load_kv``."""
     import torch
 
     from ucm_ray.transport.pools import PoolConnections
@@ -237,15 +263,29 @@ def _worker_ms(caches, entries, parts, transport, repeat: int, load: bool) -> fl
     pools._descriptors[("shard-0", 1)] = transport._desc
     copier = Copier(pools, 60.0, UcmRayStats())
     copier.caches = caches
-    times = []
+    ahead = _layers_ahead() if load and len(parts) > 1 else None
+    times, starts = [], []
     for _ in range(repeat):
         started = time.perf_counter()
-        posted = copier.post_by_pool(entries, parts, write=not load)
+        if ahead is not None:
+            posts = copier.prepare_parts(entries, parts, write=False)
+            copier.post_through(posts, ahead - 1)
+            start_s = time.perf_counter() - started
+            for layer in range(len(parts)):  # as the hooks post them
+                copier.post_through(posts, layer + ahead)
+            posted = posts.posted
+        elif hasattr(copier, "prepare_parts"):  # stop 60: one part is a tuple of layers
+            posted = [copier.post_by_pool(entries, parts[0], write=not load)]
+            start_s = time.perf_counter() - started
+        else:
+            posted = copier.post_by_pool(entries, parts, write=not load)
+            start_s = time.perf_counter() - started
         times.append(time.perf_counter() - started)
+        starts.append(start_s)
         assert not any(p.failed or p.failed_pools for p in posted), "the worker's copies failed: see its log"
         torch.cuda.synchronize()
     copier._thread.shutdown(wait=True)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(times), 1e3 * statistics.median(starts)
 
 
 def _pool(nbytes: int, device: str):
@@ -312,14 +352,16 @@ def main() -> None:
     figures: dict[str, float] = {}
     for name, runs in got.items():
         prefix = "save_plan" if name == "this" else "save_plan_baseline"
-        for key in ("ranges_ms", "prepare_ms", "post_ms", "worker_ms"):
+        for key in ("ranges_ms", "prepare_ms", "post_ms", "worker_ms", "start_ms"):
             figures[f"{prefix}_{key}"] = statistics.median(r[key] for r in runs)
+        figures[f"{prefix}_start_posts"] = runs[0]["start_posts"]
         figures[f"{prefix}_ms"] = sum(figures[f"{prefix}_{key}"] for key in ("ranges_ms", "prepare_ms", "post_ms"))
         for kind in ("torch", "cuda", "copy"):
             figures[f"{prefix}_{kind}_calls_per_post"] = runs[0][f"{kind}_calls_per_post"]
     figures["save_plan_ranges"] = got["this"][0]["ranges"]
     if args.baseline:
-        for key in ("ms", "ranges_ms", "prepare_ms") + (("post_ms", "worker_ms") if args.device != "cpu" else ()):
+        for key in ("ms", "ranges_ms", "prepare_ms") + (("post_ms", "worker_ms", "start_ms")
+                                                        if args.device != "cpu" else ()):
             name = "save_plan_vs_baseline" if key == "ms" else f"{key.removesuffix('_ms')}_vs_baseline"
             figures[name] = figures[f"save_plan_{key}"] / max(figures[f"save_plan_baseline_{key}"], 1e-9)
     for name, value in figures.items():

@@ -95,7 +95,8 @@ def inner_parts(scheduler: Any, worker: Any) -> list[Target]:
         out.append((loads, ("plan_loads",), "in.plan"))
         out.append((KvCaches, ("ranges", "repeated_ranges"), "in.plan"))
         out.append((part._loads, ("start", "_finish", "_land", "_validate_unpinned"), "in.loads"))
-        out.append((part._copies, ("post_by_pool", "_post_parts", "count_bytes", "compute_ready", "order_compute"),
+        out.append((part._copies, ("post_by_pool", "prepare_parts", "post_through", "_post_parts", "count_bytes",
+                                   "compute_ready", "order_compute"),
                     "in.copies"))
         out.append((part._saves, ("_job", "_post_ordered", "poll"), "in.saves"))
         out.append((part._pools, ("prepare", "post_part"), "in.pools"))

@@ -4,12 +4,16 @@ What orders the worker's side-stream copies against the forward pass (``ucm_ray.
 ``ucm_ray.transport.shm``). Shared-memory copies on CUDA are posted from the engine's own thread:
 1. ``ShmPoolTransport.prepare`` / ``prepare_repeated``: the pool's stream ``wait_stream``s the
    *calling thread's current stream* (the compute stream) as a step's copies are prepared, right
-   before their parts are posted (``Copier.post_by_pool``): a load runs after work already queued
-   (e.g. vLLM zeroing fresh blocks), a save (taken at the next step's ``bind``, prepared and
-   posted once that step's forward is queued) after the forward that wrote its blocks.
+   before their parts are posted (``Copier.post_by_pool``, ``post_through``): a load runs after
+   work already queued (e.g. vLLM zeroing fresh blocks), a save (taken at the next step's
+   ``bind``, prepared and posted once that step's forward is queued) after the forward that
+   wrote its blocks.
 2. ``WorkerPart.wait_for_layer_load``: the compute stream waits for the event recorded after
    the layer's copies (``_CudaEventTransfer.order_stream``), so the layer's compute queued
-   after it reads landed bytes, with no host wait.
+   after it reads landed bytes, with no host wait. A load layer by layer is posted
+   ``loads.LAYERS_AHEAD`` layers ahead of the hooks: ``start_load_kv`` queues the first layers,
+   layer k's hook layer k + ``LAYERS_AHEAD`` (``LAYERS`` is more than that, so most of a load here
+   is posted from the hooks, on the pool's stream that waited once at ``prepare``).
 
 How the tests would catch a missing piece. A long kernel (``torch.cuda._sleep``, ~0.3 s) is
 queued on the compute stream before the write that matters, so that write runs ~0.3 s after it
@@ -40,8 +44,9 @@ import torch
 pytestmark = pytest.mark.gpu
 # 256-token blocks: each copy is a 1 MiB range (~20 us on the link) and a layer's 64 of them keep
 # the GPU busy well after they were posted, so a compute kernel queued
-# without waiting for them would still find the copies running.
-LAYERS, HEADS, HEAD, BLOCK = 2, 8, 128, 256
+# without waiting for them would still find the copies running. 5 layers: 3 of them posted from
+# the hooks (``LAYERS_AHEAD`` 2).
+LAYERS, HEADS, HEAD, BLOCK = 5, 8, 128, 256
 PAGE = 2 * BLOCK * HEADS * HEAD * 2  # one layer's block in bf16: 1 MiB
 ENTRY = LAYERS * PAGE
 N = 64  # blocks moved: 64 MiB per layer
@@ -209,6 +214,41 @@ def test_compute_after_wait_for_layer_load_sees_the_landed_bytes(pool, worker, s
         assert torch.equal(snap, caches[name].view(torch.uint8)), \
             f"{name}: the compute stream read blocks before the load landed"
     assert torch.equal(torch.cat([entry_bytes(caches, i) for i in range(N)]), stored)
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "full_graph"])
+def test_a_layer_load_is_queued_a_few_layers_ahead_of_its_hook_and_never_without_one(pool, worker, hooks):
+    """``start_load_kv`` queues layers 0 .. ``LAYERS_AHEAD`` - 1 only, layer k's hook the layers up to
+    k + ``LAYERS_AHEAD``. A step whose hooks never run (a FULL CUDA graph replay) fails its loads,
+    lands the layers it queued and queues no other: after the device drained, those layers' blocks
+    still hold what they held before the step, and nothing waits for a copy never queued."""
+    from ucm_ray.vllm.worker.loads import LAYERS_AHEAD
+
+    w, caches, desc = worker
+    stored = random_bytes(N * ENTRY, seed=3)
+    pool.tensor.copy_(stored)
+    torch.cuda.synchronize()
+    names = list(caches)
+
+    def landed() -> list[bool]:
+        torch.cuda.synchronize()
+        return [bool(t.view(torch.uint8).any()) for t in caches.values()]
+
+    w.bind(meta(desc, loads={0: [load_job(desc)]}))
+    w.start_load_kv()
+    assert landed() == [layer < LAYERS_AHEAD for layer in range(LAYERS)]
+    if hooks:
+        for layer, name in enumerate(names):
+            w.wait_for_layer_load(name)
+            assert landed() == [later <= layer + LAYERS_AHEAD for later in range(LAYERS)], f"after layer {layer}"
+    w.wait_for_save()
+    failures = w.build_worker_meta().load_failures
+    assert bool(failures) != hooks
+    assert landed() == [hooks or layer < LAYERS_AHEAD for layer in range(LAYERS)]
+    if hooks:
+        assert torch.equal(torch.cat([entry_bytes(caches, i) for i in range(N)]), stored)
+    else:
+        assert w.stats.totals["unwaited_layer_loads"] == LAYERS
 
 
 @pytest.mark.parametrize("stream", ["own", "default"])

@@ -1,6 +1,7 @@
-"""The worker's ``Copier.post_by_pool`` on CPU tensors through a real shared-memory pool: a
-load posted layer by layer goes as one layer's ranges repeated (``RepeatedRanges``) where its
-layers are laid out alike, and as every layer's ranges where they are not; either way each
+"""The worker's ``Copier`` on CPU tensors through a real shared-memory pool: a load posted
+layer by layer (``prepare_parts``, ``post_through``) goes as one layer's ranges repeated
+(``RepeatedRanges``) where its layers are laid out alike, and as every layer's ranges where they
+are not; a load at once (``post_by_pool``) too where a layer's ranges are many; either way each
 layer's part lands exactly its own bytes. (On CPU the shm transport makes the repeated ranges
 out in full; the CUDA path plans them once: ``test_gather.py``, ``tests/gpu``.)"""
 
@@ -65,8 +66,12 @@ def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, how, monkeypatch
     try:
         entries = {key: {0: Entries(blocks, offsets, [])}}
         parts = [((0, index),) for index in range(LAYERS)]
-        posted = copier.post_by_pool(entries, parts if how == "layers" else [tuple(layer for (layer,) in parts)],
-                                     write=False)
+        if how == "layers":
+            posts = copier.prepare_parts(entries, parts, write=False)
+            copier.post_through(posts, LAYERS - 1)
+            posted = posts.posted
+        else:
+            posted = [copier.post_by_pool(entries, tuple(layer for (layer,) in parts), write=False)]
         assert isinstance(seen[0], RepeatedRanges) == (alike and how != "at_once_few")
         assert len(posted) == (LAYERS if how == "layers" else 1)
         for out in posted:

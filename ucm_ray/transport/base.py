@@ -255,10 +255,10 @@ class PreparedCopies:
         self._bounds = [0, *ends]
         self._to_pool = to_pool
 
-    def post_each(self, parts: int) -> list[Transfer]:
-        """``post`` of parts 0 .. ``parts`` - 1, in order (one call: a transport may set up once
-        for all of them)."""
-        return [self.post(part) for part in range(parts)]
+    def post_each(self, end: int, start: int = 0) -> list[Transfer]:
+        """``post`` of parts ``start`` .. ``end`` - 1, in order (one call: a transport may set up
+        once for all of them)."""
+        return [self.post(part) for part in range(start, end)]
 
     def post(self, part: int) -> Transfer:
         return self._post_slice(self._bounds[part], self._bounds[part + 1])

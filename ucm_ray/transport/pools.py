@@ -147,14 +147,14 @@ class PoolConnections:
         return posted, failed
 
     @staticmethod
-    def post_each(pool: PoolKey, copies: PreparedCopies | None, parts: int, *,
+    def post_each(pool: PoolKey, copies: PreparedCopies | None, parts: range, *,
                   write: bool) -> tuple[list[Transfer], set[PoolKey]]:
-        """``post_part`` of every part of one pool's prepared copies in one call (a transfer per
-        part; none and the pool failed if it could not). Never raises."""
+        """``post_part`` of ``parts`` (in order) of one pool's prepared copies in one call (a
+        transfer per part; none and the pool failed if it could not). Never raises."""
         if copies is None:  # logged by ``prepare``
             return [], {pool}
         try:
-            return copies.post_each(parts), set()
+            return copies.post_each(parts.stop, parts.start), set()
         except Exception as e:  # noqa: BLE001 -- as in ``post``
             _not_started(write, pool, e)
             return [], {pool}

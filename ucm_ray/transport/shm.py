@@ -188,11 +188,11 @@ class _CudaCopies(PreparedCopies):
         with _queued_on(self._stream):
             return self._queue(range(part, part + 1))
 
-    def post_each(self, parts: int) -> list[Transfer]:
-        """Every part, the pool's stream made current once for all of them (a load posted layer
-        by layer: 32 posts on one stream)."""
+    def post_each(self, end: int, start: int = 0) -> list[Transfer]:
+        """Parts ``start`` .. ``end`` - 1, the pool's stream made current once for all of them (a
+        load posted layer by layer: its first layers in ``start_load_kv``, one a layer hook)."""
         with _queued_on(self._stream):
-            return [self._queue(range(part, part + 1)) for part in range(parts)]
+            return [self._queue(range(part, part + 1)) for part in range(start, end)]
 
     def post_whole(self) -> Transfer:
         """Every part queued, then one event (a load at once as one layer's ranges repeated:

@@ -1,12 +1,13 @@
 """Copy execution: posting batches to the pools and waiting for them, within a deadline.
 
 Two kinds of pool take copies differently. Stream-ordered pools (shared memory mapped for
-CUDA) take every layer of a step at once, planned once and posted from the engine's own
-thread, and the compute stream waits for each layer's event: planning layer by layer on
-another thread cost more host time than the copies and fought the engine's thread for the
-GIL. The other pools (CPU, where a post is the copy itself; NIXL) get their batches from one
-copy thread, and the host waits for them. Whatever has not been posted or landed by the
-step's deadline is failed: a hung pool delays a forward pass by one deadline at most.
+CUDA) take every layer of a step planned at once and posted from the engine's own thread (a
+load layer by layer a few layers ahead of its hooks: ``PartPosts``), and the compute stream
+waits for each layer's event: planning layer by layer on another thread cost more host time
+than the copies and fought the engine's thread for the GIL. The other pools (CPU, where a
+post is the copy itself; NIXL) get their batches from one copy thread, and the host waits for
+them. Whatever has not been posted or landed by the step's deadline is failed: a hung pool
+delays a forward pass by one deadline at most.
 (Stream-ordered copies are kernels reading or writing mapped host memory: they cannot hang on
 a pool, and the host waits for their events without a timeout.)
 """
@@ -60,6 +61,25 @@ class Posted:
 
 Prepared = dict[PoolKey, PreparedCopies | None]
 """A step's copies with each stream-ordered pool, planned once (None: that pool could not be)."""
+
+
+@dataclass
+class PartPosts:
+    """A step's copies in parts (a layer each), planned once on every pool and posted in part
+    order a few at a time (``Copier.post_through``): a load layer by layer posts its first
+    layers in ``start_load_kv`` and each later one from an earlier layer's hook."""
+
+    prepared: Prepared
+    posted: list[Posted]
+    """Part k's batch: posted once k < ``next``."""
+    next: int = 0
+    """The first part not posted yet."""
+
+    def drop(self) -> list[Posted]:
+        """The parts not posted yet, now never to be (their plan let go): no copy of theirs runs."""
+        unposted, self.next = self.posted[self.next:], len(self.posted)
+        self.prepared = {}
+        return unposted
 
 
 class Copier:
@@ -119,26 +139,41 @@ class Copier:
 
     def order_compute(self, posted: Posted) -> bool:
         """Make the compute stream wait for ``posted`` on the device; False if some transfer
-        needs the host to wait (then the caller must wait for it now)."""
+        needs the host to wait (then the caller must wait for it now), as on a device with no
+        streams (CPU)."""
+        if self.caches.device.type != "cuda":
+            return False
         stream = torch.cuda.current_stream(self.caches.device)
         return all([transfer.order_stream(stream) for _, transfer in posted.transfers])
 
     # --- stream-ordered pools: planned once, posted from this thread -----------------------
 
-    def post_by_pool(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> list[Posted]:
-        """Plan and post every part (``parts[k]``: its layers) of ``entries``; one posted batch
-        per part, over every pool. One part (a save, or every layer at once) is posted pool by
-        pool as each is planned, so a pool's bytes move while the next one's gather plan is
-        built. Layer by layer, every pool is planned first and layer k is posted on every pool
-        before layer k + 1, so the first layers land first."""
-        posted = [Posted(Batch(layers, entries), write) for layers in parts]
-        if len(parts) == 1:  # each pool's copies posted whole: one part, or every layer of a repeated one
-            for copies in self._prepared(entries, parts, write=write):
-                self._post_parts(copies, posted)
-        else:
-            self._post_parts({pool: prepared for copies in self._prepared(entries, parts, write=write)
-                              for pool, prepared in copies.items()}, posted)
-        return posted
+    def post_by_pool(self, entries: ByPool, layers: tuple[Layer, ...], *, write: bool) -> Posted:
+        """Plan and post ``layers`` of ``entries`` as one part (a save, or a load at once), over
+        every pool: pool by pool as each is planned, so a pool's bytes move while the next one's
+        gather plan is built. (A part per layer: ``prepare_parts``, ``post_through``.)"""
+        posted = [Posted(Batch(layers, entries), write)]
+        for copies in self._prepared(entries, [layers], write=write):  # every layer of a repeated one posted whole
+            self._post_parts(copies, posted, range(1))
+        return posted[0]
+
+    def prepare_parts(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> PartPosts:
+        """Plan every part (a layer each) of ``entries`` on every pool, posting none: the parts
+        are posted in order by ``post_through``, layer k on every pool before layer k + 1, so
+        the first layers land first."""
+        return PartPosts({pool: prepared for copies in self._prepared(entries, parts, write=write)
+                          for pool, prepared in copies.items()},
+                         [Posted(Batch(layers, entries), write) for layers in parts])
+
+    def post_through(self, posts: PartPosts, last: int) -> None:
+        """Post ``posts``' parts up to ``last`` (every pool's; none twice, none after ``drop``);
+        once the last part is posted the plan is let go, as ``post_by_pool`` lets it go."""
+        end = min(last + 1, len(posts.posted))
+        if end > posts.next:
+            self._post_parts(posts.prepared, posts.posted, range(posts.next, end))
+            posts.next = end
+            if end == len(posts.posted):
+                posts.prepared = {}
 
     def _prepared(self, entries: ByPool, parts: list[tuple[Layer, ...]], *, write: bool) -> Iterator[Prepared]:
         """The step's copies, one pool at a time (each planned once, part k being the layers
@@ -170,20 +205,22 @@ class Copier:
             return None
         return repeated
 
-    def _post_parts(self, copies: Prepared, posted: list[Posted]) -> None:
-        """Post part k of ``copies`` (every pool in it) into ``posted[k]``, in order of k. One
-        pool's parts go in one call (its stream made current once, not once a layer)."""
+    def _post_parts(self, copies: Prepared, posted: list[Posted], parts: range) -> None:
+        """Post ``parts`` of ``copies`` (every pool in it), part k into ``posted[k]``, in order of
+        k. One pool's parts go in one call (its stream made current once, not once a layer)."""
         if len(copies) == 1 and len(posted) > 1:
             ((pool, prepared),) = copies.items()
             started = time.perf_counter()
-            each, failed = self._pools.post_each(pool, prepared, len(posted), write=posted[0].write)
-            seconds = (time.perf_counter() - started) / len(posted)
-            for part, out in enumerate(posted):
-                out.transfers += [(pool, each[part])] if each else []
+            each, failed = self._pools.post_each(pool, prepared, parts, write=posted[0].write)
+            seconds = (time.perf_counter() - started) / len(parts)
+            for at, part in enumerate(parts):
+                out = posted[part]
+                out.transfers += [(pool, each[at])] if each else []
                 out.failed_pools |= failed
                 out.post_s += seconds
             return
-        for part, out in enumerate(posted):
+        for part in parts:
+            out = posted[part]
             started = time.perf_counter()
             transfers, failed = self._pools.post_part(copies, part if len(posted) > 1 else None, write=out.write)
             out.transfers += transfers

@@ -3,6 +3,8 @@
 Layer L's bytes land while layers < L compute, and ``wait_for_layer_load`` makes layer L wait
 for them: on stream-ordered pools the compute stream waits for the layer's event (the host
 checks every copy once, at the end of the loads); on the copy thread's pools the host waits.
+Stream-ordered layer loads are planned in ``start_load_kv`` and posted ``LAYERS_AHEAD`` layers
+ahead of the hooks, so ``start_load_kv`` posts a few layers whatever the model's depth.
 Loads that cannot wait for layer hooks are posted first and land before the forward pass;
 asynchronous loads (their requests are not in the step) hold no forward back and land by the
 time the step reports. A load counts only once it landed, its entry still holds what was
@@ -29,6 +31,19 @@ from ucm_ray.vllm.worker.step import StepState, ThreadedLoad
 
 log = logging.getLogger(__name__)
 
+LAYERS_AHEAD = 2
+"""Stream-ordered layer loads: ``start_load_kv`` posts layers 0 .. ``LAYERS_AHEAD`` - 1, and layer
+k's hook posts every layer up to k + ``LAYERS_AHEAD`` not posted yet (a skipped hook or another
+order costs lead, never a layer) before the compute stream waits for layer k. A layer's copy is
+then queued ``LAYERS_AHEAD`` launches before the layer that reads it, and while layer k computes
+the pool's stream holds layers k + 1 .. k + ``LAYERS_AHEAD``: the copy engine idles only where
+the host takes longer to launch one layer than the engine takes to copy ``LAYERS_AHEAD`` of them
+(a large load's layer copies for far longer than a layer launches; a small one lands long before
+its layer: performance log, stop 60). Where the host waits for each layer itself (checksums),
+the layers queued behind it keep the engine busy meanwhile. Each layer more ahead is one more
+post in ``start_load_kv``, whose host time this bounds; one fewer leaves a single layer queued
+behind the one computing."""
+
 
 class StepLoads:
     """Runs each step's loads (the step's state is ``StepState``; this holds none)."""
@@ -51,7 +66,7 @@ class StepLoads:
         step.adopt(plan)
         # e.g. vLLM zeroing fresh blocks, queued before us (stream-ordered posts queue behind it)
         ready = copies.compute_ready() if plan.at_once_threaded or plan.by_layer_threaded else None
-        first = copies.post_by_pool(plan.at_once, [plan.every_layer], write=False)[0] if plan.at_once else None
+        first = copies.post_by_pool(plan.at_once, plan.every_layer, write=False) if plan.at_once else None
         first_threaded = self._at_once_threaded(step, plan, ready)
         self._post_by_layer(step, plan, ready)
         if first is not None and all(job.is_async for job in step.loads):
@@ -71,13 +86,15 @@ class StepLoads:
         return self._copies.move_later(step.deadline, batch, write=False, ready=ready), batch.tags()
 
     def _post_by_layer(self, step: StepState, plan: LoadPlan, ready: torch.cuda.Event | None) -> None:
-        """Stream-ordered pools: every layer posted now, from this thread, the compute stream
-        waiting per layer. The copy thread: layer after layer, each waited for at its hook."""
+        """Stream-ordered pools: every layer planned now and the first ``LAYERS_AHEAD`` posted,
+        from this thread, the compute stream waiting per layer. The copy thread: layer after
+        layer, each waited for at its hook."""
         copies = self._copies
         if plan.by_layer:
             parts: list[tuple[Layer, ...]] = [((group, index),) for group, index, _ in plan.layers]
-            step.ordered_layers = dict(zip([name for _, _, name in plan.layers],
-                                           copies.post_by_pool(plan.by_layer, parts, write=False)))
+            step.ordered = copies.prepare_parts(plan.by_layer, parts, write=False)
+            step.ordered_layers = {name: part for part, (_, _, name) in enumerate(plan.layers)}
+            copies.post_through(step.ordered, LAYERS_AHEAD - 1)
         threaded = plan.by_layer_threaded
         tags = {group: group_tags(threaded, group) for by_group in threaded.values() for group in by_group}
         per_layer = [(name, Batch(((group, index),), threaded), tags[group])
@@ -94,12 +111,19 @@ class StepLoads:
     # --- layer hooks ---------------------------------------------------------------------
 
     def wait_for_layer(self, step: StepState, name: str) -> None:
-        threaded, ordered = step.take_layer(name)
+        """Layer ``name``'s loads land before it computes; its stream-ordered part first posts
+        the layers up to ``LAYERS_AHEAD`` after it (and itself, if no hook before posted it)."""
+        threaded, part = step.take_layer(name)
+        posted = None
+        if part is not None:
+            assert step.ordered is not None
+            self._copies.post_through(step.ordered, part + LAYERS_AHEAD)
+            posted = step.ordered.posted[part]
         if threaded is not None:
             self._wait(step, *threaded)
-        if ordered is not None:
-            self._order_or_land(step, ordered)
-        if (threaded is not None or ordered is not None) and not step.layers_pending:
+        if posted is not None:
+            self._order_or_land(step, posted)
+        if (threaded is not None or posted is not None) and not step.layers_pending:
             self._finish(step)
 
     def finish_posted(self, step: StepState, *, to_vllm: bool = True) -> None:
@@ -118,13 +142,15 @@ class StepLoads:
         log.warning("ucm-ray: %d layer load(s) were never waited for by the forward pass; "
                     "failing them so vLLM recomputes", len(unwaited))
         self._stats.add(unwaited_layer_loads=len(unwaited))
-        threaded, ordered = step.take_unwaited()
+        threaded, ordered, unposted = step.take_unwaited()
         for future, tags in threaded:
             self._wait(step, future, tags)  # the copies must be over before the blocks are reused
             step.failed |= tags
         for posted in ordered:
             self._land(step, posted)
             step.failed |= posted.batch.tags()
+        for never in unposted:  # no copy of theirs was queued: nothing to land
+            step.failed |= never.batch.tags()
         self._finish(step)
 
     # --- waits ---------------------------------------------------------------------------

@@ -167,7 +167,7 @@ class SavesInFlight:
         """Post a job's batches on stream-ordered pools, if not yet posted."""
         if job.ordered:
             ordered, job.ordered = job.ordered, {}
-            job.posted += self._copies.post_by_pool(ordered, [job.layers], write=True)
+            job.posted.append(self._copies.post_by_pool(ordered, job.layers, write=True))
 
     def _hand_to_copier(self, job: SaveJob) -> None:
         """The copy thread's part of a job, once the step's loads are queued there."""

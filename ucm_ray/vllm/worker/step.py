@@ -14,7 +14,7 @@ from ucm_ray.store.checksum import Checksum
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.layout import GroupLayout
 from ucm_ray.vllm.metadata import BlockSaves, LoadJob
-from ucm_ray.vllm.worker.copies import Posted
+from ucm_ray.vllm.worker.copies import PartPosts, Posted
 from ucm_ray.vllm.worker.plan import Batch, LoadPlan, Tag
 
 ThreadedLoad = tuple[Future[Posted], set[Tag]]
@@ -52,8 +52,11 @@ class StepState:
     landed (layer order), before the forward pass can write into the block's tail."""
     threaded_layers: dict[str, ThreadedLoad] = field(default_factory=dict)
     """Layer name -> its loads on the copy thread."""
-    ordered_layers: dict[str, Posted] = field(default_factory=dict)
-    """Layer name -> its loads on stream-ordered pools, posted."""
+    ordered_layers: dict[str, int] = field(default_factory=dict)
+    """Layer name -> its part of ``ordered``, until its hook ran."""
+    ordered: PartPosts | None = None
+    """The loads on stream-ordered pools, a part per layer, posted a few layers ahead of the
+    hooks (``loads.LAYERS_AHEAD``)."""
     unlanded: list[Posted] = field(default_factory=list)
     """Stream-ordered loads the compute stream waits for, not yet checked by the host."""
     load_s: float = 0.0
@@ -84,8 +87,8 @@ class StepState:
         self.phase = LoadPhase.NONE
         return True
 
-    def take_layer(self, name: str) -> tuple[ThreadedLoad | None, Posted | None]:
-        """A layer's loads, each kind of pool's, once: its hook runs."""
+    def take_layer(self, name: str) -> tuple[ThreadedLoad | None, int | None]:
+        """A layer's loads, once, as its hook runs: the copy thread's, and its part of ``ordered``."""
         return self.threaded_layers.pop(name, None), self.ordered_layers.pop(name, None)
 
     @property
@@ -96,12 +99,17 @@ class StepState:
         """The layers whose loads still await their hook."""
         return set(self.threaded_layers) | set(self.ordered_layers)
 
-    def take_unwaited(self) -> tuple[list[ThreadedLoad], list[Posted]]:
-        """Layer loads whose hook never ran, taken out of the step."""
-        threaded, ordered = list(self.threaded_layers.values()), list(self.ordered_layers.values())
+    def take_unwaited(self) -> tuple[list[ThreadedLoad], list[Posted], list[Posted]]:
+        """Layer loads whose hook never ran, taken out of the step: the copy thread's, the
+        stream-ordered ones posted, and those not posted (now never to be)."""
+        threaded, parts = list(self.threaded_layers.values()), sorted(self.ordered_layers.values())
         self.threaded_layers.clear()
         self.ordered_layers.clear()
-        return threaded, ordered
+        posts, self.ordered = self.ordered, None
+        if posts is None:
+            return threaded, [], []
+        first_unposted = posts.next
+        return threaded, [posts.posted[part] for part in parts if part < first_unposted], posts.drop()
 
     def take_unlanded(self) -> list[Posted]:
         """Stream-ordered loads not yet checked by the host, taken out of the step."""
@@ -119,6 +127,7 @@ class StepState:
     def loads_finished(self) -> list[LoadJob]:
         """The loads, reported now: the step has none left."""
         loads, self.loads = self.loads, []
+        self.ordered = None
         self.phase = LoadPhase.NONE
         return loads
 
