@@ -182,14 +182,15 @@ class DesignParams:
     bounded, the last copy made would serve every later reader)."""
     relay_announcements: bool = True
     """(k), ``hot_copies="pushed"``: a reader announces its hot copies to the owner of the first
-    block it copied (a steward, by rendezvous), not to the directory; each steward forwards what
-    it gathered to the directory once a window (one message): the directory's calls are the
+    block it copied, salted (``steward_key``: a steward, by rendezvous), not to the directory; each
+    steward forwards what it gathered to the directory once a window (one message): the directory's calls are the
     stewards' forwards, not one per copying request (built in stop 58: the package's
     ``relay_hot_copies``, whose ``HotCopyRelay`` and ``steward_key`` this drives; the package
     forwards at most once a second, here once a window)."""
     relay_stewards: int = 0
-    """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied;
-    else one of this many fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
+    """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied's
+    ``steward_key`` (a salted digest since stop 60; the block itself before); else one of this many
+    fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
     hash of the copying node: the directory hears from at most this many a forward."""
     relay_every: int = 1
     """(k), ``relay_announcements``: windows between a steward's forwards (the announced copies wait)."""
