@@ -407,3 +407,23 @@ def test_the_distinct_askers_rule_learns_a_root_many_nodes_ask_not_one_node_aski
     assert _learned_after(list(range(64)), learn_asks=64) == system
     assert _learned_after([7] * 63, learn_askers=2, learn_asks=64) == set()
     assert _learned_after([7] * 64, learn_askers=2, learn_asks=64) == system  # either count
+
+
+def test_the_any_placement_floor_counts_what_only_one_holder_can_send() -> None:
+    """``scale_hot_floor.placement_floor``: a block another node reads while one node holds it is
+    that node's to send (the floor), a read of a block its node holds is free; copies at first
+    reads let the next reader take it from the least-loaded holder."""
+    from benchmarks.scale.workload import Request
+    from benchmarks.scale_hot_floor import placement_floor
+
+    def req(index: int, node: int, keys: list[bytes]) -> Request:
+        return Request(index=index, kind="doc", affinity=0, session=index, engine=node, node=node, keys=keys,
+                       tokens=128 * len(keys))
+
+    floor = placement_floor([req(0, 0, [b"a", b"b"]), req(1, 1, [b"a", b"b"]), req(2, 2, [b"a", b"b"]),
+                             req(3, 0, [b"a"])], nodes=3)
+    assert (floor.forced_max, floor.served_no_copies, floor.served_copies) == (2, 4, 4)
+    assert floor.least_loaded_max == 2  # node 2's reads from node 1, which had sent nothing
+    assert floor.floor == pytest.approx(1.5) and floor.least_loaded == pytest.approx(1.5)
+    two_writers = placement_floor([req(0, 0, [b"a"]), req(1, 1, [b"b"]), req(2, 2, [b"a", b"b"])], nodes=3)
+    assert two_writers.forced_max == 1 and two_writers.floor == pytest.approx(1.5)
