@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     hit = row.hit_tokens / row.prompt_tokens
     served = row.bytes_served
     print(f"hit {100 * hit:.2f}% bytes hot {served.max() / served.mean():.2f} calls p99 "
-          f"{np.percentile(row.lookup_calls, 99):.0f} idx msgs a request {row.index_msgs / len(requests):.1f}")
+          f"{np.percentile(row.lookup_calls, 99):.0f} idx msgs a request {row.index_msgs / len(requests):.1f}; "
+          f"copies' pushes to each engine: {design.pools_pushed_whole} pools as whole rows, "
+          f"{design.pools_pushed_appended} appended")
     order = np.argsort(calls)[::-1][:5]
     unpushed = calls - design.by_kind["push"]
     print(f"without pushes: mean calls a node {unpushed.mean():.2f}, hottest node {int(unpushed.argmax())} "

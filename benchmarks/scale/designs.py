@@ -990,6 +990,11 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         package's gatherer of the copies announced to it."""
         self._hot_reader = -1
         self._hot_family = b""
+        self.pools_pushed_whole = 0
+        """Pools the directory's pushes of readers' copies carried to each engine, rows sent whole
+        (each change counted as one entry in ``index_bytes``; the package's row is its pools)."""
+        self.pools_pushed_appended = 0
+        """... rows sent as the pools added (``HotPrefixDelta.appended``, the package since stop 60)."""
 
     def push_windows(self) -> int:
         """Windows between the directory's pushes (``push_every``; 0: the package's pace)."""
@@ -1162,9 +1167,12 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             fresh = [node for node in announced if node not in listed]
             if not fresh or not copies_due(len(listed), len(fresh), bound, self.params.push_growth):
                 continue
+            named = len(listed)
             listed.extend(fresh[:max(0, bound - len(listed))])
             del self._announced[key]
             changed += 1
+            self.pools_pushed_whole += len(listed)
+            self.pools_pushed_appended += len(listed) - named
         if changed:
             tally = RequestTally()
             self._broadcast(DIRECTORY_NODE, tally, changed)
