@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
 from benchmarks.scale.designs import (  # noqa: E402
+    DIRECTORY_NODE,
     DesignParams,
     HandoverCopyOnSecondRead,
     add_learning_args,
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="not DesignParams.relay_announcements (the package's relay_hot_copies: false)")
     parser.add_argument("--relay-stewards", type=int, default=0, help="DesignParams.relay_stewards")
     parser.add_argument("--relay-every", type=int, default=1, help="DesignParams.relay_every")
+    parser.add_argument("--relay-fanout", type=int, default=1, help="DesignParams.relay_fanout")
+    parser.add_argument("--announce-on-poll", action="store_true", help="DesignParams.announce_on_poll")
     parser.add_argument("--peer-probes", type=int, default=0, help="DesignParams.peer_probes")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                                               announced_pools=args.announced_pools,
                                               relay_announcements=args.relay,
                                               relay_stewards=args.relay_stewards, relay_every=args.relay_every,
+                                              relay_fanout=args.relay_fanout, announce_on_poll=args.announce_on_poll,
                                               **learning_params(args)))
     design.run(requests)
     calls = design.stats.calls_received
@@ -144,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     unpushed = calls - design.by_kind["push"]
     print(f"without pushes: mean calls a node {unpushed.mean():.2f}, hottest node {int(unpushed.argmax())} "
           f"{unpushed.max() / unpushed.mean():.2f}x the mean ({unpushed.max():.0f} calls)")
-    print("top nodes x mean:", " ".join(f"{int(n)}:{calls[n] / mean:.1f}" for n in order))
+    print("top nodes x mean:", " ".join(f"{int(n)}:{calls[n] / mean:.1f}" for n in order),
+          f"; the directory's (node {DIRECTORY_NODE}) {calls[DIRECTORY_NODE] / mean:.2f}x "
+          f"({design.by_kind['announce'][DIRECTORY_NODE]:.0f} announcements or forwards)")
     for node in order[:3]:
         families = design.by_family[int(node)].most_common(6)
         print(f"node {int(node)}:", "; ".join(f"{kind} {root.hex()[:8]} {count}" for (kind, root), count in families))

@@ -194,6 +194,14 @@ class DesignParams:
     hash of the copying node: the directory hears from at most this many a forward."""
     relay_every: int = 1
     """(k), ``relay_announcements``: windows between a steward's forwards (the announced copies wait)."""
+    relay_fanout: int = 1
+    """(k), ``relay_announcements`` with ``relay_stewards`` 0: stewards per first copied block, a
+    copying node's hash picking one (the owners of its ``steward_key`` salted with 0 ... n-1; 1: the
+    package's one steward; not built: stop 60 found the directory takes what the stewards shed)."""
+    announce_on_poll: bool = False
+    """(k), ``hot_copies="pushed"``: a reader's announcements ride on its next long poll of the
+    directory (re-posted at each push: no call of their own), reaching the directory after the next
+    push, not through a steward (not built, stop 60)."""
     announced_pools: int = 0
     """(k), ``hot_copies="pushed"``: a hot block's row names at most this many pools (0: the copy
     bound); past it a reader still keeps its copy (its node's readers find it) but announces
@@ -988,6 +996,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._relays: dict[int, HotCopyRelay] = {}
         """``relay_announcements``: per steward (in the order first announced to this window), the
         package's gatherer of the copies announced to it."""
+        self._on_poll: dict[bytes, dict[int, None]] = {}
+        """``announce_on_poll``: per hot block, copies waiting for their node's next long poll."""
         self._hot_reader = -1
         self._hot_family = b""
         self.pools_pushed_whole = 0
@@ -1066,6 +1076,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if named:
             copied = [key for key in copied if len(self.table_pools.get(key, ())) < named]
         if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
+            if self.params.announce_on_poll:
+                for key in copied:
+                    self._on_poll.setdefault(key, {})[req.node] = None
+                return
             if self.params.relay_announcements:
                 steward = self._steward(req.node, steward_key(copied))
                 self._relays.setdefault(steward, HotCopyRelay()).gather({relay_pool(req.node): copied})
@@ -1079,6 +1093,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """Where ``node`` announces a copy whose first block is ``first`` (``relay_stewards``)."""
         count = self.params.relay_stewards
         if not count:
+            fanout = self.params.relay_fanout
+            if fanout > 1:
+                pick = (node * 0x9E3779B1) % 0xFFFFFFFB % fanout
+                first = hashlib.blake2b(first + pick.to_bytes(4, "little"), digest_size=16).digest()
             return int(self.cluster.placement.primary([first])[0])
         if not self._stewards:
             self._stewards = [int(owner) for owner in self.cluster.placement.primary(
@@ -1228,6 +1246,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             if self._windows % self.params.relay_every == 0:
                 self._forward_relayed()
             self._push_announced()
+            for key, nodes in self._on_poll.items():  # the long polls re-posted after this push
+                self._announced.setdefault(key, {}).update(nodes)
+            self._on_poll = {}
         if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
             tally = RequestTally()
             self._broadcast(0, tally, len(self.table))

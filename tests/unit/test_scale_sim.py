@@ -427,3 +427,25 @@ def test_the_any_placement_floor_counts_what_only_one_holder_can_send() -> None:
     assert floor.floor == pytest.approx(1.5) and floor.least_loaded == pytest.approx(1.5)
     two_writers = placement_floor([req(0, 0, [b"a"]), req(1, 1, [b"b"]), req(2, 2, [b"a", b"b"])], nodes=3)
     assert two_writers.forced_max == 1 and two_writers.floor == pytest.approx(1.5)
+
+
+def test_announcements_on_the_long_poll_cost_no_call_and_more_stewards_a_prefix_load_the_directory() -> None:
+    """Stop 60's options: copies announced on each reader's next long poll reach the table with
+    no call of their own (no node receives an announcement, the rows still grow); two stewards per
+    prefix halve what each steward gathers but double the forwards the directory takes."""
+    from benchmarks.scale.designs import DIRECTORY_NODE
+    from benchmarks.scale_hot_calls import SplitCalls
+
+    spec = WorkloadSpec(nodes=100, block_size=128, requests=500, router="random", seed=0)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    runs = {}
+    for name, params in {"one": {}, "two": {"relay_fanout": 2}, "poll": {"announce_on_poll": True}}.items():
+        cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = SplitCalls(cluster, DesignParams(**params))  # type: ignore[arg-type]
+        design.run(requests)
+        runs[name] = design
+    assert runs["one"].by_kind["announce"].sum() > 0 and runs["one"].pools_pushed_appended > 0
+    assert runs["poll"].by_kind["announce"].sum() == 0 and runs["poll"].pools_pushed_appended > 0
+    assert runs["two"].by_kind["announce"][DIRECTORY_NODE] > runs["one"].by_kind["announce"][DIRECTORY_NODE]
+    assert runs["one"].pools_pushed_appended < runs["one"].pools_pushed_whole
