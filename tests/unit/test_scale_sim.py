@@ -449,3 +449,16 @@ def test_announcements_on_the_long_poll_cost_no_call_and_more_stewards_a_prefix_
     assert runs["poll"].by_kind["announce"].sum() == 0 and runs["poll"].pools_pushed_appended > 0
     assert runs["two"].by_kind["announce"][DIRECTORY_NODE] > runs["one"].by_kind["announce"][DIRECTORY_NODE]
     assert runs["one"].pools_pushed_appended < runs["one"].pools_pushed_whole
+
+
+def test_engines_told_only_their_rendezvous_picks_get_a_rows_new_pools_only_where_their_view_moves() -> None:
+    """``scale_hot_calls.reader_picks`` (stop 60, not built): a row of at most ``picks`` pools is
+    every engine's whole view; past it an engine hears of a change only when a new pool enters
+    its picks, and then only of the pools that entered."""
+    from benchmarks.scale_hot_calls import reader_picks
+
+    assert reader_picks([[([], [0])]], 20, 4) == (20, 20)
+    messages, pools = reader_picks([[([0, 1, 2, 3], list(range(8)))]], 200, 4)
+    assert 150 < messages <= 200 and messages <= pools <= 4 * messages  # ~1 - 1/70 of views move
+    assert pools < 200 * 4  # appended: 4 new pools to each of 200 engines
+    assert reader_picks([[([0, 1, 2, 3, 4, 5, 6, 7], list(range(8)))]], 50, 4) == (0, 0)
