@@ -13,6 +13,7 @@ Run: ``python benchmarks/scale_hot_calls.py --nodes 1000 --requests 4000 --route
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from collections import Counter, defaultdict
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
 from benchmarks.scale.designs import (  # noqa: E402
+    DIRECTORY_NODE,
     DesignParams,
     HandoverCopyOnSecondRead,
     add_learning_args,
@@ -30,6 +32,7 @@ from benchmarks.scale.designs import (  # noqa: E402
 )
 from benchmarks.scale.metrics import DesignStats, RequestTally  # noqa: E402
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, add_single_run_args, single_run  # noqa: E402
+from ucm_ray.store.placement import owners  # noqa: E402
 
 KINDS = ("lookup", "register", "handover", "announce", "push")
 
@@ -54,6 +57,8 @@ class SplitCalls(HandoverCopyOnSecondRead):
                 super().message(node, tally, entries, sender)
 
         self.stats = _Stats(stats.nodes)
+        self.copy_pushes: list[list[tuple[list[int], list[int]]]] = []
+        """Per push of readers' copies, each grown row's pools before and after it."""
 
     def serve(self, req: Request) -> RequestTally:
         self._request, self._phase = req, "register"
@@ -76,6 +81,14 @@ class SplitCalls(HandoverCopyOnSecondRead):
         super()._forward_relayed()
         self._phase = "register"
 
+    def _push_announced(self) -> None:
+        before = {key: len(pools) for key, pools in self.table_pools.items()}
+        super()._push_announced()
+        grown = [(pools[:before.get(key, 0)], list(pools)) for key, pools in self.table_pools.items()
+                 if len(pools) != before.get(key, 0)]
+        if grown:
+            self.copy_pushes.append(grown)
+
     def _broadcast(self, sender: int, tally: RequestTally, entries: int) -> None:
         self.by_kind["push"] += 1
         self.by_kind["push"][sender] -= 1
@@ -85,6 +98,41 @@ class SplitCalls(HandoverCopyOnSecondRead):
         self._phase, self._request = "handover", None
         super().roll_window()
         self._phase = "register"
+
+
+def reader_picks(pushes: list[list[tuple[list[int], list[int]]]], nodes: int, picks: int) -> tuple[int, int]:
+    """If each engine were told only the ``picks`` pools of a hot row that rendezvous (the
+    package's ``owners``, its node's digest as the key) picks for its node: the push messages that
+    would change some engine's view, and the pools new to the views (not built, stop 60)."""
+    ids = shard_ids(nodes)
+    readers = [hashlib.blake2b(f"reader-{node}".encode(), digest_size=16).digest() for node in range(nodes)]
+    views: dict[tuple[int, ...], np.ndarray] = {}
+
+    def view(pools: list[int]) -> np.ndarray:
+        known = views.get(tuple(pools))
+        if known is None:
+            if len(pools) <= picks:
+                known = np.tile(np.array(sorted(pools), dtype=np.int64), (nodes, 1))
+            else:
+                chosen = owners(readers, [ids[pool] for pool in pools], picks)
+                known = np.sort(np.asarray(pools, dtype=np.int64)[chosen], axis=1)
+            views[tuple(pools)] = known
+        return known
+
+    messages = new_pools = 0
+    for push in pushes:
+        told = np.zeros(nodes, dtype=bool)
+        for before, after in push:
+            old, new = view(before), view(after)
+            if old.shape != new.shape:
+                told[:] = True
+                new_pools += nodes * (new.shape[1] - old.shape[1])
+                continue
+            moved = (old != new).any(axis=1)
+            told |= moved
+            new_pools += sum(len(set(new[i].tolist()) - set(old[i].tolist())) for i in np.flatnonzero(moved))
+        messages += int(told.sum())
+    return messages, new_pools
 
 
 def uniform_floor(calls: np.ndarray, trials: int = 20, seed: int = 0) -> float:
@@ -111,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="not DesignParams.relay_announcements (the package's relay_hot_copies: false)")
     parser.add_argument("--relay-stewards", type=int, default=0, help="DesignParams.relay_stewards")
     parser.add_argument("--relay-every", type=int, default=1, help="DesignParams.relay_every")
+    parser.add_argument("--relay-fanout", type=int, default=1, help="DesignParams.relay_fanout")
+    parser.add_argument("--announce-on-poll", action="store_true", help="DesignParams.announce_on_poll")
+    parser.add_argument("--reader-picks", type=int, default=0,
+                        help="also count the copies' pushes if each engine were told only this many pools a row")
     parser.add_argument("--peer-probes", type=int, default=0, help="DesignParams.peer_probes")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
@@ -122,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                                               announced_pools=args.announced_pools,
                                               relay_announcements=args.relay,
                                               relay_stewards=args.relay_stewards, relay_every=args.relay_every,
+                                              relay_fanout=args.relay_fanout, announce_on_poll=args.announce_on_poll,
                                               **learning_params(args)))
     design.run(requests)
     calls = design.stats.calls_received
@@ -137,12 +190,21 @@ def main(argv: list[str] | None = None) -> None:
     hit = row.hit_tokens / row.prompt_tokens
     served = row.bytes_served
     print(f"hit {100 * hit:.2f}% bytes hot {served.max() / served.mean():.2f} calls p99 "
-          f"{np.percentile(row.lookup_calls, 99):.0f} idx msgs a request {row.index_msgs / len(requests):.1f}")
+          f"{np.percentile(row.lookup_calls, 99):.0f} idx msgs a request {row.index_msgs / len(requests):.1f}; "
+          f"copies' pushes to each engine: {design.pools_pushed_whole} pools as whole rows, "
+          f"{design.pools_pushed_appended} appended")
+    if args.reader_picks:
+        messages, picked = reader_picks(design.copy_pushes, spec.nodes, args.reader_picks)
+        print(f"copies' pushes: {len(design.copy_pushes) * (spec.nodes - 1)} messages, "
+              f"{design.pools_pushed_appended * (spec.nodes - 1)} pools appended; each engine told its "
+              f"{args.reader_picks} rendezvous picks a row: {messages} messages, {picked} pools")
     order = np.argsort(calls)[::-1][:5]
     unpushed = calls - design.by_kind["push"]
     print(f"without pushes: mean calls a node {unpushed.mean():.2f}, hottest node {int(unpushed.argmax())} "
           f"{unpushed.max() / unpushed.mean():.2f}x the mean ({unpushed.max():.0f} calls)")
-    print("top nodes x mean:", " ".join(f"{int(n)}:{calls[n] / mean:.1f}" for n in order))
+    print("top nodes x mean:", " ".join(f"{int(n)}:{calls[n] / mean:.1f}" for n in order),
+          f"; the directory's (node {DIRECTORY_NODE}) {calls[DIRECTORY_NODE] / mean:.2f}x "
+          f"({design.by_kind['announce'][DIRECTORY_NODE]:.0f} announcements or forwards)")
     for node in order[:3]:
         families = design.by_family[int(node)].most_common(6)
         print(f"node {int(node)}:", "; ".join(f"{kind} {root.hex()[:8]} {count}" for (kind, root), count in families))

@@ -7,6 +7,14 @@ served perfectly evenly (the floor the hot-prefix table's copies can reach; the 
 document's writer and its few copies serving every node's reads of it).
 
 Run: ``python benchmarks/scale_hot_floor.py --nodes 1000 --requests 4000 --router random``.
+
+``--any-placement`` runs no design: it replays the workload with pools that never evict and prints
+what no placement that keeps a block where it was computed can beat (``placement_floor``): a
+block read on another node while one node holds it is sent by that node, so the node that first
+computed the most blocks read elsewhere sends them once whatever else is done; over the most
+bytes a fleet can serve (nobody copies), that is the floor of the hottest node's bytes over the
+mean. And what a placement that copies at every reader's first read and serves each read from
+its least-loaded holder reaches (an achievable figure, with room for every copy).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,6 +64,58 @@ class SplitBytes(HandoverCopyOnSecondRead):
         return stored
 
 
+@dataclass
+class PlacementFloor:
+    """``placement_floor``'s figures, in blocks served to other nodes."""
+
+    forced_max: int
+    """The most blocks one node must send: blocks it held alone when another node first read them."""
+    served_no_copies: int
+    """Blocks served across nodes when no reader keeps a copy: the most a fleet serves."""
+    served_copies: int
+    """... when every reader keeps a copy at its first read (then each node reads a block once)."""
+    least_loaded_max: int
+    """The hottest node when every reader copies and each read is served by its least-loaded holder."""
+    nodes: int
+
+    @property
+    def floor(self) -> float:
+        """The hottest node's bytes over the mean can be no lower than this."""
+        return self.forced_max * self.nodes / max(self.served_no_copies, 1)
+
+    @property
+    def least_loaded(self) -> float:
+        """The hottest over the mean that copying everywhere and least-loaded serving reach."""
+        return self.least_loaded_max * self.nodes / max(self.served_copies, 1)
+
+
+def placement_floor(requests: Sequence[Request], nodes: int) -> PlacementFloor:
+    """Replays ``requests`` in order, pools without eviction: a node's block it does not hold is a
+    hit when another node holds it (computed there, or copied), sent by a holder."""
+    counts = {}
+    for copy in (False, True):
+        holders: dict[bytes, list[int]] = {}
+        forced, least = np.zeros(nodes, dtype=np.int64), np.zeros(nodes, dtype=np.int64)
+        served = 0
+        for req in requests:
+            for key in req.keys:
+                held = holders.get(key)
+                if held is None:
+                    holders[key] = [req.node]  # computed here
+                    continue
+                if req.node in held:
+                    continue
+                served += 1
+                if len(held) == 1:
+                    forced[held[0]] += 1
+                if copy:
+                    least[min(held, key=lambda node: least[node])] += 1
+                    held.append(req.node)
+        counts[copy] = (int(forced.max()), served, int(least.max()))
+    return PlacementFloor(forced_max=counts[True][0], served_no_copies=counts[False][1],
+                          served_copies=counts[True][1], least_loaded_max=counts[True][2], nodes=nodes)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_single_run_args(parser)
@@ -71,8 +132,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): DesignParams.copy_session (remote_copy_reads)")
     parser.add_argument("--copy-nodes-per-pool", type=int, default=DesignParams.copy_nodes_per_pool,
                         help="(k): DesignParams.copy_nodes_per_pool (0: no bound)")
+    parser.add_argument("--any-placement", action="store_true",
+                        help="no design: the floor no placement beats (placement_floor)")
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
+    if args.any_placement:
+        floor = placement_floor(requests, spec.nodes)
+        print(f"nodes={spec.nodes} router={spec.router} requests={spec.requests} block={spec.block_size}: "
+              f"hottest node's bytes over the mean >= {floor.floor:.2f} (a node sends {floor.forced_max} blocks "
+              f"it alone held; {floor.served_no_copies / spec.nodes:.1f} blocks a node served at most); "
+              f"copies at every first read, least-loaded holder: {floor.least_loaded:.2f}")
+        return
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
     design = SplitBytes(cluster, DesignParams(seed=spec.seed, popular_readers=args.popular_readers,
                                               spread_reads=args.spread_reads, popular_window=args.popular_window,

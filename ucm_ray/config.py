@@ -143,10 +143,10 @@ class UcmRayConfig:
     bound; docs/scaling.md). 0: no bound (an engine's own setting)."""
     relay_hot_copies: bool = True
     """writer_local across nodes: this engine announces its copies of a hot prefix's blocks to a
-    steward shard (the owner of the first block copied), which forwards a second's announcements
-    to the directory in one call, instead of to the directory itself (one call per copying
-    request: the directory's node took 15x the mean calls at 1,000 nodes in the simulation;
-    docs/scaling.md, stop 58). A lost announcement (a steward that dies) leaves a copy unnamed by
+    steward shard (the owner of a salted digest of the first block copied), which forwards a
+    second's announcements to the directory in one call, instead of to the directory itself (one
+    call per copying request: the directory's node took 15x the mean calls at 1,000 nodes in the
+    simulation; docs/scaling.md, stop 58). A lost announcement (a steward that dies) leaves a copy unnamed by
     the table: other nodes load the block from the pools it names. One node never announces
     (an engine's own setting)."""
     transport: str = "auto"

@@ -182,17 +182,26 @@ class DesignParams:
     bounded, the last copy made would serve every later reader)."""
     relay_announcements: bool = True
     """(k), ``hot_copies="pushed"``: a reader announces its hot copies to the owner of the first
-    block it copied (a steward, by rendezvous), not to the directory; each steward forwards what
-    it gathered to the directory once a window (one message): the directory's calls are the
+    block it copied, salted (``steward_key``: a steward, by rendezvous), not to the directory; each
+    steward forwards what it gathered to the directory once a window (one message): the directory's calls are the
     stewards' forwards, not one per copying request (built in stop 58: the package's
     ``relay_hot_copies``, whose ``HotCopyRelay`` and ``steward_key`` this drives; the package
     forwards at most once a second, here once a window)."""
     relay_stewards: int = 0
-    """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied;
-    else one of this many fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
+    """(k), ``relay_announcements``: 0: a copy's steward is the owner of the first block copied's
+    ``steward_key`` (a salted digest since stop 60; the block itself before); else one of this many
+    fixed stewards (the owners of ``relay-0`` ... by rendezvous), picked by a
     hash of the copying node: the directory hears from at most this many a forward."""
     relay_every: int = 1
     """(k), ``relay_announcements``: windows between a steward's forwards (the announced copies wait)."""
+    relay_fanout: int = 1
+    """(k), ``relay_announcements`` with ``relay_stewards`` 0: stewards per first copied block, a
+    copying node's hash picking one (the owners of its ``steward_key`` salted with 0 ... n-1; 1: the
+    package's one steward; not built: stop 60 found the directory takes what the stewards shed)."""
+    announce_on_poll: bool = False
+    """(k), ``hot_copies="pushed"``: a reader's announcements ride on its next long poll of the
+    directory (re-posted at each push: no call of their own), reaching the directory after the next
+    push, not through a steward (not built, stop 60)."""
     announced_pools: int = 0
     """(k), ``hot_copies="pushed"``: a hot block's row names at most this many pools (0: the copy
     bound); past it a reader still keeps its copy (its node's readers find it) but announces
@@ -987,8 +996,15 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         self._relays: dict[int, HotCopyRelay] = {}
         """``relay_announcements``: per steward (in the order first announced to this window), the
         package's gatherer of the copies announced to it."""
+        self._on_poll: dict[bytes, dict[int, None]] = {}
+        """``announce_on_poll``: per hot block, copies waiting for their node's next long poll."""
         self._hot_reader = -1
         self._hot_family = b""
+        self.pools_pushed_whole = 0
+        """Pools the directory's pushes of readers' copies carried to each engine, rows sent whole
+        (each change counted as one entry in ``index_bytes``; the package's row is its pools)."""
+        self.pools_pushed_appended = 0
+        """... rows sent as the pools added (``HotPrefixDelta.appended``, the package since stop 60)."""
 
     def push_windows(self) -> int:
         """Windows between the directory's pushes (``push_every``; 0: the package's pace)."""
@@ -1060,6 +1076,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if named:
             copied = [key for key in copied if len(self.table_pools.get(key, ())) < named]
         if self.params.hot_copies == "pushed" and copied and self._announces(req.node):
+            if self.params.announce_on_poll:
+                for key in copied:
+                    self._on_poll.setdefault(key, {})[req.node] = None
+                return
             if self.params.relay_announcements:
                 steward = self._steward(req.node, steward_key(copied))
                 self._relays.setdefault(steward, HotCopyRelay()).gather({relay_pool(req.node): copied})
@@ -1073,6 +1093,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """Where ``node`` announces a copy whose first block is ``first`` (``relay_stewards``)."""
         count = self.params.relay_stewards
         if not count:
+            fanout = self.params.relay_fanout
+            if fanout > 1:
+                pick = (node * 0x9E3779B1) % 0xFFFFFFFB % fanout
+                first = hashlib.blake2b(first + pick.to_bytes(4, "little"), digest_size=16).digest()
             return int(self.cluster.placement.primary([first])[0])
         if not self._stewards:
             self._stewards = [int(owner) for owner in self.cluster.placement.primary(
@@ -1161,9 +1185,12 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             fresh = [node for node in announced if node not in listed]
             if not fresh or not copies_due(len(listed), len(fresh), bound, self.params.push_growth):
                 continue
+            named = len(listed)
             listed.extend(fresh[:max(0, bound - len(listed))])
             del self._announced[key]
             changed += 1
+            self.pools_pushed_whole += len(listed)
+            self.pools_pushed_appended += len(listed) - named
         if changed:
             tally = RequestTally()
             self._broadcast(DIRECTORY_NODE, tally, changed)
@@ -1219,6 +1246,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             if self._windows % self.params.relay_every == 0:
                 self._forward_relayed()
             self._push_announced()
+            for key, nodes in self._on_poll.items():  # the long polls re-posted after this push
+                self._announced.setdefault(key, {}).update(nodes)
+            self._on_poll = {}
         if self.params.hot_copies == "refreshed" and self.table:  # a new table version to every node
             tally = RequestTally()
             self._broadcast(0, tally, len(self.table))

@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)  # run as a script: ``tests.support`` from this checkou
 
 from tests.support.store_helpers import ClientProcess, key, prompt_keys  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.hot_copy_relay import steward_key  # noqa: E402
 from ucm_ray.store.placement import owners  # noqa: E402
 from ucm_ray.store.shard.fleet import fleet_status, start_fleet_per_node, stop_fleet  # noqa: E402
 from ucm_ray.store.types import DIRECTORY_NAME  # noqa: E402
@@ -161,7 +162,8 @@ def _relay_phase(config: UcmRayConfig, relay: bool, tag: str, directory, writer_
     settings = {**config.to_dict(), "relay_hot_copies": relay}
     ids = ray.get(directory.membership.remote()).shard_ids
     candidates = [key(i, tag) for i in range(64 * RELAYED_COPIES)]
-    hot = [k for k, row in zip(candidates, owners(candidates, ids, 1).tolist()) if row[0] == steward]
+    stewards = owners([steward_key([k]) for k in candidates], ids, 1)[:, 0].tolist()
+    hot = [k for k, at in zip(candidates, stewards) if at == steward]
     hot = hot[:RELAYED_COPIES]
     clients = [ClientProcess.options(resources={f"node_{i}": 0.01}).remote(settings) for i in range(3)]
     written = sum(ray.get(clients[1].write_keys.remote(hot, 3)))
@@ -182,7 +184,7 @@ def _relay_phase(config: UcmRayConfig, relay: bool, tag: str, directory, writer_
 def relay_scenario() -> dict:
     """Readers on two nodes keep copies of a hot prefix's blocks written on the third, one
     copying request at a time, first with ``relay_hot_copies`` off (each copy announced to the
-    directory), then on (each to the steward, the owner of the block copied): the directory's
+    directory), then on (each to the steward, the owner of the block copied's ``steward_key``): the directory's
     ``announce_hot_copies`` calls and the pools its table names in each phase, and the steward's
     relay counters. Its own fleet: ``copy_nodes_per_pool: 1`` (both readers' copies within the
     bound) and a directory whose call counts only this scenario moved."""

@@ -3,10 +3,12 @@ what a forward carries, in what order, and its bound."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import Counter
 
 from ucm_ray.store.hot_copy_relay import HotCopyRelay, steward_key
+from ucm_ray.store.placement import owners
 
 POOL_A, POOL_B = ("shard-a", 1), ("shard-b", 2)
 
@@ -31,8 +33,18 @@ def test_past_its_bound_an_announcement_is_dropped_and_counted():
     assert relay.take() == {POOL_B: [b"k2"]}
 
 
-def test_the_steward_of_an_announcement_is_the_owner_of_its_first_copied_block():
-    assert steward_key([b"first", b"second"]) == b"first"
+def test_the_steward_of_an_announcement_is_placed_by_its_first_copied_block_salted_apart_from_its_owner():
+    """One steward per first block (a prefix's readers gather at one shard), whatever else was
+    copied; not the first block's own owner (its prefix's root owner while it was learned: both
+    roles on one node made the fleet's hottest node at 1,000 nodes, docs/scaling.md, stop 60)."""
+    first = hashlib.sha256(b"first").digest()[:16]
+    salted = steward_key([first, b"second"])
+    assert salted == steward_key([first]) != first
+    assert len(salted) == 16 and steward_key([hashlib.sha256(b"other").digest()[:16]]) != salted
+    ids = [f"shard-{i}" for i in range(64)]
+    firsts = [hashlib.sha256(i.to_bytes(4, "little")).digest()[:16] for i in range(256)]
+    stewards = owners([steward_key([key]) for key in firsts], ids, 1)[:, 0]
+    assert (stewards != owners(firsts, ids, 1)[:, 0]).mean() > 0.9  # ~63/64 apart
 
 
 def test_announcements_gathered_while_forwards_are_taken_are_each_forwarded_once():

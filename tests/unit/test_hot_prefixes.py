@@ -214,7 +214,8 @@ def test_an_engine_gets_the_rows_changed_since_its_revision_and_applies_them():
     table.add_copies(POOL_B, first[:2], bound=0)
     delta = table.since(held.revision)
     assert isinstance(delta, HotPrefixDelta)
-    assert delta.changed == {key: (POOL_A, POOL_B) for key in first[:2]}  # two rows, not the table
+    assert delta.appended == {key: (POOL_B,) for key in first[:2]}  # two rows grown, not the table
+    assert delta.changed == {}
     assert delta.apply(held) == table.snapshot()
     assert delta.apply(HotPrefixes({}, 7)) is None  # not the revision it applies to
     # past the bound the oldest rows are dropped: the delta says so
@@ -225,6 +226,42 @@ def test_an_engine_gets_the_rows_changed_since_its_revision_and_applies_them():
     assert table.since(table.snapshot().revision) == HotPrefixDelta(1003, 1003, {})  # nothing new
     # an engine that holds nothing, or a revision of another directory start, gets the whole table
     assert table.since(-1) == table.snapshot() == table.since(7) == table.since(5000)
+
+
+def test_a_row_grown_by_copies_since_an_engines_revision_comes_as_the_pools_added_and_set_otherwise_whole():
+    """Issue 40, stop 60: a hot row's copies are named as they double, and each change went to every
+    engine as the whole row: its pools pushed summed to twice what it ends with. An engine holding
+    any revision since the row was last set gets only the pools named after it; a row set again
+    (learned anew, a pool gone) comes whole. Every revision's engine ends with the table."""
+    table = HotPrefixTable(start=50)
+    hot, other = b"hot", b"other"
+    table.add({hot: (POOL_A,), other: (POOL_A,)})
+    readers = [(f"reader-{i}", i) for i in range(40)]
+    held = {table.revision: table.snapshot()}
+    for pool in readers:
+        if table.add_copies(pool, [hot], bound=0):
+            held[table.revision] = table.snapshot()
+    assert len(table.snapshot().pools[hot]) == 32  # 2, 3, 4, 8, 16, 32 pools (the writer's first)
+    for revision, engine in held.items():
+        delta = table.since(revision)
+        if revision == table.revision:
+            continue
+        assert isinstance(delta, HotPrefixDelta) and delta.changed == {}
+        assert delta.appended == {hot: table.snapshot().pools[hot][len(engine.pools[hot]):]}
+        assert delta.apply(engine) == table.snapshot()
+    first = min(held)
+    assert sum(map(len, table.since(first).appended.values())) == 31  # whole: 2 + 3 + 4 + 8 + 16 + 32
+    table.remove_pool(readers[0])  # set otherwise: whole to every engine that held it before
+    table.add_copies(POOL_B, [other], bound=0)
+    delta = table.since(first)
+    assert isinstance(delta, HotPrefixDelta)
+    assert delta.changed == {hot: table.snapshot().pools[hot]} and delta.appended == {other: (POOL_B,)}
+    assert delta.apply(held[first]) == table.snapshot()
+    after = table.revision
+    assert table.add_copies(POOL_C, [hot], bound=32)  # grown again (the bound filled): appended to the set row
+    assert table.since(after).appended == {hot: (readers[31],)}  # the first copy waiting
+    missing = HotPrefixDelta(1, 2, {}, (), {b"absent": (POOL_A,)})
+    assert missing.apply(HotPrefixes({}, 1)) is None  # not the table it was made against
 
 
 def test_the_drop_log_bounds_deltas_an_engine_too_far_behind_gets_the_whole_table():
@@ -284,5 +321,5 @@ def test_the_directory_builds_one_answer_per_revision_not_one_per_engine_that_as
     first = table.since(held)
     table.add_copies(POOL_C, system[:1], bound=0)
     assert table.since(held) is not first and table.since(held) == HotPrefixDelta(
-        held, table.revision, {system[0]: (POOL_A, POOL_B, POOL_C), system[1]: (POOL_A, POOL_B)})
+        held, table.revision, {}, (), {system[0]: (POOL_B, POOL_C), system[1]: (POOL_B,)})
     assert table.snapshot().pools[system[0]] == (POOL_A, POOL_B, POOL_C)

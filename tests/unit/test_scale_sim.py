@@ -407,3 +407,58 @@ def test_the_distinct_askers_rule_learns_a_root_many_nodes_ask_not_one_node_aski
     assert _learned_after(list(range(64)), learn_asks=64) == system
     assert _learned_after([7] * 63, learn_askers=2, learn_asks=64) == set()
     assert _learned_after([7] * 64, learn_askers=2, learn_asks=64) == system  # either count
+
+
+def test_the_any_placement_floor_counts_what_only_one_holder_can_send() -> None:
+    """``scale_hot_floor.placement_floor``: a block another node reads while one node holds it is
+    that node's to send (the floor), a read of a block its node holds is free; copies at first
+    reads let the next reader take it from the least-loaded holder."""
+    from benchmarks.scale.workload import Request
+    from benchmarks.scale_hot_floor import placement_floor
+
+    def req(index: int, node: int, keys: list[bytes]) -> Request:
+        return Request(index=index, kind="doc", affinity=0, session=index, engine=node, node=node, keys=keys,
+                       tokens=128 * len(keys))
+
+    floor = placement_floor([req(0, 0, [b"a", b"b"]), req(1, 1, [b"a", b"b"]), req(2, 2, [b"a", b"b"]),
+                             req(3, 0, [b"a"])], nodes=3)
+    assert (floor.forced_max, floor.served_no_copies, floor.served_copies) == (2, 4, 4)
+    assert floor.least_loaded_max == 2  # node 2's reads from node 1, which had sent nothing
+    assert floor.floor == pytest.approx(1.5) and floor.least_loaded == pytest.approx(1.5)
+    two_writers = placement_floor([req(0, 0, [b"a"]), req(1, 1, [b"b"]), req(2, 2, [b"a", b"b"])], nodes=3)
+    assert two_writers.forced_max == 1 and two_writers.floor == pytest.approx(1.5)
+
+
+def test_announcements_on_the_long_poll_cost_no_call_and_more_stewards_a_prefix_load_the_directory() -> None:
+    """Stop 60's options: copies announced on each reader's next long poll reach the table with
+    no call of their own (no node receives an announcement, the rows still grow); two stewards per
+    prefix halve what each steward gathers but double the forwards the directory takes."""
+    from benchmarks.scale.designs import DIRECTORY_NODE
+    from benchmarks.scale_hot_calls import SplitCalls
+
+    spec = WorkloadSpec(nodes=100, block_size=128, requests=500, router="random", seed=0)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    runs = {}
+    for name, params in {"one": {}, "two": {"relay_fanout": 2}, "poll": {"announce_on_poll": True}}.items():
+        cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = SplitCalls(cluster, DesignParams(**params))  # type: ignore[arg-type]
+        design.run(requests)
+        runs[name] = design
+    assert runs["one"].by_kind["announce"].sum() > 0 and runs["one"].pools_pushed_appended > 0
+    assert runs["poll"].by_kind["announce"].sum() == 0 and runs["poll"].pools_pushed_appended > 0
+    assert runs["two"].by_kind["announce"][DIRECTORY_NODE] > runs["one"].by_kind["announce"][DIRECTORY_NODE]
+    assert runs["one"].pools_pushed_appended < runs["one"].pools_pushed_whole
+
+
+def test_engines_told_only_their_rendezvous_picks_get_a_rows_new_pools_only_where_their_view_moves() -> None:
+    """``scale_hot_calls.reader_picks`` (stop 60, not built): a row of at most ``picks`` pools is
+    every engine's whole view; past it an engine hears of a change only when a new pool enters
+    its picks, and then only of the pools that entered."""
+    from benchmarks.scale_hot_calls import reader_picks
+
+    assert reader_picks([[([], [0])]], 20, 4) == (20, 20)
+    messages, pools = reader_picks([[([0, 1, 2, 3], list(range(8)))]], 200, 4)
+    assert 150 < messages <= 200 and messages <= pools <= 4 * messages  # ~1 - 1/70 of views move
+    assert pools < 200 * 4  # appended: 4 new pools to each of 200 engines
+    assert reader_picks([[([0, 1, 2, 3, 4, 5, 6, 7], list(range(8)))]], 50, 4) == (0, 0)
