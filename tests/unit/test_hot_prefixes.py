@@ -264,6 +264,28 @@ def test_a_row_grown_by_copies_since_an_engines_revision_comes_as_the_pools_adde
     assert missing.apply(HotPrefixes({}, 1)) is None  # not the table it was made against
 
 
+class OlderPackagesDelta:
+    """Pickles as a directory of the package before stop 60 pickled its ``HotPrefixDelta``: the
+    same class, its fields' state without ``appended`` (that package had none)."""
+
+    def __init__(self, base: int, revision: int, changed: dict, dropped: tuple = ()) -> None:
+        self.state = {"base": base, "revision": revision, "changed": changed, "dropped": dropped}
+
+    def __reduce__(self):
+        return object.__new__, (HotPrefixDelta,), self.state
+
+
+def test_a_delta_from_an_older_packages_directory_applies_as_one_that_appends_nothing():
+    """An engine of this package polling a directory of the one before (a fleet upgraded engines
+    first): that directory's deltas carry no ``appended``, and applying one must not raise (the
+    scheduler refreshes the membership on its hot path) but apply its rows."""
+    table = HotPrefixes({b"a": (POOL_A,)}, 7)
+    delta = pickle.loads(pickle.dumps(OlderPackagesDelta(7, 8, {b"b": (POOL_B,)}, (b"a",))))
+    assert isinstance(delta, HotPrefixDelta)
+    assert delta.apply(table) == HotPrefixes({b"b": (POOL_B,)}, 8)
+    assert delta.appended == {}
+
+
 def test_the_drop_log_bounds_deltas_an_engine_too_far_behind_gets_the_whole_table():
     table = HotPrefixTable(max_blocks=1)
     table.add({b"a": (POOL_A,)})

@@ -320,3 +320,24 @@ def test_a_hit_in_a_step_without_hooks_fails_its_layer_loads_and_no_wrong_block_
     assert b.serve("B", p)[0] == 2047
     assert b.failed_loads == 15 and b.wrong_blocks == 0  # the last block lands before the forward
     assert b.stats()["unwaited_layer_loads"] == HARNESS_LAYERS
+
+
+def test_a_step_without_hooks_reports_its_failed_layer_loads_before_a_deferred_wait_for_save(pool, worker):
+    """vLLM's runner with a speculative config defers ``wait_for_save`` past the draft model: right
+    after the target forward it asks for the transfer results, the blocks with load errors and the
+    worker's metadata, and only then ends the step. A step whose layer hooks never ran (a FULL CUDA
+    graph replay) must have its layer loads failed by then: vLLM may be told a block's failure
+    only in the step that loaded it (its sampled tokens read the unloaded blocks)."""
+    w, caches = worker
+    w.bind(load_meta(descriptor(pool)))
+    w.start_load_kv()
+    # the forward ran no hook; then, as ``_get_kv_connector_output(defer_finalize=True)`` asks:
+    w.transfer_results()
+    assert w.load_errors() == set(LOADED), "the step's unwaited layer loads were not reported in their step"
+    failures = w.build_worker_meta().load_failures
+    assert sorted(block for _, blocks in failures.items() for block in blocks) == sorted(LOADED)
+    w.wait_for_save()  # ``finalize_kv_connector``, after the draft model
+    assert w.load_errors() == set(), "the failures reached vLLM again, in a later step"
+    assert w.stats.totals["unwaited_layer_loads"] == LAYERS
+    for layer in range(LAYERS_AHEAD, LAYERS):
+        assert holds(caches, layer, STALE), f"layer {layer} was posted though no hook asked for it"

@@ -112,6 +112,11 @@ class HotPrefixDelta:
     simulation: 409,083 pools pushed whole, 194,480 appended, each to every engine;
     docs/scaling.md, stop 60)."""
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickled: a delta from a directory of an older package carries no ``appended`` (a
+        field with a default factory has no class default to fall back on), so it appends none."""
+        self.__dict__.update({"appended": {}, **state})
+
     def apply(self, table: HotPrefixes) -> HotPrefixes | None:
         """``table`` with this delta applied; None when ``table`` is not the revision it applies to."""
         if table.revision != self.base:

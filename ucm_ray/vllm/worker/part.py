@@ -157,16 +157,25 @@ class WorkerPart:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
         """(finished sending: their saves landed, finished receiving, of which failed); None
         when there are none."""
-        if self._step.phase is LoadPhase.POSTED:
-            self._loads.finish_posted(self._step)
+        self._loads_over()
         if self._saves.pending:
             self._saves.poll(step_end=True)
         return self._results.take_transfers()
 
     def load_errors(self) -> set[int]:
-        if self._step.phase is LoadPhase.POSTED:
-            self._loads.finish_posted(self._step)
+        self._loads_over()
         return self._results.take_load_errors()
+
+    def _loads_over(self) -> None:
+        """vLLM asks for the step's results once its forward is queued, before ``wait_for_save``
+        where it defers that past a draft model (a speculative config): the loads posted in
+        ``start_load_kv`` are checked, and layer loads whose hook never ran are failed now, so
+        their blocks reach vLLM in the step that loaded them (``to_vllm``)."""
+        step = self._step
+        if step.phase is LoadPhase.POSTED:
+            self._loads.finish_posted(step)
+        elif step.phase is LoadPhase.BY_LAYER:
+            self._loads.fail_unwaited(step)
 
     def shutdown(self) -> None:
         self._saves.land_all()
