@@ -24,6 +24,7 @@ from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.slots import QUIET_TICK_S
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt
 from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey
@@ -260,17 +261,19 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
 def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, model_dir):
     """Every layer's load waits for the hung pool, all within the step's one deadline: the
     timeouts the worker gave the pool add up to one ``transfer_timeout_s`` (two layers each
-    given the whole timeout would add up to twice it). Counted, not timed: a loaded host makes
-    the step slower, not the sum larger (each wait sleeps its timeout out, so a later layer's
-    timeout is what is left of the step's)."""
+    given the whole timeout would add up to twice it). Counted, not timed: each wait uses its
+    timeout up on the worker's frozen clock, so a later layer's timeout is what is left of the
+    step's, however slow the host."""
     cfg = UcmRayConfig(transfer_timeout_s=0.5)
     a = make_engine(store.client(), model_dir, config=cfg)
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
 
-    hung = hung_loads()
-    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=hung)
+    clock = AdvancingClock()
+    clock.freeze()
+    hung = hung_loads(clock)
+    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=hung, worker_clock=clock)
     b.serve("B", p + prompt(1024, seed=77))  # a long new part: the hit is loaded layer by layer
     assert b.wrong_blocks == 0 and b.failed_loads == 16
     assert store.suspected, "a pool whose transfers fail is reported to the store as suspect"
