@@ -466,7 +466,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 pool_connections: type[PoolConnections] = PoolConnections,
                 index_readers: Callable[[str], IndexReaders] = IndexReaders,
                 async_scheduling: bool = False, told_async: bool | None = None,
-                worker_clock: AdvancingClock | None = None) -> Engine:
+                clock: AdvancingClock | None = None, worker_clock: AdvancingClock | None = None) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
     ``pool_connections``, ``index_readers``: what its worker reaches the pools and reads their
     indexes with (a test's double: a pool that fails, an index on another node).
@@ -477,8 +477,10 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     ``async_scheduling``: vLLM's ``AsyncScheduler`` and its engine core's batch queue;
     ``told_async``: what the engine's config says (default: the same), which the connector reads:
     a test may run asynchronous scheduling behind a config that says otherwise, to show what
-    synchronous loads would do under it. ``worker_clock``: the worker's (default: one following
-    the host's time); a frozen one passes a step's deadline only when the test's doubles say the
+    synchronous loads would do under it. ``clock``: the scheduler half's (default: one of its
+    own; a test that shares one with the store's shards, ``LocalBlockStore(clock=...)``, moves
+    both at once); ``worker_clock``: the worker's (default: one following the host's time); a
+    frozen one passes a step's deadline only when the test's doubles say the
     time went by (``tests/support/faulty_pools.hung_loads``)."""
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ValueError(f"num_layers {num_layers}: the harness tells apart 1 to {MAX_LAYERS} layers")
@@ -489,7 +491,7 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                  prompt_lookup_min=1, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
     node = LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id()
-    clock = AdvancingClock()
+    clock = AdvancingClock() if clock is None else clock
     extra = {**(config or UcmRayConfig()).to_dict(), "layerwise": layerwise, **(extra or {}),
              STORE_KEY: store, NODE_KEY: node, CLOCK_KEY: clock,
              WORKER_CLOCK_KEY: AdvancingClock() if worker_clock is None else worker_clock}
