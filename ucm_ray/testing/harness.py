@@ -98,6 +98,7 @@ class HarnessConnector(UcmRayConnector):
                  index_readers: Callable[[str], IndexReaders] = IndexReaders) -> None:
         self._pool_connections = pool_connections
         self._index_readers = index_readers
+        self._scheduler_role = role == KVConnectorRole.SCHEDULER  # ``clock`` is asked for during ``__init__``
         super().__init__(vllm_config, role, kv_cache_config)
 
     def _harness_setting(self, key: str) -> Any:
@@ -114,8 +115,7 @@ class HarnessConnector(UcmRayConnector):
         return store
 
     def clock(self) -> AdvancingClock:
-        clock: AdvancingClock = self._harness_setting(
-            CLOCK_KEY if self.role == KVConnectorRole.SCHEDULER else WORKER_CLOCK_KEY)
+        clock: AdvancingClock = self._harness_setting(CLOCK_KEY if self._scheduler_role else WORKER_CLOCK_KEY)
         return clock
 
     def node_id(self, config: UcmRayConfig) -> str:
