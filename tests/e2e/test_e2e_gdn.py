@@ -56,6 +56,13 @@ LCM = 256  # every group's block size: the engines ask for it (see above)
 STATE_GROUPS = 3  # 6 gated-delta-net layers in groups as large as the attention group (2 layers)
 
 
+GENEROUS = {"lookup_timeout_s": 60, "state_slot_wait_s": 60}
+"""The first chunk's state is saved only if its slot's grant came within ``state_slot_wait_s``
+(0.5 s by default) of the lookup: on a loaded CI host the shard's answer came later and A saved
+11 of P's 12 blocks and states (``saves_skipped`` 1), the package doing as designed. What is
+tested here is which boundaries hold states, not how long a shard may take: wait for it."""
+
+
 def _engine_kw(chunk: int, **more) -> dict:
     return dict(dtype="bfloat16", mamba_cache_mode="align", block_size=LCM, max_num_batched_tokens=chunk, **more)
 
@@ -139,7 +146,7 @@ def _engine_pair(gdn, shared, prompts, ref, engine_kw, first):
     kv-cache groups and hash block size, A's output and counter changes per prompt, and engine B:
     A's engine with its own prefix cache (blocks and states) emptied, as a fresh engine's, so its
     hits can only come from the store. One engine start fewer per configuration: CI's time."""
-    kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60})
+    kv = kv_transfer({"ray_namespace": shared.ray_namespace, **GENEROUS})
     a = EngineProcess.remote(gdn, kv, **engine_kw)
     runs = {}
     try:
@@ -159,7 +166,7 @@ def _engine_pair(gdn, shared, prompts, ref, engine_kw, first):
 def _assert_saved(runs, name, expected):
     """A's run of ``name`` saved ``expected`` blocks and states. A state is saved in the step that
     computes it, into a slot asked for two chunks ahead (a prompt's first chunks: at its lookup,
-    waited for at most ``STATE_SLOT_WAIT_S``): one whose slot the shard granted later than that
+    waited for at most ``state_slot_wait_s``): one whose slot the shard granted later than that
     is lost, counted in ``saves_skipped`` (so is a block's save that waited, then landed)."""
     scheduler = runs[name][1]["scheduler"]
     assert scheduler["saved_blocks"] == expected, \

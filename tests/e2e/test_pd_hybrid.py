@@ -63,7 +63,10 @@ def reference(lfm2, prompts):
 @pytest.fixture(scope="module")
 def engines(shared, lfm2, reference):
     """A prefill and a decode engine with the connector."""
-    kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60, "pd_wait_s": 30.0})
+    # state_slot_wait_s: a prefill's state whose slot came later than this is lost (and the
+    # decode's hit with it); the rows test where states are, not how fast a loaded host's shard is
+    kv = kv_transfer({"ray_namespace": shared.ray_namespace, "lookup_timeout_s": 60, "pd_wait_s": 30.0,
+                      "state_slot_wait_s": 60})
     prefill, decode = (EngineProcess.remote(lfm2, kv, **ENGINE_KW) for _ in range(2))
     yield prefill, decode
     for engine in (prefill, decode):

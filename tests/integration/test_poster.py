@@ -3,16 +3,21 @@ engine queued them, failures reported per call, nothing queued lost when the cli
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from dataclasses import replace
 
 import pytest
 import ray
 import torch
 
 from tests.support.store_helpers import block, key
+from ucm_ray.store.engine.calls import ShardAccess
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.engine.poster import CallPoster
 from ucm_ray.store.types import Location, Publishes
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.transport.base import CopyOp, Ranges
 
 
@@ -76,28 +81,61 @@ def test_a_call_queued_after_close_fails_at_once(ray_cluster):
 
 
 @ray.remote(num_cpus=0)
-class Slow:
-    def answer(self, seconds: float) -> float:
-        time.sleep(seconds)
-        return seconds
+class Gate:
+    """A shard call that answers only once the test opens the gate (an async actor: ``open``
+    runs while ``answer`` waits)."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+
+    async def answer(self, value: float) -> float:
+        await self._open.wait()
+        return value
+
+    async def open(self) -> None:
+        self._open.set()
+
+
+def frozen_access(client: StoreClient) -> tuple[ShardAccess, AdvancingClock]:
+    """The client's ``ShardAccess`` on a frozen clock: a call's deadline passes only when the test
+    advances it, not when a loaded host is slow."""
+    clock = AdvancingClock()
+    clock.freeze()
+    return replace(client.access, clock=clock), clock
+
+
+def returns_within(call, seconds: float):
+    """``call()``'s value, failing (not hanging) when it has not returned within ``seconds`` of
+    the host's time: a bound for a call that must not wait for an answer that never comes."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert out, f"still waiting after {seconds} s"
+    return out[0]
 
 
 def test_a_fanout_with_one_call_unposted_still_polls_the_others_without_waiting(fleet):
+    """Poll is False while a call is still answering (held by a gate, not a sleep), True once it
+    answered; ``result`` then takes the answers without waiting: with the deadline already past
+    (the test's clock advanced), a wait would have made it None."""
     from ucm_ray.store.engine.calls import Fanout
 
     client = StoreClient(fleet(num_shards=1))
+    access, clock = frozen_access(client)
     record = client.membership.shards[0]
-    slow = Slow.remote()
-    unposted = client.access.poster.post(slow.answer, 1, 2)  # a signature Ray refuses as it posts
-    in_flight = client.access.poster.post(slow.answer, 2.0)
-    fanout = Fanout(client.access, [(record, unposted), (record, in_flight)], lambda answers: answers)
-    started = time.monotonic()
+    gate = Gate.remote()
+    unposted = access.poster.post(gate.answer, 1, 2)  # a signature Ray refuses as it posts
+    in_flight = access.poster.post(gate.answer, 2.0)
+    fanout = Fanout(access, [(record, unposted), (record, in_flight)], lambda answers: answers)
+    for _ in range(50):
+        assert not fanout.poll(), "poll said done while a call was still answering"
+        time.sleep(0.01)
+    ray.get(gate.open.remote())
     while not fanout.poll():
         time.sleep(0.01)
-    assert time.monotonic() - started > 1.5, "poll said done while a call was still answering"
-    waited = time.monotonic()
+    clock.advance(access.timeout_s + 1.0)
     assert fanout.result() == [None, 2.0]
-    assert time.monotonic() - waited < 0.5  # ``result`` after a True poll does not wait
     client.close()
 
 
@@ -110,19 +148,21 @@ class Failing:
 def test_a_fanout_answers_none_for_a_call_that_raised_or_outlived_its_deadline(fleet):
     """Each posted call's answer is a future that the poster's thread made: one that raised, or
     one still running at the deadline, is that shard's failure (the shard turns suspect), and
-    ``result`` does not wait past the deadline."""
+    ``result`` does not wait past the deadline. The deadline is on a frozen clock: it passes when
+    the test advances it (a loaded host that was slow to start the actor made ``raised`` a
+    timeout, and the timed bound on ``late`` failed)."""
     from ucm_ray.store.engine.calls import Fanout
 
-    client = StoreClient(fleet(num_shards=1, lookup_timeout_s=1.0))
-    access = client.access
+    client = StoreClient(fleet(num_shards=1, lookup_timeout_s=60.0))
+    access, clock = frozen_access(client)
     record = client.membership.shards[0]
     raised = Fanout(access, [(record, access.poster.post(Failing.remote().answer))], lambda answers: answers)
     assert raised.result() == [None]
     assert access.suspects.suspect(record)
-    late = Fanout(access, [(record, access.poster.post(Slow.remote().answer, 5.0))], lambda answers: answers)
-    started = time.monotonic()
-    assert late.result() == [None]
-    assert time.monotonic() - started < 2.5
+    late = Fanout(access, [(record, access.poster.post(Gate.remote().answer, 5.0))], lambda answers: answers)
+    assert not late.poll()
+    clock.advance(access.timeout_s + 1.0)  # the gate never opens: the call outlives its deadline
+    assert returns_within(late.result, 30.0) == [None]
     assert late.poll()  # answered: never polled as pending again
     client.close()
 

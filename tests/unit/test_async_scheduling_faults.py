@@ -16,6 +16,7 @@ from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Locations
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.testing.harness import POISONED_TOKEN, TOKEN, Engine, make_engine, prompt
 
 SHARDS = ("local_shard_0", "local_shard_1")
@@ -153,12 +154,17 @@ def test_a_hit_whose_first_block_fails_is_not_looked_up_and_loaded_again_forever
 
 
 def test_a_hung_pool_under_async_scheduling_does_not_loop(store, model_dir):
-    """As above with a pool that never answers (each try waits ``transfer_timeout_s``)."""
-    cfg = UcmRayConfig(transfer_timeout_s=0.2)
+    """As above with a pool that never answers (each try waits ``transfer_timeout_s``). The
+    worker's clock is frozen: the step's deadline passes when the hung pool used it up, not when
+    the host is slow. Each load is posted 0.3 s late, as a loaded host's copy thread was (CI):
+    with the host's clock and a 0.2 s timeout the step missed its deadline before any load was
+    posted, no pool was waited for and none named (``store.suspected`` empty)."""
     p = prompt(16 * 128)
-    _written(store, model_dir, p, config=cfg)
+    _written(store, model_dir, p)
 
-    b = _async(store, model_dir, config=cfg, pool_connections=hung_loads())
+    clock = AdvancingClock()
+    clock.freeze()
+    b = _async(store, model_dir, pool_connections=hung_loads(clock, late_s=0.3), worker_clock=clock)
     r = b.add("B", p + prompt(1024, seed=77), max_tokens=4)
     _steps(b, r, 40)
     stats = b.stats()

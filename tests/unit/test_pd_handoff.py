@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,6 +16,7 @@ from ucm_ray import policy
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Done
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.testing.harness import Engine, make_engine, prompt
 from ucm_ray.vllm.scheduler import HOLD_S
 
@@ -155,15 +155,18 @@ def test_a_handoff_from_another_namespace_is_ignored_and_counted(store, model_di
 
 TIMEOUT_S = 1.0
 """The shards' and engines' grant timeout in the fault tests: what a vanished writer holds
-lapses after it (and its quarantine, as long again), which the tests wait out for real."""
+lapses after it (and its quarantine, as long again), which the tests advance the shards' clock
+past."""
 FAULT_CONFIG = dict(reserve_timeout_s=TIMEOUT_S, transfer_timeout_s=TIMEOUT_S / 2)
 
 
 @pytest.fixture
-def short_store():
-    """The ``store`` fixture's shards, with write grants that lapse after ``TIMEOUT_S``."""
-    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20, reserve_timeout_s=TIMEOUT_S)
-    yield local
+def short_store() -> Iterator[tuple[LocalBlockStore, AdvancingClock]]:
+    """The ``store`` fixture's shards, with write grants that lapse after ``TIMEOUT_S``, and their
+    clock (the host's time until a test advances it)."""
+    clock = AdvancingClock()
+    local = LocalBlockStore(num_shards=2, pool_bytes=64 << 20, reserve_timeout_s=TIMEOUT_S, clock=clock)
+    yield local, clock
     local.shutdown()
 
 
@@ -182,14 +185,15 @@ def _held(store: LocalBlockStore) -> dict[str, int]:
     return held
 
 
-def _assert_nothing_held(store: LocalBlockStore, files: list[str], within_s: float = 3 * TIMEOUT_S + 2) -> None:
+def _assert_nothing_held(store: LocalBlockStore, clock: AdvancingClock, files: list[str]) -> None:
     """Once the engines are gone: every pin and grant on the shards goes, at the latest when a
-    grant's timeout and its quarantine passed (real time: the shards' clock), and the store's
-    shutdown leaves none of its files in /dev/shm."""
-    deadline = time.monotonic() + within_s
-    while any(_held(store).values()):
-        assert time.monotonic() < deadline, f"still held on the shards: {_held(store)}"
-        time.sleep(0.1)
+    grant's timeout and its quarantine passed (the shards' clock is advanced past both, not
+    waited out: a timed wait failed on a host slower than its margin), and the store's shutdown
+    leaves none of its files in /dev/shm."""
+    for _ in range(2):  # a lapsed grant is quarantined when a shard next looks, for a timeout from then
+        clock.advance(TIMEOUT_S + 0.1)
+        held = _held(store)
+    assert not any(held.values()), f"still held on the shards: {held}"
     files += _shm_files(store)
     store.shutdown()
     assert not [path for path in files if os.path.exists(path)], "the store left files in /dev/shm"
@@ -211,7 +215,7 @@ def test_a_decode_whose_prefills_saves_never_land_computes_its_prompt_and_nothin
     process died before the step that saves them, or its commits were lost. The decode waits
     at most ``pd_wait_s``, then computes the whole prompt (no byte loaded, none wrong), counted
     as a timeout; the prefill's write grants lapse on the shards and nothing else is held."""
-    store = short_store
+    store, shards_clock = short_store
     files = _shm_files(store)
     p = prompt(PROMPT, seed=46)
     config = UcmRayConfig(pd_wait_s=WAIT_S, **FAULT_CONFIG)
@@ -238,7 +242,7 @@ def test_a_decode_whose_prefills_saves_never_land_computes_its_prompt_and_nothin
     assert stats["handoffs"] == 1 and stats["handoff_timeouts"] == 1
     b.settle()
     b.shutdown()
-    _assert_nothing_held(store, files)
+    _assert_nothing_held(store, shards_clock, files)
 
 
 @pytest.mark.parametrize("after", ["nothing", "another prefill"])
@@ -249,7 +253,7 @@ def test_a_shard_restarted_mid_handoff_is_a_miss_or_the_new_incarnations_bytes(s
     still holds (the policy's hit of it); with another prefill of the same prompt saving into
     the new incarnation meanwhile, it loads the whole announced hit. Never a byte from the old
     incarnation (``wrong_blocks`` 0), and nothing held afterwards."""
-    store = short_store
+    store, shards_clock = short_store
     files = _shm_files(store)
     p = prompt(PROMPT, seed=47)
     config = UcmRayConfig(pd_wait_s=WAIT_S, **FAULT_CONFIG)
@@ -288,14 +292,14 @@ def test_a_shard_restarted_mid_handoff_is_a_miss_or_the_new_incarnations_bytes(s
     a.shutdown()
     b.settle()
     b.shutdown()
-    _assert_nothing_held(store, files)
+    _assert_nothing_held(store, shards_clock, files)
 
 
 def test_a_prefill_whose_decode_never_comes_leaves_ordinary_cache_and_holds_nothing(short_store, model_dir):
     """No decode ever continues the prefill: its blocks go back to vLLM once saved, its saves
     are ordinary cache (a later plain request on another engine with the same prefix hits
     them), and once the engines are gone no pin or grant is left on the shards."""
-    store = short_store
+    store, shards_clock = short_store
     files = _shm_files(store)
     p = prompt(PROMPT, seed=48)
     config = UcmRayConfig(**FAULT_CONFIG)
@@ -314,7 +318,7 @@ def test_a_prefill_whose_decode_never_comes_leaves_ordinary_cache_and_holds_noth
     c.settle()
     for engine in (a, c):
         engine.shutdown()
-    _assert_nothing_held(store, files)
+    _assert_nothing_held(store, shards_clock, files)
 
 
 # --- a hybrid model: the decode resumes from the state the prefill saved, or computes ---------

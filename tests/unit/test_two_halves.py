@@ -24,6 +24,7 @@ from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.engine.slots import QUIET_TICK_S
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
+from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt
 from ucm_ray.testing.timing import timed_calls
 from ucm_ray.transport.base import PoolKey
@@ -260,17 +261,19 @@ def test_any_exception_on_the_copy_thread_is_a_failed_load(store, model_dir):
 def test_a_hung_pool_delays_a_step_by_one_deadline_not_one_per_layer(store, model_dir):
     """Every layer's load waits for the hung pool, all within the step's one deadline: the
     timeouts the worker gave the pool add up to one ``transfer_timeout_s`` (two layers each
-    given the whole timeout would add up to twice it). Counted, not timed: a loaded host makes
-    the step slower, not the sum larger (each wait sleeps its timeout out, so a later layer's
-    timeout is what is left of the step's)."""
+    given the whole timeout would add up to twice it). Counted, not timed: each wait uses its
+    timeout up on the worker's frozen clock, so a later layer's timeout is what is left of the
+    step's, however slow the host."""
     cfg = UcmRayConfig(transfer_timeout_s=0.5)
     a = make_engine(store.client(), model_dir, config=cfg)
     p = prompt(2048)
     a.serve("A", p)
     a.settle()
 
-    hung = hung_loads()
-    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=hung)
+    clock = AdvancingClock()
+    clock.freeze()
+    hung = hung_loads(clock)
+    b = make_engine(store.client(), model_dir, config=cfg, pool_connections=hung, worker_clock=clock)
     b.serve("B", p + prompt(1024, seed=77))  # a long new part: the hit is loaded layer by layer
     assert b.wrong_blocks == 0 and b.failed_loads == 16
     assert store.suspected, "a pool whose transfers fail is reported to the store as suspect"
@@ -558,21 +561,29 @@ def _held_slot_bytes(store: LocalBlockStore) -> int:
     return sum(store.index(s).stats().pending_bytes for s in ("local_shard_0", "local_shard_1"))
 
 
-def test_an_idle_engine_gives_its_unused_slots_back(store, model_dir):
+def test_an_idle_engine_gives_its_unused_slots_back(model_dir):
     """Slots are asked for per prompt chunk; what was not used goes back once the engine idles,
-    so an idle engine holds about one entry per pool, not a step's worth of pool memory."""
-    cfg = UcmRayConfig(reserve_timeout_s=3.0, transfer_timeout_s=1.0, lease_s=10.0)  # idle after 1 s
-    a = make_engine(store.client(), model_dir, config=cfg)
-    a.serve("A", prompt(4096, seed=5), max_tokens=1)  # 32 blocks; slots for 2 chunks were asked
-    a.settle()
-    entry = 2 * 128 * 2 * 16 * 4 * 2  # K+V x tokens x heads x head size x fp32 x layers
-    a.clock.advance(1.2)
-    for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
+    so an idle engine holds about one entry per pool, not a step's worth of pool memory. The
+    shards and the scheduler share one frozen clock: the grants' ages, the idle time and the
+    ticks are what the test advanced, however long the host took over the steps between."""
+    clock = AdvancingClock()
+    clock.freeze()
+    store = LocalBlockStore(num_shards=2, pool_bytes=64 << 20, clock=clock)
+    try:
+        cfg = UcmRayConfig(reserve_timeout_s=3.0, transfer_timeout_s=1.0, lease_s=10.0)  # idle after 1 s
+        a = make_engine(store.client(), model_dir, config=cfg, clock=clock)
+        a.serve("A", prompt(4096, seed=5), max_tokens=1)  # 32 blocks; slots for 2 chunks were asked
+        a.settle()
+        entry = 2 * 128 * 2 * 16 * 4 * 2  # K+V x tokens x heads x head size x fp32 x layers
+        clock.advance(1.2)
+        for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
+            a.step()
+        clock.advance(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
         a.step()
-    a.clock.advance(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
-    a.step()
-    a.settle()
-    assert _held_slot_bytes(store) <= 2 * 2 * entry
+        a.settle()
+        assert _held_slot_bytes(store) <= 2 * 2 * entry
+    finally:
+        store.shutdown()
 
 
 def test_blocks_filled_while_decoding_are_saved_too(store, model_dir):
@@ -641,20 +652,25 @@ def slot_ledger(client: LocalBlockStore) -> tuple[set[tuple[PoolKey, int]], set[
 def test_an_idle_engine_never_writes_into_slots_that_may_have_lapsed(model_dir):
     """vLLM runs no step while an engine has no request, so nothing renews its free slots; they
     lapse, are quarantined, then handed to another engine. When the idle engine wakes, it must
-    not write into them (found by review: it overwrote another engine's entries)."""
-    store = LocalBlockStore(num_shards=2, pool_bytes=4 << 20, reserve_timeout_s=1.0, lease_s=1.0)
+    not write into them (found by review: it overwrote another engine's entries). The shards and
+    both schedulers share one frozen clock that only the test moves: the slots lapse when B has
+    idled 3 s of it, not when a loaded host made B's own steps outlast them (then B kept no free
+    slot, and the test showed nothing: seen with every step 0.4 s slower)."""
+    clock = AdvancingClock()
+    clock.freeze()
+    store = LocalBlockStore(num_shards=2, pool_bytes=4 << 20, reserve_timeout_s=1.0, lease_s=1.0, clock=clock)
     try:
         cfg = UcmRayConfig(reserve_timeout_s=1.0, transfer_timeout_s=0.4, lease_s=1.0)
         b_client, c_client = store.client(), store.client()
         b_granted, b_settled = slot_ledger(b_client)
         c_granted, _ = slot_ledger(c_client)
-        b = make_engine(b_client, model_dir, config=cfg)
+        b = make_engine(b_client, model_dir, config=cfg, clock=clock)
         b.serve("B0", prompt(2048, seed=1), max_tokens=1)  # B keeps a few free slots
         b.settle()
         b_free = b_granted - b_settled
-        c = make_engine(c_client, model_dir, config=cfg)
+        c = make_engine(c_client, model_dir, config=cfg, clock=clock)
         for i in range(6):  # B idles for 3 s while C keeps the shards busy
-            time.sleep(0.5)
+            clock.advance(0.5)
             c.serve(f"Cx{i}", prompt(200, seed=40 + i), max_tokens=1)
         pc = prompt(3072, seed=2)
         c.serve("C", pc, max_tokens=1)  # C's slots may be B's lapsed ones
@@ -664,7 +680,7 @@ def test_an_idle_engine_never_writes_into_slots_that_may_have_lapsed(model_dir):
         b.serve("B1", prompt(3072, seed=3), max_tokens=1)
         b.settle()
         assert b.stats().get("commits_not_visible", 0) == 0
-        d = make_engine(store.client(), model_dir, config=cfg)
+        d = make_engine(store.client(), model_dir, config=cfg, clock=clock)
         d.serve("D", pc, max_tokens=1)
         assert d.wrong_blocks == 0
     finally:

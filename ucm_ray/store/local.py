@@ -14,9 +14,10 @@ answering, or one that restarts empty under a new incarnation.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,12 +78,14 @@ class LocalBlockStore(BlockStore):
 
     def __init__(self, num_shards: int = 2, pool_bytes: int = 64 << 20, *, replication: int = 1,
                  lease_s: float = 60.0, reserve_timeout_s: float = 60.0, shm_dir: str = "/dev/shm",
-                 _shared: LocalBlockStore | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, _shared: LocalBlockStore | None = None) -> None:
+        """``clock``: the shards' time for their leases and grants (a test may share one it
+        moves with the engines' schedulers: ``make_engine(clock=...)``)."""
         self.owner = random_id()
         self._readers = IndexReaders(LOCAL_NODE)
         self._readers_version = -1
         self._world: _World = _shared._world if _shared is not None else \
-            _World(pool_bytes, replication, lease_s, reserve_timeout_s, shm_dir)
+            _World(pool_bytes, replication, lease_s, reserve_timeout_s, shm_dir, clock)
         if _shared is not None:
             return
         for i in range(num_shards):
@@ -255,6 +258,7 @@ class _World:
     lease_s: float
     reserve_timeout_s: float
     shm_dir: str
+    clock: Callable[[], float]
     version: int = 0
 
     def __post_init__(self) -> None:
@@ -275,7 +279,8 @@ class _World:
             raise
         shard = _LocalShard(shard_id, incarnation, pool, published,
                             BlockIndex(self.pool_bytes, lease_s=self.lease_s,
-                                       reserve_timeout_s=self.reserve_timeout_s, published=published))
+                                       reserve_timeout_s=self.reserve_timeout_s, published=published,
+                                       clock=self.clock))
         self.shards[shard_id] = shard
         self.version += 1
         return shard.key

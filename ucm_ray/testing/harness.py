@@ -13,7 +13,8 @@ without having been reported to vLLM as a failed load. That is the promise
 
 The store is any ``BlockStore``: the in-process ``LocalBlockStore`` (fast,
 and it plays faults) or a Ray ``StoreClient``. Each engine's scheduler half runs on a clock
-of its own (``Engine.clock``) that a test advances past a timeout instead of sleeping.
+of its own (``Engine.clock``) that a test advances past a timeout instead of sleeping; its
+worker half on another (``make_engine(worker_clock=...)``), as the two are processes apart.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ STORE_KEY = "harness_store"
 NODE_KEY = "harness_node"
 """... the node its worker stands on (``LOCAL_NODE`` for an in-process store)."""
 CLOCK_KEY = "harness_clock"
-"""... and its scheduler half's clock (an ``AdvancingClock`` the test moves on)."""
+"""... its scheduler half's clock (an ``AdvancingClock`` the test moves on) ..."""
+WORKER_CLOCK_KEY = "harness_worker_clock"
+"""... and its worker half's (the time of its step deadlines)."""
 
 
 class HarnessConnector(UcmRayConnector):
@@ -88,13 +91,14 @@ class HarnessConnector(UcmRayConnector):
     joining Ray, and (on the worker) the test's doubles of its pool connections and index readers,
     if any (constructor arguments: the harness builds the worker half itself)."""
 
-    subclass_extra_keys = (STORE_KEY, NODE_KEY, CLOCK_KEY)
+    subclass_extra_keys = (STORE_KEY, NODE_KEY, CLOCK_KEY, WORKER_CLOCK_KEY)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, *,
                  pool_connections: type[PoolConnections] = PoolConnections,
                  index_readers: Callable[[str], IndexReaders] = IndexReaders) -> None:
         self._pool_connections = pool_connections
         self._index_readers = index_readers
+        self._scheduler_role = role == KVConnectorRole.SCHEDULER  # ``clock`` is asked for during ``__init__``
         super().__init__(vllm_config, role, kv_cache_config)
 
     def _harness_setting(self, key: str) -> Any:
@@ -111,7 +115,7 @@ class HarnessConnector(UcmRayConnector):
         return store
 
     def clock(self) -> AdvancingClock:
-        clock: AdvancingClock = self._harness_setting(CLOCK_KEY)
+        clock: AdvancingClock = self._harness_setting(CLOCK_KEY if self._scheduler_role else WORKER_CLOCK_KEY)
         return clock
 
     def node_id(self, config: UcmRayConfig) -> str:
@@ -461,7 +465,8 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                 num_layers: int = 2, kv_heads: int = 1, head_size: int = 16, max_seqs: int = 8,
                 pool_connections: type[PoolConnections] = PoolConnections,
                 index_readers: Callable[[str], IndexReaders] = IndexReaders,
-                async_scheduling: bool = False, told_async: bool | None = None) -> Engine:
+                async_scheduling: bool = False, told_async: bool | None = None,
+                clock: AdvancingClock | None = None, worker_clock: AdvancingClock | None = None) -> Engine:
     """An engine whose connector uses ``store`` (give each engine its own client of it).
     ``pool_connections``, ``index_readers``: what its worker reaches the pools and reads their
     indexes with (a test's double: a pool that fails, an index on another node).
@@ -472,7 +477,11 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
     ``async_scheduling``: vLLM's ``AsyncScheduler`` and its engine core's batch queue;
     ``told_async``: what the engine's config says (default: the same), which the connector reads:
     a test may run asynchronous scheduling behind a config that says otherwise, to show what
-    synchronous loads would do under it."""
+    synchronous loads would do under it. ``clock``: the scheduler half's (default: one of its
+    own; a test that shares one with the store's shards, ``LocalBlockStore(clock=...)``, moves
+    both at once); ``worker_clock``: the worker's (default: one following the host's time); a
+    frozen one passes a step's deadline only when the test's doubles say the
+    time went by (``tests/support/faulty_pools.hung_loads``)."""
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ValueError(f"num_layers {num_layers}: the harness tells apart 1 to {MAX_LAYERS} layers")
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32", seed=0)
@@ -482,9 +491,10 @@ def make_engine(store: BlockStore, model_dir: str, *, block_size: int = 128, num
                                  prompt_lookup_min=1, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
     node = LOCAL_NODE if isinstance(store, LocalBlockStore) else ray.get_runtime_context().get_node_id()
-    clock = AdvancingClock()
+    clock = AdvancingClock() if clock is None else clock
     extra = {**(config or UcmRayConfig()).to_dict(), "layerwise": layerwise, **(extra or {}),
-             STORE_KEY: store, NODE_KEY: node, CLOCK_KEY: clock}
+             STORE_KEY: store, NODE_KEY: node, CLOCK_KEY: clock,
+             WORKER_CLOCK_KEY: AdvancingClock() if worker_clock is None else worker_clock}
     vcfg = VllmConfig(
         model_config=model,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True,

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -166,13 +166,15 @@ class PoolConnections:
         return device.type == "cuda" and self.kind(pool) == "shm"
 
     @staticmethod
-    def wait(posted: list[tuple[PoolKey, Transfer]], *, write: bool, timeout_s: float) -> set[PoolKey]:
-        """Wait for posted batches within one overall ``timeout_s``; the pools whose batch failed."""
+    def wait(posted: list[tuple[PoolKey, Transfer]], *, write: bool, timeout_s: float,
+             clock: Callable[[], float] = time.monotonic) -> set[PoolKey]:
+        """Wait for posted batches within one overall ``timeout_s`` (on ``clock``: the worker's,
+        whose step deadline it is); the pools whose batch failed."""
         failed: set[PoolKey] = set()
-        deadline = time.monotonic() + timeout_s
+        deadline = clock() + timeout_s
         for pool, transfer in posted:
             try:
-                transfer.wait(max(0.0, deadline - time.monotonic()))
+                transfer.wait(max(0.0, deadline - clock()))
             except Exception as e:  # noqa: BLE001 -- as above: never raise into a copy thread
                 log.warning("%s with shard %s failed: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool)

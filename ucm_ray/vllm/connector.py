@@ -108,7 +108,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             node = self.node_id(self.ucm_config)
             self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(), node,
                                       pools=self.pool_connections(self.ucm_config, node),
-                                      indexes=self.index_readers(self.ucm_config, node))
+                                      indexes=self.index_readers(self.ucm_config, node), clock=self.clock())
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -116,8 +116,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         return StoreClient(config)
 
     def clock(self) -> Callable[[], float]:
-        """The scheduler's clock for its deadlines and timeouts (the test harness substitutes one
-        a test advances)."""
+        """This role's clock: the scheduler's deadlines and timeouts, or the worker's step
+        deadlines (the test harness substitutes one a test advances, one per role)."""
         return time.monotonic
 
     def node_id(self, config: UcmRayConfig) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 from concurrent.futures import Future
 
@@ -35,7 +34,7 @@ class Acquire(Pending[ReadLease]):
         self._owners = owners
         self._recompute_bytes_s = recompute_bytes_s
         self._rank: np.ndarray = np.zeros(len(keys), dtype=np.int64)
-        self._deadline = time.monotonic() + access.timeout_s
+        self._deadline = access.clock() + access.timeout_s
         self._calls: list[tuple[ShardRecord, list[int], ray.ObjectRef]] = []
         self._arrived: list[Future] | None = None  # as in ``Fanout``: made by the first poll
         self._post(np.arange(len(keys)))
@@ -103,7 +102,7 @@ class Acquire(Pending[ReadLease]):
         while self._calls:
             if self._arrived is None:
                 self._arrived = [ref.future() for _, _, ref in self._calls]
-            if not all(f.done() for f in self._arrived) and time.monotonic() <= self._deadline:
+            if not all(f.done() for f in self._arrived) and self._access.clock() <= self._deadline:
                 return False
             self._collect()
         return True

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import ray
@@ -43,12 +43,15 @@ class ShardAccess:
     readers: IndexReaders
     touches: TouchSender
     poster: CallPoster
+    clock: Callable[[], float] = field(default=time.monotonic)
+    """The time of the calls' deadlines (the host's; a test's own decides when one passes, a
+    wait on the host still given at most what is left of it)."""
 
     def answer(self, record: ShardRecord, answer: ray.ObjectRef | Future[Any], deadline: float) -> Any:
         """The answer of a shard call (its ref, or the future of a posted one), or None (the
         shard is then suspect) when it failed, timed out by ``deadline``, or refused our
         incarnation (then the membership is refetched)."""
-        timeout = max(0.001, deadline - time.monotonic())
+        timeout = max(0.001, deadline - self.clock())
         try:
             return answer.result(timeout=timeout) if isinstance(answer, Future) else ray.get(answer, timeout=timeout)
         except TimeoutError:  # a future's wait (``ray.get``'s is a RayError)
@@ -78,7 +81,7 @@ class Fanout(Pending[T]):
         self._access = access
         self._calls = calls
         self._finish = finish
-        self._deadline = time.monotonic() + access.timeout_s
+        self._deadline = access.clock() + access.timeout_s
         self._value: T | None = None
         self._done = False
 
@@ -88,7 +91,7 @@ class Fanout(Pending[T]):
         at once."""
         if self._done or not self._calls:
             return True
-        if time.monotonic() > self._deadline:
+        if self._access.clock() > self._deadline:
             return True
         return all(posted.done() and (posted.exception() is not None or posted.result().answer.done())
                    for _, posted in self._calls)
@@ -102,7 +105,7 @@ class Fanout(Pending[T]):
 
     def _answer(self, record: ShardRecord, posted: Future[PostedCall]) -> Any:
         try:
-            call = posted.result(timeout=max(0.001, self._deadline - time.monotonic()))
+            call = posted.result(timeout=max(0.001, self._deadline - self._access.clock()))
         except Exception as e:  # noqa: BLE001 -- not posted in time, or posting it raised
             self._access.failed(record.key, f"call not posted: {type(e).__name__}")
             return None

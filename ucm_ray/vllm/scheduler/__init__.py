@@ -27,8 +27,8 @@ hooks call).
 from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID, engine_namespaces
 from ucm_ray.vllm.scheduler.lookup import LOOKUP_GRACE_S
 from ucm_ray.vllm.scheduler.part import SchedulerPart
-from ucm_ray.vllm.scheduler.request import HOLD_S, STATE_SLOT_WAIT_S, Phase
+from ucm_ray.vllm.scheduler.request import HOLD_S, Phase
 from ucm_ray.vllm.scheduler.saves import DECODE_SAVE_TOKENS, PROMPT_SLOT_WAIT_S
 
 __all__ = ["DECODE_SAVE_TOKENS", "HOLD_S", "LOOKUP_GRACE_S", "NULL_BLOCK_ID", "PROMPT_SLOT_WAIT_S",
-           "STATE_SLOT_WAIT_S", "Phase", "SchedulerPart", "engine_namespaces"]
+           "Phase", "SchedulerPart", "engine_namespaces"]

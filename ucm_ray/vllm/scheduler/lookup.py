@@ -154,10 +154,11 @@ class Lookups:
         begin = max(num_computed_tokens, tracked.hit_tokens) // geometry.hash_block_size * geometry.hash_block_size
         tracked.expected_until = tracked.unexpected_until = begin
         if geometry.hybrid:
-            return SlotAsks(self._saves.expect(tracked, begin + 2 * geometry.chunk_tokens), started=self._clock())
+            return SlotAsks(self._saves.expect(tracked, begin + 2 * geometry.chunk_tokens), started=self._clock(),
+                            wait_s=self._config.state_slot_wait_s)
         if self._handoffs.hands_off(tracked.request):
             self._saves.expect_prompt_early(tracked)  # its decode waits for these saves
-        return SlotAsks({}, started=self._clock())
+        return SlotAsks({}, started=self._clock(), wait_s=0.0)
 
     def _external_tokens(self, tracked: TrackedRequest, num_computed_tokens: int) -> int:
         """The tokens vLLM may take from the store (the hit policy applied), counted."""

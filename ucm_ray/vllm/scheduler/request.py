@@ -58,12 +58,6 @@ class Family:
         return out
 
 
-STATE_SLOT_WAIT_S = 0.5
-"""How long a hybrid model's request may wait for the slots of its first chunks' saves, asked for
-once its lookup answered: a state can only be saved in the step that computes it (the next step
-overwrites it), so one whose slot came late is lost for every later reader; a shard answers a
-reserve within a round trip unless it is in trouble. A dense model's request itself never waits
-for slots (only its first save may, after its first token: ``PROMPT_SLOT_WAIT_S``)."""
 HOLD_S = 1.0
 """How long a finished request's blocks may be kept for saves still waiting for write slots;
 then they are dropped (``saves_dropped``) and vLLM frees the blocks. A grant takes a round trip,
@@ -158,7 +152,8 @@ class SlotAsks:
     counts: SlotCounts
     """Slots per (pool, entry size) the chunks' states need."""
     started: float
-    wait_s: float = STATE_SLOT_WAIT_S
+    wait_s: float
+    """``state_slot_wait_s`` (a dense request's asks, empty, are ready at once)."""
 
     def ready(self, supply: SlotSupply, now: float) -> bool:
         """The slots are here or answered (asked for by this request or by another whose asks

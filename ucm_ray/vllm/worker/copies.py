@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, nullcontext
@@ -84,12 +84,16 @@ class PartPosts:
 
 class Copier:
     """Posts batches and waits for them: stream-ordered pools from the calling thread, the
-    others from one copy thread. Makes no control call."""
+    others from one copy thread. Makes no control call. ``clock``: the worker's time, which its
+    step deadlines are on (the host's; a test's own lets it decide when a deadline passes,
+    whatever the host's load: a wait on the host is still given at most what is left of it)."""
 
-    def __init__(self, pools: PoolConnections, transfer_timeout_s: float, stats: UcmRayStats) -> None:
+    def __init__(self, pools: PoolConnections, transfer_timeout_s: float, stats: UcmRayStats, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = pools
         self._timeout_s = transfer_timeout_s
         self._stats = stats
+        self.clock = clock
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self.caches = KvCaches.unregistered()
 
@@ -253,7 +257,7 @@ class Copier:
             with torch.inference_mode(), self._on_device():
                 if ready is not None:
                     ready.synchronize()
-                if time.monotonic() >= deadline:
+                if self.clock() >= deadline:
                     return Posted(batch, write, failed=True)
                 started = time.perf_counter()
                 transfers, failed_pools = self._pools.post(self.caches.ranges(batch), write=write)
@@ -276,11 +280,15 @@ class Copier:
 
     # --- waits ---------------------------------------------------------------------------
 
+    def left(self, deadline: float) -> float:
+        """What is left of ``deadline`` on the worker's clock (0.0 once it passed)."""
+        return max(0.0, deadline - self.clock())
+
     def posted_by_deadline(self, future: Future[Posted], deadline: float) -> Posted | None:
         """A copy task's batch once posted, or None when ``deadline`` passed first (the task is
         cancelled unless it already runs; one not ``cancelled()`` may still land)."""
         try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+            return future.result(timeout=self.left(deadline))
         except FutureTimeout:
             future.cancel()
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed", self._timeout_s)
@@ -290,7 +298,7 @@ class Copier:
     def wait(self, posted: Posted, deadline: float) -> set[PoolKey]:
         """Wait on the host (until ``deadline``) for a posted batch to land: the pools that failed it."""
         return posted.failed_pools | self._pools.wait(
-            posted.transfers, write=posted.write, timeout_s=max(0.0, deadline - time.monotonic()))
+            posted.transfers, write=posted.write, timeout_s=self.left(deadline), clock=self.clock)
 
     # --- counters ------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -27,10 +27,12 @@ log = logging.getLogger(__name__)
 
 class WorkerPart:
     """``pools`` and ``indexes``: how this worker reaches the fleet's pools and reads their
-    published indexes (by default those of ``node_id``; tests hand in doubles)."""
+    published indexes (by default those of ``node_id``; tests hand in doubles). ``clock``: the
+    time of its step deadlines (``transfer_timeout_s``; a test may hand in one it moves)."""
 
     def __init__(self, kv_cache_config, config: UcmRayConfig, tp_rank: int, node_id: str | None = None, *,
-                 pools: PoolConnections | None = None, indexes: IndexReaders | None = None) -> None:
+                 pools: PoolConnections | None = None, indexes: IndexReaders | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         check_async_loads_reportable(len(kv_cache_config.kv_cache_groups))
         self._config = config
         self._kv_cache_config = kv_cache_config
@@ -39,7 +41,7 @@ class WorkerPart:
         self._pools = PoolConnections(config.transport, node_id) if pools is None else pools
         self._indexes = IndexReaders(node_id, remote=config.transport != "shm") if indexes is None else indexes
         self._results = WorkerResults(one_group=len(kv_cache_config.kv_cache_groups) == 1)
-        self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats)
+        self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats, clock=clock)
         self._loads = StepLoads(self._copies, self._indexes, self._results, self.stats, layerwise=config.layerwise)
         self._saves = SavesInFlight(self._copies, self._results, self.stats, checksums=config.checksum)
         self._idle_step = StepState()  # the state of every step without loads or state saves
@@ -98,7 +100,7 @@ class WorkerPart:
         if not (loads or state_saves is not None or saves is not None and len(saves)):
             self._step = self._idle_step
             return
-        deadline = time.monotonic() + self._config.transfer_timeout_s
+        deadline = self._copies.clock() + self._config.transfer_timeout_s
         # A step that loads nothing and saves no state (most decode steps) never writes into its
         # state: they share one, made once.
         self._step = StepState.bound(loads or [], deadline, state_saves) \

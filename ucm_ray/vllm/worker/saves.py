@@ -118,7 +118,7 @@ class SavesInFlight:
         if step_end and not self._checksums:
             for job in self._jobs:
                 self._wait_threaded(job)
-        now = time.monotonic()
+        now = self._copies.clock()
         landing = [job for job in self._jobs
                    if (step_end and self._checksums) or now >= job.deadline or job.done()]
         for job in landing:
@@ -184,12 +184,12 @@ class SavesInFlight:
         missed deadline is taken when the job lands (a transfer's ``wait`` may be called again)."""
         for future in job.futures:
             try:
-                posted = future.result(timeout=max(0.0, job.deadline - time.monotonic()))
+                posted = future.result(timeout=self._copies.left(job.deadline))
             except FutureTimeout:
                 return  # past its deadline: it lands (failed) in this poll
             for _, transfer in posted.transfers:
                 with suppress(Exception):
-                    transfer.wait(max(0.0, job.deadline - time.monotonic()))
+                    transfer.wait(self._copies.left(job.deadline))
 
     def _land(self, job: SaveJob) -> None:
         """Wait (within the job's deadline) for a job's copies; its result per row."""

@@ -307,36 +307,53 @@ class DiskStore:
         False for a miss, a corrupt entry (then dropped) or a tier that is off."""
         return self.get_many([key], [out])[0] is True
 
-    def get_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
-                 deadline: float | None = None) -> list[bool | None]:
+    def get_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], deadline: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> list[bool | None]:
         """``get`` of each key into its ``out``, up to ``READ_DEPTH`` reads in flight, head first;
-        None for a key whose read had not started by ``deadline`` (``time.monotonic``). Threads
-        do the reads and checksums only (both release the GIL); the store's state changes here."""
-        return self.start_many(keys, outs, deadline)()
+        None for a key whose read had not started by ``deadline`` (on ``clock``). Threads do the
+        reads and checksums only (both release the GIL); the store's state changes here."""
+        return self.start_many(keys, outs, deadline, clock)()
 
-    def start_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
-                   deadline: float | None = None) -> Callable[[], list[bool | None]]:
+    def start_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], deadline: float | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> Callable[[], list[bool | None]]:
         """``get_many`` in two halves: the reads start now, and the call returned waits for them
         and applies their outcome (``get_many``'s answer). Between the two the owner may do other
         work but call nothing else of the store's (the tier commits the previous chunk of a
         promotion meanwhile). Entries lying next to each other in one file are read together
-        (``coalesce``), head first."""
+        (``coalesce``). Head first: each reader takes the next run in order and looks at the
+        deadline as it takes it, so the runs started are a head of the list, whichever reader
+        the host ran first (a reader that took run 1 could start it while run 0's reader, not
+        yet run, found the deadline passed: a key read behind one not read is no hit)."""
         slots = self._slots_for(keys, outs)
         runs = coalesce(slots)
         results: list[bool | None | OSError] = [False] * len(keys)
+        taking = threading.Lock()
+        untaken = iter(range(len(runs)))
 
-        def read_stripe(first: int) -> None:  # runs first, first + depth, ...: the head goes first
-            for run in runs[first::depth]:
-                self._read_run(run, slots, outs, deadline, results)
+        def take() -> int | None:
+            """The next run to read, or None: none left, or the deadline passed (then this run
+            and every later one are late: None in ``results``)."""
+            with taking:
+                at = next(untaken, None)
+                if at is None or deadline is None or clock() <= deadline:
+                    return at
+                for late in (at, *untaken):
+                    for i in runs[late]:
+                        results[i] = None
+                return None
+
+        def read_runs() -> None:
+            while (at := take()) is not None:
+                self._read_run(runs[at], slots, outs, results)
 
         depth = max(1, min(READ_DEPTH, len(runs)))
         stripes: list[Future] = []
         if depth <= 1:
-            read_stripe(0)
+            read_runs()
         else:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_DEPTH, thread_name_prefix="ucm-ray-disk-read")
-            stripes = [self._readers.submit(read_stripe, t) for t in range(depth)]  # a task per thread, not per run
+            stripes = [self._readers.submit(read_runs) for _ in range(depth)]  # a task per thread, not per run
 
         def finish() -> list[bool | None]:
             for stripe in stripes:
@@ -346,14 +363,9 @@ class DiskStore:
         return finish
 
     def _read_run(self, run: list[int], slots: Sequence[DiskSlot | None], outs: Sequence[torch.Tensor],
-                  deadline: float | None, results: list[bool | None | OSError]) -> None:
+                  results: list[bool | None | OSError]) -> None:
         """On a reader thread: read the run ``run`` (indices of adjacent ``slots``) and set each
-        index's outcome in ``results``: checked (True) or not (False), not started by
-        ``deadline`` (None), or the error that stopped it."""
-        if deadline is not None and time.monotonic() > deadline:
-            for i in run:
-                results[i] = None
-            return
+        index's outcome in ``results``: checked (True) or not (False), or the error that stopped it."""
         try:
             checked: list[bool | None | OSError] = list(
                 self._read_checked([slots[i] for i in run], [outs[i] for i in run]))  # type: ignore[misc]  # coalesce skips None

@@ -91,12 +91,15 @@ class DiskTier:
     def __init__(self, index: BlockIndex, pool: torch.Tensor, store: DiskStore,
                  index_lock: AbstractContextManager, *, write_through: bool = False,
                  high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20,
-                 wait_s: float = 0.5, recompute_bytes_s: float = 0.0) -> None:
+                 wait_s: float = 0.5, recompute_bytes_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
         shard's control calls. Watermarks are fractions of the pool's capacity. ``wait_s``: the
         longest one ``promote`` reads from disk (the shard's calls wait behind it).
         ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
-        measured slower is not read (0: the asking engine's rate, given to ``promote_pinned``)."""
+        measured slower is not read (0: the asking engine's rate, given to ``promote_pinned``).
+        ``clock``: the time of a promotion's ``wait_s`` deadline (a test's own passes it when the
+        test's slow disk says its reads took that long, not when the host was slow)."""
         if not 0 <= low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
         self._index = index
@@ -111,6 +114,7 @@ class DiskTier:
         # (and at least one entry) keeps saves from finding the pool's cold end pinned.
         self._batch_bytes = min(batch_bytes, max(1, capacity // 64))
         self._wait_s = wait_s
+        self._clock = clock
         self._recompute_bytes_s = recompute_bytes_s
         self.read_cost = ReadCost(RATE_WEIGHT)
         """Measured: what a chunk of this tier's promotion reads costs (fixed + per byte)."""
@@ -261,7 +265,7 @@ class DiskTier:
         starts once ``wait_s`` has passed: the keys left are misses (recomputed), so no shard call
         waits on the disk longer than that and a read. ``recompute_bytes_s``: the asking engine's
         prefill rate (0.0: unknown, read), used unless the tier was given one."""
-        deadline = time.monotonic() + self._wait_s
+        deadline = self._clock() + self._wait_s
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
@@ -270,7 +274,7 @@ class DiskTier:
         started = 0
         with self._disk_lock:
             reading: _Chunk | None = None
-            while started < len(todo) and time.monotonic() <= deadline:
+            while started < len(todo) and self._clock() <= deadline:
                 chunk = todo[started:started + PROMOTE_CHUNK]
                 started += len(chunk)
                 previous, reading = reading, self._start_chunk(chunk, keys, deadline)
@@ -337,7 +341,8 @@ class DiskTier:
                     break  # no room: the later keys would evict these
         started = time.monotonic()  # before: a one-key chunk is read right here
         finish = self._store.start_many([keys[i] for i, _, _, _ in grants],
-                                        [self._pool[off:off + size] for _, _, off, size in grants], deadline)
+                                        [self._pool[off:off + size] for _, _, off, size in grants], deadline,
+                                        self._clock)
         return _Chunk(sizes, grants, finish, started)
 
     def _finish_chunk(self, chunk: _Chunk, keys: Sequence[Key], lease: int, out: list[bool]) -> None:
