@@ -341,3 +341,25 @@ def test_a_step_without_hooks_reports_its_failed_layer_loads_before_a_deferred_w
     assert w.stats.totals["unwaited_layer_loads"] == LAYERS
     for layer in range(LAYERS_AHEAD, LAYERS):
         assert holds(caches, layer, STALE), f"layer {layer} was posted though no hook asked for it"
+
+
+def test_a_draft_models_layers_hooked_after_the_step_results_are_asked_for_load_and_do_not_fail(pool, worker):
+    """A draft model with attention layers of its own shares the target's KV-cache group (its
+    layers last in the plan); vLLM's runner with a speculative config asks for the step's
+    results after the target's forward and runs the draft's forward, with its layer hooks, only
+    after: layers still awaiting a hook then are the draft's, not a FULL graph's skipped ones.
+    (The e2e of it: ``test_e2e_spec_decode.py``'s draft model with KV layers of its own.)"""
+    w, caches = worker
+    draft = 2
+    w.bind(load_meta(descriptor(pool)))
+    w.start_load_kv()
+    for name in names()[:-draft]:  # the target's forward
+        w.wait_for_layer_load(name)
+    w.transfer_results()
+    assert w.load_errors() == set(), "the draft's layer loads were failed before its forward ran"
+    for layer, name in enumerate(names()[-draft:], start=LAYERS - draft):  # the draft's forward
+        w.wait_for_layer_load(name)
+        assert landed(caches, pool, layer), f"draft layer {layer} computes before its load landed"
+    w.wait_for_save()
+    assert not w.build_worker_meta().load_failures and w.load_errors() == set()
+    assert w.stats.totals["loaded_blocks"] == len(LOADED) and not w.stats.totals.get("unwaited_layer_loads")
