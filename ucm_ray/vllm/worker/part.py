@@ -171,12 +171,14 @@ class WorkerPart:
     def _loads_over(self) -> None:
         """vLLM asks for the step's results once its forward is queued, before ``wait_for_save``
         where it defers that past a draft model (a speculative config): the loads posted in
-        ``start_load_kv`` are checked, and layer loads whose hook never ran are failed now, so
-        their blocks reach vLLM in the step that loaded them (``to_vllm``)."""
+        ``start_load_kv`` are checked, and where no layer hook ran at all (a FULL CUDA graph
+        replay) the layer loads are failed now, so their blocks reach vLLM in the step that
+        loaded them (``to_vllm``). Once some hook ran, the layers still waiting are a draft
+        model's, whose forward (and hooks) come after this call: ``wait_for_save`` settles them."""
         step = self._step
         if step.phase is LoadPhase.POSTED:
             self._loads.finish_posted(step)
-        elif step.phase is LoadPhase.BY_LAYER:
+        elif step.phase is LoadPhase.BY_LAYER and not step.hooked:
             self._loads.fail_unwaited(step)
 
     def shutdown(self) -> None:

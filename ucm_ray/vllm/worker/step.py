@@ -61,6 +61,10 @@ class StepState:
     """Stream-ordered loads the compute stream waits for, not yet checked by the host."""
     load_s: float = 0.0
     """Time spent posting and waiting for this step's loads (``load_seconds``)."""
+    hooked: bool = False
+    """Some layer's hook ran this step: its forward runs Python between layers (no FULL CUDA
+    graph replay), so a layer still awaiting its hook may yet get it (a draft model's layers,
+    hooked after vLLM asked for the step's results)."""
 
     @classmethod
     def bound(cls, loads: list[LoadJob], deadline: float, state_saves: BlockSaves | None) -> StepState:
@@ -89,6 +93,7 @@ class StepState:
 
     def take_layer(self, name: str) -> tuple[ThreadedLoad | None, int | None]:
         """A layer's loads, once, as its hook runs: the copy thread's, and its part of ``ordered``."""
+        self.hooked = True
         return self.threaded_layers.pop(name, None), self.ordered_layers.pop(name, None)
 
     @property
