@@ -148,6 +148,9 @@ def test_a_step_whose_hooks_never_run_fails_its_layer_loads_and_posts_none_of_th
     assert w.stats.totals["unwaited_layer_loads"] == LAYERS
     for layer in range(LAYERS_AHEAD, LAYERS):
         assert holds(caches, layer, STALE), f"layer {layer} was posted though no hook asked for it"
+    moved = LAYERS_AHEAD * len(LOADED) * PAGE  # the layers posted: bytes the byte counters may count
+    assert w.stats.totals["loaded_shm_bytes"] == w.stats.totals["loaded_copy_bytes"] == moved, \
+        "bytes of layers never posted were counted as loaded"
     other = [0, 2]  # the next step loads other blocks, its hooks run
     w.bind(load_meta(desc, job_id=2, blocks=other))
     w.start_load_kv()
