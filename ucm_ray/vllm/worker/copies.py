@@ -175,6 +175,8 @@ class Copier:
         end = min(last + 1, len(posts.posted))
         if end > posts.next:
             self._post_parts(posts.prepared, posts.posted, range(posts.next, end))
+            self.count_bytes([out.batch for out in posts.posted[posts.next:end]],
+                             "saved" if posts.posted[0].write else "loaded")
             posts.next = end
             if end == len(posts.posted):
                 posts.prepared = {}

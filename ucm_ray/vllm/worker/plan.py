@@ -239,9 +239,11 @@ class LoadPlan:
     """(group, index, name) of every layer of the groups loaded by layer."""
 
     def batches(self) -> list[Batch]:
-        """Everything the plan moves, as batches (what the byte counters add up)."""
-        by_layer = {**self.by_layer, **self.by_layer_threaded}
-        out = [Batch(((group, index),), by_layer) for group, index, _ in self.layers]
+        """What ``start_load_kv`` moves for sure, as batches (what the byte counters add up): not
+        the stream-ordered layer parts, posted from the hooks, some never (``Copier.post_through``
+        counts each as it is posted)."""
+        out = [Batch(((group, index),), self.by_layer_threaded) for group, index, _ in self.layers
+               if self.by_layer_threaded]
         if self.at_once or self.at_once_threaded:
             out.append(Batch(self.every_layer, {**self.at_once, **self.at_once_threaded}))
         return out
