@@ -40,6 +40,13 @@ def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_one_call(re
     assert result["same_node"] == {"found": BLOCKS, "got": BLOCKS, "exact": BLOCKS, "calls": 0}
     # another node: one call to the root's owner, then the writer's index read over NIXL
     assert result["other_node"] == {"found": BLOCKS, "got": BLOCKS, "exact": BLOCKS, "calls": 1}
+    # the writer's shard counts the other node's reads as it counts its own node's (a touch,
+    # posted after the read): they stay recently used there. Without it the simulation's 10-node
+    # pools lose 8 points of hits (docs/scaling.md, stop 61: ``scale_evict.py --variants notouch``)
+    before, same, other = (result[f"writer_reads_{when}"] for when in ("before", "after_same_node", "after_other_node"))
+    by_same_node = [same[0] - before[0], same[1] - before[1]]  # [lookups, hits]
+    assert by_same_node[0] == by_same_node[1] >= BLOCKS  # every block asked was found
+    assert [other[0] - same[0], other[1] - same[1]] == by_same_node
     # an entry read unpinned from another node and removed before its copy is validated: stale
     assert result["removed_mid_copy"] == {"unpinned": 8, "calls": 1, "stale_before": 0, "removed": 8,
                                           "stale_after": 8, "unreadable": 0}

@@ -29,6 +29,8 @@ BLOCKS = 48
 DIVERGE_AT = 30
 SYSTEM, TURN, ASKS = 8, 8, 4
 """Hot prefixes: a system prompt's blocks, each chat's own blocks, asks that make a root hot."""
+SETTLE_S = 0.5
+"""A shard's read counts are settled once they stay put this long (touches are posted every 50 ms)."""
 
 
 def scenario(placement: str, replication: int) -> dict:
@@ -47,21 +49,49 @@ def scenario(placement: str, replication: int) -> dict:
             "entries_by_node": {node_of[s["shard_id"]]: s["entries"] for s in status},
             "hints_by_node": {node_of[s["shard_id"]]: s["hints"] for s in status},
             "writer_node": ray.get(clients[1].node.remote()),
-            "same_node": ray.get(clients[1].read.remote(BLOCKS, 5, "doc")),
-            "other_node": ray.get(clients[2].read.remote(BLOCKS, 5, "doc")),
-            "diverged": ray.get(clients[0].read.remote(BLOCKS, 5, "doc", diverge_at=DIVERGE_AT)),
-            "slot_nodes": ray.get(clients[1].slot_nodes.remote()),
         }
+        writer_id = next(s["shard_id"] for s in status if s["node_id"] == result["writer_node"])
+        counted = _reads_counted(config, writer_id, placement == "writer_local" and replication == 1)
+        before = result["writer_reads_before"] = counted(0)
+        result["same_node"] = ray.get(clients[1].read.remote(BLOCKS, 5, "doc"))
+        same = result["writer_reads_after_same_node"] = counted(before[1] + BLOCKS if before else 0)
+        result["other_node"] = ray.get(clients[2].read.remote(BLOCKS, 5, "doc"))
+        result["writer_reads_after_other_node"] = counted(same[1] + BLOCKS if same else 0)
+        result["diverged"] = ray.get(clients[0].read.remote(BLOCKS, 5, "doc", diverge_at=DIVERGE_AT))
+        result["slot_nodes"] = ray.get(clients[1].slot_nodes.remote())
         # another writer's blocks, read unpinned from another node, then removed at their shard
         ray.get(clients[0].write.remote(8, 6, "gone"))
         result["removed_mid_copy"] = ray.get(clients[2].validation_after_removal.remote(8, "gone"))
         # the writer's shard dies: its blocks are misses (or replicas' hits), never wrong bytes
-        writer_shard = next(s["shard_id"] for s in status if s["node_id"] == result["writer_node"])
-        ray.kill(ray.get_actor(writer_shard, namespace=config.ray_namespace))
-        result["after_kill"] = ray.get(clients[2].read.remote(BLOCKS, 5, "doc", gone=writer_shard))
+        ray.kill(ray.get_actor(writer_id, namespace=config.ray_namespace))
+        result["after_kill"] = ray.get(clients[2].read.remote(BLOCKS, 5, "doc", gone=writer_id))
         return result
     finally:
         stop_fleet(config)
+
+
+def _reads_counted(config: UcmRayConfig, shard_id: str, wait: bool) -> Callable[[int], list[int] | None]:
+    """What ``shard_id`` counted of readers' lookups and hits, once its hits reach the number given
+    and stay put for ``SETTLE_S`` (a reader tells a shard what it read in its published index,
+    same node or over NIXL, with touches posted after the read: what keeps the read blocks
+    recently used there); None unless ``wait`` (other scenarios' reads may be served by a
+    replica or another owner)."""
+
+    def read() -> list[int]:
+        return next([s["lookups"], s["hits"]] for s in fleet_status(config)["shards"] if s["shard_id"] == shard_id)
+
+    def counted(hits: int) -> list[int] | None:
+        if not wait:
+            return None
+        got = _settled(read, lambda value: value[1] >= hits)
+        while True:
+            time.sleep(SETTLE_S)
+            again = read()
+            if again == got:
+                return got
+            got = again
+
+    return counted
 
 
 def _hints(config: UcmRayConfig) -> dict[str, tuple[int, int]]:
