@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_single_run_args(parser)
     parser.add_argument("--pool-fraction", type=float, default=0.5,
-                        help="pool per node: this fraction of the distinct tokens over the nodes (at least 262,144)")
+                        help="pool per node: this fraction of the distinct tokens over the nodes ...")
+    parser.add_argument("--min-pool-tokens", type=int, default=262144, help="... and at least this many tokens")
     parser.add_argument("--variants", default="", help="comma-separated: " + ", ".join(VARIANTS))
     parser.add_argument("--spill-ratio", type=float, default=1.0,
                         help="spill, demote: only blocks (saves; victims) younger than this share of the oldest "
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     spec, requests, _ = single_run(args)
     unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
-    pool_tokens = pool_tokens_for(unique_tokens, spec.nodes, args.pool_fraction, 262144)
+    pool_tokens = pool_tokens_for(unique_tokens, spec.nodes, args.pool_fraction, args.min_pool_tokens)
     print(f"nodes={spec.nodes} block={spec.block_size} router={spec.router} requests={spec.requests}: "
           f"pool {pool_tokens} tokens/node, workload {unique_tokens} distinct tokens")
     print("| design | " + " | ".join(COLUMNS) + " |")
