@@ -14,9 +14,12 @@ LRU's unfairness).
 Variants of (k) (``--variants``) test a cause by removing it: ``pooled``: every node shares one
 pool of the fleet's capacity (no partitioning, no duplicates: an upper bound on balancing);
 ``nodup``: a save skips the blocks another pool holds that the writer's root owner names, and
-reads them (refreshing them, as per-block placement's lookup does); ``spill``: a save that would
-make its node's pool evict blocks used more recently than another pool's least recently used one
-goes to that pool instead (bytes off the node, what a spill under pressure would cost).
+reads them (refreshing them, as per-block placement's lookup does); ``notouch``: a read from
+another node does not make the block recently used in its pool (what the package's touches
+prevent). And two fixes that move bytes off the writer's node, counted: ``spill``: a save that
+would make its node's pool evict while that pool's least recently used block is idle less than
+``--spill-ratio`` of the oldest peer pool's goes to that peer; ``demote``: the save stays and the
+blocks it evicts that are younger than that go to the peer.
 
 Run: ``python benchmarks/scale_evict.py --nodes 10 --requests 1000 --block-size 128 --router random``.
 """

@@ -41,8 +41,8 @@ def test_saves_stay_on_the_writers_node_and_other_nodes_find_them_in_one_call(re
     # another node: one call to the root's owner, then the writer's index read over NIXL
     assert result["other_node"] == {"found": BLOCKS, "got": BLOCKS, "exact": BLOCKS, "calls": 1}
     # the writer's shard counts the other node's reads as it counts its own node's (a touch,
-    # posted after the read): they stay recently used there. Without it the simulation's 10-node
-    # pools lose 8 points of hits (docs/scaling.md, stop 61: ``scale_evict.py --variants notouch``)
+    # posted after the read): they stay recently used there, or evicting pools lose hits
+    # (docs/scaling.md, stop 61: ``scale_evict.py --variants notouch``)
     before, same, other = (result[f"writer_reads_{when}"] for when in ("before", "after_same_node", "after_other_node"))
     by_same_node = [same[0] - before[0], same[1] - before[1]]  # [lookups, hits]
     assert by_same_node[0] == by_same_node[1] >= BLOCKS  # every block asked was found
