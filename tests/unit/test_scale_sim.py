@@ -485,3 +485,23 @@ def test_a_hot_prefixs_readers_past_its_rows_bound_keep_unannounced_copies_and_r
     assert designs[False].hot_copies_unannounced == 0 < designs[True].hot_copies_unannounced
     assert designs[True].stats.bytes_served.sum() < 0.6 * designs[False].stats.bytes_served.sum()
     assert designs[True].stats.bytes_served.max() < 0.6 * designs[False].stats.bytes_served.max(), rows
+
+
+def test_the_hottest_nodes_classes_add_up_to_the_bytes_it_served() -> None:
+    """``scale_hot_why``: every block a node served across nodes is in exactly one class (a hot row's,
+    or a writer's or copy's read with what the reader did), and the same reads once more by kind."""
+    from benchmarks.scale_hot_why import WhyServed
+
+    spec = WorkloadSpec(nodes=20, block_size=128, requests=200, router="random", seed=0)
+    cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
+    design = WhyServed(cluster, DesignParams(seed=spec.seed))
+    design.run(Workload(spec).requests())
+    served = design.stats.bytes_served / cluster.block_bytes
+    assert served.sum() > 0
+    for node in range(spec.nodes):
+        counts = design.outcome[node]
+        hot = counts["hot"]
+        assert hot == sum(count for name, count in counts.items() if name.startswith("hot:"))
+        past = sum(count for name, count in counts.items() if name.startswith(("writer:", "copy:")))
+        assert past == sum(count for name, count in counts.items() if name.startswith("kind:"))
+        assert hot + past == served[node]
