@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="(k): a reader past the hot prefix starts at the most recent pool named (before stop 55)")
     parser.add_argument("--unbounded-hot-copies", action="store_true",
                         help="(k): copy_nodes_per_pool does not bound a hot prefix's copies")
+    parser.add_argument("--hot-copies-past-bound", action="store_true",
+                        help="(k): a hot prefix's reader keeps a copy past its row's bound, announced to nobody")
+    parser.add_argument("--hot-copies-past-bound-tokens", type=int, default=0,
+                        help="(k), --hot-copies-past-bound: only within this many leading tokens (0: all)")
     parser.add_argument("--designs", default="", help="letters of the designs to run, e.g. fhj ((a) always runs); "
                                                       "default all")
     parser.add_argument("--pressure", action="store_true",
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,
-                          spread_pools=args.spread_pools)
+                          spread_pools=args.spread_pools, hot_copies_past_bound=args.hot_copies_past_bound,
+                          hot_copies_past_bound_tokens=args.hot_copies_past_bound_tokens)
     started = time.perf_counter()
     results = []
     for spec in _configs(args):

@@ -131,6 +131,18 @@ class DesignParams:
     """(k): ``copy_nodes_per_pool`` bounds a hot prefix's copies too, counted over the pools the
     table names (as the package does since stop 53; False: a hot prefix is copied at every
     node's first read whatever the fleet's size)."""
+    hot_copy_nodes_per_pool: int = 0
+    """(k): as ``copy_nodes_per_pool``, for a hot prefix's rows (0: the same bound; stop 61)."""
+    hot_copies_past_bound_tokens: int = 0
+    """(k), ``hot_copies_past_bound``: only a hot prefix's blocks within this many leading tokens of
+    the prompt are copied past the bound (0: all; a system prompt, not the long documents a hot
+    row may carry on; stop 61)."""
+    hot_copies_past_bound: bool = False
+    """(k), ``bound_hot_copies``: a reader of a hot prefix whose row already names the copy bound's
+    pools still keeps a copy at its first read, announced to nobody (its own node's readers find it
+    in their published index; the row stays at the bound, so no announcement or push more): a hot
+    prefix is read from another node about once per node, not at every request of the nodes past
+    the bound (stop 61)."""
     popular_readers: int = 2
     """(k): a block past the hot prefix that this many other nodes read within ``popular_window``
     requests is popular: the next reader keeps a copy at its first read, not its
@@ -1005,6 +1017,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         (each change counted as one entry in ``index_bytes``; the package's row is its pools)."""
         self.pools_pushed_appended = 0
         """... rows sent as the pools added (``HotPrefixDelta.appended``, the package since stop 60)."""
+        self.hot_copies_unannounced = 0
+        """``hot_copies_past_bound``: hot-prefix blocks copied past their row's bound (told to nobody)."""
 
     def push_windows(self) -> int:
         """Windows between the directory's pushes (``push_every``; 0: the package's pace)."""
@@ -1018,6 +1032,11 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         divisor = self.params.copy_nodes_per_pool
         return -(-self.cluster.nodes // divisor) if divisor else 0
 
+    def hot_copy_bound(self) -> int:
+        """Pools a hot prefix's row may name before its readers stop copying (``hot_copy_nodes_per_pool``)."""
+        divisor = self.params.hot_copy_nodes_per_pool or self.params.copy_nodes_per_pool
+        return -(-self.cluster.nodes // divisor) if divisor else 0
+
     def holders(self, key: bytes) -> int:
         """The pools a reader is told hold ``key``: the hints its root's owner keeps (stale ones
         too: they are aged out, not removed), at most ``MAX_POOLS_PER_KEY``, as the shard keeps."""
@@ -1028,9 +1047,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         return super().serve(req)
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
-        again, hot_copies = [], []
+        again, hot_copies, unannounced = [], [], []
         told: list[bytes] = []
-        bound = self.copy_bound()
+        bound, hot_bound = self.copy_bound(), self.hot_copy_bound()
         copies = req.node >= self.params.no_copy_share * self.cluster.nodes
         busy = self.params.overload_copy * self.stats.bytes_served.mean()
         for position in range(hit):
@@ -1046,7 +1065,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
                     continue
                 if bound and self.holders(key) >= bound:
                     continue
-            elif self.params.bound_hot_copies and bound and len(self.table_pools.get(key, ())) >= bound:
+            elif self.params.bound_hot_copies and hot_bound and len(self.table_pools.get(key, ())) >= hot_bound:
+                limit = self.params.hot_copies_past_bound_tokens // self.cluster.block_tokens
+                if self.params.hot_copies_past_bound and copies and (not limit or position < limit):
+                    unannounced.append(key)
                 continue
             elif self.params.hot_copies in ("unregistered", "pushed"):
                 hot_copies.append(key)
@@ -1054,6 +1076,10 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             again.append(key)
         if hot_copies:
             self._keep_hot_copies(req, tally, hot_copies)
+        if unannounced:
+            kept, _ = self.cluster.store(req.node, unannounced)
+            tally.copy_bytes += len(kept) * self.cluster.block_bytes
+            self.hot_copies_unannounced += len(kept)
         stored = self.save_local(req, again) if again else []
         tally.copy_bytes += len(stored) * self.cluster.block_bytes
         self._give_back_places(req.node, told, stored)
@@ -1176,7 +1202,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
     def _push_announced(self) -> None:
         """The directory's delta push: the blocks whose announced pools reached ``push_growth``
         times those the table names get them (up to the copy bound), one message to every node."""
-        bound = self.copy_bound() or self.cluster.nodes
+        bound = self.hot_copy_bound() or self.cluster.nodes
         if self.params.announced_pools:
             bound = min(bound, self.params.announced_pools)
         changed = 0
