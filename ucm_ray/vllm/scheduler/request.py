@@ -342,8 +342,13 @@ class TrackedRequest:
 
     def saved_tokens(self) -> int:
         """Tokens below which every attention group's blocks are saved or need no save."""
-        sizes = self.geometry.block_sizes
-        return min((self.saved_blocks.get(g, 0) * sizes[g] for g in self.geometry.attn), default=0)
+        sizes, saved = self.geometry.block_sizes, self.saved_blocks
+        out: int | None = None
+        for g in self.geometry.attn:  # a loop, not a generator: asked in every step a block filled
+            tokens = saved.get(g, 0) * sizes[g]
+            if out is None or tokens < out:
+                out = tokens
+        return out or 0
 
     def unsaved(self) -> bool:
         """Whether blocks the request computed are still to be saved, or being copied."""

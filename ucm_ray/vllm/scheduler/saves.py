@@ -282,9 +282,10 @@ class SavePlanner:
         still pending (no slot yet, or recomputed after a failed load) first. Their owners are
         placed in one call for the whole request (not one per block). None when none is due."""
         computed = tracked.request.num_computed_tokens  # before this step: vLLM advances it after planning
-        since, tracked.computed = min(tracked.computed, computed), computed
+        since = tracked.computed if tracked.computed < computed else computed  # (no ``min`` call: every fill)
+        tracked.computed = computed
         hashed = tracked.hashed_tokens()
-        filled = min(computed, hashed)
+        filled = computed if computed < hashed else hashed
         if not tracked.pending and not tracked.finishing and self._still_waiting(tracked, filled, hashed):
             return None
         tracked.waiting_at = None
