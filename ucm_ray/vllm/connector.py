@@ -54,6 +54,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NO_TRANSFERS = KVConnectorTransferResults() if KVConnectorTransferResults is not None else None
+"""``get_transfer_results`` of a step with no transfer over (most steps), one object: vLLM only
+reads its sets (into the step's output; a ``MultiConnector`` into results of its own), and
+nothing here ever fills them, as ``WorkerResults.take_load_errors``'s empty set."""
+
 
 def join_ray(config: UcmRayConfig) -> str:
     """Connect this process to the Ray cluster if vLLM started it outside Ray; its node id."""
@@ -205,8 +210,9 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         (``has_connector_metadata``), so it is bound only for a step whose layer hooks may have
         loads to wait for: most steps make none of those calls."""
         assert isinstance(connector_metadata, UcmRayConnectorMetadata)
-        self.worker_part.bind(connector_metadata)
-        super().bind_connector_metadata(connector_metadata if self.worker_part.waits_by_layer else None)
+        worker = self.worker_part
+        worker.bind(connector_metadata)
+        super().bind_connector_metadata(connector_metadata if worker.waits_by_layer else None)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before vLLM writes this step's new blocks (zeroing, copy-on-write, loads, the
@@ -215,8 +221,9 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_part.fence(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker_part.start_load_kv()
-        if self._connector_metadata is not None and not self.worker_part.waits_by_layer:
+        worker = self.worker_part
+        worker.start_load_kv()
+        if self._connector_metadata is not None and not worker.waits_by_layer:
             self.clear_connector_metadata()  # every load posted at once: no layer hook waits
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -244,7 +251,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
             results = self.worker_part.transfer_results()
             if results is None:
-                return KVConnectorTransferResults()
+                return NO_TRANSFERS
             sending, done, failed = results
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=done, failed_recving=failed)
 

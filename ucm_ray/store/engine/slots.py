@@ -281,7 +281,7 @@ class SlotSupply:
         return (not (self._used or self._excess or self._returning or self._renewing or self._later)
                 and self._ticked is not None and self._ticked[0] == pools.version
                 and now - self._ticked[1] < QUIET_TICK_S
-                and not any(ask.answer.poll() for ask in self._asks))
+                and not (self._asks and any(ask.answer.poll() for ask in self._asks)))  # no generator made for none
 
     def _expire_promises(self, live: KeysView[PoolKey], now: float) -> None:
         for slot_class, promises in list(self._promises.items()):

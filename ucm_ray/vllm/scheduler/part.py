@@ -158,14 +158,14 @@ class SchedulerPart:
         self.loads.dispatch(out, meta)
         if self.saves.jobs.in_flight:  # none: nothing to fence
             meta.fences = self.loads.fences(out, meta.loads)
-        with self.slots.batched():
-            self.saves.plan_step(out, meta)
-        released = self._requests.release_held(self._clock())
+        self.saves.plan_step(out, meta)  # its slot asks batched, one per class
+        now = self._clock()  # one reading for the holds and the prefill rate (a test's clock is a call)
+        released = self._requests.release_held(now)
         if released:
             meta.saved_requests.update(released)
         work = meta.carries_work()
         self.timer.observe_step(out.total_num_scheduled_tokens, work, self.timer.clock() - started)
-        self.prefill_rate.planned(out.total_num_scheduled_tokens, self._clock())
+        self.prefill_rate.planned(out.total_num_scheduled_tokens, now)
         if not work:
             return QUIET_STEP  # ``_next_meta`` is still empty: the next step plans into it
         self._next_meta = UcmRayConnectorMetadata()

@@ -342,8 +342,13 @@ class TrackedRequest:
 
     def saved_tokens(self) -> int:
         """Tokens below which every attention group's blocks are saved or need no save."""
-        sizes = self.geometry.block_sizes
-        return min((self.saved_blocks.get(g, 0) * sizes[g] for g in self.geometry.attn), default=0)
+        sizes, saved = self.geometry.block_sizes, self.saved_blocks
+        out: int | None = None
+        for g in self.geometry.attn:  # a loop, not a generator: asked in every step a block filled
+            tokens = saved.get(g, 0) * sizes[g]
+            if out is None or tokens < out:
+                out = tokens
+        return out or 0
 
     def unsaved(self) -> bool:
         """Whether blocks the request computed are still to be saved, or being copied."""
@@ -351,21 +356,6 @@ class TrackedRequest:
         sizes = self.geometry.block_sizes
         return (any(computed // sizes[g] > self.saved_blocks.get(g, 0) for g in self.geometry.attn)
                 or any(self.pending.values()) or bool(self.save_jobs))
-
-    def plan_stands(self) -> bool:
-        """Whether the last plan's answer for a running request stands: its blocks waited then,
-        and neither its filled nor its hashed tokens moved since (most decode steps). Asked of
-        every request every step, before anything else: with many requests decoding, visiting
-        each one was the scheduler hook's largest cost."""
-        if self.waiting_at is None:
-            return False
-        request = self.request
-        hashed = len(request.block_hashes) * self.geometry.hash_block_size
-        computed = request.num_computed_tokens
-        if self.waiting_at != (min(computed, hashed), hashed) or request.status != RequestStatus.RUNNING:
-            return False
-        self.computed = computed
-        return True
 
     def may_save(self) -> bool:
         """Whether blocks of it may be saved in this step: it runs and its first token is out (no
@@ -446,6 +436,29 @@ class TrackedRequests:
 
     def any_finishing(self) -> bool:
         return any(tracked.finishing for tracked in self.by_id.values())
+
+    def to_plan(self) -> list[TrackedRequest]:
+        """The requests whose last plan's answer does not stand. It stands for a running request
+        whose blocks waited then (``waiting_at``) while neither its filled nor its hashed tokens
+        moved since (most decode steps); such a request only has its computed tokens recorded.
+        Asked of every request every step, before anything else, here in one loop: with many
+        requests decoding, visiting each one was the scheduler hook's largest cost, and a call
+        per request most of that."""
+        hash_block_size = self._geometry.hash_block_size
+        running = RequestStatus.RUNNING
+        out: list[TrackedRequest] = []
+        for tracked in self.by_id.values():
+            waiting_at = tracked.waiting_at
+            if waiting_at is not None:
+                request = tracked.request
+                hashed = len(request.block_hashes) * hash_block_size
+                computed = request.num_computed_tokens
+                if (waiting_at[1] == hashed and waiting_at[0] == (computed if computed < hashed else hashed)
+                        and request.status == running):
+                    tracked.computed = computed
+                    continue
+            out.append(tracked)
+        return out
 
     def take_block_ids(self, out: SchedulerOutput) -> None:
         """Each running request's block ids, from the scheduler output alone (vLLM 0.26 never

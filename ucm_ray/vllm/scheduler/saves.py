@@ -175,23 +175,31 @@ class SavePlanner:
         request's blocks are bound to slots together: bound request by request, a decode batch
         whose blocks filled in the same step paid the binding's fixed cost (its columns, the
         slot classes, a slot take per class) once per request (0.1-0.26 ms each under the
-        profiler on an H100 host, 8B)."""
+        profiler on an H100 host, 8B). Slots expected here are asked for once the step is
+        planned, one ask per class (``SlotSupply.batched``)."""
+        to_plan = self._requests.to_plan()  # the others' plans stand
+        if not to_plan and not self._geometry.hybrid:
+            return  # most decode steps: nothing to plan, nothing to announce
+        with self._slots.batched():
+            if to_plan:
+                self._plan_requests(to_plan, meta)
+            if self._geometry.hybrid:
+                states = save_rows()
+                self._plan_every_state(out, states)
+                if states:
+                    meta.state_saves = self.jobs.dispatch(states, [])
+
+    def _plan_requests(self, to_plan: list[TrackedRequest], meta: UcmRayConnectorMetadata) -> None:
+        """The saves of the requests whose last plan does not stand, bound together."""
         wanted: list[tuple[TrackedRequest, WantedSaves]] = []
         self._claims = StepClaims()
-        for tracked in self._requests.by_id.values():
-            if tracked.plan_stands():
-                continue  # as at the last plan (most decode steps)
+        for tracked in to_plan:
             planned = self._plan_request(tracked)
             if planned is not None:
                 wanted.append((tracked, planned))
                 self._claims.planned.append(planned)
         if wanted:
             self._bind(wanted, meta)
-        if self._geometry.hybrid:
-            states = save_rows()
-            self._plan_every_state(out, states)
-            if states:
-                meta.state_saves = self.jobs.dispatch(states, [])
 
     def _bind(self, wanted: list[tuple[TrackedRequest, WantedSaves]], meta: UcmRayConnectorMetadata) -> None:
         """Bind every request's wanted blocks to slots in one go and dispatch them as the step's
@@ -274,9 +282,10 @@ class SavePlanner:
         still pending (no slot yet, or recomputed after a failed load) first. Their owners are
         placed in one call for the whole request (not one per block). None when none is due."""
         computed = tracked.request.num_computed_tokens  # before this step: vLLM advances it after planning
-        since, tracked.computed = min(tracked.computed, computed), computed
+        since = tracked.computed if tracked.computed < computed else computed  # (no ``min`` call: every fill)
+        tracked.computed = computed
         hashed = tracked.hashed_tokens()
-        filled = min(computed, hashed)
+        filled = computed if computed < hashed else hashed
         if not tracked.pending and not tracked.finishing and self._still_waiting(tracked, filled, hashed):
             return None
         tracked.waiting_at = None
@@ -350,7 +359,7 @@ class SavePlanner:
         """Pending blocks of ``group`` whose bytes are not valid (``resume``) and that no step will
         compute again (below ``recomputed_from``: vLLM resumed the request with them from its own
         cache, or its computing starts past them): never saved, so never kept pending. A pending
-        block keeps the request out of the decode fast path (``plan_stands``) and off the batching
+        block keeps the request out of the decode fast path (``TrackedRequests.to_plan``) and off the batching
         of its generated blocks' saves."""
         stale = [block for block, ready in tracked.pending.items()
                  if not ready and block[0] == group and block[2] < recomputed_from]
@@ -362,12 +371,17 @@ class SavePlanner:
         plan: no block filled since the last one, or every group's prompt blocks are planned and
         fewer than DECODE_SAVE_TOKENS generated tokens are unsaved (counted in tokens over all
         groups, so groups of different block sizes save in the same step)."""
-        sizes, saved = self._geometry.block_sizes, tracked.saved_blocks
-        if all(filled // sizes[g] <= saved.get(g, 0) for g in self._geometry.attn):
+        sizes, saved, attn = self._geometry.block_sizes, tracked.saved_blocks, self._geometry.attn
+        # loops, not generators: asked of every request in the step after a block filled
+        for g in attn:
+            if filled // sizes[g] > saved.get(g, 0):
+                break
+        else:
             return True
         prompt = tracked.request.num_prompt_tokens
-        if any(saved.get(g, 0) < prompt // sizes[g] for g in self._geometry.attn):
-            return False
+        for g in attn:
+            if saved.get(g, 0) < prompt // sizes[g]:
+                return False
         return filled - tracked.saved_tokens() < DECODE_SAVE_TOKENS
 
     # --- a hybrid model's states --------------------------------------------------------------

@@ -159,13 +159,15 @@ class WorkerPart:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
         """(finished sending: their saves landed, finished receiving, of which failed); None
         when there are none."""
-        self._loads_over()
+        if self._step is not self._idle_step:  # the idle step has no loads
+            self._loads_over()
         if self._saves.pending:
             self._saves.poll(step_end=True)
         return self._results.take_transfers()
 
     def load_errors(self) -> set[int]:
-        self._loads_over()
+        if self._step is not self._idle_step:  # the idle step has no loads
+            self._loads_over()
         return self._results.take_load_errors()
 
     def _loads_over(self) -> None:
