@@ -54,11 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NO_TRANSFERS = KVConnectorTransferResults() if KVConnectorTransferResults is not None else None
-"""``get_transfer_results`` of a step with no transfer over (most steps), one object: vLLM only
-reads its sets (into the step's output; a ``MultiConnector`` into results of its own), and
-nothing here ever fills them, as ``WorkerResults.take_load_errors``'s empty set."""
-
 
 def join_ray(config: UcmRayConfig) -> str:
     """Connect this process to the Ray cluster if vLLM started it outside Ray; its node id."""
@@ -251,7 +246,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
             results = self.worker_part.transfer_results()
             if results is None:
-                return NO_TRANSFERS
+                return KVConnectorTransferResults()  # fresh: its sets are mutable and become vLLM's
             sending, done, failed = results
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=done, failed_recving=failed)
 
