@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
+from benchmarks.scale.cluster import WRITER, Cluster, Placement, shard_ids  # noqa: E402
 from benchmarks.scale.designs import Design, DesignParams, HandoverCopyOnSecondRead, PerBlock  # noqa: E402
 from benchmarks.scale.metrics import RequestTally  # noqa: E402
 from benchmarks.scale.runner import pool_tokens_for  # noqa: E402
@@ -48,8 +48,16 @@ from benchmarks.scale.workload import (  # noqa: E402
     add_single_run_args,
     single_run,
 )
+from ucm_ray.store.shard.disk.store import EVICT_AHEAD  # noqa: E402
+from ucm_ray.store.shard.index import BlockIndex  # noqa: E402
 
 CAUSES = ("cold", "evicted", "unfound")
+DEMOTE_HIGH, DEMOTE_LOW = 0.9, 0.75
+"""``DiskTier``'s default watermarks (the shard passes none): demotion starts above 90 % of the pool
+and makes its coldest ``used - 75 %`` clean."""
+SAVE_CHUNK_TOKENS = 8192
+"""Tokens a save commits at once with a disk tier (demotion runs between commits): vLLM's default
+``max_num_batched_tokens`` for its server, a prefill's step."""
 SAMPLE_EVERY = 50
 """Requests between samples of the duplicates' share of the pools."""
 
@@ -90,12 +98,9 @@ class ObservedCluster(Cluster):
             self.last_use[self.pool_of(node), key] = self.now
 
     def store(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
-        stored, evicted = super().store(node, keys)
+        stored, evicted = self.store_in_pools(node, keys)
         self.last_victims = {}
-        for key in evicted:
-            self.holders[key] -= 1
-            idle = self.last_victims[key] = self.now - self.last_use.pop((self.pool_of(node), key), self.now)
-            self.evicted_idle[self.pool_of(node)].append(idle)
+        self.forget(node, evicted)
         self.dup_writes += sum(self.holders[key] > 0 for key in stored)
         for key in stored:
             self.holders[key] += 1
@@ -103,6 +108,17 @@ class ObservedCluster(Cluster):
         self.writes[node] += len(stored)
         self._used(node, stored)
         return stored, evicted
+
+    def store_in_pools(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """The save itself (``Cluster.store``): (the keys stored, the keys ``node`` lost for them)."""
+        return super().store(node, keys)
+
+    def forget(self, node: int, lost: Sequence[bytes]) -> None:
+        """``node`` holds ``lost`` no more: one holder less each, and how long each was idle."""
+        for key in lost:
+            self.holders[key] -= 1
+            idle = self.last_victims[key] = self.now - self.last_use.pop((self.pool_of(node), key), self.now)
+            self.evicted_idle[self.pool_of(node)].append(idle)
 
     def held_anywhere(self, key: bytes) -> bool:
         return self.holders[key] > 0
@@ -128,6 +144,173 @@ class PooledCluster(ObservedCluster):
 
     def evictions(self) -> int:
         return self.pools[0].stats().evictions
+
+
+class DiskLru:
+    """One node's disk tier as its ``DiskStore`` keeps entries: least recently used first, a write
+    or a read makes an entry the most recent, and a write that finds no room evicts the least
+    recently used until ``1 / EVICT_AHEAD`` of the tier is free (the store's evict-ahead). Only keys:
+    every block is one slot of the same size."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.entries: OrderedDict[bytes, None] = OrderedDict()
+        self.evictions = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def put_many(self, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """(the keys on disk now, the keys evicted for them), as ``DiskStore.put_many``."""
+        written: list[bytes] = []
+        gone: list[bytes] = []
+        ahead = max(1, self.capacity_blocks // EVICT_AHEAD)
+        for key in keys:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                written.append(key)
+                continue
+            if not self.capacity_blocks:
+                continue
+            if len(self.entries) >= self.capacity_blocks:
+                while self.entries and self.capacity_blocks - len(self.entries) < ahead:
+                    gone.append(self.entries.popitem(last=False)[0])
+                    self.evictions += 1
+            self.entries[key] = None
+            written.append(key)
+        return written, [key for key in gone if key not in self.entries]
+
+    def read(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.entries.move_to_end(key)
+
+
+DEMOTER = 2
+"""The disk tier's client id towards its pool (its demotion leases), as ``DiskTier``'s own."""
+
+
+class DiskCluster(ObservedCluster):
+    """Every node's pool with a disk tier of ``disk_ratio`` times the pool behind it, run as the
+    package's ``DiskTier`` runs (``store/shard/disk/tier.py``), on the real ``BlockIndex`` with
+    ``prefer_clean`` and its real ``demotion_batch`` / ``mark_clean`` / ``disk_dropped``:
+
+    - write-back: after each commit (the shard wakes its demoter on every commit), while the pool
+      is above its high watermark (or has evicted since its cold end was last clean), the dirty
+      entries among its coldest ``used - low`` bytes are written to disk (clean: still in the pool);
+    - the pool evicts the least recently used clean entry among its coldest ``CLEAN_SCAN`` first,
+      which stays on disk (a hit there); a dirty one evicted is lost (``evicted_dirty``);
+    - a save arrives in chunks of ``save_chunk_blocks`` (a prefill's steps), demotion between them;
+    - a lookup finds keys on disk as hits (the shard's ``contains``), and loading them promotes them
+      (the shard's ``acquire``): read into the pool (which may evict), clean (the disk keeps its
+      copy), the disk entry made recently used. Only a hit's keys are promoted, never those past it.
+
+    ``stored[node]`` is what the node's shard holds, pool or disk (the designs' "held there").
+    Not modelled: ``disk_wait_s`` and the read-cost plan (every disk hit is read, whatever it
+    costs; ``disk_read_blocks`` counts the bytes), reads and writes taking time."""
+
+    def __init__(self, nodes: int, pool_bytes: int, block_bytes: int, placement: Placement,
+                 disk_ratio: float = 1.0, save_chunk_blocks: int = 0, demote_low: float = DEMOTE_LOW) -> None:
+        super().__init__(nodes, pool_bytes, block_bytes, placement)
+        self.pools = [BlockIndex(pool_bytes, lease_s=1e9, reserve_timeout_s=1e9, clock=self.clock,
+                                 published=log, prefer_clean=True) for log in self._logs]
+        capacity = self.pools[0].stats().capacity_bytes
+        self.high_bytes = int(DEMOTE_HIGH * capacity)
+        self.low_bytes = int(min(demote_low, DEMOTE_HIGH) * capacity)
+        self.disks = [DiskLru(int(disk_ratio * pool_bytes) // block_bytes) for _ in range(nodes)]
+        self.in_pool: list[set[bytes]] = [set() for _ in range(nodes)]
+        self.save_chunk_blocks = save_chunk_blocks
+        self._evictions_seen = [0] * nodes
+        self.disk_read_blocks = 0
+        """Blocks a hit read from disk (promoted): hits served from disk."""
+        self.demoted_blocks = 0
+
+    def has(self, node: int, keys: Sequence[bytes]) -> list[bool]:
+        in_pool = super().has(node, keys)
+        disk = self.disks[node]
+        on_disk = [not hit and key in disk for key, hit in zip(keys, in_pool)]
+        self._used(node, [key for key, found in zip(keys, on_disk) if found])
+        return [hit or found for hit, found in zip(in_pool, on_disk)]
+
+    def read(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
+        super().read(keys, nodes)
+        self.load(keys, nodes)
+
+    def load(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
+        """Promote the loaded keys only the disk holds, one batch per node (one ``acquire``)."""
+        per_node: dict[int, list[bytes]] = {}
+        for key, node in zip(keys, nodes):
+            if key not in self.in_pool[node] and key in self.disks[node]:
+                per_node.setdefault(node, []).append(key)
+        for node, batch in per_node.items():
+            self.disks[node].read(batch)
+            promoted, lost = self._commit(node, batch)
+            self.pools[node].mark_clean([(key, offset) for key, offset in promoted])
+            self.disk_read_blocks += len(promoted)
+            self.forget(node, lost + self._demote(node))
+
+    def store_in_pools(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+        keys = [key for key in dict.fromkeys(keys) if key not in self.stored[node]]
+        chunk = self.save_chunk_blocks or len(keys) or 1
+        stored: list[bytes] = []
+        lost: list[bytes] = []
+        for at in range(0, len(keys), chunk):
+            committed, lost_now = self._commit(node, keys[at:at + chunk])
+            stored += [key for key, _ in committed]
+            lost += lost_now
+            lost += self._demote(node)
+        return stored, lost
+
+    def _commit(self, node: int, keys: Sequence[bytes]) -> tuple[list[tuple[bytes, int]], list[bytes]]:
+        """Reserve then commit ``keys`` in ``node``'s pool: ((key, offset) committed, the keys the
+        node's shard lost for them: evicted dirty)."""
+        pool = self.pools[node]
+        token, offsets = pool.reserve(WRITER, self.block_bytes, len(keys))
+        committed = list(zip(keys, offsets))
+        if offsets:
+            pool.commit(WRITER, token, [(key, offset, None) for key, offset in committed])
+        log = self._logs[node]
+        evicted, log.evicted = log.evicted, []
+        disk = self.disks[node]
+        lost = [key for key in evicted if key not in disk]
+        self.in_pool[node].difference_update(evicted)
+        self.in_pool[node].update(key for key, _ in committed)
+        self.stored[node].difference_update(lost)
+        self.stored[node].update(key for key, _ in committed)
+        return committed, lost
+
+    def _demote(self, node: int) -> list[bytes]:
+        """``DiskTier.demote``: batches until the pool's cold end is clean or a pool's worth was
+        written (one batch takes it all: batching only paces the I/O). The keys the shard lost."""
+        pool, disk, log = self.pools[node], self.disks[node], self._logs[node]
+        capacity = pool.stats().capacity_bytes
+        lost: list[bytes] = []
+        written = 0
+        while written < capacity:
+            stats = pool.stats()
+            used = capacity if stats.evictions != self._evictions_seen[node] else stats.used_bytes
+            if used <= self.high_bytes:
+                break
+            lease, items = pool.demotion_batch(DEMOTER, used - self.low_bytes, capacity)
+            if not items:
+                self._evictions_seen[node] = stats.evictions
+                break
+            on_disk, gone = disk.put_many([key for key, _ in items])
+            done = set(on_disk)
+            pool.mark_clean([(key, slot.offset) for key, slot in items if key in done])
+            pool.disk_dropped(gone)
+            log.evicted = []  # disk_dropped unlists the disk-only keys it dropped: lost below
+            pool.release(DEMOTER, [lease])
+            self.demoted_blocks += len(done)
+            written += len(done) * self.block_bytes
+            dropped = [key for key in gone if key not in self.in_pool[node]]
+            self.stored[node].difference_update(dropped)
+            lost += dropped
+            if not done:
+                break
+        return lost
+
+    def dirty_evictions(self) -> int:
+        return sum(pool.stats().evicted_dirty for pool in self.pools)
 
 
 class NoDupSaves(HandoverCopyOnSecondRead):
@@ -286,6 +469,11 @@ def _observe(design: Design, cluster: ObservedCluster, requests: Sequence[Reques
     out["dup writes %"] = 100.0 * cluster.dup_writes / max(int(cluster.writes.sum()), 1)
     out["dup share %"] = 100.0 * float(np.mean(shares)) if shares else 0.0
     out["evictions"] = float(cluster.evictions())
+    if isinstance(cluster, DiskCluster):
+        out["from disk %"] = 100.0 * cluster.disk_read_blocks * block_tokens / max(hit_tokens, 1)
+        out["disk read MiB/req"] = cluster.disk_read_blocks * cluster.block_bytes / len(requests) / 2**20
+        out["dirty evictions"] = float(cluster.dirty_evictions())
+        out["disk evictions"] = float(sum(disk.evictions for disk in cluster.disks))
     return out
 
 
@@ -316,8 +504,11 @@ class Observed:
 
 
 def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: int, variants: Sequence[str] = (),
-                 spill_ratio: float = 1.0) -> list[Observed]:
-    """(a), (k) and the named variants of (k), each over its own pools of ``pool_tokens`` a node."""
+                 spill_ratio: float = 1.0, disk_ratio: float = 0.0,
+                 save_chunk_tokens: int = SAVE_CHUNK_TOKENS, demote_low: float = DEMOTE_LOW) -> list[Observed]:
+    """(a), (k) and the named variants of (k), each over its own pools of ``pool_tokens`` a node;
+    with ``disk_ratio`` (a) and (k) each with a disk tier of that many pools behind every pool
+    (``DiskCluster``; the variants have none)."""
     placement = Placement(shard_ids(spec.nodes))
     params = DesignParams(seed=spec.seed)
     runs: list[tuple[str, type[Design], type[ObservedCluster]]] = [
@@ -325,7 +516,14 @@ def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: i
     runs += [(f"k {name}", *VARIANTS[name]) for name in variants]
     out = []
     for name, design_class, cluster_class in runs:
-        cluster = cluster_class(spec.nodes, pool_tokens * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        pool_bytes = pool_tokens * BYTES_PER_TOKEN
+        cluster: ObservedCluster
+        if disk_ratio and cluster_class is ObservedCluster and name in ("a per-block", "k built"):
+            cluster = DiskCluster(spec.nodes, pool_bytes, spec.block_bytes, placement, disk_ratio,
+                                  max(1, save_chunk_tokens // spec.block_size), demote_low)
+            name += f" + disk x{disk_ratio:g}"
+        else:
+            cluster = cluster_class(spec.nodes, pool_bytes, spec.block_bytes, placement)
         design = design_class(cluster, params)
         if isinstance(design, SpillSaves):
             design.spill_ratio = spill_ratio
@@ -335,6 +533,9 @@ def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: i
 
 COLUMNS = ("hit %", *(f"lost {cause} %" for cause in CAUSES), "held past break %", "dup writes %", "dup share %",
            "evictions")
+DISK_COLUMNS = ("from disk %", "disk read MiB/req", "dirty evictions", "disk evictions")
+"""With a disk tier: the share of hit tokens read from disk, what they cost it, the pools'
+evictions of entries not yet on disk (lost: demotion behind), the disks' own evictions."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -347,19 +548,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spill-ratio", type=float, default=1.0,
                         help="spill, demote: only blocks (saves; victims) younger than this share of the oldest "
                              "peer's least recently used block")
+    parser.add_argument("--disk-ratio", type=float, default=0.0,
+                        help="(a) and (k): a disk tier of this many times the pool behind each pool (0: none)")
+    parser.add_argument("--save-chunk-tokens", type=int, default=SAVE_CHUNK_TOKENS,
+                        help="with a disk tier: tokens a save commits at once, demotion between commits")
+    parser.add_argument("--demote-low", type=float, default=DEMOTE_LOW,
+                        help="with a disk tier: demotion makes the pool's coldest used - this share clean "
+                             "(the package's DiskTier default 0.75; lower: a larger clean cold end, not built)")
     args = parser.parse_args(argv)
     spec, requests, _ = single_run(args)
     unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
     pool_tokens = pool_tokens_for(unique_tokens, spec.nodes, args.pool_fraction, args.min_pool_tokens)
     print(f"nodes={spec.nodes} block={spec.block_size} router={spec.router} requests={spec.requests}: "
           f"pool {pool_tokens} tokens/node, workload {unique_tokens} distinct tokens")
-    print("| design | " + " | ".join(COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 1) + "|")
+    columns = COLUMNS + (DISK_COLUMNS if args.disk_ratio else ())
+    print("| design | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     variants = [name for name in args.variants.split(",") if name]
-    runs = observe_runs(spec, requests, pool_tokens, variants, args.spill_ratio)
+    runs = observe_runs(spec, requests, pool_tokens, variants, args.spill_ratio, args.disk_ratio,
+                        args.save_chunk_tokens, args.demote_low)
     for run in runs:
-        print(f"| {run.name} | " + " | ".join(f"{run.figures[column]:.1f}" if column != "evictions"
-                                              else f"{run.figures[column]:.0f}" for column in COLUMNS) + " |")
+        print(f"| {run.name} | " + " | ".join(
+            "-" if column not in run.figures else f"{run.figures[column]:.0f}" if "evictions" in column
+            else f"{run.figures[column]:.1f}" for column in columns) + " |")
     for run in runs:
         extra = f"; moved to peers {run.design.spilled} blocks" if isinstance(run.design, SpillSaves) else ""
         print(f"{run.name}: {_per_node(run.cluster)}{extra}")

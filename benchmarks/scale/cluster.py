@@ -101,6 +101,12 @@ class Cluster:
         for node, batch in per_node.items():
             self.pools[node].contains(batch)
 
+    def load(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
+        """A lookup's hit, found by ``has`` (which already made its pool entries recently used),
+        is loaded from the node beside each key: nothing more here; a pool with a tier behind it
+        brings back what only that tier holds (``benchmarks/scale_evict.py``'s disk tier)."""
+        return None
+
     def store(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Save ``keys`` into node's pool (reserve, then commit, as a writer does): (the keys
         stored, the keys the pool evicted for them)."""

@@ -357,6 +357,7 @@ class PlacedDesign(Design):
         hit = _first_false(present)
         tally.hit_tokens = hit * self.cluster.block_tokens
         loaded = homes[:hit]
+        self.cluster.load(keys[:hit], loaded.tolist())
         served_from = loaded[loaded != node]
         tally.load_off_bytes = int(served_from.size) * block_bytes
         np.add.at(self.stats.bytes_served, served_from, block_bytes)
