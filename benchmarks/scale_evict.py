@@ -21,6 +21,13 @@ would make its node's pool evict while that pool's least recently used block is 
 ``--spill-ratio`` of the oldest peer pool's goes to that peer; ``demote``: the save stays and the
 blocks it evicts that are younger than that go to the peer.
 
+``--disk-ratio R`` puts a disk tier of R pools behind every pool of (a) and (k) (same capacity per
+node for both; ``DiskCluster``): the package's write-back ahead of eviction, clean-first eviction
+and promotion of a hit's disk-only blocks, on the real ``BlockIndex``; it asks whether a node's
+NVMe lengthens the busiest writer's horizon enough to close the gap without bytes leaving the node.
+It adds per design the share of hit tokens read from disk, the bytes that cost, the pools'
+evictions of blocks not yet on disk (lost) and the disks' own evictions.
+
 Run: ``python benchmarks/scale_evict.py --nodes 10 --requests 1000 --block-size 128 --router random``.
 """
 
@@ -48,6 +55,7 @@ from benchmarks.scale.workload import (  # noqa: E402
     add_single_run_args,
     single_run,
 )
+from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.shard.disk.store import EVICT_AHEAD  # noqa: E402
 from ucm_ray.store.shard.index import BlockIndex  # noqa: E402
 
@@ -58,6 +66,8 @@ and makes its coldest ``used - 75 %`` clean."""
 SAVE_CHUNK_TOKENS = 8192
 """Tokens a save commits at once with a disk tier (demotion runs between commits): vLLM's default
 ``max_num_batched_tokens`` for its server, a prefill's step."""
+DISK_READ_BYTES_S = 1.2e9
+"""A promotion's reads: this box's disk at depth 8 (DESIGN section 9; an NVMe reads 3-7 GB/s)."""
 SAMPLE_EVERY = 50
 """Requests between samples of the duplicates' share of the pools."""
 
@@ -209,7 +219,8 @@ class DiskCluster(ObservedCluster):
     costs; ``disk_read_blocks`` counts the bytes), reads and writes taking time."""
 
     def __init__(self, nodes: int, pool_bytes: int, block_bytes: int, placement: Placement,
-                 disk_ratio: float = 1.0, save_chunk_blocks: int = 0, demote_low: float = DEMOTE_LOW) -> None:
+                 disk_ratio: float = 1.0, save_chunk_blocks: int = 0, demote_low: float = DEMOTE_LOW,
+                 read_bytes_s: float = DISK_READ_BYTES_S, apply_wait: bool = False) -> None:
         super().__init__(nodes, pool_bytes, block_bytes, placement)
         self.pools = [BlockIndex(pool_bytes, lease_s=1e9, reserve_timeout_s=1e9, clock=self.clock,
                                  published=log, prefer_clean=True) for log in self._logs]
@@ -223,6 +234,14 @@ class DiskCluster(ObservedCluster):
         self.disk_read_blocks = 0
         """Blocks a hit read from disk (promoted): hits served from disk."""
         self.demoted_blocks = 0
+        self.wait_blocks = int(UcmRayConfig().disk_wait_s * read_bytes_s) // block_bytes
+        """Blocks one promotion (one shard's ``acquire``) reads within ``disk_wait_s`` at ``read_bytes_s``."""
+        self.wait_cut_blocks = 0
+        """Hit blocks a lookup would lose had its promotions stopped at ``wait_blocks`` (a prefix
+        ends at its first block not read; counted, not applied: the run serves them)."""
+        self.largest_promotion = 0
+        self.apply_wait = apply_wait
+        """Cut each hit where a promotion passes ``wait_blocks`` (else only counted)."""
 
     def has(self, node: int, keys: Sequence[bytes]) -> list[bool]:
         in_pool = super().has(node, keys)
@@ -235,18 +254,35 @@ class DiskCluster(ObservedCluster):
         super().read(keys, nodes)
         self.load(keys, nodes)
 
-    def load(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
-        """Promote the loaded keys only the disk holds, one batch per node (one ``acquire``)."""
-        per_node: dict[int, list[bytes]] = {}
-        for key, node in zip(keys, nodes):
+    def read_hit(self, keys: Sequence[bytes], nodes: Sequence[int]) -> int:
+        super().read(keys, nodes)
+        return self.load(keys, nodes)
+
+    def load(self, keys: Sequence[bytes], nodes: Sequence[int]) -> int:
+        """Promote the loaded keys only the disk holds, one batch per node (one ``acquire``); the
+        blocks loaded: all, or with ``apply_wait`` those before the first a node's promotion would
+        not read within ``disk_wait_s`` (the rest are misses, as the package's ``promote_late``)."""
+        per_node: dict[int, list[tuple[int, bytes]]] = {}
+        cut = len(keys)
+        for position, (key, node) in enumerate(zip(keys, nodes)):
             if key not in self.in_pool[node] and key in self.disks[node]:
-                per_node.setdefault(node, []).append(key)
-        for node, batch in per_node.items():
+                asked = per_node.setdefault(node, [])
+                if len(asked) == self.wait_blocks:
+                    cut = min(cut, position)
+                asked.append((position, key))
+        self.wait_cut_blocks += len(keys) - cut
+        loaded = cut if self.apply_wait else len(keys)
+        for node, placed in per_node.items():
+            batch = [key for position, key in placed if position < loaded]
+            if not batch:
+                continue
             self.disks[node].read(batch)
             promoted, lost = self._commit(node, batch)
             self.pools[node].mark_clean([(key, offset) for key, offset in promoted])
             self.disk_read_blocks += len(promoted)
+            self.largest_promotion = max(self.largest_promotion, len(promoted))
             self.forget(node, lost + self._demote(node))
+        return loaded
 
     def store_in_pools(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         keys = [key for key in dict.fromkeys(keys) if key not in self.stored[node]]
@@ -474,6 +510,8 @@ def _observe(design: Design, cluster: ObservedCluster, requests: Sequence[Reques
         out["disk read MiB/req"] = cluster.disk_read_blocks * cluster.block_bytes / len(requests) / 2**20
         out["dirty evictions"] = float(cluster.dirty_evictions())
         out["disk evictions"] = float(sum(disk.evictions for disk in cluster.disks))
+        out["largest promotion MiB"] = cluster.largest_promotion * cluster.block_bytes / 2**20
+        out["cut by wait %"] = 100.0 * cluster.wait_cut_blocks * block_tokens / prompt_tokens
     return out
 
 
@@ -505,7 +543,8 @@ class Observed:
 
 def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: int, variants: Sequence[str] = (),
                  spill_ratio: float = 1.0, disk_ratio: float = 0.0,
-                 save_chunk_tokens: int = SAVE_CHUNK_TOKENS, demote_low: float = DEMOTE_LOW) -> list[Observed]:
+                 save_chunk_tokens: int = SAVE_CHUNK_TOKENS, demote_low: float = DEMOTE_LOW,
+                 read_bytes_s: float = DISK_READ_BYTES_S, apply_wait: bool = False) -> list[Observed]:
     """(a), (k) and the named variants of (k), each over its own pools of ``pool_tokens`` a node;
     with ``disk_ratio`` (a) and (k) each with a disk tier of that many pools behind every pool
     (``DiskCluster``; the variants have none)."""
@@ -520,7 +559,8 @@ def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: i
         cluster: ObservedCluster
         if disk_ratio and cluster_class is ObservedCluster and name in ("a per-block", "k built"):
             cluster = DiskCluster(spec.nodes, pool_bytes, spec.block_bytes, placement, disk_ratio,
-                                  max(1, save_chunk_tokens // spec.block_size), demote_low)
+                                  max(1, save_chunk_tokens // spec.block_size), demote_low, read_bytes_s,
+                                  apply_wait)
             name += f" + disk x{disk_ratio:g}"
         else:
             cluster = cluster_class(spec.nodes, pool_bytes, spec.block_bytes, placement)
@@ -533,9 +573,12 @@ def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: i
 
 COLUMNS = ("hit %", *(f"lost {cause} %" for cause in CAUSES), "held past break %", "dup writes %", "dup share %",
            "evictions")
-DISK_COLUMNS = ("from disk %", "disk read MiB/req", "dirty evictions", "disk evictions")
+DISK_COLUMNS = ("from disk %", "disk read MiB/req", "dirty evictions", "disk evictions", "largest promotion MiB",
+                "cut by wait %")
 """With a disk tier: the share of hit tokens read from disk, what they cost it, the pools'
-evictions of entries not yet on disk (lost: demotion behind), the disks' own evictions."""
+evictions of entries not yet on disk (lost: demotion behind), the disks' own evictions, the most
+one shard promoted for one lookup, and the points of hits ``disk_wait_s`` would cut at
+``--disk-read-gbs`` (``DiskCluster.wait_cut_blocks``)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -555,6 +598,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--demote-low", type=float, default=DEMOTE_LOW,
                         help="with a disk tier: demotion makes the pool's coldest used - this share clean "
                              "(the package's DiskTier default 0.75; lower: a larger clean cold end, not built)")
+    parser.add_argument("--disk-read-gbs", type=float, default=DISK_READ_BYTES_S / 1e9,
+                        help="with a disk tier: a shard's promotion reads in GB/s, for 'cut by wait %%' (counted, "
+                             "not applied unless --disk-wait)")
+    parser.add_argument("--disk-wait", action="store_true",
+                        help="with a disk tier: apply disk_wait_s, a hit ends where a shard's promotion would not "
+                             "be read in time (the package's promote_late)")
     args = parser.parse_args(argv)
     spec, requests, _ = single_run(args)
     unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
@@ -566,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---" * (len(columns) + 1) + "|")
     variants = [name for name in args.variants.split(",") if name]
     runs = observe_runs(spec, requests, pool_tokens, variants, args.spill_ratio, args.disk_ratio,
-                        args.save_chunk_tokens, args.demote_low)
+                        args.save_chunk_tokens, args.demote_low, args.disk_read_gbs * 1e9, args.disk_wait)
     for run in runs:
         print(f"| {run.name} | " + " | ".join(
             "-" if column not in run.figures else f"{run.figures[column]:.0f}" if "evictions" in column

@@ -101,11 +101,17 @@ class Cluster:
         for node, batch in per_node.items():
             self.pools[node].contains(batch)
 
-    def load(self, keys: Sequence[bytes], nodes: Sequence[int]) -> None:
+    def load(self, keys: Sequence[bytes], nodes: Sequence[int]) -> int:
         """A lookup's hit, found by ``has`` (which already made its pool entries recently used),
         is loaded from the node beside each key: nothing more here; a pool with a tier behind it
-        brings back what only that tier holds (``benchmarks/scale_evict.py``'s disk tier)."""
-        return None
+        brings back what only that tier holds (``benchmarks/scale_evict.py``'s disk tier). The
+        blocks loaded, a prefix of ``keys`` (all of them here)."""
+        return len(keys)
+
+    def read_hit(self, keys: Sequence[bytes], nodes: Sequence[int]) -> int:
+        """``read`` of a lookup's hit: the blocks loaded, a prefix of ``keys`` (all of them here)."""
+        self.read(keys, nodes)
+        return len(keys)
 
     def store(self, node: int, keys: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Save ``keys`` into node's pool (reserve, then commit, as a writer does): (the keys

@@ -354,10 +354,10 @@ class PlacedDesign(Design):
         groups = self._groups(homes)
         for home, positions in groups:
             present[positions] = self.cluster.has(home, [keys[position] for position in positions])
-        hit = _first_false(present)
+        found = _first_false(present)
+        hit = self.cluster.load(keys[:found], homes[:found].tolist())
         tally.hit_tokens = hit * self.cluster.block_tokens
         loaded = homes[:hit]
-        self.cluster.load(keys[:hit], loaded.tolist())
         served_from = loaded[loaded != node]
         tally.load_off_bytes = int(served_from.size) * block_bytes
         np.add.at(self.stats.bytes_served, served_from, block_bytes)
@@ -440,8 +440,8 @@ class WriterDesign(Design):
             if source is None:
                 break
             sources.append(source)
-        hit = len(sources)
-        self.cluster.read(req.keys[:hit], sources)
+        hit = self.cluster.read_hit(req.keys[:len(sources)], sources)
+        del sources[hit:]
         tally.hit_tokens = hit * self.cluster.block_tokens
         remote = np.asarray(sources, dtype=np.int64)
         remote = remote[remote != req.node]
