@@ -215,8 +215,10 @@ class DiskCluster(ObservedCluster):
       copy), the disk entry made recently used. Only a hit's keys are promoted, never those past it.
 
     ``stored[node]`` is what the node's shard holds, pool or disk (the designs' "held there").
-    Not modelled: ``disk_wait_s`` and the read-cost plan (every disk hit is read, whatever it
-    costs; ``disk_read_blocks`` counts the bytes), reads and writes taking time."""
+    Not modelled: ``disk_wait_s`` unless ``apply_wait`` (every disk hit is read, whatever it costs;
+    ``disk_read_blocks`` counts the bytes, ``wait_cut_blocks`` what the bound would cut), the
+    read-cost plan, reads and writes taking time, and a save of a block its shard holds only on
+    disk (skipped, as a held block; the package's commit would take it into the pool)."""
 
     def __init__(self, nodes: int, pool_bytes: int, block_bytes: int, placement: Placement,
                  disk_ratio: float = 1.0, save_chunk_blocks: int = 0, demote_low: float = DEMOTE_LOW,
@@ -603,7 +605,9 @@ def main(argv: list[str] | None = None) -> None:
                              "not applied unless --disk-wait)")
     parser.add_argument("--disk-wait", action="store_true",
                         help="with a disk tier: apply disk_wait_s, a hit ends where a shard's promotion would not "
-                             "be read in time (the package's promote_late)")
+                             "be read in time (the package's promote_late). Overstates the loss: a block its "
+                             "shard holds on disk is never saved again here, so a prefix cut stays cut, where "
+                             "the package's commit takes the recomputed block back into the pool")
     args = parser.parse_args(argv)
     spec, requests, _ = single_run(args)
     unique_tokens = len({key for request in requests for key in request.keys}) * spec.block_size
