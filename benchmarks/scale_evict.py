@@ -430,6 +430,13 @@ class SpillSaves(HandoverCopyOnSecondRead):
                 target = req.node
         if target == req.node:
             return super().save_local(req, keys)
+        return self._store_on_peer(target, keys)
+
+    def _store_on_peer(self, target: int, keys: Sequence[bytes]) -> list[bytes]:
+        """Write ``keys`` into another node's pool, counted as spilled; where they are is noted
+        (their hints) and what that pool evicted for them recorded. What was stored."""
+        cluster = self.cluster
+        assert isinstance(cluster, ObservedCluster)
         stored, evicted = cluster.store(target, keys)
         self.spilled += len(stored)
         for key in stored:
@@ -465,11 +472,7 @@ class DemoteEvicted(SpillSaves):
             target = min(heads, key=lambda node: heads[node])
             horizon = self.spill_ratio * (cluster.now - heads[target])
             moving = [key for key, idle in victims.items() if idle < horizon and key not in cluster.stored[target]]
-            moved, dropped = cluster.store(target, moving)
-            self.spilled += len(moved)
-            for key in moved:
-                self.locs.setdefault(key, []).append(target)
-            self._evicted.extend((target, key) for key in dropped)
+            self._store_on_peer(target, moving)
         return stored
 
 
