@@ -159,15 +159,13 @@ class WorkerPart:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
         """(finished sending: their saves landed, finished receiving, of which failed); None
         when there are none."""
-        if self._step is not self._idle_step:  # the idle step has no loads
-            self._loads_over()
+        self._loads_over()
         if self._saves.pending:
             self._saves.poll(step_end=True)
         return self._results.take_transfers()
 
     def load_errors(self) -> set[int]:
-        if self._step is not self._idle_step:  # the idle step has no loads
-            self._loads_over()
+        self._loads_over()
         return self._results.take_load_errors()
 
     def _loads_over(self) -> None:
@@ -178,6 +176,8 @@ class WorkerPart:
         loaded them (``to_vllm``). Once some hook ran, the layers still waiting are a draft
         model's, whose forward (and hooks) come after this call: ``wait_for_save`` settles them."""
         step = self._step
+        if step is self._idle_step:
+            return  # most steps: no load to check
         if step.phase is LoadPhase.POSTED:
             self._loads.finish_posted(step)
         elif step.phase is LoadPhase.BY_LAYER and not step.hooked:
