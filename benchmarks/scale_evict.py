@@ -57,12 +57,14 @@ from benchmarks.scale.workload import (  # noqa: E402
 )
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.shard.disk.store import EVICT_AHEAD  # noqa: E402
+from ucm_ray.store.shard.disk.tier import clean_low  # noqa: E402
 from ucm_ray.store.shard.index import BlockIndex  # noqa: E402
 
 CAUSES = ("cold", "evicted", "unfound")
-DEMOTE_HIGH, DEMOTE_LOW = 0.9, 0.75
-"""``DiskTier``'s default watermarks (the shard passes none): demotion starts above 90 % of the pool
-and makes its coldest ``used - 75 %`` clean."""
+DEMOTE_HIGH = 0.9
+"""``DiskTier``'s default high watermark (the shard passes none): demotion starts above 90 % of the
+pool and makes its coldest ``used - low`` clean, ``low`` by default the package's ``clean_low`` of
+the disk's and the pool's sizes (0.75 for a disk the pool's size, 0.5 from twice it)."""
 SAVE_CHUNK_TOKENS = 8192
 """Tokens a save commits at once with a disk tier (demotion runs between commits): vLLM's default
 ``max_num_batched_tokens`` for its server, a prefill's step."""
@@ -221,14 +223,15 @@ class DiskCluster(ObservedCluster):
     disk (skipped, as a held block; the package's commit would take it into the pool)."""
 
     def __init__(self, nodes: int, pool_bytes: int, block_bytes: int, placement: Placement,
-                 disk_ratio: float = 1.0, save_chunk_blocks: int = 0, demote_low: float = DEMOTE_LOW,
+                 disk_ratio: float = 1.0, save_chunk_blocks: int = 0, demote_low: float | None = None,
                  read_bytes_s: float = DISK_READ_BYTES_S, apply_wait: bool = False) -> None:
         super().__init__(nodes, pool_bytes, block_bytes, placement)
         self.pools = [BlockIndex(pool_bytes, lease_s=1e9, reserve_timeout_s=1e9, clock=self.clock,
                                  published=log, prefer_clean=True) for log in self._logs]
         capacity = self.pools[0].stats().capacity_bytes
         self.high_bytes = int(DEMOTE_HIGH * capacity)
-        self.low_bytes = int(min(demote_low, DEMOTE_HIGH) * capacity)
+        low = clean_low(int(disk_ratio * pool_bytes), pool_bytes) if demote_low is None else demote_low
+        self.low_bytes = int(min(low, DEMOTE_HIGH) * capacity)
         self.disks = [DiskLru(int(disk_ratio * pool_bytes) // block_bytes) for _ in range(nodes)]
         self.in_pool: list[set[bytes]] = [set() for _ in range(nodes)]
         self.save_chunk_blocks = save_chunk_blocks
@@ -548,7 +551,7 @@ class Observed:
 
 def observe_runs(spec: WorkloadSpec, requests: Sequence[Request], pool_tokens: int, variants: Sequence[str] = (),
                  spill_ratio: float = 1.0, disk_ratio: float = 0.0,
-                 save_chunk_tokens: int = SAVE_CHUNK_TOKENS, demote_low: float = DEMOTE_LOW,
+                 save_chunk_tokens: int = SAVE_CHUNK_TOKENS, demote_low: float | None = None,
                  read_bytes_s: float = DISK_READ_BYTES_S, apply_wait: bool = False) -> list[Observed]:
     """(a), (k) and the named variants of (k), each over its own pools of ``pool_tokens`` a node;
     with ``disk_ratio`` (a) and (k) each with a disk tier of that many pools behind every pool
@@ -600,9 +603,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="(a) and (k): a disk tier of this many times the pool behind each pool (0: none)")
     parser.add_argument("--save-chunk-tokens", type=int, default=SAVE_CHUNK_TOKENS,
                         help="with a disk tier: tokens a save commits at once, demotion between commits")
-    parser.add_argument("--demote-low", type=float, default=DEMOTE_LOW,
+    parser.add_argument("--demote-low", type=float, default=None,
                         help="with a disk tier: demotion makes the pool's coldest used - this share clean "
-                             "(the package's DiskTier default 0.75; lower: a larger clean cold end, not built)")
+                             "(default: the package's DiskTier default, clean_low of the disk ratio)")
     parser.add_argument("--disk-read-gbs", type=float, default=DISK_READ_BYTES_S / 1e9,
                         help="with a disk tier: a shard's promotion reads in GB/s, for 'cut by wait %%' (counted, "
                              "not applied unless --disk-wait)")

@@ -117,7 +117,7 @@ def test_a_pool_evicting_below_its_high_watermark_gets_its_cold_end_demoted(tmp_
     evicted, demotion cleans its cold end as it would a full pool's, so the next save evicts
     clean entries (CI lost the last-written keys of ``test_disk_tier_store`` this way: after
     the pool dropped under its watermark, nothing was demoted and every eviction was dirty)."""
-    s = Shard(str(tmp_path), 8, 64)  # 8 slots of 8 KiB; high 0.9 (7.2 slots), low 0.75 (6)
+    s = Shard(str(tmp_path), 8, 64, low=0.75)  # 8 slots of 8 KiB; high 0.9 (7.2 slots), low 0.75 (6)
     for i in range(7):
         s.write(i)
     assert s.demote_all() == 0  # 7 of 8 slots: under the high watermark, nothing is cold yet
@@ -138,6 +138,28 @@ def test_a_pool_evicting_below_its_high_watermark_gets_its_cold_end_demoted(tmp_
     save_double(101)  # evicts 2 and 3 again, clean now: nothing is lost
     assert s.index.stats().evicted_dirty == 2
     assert s.tier.promote([key(2), key(3)]) == [True, True]
+
+
+@pytest.mark.parametrize("disk_slots, clean_slots", [(20, 8), (32, 8), (63, 8), (64, 16), (160, 16)])
+def test_a_larger_disk_keeps_more_of_the_pool_clean_so_a_long_prompt_evicts_nothing_dirty(tmp_path, disk_slots,
+                                                                                          clean_slots):
+    """Writer-local placement brings a whole long prompt back into one pool (a promotion) or
+    writes one there (its save), up to ~40 % of a pool; a quarter kept clean then evicts dirty
+    entries, lost for good. A disk twice the pool or larger keeps half of it clean (its copies a
+    quarter of the disk at most); a smaller one a quarter, as before. 32-slot pool, demotion caught
+    up, then ``clean_slots`` new entries: none evicts a dirty one; one more than the clean share
+    does."""
+    s = Shard(str(tmp_path), 32, disk_slots)
+    for i in range(32):
+        s.write(i)
+    s.demote_all()
+    on_disk = sum(s.tier.on_disk([key(i) for i in range(32)]))
+    assert on_disk == clean_slots
+    for i in range(100, 100 + clean_slots):
+        s.write(i)
+    assert s.index.stats().evicted_dirty == 0
+    s.write(999)
+    assert s.index.stats().evicted_dirty == 1
 
 
 def test_a_store_holding_10x_its_pool_serves_any_of_it(tmp_path):

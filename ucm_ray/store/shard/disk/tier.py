@@ -56,6 +56,10 @@ CHECKPOINT_SHARE = 10
 duration where that is longer (manifest writes take at most a tenth of the tier's time)."""
 RATE_WEIGHT = 0.3
 """Weight of the newest chunk in the measured read cost: a few chunks follow a change of load."""
+CLEAN_LOW, CLEAN_LOW_LARGE_DISK = 0.75, 0.5
+"""The default low watermark: a quarter of the pool kept clean, half where the disk is at least
+``LARGE_DISK`` pools (``clean_low``)."""
+LARGE_DISK = 2
 PROBE_S = 10.0
 """While the plan cuts keys, one chunk is still read when nothing was for this long: the rate is
 only measured by reading, and a rate measured under a burst of load must be able to recover."""
@@ -87,19 +91,35 @@ class _Chunk:
     started: float
 
 
+def clean_low(disk_bytes: int, pool_bytes: int) -> float:
+    """The default low watermark: the pool's cold end kept clean is ``1 - low`` of it. Why half
+    where the disk is large: with saves on the writer's node one pool takes a whole long prompt
+    back (a promotion) or in (its save), up to ~40 % of it, and past the clean share evicts dirty
+    entries, lost for good. Why a quarter where it is not: the clean share's copies take disk room
+    that would hold other entries (half of the pool is a quarter of a disk twice its size).
+    Simulated at 10 nodes (``benchmarks/scale_evict.py``, random / sticky routers): half clean
+    gains 0.5 / 0.2 points of hits with a disk of 2 pools and 0.5 / 0.6 with 4, loses 1.6 with 1;
+    with 1.5 pools 0.625 loses 0.8 / gains 0.2, hence a step (docs/scaling.md, stop 62)."""
+    return CLEAN_LOW_LARGE_DISK if disk_bytes >= LARGE_DISK * pool_bytes else CLEAN_LOW
+
+
 class DiskTier:
     def __init__(self, index: BlockIndex, pool: torch.Tensor, store: DiskStore,
                  index_lock: AbstractContextManager, *, write_through: bool = False,
-                 high: float = 0.9, low: float = 0.75, batch_bytes: int = 64 << 20,
+                 high: float = 0.9, low: float | None = None, batch_bytes: int = 64 << 20,
                  wait_s: float = 0.5, recompute_bytes_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
-        shard's control calls. Watermarks are fractions of the pool's capacity. ``wait_s``: the
+        shard's control calls. Watermarks are fractions of the pool's capacity (``low``: by default
+        ``clean_low`` of the disk's and the pool's sizes). ``wait_s``: the
         longest one ``promote`` reads from disk (the shard's calls wait behind it).
         ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
         measured slower is not read (0: the asking engine's rate, given to ``promote_pinned``).
         ``clock``: the time of a promotion's ``wait_s`` deadline (a test's own passes it when the
         test's slow disk says its reads took that long, not when the host was slow)."""
+        capacity = self._capacity = index.stats().capacity_bytes
+        if low is None:
+            low = clean_low(store.snapshot().capacity_bytes, capacity)
         if not 0 <= low <= high <= 1:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high <= 1, got {low}, {high}")
         self._index = index
@@ -107,7 +127,6 @@ class DiskTier:
         self._store = store
         self._lock = index_lock
         self._disk_lock = threading.Lock()  # DiskStore is not thread-safe
-        capacity = self._capacity = index.stats().capacity_bytes
         self._high = 0 if write_through else int(high * capacity)
         self._low = 0 if write_through else int(low * capacity)
         # Entries of a batch stay pinned while it is written: a batch of at most 1/64 of the pool
