@@ -200,10 +200,14 @@ class UcmRayConfig:
     disk_write_policy: str = "back"
     """back: entries are written to disk ahead of their eviction from the pool; through: every
     committed entry is written too."""
-    disk_wait_s: float = 0.5
-    """Longest a lookup call spends promoting disk entries into the pool (the shard's other calls
-    wait behind it): keys not promoted by then are misses, recomputed. Below lookup_timeout_s,
-    or the engine would give up on the shard first."""
+    disk_wait_s: float = 2.0
+    """Longest a lookup call spends promoting disk entries into the pool: keys not promoted by then
+    are misses, recomputed. Promotions run on the shard's disk thread, one at a time, so its slot
+    asks, commits and published-index readers do not wait behind one (lookups by call where no
+    published index can be read do). 2 s: with saves on the writer's node one shard reads a
+    whole long prompt (a 16k-token 8B prompt is 2 GiB, ~0.4 s at 5 GB/s); 0.5 s cut 4-7 points of
+    hits at 10 nodes in simulation (docs/scaling.md, stop 62). Below lookup_timeout_s, or the
+    engine would give up on the shard first."""
     disk_recompute_bytes_s: float = 0.0
     """How fast the engines recompute what the disk would give back, in KV bytes per second
     (prefill tokens/s x KV bytes per token; an 8B model prefilling 10k tokens/s at 128 KiB a token:

@@ -1,6 +1,6 @@
 """``kill -9`` of a shard at injected points of its disk tier's I/O, then ``up`` again: the new
 shard adopts what its last manifest listed, every adopted entry is served byte for byte, the rest
-are misses, never wrong bytes (the crash point: ``ucm_ray.testing.disk_crash``)."""
+are misses, never wrong bytes (the crash point: ``ucm_ray.testing.disk_faults``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.support.store_helpers import ClientProcess, block, read_back
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.shard.fleet import fleet_status, start_fleet
 from ucm_ray.store.types import DIRECTORY_NAME
-from ucm_ray.testing.disk_crash import ENV
+from ucm_ray.testing.disk_faults import ENV
 
 ROUND = 24  # blocks a round writes: ~0.7 MiB of SIZES
 

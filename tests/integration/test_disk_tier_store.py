@@ -15,6 +15,7 @@ import torch
 from tests.support.store_helpers import SIZES, ClientProcess, block, key
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.shard.fleet import fleet_status
+from ucm_ray.testing.disk_faults import GATE_ENV
 
 
 def _wait_until_demoted(cfg, timeout_s: float = 30.0) -> None:
@@ -36,7 +37,7 @@ def test_a_store_holding_5x_its_pool_serves_evicted_keys_from_disk(fleet, tmp_pa
     keys = [key(i) for i in range(n)]
     for _ in range(3):
         # An engine's saves come a step at a time, each far smaller than the pool's clean cold end
-        # (1 - low watermark = 25% of it here): 5 blocks are ~8% of this pool.
+        # (1 - low watermark: half of it here, with a disk of 20 pools): 5 blocks are ~8% of it.
         for upto in range(step, n + 1, step):
             stored = ray.get(writer.write.remote(upto), timeout=60)  # rewrites what an earlier call dropped
             assert all(stored), [i for i, o in enumerate(stored) if not o]
@@ -106,3 +107,39 @@ def test_a_lookup_says_which_keys_its_shard_read_from_disk(fleet, tmp_path, loca
     assert again.promoted is None or not again.promoted.any()
     client.release(again.lease_ids).result()
     client.close()
+
+
+def test_a_promotion_mid_read_leaves_the_shards_saves_and_status_answering(fleet, tmp_path, monkeypatch):
+    """A long prompt's disk hit reads for up to ``disk_wait_s``; the shard's other callers (every
+    engine's slot asks and commits, status) must not wait behind it. The promotion is held in its
+    first read (``UCM_RAY_TEST_DISK_READ_GATE``) while another process saves and the driver asks
+    for the fleet's status; then it is let go and its reader gets every block, exact. Before the
+    disk thread, the save's slot ask waited behind the held read (it timed out here)."""
+    gate = str(tmp_path / "gate")
+    monkeypatch.setenv(GATE_ENV, gate)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = fleet(num_shards=1, transport="shm", pool_bytes=4 << 20, disk_dir=str(disk), disk_bytes=32 << 20,
+                disk_write_policy="through", disk_wait_s=20.0, lookup_timeout_s=30.0)
+    writer = ClientProcess.remote(cfg.to_dict())
+    assert all(ray.get(writer.write.remote(60, 0, "a"), timeout=60))
+    _wait_until_demoted(cfg)
+    for start in range(0, 200, 20):  # 7 MiB more through a 4 MiB pool: every "a" block now on disk only
+        assert all(ray.get(writer.write_keys.remote([key(i, "b") for i in range(start, start + 20)]), timeout=60))
+        _wait_until_demoted(cfg)
+    assert fleet_status(cfg)["shards"][0]["evictions"] > 60
+    reader = ClientProcess.remote(cfg.to_dict())
+    try:
+        read = reader.read.remote(60, 0, "a")
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "gate.waiting").exists():
+            assert time.monotonic() < deadline, "the reader's lookup never reached the shard's disk"
+            time.sleep(0.02)
+        saved = writer.write.remote(6, 0, "c")
+        assert all(ray.get(saved, timeout=10)), "a save waited behind the promotion"
+        assert fleet_status(cfg)["shards"][0]["disk_promoted"] == 0  # still held in its first read
+    finally:
+        open(gate, "w").close()
+    got = ray.get(read, timeout=60)
+    assert got["found"] == got["got"] == got["exact"] == 60, got
+    assert fleet_status(cfg)["shards"][0]["disk_promoted"] >= 60

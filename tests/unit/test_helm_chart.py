@@ -355,7 +355,7 @@ def test_the_disk_tier_mounts_a_volume_where_disk_dir_points():
                             set_strings=["diskTier.hostPath=/mnt/nvme0/ucm", "diskTier.writePolicy=through"]),
                      "RayService"))
     assert {k: v for k, v in tier_of(host).items() if k.startswith("disk_")} == {
-        "disk_dir": "/var/lib/ucm-ray/disk", "disk_bytes": 1 << 40, "disk_write_policy": "through", "disk_wait_s": 0.5,
+        "disk_dir": "/var/lib/ucm-ray/disk", "disk_bytes": 1 << 40, "disk_write_policy": "through", "disk_wait_s": 2.0,
         "disk_recompute_bytes_s": 1300000000}
     templates = pod_templates(host)
     assert disk_volume(templates["head"]) == {"name": "ucm-ray-disk", "mountPath": "/var/lib/ucm-ray/disk",

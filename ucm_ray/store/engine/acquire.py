@@ -58,7 +58,10 @@ class Acquire(Pending[ReadLease]):
             ix = idx[chosen == shard].tolist()
             keys = [self._keys[i] for i in ix]
             found = None if rec.key in self._pin else access.readers.locate(rec.key, keys)
-            if found is not None and found.on_disk.any():
+            # On the shard's disk thread (its other callers do not wait behind the reads) where
+            # some keys may be on its disk: the published index says so, or none was read.
+            promoting = access.disk_tier if found is None else bool(found.on_disk.any())
+            if found is not None and promoting:
                 # Some keys wait on the shard's disk: all of them go through its acquire, which
                 # pins the pool's hits before it promotes (and may evict) for the rest; unpinned
                 # hits of this very lookup would be the promotion's first victims.
@@ -73,8 +76,9 @@ class Acquire(Pending[ReadLease]):
                 keys = [keys[u] for u in unknown]
             # posted at once (the step waits for its answer), after what this client queued
             access.poster.drain(access.timeout_s)
-            self._calls.append((rec, ix, rec.handle.acquire.remote(rec.pool.incarnation, access.owner, keys,
-                                                                   self._recompute_bytes_s)))
+            call = rec.handle.promote_and_acquire if promoting else rec.handle.acquire
+            ref = call.remote(rec.pool.incarnation, access.owner, keys, self._recompute_bytes_s)
+            self._calls.append((rec, ix, ref))
             self._lease.calls += 1
         self._arrived = None
 

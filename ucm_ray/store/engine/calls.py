@@ -46,6 +46,10 @@ class ShardAccess:
     clock: Callable[[], float] = field(default=time.monotonic)
     """The time of the calls' deadlines (the host's; a test's own decides when one passes, a
     wait on the host still given at most what is left of it)."""
+    disk_tier: bool = False
+    """The fleet's shards keep disk tiers: a lookup that read no published index for a shard asks
+    on that shard's disk thread (``CacheShard.promote_and_acquire``), as the index would have
+    told it to for keys on disk."""
 
     def answer(self, record: ShardRecord, answer: ray.ObjectRef | Future[Any], deadline: float) -> Any:
         """The answer of a shard call (its ref, or the future of a posted one), or None (the

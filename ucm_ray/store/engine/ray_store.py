@@ -93,7 +93,7 @@ class RayBlockStore(BlockStore):
             self._apply(first)
         # last: its threads start now, and must not outlive a failed start
         self.access = ShardAccess(self.owner, config.lookup_timeout_s, self._suspects, self._readers,
-                                  TouchSender(), CallPoster())
+                                  TouchSender(), CallPoster(), disk_tier=bool(config.disk_roots))
         """What this client's calls go through (its ``Acquire`` and ``Fanout`` calls take it)."""
         self._hints = HintPoster(self.access, self._feed.directory, node_id, config.relay_hot_copies)
 

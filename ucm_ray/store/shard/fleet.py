@@ -31,7 +31,7 @@ from ucm_ray.store.shard.directory import SHARD_PREFIX, ShardDirectory
 from ucm_ray.store.shard.disk.store import purge as purge_disk
 from ucm_ray.store.shard.shard import CacheShard
 from ucm_ray.store.types import DIRECTORY_NAME
-from ucm_ray.testing.disk_crash import shard_env
+from ucm_ray.testing.disk_faults import shard_env
 from ucm_ray.transport.shm import pool_prefix, remove_stale_pools
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def _start(config: UcmRayConfig, placement: Sequence[tuple[str, Any, str | None]
     directory = ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
         name=DIRECTORY_NAME, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_restarts=-1).remote(ns, config.to_dict())  # stateless: a restart finds the shards again
-    hook = shard_env()  # a test's crash point (ucm_ray.testing.disk_crash); empty otherwise
+    hook = shard_env()  # a test's disk fault (ucm_ray.testing.disk_faults); empty otherwise
     extra: dict[str, Any] = {"runtime_env": {"env_vars": hook}} if hook else {}
     shards = [(name, CacheShard.options(  # type: ignore[attr-defined]
         name=name, namespace=ns, lifetime="detached", get_if_exists=True,

@@ -37,7 +37,7 @@ from ucm_ray.store.shard.index import BlockIndex, Key
 from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.shard.remote_reads import RemoteReads
 from ucm_ray.store.types import DIRECTORY_NAME, GrantCommit, Slot, WrongIncarnation, grant_items, random_id
-from ucm_ray.testing.disk_crash import ops_from_env
+from ucm_ray.testing.disk_faults import ops_from_env
 from ucm_ray.transport.base import PoolDescriptor
 from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
@@ -48,7 +48,7 @@ HINTS_MIN_KEYS = 1 << 16
 HINT_BLOCK_BYTES = 16 << 10
 
 
-@ray.remote(concurrency_groups={"watch": 1})
+@ray.remote(concurrency_groups={"watch": 1, "disk": 1})
 class CacheShard:
     def __init__(self, shard_id: str, config: dict[str, Any]) -> None:
         cfg = UcmRayConfig.from_dict(config)
@@ -110,6 +110,7 @@ class CacheShard:
         self._metrics = ShardMetrics(shard_id, self._node_id)
         self._node_ip = ray.util.get_node_ip_address()
         self._stopped = threading.Event()
+        self._promoting = threading.Lock()  # held by a ``promote_and_acquire``; shutdown waits for it
         self._demote_wake = threading.Event()
         threading.Thread(target=self._publish_metrics, name="ucm-ray-metrics", daemon=True).start()
         self._demoter: threading.Thread | None = None
@@ -158,18 +159,36 @@ class CacheShard:
         reading it is faster than the asker recomputes it (``recompute_bytes_s``, its measured
         prefill rate; 0.0: unknown): the engine's lookup is asynchronous, so the disk read delays
         this answer, never a step. Also says which keys (indices) were read from disk for it: the
-        engine counts its disk hits."""
+        engine counts its disk hits. A reader that knows some keys are on disk (the published
+        index lists them so) calls ``promote_and_acquire`` instead: the shard's other calls do
+        not wait behind that one's reads."""
         self._check(incarnation)
         if self._tier is None:
             with self._lock:
                 return (*self._index.acquire(owner, keys), [])
-        _, promoted, read = self._tier.promote_pinned(keys, recompute_bytes_s)
+        return self._promote_and_pin(self._tier, owner, keys, recompute_bytes_s)
+
+    @ray.method(concurrency_group="disk")
+    def promote_and_acquire(self, incarnation: int, owner: int, keys: Sequence[Key],
+                            recompute_bytes_s: float = 0.0) -> tuple[int, list[Slot | None], list[int]]:
+        """``acquire`` on the shard's disk thread: a long prompt's promotion reads for up to
+        ``disk_wait_s`` while the shard's lookups, slot asks and commits go on (they share the
+        index lock with it, held only to pick, pin or commit). One promotion at a time (the
+        disk's lock serialises them anyway); shutdown waits for it before closing the pool."""
+        with self._promoting:
+            if self._stopped.is_set():
+                raise WrongIncarnation(f"shard {self._id} is shutting down")
+            return self.acquire(incarnation, owner, keys, recompute_bytes_s)
+
+    def _promote_and_pin(self, tier: DiskTier, owner: int, keys: Sequence[Key],
+                         recompute_bytes_s: float) -> tuple[int, list[Slot | None], list[int]]:
+        _, promoted, read = tier.promote_pinned(keys, recompute_bytes_s)
         try:
             with self._lock:
                 lease_id, slots = self._index.acquire(owner, keys)
             return lease_id, slots, [i for i in read if slots[i] is not None]
         finally:
-            self._tier.unpin(promoted)
+            tier.unpin(promoted)
 
     def touch(self, incarnation: int, keys: Sequence[Key], asked: int) -> None:
         """A same-node reader looked ``asked`` keys up in the published index and found ``keys``:
@@ -359,6 +378,8 @@ class CacheShard:
 
     def shutdown(self) -> None:
         self._stopped.set()
+        with self._promoting:  # a promotion in flight lands first (its bytes go into the pool)
+            pass
         if self._demoter is not None:
             self._demote_wake.set()
             self._demoter.join(timeout=30)
