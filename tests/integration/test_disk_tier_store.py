@@ -15,7 +15,9 @@ import torch
 from tests.support.store_helpers import SIZES, ClientProcess, block, key
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.shard.fleet import fleet_status
+from ucm_ray.store.types import Location, Publishes
 from ucm_ray.testing.disk_faults import GATE_ENV
+from ucm_ray.transport.base import CopyOp, Ranges
 
 
 def _wait_until_demoted(cfg, timeout_s: float = 30.0) -> None:
@@ -143,3 +145,34 @@ def test_a_promotion_mid_read_leaves_the_shards_saves_and_status_answering(fleet
     got = ray.get(read, timeout=60)
     assert got["found"] == got["got"] == got["exact"] == 60, got
     assert fleet_status(cfg)["shards"][0]["disk_promoted"] >= 60
+
+
+def test_a_lookup_on_the_disk_thread_finds_what_its_client_committed_just_before(fleet, tmp_path):
+    """As ``test_poster``'s lookup right after its own commit, with a disk tier: the lookup goes
+    to the shard's disk thread (``promote_and_acquire``, no published index read: pinned), the
+    commit to its default thread, here busy with a slow call this client queued first (under
+    load: other engines' calls). The lookup must still see the commit (it overtook it, a miss)."""
+    cfg = fleet(num_shards=1, transport="shm", disk_dir=str(tmp_path), disk_bytes=256 << 20)
+    client = StoreClient(cfg)
+    count, size = 8, 4096
+    data = torch.arange(count * size, dtype=torch.int64).to(torch.uint8)
+    client.register_local(data)
+    (pool,) = client.owners([key(0)])[0]
+    rec = client._records[pool]
+    grant = client.reserve(pool, size, count).result()
+    assert grant is not None and len(grant.offsets) == count
+    ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
+    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
+    slow = [key(i, "absent") for i in range(300_000)]  # a default-thread call of some 0.1 s
+    missed = 0
+    for i, offset in enumerate(grant.offsets):
+        busy = client.access.poster.post(rec.handle.contains, pool[1], slow)
+        committed = client.commit(Publishes.of([(key(i, "fresh"), Location(pool[0], pool[1], offset, size),
+                                                 grant.token)]))
+        lease = client.acquire([key(i, "fresh")], pin=[pool]).result()
+        missed += lease.locations[0] is None
+        client.release(lease.lease_ids).result()
+        assert committed.result() == [True]
+        busy.result(timeout=30).answer.result(timeout=30)
+    assert missed == 0, f"{missed} of {count} lookups overtook this client's own commit"
+    client.close()

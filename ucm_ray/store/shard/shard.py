@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayError
 
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.metrics import ShardMetrics
@@ -111,6 +112,8 @@ class CacheShard:
         self._node_ip = ray.util.get_node_ip_address()
         self._stopped = threading.Event()
         self._promoting = threading.Lock()  # held by a ``promote_and_acquire``; shutdown waits for it
+        self._me: Any = None  # this actor's own handle (``_after_calls_queued``)
+        self._lookup_timeout_s = cfg.lookup_timeout_s
         self._demote_wake = threading.Event()
         threading.Thread(target=self._publish_metrics, name="ucm-ray-metrics", daemon=True).start()
         self._demoter: threading.Thread | None = None
@@ -175,10 +178,28 @@ class CacheShard:
         ``disk_wait_s`` while the shard's lookups, slot asks and commits go on (they share the
         index lock with it, held only to pick, pin or commit). One promotion at a time (the
         disk's lock serialises them anyway); shutdown waits for it before closing the pool."""
+        self._after_calls_queued()  # not under ``_promoting``: shutdown, a default call, waits for it
         with self._promoting:
             if self._stopped.is_set():
                 raise WrongIncarnation(f"shard {self._id} is shutting down")
             return self.acquire(incarnation, owner, keys, recompute_bytes_s)
+
+    def _after_calls_queued(self) -> None:
+        """Returns once the default group ran every call Ray gave it before this one: Ray keeps a
+        caller's calls in order within a group, not across groups, and a lookup on the disk
+        thread overtook its own client's commit, queued just before it behind other callers'
+        calls (a miss; ``CallPoster.drain``). A no-op call of the default group, queued behind
+        them; past ``lookup_timeout_s`` (the asker gave up) the lookup goes on anyway."""
+        if self._me is None:
+            self._me = ray.get_runtime_context().current_actor
+        try:
+            ray.get(self._me.calls_queued_done.remote(), timeout=self._lookup_timeout_s)
+        except RayError as e:
+            log.warning("shard %s: a lookup did not wait for the calls queued before it: %s", self._id,
+                        type(e).__name__)
+
+    def calls_queued_done(self) -> None:
+        """A no-op of the default group (``_after_calls_queued``)."""
 
     def _promote_and_pin(self, tier: DiskTier, owner: int, keys: Sequence[Key],
                          recompute_bytes_s: float) -> tuple[int, list[Slot | None], list[int]]:
