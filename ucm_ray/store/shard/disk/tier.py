@@ -112,7 +112,7 @@ class DiskTier:
         """``pool``: the pool's bytes (uint8); ``index_lock`` serialises ``index`` with the
         shard's control calls. Watermarks are fractions of the pool's capacity (``low``: by default
         ``clean_low`` of the disk's and the pool's sizes). ``wait_s``: the
-        longest one ``promote`` reads from disk (the shard's calls wait behind it).
+        longest one ``promote`` reads from disk (on the shard's disk thread: its other calls go on).
         ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
         measured slower is not read (0: the asking engine's rate, given to ``promote_pinned``).
         ``clock``: the time of a promotion's ``wait_s`` deadline (a test's own passes it when the
