@@ -12,12 +12,11 @@ import pytest
 import ray
 import torch
 
-from tests.support.store_helpers import SIZES, ClientProcess, block, key
+from tests.support.store_helpers import SIZES, ClientProcess, block, key, written_slots
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.shard.fleet import fleet_status
 from ucm_ray.store.types import Location, Publishes
 from ucm_ray.testing.disk_faults import GATE_ENV
-from ucm_ray.transport.base import CopyOp, Ranges
 
 
 def _wait_until_demoted(cfg, timeout_s: float = 30.0) -> None:
@@ -155,14 +154,8 @@ def test_a_lookup_on_the_disk_thread_finds_what_its_client_committed_just_before
     cfg = fleet(num_shards=1, transport="shm", disk_dir=str(tmp_path), disk_bytes=256 << 20)
     client = StoreClient(cfg)
     count, size = 8, 4096
-    data = torch.arange(count * size, dtype=torch.int64).to(torch.uint8)
-    client.register_local(data)
-    (pool,) = client.owners([key(0)])[0]
+    pool, grant = written_slots(client, count, size)
     rec = client._records[pool]
-    grant = client.reserve(pool, size, count).result()
-    assert grant is not None and len(grant.offsets) == count
-    ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
-    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
     slow = [key(i, "absent") for i in range(300_000)]  # a default-thread call of some 0.1 s
     missed = 0
     for i, offset in enumerate(grant.offsets):

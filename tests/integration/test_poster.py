@@ -10,9 +10,8 @@ from dataclasses import replace
 
 import pytest
 import ray
-import torch
 
-from tests.support.store_helpers import block, key
+from tests.support.store_helpers import block, key, written_slots
 from ucm_ray.store.engine.calls import ShardAccess
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.engine.poster import CallPoster
@@ -173,13 +172,7 @@ def test_a_lookup_right_after_a_commit_of_the_same_client_finds_the_key(fleet):
     cfg = fleet(num_shards=1)
     client = StoreClient(cfg)
     count, size = 50, 4096
-    data = torch.arange(count * size, dtype=torch.int64).to(torch.uint8)
-    client.register_local(data)
-    (pool,) = client.owners([key(0)])[0]
-    grant = client.reserve(pool, size, count).result()
-    assert grant is not None and len(grant.offsets) == count
-    ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
-    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
+    pool, grant = written_slots(client, count, size)
     missed = 0
     for i, offset in enumerate(grant.offsets):
         committed = client.commit(Publishes.of([(key(i, "fresh"), Location(pool[0], pool[1], offset, size),

@@ -48,6 +48,21 @@ def read_back(client, n: int, tag: str = "k") -> tuple[list[bool], list[torch.Te
     return ok, views
 
 
+def written_slots(client, count: int, size: int):
+    """``count`` slots of ``size`` bytes reserved in the pool that owns ``key(0)`` and written (not
+    committed): (pool, grant), for a test that commits them one at a time."""
+    from ucm_ray.transport.base import CopyOp, Ranges
+
+    data = torch.arange(count * size, dtype=torch.int64).to(torch.uint8)
+    client.register_local(data)
+    (pool,) = client.owners([key(0)])[0]
+    grant = client.reserve(pool, size, count).result()
+    assert grant is not None and len(grant.offsets) == count
+    ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
+    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
+    return pool, grant
+
+
 def arena(n: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One registered buffer holding blocks 0..n-1 back to back, plus views of each."""
     sizes = [SIZES[i % len(SIZES)] for i in range(n)]
