@@ -12,10 +12,9 @@ import pytest
 import ray
 import torch
 
-from tests.support.store_helpers import SIZES, ClientProcess, block, key, written_slots
+from tests.support.store_helpers import SIZES, ClientProcess, block, key, lookups_missing_own_commits, written_slots
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.shard.fleet import fleet_status
-from ucm_ray.store.types import Location, Publishes
 from ucm_ray.testing.disk_faults import GATE_ENV
 
 
@@ -157,15 +156,7 @@ def test_a_lookup_on_the_disk_thread_finds_what_its_client_committed_just_before
     pool, grant = written_slots(client, count, size)
     rec = client._records[pool]
     slow = [key(i, "absent") for i in range(300_000)]  # a default-thread call of some 0.1 s
-    missed = 0
-    for i, offset in enumerate(grant.offsets):
-        busy = client.access.poster.post(rec.handle.contains, pool[1], slow)
-        committed = client.commit(Publishes.of([(key(i, "fresh"), Location(pool[0], pool[1], offset, size),
-                                                 grant.token)]))
-        lease = client.acquire([key(i, "fresh")], pin=[pool]).result()
-        missed += lease.locations[0] is None
-        client.release(lease.lease_ids).result()
-        assert committed.result() == [True]
-        busy.result(timeout=30).answer.result(timeout=30)
+    missed = lookups_missing_own_commits(client, pool, grant, size,
+                                         before=lambda: client.access.poster.post(rec.handle.contains, pool[1], slow))
     assert missed == 0, f"{missed} of {count} lookups overtook this client's own commit"
     client.close()

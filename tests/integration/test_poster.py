@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from tests.support.store_helpers import block, key, written_slots
+from tests.support.store_helpers import block, key, lookups_missing_own_commits, written_slots
 from ucm_ray.store.engine.calls import ShardAccess
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.engine.poster import CallPoster
@@ -173,13 +173,6 @@ def test_a_lookup_right_after_a_commit_of_the_same_client_finds_the_key(fleet):
     client = StoreClient(cfg)
     count, size = 50, 4096
     pool, grant = written_slots(client, count, size)
-    missed = 0
-    for i, offset in enumerate(grant.offsets):
-        committed = client.commit(Publishes.of([(key(i, "fresh"), Location(pool[0], pool[1], offset, size),
-                                                 grant.token)]))
-        lease = client.acquire([key(i, "fresh")], pin=[pool]).result()
-        missed += lease.locations[0] is None
-        client.release(lease.lease_ids).result()
-        assert committed.result() == [True]
+    missed = lookups_missing_own_commits(client, pool, grant, size)
     assert missed == 0, f"{missed} of {count} lookups overtook this client's own commit"
     client.close()

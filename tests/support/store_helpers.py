@@ -63,6 +63,26 @@ def written_slots(client, count: int, size: int):
     return pool, grant
 
 
+def lookups_missing_own_commits(client, pool, grant, size: int, before=None) -> int:
+    """Commit each of ``written_slots``' slots as ``key(i, "fresh")`` and look it up (pinned) right
+    after, as a prompt's saves then its next lookup: how many lookups missed their own commit.
+    ``before()``: called ahead of each commit (a call it queues first), its result waited for after."""
+    from ucm_ray.store.types import Location, Publishes
+
+    missed = 0
+    for i, offset in enumerate(grant.offsets):
+        queued = before() if before is not None else None
+        committed = client.commit(Publishes.of([(key(i, "fresh"), Location(pool[0], pool[1], offset, size),
+                                                 grant.token)]))
+        lease = client.acquire([key(i, "fresh")], pin=[pool]).result()
+        missed += lease.locations[0] is None
+        client.release(lease.lease_ids).result()
+        assert committed.result() == [True]
+        if queued is not None:
+            queued.result(timeout=30).answer.result(timeout=30)
+    return missed
+
+
 def arena(n: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One registered buffer holding blocks 0..n-1 back to back, plus views of each."""
     sizes = [SIZES[i % len(SIZES)] for i in range(n)]
