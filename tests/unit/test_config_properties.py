@@ -113,6 +113,8 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
     keep = draw(st.sets(st.sampled_from(sorted(meant))))  # any subset of keys may be left out
     keep |= {"lease_s", "reserve_timeout_s", "transfer_timeout_s", "num_shards", "replication",
              "disk_dir", "disk_bytes"}  # a disk tier needs both
+    if disk_roots and "lookup_timeout_s" in keep:
+        keep.add("disk_wait_s")  # the default (2 s) may not be below a drawn lookup timeout (>= 1 s)
     return {k: written[k] for k in keep}, {k: meant[k] for k in keep}
 
 
