@@ -162,14 +162,21 @@ class CacheShard:
         reading it is faster than the asker recomputes it (``recompute_bytes_s``, its measured
         prefill rate; 0.0: unknown): the engine's lookup is asynchronous, so the disk read delays
         this answer, never a step. Also says which keys (indices) were read from disk for it: the
-        engine counts its disk hits. A reader that knows some keys are on disk (the published
-        index lists them so) calls ``promote_and_acquire`` instead: the shard's other calls do
-        not wait behind that one's reads."""
+        engine counts its disk hits. A reader whose keys may be on disk (the published index
+        lists some so, or it read none and the fleet has a disk tier) calls
+        ``promote_and_acquire`` instead: the shard's other calls do not wait behind its reads."""
         self._check(incarnation)
-        if self._tier is None:
+        tier = self._tier
+        if tier is None:
             with self._lock:
                 return (*self._index.acquire(owner, keys), [])
-        return self._promote_and_pin(self._tier, owner, keys, recompute_bytes_s)
+        _, promoted, read = tier.promote_pinned(keys, recompute_bytes_s)
+        try:
+            with self._lock:
+                lease_id, slots = self._index.acquire(owner, keys)
+            return lease_id, slots, [i for i in read if slots[i] is not None]
+        finally:
+            tier.unpin(promoted)
 
     @ray.method(concurrency_group="disk")
     def promote_and_acquire(self, incarnation: int, owner: int, keys: Sequence[Key],
@@ -200,16 +207,6 @@ class CacheShard:
 
     def calls_queued_done(self) -> None:
         """A no-op of the default group (``_after_calls_queued``)."""
-
-    def _promote_and_pin(self, tier: DiskTier, owner: int, keys: Sequence[Key],
-                         recompute_bytes_s: float) -> tuple[int, list[Slot | None], list[int]]:
-        _, promoted, read = tier.promote_pinned(keys, recompute_bytes_s)
-        try:
-            with self._lock:
-                lease_id, slots = self._index.acquire(owner, keys)
-            return lease_id, slots, [i for i in read if slots[i] is not None]
-        finally:
-            tier.unpin(promoted)
 
     def touch(self, incarnation: int, keys: Sequence[Key], asked: int) -> None:
         """A same-node reader looked ``asked`` keys up in the published index and found ``keys``:
