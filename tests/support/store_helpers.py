@@ -12,7 +12,8 @@ import ray
 import torch
 
 from ucm_ray.store.shard.fleet import shard_name, start_fleet
-from ucm_ray.store.types import DIRECTORY_NAME, Publishes, Removal
+from ucm_ray.store.types import DIRECTORY_NAME, Location, Publishes, Removal
+from ucm_ray.transport.base import CopyOp, Ranges
 
 SIZES = (4096, 12288, 65536, 1000, 131072, 777)
 
@@ -51,8 +52,6 @@ def read_back(client, n: int, tag: str = "k") -> tuple[list[bool], list[torch.Te
 def written_slots(client, count: int, size: int):
     """``count`` slots of ``size`` bytes reserved in the pool that owns ``key(0)`` and written (not
     committed): (pool, grant), for a test that commits them one at a time."""
-    from ucm_ray.transport.base import CopyOp, Ranges
-
     data = torch.arange(count * size, dtype=torch.int64).to(torch.uint8)
     client.register_local(data)
     (pool,) = client.owners([key(0)])[0]
@@ -67,8 +66,6 @@ def lookups_missing_own_commits(client, pool, grant, size: int, before=None) -> 
     """Commit each of ``written_slots``' slots as ``key(i, "fresh")`` and look it up (pinned) right
     after, as a prompt's saves then its next lookup: how many lookups missed their own commit.
     ``before()``: called ahead of each commit (a call it queues first), its result waited for after."""
-    from ucm_ray.store.types import Location, Publishes
-
     missed = 0
     for i, offset in enumerate(grant.offsets):
         queued = before() if before is not None else None
