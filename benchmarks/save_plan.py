@@ -119,7 +119,7 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
                 ends = ranges.ends()
             else:
                 ranges = caches.ranges(Batch(every, entries), by_entry=not load or at_once)[("shard-0", 1)]
-                ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], parts)).tolist()
+                ends = _part_ends(caches, entries[("shard-0", 1)], parts, ranges)
             planned = time.perf_counter()
             if transport is None:
                 ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
@@ -149,6 +149,18 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
     return {"ranges_ms": 1e3 * statistics.median(ranges_s), "prepare_ms": 1e3 * statistics.median(plan_s),
             "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges), "worker_ms": worker_ms,
             "start_ms": start_ms, "start_posts": _start_posts(len(parts)), **calls}
+
+
+def _part_ends(caches, by_group, parts, ranges) -> list[int]:
+    """Where each part's ranges end, as the checkout's worker finds them (``copies.part_ends``;
+    before it, its layers' segments counted for every step)."""
+    import numpy as np
+
+    from ucm_ray.vllm.worker import copies
+
+    if hasattr(copies, "part_ends"):
+        return copies.part_ends(caches, by_group, parts, ranges)
+    return np.cumsum(caches.segment_counts(by_group, parts)).tolist()
 
 
 def _layers_ahead() -> int | None:
