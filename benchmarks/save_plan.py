@@ -5,7 +5,9 @@ A batch decode step that posts a save spent 3.7-4.7 ms in ``Copier.post_by_pool`
 ``GatherPlan``. This times the same planning with CPU tensors (the plan's numpy and index work,
 not the copies): a ~1B Llama's KV caches (16 layers, K and V, 16-token blocks of 8 heads x 64,
 bf16: 16 KiB segments), ``--requests`` x ``--blocks`` entries saved in adjacent pool slots, as
-``post_by_pool`` plans a save (every layer as one part, ranges entry by entry).
+``post_by_pool`` plans a save (every layer as one part, ranges entry by entry). A decode step's
+save job is ``--requests 8 --blocks 1`` (a block for each request that filled one: 512 ranges
+of the 8B's, one stretch of the pool).
 
 ``--device cuda`` times what the worker does on a GPU instead: the KV caches on the device, a
 ``/dev/shm`` pool opened by the shm transport (page-locked and mapped once, untimed), and the
