@@ -5,14 +5,18 @@ A batch decode step that posts a save spent 3.7-4.7 ms in ``Copier.post_by_pool`
 ``GatherPlan``. This times the same planning with CPU tensors (the plan's numpy and index work,
 not the copies): a ~1B Llama's KV caches (16 layers, K and V, 16-token blocks of 8 heads x 64,
 bf16: 16 KiB segments), ``--requests`` x ``--blocks`` entries saved in adjacent pool slots, as
-``post_by_pool`` plans a save (every layer as one part, ranges entry by entry).
+``post_by_pool`` plans a save (every layer as one part, ranges entry by entry). A decode step's
+save job is ``--requests 8 --blocks 1`` (a block for each request that filled one: 512 ranges
+of the 8B's, one stretch of the pool).
 
 ``--device cuda`` times what the worker does on a GPU instead: the KV caches on the device, a
 ``/dev/shm`` pool opened by the shm transport (page-locked and mapped once, untimed), and the
 host time of its ``prepare`` (the gather plan on the mapped pool, its indices uploaded) and of
 posting the one part (``post_ms``: the staging gather and the DMA copies queued); the device's
 work is waited for outside the timing. ``--shape 8b``: Llama-3.1-8B's KV (32 layers, 8 heads of
-128: 32 KiB segments) instead of the ~1B's.
+128: 32 KiB segments) instead of the ~1B's. ``gather_ms``: the gather plan alone (on CUDA built
+again, as ``prepare`` builds it, outside its timing): ``prepare_ms`` less it is the range check
+and, on CUDA, the streams' calls.
 
 ``--load``: a load posted layer by layer instead (``start_load_kv``'s stream-ordered path): a
 part per layer, as one layer's ranges repeated where the checkout has ``repeated_ranges``
@@ -83,7 +87,6 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
     import numpy as np
     import torch
 
-    from ucm_ray.transport.gather import GatherPlan
     from ucm_ray.vllm.layout import base_buffers, build_layouts
     from ucm_ray.vllm.worker.plan import Batch, Entries, KvCaches
 
@@ -109,7 +112,7 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
         (not at_once or _repeated_at_once(caches, layers, entries))
     moves = len(layers) if repeats else len(parts)  # the plan's parts (a repeated load at once: a layer each)
     transport, pool = _pool((count + 8) * entry, device)
-    ranges_s, plan_s, post_s = [], [], []
+    ranges_s, plan_s, post_s, gather_s = [], [], [], []
     plans = []
     try:
         for _ in range(repeat):
@@ -119,14 +122,15 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
                 ends = ranges.ends()
             else:
                 ranges = caches.ranges(Batch(every, entries), by_entry=not load or at_once)[("shard-0", 1)]
-                ends = np.cumsum(caches.segment_counts(entries[("shard-0", 1)], parts)).tolist()
+                ends = _part_ends(caches, entries[("shard-0", 1)], parts, ranges)
             planned = time.perf_counter()
             if transport is None:
                 ranges.check(pool.numel(), "the pool")  # as the shm transport's prepare does first
-                plan = GatherPlan.build_repeated(pool, ranges, host_pool=pool) if repeats else \
-                    GatherPlan.build(pool, ranges, ends, host_pool=pool)
-                assert plan is not None and (load or plan.staged(0)), "not planned as on a GPU: staged DMA"
+                checked = time.perf_counter()
+                plan = _gather_plan(pool, pool, ranges, ends, repeats)
+                assert load or plan.staged(0), "not planned as on a GPU: staged DMA"
                 done = posted = time.perf_counter()
+                gather_s.append(done - checked)
                 plans.append(plan)
             else:
                 copies = transport.prepare_repeated(ranges, to_pool=False) if repeats else \
@@ -136,6 +140,7 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
                 posted = time.perf_counter()
                 torch.cuda.synchronize()
                 plans.append(copies)
+                gather_s.append(_gather_on_cuda(transport, ranges, ends, repeats, to_pool=not load))
             ranges_s.append(planned - started)
             plan_s.append(done - planned)
             post_s.append(posted - done)
@@ -147,8 +152,48 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
         if transport is not None:
             transport.close()
     return {"ranges_ms": 1e3 * statistics.median(ranges_s), "prepare_ms": 1e3 * statistics.median(plan_s),
+            "gather_ms": 1e3 * statistics.median(gather_s),
             "post_ms": 1e3 * statistics.median(post_s), "ranges": len(ranges), "worker_ms": worker_ms,
             "start_ms": start_ms, "start_posts": _start_posts(len(parts)), **calls}
+
+
+def _gather_plan(pool, host_pool, ranges, ends, repeats: bool):
+    """The gather plan of these ranges, as the shm transport's ``prepare`` builds it."""
+    from ucm_ray.transport.gather import GatherPlan
+
+    plan = GatherPlan.build_repeated(pool, ranges, host_pool=host_pool) if repeats else \
+        GatherPlan.build(pool, ranges, ends, host_pool=host_pool)
+    assert plan is not None, "no gather plan for these ranges"
+    return plan
+
+
+def _gather_on_cuda(transport, ranges, ends, repeats: bool, *, to_pool: bool) -> float:
+    """Seconds of the gather plan alone (``gather_ms``: ``prepare``'s share that is the plan, its
+    index upload included), built on the pool's stream for that direction as ``prepare`` builds
+    it, outside the timed ``prepare``; 0.0 where the pool has no mapped view (no plan)."""
+    import torch
+
+    if transport._uva is None:
+        return 0.0
+    with torch.cuda.stream(transport._streams[to_pool]):
+        started = time.perf_counter()
+        plan = _gather_plan(transport._uva, transport.pool_tensor, ranges, ends, repeats)
+        seconds = time.perf_counter() - started
+    torch.cuda.synchronize()  # its index upload landed before the plan goes
+    del plan
+    return seconds
+
+
+def _part_ends(caches, by_group, parts, ranges) -> list[int]:
+    """Where each part's ranges end, as the checkout's worker finds them (``copies.part_ends``;
+    before it, its layers' segments counted for every step)."""
+    import numpy as np
+
+    from ucm_ray.vllm.worker import copies
+
+    if hasattr(copies, "part_ends"):
+        return copies.part_ends(caches, by_group, parts, ranges)
+    return np.cumsum(caches.segment_counts(by_group, parts)).tolist()
 
 
 def _layers_ahead() -> int | None:
@@ -352,7 +397,7 @@ def main() -> None:
     figures: dict[str, float] = {}
     for name, runs in got.items():
         prefix = "save_plan" if name == "this" else "save_plan_baseline"
-        for key in ("ranges_ms", "prepare_ms", "post_ms", "worker_ms", "start_ms"):
+        for key in ("ranges_ms", "prepare_ms", "gather_ms", "post_ms", "worker_ms", "start_ms"):
             figures[f"{prefix}_{key}"] = statistics.median(r[key] for r in runs)
         figures[f"{prefix}_start_posts"] = runs[0]["start_posts"]
         figures[f"{prefix}_ms"] = sum(figures[f"{prefix}_{key}"] for key in ("ranges_ms", "prepare_ms", "post_ms"))
@@ -360,7 +405,7 @@ def main() -> None:
             figures[f"{prefix}_{kind}_calls_per_post"] = runs[0][f"{kind}_calls_per_post"]
     figures["save_plan_ranges"] = got["this"][0]["ranges"]
     if args.baseline:
-        for key in ("ms", "ranges_ms", "prepare_ms") + (("post_ms", "worker_ms", "start_ms")
+        for key in ("ms", "ranges_ms", "prepare_ms", "gather_ms") + (("post_ms", "worker_ms", "start_ms")
                                                         if args.device != "cpu" else ()):
             name = "save_plan_vs_baseline" if key == "ms" else f"{key.removesuffix('_ms')}_vs_baseline"
             figures[name] = figures[f"save_plan_{key}"] / max(figures[f"save_plan_baseline_{key}"], 1e-9)

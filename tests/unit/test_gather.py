@@ -265,6 +265,78 @@ def test_the_one_strip_shortcut_agrees_with_the_general_rule(monkeypatch):
     assert sum(got == [0] for got in fast) > 50  # the shortcut was taken often
 
 
+def _plan_shape(plan: GatherPlan) -> list[tuple]:
+    """What a plan moves, step by step: its kind, span, local rows, pool rows or staging rows and
+    copies (staging addresses from the staging's start), and the pool view it keeps."""
+    out: list[tuple] = [(plan.indexed_rows, plan._pool is None)]
+    for part in plan._parts:
+        for step in part:
+            if isinstance(step, gather._Staged):
+                base = step.staging.data_ptr()
+                out.append(("staged", step.span, step.local_rows.tolist(), tuple(step.staging.shape),
+                            [(at - base, *rest) for at, *rest in step.copies]))
+            else:
+                out.append(("kernels", step.span, step.local_rows.tolist(), step.pool_rows.tolist()))
+    return out
+
+
+def test_the_one_stretch_shortcut_plans_what_the_general_planning_does(monkeypatch):
+    """A part over one span whose ranges lie side by side in the pool, in pool order (a save of
+    entries in adjacent slots: a decode step's few blocks) is one staging batch and one copy,
+    planned without the general planning's ~40 numpy calls; wherever the shortcut answers, and
+    wherever it does not (gaps, another order, too few or too many rows for one batch, several
+    parts or spans), the plan is the general planning's, and it moves the same bytes."""
+    monkeypatch.setattr(gather, "DMA_COPY_BYTES", 3 * 4096)
+    rng = np.random.default_rng(5)
+    buffers = _layer_buffers(fill=True)
+    odd = _page_aligned(torch.randint(1, 256, (1 << 20,), dtype=torch.uint8))[64:]  # a span of its own
+    pool = _page_aligned(torch.zeros(1 << 20, dtype=torch.uint8))
+    cases = []
+    for _ in range(300):
+        count = int(rng.integers(1, 24))
+        sizes = 4096 * rng.integers(1, 3 if rng.random() < 0.5 else 2, count)
+        pool_at = int(rng.integers(0, 64)) * 4096 + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        if rng.random() < 0.2:  # a gap somewhere
+            pool_at[int(rng.integers(0, count)):] += 4096
+        if rng.random() < 0.2:  # not in pool order
+            order = rng.permutation(count)
+            sizes, pool_at = sizes[order], pool_at[order]
+        buffer = rng.integers(0, LAYERS, count)
+        local = 4096 * rng.integers(0, 16 * SEGMENT // 4096 - 2, count)
+        rows = list(zip(buffer.tolist(), local.tolist(), pool_at.tolist(), sizes.tolist()))
+        mixed = rng.random() < 0.1  # a range in a buffer of another span
+        if mixed:
+            rows[0] = (LAYERS, 0, rows[0][2], rows[0][3])
+        ends = [len(rows)] if rng.random() < 0.8 else [len(rows) // 2, len(rows)]
+        run_bytes = int(rng.choice([64 << 20, 8 * 4096]))
+        cases.append((_ranges((*buffers, odd) if mixed else buffers, rows), ends, run_bytes))
+
+    taken = []
+    shortcut = GatherPlan._stage_one_stretch
+    monkeypatch.setattr(GatherPlan, "_stage_one_stretch", lambda *args: taken.append(1) or shortcut(*args))
+
+    def planned() -> list[tuple[list[tuple], torch.Tensor]]:
+        out = []
+        for ranges, ends, run_bytes in cases:
+            plan = GatherPlan(pool, ranges, ends, 4096, run_bytes, host_pool=pool)
+            pool.zero_()
+            for part in range(len(ends)):
+                plan.move(part, to_pool=True)
+            out.append((_plan_shape(plan), pool.clone()))
+        return out
+
+    fast = planned()
+    monkeypatch.setattr(gather, "_one_stretch", lambda *_: False)
+    assert [shape for shape, _ in fast] == [shape for shape, _ in planned()]
+    assert 50 < len(taken) < len(cases) - 50  # the shortcut answered often, and declined often
+    for (_, moved), (ranges, _, _) in zip(fast, cases):
+        rows = list(zip(*(column.tolist() for column in (ranges.buffer_index, ranges.local_offsets,
+                                                           ranges.pool_offsets, ranges.sizes))))
+        if len(set(p for _, _, p, _ in rows)) == len(rows):  # no two ranges write one pool row
+            pool.copy_(moved)
+            _expect(pool, ranges.buffers, rows, to_pool=True)
+
+
 def test_strips_respect_the_pitch_limit_and_narrow_rows():
     starts, widths = np.asarray([0, 1 << 18, 2 << 18]), np.asarray([1, 1, 1])
     assert strip_starts(starts, widths, 4096).tolist() == [0]  # 1 GiB apart

@@ -205,12 +205,13 @@ class GatherPlan:
         limit = max(1, run_bytes // line)
         pool_at: np.ndarray = ranges.pool_offsets // line
         counts: np.ndarray = ranges.sizes // line
-        if repeats is None:
-            span_of: np.ndarray = self._spans.span_of[ranges.buffer_index]
-            local_at: np.ndarray = self._spans.first_row[ranges.buffer_index] + ranges.local_offsets // line
-        else:  # rows from a part's own first rows: no span of their own
-            span_of, local_at = np.zeros(len(ranges), dtype=np.int64), ranges.local_offsets // line
+        span_of, local_at = self._local_rows(ranges)
         span_count = len(self._spans.views) if repeats is None else 1
+        dma = host_pool is not None and self._dma_on(pool, ranges.device)
+        per_strip = max(1, DMA_COPY_BYTES // line)  # rows a copy must move on average
+        if dma and len(ends) == 1 and span_count == 1 and _one_stretch(pool_at, counts, per_strip, limit):
+            self._stage_one_stretch(pool, _rows(local_at, counts, bool((counts == 1).all())), int(pool_at[0]))
+            return
         # ranges are grouped per part, per span (None: one part over one span, as a save, a
         # load of every layer at once or a repeated part is: the pool rows alone order them)
         group: np.ndarray | None = None
@@ -251,16 +252,11 @@ class GatherPlan:
         stretch_first = np.flatnonzero(breaks)
         widths = np.diff(stretch_first, append=total)
         starts = pooled[stretch_first]
-        on_gpu = pool.is_cuda or ranges.device.type == "cuda"
-        dma = host_pool is not None and (not on_gpu or has_copy_rows())
-        self._copy_rows = copy_rows if on_gpu else _memmove_rows
-        self._stream = torch.cuda.current_stream(ranges.device).cuda_stream if ranges.device.type == "cuda" else 0
         first = strip_starts(starts, widths, line,
                              apart=None if begins_batch is None else begins_batch[stretch_first[1:]])
         heights = np.diff(first, append=len(starts))
         pitches = np.where(heights > 1, starts[np.minimum(first + 1, len(starts) - 1)] - starts[first], widths[first])
         strip_at = stretch_first[first]  # the row where each strip begins
-        per_strip = max(1, DMA_COPY_BYTES // line)  # rows a copy must move on average
         staged: list[bool]
         if len(ends) == 1:  # one part (a save, every layer at once, a repeated part): every row and strip
             staged = [dma and total >= per_strip * len(first)]
@@ -305,6 +301,37 @@ class GatherPlan:
             self._parts[part].append(_Staged(span, local_rows[batch], rows_in, [
                 (address + (row - at) * line, pool_row * line, pitch * line, rows * line, height)
                 for pool_row, row, rows, pitch, height in strip_rows[strip_bounds[batch]:strip_bounds[batch + 1]]]))
+
+    def _local_rows(self, ranges: Ranges) -> tuple[np.ndarray, np.ndarray]:
+        """(span, first local row) of each range: in its span's view, or, when the parts repeat
+        one part, from a part's own first rows (no span of their own)."""
+        if self._repeats is not None:
+            return np.zeros(len(ranges), dtype=np.int64), ranges.local_offsets // self._line
+        return (self._spans.span_of[ranges.buffer_index],
+                self._spans.first_row[ranges.buffer_index] + ranges.local_offsets // self._line)
+
+    def _dma_on(self, pool: torch.Tensor, device: torch.device) -> bool:
+        """Set how the plan's DMA copies go (on CUDA, on the current stream), and tell whether
+        they can here (given the pool as host memory)."""
+        on_gpu = pool.is_cuda or device.type == "cuda"
+        self._copy_rows = copy_rows if on_gpu else _memmove_rows
+        self._stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        return not on_gpu or has_copy_rows()
+
+    def _stage_one_stretch(self, pool: torch.Tensor, local: np.ndarray, pool_row: int) -> None:
+        """The plan of one part over one span whose pool rows are one stretch from ``pool_row``
+        on (``_one_stretch``: a save of entries in adjacent slots): one staging batch, one copy.
+        What the general planning makes of it, without its ~40 numpy calls: a decode step's
+        save (4-8 entries of 64 ranges) spent most of its plan's host time in their fixed costs."""
+        total = len(local)
+        index = torch.from_numpy(local)
+        if pool.is_cuda:
+            index = index.pin_memory().to(pool.device, non_blocking=True)
+        staging = self._spans.views[0].new_empty((total, self._line // WORD))
+        self._pool = None
+        self.indexed_rows = total
+        self._parts = [[_Staged(0, index, staging, [(staging.data_ptr(), pool_row * self._line,
+                                                      total * self._line, total * self._line, 1)])]]
 
     @classmethod
     def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], run_bytes: int = GATHER_BYTES,
@@ -385,6 +412,13 @@ def _memmove_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int
     """``copy_rows`` between CPU addresses (a plan over CPU tensors: tests, benchmarks)."""
     for row in range(height):
         ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+
+
+def _one_stretch(pool_row: np.ndarray, counts: np.ndarray, least: int, most: int) -> bool:
+    """Whether ranges at ``pool_row`` of ``counts`` rows each lie side by side in pool order, as
+    one stretch of ``least`` to ``most`` rows (one staging batch, worth its DMA copy)."""
+    total = int(pool_row[-1] - pool_row[0] + counts[-1]) if len(pool_row) else 0
+    return least <= total <= most and bool((pool_row[1:] == pool_row[:-1] + counts[:-1]).all())
 
 
 def _batch_starts(group_first: np.ndarray, total: int, limit: int) -> np.ndarray:
