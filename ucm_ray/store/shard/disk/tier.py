@@ -29,6 +29,10 @@ lookup, or the fleet's ``recompute_bytes_s`` where that is set) is not read, and
 after it; otherwise only the head of a lookup's disk keys that is predicted read within ``wait_s`` is
 reserved and read, so no clean entry is evicted for a read the bound would give up anyway. The
 keys cut are misses, recomputed (``promote_skipped``).
+
+``TierStats`` changes under a lock of its own (the demotion thread, the shard's disk thread and its
+default thread all count; ``+=`` from two threads loses updates), never held across I/O: a
+shard's ``stats`` call does not wait behind a demotion batch.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 import torch
@@ -145,7 +149,8 @@ class DiskTier:
         self._evictions_seen = index.stats().evictions
         """The pool's eviction count when demotion last found its cold end clean: more since
         means the pool is evicting (full in effect, whatever its used bytes say)."""
-        self.stats = TierStats()
+        self._stats = TierStats()
+        self._stats_lock = threading.Lock()
         with self._lock:  # what a restart adopted: same-node readers must ask for it
             self._index.list_on_disk([(k, store.size_of(k) or 0) for k in store.keys()])
 
@@ -179,8 +184,7 @@ class DiskTier:
                 self._index.mark_clean(done)
                 self._index.disk_dropped(gone)
                 self._index.release(self._owner, [lease])
-        self.stats.demoted += len(done)
-        self.stats.demoted_bytes += written
+        self._count(demoted=len(done), demoted_bytes=written)
         if not self._store.enabled:  # a write failed: the disk is off from now on
             self._after_turned_off()
         return written
@@ -251,6 +255,18 @@ class DiskTier:
         answer that races an eviction is a promotion that misses, as any stale lookup is)."""
         return self._store.contains(keys)
 
+    @property
+    def stats(self) -> TierStats:
+        """A copy of the tier's counters, taken under their lock."""
+        with self._stats_lock:
+            return replace(self._stats)
+
+    def _count(self, **added: int) -> None:
+        """Adds to the counters named (see the module's docstring: why a lock)."""
+        with self._stats_lock:
+            for name, n in added.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
     def disk_stats(self) -> DiskStats:
         """Without the disk lock: a shard's ``stats`` call must not wait behind a demotion
         batch's I/O (a copy of counters; one a write is changing is off by that write)."""
@@ -302,7 +318,7 @@ class DiskTier:
                 if len(reading.grants) < len(reading.sizes) - reading.sizes.count(None):
                     break  # the pool had no room even after eviction: later keys would evict these
             else:
-                self.stats.promote_late += len(todo) - started  # past the deadline: never started
+                self._count(promote_late=len(todo) - started)  # past the deadline: never started
             if reading is not None:
                 self._finish_chunk(reading, keys, lease, out)
         if not self._store.enabled:  # a read failed: the disk is off from now on
@@ -339,7 +355,7 @@ class DiskTier:
         if keep < len(todo) and time.monotonic() - self._probed_at > PROBE_S:
             keep = max(keep, min(len(todo), PROMOTE_CHUNK))
             self._probed_at = time.monotonic()
-        self.stats.promote_skipped += len(todo) - keep
+        self._count(promote_skipped=len(todo) - keep)
         return todo[:keep]
 
     def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
@@ -348,7 +364,7 @@ class DiskTier:
         of equal sizes, not per key: each index call costs a fresh id and a sweep of leases and
         grants, and at 64 KiB that was as much as the read (performance log)."""
         sizes = [self._store.size_of(keys[i]) for i in chunk]
-        self.stats.promote_misses += sizes.count(None)
+        self._count(promote_misses=sizes.count(None))
         grants: list[tuple[int, int, int, int]] = []  # (key's index, token, offset, size)
         present = [(i, size) for i, size in zip(chunk, sizes) if size is not None]
         with self._lock:
@@ -378,6 +394,7 @@ class DiskTier:
         by_token: dict[int, list[tuple[int, int, int, bool | None]]] = {}
         for (i, token, offset, size), ok in zip(chunk.grants, read):
             by_token.setdefault(token, []).append((i, offset, size, ok))
+        promoted = promoted_bytes = late = misses = 0
         with self._lock:
             self._index.disk_dropped(gone)
             for token, granted in by_token.items():
@@ -385,11 +402,12 @@ class DiskTier:
                 self._index.commit(self._owner, token, [(keys[i], offset, None) for i, offset, _ in read_ok],
                                    [offset for _, offset, _, ok in granted if not ok])
                 self._index.mark_clean([(keys[i], offset) for i, offset, _ in read_ok])
-                for i, _, size in read_ok:
+                for i, _, _ in read_ok:
                     # pinned under the call's lease (or found: a writer committed it meanwhile)
                     out[i] = self._index.extend_pin(self._owner, lease, keys[i])
-                    self.stats.promoted += 1
-                    self.stats.promoted_bytes += size
-                late = sum(ok is None for _, _, _, ok in granted)
-                self.stats.promote_late += late
-                self.stats.promote_misses += len(granted) - len(read_ok) - late
+                promoted += len(read_ok)
+                promoted_bytes += sum(size for _, _, size in read_ok)
+                unread = sum(ok is None for _, _, _, ok in granted)
+                late += unread
+                misses += len(granted) - len(read_ok) - unread
+        self._count(promoted=promoted, promoted_bytes=promoted_bytes, promote_late=late, promote_misses=misses)
