@@ -207,8 +207,11 @@ class UcmRayConfig:
     published index can be read do). 2 s: with saves on the writer's node one shard reads a
     whole long prompt (a 16k-token 8B prompt is 2 GiB, ~0.4 s at 5 GB/s); 0.5 s cut 4-7 points of
     hits at 10 nodes in simulation (docs/scaling.md, stop 62). Below lookup_timeout_s, or the
-    engine would give up on the shard first; promotions queued on one shard add up (a third long
-    one behind two others passes the default 5 s, and its asker then counts the shard failed)."""
+    engine would give up on the shard first. Promotions queued on one shard add up, so each also
+    reads only until its asker's lookup_timeout_s runs out, counted from when the engine sent it
+    (its wait in the queue included; the engine sends its deadline as a time of day, nodes' clocks
+    kept within milliseconds by NTP): one queued behind others gets fewer or no keys (misses),
+    answered in time, rather than answering after its asker gave up on the shard (stop 63)."""
     disk_recompute_bytes_s: float = 0.0
     """How fast the engines recompute what the disk would give back, in KV bytes per second
     (prefill tokens/s x KV bytes per token; an 8B model prefilling 10k tokens/s at 128 KiB a token:

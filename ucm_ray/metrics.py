@@ -58,7 +58,8 @@ COUNTERS = {
     "disk_promoted": "Entries read from the disk tier back into the pool (disk hits).",
     "disk_promoted_bytes": "Bytes of the entries promoted from the disk tier.",
     "disk_promote_misses": "Keys asked of the disk tier that it did not hold or whose bytes failed their check.",
-    "disk_promote_late": "Keys left on disk because a lookup had spent its disk_wait_s (recomputed).",
+    "disk_promote_late": "Keys left on disk because a lookup had spent its disk_wait_s or its asker's "
+                         "lookup timeout (recomputed).",
     "disk_promote_skipped": "Keys not read: their measured read cost was above the asking engine recomputing them "
                             "(its measured rate, or disk_recompute_bytes_s), or would not end within disk_wait_s "
                             "(recomputed).",

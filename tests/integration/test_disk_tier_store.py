@@ -14,6 +14,7 @@ import torch
 
 from tests.support.store_helpers import SIZES, ClientProcess, block, key, lookups_missing_own_commits, written_slots
 from ucm_ray.store.engine.client import StoreClient
+from ucm_ray.store.shard.disk.tier import PROMOTE_CHUNK
 from ucm_ray.store.shard.fleet import fleet_status
 from ucm_ray.testing.disk_faults import GATE_ENV
 
@@ -159,4 +160,53 @@ def test_a_lookup_on_the_disk_thread_finds_what_its_client_committed_just_before
     missed = lookups_missing_own_commits(client, pool, grant, size,
                                          before=lambda: client.access.poster.post(rec.handle.contains, pool[1], slow))
     assert missed == 0, f"{missed} of {count} lookups overtook this client's own commit"
+    client.close()
+
+
+def test_a_promotion_queued_past_its_askers_deadline_reads_nothing(fleet, tmp_path, monkeypatch):
+    """Three long prompts' lookups reach one shard's disk thread at once; the first is held in its
+    first read (``UCM_RAY_TEST_DISK_READ_GATE``) until every asker's lookup timed out (misses, the
+    shard suspect). Let go, the two queued behind it must read nothing: their askers stopped waiting,
+    and each read would be wasted (and evict pool entries for bytes nobody takes). Their budget
+    counts from when the engine sent them, not from when the disk thread took them up: before,
+    each got a fresh ``disk_wait_s`` there and read its whole prompt after its asker gave up.
+    Later readers still get every block they find exact: what was not promoted is a miss."""
+    gate = str(tmp_path / "gate")
+    monkeypatch.setenv(GATE_ENV, gate)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = fleet(num_shards=1, transport="shm", pool_bytes=4 << 20, disk_dir=str(disk), disk_bytes=32 << 20,
+                disk_write_policy="through", disk_wait_s=3.0, lookup_timeout_s=4.0)
+    writer = ClientProcess.remote(cfg.to_dict())
+    prompts = {tag: [key(i, tag) for i in range(40)] for tag in ("a", "b", "c")}
+    for tag in prompts:
+        assert all(ray.get(writer.write.remote(40, 0, tag), timeout=60))
+        _wait_until_demoted(cfg)
+    for start in range(0, 200, 20):  # 7 MiB more through a 4 MiB pool: the three prompts on disk only
+        assert all(ray.get(writer.write_keys.remote([key(i, "fill") for i in range(start, start + 20)]), timeout=60))
+        _wait_until_demoted(cfg)
+    client = StoreClient(cfg)
+    lookups = [client.acquire(keys) for keys in prompts.values()]  # posted at once, in this order
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "gate.waiting").exists():
+            assert time.monotonic() < deadline, "the first lookup never reached the shard's disk"
+            time.sleep(0.02)
+        for lookup in lookups:
+            while not lookup.poll():  # done only once its asker's deadline passed: the read is held
+                time.sleep(0.05)
+            assert not lookup.result().locations.found().any()  # timed out: misses
+    finally:
+        open(gate, "w").close()
+    rec = next(iter(client._records.values()))
+    ray.get(rec.handle.promote_and_acquire.remote(rec.pool.incarnation, client.owner, []), timeout=60)  # behind them
+    # the first promotion's reads that had started (its first chunk at most); none of the others'
+    promoted = {tag: int((~client.access.readers.locate(rec.key, keys).on_disk).sum()) for tag, keys in prompts.items()}
+    promotion = {k: v for k, v in fleet_status(cfg)["shards"][0].items() if k.startswith("disk_promote")}
+    assert sorted(promoted.values())[:2] == [0, 0], (promoted, promotion)
+    assert promotion["disk_promoted"] <= PROMOTE_CHUNK and promotion["disk_promote_late"] >= 2 * 40, promotion
+    reader = ClientProcess.remote(cfg.to_dict())
+    for tag in prompts:
+        got = ray.get(reader.read.remote(40, 0, tag), timeout=60)
+        assert got["got"] == got["exact"], got  # found or not, never wrong bytes
     client.close()

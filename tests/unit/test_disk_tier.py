@@ -472,3 +472,62 @@ def test_the_recompute_rule_weighs_a_reads_fixed_cost_not_a_small_lookups_bytes_
         s.tier.promote([key(i)])
     out = s.tier.promote([key(i) for i in range(14, 30)])
     assert out == [True] * 16, (out, s.tier.stats)
+
+
+def test_a_promotion_reads_only_within_what_is_left_of_its_askers_budget(tmp_path, index_file, monkeypatch):
+    """Reads of 100 ms (on the tier's frozen clock), a ``wait_s`` of 1 s. An asker with 250 ms
+    left gets the two keys whose reads end within them; the rest are cut by the plan (misses,
+    recomputed), not read past the asker's deadline. An asker with nothing left gets no read: its
+    disk keys are late."""
+    digest_keys(monkeypatch)
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", SLOT)  # a read per key
+    clock = AdvancingClock()
+    clock.freeze()
+    s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=1.0, clock=clock,
+                       store_args={"ops": ReadsOnClock(clock, 0.1)})
+    on_disk_only(s, 8)
+    assert s.tier.promote([key(0)]) == [True]  # measured: 100 ms a key
+    out, lease, read = s.tier.promote_pinned([key(i) for i in range(1, 8)], budget_s=0.25)
+    s.tier.unpin(lease)
+    assert out == [True, True] + [False] * 5 and read == [0, 1], out
+    assert s.tier.stats.promote_skipped == 5 and s.tier.stats.promote_late == 0
+    out, lease, read = s.tier.promote_pinned([key(i) for i in range(3, 8)], budget_s=0.0)
+    s.tier.unpin(lease)
+    assert out == [False] * 5 and not read and s.tier.stats.promote_late == 5
+    assert s.tier.stats.promoted == 3
+    assert all(torch.equal(s.read(i), payload(i)) for i in (1, 2))  # what this asker was given
+
+
+def pinned(s: Shard) -> bool:
+    with s.lock:
+        return s.index.stats().pins > 0
+
+
+def test_a_promotion_that_waited_for_the_disk_plans_within_what_is_left(tmp_path, index_file, monkeypatch):
+    """A promotion whose bound ran while it waited for the disk lock (a demotion batch's writes, or
+    another promotion on the shard's other thread) reads only what ends within what is left: 750 ms
+    of its 1 s waited, two 100 ms reads. It planned before taking the lock, for the whole second:
+    it read all seven, the last ones started at its bound and ended past it."""
+    digest_keys(monkeypatch)
+    monkeypatch.setattr(store_module, "COALESCE_BYTES", SLOT)
+    clock = AdvancingClock()
+    clock.freeze()
+    s = PublishedShard(str(tmp_path), 8, 16, index_file, write_through=True, wait_s=1.0, clock=clock,
+                       store_args={"ops": ReadsOnClock(clock, 0.1)})
+    on_disk_only(s, 8)  # 0..7 on disk only, 8..15 in the pool
+    assert s.tier.promote([key(0)]) == [True]  # measured: 100 ms a key
+    asked = [key(15)] + [key(i) for i in range(1, 8)]  # 15: in the pool, pinned first
+    answers: list = []
+    with s.tier._disk_lock:  # as a demotion batch holds it
+        worker = threading.Thread(target=lambda: answers.append(s.tier.promote_pinned(asked)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not pinned(s):  # key 15 pinned: the promotion's bound runs
+            assert time.monotonic() < deadline, "the promotion never pinned its pool hit"
+            time.sleep(0.01)
+        clock.advance(0.75)
+    worker.join(timeout=30)
+    out, lease, read = answers[0]
+    s.tier.unpin(lease)
+    assert out == [True, True, True] + [False] * 5 and read == [1, 2], out
+    assert s.tier.stats.promote_skipped == 5 and s.tier.stats.promote_late == 0

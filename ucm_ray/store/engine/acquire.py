@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from concurrent.futures import Future
 
@@ -77,7 +78,10 @@ class Acquire(Pending[ReadLease]):
             # posted at once (the step waits for its answer), after what this client queued
             access.poster.drain(access.timeout_s)
             call = rec.handle.promote_and_acquire if promoting else rec.handle.acquire
-            ref = call.remote(rec.pool.incarnation, access.owner, keys, self._recompute_bytes_s)
+            # when this lookup stops waiting, as a time of day: the shard reads from disk only until
+            # then, however long the call queued there (``CacheShard._until``)
+            answer_by = time.time() + max(0.0, self._deadline - access.clock())
+            ref = call.remote(rec.pool.incarnation, access.owner, keys, self._recompute_bytes_s, answer_by)
             self._calls.append((rec, ix, ref))
             self._lease.calls += 1
         self._arrived = None

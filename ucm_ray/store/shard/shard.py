@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 
 HINTS_MIN_KEYS = 1 << 16
 HINT_BLOCK_BYTES = 16 << 10
+READ_MARGIN_S = 0.1
+"""Kept back from an asker's deadline by a promotion's reads: the commit and pin after them, the
+answer's way back, and the clocks of two nodes (``answer_by``) a few milliseconds apart."""
 
 
 @ray.remote(concurrency_groups={"watch": 1, "disk": 1})
@@ -156,21 +160,47 @@ class CacheShard:
             found = [f or d for f, d in zip(found, self._tier.on_disk(keys))]
         return found
 
-    def acquire(self, incarnation: int, owner: int, keys: Sequence[Key],
-                recompute_bytes_s: float = 0.0) -> tuple[int, list[Slot | None], list[int]]:
+    def acquire(self, incarnation: int, owner: int, keys: Sequence[Key], recompute_bytes_s: float = 0.0,
+                answer_by: float = 0.0) -> tuple[int, list[Slot | None], list[int]]:
         """Pins what the pool holds, after promoting what only the disk holds (head first) where
         reading it is faster than the asker recomputes it (``recompute_bytes_s``, its measured
         prefill rate; 0.0: unknown): the engine's lookup is asynchronous, so the disk read delays
         this answer, never a step. Also says which keys (indices) were read from disk for it: the
         engine counts its disk hits. A reader whose keys may be on disk (the published index
         lists some so, or it read none and the fleet has a disk tier) calls
-        ``promote_and_acquire`` instead: the shard's other calls do not wait behind its reads."""
+        ``promote_and_acquire`` instead: the shard's other calls do not wait behind its reads.
+        ``answer_by``: when the asker stops waiting (``time.time()``; 0.0: never), see
+        ``_acquire``."""
+        return self._acquire(incarnation, owner, keys, recompute_bytes_s, self._until(answer_by))
+
+    def _until(self, answer_by: float) -> float | None:
+        """The asker's ``answer_by`` on this process's monotonic clock (None: none given). Why the
+        asker sends a time of day and not a number of seconds: a call waits in the actor's queue
+        (behind other promotions on the disk thread) before it runs, and only the sender saw it
+        leave; the wall clock is one clock for every process of a node, and across nodes two
+        clocks under NTP differ by milliseconds (``READ_MARGIN_S``). A clock far off only moves
+        the bound: never past ``disk_wait_s`` from when the promotion starts (as without one), and
+        one ahead of the asker's cuts promotions short (misses, recomputed), never wrong bytes."""
+        return time.monotonic() + (answer_by - time.time()) if answer_by else None
+
+    def _acquire(self, incarnation: int, owner: int, keys: Sequence[Key], recompute_bytes_s: float,
+                 until: float | None) -> tuple[int, list[Slot | None], list[int]]:
+        """``acquire``, for an asker that waits until ``until`` (monotonic; None: no bound but
+        ``disk_wait_s``): reads from disk end ``READ_MARGIN_S`` before it. Past it, the answer is
+        all misses at once, pinning nothing: the asker gave up on it (a late call, queued behind
+        others), and its pins would hold pool entries for ``lease_s`` for nobody."""
         self._check(incarnation)
+        left = None if until is None else until - time.monotonic()
         tier = self._tier
+        if left is not None and left <= 0:
+            if tier is not None:
+                tier.gave_up(keys)
+            return 0, [None] * len(keys), []
         if tier is None:
             with self._lock:
                 return (*self._index.acquire(owner, keys), [])
-        _, promoted, read = tier.promote_pinned(keys, recompute_bytes_s)
+        _, promoted, read = tier.promote_pinned(keys, recompute_bytes_s,
+                                                None if left is None else left - READ_MARGIN_S)
         try:
             with self._lock:
                 lease_id, slots = self._index.acquire(owner, keys)
@@ -179,28 +209,35 @@ class CacheShard:
             tier.unpin(promoted)
 
     @ray.method(concurrency_group="disk")
-    def promote_and_acquire(self, incarnation: int, owner: int, keys: Sequence[Key],
-                            recompute_bytes_s: float = 0.0) -> tuple[int, list[Slot | None], list[int]]:
+    def promote_and_acquire(self, incarnation: int, owner: int, keys: Sequence[Key], recompute_bytes_s: float = 0.0,
+                            answer_by: float = 0.0) -> tuple[int, list[Slot | None], list[int]]:
         """``acquire`` on the shard's disk thread: a long prompt's promotion reads for up to
         ``disk_wait_s`` while the shard's lookups, slot asks and commits go on (they share the
         index lock with it, held only to pick, pin or commit). One promotion at a time (the
-        disk's lock serialises them anyway); shutdown waits for it before closing the pool."""
-        self._after_calls_queued()  # not under ``_promoting``: shutdown, a default call, waits for it
+        disk's lock serialises them anyway); shutdown waits for it before closing the pool.
+        Promotions queue here one behind another: ``answer_by`` (the asker's deadline, as
+        ``acquire``'s) bounds each from when its engine sent it, its wait in the queue included."""
+        until = self._until(answer_by)
+        self._after_calls_queued(until)  # not under ``_promoting``: shutdown, a default call, waits for it
         with self._promoting:
             if self._stopped.is_set():
                 raise WrongIncarnation(f"shard {self._id} is shutting down")
-            return self.acquire(incarnation, owner, keys, recompute_bytes_s)
+            return self._acquire(incarnation, owner, keys, recompute_bytes_s, until)
 
-    def _after_calls_queued(self) -> None:
+    def _after_calls_queued(self, until: float | None) -> None:
         """Returns once the default group ran every call Ray gave it before this one: Ray keeps a
         caller's calls in order within a group, not across groups, and a lookup on the disk
         thread overtook its own client's commit, queued just before it behind other callers'
         calls (a miss; ``CallPoster.drain``). A no-op call of the default group, queued behind
-        them; past ``lookup_timeout_s`` (the asker gave up) the lookup goes on anyway."""
+        them; past ``lookup_timeout_s`` or the asker's ``until`` (it gave up) the lookup goes on
+        anyway (and answers misses at once past ``until``)."""
+        timeout = self._lookup_timeout_s if until is None else min(self._lookup_timeout_s, until - time.monotonic())
+        if timeout <= 0:
+            return
         if self._me is None:
             self._me = ray.get_runtime_context().current_actor
         try:
-            ray.get(self._me.calls_queued_done.remote(), timeout=self._lookup_timeout_s)
+            ray.get(self._me.calls_queued_done.remote(), timeout=timeout)
         except RayError as e:
             log.warning("shard %s: a lookup did not wait for the calls queued before it: %s", self._id,
                         type(e).__name__)

@@ -28,7 +28,13 @@ recompute it (the prefill's KV bytes per second: the engine's own measured rate,
 lookup, or the fleet's ``recompute_bytes_s`` where that is set) is not read, and nor is anything
 after it; otherwise only the head of a lookup's disk keys that is predicted read within ``wait_s`` is
 reserved and read, so no clean entry is evicted for a read the bound would give up anyway. The
-keys cut are misses, recomputed (``promote_skipped``).
+keys cut are misses, recomputed (``promote_skipped``). The bound is ``wait_s`` or what is left of
+the asker's own budget, whichever ends first (``promote_pinned``'s ``budget_s``): a promotion
+queued behind others must not read for an asker that stopped waiting.
+
+``TierStats`` changes under a lock of its own (the demotion thread, the shard's disk thread and its
+default thread all count; ``+=`` from two threads loses updates), never held across I/O: a
+shard's ``stats`` call does not wait behind a demotion batch.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 import torch
@@ -115,7 +121,8 @@ class DiskTier:
         longest one ``promote`` reads from disk (on the shard's disk thread: its other calls go on).
         ``recompute_bytes_s``: the KV bytes per second the engines' prefill recomputes; a disk
         measured slower is not read (0: the asking engine's rate, given to ``promote_pinned``).
-        ``clock``: the time of a promotion's ``wait_s`` deadline (a test's own passes it when the
+        ``clock``: the time of a promotion's ``wait_s`` deadline and of its reads' measured cost
+        (``read_cost``: what the plan weighs against the deadline; a test's own passes it when the
         test's slow disk says its reads took that long, not when the host was slow)."""
         capacity = self._capacity = index.stats().capacity_bytes
         if low is None:
@@ -145,7 +152,8 @@ class DiskTier:
         self._evictions_seen = index.stats().evictions
         """The pool's eviction count when demotion last found its cold end clean: more since
         means the pool is evicting (full in effect, whatever its used bytes say)."""
-        self.stats = TierStats()
+        self._stats = TierStats()
+        self._stats_lock = threading.Lock()
         with self._lock:  # what a restart adopted: same-node readers must ask for it
             self._index.list_on_disk([(k, store.size_of(k) or 0) for k in store.keys()])
 
@@ -179,8 +187,7 @@ class DiskTier:
                 self._index.mark_clean(done)
                 self._index.disk_dropped(gone)
                 self._index.release(self._owner, [lease])
-        self.stats.demoted += len(done)
-        self.stats.demoted_bytes += written
+        self._count(demoted=len(done), demoted_bytes=written)
         if not self._store.enabled:  # a write failed: the disk is off from now on
             self._after_turned_off()
         return written
@@ -251,6 +258,23 @@ class DiskTier:
         answer that races an eviction is a promotion that misses, as any stale lookup is)."""
         return self._store.contains(keys)
 
+    @property
+    def stats(self) -> TierStats:
+        """A copy of the tier's counters, taken under their lock."""
+        with self._stats_lock:
+            return replace(self._stats)
+
+    def _count(self, **added: int) -> None:
+        """Adds to the counters named (see the module's docstring: why a lock)."""
+        with self._stats_lock:
+            for name, n in added.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def gave_up(self, keys: Sequence[Key]) -> None:
+        """Keys not promoted because their asker had no time left: those on disk count as late
+        (dict probes, no disk lock: the answer waits behind no batch)."""
+        self._count(promote_late=sum(self._store.contains(keys)))
+
     def disk_stats(self) -> DiskStats:
         """Without the disk lock: a shard's ``stats`` call must not wait behind a demotion
         batch's I/O (a copy of counters; one a write is changing is off by that write)."""
@@ -273,8 +297,8 @@ class DiskTier:
         with self._lock:
             self._index.release(self._owner, [lease])
 
-    def promote_pinned(self, keys: Sequence[Key],
-                       recompute_bytes_s: float = 0.0) -> tuple[list[bool], int, list[int]]:
+    def promote_pinned(self, keys: Sequence[Key], recompute_bytes_s: float = 0.0,
+                       budget_s: float | None = None) -> tuple[list[bool], int, list[int]]:
         """``promote``, with every key of ``keys`` in the pool pinned under one lease (release it
         with ``unpin`` once the reader pinned them), and the indices of the keys it read from disk
         (checked and committed): promoting a later key of a prompt must not
@@ -283,15 +307,25 @@ class DiskTier:
         (the disk lock is held throughout: demotion waits, at most ``wait_s`` and a read); no read
         starts once ``wait_s`` has passed: the keys left are misses (recomputed), so no shard call
         waits on the disk longer than that and a read. ``recompute_bytes_s``: the asking engine's
-        prefill rate (0.0: unknown, read), used unless the tier was given one."""
-        deadline = self._clock() + self._wait_s
+        prefill rate (0.0: unknown, read), used unless the tier was given one. ``budget_s``: what is
+        left of the asker's wait (None: no bound but ``wait_s``); ``wait_s`` and it count from
+        this call, and the plan reads within what is left once the disk lock is taken (a demotion
+        batch or another promotion may hold it); none left: nothing is read (``gave_up``). Nothing
+        to read: no disk lock."""
+        deadline = self._clock() + (self._wait_s if budget_s is None else min(self._wait_s, budget_s))
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
         missing = [i for i, found in enumerate(out) if not found]
-        todo = self._worth_reading(keys, missing, self._recompute_bytes_s or recompute_bytes_s)
+        if budget_s is not None and budget_s <= 0:
+            self.gave_up([keys[i] for i in missing])
+            missing = []
+        if not missing:
+            return out, lease, []
         started = 0
         with self._disk_lock:
+            todo = self._worth_reading(keys, missing, self._recompute_bytes_s or recompute_bytes_s,
+                                       deadline - self._clock())
             reading: _Chunk | None = None
             while started < len(todo) and self._clock() <= deadline:
                 chunk = todo[started:started + PROMOTE_CHUNK]
@@ -302,25 +336,26 @@ class DiskTier:
                 if len(reading.grants) < len(reading.sizes) - reading.sizes.count(None):
                     break  # the pool had no room even after eviction: later keys would evict these
             else:
-                self.stats.promote_late += len(todo) - started  # past the deadline: never started
+                self._count(promote_late=len(todo) - started)  # past the deadline: never started
             if reading is not None:
                 self._finish_chunk(reading, keys, lease, out)
         if not self._store.enabled:  # a read failed: the disk is off from now on
             self._after_turned_off()
         return out, lease, [i for i in missing if out[i]]
 
-    def _worth_reading(self, keys: Sequence[Key], todo: list[int], recompute_bytes_s: float) -> list[int]:
-        """The head of ``todo`` (indices of ``keys`` the pool lacks) to read, as the module's
-        docstring says, chunk by chunk as ``promote_pinned`` reads them: all of it until a chunk
-        was measured; then chunks while each costs less to read than to recompute (``read_cost``
-        against ``recompute_bytes_s``; 0: no limit) and the reads end within ``wait_s``, and of the
-        chunk that would not end in time, the keys that would. When that cuts keys and nothing was
-        read for ``PROBE_S``, one chunk is read regardless (the cost is measured again). Sizes are dict probes
-        without the disk lock (as ``on_disk``): a lookup never waits behind a demotion batch."""
-        if not self.read_cost.samples or not todo:
+    def _worth_reading(self, keys: Sequence[Key], todo: list[int], recompute_bytes_s: float,
+                       budget: float) -> list[int]:
+        """Under the disk lock: the head of ``todo`` (indices of ``keys`` the pool lacks) to read,
+        as the module's docstring says, chunk by chunk as ``promote_pinned`` reads them: all of it
+        until a chunk was measured; then chunks while each costs less to read than to recompute
+        (``read_cost`` against ``recompute_bytes_s``; 0: no limit) and the reads end within
+        ``budget`` seconds, and of the chunk that would not end in time, the keys that would. When
+        that cuts keys and nothing was read for ``PROBE_S``, one chunk is read regardless (the cost
+        is measured again). No budget left: all of it (the caller finds its deadline passed and
+        counts them late, not skipped)."""
+        if not self.read_cost.samples or not todo or budget <= 0:
             return todo
         fixed, per_byte = self.read_cost.fit()
-        budget = self._wait_s
         keep = 0
         for first in range(0, len(todo), PROMOTE_CHUNK):
             sizes = [self._store.size_of(keys[i]) or 0 for i in todo[first:first + PROMOTE_CHUNK]]
@@ -339,7 +374,7 @@ class DiskTier:
         if keep < len(todo) and time.monotonic() - self._probed_at > PROBE_S:
             keep = max(keep, min(len(todo), PROMOTE_CHUNK))
             self._probed_at = time.monotonic()
-        self.stats.promote_skipped += len(todo) - keep
+        self._count(promote_skipped=len(todo) - keep)
         return todo[:keep]
 
     def _start_chunk(self, chunk: list[int], keys: Sequence[Key], deadline: float) -> _Chunk:
@@ -348,7 +383,7 @@ class DiskTier:
         of equal sizes, not per key: each index call costs a fresh id and a sweep of leases and
         grants, and at 64 KiB that was as much as the read (performance log)."""
         sizes = [self._store.size_of(keys[i]) for i in chunk]
-        self.stats.promote_misses += sizes.count(None)
+        self._count(promote_misses=sizes.count(None))
         grants: list[tuple[int, int, int, int]] = []  # (key's index, token, offset, size)
         present = [(i, size) for i, size in zip(chunk, sizes) if size is not None]
         with self._lock:
@@ -358,7 +393,7 @@ class DiskTier:
                 grants += [(i, token, offset, size) for i, offset in zip(wanted, offsets)]
                 if len(offsets) < len(wanted):
                     break  # no room: the later keys would evict these
-        started = time.monotonic()  # before: a one-key chunk is read right here
+        started = self._clock()  # before: a one-key chunk is read right here
         finish = self._store.start_many([keys[i] for i, _, _, _ in grants],
                                         [self._pool[off:off + size] for _, _, off, size in grants], deadline,
                                         self._clock)
@@ -369,15 +404,15 @@ class DiskTier:
         pin it under ``lease`` (``out`` says which keys are pinned now), free the other slots:
         one commit per reservation."""
         read = chunk.finish()
-        done = time.monotonic()
         nbytes = sum(size for (_, _, _, size), ok in zip(chunk.grants, read) if ok is not None)
-        self.read_cost.add(nbytes, done - chunk.started)
+        self.read_cost.add(nbytes, self._clock() - chunk.started)
         if nbytes:
-            self._probed_at = done  # measured: no probe is owed for another PROBE_S
+            self._probed_at = time.monotonic()  # measured: no probe is owed for another PROBE_S
         gone = self._store.take_gone()  # a failed check dropped it
         by_token: dict[int, list[tuple[int, int, int, bool | None]]] = {}
         for (i, token, offset, size), ok in zip(chunk.grants, read):
             by_token.setdefault(token, []).append((i, offset, size, ok))
+        promoted = promoted_bytes = late = misses = 0
         with self._lock:
             self._index.disk_dropped(gone)
             for token, granted in by_token.items():
@@ -385,11 +420,12 @@ class DiskTier:
                 self._index.commit(self._owner, token, [(keys[i], offset, None) for i, offset, _ in read_ok],
                                    [offset for _, offset, _, ok in granted if not ok])
                 self._index.mark_clean([(keys[i], offset) for i, offset, _ in read_ok])
-                for i, _, size in read_ok:
+                for i, _, _ in read_ok:
                     # pinned under the call's lease (or found: a writer committed it meanwhile)
                     out[i] = self._index.extend_pin(self._owner, lease, keys[i])
-                    self.stats.promoted += 1
-                    self.stats.promoted_bytes += size
-                late = sum(ok is None for _, _, _, ok in granted)
-                self.stats.promote_late += late
-                self.stats.promote_misses += len(granted) - len(read_ok) - late
+                promoted += len(read_ok)
+                promoted_bytes += sum(size for _, _, size in read_ok)
+                unread = sum(ok is None for _, _, _, ok in granted)
+                late += unread
+                misses += len(granted) - len(read_ok) - unread
+        self._count(promoted=promoted, promoted_bytes=promoted_bytes, promote_late=late, promote_misses=misses)
