@@ -353,7 +353,14 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     """A step's save job with a same-node pool (shared memory: queued after the forward, on the
     device) and another node's (NIXL: the copy thread's, waited for by the host at the step's end
     so that thread gets the GIL). The step's end waits for the NIXL part only: waiting for the
-    whole job held the host for the whole forward. Both parts land, with the blocks' bytes."""
+    whole job held the host for the whole forward. Both parts land, with the blocks' bytes.
+
+    The NIXL part is a few blocks, its connection made and its time measured by a save of the
+    same blocks first, and the forward lasts several times that: on one H100 host NIXL moved
+    GPU memory to a host pool on the same machine at ~0.4 GB/s, its first transfer ~0.26 s
+    more (stop 63), so half of the 64 blocks (160 MiB) outlasted a 0.3 s forward whatever
+    the step's end waited for."""
+    import time
     import uuid
 
     from ucm_ray.store.types import Location, Locations
@@ -368,29 +375,51 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     exporter = NixlPoolExporter(remote, f"ucmr-gpu-mixed-{uuid.uuid4().hex[:8]}")
     shm_desc = shm_descriptor(pool)
     nixl_desc = exporter.descriptor("shard-1", "other-node", incarnation=8)
+    pools = {shm_desc.key: shm_desc, nixl_desc.key: nixl_desc}
     w = make_worker(caches, transport="auto", transfer_timeout_s=30.0)
     try:
-        half = N // 2
-        places = [Location(shm_desc.shard_id, shm_desc.incarnation, i * ENTRY, ENTRY) for i in range(half)] + \
-                 [Location(nixl_desc.shard_id, nixl_desc.incarnation, i * ENTRY, ENTRY) for i in range(half, N)]
+        over_nixl = 2  # the last blocks go to the other node's pool
+        shm_blocks = N - over_nixl
+
+        def to_nixl(i: int) -> Location:
+            return Location(nixl_desc.shard_id, nixl_desc.incarnation, i * ENTRY, ENTRY)
+
+        # the NIXL part alone first: it connects, and how long a step's end waits for it is known
+        nixl_only = torch.arange(shm_blocks, N).numpy()
+        w.bind(UcmRayConnectorMetadata(pools=pools, saves={0: BlockSaves(
+            399, torch.zeros(over_nixl, dtype=torch.int64).numpy(), nixl_only,
+            Locations.of([to_nixl(i) for i in range(shm_blocks, N)]))}))
+        w.start_load_kv()
+        started = time.perf_counter()
+        w.wait_for_save()
+        nixl_s = time.perf_counter() - started
+        torch.cuda.synchronize()
+        warm = w.build_worker_meta()
+        assert warm is not None and 399 in warm.saves and warm.saves[399].landed.all(), "the NIXL part alone failed"
+        forward_cycles = int(cycles_for_delay * max(1.0, 5 * nixl_s / DELAY_S))
+
+        places = [Location(shm_desc.shard_id, shm_desc.incarnation, i * ENTRY, ENTRY) for i in range(shm_blocks)] + \
+                 [to_nixl(i) for i in range(shm_blocks, N)]
         saves = BlockSaves(400, torch.zeros(N, dtype=torch.int64).numpy(), torch.arange(N).numpy(),
                            Locations.of(places))
+        remote.zero_()
         torch.cuda.synchronize()
         expected = [entry_bytes(caches, i) for i in range(N)]
-        w.bind(UcmRayConnectorMetadata(pools={shm_desc.key: shm_desc, nixl_desc.key: nixl_desc}, saves={0: saves}))
+        w.bind(UcmRayConnectorMetadata(pools=pools, saves={0: saves}))
         w.start_load_kv()  # the NIXL part goes to the copy thread
-        torch.cuda._sleep(cycles_for_delay)  # the step's forward, ~0.3 s
+        torch.cuda._sleep(forward_cycles)  # the step's forward: at least ~0.3 s, 5x the NIXL part
         forward_done = torch.cuda.Event()
         forward_done.record()
         w.wait_for_save()  # the step's end: the shared-memory part is queued now, after the forward
-        assert not forward_done.query(), "the step's end waited for its forward (the job's shared-memory part)"
+        assert not forward_done.query(), \
+            f"the step's end waited for its forward (the job's shared-memory part; NIXL part alone {nixl_s:.3f} s)"
         torch.cuda.synchronize()
         results = w.build_worker_meta()
         assert results is not None and 400 in results.saves, "the save job never landed"
         assert results.saves[400].landed.all(), f"rows not landed: {(~results.saves[400].landed).sum()}"
-        for i in (0, half - 1):
+        for i in (0, shm_blocks - 1):
             assert torch.equal(pool.tensor[i * ENTRY:(i + 1) * ENTRY], expected[i]), f"block {i} (shm) differs"
-        for i in (half, N - 1):
+        for i in (shm_blocks, N - 1):
             assert torch.equal(remote[i * ENTRY:(i + 1) * ENTRY], expected[i]), f"block {i} (NIXL) differs"
     finally:
         w.shutdown()
