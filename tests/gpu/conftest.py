@@ -22,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """A failed GPU test's traceback right away, not only in the session's summary: device runs
+    are cut by their time limit, and twice a cut run lost the only trace of a failure (stop 59 on
+    an H200, stop 63 on an H100: the asynchronous failed-load test)."""
+    if not report.failed:
+        return
+    import sys
+
+    sys.stderr.write(f"\n--- FAILED {report.nodeid} ({report.when}) ---\n{report.longreprtext}\n")
+    sys.stderr.flush()
+
+
 # The fixtures below are named gpu_* so that none shares a name with a root fixture
 # (``tests/conftest.py``'s function-scoped ``fleet`` factory): on the H200, a run of several GPU
 # modules resolved ``fleet`` to the root one ("ScopeMismatch ... fleet", "'function' object has no
