@@ -185,3 +185,29 @@ def test_checksum_mismatch_is_a_miss_for_every_reader_and_removes_the_entry(flee
     assert fleet_status(cfg)["shards"][0]["entries"] == 9
     writer.close()
     reader.close()
+
+
+def test_a_lookup_finds_a_shards_pool_hits_whatever_the_two_nodes_wall_clocks_say(fleet, monkeypatch):
+    """The engine's node and the shard's keep wall clocks apart by more than a lookup's timeout
+    (an NTP step, a VM resumed, a node without NTP): a lookup that pins through a call to a live
+    shard without a disk tier, which holds every key in its pool, answering at once, must still
+    hit. Nothing there has a deadline to keep (no disk to read), and a plain miss on a live owner
+    is final (no replica is asked, the shard is not suspect, nothing is logged). The engine sends
+    its deadline as a time of day (``answer_by``); a shard whose clock reads it as past answers all
+    misses."""
+    from types import SimpleNamespace
+
+    from ucm_ray.store.engine import acquire as acquire_module
+
+    cfg = fleet(num_shards=1, local_lookups=False, lookup_timeout_s=5.0)  # lookups that pin, as between nodes
+    client = StoreClient(cfg)
+    buf, views = arena(8, seed=1)
+    client.register_local(buf)
+    assert all(client.put([key(i) for i in range(8)], views))
+    behind = cfg.lookup_timeout_s + 5.0  # the engine's wall clock, against the shard's
+    monkeypatch.setattr(acquire_module, "time", SimpleNamespace(time=lambda: time.time() - behind))
+    lease = client.acquire([key(i) for i in range(8)]).result()
+    found = lease.locations.found()
+    client.release(lease.lease_ids).result()
+    client.close()
+    assert found.all(), f"{int((~found).sum())} of 8 pool hits answered as misses: the clocks are {behind} s apart"

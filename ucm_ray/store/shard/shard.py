@@ -193,8 +193,9 @@ class CacheShard:
         left = None if until is None else until - time.monotonic()
         tier = self._tier
         if left is not None and left <= 0:
-            if tier is not None:
-                tier.gave_up(keys)
+            if tier is not None:  # late: those it would have read from disk (as ``promote_pinned``)
+                with self._lock:
+                    tier.gave_up([k for k, held in zip(keys, self._index.contains(keys)) if not held])
             return 0, [None] * len(keys), []
         if tier is None:
             with self._lock:
