@@ -186,20 +186,16 @@ class CacheShard:
     def _acquire(self, incarnation: int, owner: int, keys: Sequence[Key], recompute_bytes_s: float,
                  until: float | None) -> tuple[int, list[Slot | None], list[int]]:
         """``acquire``, for an asker that waits until ``until`` (monotonic; None: no bound but
-        ``disk_wait_s``): reads from disk end ``READ_MARGIN_S`` before it. Past it, the answer is
-        all misses at once, pinning nothing: the asker gave up on it (a late call, queued behind
-        others), and its pins would hold pool entries for ``lease_s`` for nobody."""
+        ``disk_wait_s``): reads from disk end ``READ_MARGIN_S`` before it, and none starts past
+        it (those keys count late). The pool's own hits are pinned whatever the clocks say: a
+        node whose wall clock is a lookup timeout ahead of the engine's would otherwise answer
+        every hit a miss (review63), and a late call's pins only wait for their lease."""
         self._check(incarnation)
-        left = None if until is None else until - time.monotonic()
         tier = self._tier
-        if left is not None and left <= 0:
-            if tier is not None:  # late: those it would have read from disk (as ``promote_pinned``)
-                with self._lock:
-                    tier.gave_up([k for k, held in zip(keys, self._index.contains(keys)) if not held])
-            return 0, [None] * len(keys), []
         if tier is None:
             with self._lock:
                 return (*self._index.acquire(owner, keys), [])
+        left = None if until is None else until - time.monotonic()
         _, promoted, read = tier.promote_pinned(keys, recompute_bytes_s,
                                                 None if left is None else left - READ_MARGIN_S)
         try:
