@@ -21,7 +21,6 @@ from tests.support.faulty_pools import BrokenPosts, hung_loads
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.published_reader import IndexReaders
-from ucm_ray.store.engine.slots import QUIET_TICK_S
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
 from ucm_ray.testing.clock import AdvancingClock
@@ -578,7 +577,8 @@ def test_an_idle_engine_gives_its_unused_slots_back(model_dir):
         clock.advance(1.2)
         for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
             a.step()
-        clock.advance(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
+        # quick steps fade it at the next full tick, at most this later
+        clock.advance(a.connector.scheduler_part.slots.quiet_tick_s * 1.2)
         a.step()
         a.settle()
         assert _held_slot_bytes(store) <= 2 * 2 * entry
@@ -1205,7 +1205,7 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         a.settle()
         for _ in range(5):
             a.step()  # ticks: the free stock the demand asks for is granted (a full tick each)
-            a.clock.advance(QUIET_TICK_S * 1.2)
+            a.clock.advance(a.connector.scheduler_part.slots.quiet_tick_s * 1.2)
         a.settle()
         b = make_engine(store.client(), model_dir)
         ext, _ = b.serve("B", p)
