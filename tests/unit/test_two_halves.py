@@ -447,6 +447,47 @@ def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, mo
     assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
 
 
+def test_requests_decoding_together_place_their_decode_batches_in_one_call_a_step(store, model_dir):
+    """Requests that decode together announce their next decode batches' slots in the same step:
+    the keys of all their new blocks are placed in one call (one per request was most of that
+    step's host time), and the placements stand for the saves that follow, every generated
+    block saved."""
+    client = store.client()
+    a = make_engine(client, model_dir, block_size=16, num_blocks=1024)
+    part = a.connector.scheduler_part
+    placements: list[int] = []
+    place = client.placement
+
+    def counted(keys):
+        placements.append(a.steps)
+        return place(keys)
+
+    client.placement = counted
+    announced: Counter[int] = Counter()  # per step, the running requests whose decode batch was announced
+    step = a.step
+
+    def observed() -> None:
+        before = {req_id: tracked.expected_until for req_id, tracked in part._requests.by_id.items()
+                  if tracked.prompt_expected}
+        step()
+        for req_id, until in before.items():
+            tracked = part._requests.get(req_id)
+            if tracked is not None and not tracked.finishing and tracked.expected_until > until:
+                announced[a.steps] += 1
+
+    a.step = observed
+    requests = [a.add(f"R{i}", prompt(160, seed=40 + i), max_tokens=300) for i in range(8)]
+    a.run(*requests)
+    a.settle()
+    together = [s for s, n in announced.items() if n >= 2]
+    per_step = Counter(placements)
+    assert together, f"no step announced several requests' batches: {announced}"
+    assert all(per_step[s] <= 1 for s in together), f"placements in those steps: {[per_step[s] for s in together]}"
+    stats = a.stats()
+    assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
+    assert a.wrong_blocks == 0
+
+
 def test_steps_without_loads_share_one_step_state_that_nothing_writes_into(store, model_dir):
     """Most decode steps load nothing and save no state: the worker gives them one shared step
     state, not a new one each (~2 us of an engine's host time a step). A store hit's steps get

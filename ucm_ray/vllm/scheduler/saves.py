@@ -24,7 +24,7 @@ from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID, CacheGeometry
-from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests
+from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests, place_together
 from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, one_pool_list, save_rows
 from ucm_ray.vllm.stats import UcmRayStats
 
@@ -55,6 +55,9 @@ class StepClaims:
     counts: SlotCounts = field(default_factory=dict)
     counted: int = 0
     """Of ``planned``, how many are in ``counts``."""
+    batches: list[tuple[TrackedRequest, int]] = field(default_factory=list)
+    """Decode batches to announce up to these hashed tokens once every request is planned
+    (``_still_waiting``), together."""
 
 
 class SavePlanner:
@@ -198,6 +201,8 @@ class SavePlanner:
             if planned is not None:
                 wanted.append((tracked, planned))
                 self._claims.planned.append(planned)
+        if self._claims.batches:  # before the binding: its takes count on their promises
+            self._expect_batches(self._claims.batches)
         if wanted:
             self._bind(wanted, meta)
 
@@ -320,9 +325,35 @@ class SavePlanner:
         if hashed - tracked.expected_until >= DECODE_SAVE_TOKENS * 3 // 8:
             # slots for the batch, asked for 2-3 times as its blocks fill, the last well before
             # the batch is saved (the free stock covers the rest): each ask is a call per pool
-            self.expect(tracked, hashed)
+            if self._geometry.hybrid:
+                self.expect(tracked, hashed)  # its states' keys too, placed on their own
+            else:
+                self._claims.batches.append((tracked, hashed))
         tracked.waiting_at = (filled, hashed)
         return True  # no block filled since the last plan, or too few past the prompt yet
+
+    def _expect_batches(self, batches: list[tuple[TrackedRequest, int]]) -> None:
+        """``expect`` for several requests' decode batches (up to their hashed tokens) at once:
+        their new blocks' keys placed in one call and counted in one announcement. Requests
+        decoding together cross the announcement's token count in the same step, and each
+        request's own placement, count and announcement were most of that step's host time."""
+        geometry = self._geometry
+        runs: list[tuple[TrackedRequest, int, int, range]] = []
+        sizes: list[int] = []
+        for tracked, until in batches:
+            start = tracked.expected_until
+            tracked.expected_until = max(start, until)
+            for rank in range(len(geometry.namespaces)):
+                for g in geometry.attn:
+                    blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
+                    if len(blocks):
+                        runs.append((tracked, rank, g, blocks))
+                        sizes.extend([geometry.entry_bytes[g]] * len(blocks))
+        place_together(runs, self._store)
+        placed = one_pool_list([tracked.attn_owners(rank, g, blocks, self._store) for tracked, rank, g, blocks in runs],
+                               lambda: [key for tracked, rank, g, blocks in runs
+                                        for key in tracked.attn_keys(rank, g, blocks)], self._store)
+        self._slots.expect(self._counts_of(*placed, sizes))
 
     def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> WantedSaves:
         """The blocks to save now: those filled since the last plan, and pending ones now valid
