@@ -447,11 +447,12 @@ def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, mo
     assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
 
 
-def test_requests_decoding_together_place_their_decode_batches_in_one_call_a_step(store, model_dir):
-    """Requests that decode together announce their next decode batches' slots in the same step:
-    the keys of all their new blocks are placed in one call (one per request was most of that
-    step's host time), and the placements stand for the saves that follow, every generated
-    block saved."""
+def test_requests_running_together_place_what_they_announce_in_one_call_a_step(store, model_dir):
+    """Prompts that start together announce their saves in the same step (their first tokens
+    come out together), and requests that decode together announce their next decode batches
+    in the same step: the keys of all those blocks are placed in one call (one per request was
+    most of that step's host time), and the placements stand for the saves that follow, every
+    prompt and generated block saved."""
     client = store.client()
     a = make_engine(client, model_dir, block_size=16, num_blocks=1024)
     part = a.connector.scheduler_part
@@ -463,26 +464,31 @@ def test_requests_decoding_together_place_their_decode_batches_in_one_call_a_ste
         return place(keys)
 
     client.placement = counted
-    announced: Counter[int] = Counter()  # per step, the running requests whose decode batch was announced
+    prompts: Counter[int] = Counter()  # per step, the requests whose prompt was announced
+    batches: Counter[int] = Counter()  # per step, the running requests whose decode batch was announced
     step = a.step
 
     def observed() -> None:
-        before = {req_id: tracked.expected_until for req_id, tracked in part._requests.by_id.items()
-                  if tracked.prompt_expected}
+        before = {req_id: (tracked.prompt_expected, tracked.expected_until)
+                  for req_id, tracked in part._requests.by_id.items()}
         step()
-        for req_id, until in before.items():
+        for req_id, (announced, until) in before.items():
             tracked = part._requests.get(req_id)
-            if tracked is not None and not tracked.finishing and tracked.expected_until > until:
-                announced[a.steps] += 1
+            if tracked is None or tracked.finishing:
+                continue
+            prompts[a.steps] += tracked.prompt_expected and not announced
+            batches[a.steps] += announced and tracked.expected_until > until
 
     a.step = observed
     requests = [a.add(f"R{i}", prompt(160, seed=40 + i), max_tokens=300) for i in range(8)]
     a.run(*requests)
     a.settle()
-    together = [s for s, n in announced.items() if n >= 2]
     per_step = Counter(placements)
-    assert together, f"no step announced several requests' batches: {announced}"
-    assert all(per_step[s] <= 1 for s in together), f"placements in those steps: {[per_step[s] for s in together]}"
+    for kind, announced in (("prompts", prompts), ("decode batches", batches)):
+        together = [s for s, n in announced.items() if n >= 2]
+        assert together, f"no step announced several requests' {kind}: {announced}"
+        assert all(per_step[s] <= 1 for s in together), \
+            f"placements in the steps that announced {kind}: {[per_step[s] for s in together]}"
     stats = a.stats()
     assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
     assert a.wrong_blocks == 0

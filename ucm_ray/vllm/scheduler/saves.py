@@ -196,6 +196,7 @@ class SavePlanner:
         """The saves of the requests whose last plan does not stand, bound together."""
         wanted: list[tuple[TrackedRequest, WantedSaves]] = []
         self._claims = StepClaims()
+        self._place_prompts(to_plan)
         for tracked in to_plan:
             planned = self._plan_request(tracked)
             if planned is not None:
@@ -222,6 +223,28 @@ class SavePlanner:
                 saving.append(tracked.request.request_id)
         if saves:
             meta.saves = self.jobs.dispatch(saves, saving)
+
+    def _place_prompts(self, to_plan: list[TrackedRequest]) -> None:
+        """The keys of the prompts announced in this step (``_announce_prompt``: prompts that
+        started together put their first tokens out together), placed in one call; each prompt's
+        announcement then counts them as placed (a call per prompt was a sizeable share of
+        that step's plan)."""
+        if self._geometry.hybrid:
+            return  # a hybrid's chunks are announced as they come (``_plan_every_state``)
+        fresh = [tracked for tracked in to_plan if not tracked.prompt_expected]
+        if len(fresh) < 2:
+            return
+        geometry = self._geometry
+        runs: list[tuple[TrackedRequest, int, int, range]] = []
+        for tracked in fresh:
+            if not tracked.may_save():  # as ``_plan_request`` asks before announcing it
+                continue
+            start = max(tracked.expected_until, tracked.saved_tokens())  # as the announcement counts them
+            until = min(tracked.request.num_prompt_tokens, tracked.hashed_tokens())
+            for g in geometry.attn if until > start else ():
+                blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
+                runs += [(tracked, rank, g, blocks) for rank in range(len(geometry.namespaces)) if len(blocks)]
+        place_together(runs, self._store)
 
     def _plan_request(self, tracked: TrackedRequest) -> WantedSaves | None:
         """One request's blocks to save in this step (None: none)."""
