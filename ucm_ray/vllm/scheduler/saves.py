@@ -42,6 +42,10 @@ every save job costs the engine host time (planning, posting the copies, the res
 commit), a sizeable share of a small model's decode step, so saving each block as it filled
 slowed decode. A prompt's blocks are saved as soon as its first token is out, whatever their
 number."""
+DECODE_ANNOUNCE_TOKENS = DECODE_SAVE_TOKENS * 3 // 8
+"""Generated tokens past the last announcement at which a decode batch's slots are announced
+again: slots for the batch are asked for 2-3 times as its blocks fill, the last well before the
+batch is saved (the free stock covers the rest); each ask is a call per pool."""
 
 
 @dataclass
@@ -55,9 +59,6 @@ class StepClaims:
     counts: SlotCounts = field(default_factory=dict)
     counted: int = 0
     """Of ``planned``, how many are in ``counts``."""
-    batches: list[tuple[TrackedRequest, int]] = field(default_factory=list)
-    """Decode batches to announce up to these hashed tokens once every request is planned
-    (``_still_waiting``), together."""
 
 
 class SavePlanner:
@@ -196,14 +197,12 @@ class SavePlanner:
         """The saves of the requests whose last plan does not stand, bound together."""
         wanted: list[tuple[TrackedRequest, WantedSaves]] = []
         self._claims = StepClaims()
-        self._place_prompts(to_plan)
+        self._place_ahead(to_plan)
         for tracked in to_plan:
             planned = self._plan_request(tracked)
             if planned is not None:
                 wanted.append((tracked, planned))
                 self._claims.planned.append(planned)
-        if self._claims.batches:  # before the binding: its takes count on their promises
-            self._expect_batches(self._claims.batches)
         if wanted:
             self._bind(wanted, meta)
 
@@ -224,27 +223,34 @@ class SavePlanner:
         if saves:
             meta.saves = self.jobs.dispatch(saves, saving)
 
-    def _place_prompts(self, to_plan: list[TrackedRequest]) -> None:
-        """The keys of the prompts announced in this step (``_announce_prompt``: prompts that
-        started together put their first tokens out together), placed in one call; each prompt's
-        announcement then counts them as placed (a call per prompt was a sizeable share of
-        that step's plan)."""
+    def _place_ahead(self, to_plan: list[TrackedRequest]) -> None:
+        """The keys of the blocks this step's plans announce, placed in one call before them:
+        the prompts whose first tokens came out (``_announce_prompt``: prompts that started
+        together put them out together) and the next decode batches of requests that reached
+        their announcement (``_still_waiting``: requests decoding together reach it together).
+        Each announcement then finds its blocks placed; a placement call per request was a
+        sizeable share of those steps' plans. (A request that saves instead of announcing gets
+        a few of its next blocks placed early: placements are kept until the pools change.)"""
         if self._geometry.hybrid:
-            return  # a hybrid's chunks are announced as they come (``_plan_every_state``)
-        fresh = [tracked for tracked in to_plan if not tracked.prompt_expected]
-        if len(fresh) < 2:
-            return
+            return  # a hybrid's chunks are announced as they come, with its states' keys
         geometry = self._geometry
         runs: list[tuple[TrackedRequest, int, int, range]] = []
-        for tracked in fresh:
-            if not tracked.may_save():  # as ``_plan_request`` asks before announcing it
+        for tracked in to_plan:
+            hashed = tracked.hashed_tokens()
+            if not tracked.prompt_expected:
+                if not tracked.may_save():  # as ``_plan_request`` asks before announcing it
+                    continue
+                start = max(tracked.expected_until, tracked.saved_tokens())  # as the announcement counts them
+                until = min(tracked.request.num_prompt_tokens, hashed)
+            elif hashed - tracked.expected_until >= DECODE_ANNOUNCE_TOKENS:
+                start, until = tracked.expected_until, hashed
+            else:
                 continue
-            start = max(tracked.expected_until, tracked.saved_tokens())  # as the announcement counts them
-            until = min(tracked.request.num_prompt_tokens, tracked.hashed_tokens())
             for g in geometry.attn if until > start else ():
                 blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
                 runs += [(tracked, rank, g, blocks) for rank in range(len(geometry.namespaces)) if len(blocks)]
-        place_together(runs, self._store)
+        if len(runs) > 1:
+            place_together(runs, self._store)
 
     def _plan_request(self, tracked: TrackedRequest) -> WantedSaves | None:
         """One request's blocks to save in this step (None: none)."""
@@ -345,38 +351,10 @@ class SavePlanner:
             return True  # as at the last plan: nothing to save yet
         if not self._saves_wait(tracked, filled):
             return False
-        if hashed - tracked.expected_until >= DECODE_SAVE_TOKENS * 3 // 8:
-            # slots for the batch, asked for 2-3 times as its blocks fill, the last well before
-            # the batch is saved (the free stock covers the rest): each ask is a call per pool
-            if self._geometry.hybrid:
-                self.expect(tracked, hashed)  # its states' keys too, placed on their own
-            else:
-                self._claims.batches.append((tracked, hashed))
+        if hashed - tracked.expected_until >= DECODE_ANNOUNCE_TOKENS:
+            self.expect(tracked, hashed)
         tracked.waiting_at = (filled, hashed)
         return True  # no block filled since the last plan, or too few past the prompt yet
-
-    def _expect_batches(self, batches: list[tuple[TrackedRequest, int]]) -> None:
-        """``expect`` for several requests' decode batches (up to their hashed tokens) at once:
-        their new blocks' keys placed in one call and counted in one announcement. Requests
-        decoding together cross the announcement's token count in the same step, and each
-        request's own placement, count and announcement were most of that step's host time."""
-        geometry = self._geometry
-        runs: list[tuple[TrackedRequest, int, int, range]] = []
-        sizes: list[int] = []
-        for tracked, until in batches:
-            start = tracked.expected_until
-            tracked.expected_until = max(start, until)
-            for rank in range(len(geometry.namespaces)):
-                for g in geometry.attn:
-                    blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
-                    if len(blocks):
-                        runs.append((tracked, rank, g, blocks))
-                        sizes.extend([geometry.entry_bytes[g]] * len(blocks))
-        place_together(runs, self._store)
-        placed = one_pool_list([tracked.attn_owners(rank, g, blocks, self._store) for tracked, rank, g, blocks in runs],
-                               lambda: [key for tracked, rank, g, blocks in runs
-                                        for key in tracked.attn_keys(rank, g, blocks)], self._store)
-        self._slots.expect(self._counts_of(*placed, sizes))
 
     def _wanted(self, tracked: TrackedRequest, since: int, filled: int) -> WantedSaves:
         """The blocks to save now: those filled since the last plan, and pending ones now valid
