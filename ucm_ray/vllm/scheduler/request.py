@@ -406,8 +406,8 @@ class TrackedRequest:
 def place_together(runs: Sequence[tuple[TrackedRequest, int, int, range]], store: BlockStore) -> None:
     """The owners of these runs' blocks (request, rank, attention group, blocks) that their
     requests have not placed yet, placed in one call and kept by each request, where
-    ``attn_owners`` finds them: requests decoding together announce their generated blocks
-    in the same step, and a placement call per request was most of that step's plan."""
+    ``attn_owners`` finds them: requests that started or decode together announce their
+    blocks in the same step (``SavePlanner._place_ahead``), a placement call each."""
     version = store.pools().version
     unplaced = [(tracked, rank, group, keys) for tracked, rank, group, blocks in runs
                 if (keys := tracked.unplaced_keys(rank, group, blocks, version))]
