@@ -244,13 +244,16 @@ class ClientProcess:
     def slot_nodes(self, size: int = 65536, ticks: int = 20) -> list[str]:
         """The nodes of the pools an engine's slot supply on this client keeps free slots on,
         after ``ticks`` full ticks with no save announced (the baseline alone)."""
-        from ucm_ray.store.engine.slots import QUIET_TICK_S, SlotSupply
+        from ucm_ray.store.engine.slots import SlotSupply
 
-        supply = SlotSupply(self.client, max_free=8, renew_after_s=20, idle_s=20, usable_s=50)
+        skipped = [0.0]  # its clock runs ahead by a quiet tick's interval a tick: each tick is a full one
+        supply = SlotSupply(self.client, max_free=8, renew_after_s=20, idle_s=20, usable_s=50,
+                            clock=lambda: time.monotonic() + skipped[0])
         supply.want(size)
         for _ in range(ticks):
             supply.tick(self.client.pools())
-            time.sleep(QUIET_TICK_S)
+            skipped[0] += supply.quiet_tick_s
+            time.sleep(0.05)  # the asks' answers come in meanwhile
         pools = self.client.pools().descriptors
         unused = supply.close()
         self.client.commit(Publishes.of([]), unused).result()  # handed back, as an engine's shutdown does

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ucm_ray.store.engine.slots import SlotSupply
+from ucm_ray.store.engine.slots import QUIET_TICK_S, SlotSupply
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Pending, SlotGrant
 from ucm_ray.transport.base import PoolKey
@@ -144,10 +144,12 @@ def test_ticks_while_asks_are_out_take_each_answer_at_the_first_tick_after_it_an
     assert len(supply.take(*slot_class, 10)) == 10
 
 
-def test_asks_that_never_answer_do_not_stop_renewals_or_the_slots_held(shards):
+@pytest.mark.parametrize("renew_after_s, idle_s, usable_s", [(1.0, 2.0, 3.0), (20.0, 20.0, 50.0)])
+def test_asks_that_never_answer_do_not_stop_renewals_or_the_slots_held(shards, renew_after_s, idle_s, usable_s):
     """A shard that never answers an ask (the asks stay out): ticks on ~10 ms steps are quiet
-    only up to ``QUIET_TICK_S`` apart, so the grants held are still renewed and stay usable,
-    and nothing more is asked for the saves already asked for."""
+    only up to ``quiet_tick_s`` apart (a short timeout's share, or QUIET_TICK_S), so the grants
+    held are still renewed in time and stay usable, and nothing more is asked for the saves
+    already asked for."""
     now = [0.0]
     renewals: list[float] = []
 
@@ -157,7 +159,8 @@ def test_asks_that_never_answer_do_not_stop_renewals_or_the_slots_held(shards):
             return super().renew(grants)
 
     store = CountedRenewals(shards)
-    supply = SlotSupply(store, max_free=8, renew_after_s=1.0, idle_s=2.0, usable_s=3.0, clock=lambda: now[0])
+    supply = SlotSupply(store, max_free=8, renew_after_s=renew_after_s, idle_s=idle_s, usable_s=usable_s,
+                        clock=lambda: now[0])
     supply.want(SIZE)
     pools = store.pools()
     supply.tick(pools)
@@ -167,9 +170,11 @@ def test_asks_that_never_answer_do_not_stop_renewals_or_the_slots_held(shards):
     store.answering = False
     supply.expect({slot_class: 10})
     asks = len(store.asked)
-    for _ in range(1000):  # 10 s of 10 ms steps
+    assert supply.quiet_tick_s <= min(0.05 * renew_after_s, QUIET_TICK_S)
+    for _ in range(round(10 * renew_after_s / 0.01)):  # 10 renewals' worth of 10 ms steps
         now[0] += 0.01
         supply.tick(pools)
     assert len(store.asked) == asks, "the asks out cover the saves: nothing asked again"
-    assert len(renewals) >= 8 and max(b - a for a, b in zip(renewals, renewals[1:])) < 1.1
+    gaps = [b - a for a, b in zip(renewals, renewals[1:])]
+    assert len(renewals) >= 8 and max(gaps) < renew_after_s + supply.quiet_tick_s + 0.011
     assert supply.free_slots(slot_class) == 1, "the baseline's grant was renewed: still usable"

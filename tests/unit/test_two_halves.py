@@ -21,7 +21,6 @@ from tests.support.faulty_pools import BrokenPosts, hung_loads
 from tests.support.store_helpers import corrupt_stored_blocks
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.published_reader import IndexReaders
-from ucm_ray.store.engine.slots import QUIET_TICK_S
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
 from ucm_ray.testing.clock import AdvancingClock
@@ -448,6 +447,53 @@ def test_requests_decoding_together_ask_for_slots_once_per_pool_a_step(store, mo
     assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
 
 
+def test_requests_running_together_place_what_they_announce_in_one_call_a_step(store, model_dir):
+    """Prompts that start together announce their saves in the same step (their first tokens
+    come out together), and requests that decode together announce their next decode batches
+    in the same step: the keys of all those blocks are placed in one call (one per request was
+    most of that step's host time), and the placements stand for the saves that follow, every
+    prompt and generated block saved."""
+    client = store.client()
+    a = make_engine(client, model_dir, block_size=16, num_blocks=1024)
+    part = a.connector.scheduler_part
+    placements: list[int] = []
+    place = client.placement
+
+    def counted(keys):
+        placements.append(a.steps)
+        return place(keys)
+
+    client.placement = counted
+    prompts: Counter[int] = Counter()  # per step, the requests whose prompt was announced
+    batches: Counter[int] = Counter()  # per step, the running requests whose decode batch was announced
+    step = a.step
+
+    def observed() -> None:
+        before = {req_id: (tracked.prompt_expected, tracked.expected_until)
+                  for req_id, tracked in part._requests.by_id.items()}
+        step()
+        for req_id, (announced, until) in before.items():
+            tracked = part._requests.get(req_id)
+            if tracked is None or tracked.finishing:
+                continue
+            prompts[a.steps] += tracked.prompt_expected and not announced
+            batches[a.steps] += announced and tracked.expected_until > until
+
+    a.step = observed
+    requests = [a.add(f"R{i}", prompt(160, seed=40 + i), max_tokens=300) for i in range(8)]
+    a.run(*requests)
+    a.settle()
+    per_step = Counter(placements)
+    for kind, announced in (("prompts", prompts), ("decode batches", batches)):
+        together = [s for s, n in announced.items() if n >= 2]
+        assert together, f"no step announced several requests' {kind}: {announced}"
+        assert all(per_step[s] <= 1 for s in together), \
+            f"placements in the steps that announced {kind}: {[per_step[s] for s in together]}"
+    stats = a.stats()
+    assert stats["saved_blocks"] == 8 * ((160 + 300 - 1) // 16) and not stats.get("saves_dropped")
+    assert a.wrong_blocks == 0
+
+
 def test_steps_without_loads_share_one_step_state_that_nothing_writes_into(store, model_dir):
     """Most decode steps load nothing and save no state: the worker gives them one shared step
     state, not a new one each (~2 us of an engine's host time a step). A store hit's steps get
@@ -578,7 +624,8 @@ def test_an_idle_engine_gives_its_unused_slots_back(model_dir):
         clock.advance(1.2)
         for _ in range(40):  # idle steps: the remembered demand fades, the surplus goes back
             a.step()
-        clock.advance(QUIET_TICK_S * 1.2)  # quick steps fade it at the next full tick, at most this later
+        # quick steps fade it at the next full tick, at most this later
+        clock.advance(a.connector.scheduler_part.slots.quiet_tick_s * 1.2)
         a.step()
         a.settle()
         assert _held_slot_bytes(store) <= 2 * 2 * entry
@@ -1205,7 +1252,7 @@ def test_an_engines_free_slots_do_not_evict_what_it_just_saved(model_dir):
         a.settle()
         for _ in range(5):
             a.step()  # ticks: the free stock the demand asks for is granted (a full tick each)
-            a.clock.advance(QUIET_TICK_S * 1.2)
+            a.clock.advance(a.connector.scheduler_part.slots.quiet_tick_s * 1.2)
         a.settle()
         b = make_engine(store.client(), model_dir)
         ext, _ = b.serve("B", p)

@@ -105,10 +105,16 @@ REFILL = 2
 """A class taken from whose free slots fell below its baseline is refilled to this many times the
 baseline (within the pool's share), so a steady trickle of takes (a request decoding) asks now
 and then, not at nearly every slot it takes (each ask a control call on the engine's host)."""
-QUIET_TICK_S = 0.05
-"""How often a tick with nothing to collect, give back or count (most decode steps) still looks
-at baselines, renewals and idle slots: those move on a scale of seconds, and a full tick on
-every ~2 ms decode step cost the engine's host tens of microseconds a step."""
+QUIET_TICK_S = 0.5
+"""How often, at most, a tick with nothing to collect, give back or count (most decode steps)
+still looks at baselines, renewals and idle slots: those move on the scale of ``renew_after_s``
+and ``idle_s`` (a third of ``reserve_timeout_s``), and a full tick costs the engine's host tens
+of microseconds (at 50 ms apart, most of the tick's mean per step on an H100 host's decode)."""
+QUIET_TICK_SHARE = 1 / 20
+"""The interval's bound as a share of the shorter of ``renew_after_s`` and ``idle_s``, where
+that share is below QUIET_TICK_S (short timeouts): a renewal is posted at most that much late,
+well inside the slack between ``renew_after_s`` and ``usable_s`` (the scheduler's are a third
+and at least half of ``reserve_timeout_s``)."""
 
 
 class _Batched:
@@ -145,6 +151,7 @@ class SlotSupply:
         self._promises: dict[SlotClass, deque[_Promise]] = defaultdict(deque)  # oldest first
         self._renew_after_s = renew_after_s
         self._idle_s = idle_s
+        self._quiet_tick_s = min(QUIET_TICK_S, QUIET_TICK_SHARE * min(renew_after_s, idle_s))
         self._clock = clock
         self._grants: dict[tuple[PoolKey, int], _Grant] = {}  # (pool, token)
         self._free: dict[SlotClass, deque[_Grant]] = defaultdict(deque)
@@ -159,6 +166,11 @@ class SlotSupply:
         self._holding: defaultdict[SlotClass, int] = defaultdict(int)  # what ``_held`` is next, empty
         self._later: dict[SlotClass, int] = defaultdict(int)  # expected saves for the next tick to ask for
         self._batched = _Batched(self)
+
+    @property
+    def quiet_tick_s(self) -> float:
+        """The longest a tick with nothing to do skips the full tick's work (``tick``)."""
+        return self._quiet_tick_s
 
     def want(self, *sizes: int) -> None:
         """Entry sizes to keep free slots of."""
@@ -246,7 +258,7 @@ class SlotSupply:
         """Collect grants that arrived, keep baselines, renew what we hold, give back what
         sat idle. Never blocks. ``pools``: the caller's view of the fleet this step; call it
         once a step. When nothing changed (no slot taken, no ask answered, no return or renewal
-        awaited, nothing to give back, the same pools) it does this at most every QUIET_TICK_S. Demand
+        awaited, nothing to give back, the same pools) it does this at most every ``quiet_tick_s``. Demand
         fades by the steps since the last full tick, so a skipped tick only delays what a
         fading demand could cause: a give-back, which waits ``idle_s`` anyway (a full tick on
         every step while demand faded, ~10 steps after each slot taken, was most decode steps'
@@ -274,13 +286,13 @@ class SlotSupply:
         self._returning = [answer for answer in self._returning if not answer.poll()]
 
     def _quiet(self, pools: Pools, now: float) -> bool:
-        """Nothing changed since a full tick less than QUIET_TICK_S ago, over the same pools:
+        """Nothing changed since a full tick less than ``quiet_tick_s`` ago, over the same pools:
         asks may be out, but none was answered (a full tick would find nothing to take and
         nothing else to do; one on every step while a cold prompt's asks were out was ~0.1 ms
         of each of those steps' host time here)."""
         return (not (self._used or self._excess or self._returning or self._renewing or self._later)
                 and self._ticked is not None and self._ticked[0] == pools.version
-                and now - self._ticked[1] < QUIET_TICK_S
+                and now - self._ticked[1] < self._quiet_tick_s
                 and not (self._asks and any(ask.answer.poll() for ask in self._asks)))  # no generator made for none
 
     def _expire_promises(self, live: KeysView[PoolKey], now: float) -> None:

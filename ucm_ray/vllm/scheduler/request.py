@@ -301,19 +301,36 @@ class TrackedRequest:
         a row of indices into them), placed once per request while the fleet's pools stay as
         they are: its prompt's announcement and its saves both ask (placed twice, they cost a
         4k prompt ~0.1-0.2 ms of the scheduler's step here)."""
-        version = store.pools().version
-        if version != self.placed_under:
-            self.owners.clear()
-            self.placed_under = version
-        pools, known = self.owners.get((rank, group), ([], np.zeros((0, 0), dtype=np.int64)))
+        pools, known = self._placed(rank, group, store.pools().version)
         needed = max(blocks, default=-1) + 1
         if needed > len(known):
-            pools, more = store.placement(self.attn_keys(rank, group, range(len(known), needed)))
-            known = np.concatenate([known, more]) if len(known) else more
-            self.owners[(rank, group)] = (pools, known)
+            pools, known = self.add_owners(rank, group, *store.placement(
+                self.attn_keys(rank, group, range(len(known), needed))))
         if isinstance(blocks, range) and blocks.step == 1:
             return pools, known[blocks.start:blocks.stop]
         return pools, known[np.asarray(blocks, dtype=np.int64)]
+
+    def unplaced_keys(self, rank: int, group: int, blocks: range, version: int) -> list[bytes]:
+        """The keys of these blocks (and of any before them) that ``attn_owners`` would place
+        now, under pools of ``version`` (``place_together``)."""
+        known = len(self._placed(rank, group, version)[1])
+        return self.attn_keys(rank, group, range(known, blocks.stop)) if blocks.stop > known else []
+
+    def _placed(self, rank: int, group: int, version: int) -> tuple[list[PoolKey], np.ndarray]:
+        """The owners placed so far of an attention group's keys on one rank (none where they
+        were placed under other pools than those of ``version``)."""
+        if version != self.placed_under:
+            self.owners.clear()
+            self.placed_under = version
+        return self.owners.get((rank, group), ([], np.zeros((0, 0), dtype=np.int64)))
+
+    def add_owners(self, rank: int, group: int, pools: list[PoolKey],
+                   more: np.ndarray) -> tuple[list[PoolKey], np.ndarray]:
+        """Keep ``more``, the owners of the keys right after those placed so far (under the
+        pools ``_placed`` was last asked about); the group's owners placed so far, with them."""
+        known = self.owners.get((rank, group), ([], np.zeros((0, 0), dtype=np.int64)))[1]
+        placed = self.owners[(rank, group)] = (pools, np.concatenate([known, more]) if len(known) else more)
+        return placed
 
     def family(self, rank: int, hot_prefix: Callable[[Sequence[bytes]], int]) -> Family:
         """The family of the request's blocks on one rank: its root is the first block of its
@@ -384,6 +401,23 @@ class TrackedRequest:
         sizes = self.geometry.block_sizes
         per_rank = sum(max(0, computed // sizes[g] - self.saved_blocks.get(g, 0)) for g in self.geometry.attn)
         return per_rank * len(self.geometry.namespaces)
+
+
+def place_together(runs: Sequence[tuple[TrackedRequest, int, int, range]], store: BlockStore) -> None:
+    """The owners of these runs' blocks (request, rank, attention group, blocks) that their
+    requests have not placed yet, placed in one call and kept by each request, where
+    ``attn_owners`` finds them: requests that started or decode together announce their
+    blocks in the same step (``SavePlanner._place_ahead``), a placement call each."""
+    version = store.pools().version
+    unplaced = [(tracked, rank, group, keys) for tracked, rank, group, blocks in runs
+                if (keys := tracked.unplaced_keys(rank, group, blocks, version))]
+    if len(unplaced) < 2:
+        return  # ``attn_owners`` places one request's keys as it would here
+    pools, owners = store.placement([key for *_, keys in unplaced for key in keys])
+    at = 0
+    for tracked, rank, group, keys in unplaced:
+        tracked.add_owners(rank, group, pools, owners[at:at + len(keys)])
+        at += len(keys)
 
 
 class TrackedRequests:

@@ -24,7 +24,7 @@ from ucm_ray.store.engine.slots import SlotSupply
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID, CacheGeometry
-from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests
+from ucm_ray.vllm.scheduler.request import SlotCounts, TrackedRequest, TrackedRequests, place_together
 from ucm_ray.vllm.scheduler.save_jobs import SaveJobs, SaveRowsByRank, WantedSaves, one_pool_list, save_rows
 from ucm_ray.vllm.stats import UcmRayStats
 
@@ -42,6 +42,10 @@ every save job costs the engine host time (planning, posting the copies, the res
 commit), a sizeable share of a small model's decode step, so saving each block as it filled
 slowed decode. A prompt's blocks are saved as soon as its first token is out, whatever their
 number."""
+DECODE_ANNOUNCE_TOKENS = DECODE_SAVE_TOKENS * 3 // 8
+"""Generated tokens past the last announcement at which a decode batch's slots are announced
+again: slots for the batch are asked for 2-3 times as its blocks fill, the last well before the
+batch is saved (the free stock covers the rest); each ask is a call per pool."""
 
 
 @dataclass
@@ -193,6 +197,7 @@ class SavePlanner:
         """The saves of the requests whose last plan does not stand, bound together."""
         wanted: list[tuple[TrackedRequest, WantedSaves]] = []
         self._claims = StepClaims()
+        self._place_ahead(to_plan)
         for tracked in to_plan:
             planned = self._plan_request(tracked)
             if planned is not None:
@@ -217,6 +222,35 @@ class SavePlanner:
                 saving.append(tracked.request.request_id)
         if saves:
             meta.saves = self.jobs.dispatch(saves, saving)
+
+    def _place_ahead(self, to_plan: list[TrackedRequest]) -> None:
+        """The keys of the blocks this step's plans announce, placed in one call before them:
+        the prompts whose first tokens came out (``_announce_prompt``: prompts that started
+        together put them out together) and the next decode batches of requests that reached
+        their announcement (``_still_waiting``: requests decoding together reach it together).
+        Each announcement then finds its blocks placed; a placement call per request was a
+        sizeable share of those steps' plans. (A request that saves instead of announcing gets
+        a few of its next blocks placed early: placements are kept until the pools change.)"""
+        if self._geometry.hybrid:
+            return  # a hybrid's chunks are announced as they come, with its states' keys
+        geometry = self._geometry
+        runs: list[tuple[TrackedRequest, int, int, range]] = []
+        for tracked in to_plan:
+            hashed = tracked.hashed_tokens()
+            if not tracked.prompt_expected:
+                if not tracked.may_save():  # as ``_plan_request`` asks before announcing it
+                    continue
+                start = max(tracked.expected_until, tracked.saved_tokens())  # as the announcement counts them
+                until = min(tracked.request.num_prompt_tokens, hashed)
+            elif hashed - tracked.expected_until >= DECODE_ANNOUNCE_TOKENS:
+                start, until = tracked.expected_until, hashed
+            else:
+                continue
+            for g in geometry.attn if until > start else ():
+                blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
+                runs += [(tracked, rank, g, blocks) for rank in range(len(geometry.namespaces)) if len(blocks)]
+        if len(runs) > 1:
+            place_together(runs, self._store)
 
     def _plan_request(self, tracked: TrackedRequest) -> WantedSaves | None:
         """One request's blocks to save in this step (None: none)."""
@@ -317,9 +351,7 @@ class SavePlanner:
             return True  # as at the last plan: nothing to save yet
         if not self._saves_wait(tracked, filled):
             return False
-        if hashed - tracked.expected_until >= DECODE_SAVE_TOKENS * 3 // 8:
-            # slots for the batch, asked for 2-3 times as its blocks fill, the last well before
-            # the batch is saved (the free stock covers the rest): each ask is a call per pool
+        if hashed - tracked.expected_until >= DECODE_ANNOUNCE_TOKENS:
             self.expect(tracked, hashed)
         tracked.waiting_at = (filled, hashed)
         return True  # no block filled since the last plan, or too few past the prompt yet
