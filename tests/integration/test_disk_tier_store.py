@@ -19,6 +19,17 @@ from ucm_ray.store.shard.fleet import fleet_status
 from ucm_ray.testing.disk_faults import GATE_ENV
 
 
+def _gated_disk_fleet(fleet, tmp_path, monkeypatch, **timeouts):
+    """A one-shard fleet with a 4 MiB pool in front of a 32 MiB write-through disk whose reads
+    wait while the file ``gate`` (returned with the config) exists (``GATE_ENV``)."""
+    gate = str(tmp_path / "gate")
+    monkeypatch.setenv(GATE_ENV, gate)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    return gate, fleet(num_shards=1, transport="shm", pool_bytes=4 << 20, disk_dir=str(disk),
+                       disk_bytes=32 << 20, disk_write_policy="through", **timeouts)
+
+
 def _wait_until_demoted(cfg, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while any(s["disk_behind"] for s in fleet_status(cfg)["shards"]):
@@ -116,12 +127,7 @@ def test_a_promotion_mid_read_leaves_the_shards_saves_and_status_answering(fleet
     first read (``UCM_RAY_TEST_DISK_READ_GATE``) while another process saves and the driver asks
     for the fleet's status; then it is let go and its reader gets every block, exact. Before the
     disk thread, the save's slot ask waited behind the held read (it timed out here)."""
-    gate = str(tmp_path / "gate")
-    monkeypatch.setenv(GATE_ENV, gate)
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    cfg = fleet(num_shards=1, transport="shm", pool_bytes=4 << 20, disk_dir=str(disk), disk_bytes=32 << 20,
-                disk_write_policy="through", disk_wait_s=20.0, lookup_timeout_s=30.0)
+    gate, cfg = _gated_disk_fleet(fleet, tmp_path, monkeypatch, disk_wait_s=20.0, lookup_timeout_s=30.0)
     writer = ClientProcess.remote(cfg.to_dict())
     assert all(ray.get(writer.write.remote(60, 0, "a"), timeout=60))
     _wait_until_demoted(cfg)
@@ -171,12 +177,7 @@ def test_a_promotion_queued_past_its_askers_deadline_reads_nothing(fleet, tmp_pa
     counts from when the engine sent them, not from when the disk thread took them up: before,
     each got a fresh ``disk_wait_s`` there and read its whole prompt after its asker gave up.
     Later readers still get every block they find exact: what was not promoted is a miss."""
-    gate = str(tmp_path / "gate")
-    monkeypatch.setenv(GATE_ENV, gate)
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    cfg = fleet(num_shards=1, transport="shm", pool_bytes=4 << 20, disk_dir=str(disk), disk_bytes=32 << 20,
-                disk_write_policy="through", disk_wait_s=3.0, lookup_timeout_s=4.0)
+    gate, cfg = _gated_disk_fleet(fleet, tmp_path, monkeypatch, disk_wait_s=3.0, lookup_timeout_s=4.0)
     writer = ClientProcess.remote(cfg.to_dict())
     prompts = {tag: [key(i, tag) for i in range(40)] for tag in ("a", "b", "c")}
     for tag in prompts:
