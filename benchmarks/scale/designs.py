@@ -266,6 +266,10 @@ class DesignParams:
     load_pair_per_request: bool = False
     """(k), ``load_pick`` ``two``: a request's pair of pools is drawn once (per count of pools
     told), not per block read: its blocks are read from fewer pools."""
+    load_keep_previous: bool = False
+    """(k), ``load_pick`` ``two``: where the previous block's source is one of the pair, it is tried
+    first (a run stays in one pool: the less loaded's copy may stop short, evicted, and trying it
+    first for every later block costs a wasted index read each)."""
     load_lag_pushes: int = 0
     """(k), ``load_pick``: pushes more by which the figure lags (the engines' reports riding on the
     long poll re-posted after a push reach the directory for the next one: 1)."""
@@ -373,6 +377,8 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
                         help="(k), --load-pick: fleet requests between load pushes (0: the hot table's pace)")
     parser.add_argument("--load-pair-per-request", action="store_true",
                         help="(k), --load-pick two: one pair drawn per request, not per block read")
+    parser.add_argument("--load-keep-previous", action="store_true",
+                        help="(k), --load-pick two: the previous block's source first when one of the pair")
     parser.add_argument("--load-lag-pushes", type=int, default=0,
                         help="(k), --load-pick: pushes more by which the figure lags")
     parser.add_argument("--load-top-pools", type=int, default=0,
@@ -385,7 +391,8 @@ def load_params(args: argparse.Namespace) -> dict[str, Any]:
     """``DesignParams``' fields set by ``add_load_args``' flags."""
     return {"load_pick": args.load_pick, "load_decay_pushes": args.load_decay_pushes,
             "load_push_requests": args.load_push_requests,
-            "load_pair_per_request": args.load_pair_per_request, "load_lag_pushes": args.load_lag_pushes,
+            "load_pair_per_request": args.load_pair_per_request, "load_keep_previous": args.load_keep_previous,
+            "load_lag_pushes": args.load_lag_pushes,
             "load_top_pools": args.load_top_pools, "load_change_share": args.load_change_share}
 
 
@@ -1125,8 +1132,9 @@ class LoadSignal:
                 for pool in own:
                     own[pool] *= self.decay
 
-    def order(self, node: int, candidates: list[int]) -> list[int]:
-        """``candidates`` (the pools ``node`` is told of, in the built order) in the order it tries them."""
+    def order(self, node: int, candidates: list[int], previous: int | None = None) -> list[int]:
+        """``candidates`` (the pools ``node`` is told of, in the built order) in the order it tries
+        them; ``previous``: the previous block's source (``load_keep_previous``)."""
         mode = self.params.load_pick
         if len(candidates) < 2:
             return candidates
@@ -1144,6 +1152,8 @@ class LoadSignal:
         if mode.startswith("two"):
             first, second = self._pair(node, len(candidates))
             pair = sorted((candidates[first], candidates[second]), key=load)
+            if self.params.load_keep_previous and previous == pair[1]:
+                pair.reverse()
             return pair + [pool for pool in candidates if pool not in pair]
         return sorted(candidates, key=load)
 
@@ -1266,7 +1276,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         if self.load is None:
             return super()._first_holding(key, order, tally)
         candidates = [node for node in dict.fromkeys(order) if node != self._hot_reader]
-        ordered = self.load.order(self._hot_reader, candidates)
+        ordered = self.load.order(self._hot_reader, candidates, self._previous)
         if self._hot_reader in order:
             ordered = [self._hot_reader, *ordered]
         return super()._first_holding(key, ordered, tally)

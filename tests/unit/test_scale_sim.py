@@ -519,7 +519,8 @@ def test_a_readers_pick_of_two_told_pools_by_the_fleets_pushed_load_lowers_the_h
     designs = {}
     for pick in ("", "two"):
         cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, placement)
-        design = HandoverCopyOnSecondRead(cluster, DesignParams(load_pick=pick, load_pair_per_request=True))
+        design = HandoverCopyOnSecondRead(cluster, DesignParams(load_pick=pick, load_pair_per_request=True,
+                                                                load_keep_previous=True))
         design.run(requests)
         designs[pick] = design
     built, two = designs[""].stats, designs["two"].stats
@@ -535,7 +536,8 @@ def test_the_load_signal_pushes_a_lagged_decayed_figure_and_only_what_its_limits
     more with ``load_lag_pushes``), decayed by ``load_decay_pushes``; ``load_top_pools`` pushes the
     most loaded pools' figures only (the rest read as 0), ``load_change_share`` only those that
     moved; ``fleet_local`` adds the reader's own reads since the push; ``two`` tries the less
-    loaded of two first, the rest in the built order."""
+    loaded of two first (the previous block's source first where it is one of them, with
+    ``load_keep_previous``), the rest in the built order."""
     from benchmarks.scale.designs import LoadSignal
 
     served = np.array([0.0, 100.0, 300.0, 50.0])
@@ -569,3 +571,9 @@ def test_the_load_signal_pushes_a_lagged_decayed_figure_and_only_what_its_limits
     order = two.order(0, [2, 1, 3])
     assert sorted(order) == [1, 2, 3] and two.seen[order[0]] <= two.seen[order[1]]
     assert order == two.order(0, [2, 1, 3])  # the same pair for the request's blocks
+    kept = LoadSignal(4, DesignParams(load_pick="two", load_pair_per_request=True, load_keep_previous=True))
+    kept.push(served)
+    kept.new_request()
+    pair = kept.order(0, [2, 1, 3])[:2]
+    assert kept.order(0, [2, 1, 3], previous=pair[1])[:2] == [pair[1], pair[0]]  # the run stays in its pool
+    assert kept.order(0, [2, 1, 3], previous=0)[:2] == pair
