@@ -11,6 +11,9 @@ request's kind.
 told of (``named``), of every registered one (``locs``), the same for hot rows only (``hotll``), or
 a random one of a hot row's per read (``hotrand``): what a load-aware pick would give, which the
 package cannot make (one-sided reads: a pool never sees its load). Figures: docs/scaling.md, stop 61.
+``--load-pick`` and the other ``--load-*`` flags make the pick by a load figure engines could be
+pushed (``DesignParams.load_pick``, ``LoadSignal``: stale by a push period, decayed, partial), and
+print what the signal carries (stop 63, loadpick17).
 
 Run: ``python benchmarks/scale_hot_why.py --nodes 100 --requests 2000 --router random``.
 """
