@@ -11,6 +11,9 @@ request's kind.
 told of (``named``), of every registered one (``locs``), the same for hot rows only (``hotll``), or
 a random one of a hot row's per read (``hotrand``): what a load-aware pick would give, which the
 package cannot make (one-sided reads: a pool never sees its load). Figures: docs/scaling.md, stop 61.
+``--load-pick`` and the other ``--load-*`` flags make the pick by a load figure engines could be
+pushed (``DesignParams.load_pick``, ``LoadSignal``: stale by a push period, decayed, partial), and
+print what the signal carries (stop 63, loadpick17).
 
 Run: ``python benchmarks/scale_hot_why.py --nodes 100 --requests 2000 --router random``.
 """
@@ -28,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
-from benchmarks.scale.designs import DesignParams  # noqa: E402
+from benchmarks.scale.designs import DesignParams, add_load_args, load_params  # noqa: E402
 from benchmarks.scale.metrics import RequestTally  # noqa: E402
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, add_single_run_args, single_run  # noqa: E402
 from benchmarks.scale_hot_floor import SplitBytes  # noqa: E402
@@ -129,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--popular-readers", type=int, default=DesignParams.popular_readers)
     parser.add_argument("--popular-window", type=float, default=DesignParams.popular_window)
     parser.add_argument("--spread-pools", type=int, default=DesignParams.spread_pools)
+    add_load_args(parser)
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
@@ -136,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                           hot_copies_past_bound_tokens=args.hot_copies_past_bound_tokens,
                           hot_copy_nodes_per_pool=args.hot_copy_nodes_per_pool,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
-                          spread_pools=args.spread_pools)
+                          spread_pools=args.spread_pools, **load_params(args))
     design = WhyServed(cluster, params, args.oracle)
     design.run(requests)
     served = design.stats.bytes_served / cluster.block_bytes
@@ -146,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"hot_spot {served.max() / mean:.2f}, calls {calls.max() / calls.mean():.2f}, copy bound "
           f"{design.copy_bound()}, hot copies past the bound {design.hot_copies_unannounced}, "
           f"evictions {cluster.evictions()}")
+    if design.load is not None:
+        print(design.load.summary())
     fleet: Counter[str] = Counter()
     for counts in design.outcome.values():
         fleet.update(counts)

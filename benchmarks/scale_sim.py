@@ -56,7 +56,9 @@ from benchmarks.scale.designs import (  # noqa: E402
     DesignParams,
     HandoverCopyOnSecondRead,
     add_learning_args,
+    add_load_args,
     learning_params,
+    load_params,
 )
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(the first copied block's owner) that forwards them once a window (the package's "
                              "relay_hot_copies: false; before stop 58)")
     add_learning_args(parser)
+    add_load_args(parser)
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--popular-readers", type=int, default=2,
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                           spread_hot_reads=args.spread_hot_reads, bound_hot_copies=not args.unbounded_hot_copies,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           learn_window=args.learn_window, relay_announcements=args.relay_announcements,
-                          learn_scan_blocks=args.learn_scan_blocks, **learning_params(args),
+                          learn_scan_blocks=args.learn_scan_blocks, **learning_params(args), **load_params(args),
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,

@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import logging
 import math
+import random
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -244,6 +245,41 @@ class DesignParams:
     learn_scan_blocks: int = SCAN_BLOCKS
     """(h)-(k): blocks past its root a lookup shows the root's owner (the package's ``SCAN_BLOCKS``;
     the simulation used 8,192 tokens through stop 57: 64 blocks at block 128, 512 at 16)."""
+    load_pick: str = ""
+    """(k): how a reader picks among the pools it is told hold a block (stop 63, loadpick17; not
+    built: the package has no load signal, NIXL reads are one-sided). "": as built (the order the
+    hints and the node's hash give, the first that holds it); ``fleet``: the least loaded by the
+    fleet's figure pushed to every engine (each engine counts the bytes it read per pool and sends
+    them to the directory, which sums them and pushes a figure per pool every ``load_push_requests``:
+    stale by up to a push period, ``load_lag_pushes`` more); ``fleet_local``: the same figure plus
+    this node's own reads per pool since that push; ``two``: two of the pools told, drawn at random
+    per read, the less loaded by the fleet's figure first (power of two choices); ``two_local``:
+    ``two`` with the local correction; ``local``: the least read by this node itself (no fleet
+    signal; decayed as the fleet's is). Ties and pools that hold no copy: the built order."""
+    load_decay_pushes: float = 0.0
+    """(k), ``load_pick``: the figure's time constant in push periods (each push multiplies what was
+    summed before by exp(-1 / this) and adds the period's bytes; 0: no decay, bytes since the start)."""
+    load_push_requests: int = 0
+    """(k), ``load_pick``: the fleet's requests between load pushes (0: with the hot table's pushes,
+    ``push_windows`` windows of ``window`` requests: 5 s at 100 nodes, 1 s at 1,000, at
+    ``SECONDS_PER_REQUEST``; the package's pushes come at most once per ``COPIES_PUSH_S``, 1 s)."""
+    load_pair_per_request: bool = False
+    """(k), ``load_pick`` ``two``: a request's pair of pools is drawn once (per count of pools
+    told), not per block read: its blocks are read from fewer pools."""
+    load_keep_previous: bool = False
+    """(k), ``load_pick`` ``two``: where the previous block's source is one of the pair, it is tried
+    first (a run stays in one pool: the less loaded's copy may stop short, evicted, and trying it
+    first for every later block costs a wasted index read each)."""
+    load_lag_pushes: int = 0
+    """(k), ``load_pick``: pushes more by which the figure lags (the engines' reports riding on the
+    long poll re-posted after a push reach the directory for the next one: 1)."""
+    load_top_pools: int = 0
+    """(k), ``load_pick``: a push carries only the figures of this many most loaded pools (the rest
+    read as 0 by the engines; 0: every pool's)."""
+    load_change_share: float = 0.0
+    """(k), ``load_pick``: a pool's figure is pushed only when it moved by more than this share of
+    the figure last pushed for it, or of the fleet's mean figure where that is larger (0: every
+    push carries every pool's)."""
     seed: int = 0
 
 
@@ -324,6 +360,40 @@ def learning_params(args: argparse.Namespace) -> dict[str, Any]:
     return {"learn_asks": args.learn_asks, "learn_askers": args.learn_askers,
             "learn_askers_share": args.learn_askers_share, "push_growth": args.push_growth,
             "push_every": args.push_every}
+
+
+LOAD_PICKS = ("", "fleet", "fleet_local", "two", "two_local", "local")
+"""``DesignParams.load_pick``'s choices."""
+
+
+def add_load_args(parser: argparse.ArgumentParser) -> None:
+    """(k)'s load-aware pick among the pools a reader is told of (``DesignParams.load_pick``, stop 63,
+    loadpick17; not built) as flags, off by default: ``load_params`` reads them."""
+    parser.add_argument("--load-pick", default="", choices=list(LOAD_PICKS),
+                        help="(k): how a reader picks among the pools told (DesignParams.load_pick; default: as built)")
+    parser.add_argument("--load-decay-pushes", type=float, default=0.0,
+                        help="(k), --load-pick: the figure's time constant in push periods (0: no decay)")
+    parser.add_argument("--load-push-requests", type=int, default=0,
+                        help="(k), --load-pick: fleet requests between load pushes (0: the hot table's pace)")
+    parser.add_argument("--load-pair-per-request", action="store_true",
+                        help="(k), --load-pick two: one pair drawn per request, not per block read")
+    parser.add_argument("--load-keep-previous", action="store_true",
+                        help="(k), --load-pick two: the previous block's source first when one of the pair")
+    parser.add_argument("--load-lag-pushes", type=int, default=0,
+                        help="(k), --load-pick: pushes more by which the figure lags")
+    parser.add_argument("--load-top-pools", type=int, default=0,
+                        help="(k), --load-pick: a push carries the figures of this many most loaded pools (0: all)")
+    parser.add_argument("--load-change-share", type=float, default=0.0,
+                        help="(k), --load-pick: a pool's figure is pushed when it moved by more than this share")
+
+
+def load_params(args: argparse.Namespace) -> dict[str, Any]:
+    """``DesignParams``' fields set by ``add_load_args``' flags."""
+    return {"load_pick": args.load_pick, "load_decay_pushes": args.load_decay_pushes,
+            "load_push_requests": args.load_push_requests,
+            "load_pair_per_request": args.load_pair_per_request, "load_keep_previous": args.load_keep_previous,
+            "load_lag_pushes": args.load_lag_pushes,
+            "load_top_pools": args.load_top_pools, "load_change_share": args.load_change_share}
 
 
 def _first_false(flags: np.ndarray) -> int:
@@ -978,6 +1048,139 @@ class BuiltHotRootsHandover(BuiltHotRoots):
         self.stats.index_bytes += tally.index_bytes
 
 
+LOAD_ENTRY_BYTES = 8
+"""One pool's load figure on the wire (``load_pick``): a 4-byte pool number (its place in the
+membership every engine holds) and a 4-byte figure (KiB, or a float32)."""
+
+
+class LoadSignal:
+    """``load_pick``: what engines would know of each pool's load. Each engine counts the bytes it
+    read from each pool in a push period and sends them (one entry per pool it read from, on its
+    long poll) to the directory, which sums them over the fleet, decays the sum
+    (``load_decay_pushes``) and pushes a figure per pool to every engine with its hot-table pushes:
+    the figure an engine holds is a push period (``load_lag_pushes`` more) old, and, with
+    ``load_top_pools`` or ``load_change_share``, only partly pushed. Counts what the reports and the
+    pushes would carry."""
+
+    def __init__(self, nodes: int, params: DesignParams) -> None:
+        self.params = params
+        self.nodes = nodes
+        self.decay = math.exp(-1.0 / params.load_decay_pushes) if params.load_decay_pushes else 1.0
+        self.summed = np.zeros(nodes)
+        """The directory's decayed sum of the engines' reports, per pool."""
+        self._served_before = np.zeros(nodes)
+        self._history: list[np.ndarray] = []
+        self.pushed = np.zeros(nodes)
+        """Per pool, the figure last pushed (``load_change_share``)."""
+        self.seen: list[float] = [0.0] * nodes
+        """Per pool, the figure every engine holds now (a list: read per block)."""
+        self.period_reads: list[dict[int, float]] = [{} for _ in range(nodes)]
+        """Per reader node, bytes it read per pool since the last push (its next report)."""
+        self.own_reads: list[dict[int, float]] = [{} for _ in range(nodes)]
+        """``load_pick="local"``: per reader node, bytes it read per pool, decayed as the fleet's."""
+        self._draw = random.Random(params.seed)
+        self._salt = 0
+        self.pushes = 0
+        self.entries_pushed = 0
+        """Pool figures carried by all pushes (each push goes to every engine)."""
+        self.entries_pushed_max = 0
+        self.entries_reported = 0
+        """(reader, pool) entries in all the engines' reports."""
+        self.reports = 0
+        """Engines' reports sent (a node that read from another node in a period sends one)."""
+
+    def read(self, node: int, source: int, size: float) -> None:
+        """``node`` read ``size`` bytes from ``source``'s pool."""
+        reads = self.period_reads[node]
+        reads[source] = reads.get(source, 0.0) + size
+        if self.params.load_pick == "local":
+            own = self.own_reads[node]
+            own[source] = own.get(source, 0.0) + size
+
+    def push(self, bytes_served: np.ndarray) -> None:
+        """A push period ended: the engines' reports summed, decayed and pushed."""
+        self.summed = self.summed * self.decay + (bytes_served - self._served_before)
+        self._served_before = bytes_served.copy()
+        self._history.append(self.summed.copy())
+        del self._history[:-(self.params.load_lag_pushes + 1)]
+        figure = self._history[0] if len(self._history) > self.params.load_lag_pushes else np.zeros(self.nodes)
+        top, share = self.params.load_top_pools, self.params.load_change_share
+        if top and top < self.nodes:
+            view = np.zeros(self.nodes)
+            picked = np.argpartition(-figure, top)[:top]
+            view[picked] = figure[picked]
+            entries = top
+        elif share:
+            threshold = share * np.maximum(self.pushed, figure.mean())
+            changed = np.abs(figure - self.pushed) > threshold
+            self.pushed[changed] = figure[changed]
+            view = self.pushed
+            entries = int(changed.sum())
+        else:
+            view, entries = figure, self.nodes
+        self.seen = view.tolist()
+        self.pushes += 1
+        self.entries_pushed += entries
+        self.entries_pushed_max = max(self.entries_pushed_max, entries)
+        for reads in self.period_reads:
+            if reads:
+                self.reports += 1
+                self.entries_reported += len(reads)
+                reads.clear()
+        if self.params.load_pick == "local" and self.decay < 1.0:
+            for own in self.own_reads:
+                for pool in own:
+                    own[pool] *= self.decay
+
+    def order(self, node: int, candidates: list[int], previous: int | None = None) -> list[int]:
+        """``candidates`` (the pools ``node`` is told of, in the built order) in the order it tries
+        them; ``previous``: the previous block's source (``load_keep_previous``)."""
+        mode = self.params.load_pick
+        if len(candidates) < 2:
+            return candidates
+        seen = self.seen
+        if mode == "local":
+            own = self.own_reads[node]
+            return sorted(candidates, key=lambda pool: own.get(pool, 0.0))
+        if mode.endswith("_local"):
+            mine = self.period_reads[node]
+            def load(pool: int) -> float:
+                return seen[pool] + mine.get(pool, 0.0)
+        else:
+            def load(pool: int) -> float:
+                return seen[pool]
+        if mode.startswith("two"):
+            first, second = self._pair(node, len(candidates))
+            pair = sorted((candidates[first], candidates[second]), key=load)
+            if self.params.load_keep_previous and previous == pair[1]:
+                pair.reverse()
+            return pair + [pool for pool in candidates if pool not in pair]
+        return sorted(candidates, key=load)
+
+    def new_request(self) -> None:
+        """A request starts: ``load_pair_per_request`` draws its pairs afresh."""
+        self._salt = self._draw.getrandbits(62)
+
+    def _pair(self, node: int, count: int) -> tuple[int, int]:
+        """Two distinct places among ``count`` pools told: drawn per read, or per request (the same
+        pair for the request's blocks told the same number of pools: its reads stay in few pools)."""
+        if not self.params.load_pair_per_request:
+            first, second = self._draw.sample(range(count), 2)
+            return first, second
+        first = self._salt % count
+        second = (first + 1 + (self._salt // count) % (count - 1)) % count
+        return first, second
+
+    def summary(self) -> str:
+        """What the signal cost on the wire."""
+        pushes = max(self.pushes, 1)
+        return (f"load signal ({self.params.load_pick}): {self.pushes} pushes, {self.entries_pushed / pushes:.0f} "
+                f"pool figures a push to each engine (max {self.entries_pushed_max}; "
+                f"{self.entries_pushed / pushes * LOAD_ENTRY_BYTES:.0f} B), reports {self.reports / pushes:.0f} "
+                f"a period of {self.entries_reported / max(self.reports, 1):.1f} pools each "
+                f"({self.entries_reported / pushes * LOAD_ENTRY_BYTES:.0f} B a period to the directory)")
+
+
 class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
     """(k) (j), and a reader keeps a copy in its own pool of a block it loaded from another node at
     its node's second read of that block (the root's owner counts each node's asks per block:
@@ -1020,6 +1223,9 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """... rows sent as the pools added (``HotPrefixDelta.appended``, the package since stop 60)."""
         self.hot_copies_unannounced = 0
         """``hot_copies_past_bound``: hot-prefix blocks copied past their row's bound (told to nobody)."""
+        self.load = LoadSignal(cluster.nodes, params) if params.load_pick else None
+        """``load_pick``: the pools' load as engines would know it."""
+        self._requests_served = 0
 
     def push_windows(self) -> int:
         """Windows between the directory's pushes (``push_every``; 0: the package's pace)."""
@@ -1045,7 +1251,40 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
     def serve(self, req: Request) -> RequestTally:
         self._hot_reader, self._hot_family = req.node, req.keys[0]
-        return super().serve(req)
+        if self.load is not None:
+            self.load.new_request()
+        tally = super().serve(req)
+        self._requests_served += 1
+        if self.load is not None and self._requests_served % self.load_push_requests() == 0:
+            self.load.push(self.stats.bytes_served)
+        return tally
+
+    def load_push_requests(self) -> int:
+        """The fleet's requests between load pushes (``load_push_requests``; 0: the hot table's pace)."""
+        return self.params.load_push_requests or self.push_windows() * self.params.window
+
+    def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
+        hit, sources = super().walk(req, tally)
+        if self.load is not None:
+            for source in sources[:hit]:
+                if source != req.node:
+                    self.load.read(req.node, source, self.cluster.block_bytes)
+        return hit, sources
+
+    def _first_holding(self, key: bytes, order: list[int], tally: RequestTally) -> int | None:
+        """``load_pick``: the pools told of, in the order the load signal gives, this node's first."""
+        if self.load is None:
+            return super()._first_holding(key, order, tally)
+        candidates = [node for node in dict.fromkeys(order) if node != self._hot_reader]
+        ordered = self.load.order(self._hot_reader, candidates, self._previous)
+        if self._hot_reader in order:
+            ordered = [self._hot_reader, *ordered]
+        return super()._first_holding(key, ordered, tally)
+
+    def run(self, requests: Sequence[Request], progress: int = 0) -> None:
+        super().run(requests, progress)
+        if self.load is not None and progress:
+            logging.info("%s", self.load.summary())
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
         again, hot_copies, unannounced = [], [], []
