@@ -36,6 +36,9 @@ Run (CPU box, ~3 min)::
     env -u PYTHONPATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \\
         nice .venv/bin/python benchmarks/directory_push.py --clients 100,500,1000,2000 --rates 0.2,1,2
 
+Past 1,000 engines (the directory's ``max_concurrency``) a push waits for long polls to time out
+(``LONG_POLL_S``, 30 s) before it gets in: ``--clients 1200`` / ``2000`` runs take 1-3 min each.
+
 The last line, ``directory_push: clients=<n> rate_hz=<r> directory_cpu_share=<x> answer_ms_p99=<y>``,
 is the largest run's.
 """
