@@ -153,12 +153,15 @@ class RunResult:
     """``add_hot_prefix``'s round trip: past ``max_concurrency`` long polls it waits for a free slot."""
 
 
-def start_directory(namespace: str) -> ray.actor.ActorHandle:
-    """The package's directory with ``fleet._start``'s options (no shards of its own)."""
+def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
+    """The package's directory with ``fleet._start``'s options (no shards of its own);
+    ``max_concurrency``: lifted above Ray's default (1,000), which the package keeps, to see what
+    more waiting polls cost past that wall (not what the package does)."""
     config = UcmRayConfig(ray_namespace=namespace, num_shards=1)
+    extra: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     return ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
         name=DIRECTORY_NAME, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_restarts=-1).remote(namespace, config.to_dict())
+        max_restarts=-1, **extra).remote(namespace, config.to_dict())
 
 
 def push_rows(rows: int, pool: tuple[str, int]) -> dict[bytes, tuple[tuple[str, int], ...]]:
@@ -167,7 +170,8 @@ def push_rows(rows: int, pool: tuple[str, int]) -> dict[bytes, tuple[tuple[str, 
 
 
 def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process, pollers: list[ray.actor.ActorHandle],
-            clients: int, rate_hz: float, pushes: int, rows: int, pool_keys: list[tuple[str, int]]) -> RunResult:
+            clients: int, rate_hz: float, pushes: int, rows: int, pool_keys: list[tuple[str, int]],
+            concurrency: int = 1000) -> RunResult:
     """``clients`` engines long-polling, ``pushes`` pushes at ``rate_hz``."""
     state = ray.get(directory.ping.remote())
     version, hot_revision = state["version"], state["hot_revision"]
@@ -180,7 +184,7 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     waiting = 0
     while time.monotonic() < deadline:  # every engine's first poll in (at most max_concurrency inside)
         waiting = ray.get(directory.ping.remote())["served"]["wait_for_change"] - served_before
-        if waiting >= min(clients, 1000):
+        if waiting >= min(clients, concurrency):
             break
         time.sleep(0.2)
     time.sleep(0.5)
@@ -238,10 +242,10 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
 
 
 def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: int, client_procs: int,
-            rows: int) -> list[RunResult]:
+            rows: int, max_concurrency: int | None = None) -> list[RunResult]:
     """Every (clients, rate) on one directory (its version and table carry over between runs)."""
     namespace = f"pushcost_{uuid.uuid4().hex[:8]}"
-    directory = start_directory(namespace)
+    directory = start_directory(namespace, max_concurrency)
     pools = [StandInPool.options(namespace=namespace).remote(name) for name in STAND_IN_POOLS]  # type: ignore[attr-defined]
     pollers = [PollClient.remote() for _ in range(client_procs)]  # type: ignore[attr-defined]
     try:
@@ -254,7 +258,8 @@ def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: 
         for n in clients:
             for rate in rates:
                 pushes = max(min_pushes, int(round(seconds * rate)))
-                results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys))
+                results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
+                                       max_concurrency or 1000))
         return results
     finally:
         ray.kill(directory)
@@ -283,6 +288,8 @@ def main() -> None:
     parser.add_argument("--min-pushes", type=int, default=3)
     parser.add_argument("--client-procs", type=int, default=4, help="Ray actors the engines are spread over")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="hot-table rows a push changes (payload)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="the directory's max_concurrency (default: Ray's 1,000, as the package starts it)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     tmp = tempfile.mkdtemp(prefix="ucmp-", dir="/tmp")
@@ -290,7 +297,7 @@ def main() -> None:
              namespace="pushcost", logging_level="WARNING")
     try:
         results = run_all([int(c) for c in args.clients.split(",")], [float(r) for r in args.rates.split(",")],
-                          args.seconds, args.min_pushes, args.client_procs, args.rows)
+                          args.seconds, args.min_pushes, args.client_procs, args.rows, args.max_concurrency)
     finally:
         ray.shutdown()
     log.info("results (%d client processes, %d rows a push):\n%s", args.client_procs, args.rows, table(results))
