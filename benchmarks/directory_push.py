@@ -1,0 +1,311 @@
+"""Issue 40, stop 63: what a ~1 Hz push through the directory's long poll costs the directory.
+
+A load-aware pick (docs/scaling.md, stop 63, helper loadpick17) would have the directory push a
+per-pool load figure (~800 B: the top 100 pools) to every engine about once a second. Engines follow
+the directory with one long poll each (``ShardDirectory.wait_for_change``, re-posted after every
+answer, ``store.engine.feed.MembershipFeed``); today it answers only on a change (rare). This
+measures what answering every waiting engine at 0.2 / 1 / 2 pushes a second costs the real actor.
+
+How:
+- The directory is the package's ``ShardDirectory``, created with the options ``fleet._start``
+  gives it (named, detached, ``num_cpus=0``, ``max_restarts=-1``; in particular Ray's default
+  ``max_concurrency`` for an async actor, 1000). ``fleet`` has no directory-only helper, so the
+  options are repeated here.
+- Two stand-in pools (tiny actors answering ``describe`` and ``wait_until_death``, the two calls
+  the directory makes to a shard) register, so that hot-table rows can name member pools.
+- A push is what a hot-table push is today: ``add_hot_prefix`` with ``--rows`` rows, each naming
+  the other stand-in pool than the push before, so each push changes every row, bumps the version
+  once and each answer carries those rows as a ``HotPrefixDelta`` (the answer's pickled size is
+  logged; the default 57 rows add ~800 B to a one-row push's answer, the load figure's size).
+  The package has no load figure to push: the hot table's delta is the real API that carries
+  that many bytes per answer.
+- ``--client-procs`` async Ray actors each run many simulated engines: one asyncio task per engine
+  holding one ``wait_for_change(version, known_hot=revision, shards_held=True)`` call (what
+  ``MembershipFeed.poll`` posts), re-posted on every answer with the answer's version and revision.
+- Per run: every engine posts, the pushes go at the rate, and each engine stops when it holds the
+  last version. Measured: the directory process's CPU seconds (``psutil`` on its pid) over the push
+  phase, per second (``cpu_share``, 1.0 = one core busy) and per answer; the latency from the push's
+  call to each engine's receipt of that version (p50, p99, max); versions an engine skipped (two
+  pushes before it re-posted: it got the newer); and a ``ping`` to the directory once between
+  pushes (its other calls wait behind the long polls when they fill ``max_concurrency``).
+  The client processes share the box's cores with the directory: their CPU is logged too.
+
+Run (CPU box, ~2 min)::
+
+    env -u PYTHONPATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \\
+        nice .venv/bin/python benchmarks/directory_push.py --clients 100,500,900 --rates 0.2,1,2 --seconds 5
+
+Past 1,000 engines (the directory's ``max_concurrency``) a push waits for long polls to time out
+(``LONG_POLL_S``, 30 s) before it gets in: ``--clients 1200`` / ``2000 --rates 1 --seconds 2
+--min-pushes 2`` take 1-3 min each. ``--max-concurrency 20000`` lifts that wall (an actor option the
+package does not set) to see what more engines cost: ``--clients 2000,4000,8000 --rates 1``.
+
+The last line, ``directory_push: clients=<n> rate_hz=<r> directory_cpu_share=<x> answer_ms_p99=<y>``,
+is the largest run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import psutil
+import ray
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.shard.directory import ShardDirectory  # noqa: E402
+from ucm_ray.store.types import DIRECTORY_NAME, Membership  # noqa: E402
+from ucm_ray.transport.base import PoolDescriptor  # noqa: E402
+
+log = logging.getLogger("directory_push")
+
+STAND_IN_POOLS = ("pushcost_pool_a", "pushcost_pool_b")
+"""Not ``SHARD_PREFIX``-named: the directory's rediscovery at its first call must not adopt them."""
+DEFAULT_ROWS = 57
+"""Rows per push: ~14 B a row pickled, so an answer carries ~800 B more than a one-row push's (the
+load figure's size: 100 pools x 8 B)."""
+
+
+@ray.remote(num_cpus=0)
+class StandInPool:
+    """Answers the two calls the directory makes to a registering shard, and holds no pool."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    async def describe(self) -> PoolDescriptor:
+        return PoolDescriptor(shard_id=self._name, node_id="node", pool_bytes=0, shm_path=None,
+                              nixl_agent=None, nixl_metadata=None, pool_base_addr=0, incarnation=1)
+
+    async def wait_until_death(self) -> None:
+        await asyncio.Event().wait()  # never returns: the directory's death watch
+
+    async def shutdown(self) -> None:
+        return None
+
+
+@ray.remote(num_cpus=0)
+class PollClient:
+    """Many simulated engines in one process: one outstanding long poll each, re-posted on every
+    answer as ``MembershipFeed.poll`` does."""
+
+    async def run(self, directory: ray.actor.ActorHandle, engines: int, version: int, hot_revision: int,
+                  last_version: int) -> dict[str, Any]:
+        """Returns, per version, the monotonic receipt times; the answers' pickled sizes (first
+        answer of each push); versions skipped; this process's CPU seconds meanwhile."""
+        receipts: dict[int, list[float]] = {}
+        sizes: dict[int, int] = {}
+        skipped = 0
+        cpu_start = time.process_time()
+
+        async def engine() -> None:
+            nonlocal skipped
+            known, known_hot = version, hot_revision
+            while known < last_version:
+                answer: Membership = await directory.wait_for_change.remote(
+                    known, known_hot=known_hot, shards_held=True)
+                now = time.monotonic()
+                if answer.version == known:
+                    continue  # the long poll's timeout: re-posted
+                skipped += answer.version - known - 1
+                receipts.setdefault(answer.version, []).append(now)
+                if answer.version not in sizes:
+                    sizes[answer.version] = len(pickle.dumps(answer))
+                known = answer.version
+                known_hot = answer.hot_delta.revision if answer.hot_delta is not None else answer.hot.revision
+
+        await asyncio.gather(*(engine() for _ in range(engines)))
+        return {"receipts": receipts, "sizes": sizes, "skipped": skipped,
+                "cpu_s": time.process_time() - cpu_start}
+
+
+@dataclass
+class RunResult:
+    clients: int
+    rate_hz: float
+    pushes: int
+    answers: int
+    answers_per_s: float
+    directory_cpu_share: float
+    directory_cpu_us_per_answer: float
+    clients_cpu_share: float
+    answer_ms_p50: float
+    answer_ms_p99: float
+    answer_ms_max: float
+    skipped: int
+    answer_bytes: int
+    ping_ms_max: float
+    busiest_thread_share: float
+    """The directory process's busiest thread's CPU over the push phase (its event loop's, when that
+    is the busiest): what one actor's single loop can at most take is 1.0."""
+    push_call_ms_max: float
+    """``add_hot_prefix``'s round trip: past ``max_concurrency`` long polls it waits for a free slot."""
+
+
+def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
+    """The package's directory with ``fleet._start``'s options (no shards of its own);
+    ``max_concurrency``: lifted above Ray's default (1,000), which the package keeps, to see what
+    more waiting polls cost past that wall (not what the package does)."""
+    config = UcmRayConfig(ray_namespace=namespace, num_shards=1)
+    extra: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
+    return ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
+        name=DIRECTORY_NAME, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_restarts=-1, **extra).remote(namespace, config.to_dict())
+
+
+def push_rows(rows: int, pool: tuple[str, int]) -> dict[bytes, tuple[tuple[str, int], ...]]:
+    """``rows`` hot-table rows, all naming ``pool`` (the next push names the other pool)."""
+    return {b"L" + i.to_bytes(2, "big"): (pool,) for i in range(rows)}
+
+
+def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process, pollers: list[ray.actor.ActorHandle],
+            clients: int, rate_hz: float, pushes: int, rows: int, pool_keys: list[tuple[str, int]],
+            concurrency: int = 1000) -> RunResult:
+    """``clients`` engines long-polling, ``pushes`` pushes at ``rate_hz``."""
+    state = ray.get(directory.ping.remote())
+    version, hot_revision = state["version"], state["hot_revision"]
+    served_before = state["served"]["wait_for_change"]
+    last_version = version + pushes
+    procs = len(pollers)
+    per_proc = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    runs = [p.run.remote(directory, n, version, hot_revision, last_version) for p, n in zip(pollers, per_proc) if n]
+    deadline = time.monotonic() + 30.0
+    waiting = 0
+    while time.monotonic() < deadline:  # every engine's first poll in (at most max_concurrency inside)
+        waiting = ray.get(directory.ping.remote())["served"]["wait_for_change"] - served_before
+        if waiting >= min(clients, concurrency):
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    log.info("clients=%d rate=%.1f Hz: %d long polls inside the directory; pushing %d times",
+             clients, rate_hz, waiting, pushes)
+    sent: dict[int, float] = {}
+    pings: list[float] = []
+    push_calls: list[float] = []
+    cpu0 = directory_process.cpu_times()
+    threads0 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
+    start = time.monotonic()
+    for i in range(pushes):
+        due = start + i / rate_hz
+        time.sleep(max(0.0, due - time.monotonic()))
+        t_sent = time.monotonic()
+        pool_keys.reverse()  # every row names the other pool than the push before: all rows change
+        new_version = ray.get(directory.add_hot_prefix.remote(push_rows(rows, pool_keys[0])))
+        if new_version != version + i + 1:
+            raise RuntimeError(f"push {i} moved the directory to version {new_version}, not {version + i + 1}")
+        sent[new_version] = t_sent
+        push_calls.append(time.monotonic() - t_sent)
+        if i + 1 < pushes and (1 / rate_hz) > 0.3:  # one ping between pushes: the directory's other calls
+            time.sleep(min(0.1, 0.25 / rate_hz))
+            t_ping = time.monotonic()
+            ray.get(directory.ping.remote())
+            pings.append(time.monotonic() - t_ping)
+    outcomes = ray.get(runs, timeout=240)
+    end = time.monotonic()
+    cpu1 = directory_process.cpu_times()
+    threads1 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
+    wall = end - start
+    busiest_s = max(used - threads0.get(tid, 0.0) for tid, used in threads1.items())
+    cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    latencies = [t - sent[v] for o in outcomes for v, times in o["receipts"].items() for t in times]
+    answers = len(latencies)
+    lat_ms = np.array(latencies) * 1e3
+    sizes = [s for o in outcomes for s in o["sizes"].values()]
+    result = RunResult(
+        clients=clients, rate_hz=rate_hz, pushes=pushes, answers=answers, answers_per_s=answers / wall,
+        directory_cpu_share=cpu_s / wall, directory_cpu_us_per_answer=cpu_s / max(answers, 1) * 1e6,
+        busiest_thread_share=busiest_s / wall, clients_cpu_share=sum(o["cpu_s"] for o in outcomes) / wall,
+        answer_ms_p50=float(np.percentile(lat_ms, 50)), answer_ms_p99=float(np.percentile(lat_ms, 99)),
+        answer_ms_max=float(lat_ms.max()), skipped=sum(o["skipped"] for o in outcomes),
+        answer_bytes=int(np.median(sizes)) if sizes else 0, ping_ms_max=max(pings, default=0.0) * 1e3,
+        push_call_ms_max=max(push_calls) * 1e3)
+    log.info("clients=%d rate=%.1f Hz: %d answers in %.1f s (%.0f/s), skipped %d; directory cpu %.3f core "
+             "(%.0f us/answer, busiest thread %.3f), clients' cpu %.2f core; answer ms p50 %.1f p99 %.1f max %.1f; "
+             "%d B an answer; ping ms max %.1f; push call ms max %.0f",
+             clients, rate_hz, answers, wall, result.answers_per_s, result.skipped,
+             result.directory_cpu_share, result.directory_cpu_us_per_answer, result.busiest_thread_share,
+             result.clients_cpu_share,
+             result.answer_ms_p50, result.answer_ms_p99, result.answer_ms_max, result.answer_bytes,
+             result.ping_ms_max, result.push_call_ms_max)
+    return result
+
+
+def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: int, client_procs: int,
+            rows: int, max_concurrency: int | None = None) -> list[RunResult]:
+    """Every (clients, rate) on one directory (its version and table carry over between runs)."""
+    namespace = f"pushcost_{uuid.uuid4().hex[:8]}"
+    directory = start_directory(namespace, max_concurrency)
+    pools = [StandInPool.options(namespace=namespace).remote(name) for name in STAND_IN_POOLS]  # type: ignore[attr-defined]
+    pollers = [PollClient.remote() for _ in range(client_procs)]  # type: ignore[attr-defined]
+    try:
+        for name, pool in zip(STAND_IN_POOLS, pools):
+            ray.get(directory.register.remote(name, pool))
+        pool_keys = [(name, 1) for name in STAND_IN_POOLS]
+        ray.get(directory.add_hot_prefix.remote(push_rows(rows, pool_keys[0])))  # the next push names the other
+        directory_process = psutil.Process(ray.get(directory.ping.remote())["pid"])
+        results = []
+        for n in clients:
+            for rate in rates:
+                pushes = max(min_pushes, int(round(seconds * rate)))
+                results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
+                                       max_concurrency or 1000))
+        return results
+    finally:
+        ray.kill(directory)
+        for actor in pools + pollers:
+            ray.kill(actor)
+
+
+def table(results: list[RunResult]) -> str:
+    lines = ["| clients | Hz | answers/s | directory CPU (cores) | us/answer | busiest thread | clients' CPU "
+             "| answer ms p50 / p99 / max | skipped | B/answer | ping ms max | push call ms max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.clients} | {r.rate_hz:g} | {r.answers_per_s:.0f} | {r.directory_cpu_share:.3f} "
+                     f"| {r.directory_cpu_us_per_answer:.0f} | {r.busiest_thread_share:.3f} "
+                     f"| {r.clients_cpu_share:.2f} "
+                     f"| {r.answer_ms_p50:.1f} / {r.answer_ms_p99:.1f} / {r.answer_ms_max:.1f} | {r.skipped} "
+                     f"| {r.answer_bytes} | {r.ping_ms_max:.1f} | {r.push_call_ms_max:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="100,500,1000,2000", help="engines long-polling, per run (comma list)")
+    parser.add_argument("--rates", default="0.2,1,2", help="pushes a second (comma list)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="push phase per run (at least --min-pushes)")
+    parser.add_argument("--min-pushes", type=int, default=3)
+    parser.add_argument("--client-procs", type=int, default=4, help="Ray actors the engines are spread over")
+    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="hot-table rows a push changes (payload)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="the directory's max_concurrency (default: Ray's 1,000, as the package starts it)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    tmp = tempfile.mkdtemp(prefix="ucmp-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
+             namespace="pushcost", logging_level="WARNING")
+    try:
+        results = run_all([int(c) for c in args.clients.split(",")], [float(r) for r in args.rates.split(",")],
+                          args.seconds, args.min_pushes, args.client_procs, args.rows, args.max_concurrency)
+    finally:
+        ray.shutdown()
+    log.info("results (%d client processes, %d rows a push):\n%s", args.client_procs, args.rows, table(results))
+    largest = max(results, key=lambda r: (r.clients * r.rate_hz, r.clients))
+    log.info("directory_push: clients=%d rate_hz=%g directory_cpu_share=%.3f answer_ms_p99=%.1f",
+             largest.clients, largest.rate_hz, largest.directory_cpu_share, largest.answer_ms_p99)
+
+
+if __name__ == "__main__":
+    main()
