@@ -8,9 +8,10 @@ measures what answering every waiting engine at 0.2 / 1 / 2 pushes a second cost
 
 How:
 - The directory is the package's ``ShardDirectory``, created with the options ``fleet._start``
-  gives it (named, detached, ``num_cpus=0``, ``max_restarts=-1``; in particular Ray's default
-  ``max_concurrency`` for an async actor, 1000). ``fleet`` has no directory-only helper, so the
-  options are repeated here.
+  gives it (named, detached, ``num_cpus=0``, ``max_restarts=-1``; ``max_concurrency`` is the
+  class's own, ``directory.MAX_CALLS_AT_ONCE``, since this stop's measurement: it was Ray's default
+  for an async actor, 1,000). ``fleet`` has no directory-only helper, so the options are repeated
+  here.
 - Two stand-in pools (tiny actors answering ``describe`` and ``wait_until_death``, the two calls
   the directory makes to a shard) register, so that hot-table rows can name member pools.
 - A push is what a hot-table push is today: ``add_hot_prefix`` with ``--rows`` rows, each naming
@@ -35,10 +36,10 @@ Run (CPU box, ~2 min)::
     env -u PYTHONPATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 \\
         nice .venv/bin/python benchmarks/directory_push.py --clients 100,500,900 --rates 0.2,1,2 --seconds 5
 
-Past 1,000 engines (the directory's ``max_concurrency``) a push waits for long polls to time out
-(``LONG_POLL_S``, 30 s) before it gets in: ``--clients 1200`` / ``2000 --rates 1 --seconds 2
---min-pushes 2`` take 1-3 min each. ``--max-concurrency 20000`` lifts that wall (an actor option the
-package does not set) to see what more engines cost: ``--clients 2000,4000,8000 --rates 1``.
+With Ray's default ``max_concurrency`` (``--max-concurrency 1000``, the package's before this
+stop's fix) past 1,000 engines a push waited for long polls to time out (``LONG_POLL_S``, 30 s)
+before it got in: ``--clients 1200`` / ``2000 --rates 1 --seconds 2 --min-pushes 2`` took 1-3 min
+each. The package's own limit (no flag) lets more engines wait: ``--clients 2000,4000,8000 --rates 1``.
 
 The last line, ``directory_push: clients=<n> rate_hz=<r> directory_cpu_share=<x> answer_ms_p99=<y>``,
 is the largest run's.
@@ -65,7 +66,7 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
-from ucm_ray.store.shard.directory import ShardDirectory  # noqa: E402
+from ucm_ray.store.shard.directory import MAX_CALLS_AT_ONCE, ShardDirectory  # noqa: E402
 from ucm_ray.store.types import DIRECTORY_NAME, Membership  # noqa: E402
 from ucm_ray.transport.base import PoolDescriptor  # noqa: E402
 
@@ -156,8 +157,8 @@ class RunResult:
 
 def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
     """The package's directory with ``fleet._start``'s options (no shards of its own);
-    ``max_concurrency``: lifted above Ray's default (1,000), which the package keeps, to see what
-    more waiting polls cost past that wall (not what the package does)."""
+    ``max_concurrency``: another limit than the class's (``directory.MAX_CALLS_AT_ONCE``), e.g.
+    Ray's default of 1,000, which the package had before this stop, to see that wall again."""
     config = UcmRayConfig(ray_namespace=namespace, num_shards=1)
     extra: dict[str, Any] = {"max_concurrency": max_concurrency} if max_concurrency else {}
     return ShardDirectory.options(  # type: ignore[attr-defined]  # ray.remote classes
@@ -172,7 +173,7 @@ def push_rows(rows: int, pool: tuple[str, int]) -> dict[bytes, tuple[tuple[str, 
 
 def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process, pollers: list[ray.actor.ActorHandle],
             clients: int, rate_hz: float, pushes: int, rows: int, pool_keys: list[tuple[str, int]],
-            concurrency: int = 1000) -> RunResult:
+            concurrency: int = MAX_CALLS_AT_ONCE) -> RunResult:
     """``clients`` engines long-polling, ``pushes`` pushes at ``rate_hz``."""
     state = ray.get(directory.ping.remote())
     version, hot_revision = state["version"], state["hot_revision"]
@@ -260,7 +261,7 @@ def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: 
             for rate in rates:
                 pushes = max(min_pushes, int(round(seconds * rate)))
                 results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
-                                       max_concurrency or 1000))
+                                       max_concurrency or MAX_CALLS_AT_ONCE))
         return results
     finally:
         ray.kill(directory)
@@ -290,7 +291,7 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=4, help="Ray actors the engines are spread over")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="hot-table rows a push changes (payload)")
     parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="the directory's max_concurrency (default: Ray's 1,000, as the package starts it)")
+                        help="the directory's max_concurrency (default: the package's; 1000: Ray's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     tmp = tempfile.mkdtemp(prefix="ucmp-", dir="/tmp")

@@ -187,3 +187,30 @@ def test_a_dropped_long_poll_answered_after_the_next_one_does_not_stall_the_feed
     restart_shard(cfg, 0)  # a change: the dropped poll is answered now, after the other
     time.sleep(1.0)
     assert feed.poll(older) is not None
+
+
+def test_more_engines_waiting_than_rays_default_concurrency_do_not_hold_the_directorys_other_calls(ray_cluster):
+    """Every engine holds one long poll at the directory. Past Ray's default ``max_concurrency``
+    for an async actor (1,000: 125 nodes of 8 engines) the directory's other calls (a shard's
+    registration, a hot-prefix push, an engine's first membership read) queued until polls timed
+    out, 30 s later (pushcost17: a push took 30.6 s to get in at 1,200 engines, 60.5 s at 2,000).
+    1,100 polls wait here; the directory must still answer at once."""
+    import uuid
+
+    from ucm_ray.store.shard.directory import ShardDirectory
+
+    directory = ShardDirectory.options(num_cpus=0, namespace=f"ucm_polls_{uuid.uuid4().hex[:8]}").remote(
+        "ucm_polls_nobody")
+    version = ray.get(directory.version.remote(), timeout=60)
+    polls = [directory.wait_for_change.remote(version, 20.0) for _ in range(999)]
+    started = time.monotonic()  # 999 polls and a ping fit Ray's default: see them all arrive
+    while ray.get(directory.ping.remote(), timeout=60)["served"].get("wait_for_change", 0) < 999:
+        assert time.monotonic() - started < 60, "the long polls never reached the directory"
+        time.sleep(0.2)
+    polls += [directory.wait_for_change.remote(version, 20.0) for _ in range(101)]
+    time.sleep(2.0)  # the last polls on their way in (were they late, the check below would pass anyway)
+    try:
+        assert ray.get(directory.membership.remote(), timeout=8).version == version
+    finally:
+        ray.get(polls, timeout=60)  # each answers after its 20 s
+        ray.kill(directory)

@@ -37,9 +37,15 @@ log = logging.getLogger(__name__)
 SHARD_PREFIX = "ucm_ray_shard_"
 LONG_POLL_S = 30.0
 """How long a ``wait_for_change`` call waits when nothing changes (then it is re-posted)."""
+MAX_CALLS_AT_ONCE = 1 << 16
+"""The directory's calls in progress at most (Ray's ``max_concurrency``). Every engine holds one
+long poll there: at Ray's default for an async actor (1,000, i.e. 125 nodes of 8 engines) the
+directory's other calls (registrations, hot-prefix pushes, a new engine's membership read) queued
+until polls timed out, ``LONG_POLL_S`` later (docs/scaling.md, stop 63: a push took 30.6 s to get
+in at 1,200 waiting polls). A waiting poll is a suspended coroutine, so many cost little."""
 
 
-@ray.remote
+@ray.remote(max_concurrency=MAX_CALLS_AT_ONCE)
 class ShardDirectory:
     def __init__(self, ray_namespace: str, fleet_config: dict[str, Any] | None = None) -> None:
         self._namespace = ray_namespace  # where its shards are named (not always the creator's job's)
