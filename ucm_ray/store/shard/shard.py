@@ -51,6 +51,9 @@ HINT_BLOCK_BYTES = 16 << 10
 READ_MARGIN_S = 0.1
 """Kept back from an asker's deadline by a promotion's reads: the commit and pin after them, the
 answer's way back, and the clocks of two nodes (``answer_by``) a few milliseconds apart."""
+ORDER_WAIT_S = 0.1
+"""The least a disk-thread lookup waits for the default group's calls queued before it
+(``_after_calls_queued``), its asker's deadline passed or not."""
 
 
 @ray.remote(concurrency_groups={"watch": 1, "disk": 1})
@@ -227,10 +230,11 @@ class CacheShard:
         thread overtook its own client's commit, queued just before it behind other callers'
         calls (a miss; ``CallPoster.drain``). A no-op call of the default group, queued behind
         them; past ``lookup_timeout_s`` or the asker's ``until`` (it gave up) the lookup goes on
-        anyway (and answers misses at once past ``until``)."""
-        timeout = self._lookup_timeout_s if until is None else min(self._lookup_timeout_s, until - time.monotonic())
-        if timeout <= 0:
-            return
+        anyway, though never sooner than ``ORDER_WAIT_S``: the no-op normally answers in
+        milliseconds, and a shard whose clock runs ahead of the asker's must not skip the order
+        it keeps (a lookup past ``until`` only pins pool hits, and those need the commit)."""
+        timeout = self._lookup_timeout_s if until is None else \
+            min(self._lookup_timeout_s, max(ORDER_WAIT_S, until - time.monotonic()))
         if self._me is None:
             self._me = ray.get_runtime_context().current_actor
         try:
