@@ -270,11 +270,6 @@ class DiskTier:
             for name, n in added.items():
                 setattr(self._stats, name, getattr(self._stats, name) + n)
 
-    def gave_up(self, keys: Sequence[Key]) -> None:
-        """Keys not promoted because their asker had no time left: those on disk count as late
-        (dict probes, no disk lock: the answer waits behind no batch)."""
-        self._count(promote_late=sum(self._store.contains(keys)))
-
     def disk_stats(self) -> DiskStats:
         """Without the disk lock: a shard's ``stats`` call must not wait behind a demotion
         batch's I/O (a copy of counters; one a write is changing is off by that write)."""
@@ -310,15 +305,16 @@ class DiskTier:
         prefill rate (0.0: unknown, read), used unless the tier was given one. ``budget_s``: what is
         left of the asker's wait (None: no bound but ``wait_s``); ``wait_s`` and it count from
         this call, and the plan reads within what is left once the disk lock is taken (a demotion
-        batch or another promotion may hold it); none left: nothing is read (``gave_up``). Nothing
-        to read: no disk lock."""
+        batch or another promotion may hold it); none left: nothing is read (those on disk count
+        late). Nothing to read: no disk lock."""
         deadline = self._clock() + (self._wait_s if budget_s is None else min(self._wait_s, budget_s))
         with self._lock:
             lease, slots = self._index.pin(self._owner, keys)
         out = [s is not None for s in slots]
         missing = [i for i, found in enumerate(out) if not found]
         if budget_s is not None and budget_s <= 0:
-            self.gave_up([keys[i] for i in missing])
+            # dict probes, no disk lock: the answer waits behind no batch
+            self._count(promote_late=sum(self._store.contains([keys[i] for i in missing])))
             missing = []
         if not missing:
             return out, lease, []
