@@ -328,9 +328,10 @@ class TrackedRequest:
                    more: np.ndarray) -> tuple[list[PoolKey], np.ndarray]:
         """Keep ``more``, the owners of the keys right after those placed so far (under the
         pools ``_placed`` was last asked about); the group's owners placed so far, with them."""
-        known = self.owners.get((rank, group), ([], np.zeros((0, 0), dtype=np.int64)))[1]
-        placed = self.owners[(rank, group)] = (pools, np.concatenate([known, more]) if len(known) else more)
-        return placed
+        placed = self.owners.get((rank, group))
+        known = more if placed is None or not len(placed[1]) else np.concatenate([placed[1], more])
+        self.owners[(rank, group)] = (pools, known)
+        return pools, known
 
     def family(self, rank: int, hot_prefix: Callable[[Sequence[bytes]], int]) -> Family:
         """The family of the request's blocks on one rank: its root is the first block of its
