@@ -43,6 +43,11 @@ together) and a ratio per stage (``ranges_vs_baseline``, ``prepare_vs_baseline``
 ``post_vs_baseline`` and ``worker_vs_baseline``): this checkout's time over the baseline's,
 below 1 is cheaper.
 
+``--cold``: the host's caches evicted before each plan (a 256 MiB buffer written), as the rest of an
+engine's step evicts them between two save jobs: timed back to back, a plan finds its code and
+data cached, which no job in an engine does (docs/performance-log.md, stop 64: a decode job's plan
+several times dearer cold).
+
 Run: ``python benchmarks/save_plan.py [--baseline /path/to/other/checkout]``.
 """
 
@@ -58,6 +63,8 @@ import sys
 import time
 
 log = logging.getLogger("bench.save_plan")
+EVICT_BYTES = 256 << 20
+"""``--cold``'s buffer: larger than a server's last-level cache."""
 
 SHAPES = {"1b": (16, 8, 64), "8b": (32, 8, 128)}
 """Layers, KV heads, head size."""
@@ -80,7 +87,7 @@ def _aligned(device: str, *shape: int):
 
 
 def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", shape: str = "1b",
-               load: bool = False, at_once: bool = False) -> dict[str, float]:
+               load: bool = False, at_once: bool = False, cold: bool = False) -> dict[str, float]:
     """Median ms of the save's ranges (``post_by_pool``'s part), and of the shm transport's
     ``prepare`` on them (the range check and the gather plan), over ``repeat`` plans; on CUDA
     also of posting them (``post_ms``)."""
@@ -115,7 +122,10 @@ def time_plans(requests: int, blocks: int, repeat: int, device: str = "cpu", sha
     ranges_s, plan_s, post_s, gather_s = [], [], [], []
     plans = []
     try:
+        evictor = np.ones(EVICT_BYTES, dtype=np.uint8) if cold else None
         for _ in range(repeat):
+            if evictor is not None:
+                evictor += 1  # every cache line of it written: the plan's code and data evicted
             started = time.perf_counter()
             if repeats:
                 ranges = caches.repeated_ranges(layers, entries)[("shard-0", 1)]
@@ -354,14 +364,15 @@ def _pool(nbytes: int, device: str):
 
 
 def run_in(checkout: str, requests: int, blocks: int, repeat: int, device: str, shape: str,
-           load: bool, at_once: bool) -> dict[str, float]:
+           load: bool, at_once: bool, cold: bool) -> dict[str, float]:
     """``time_plans`` in a fresh process importing ``checkout``'s ``ucm_ray`` (this file run as
     a script: its own directory first on the path, then only ``checkout``)."""
     # the checkout first, then whatever the path held (on the GPU machine: the bundle's vLLM)
     path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--requests", str(requests),
                           "--blocks", str(blocks), "--repeat", str(repeat), "--device", device, "--shape", shape]
-                         + (["--load"] if load else []) + (["--at-once"] if at_once else []),
+                         + (["--load"] if load else []) + (["--at-once"] if at_once else [])
+                         + (["--cold"] if cold else []),
                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"save_plan in {checkout} failed:\n{out.stderr[-4000:]}")
@@ -379,11 +390,12 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--load", action="store_true", help="a load posted layer by layer instead of a save")
     ap.add_argument("--at-once", action="store_true", help="with --load: every layer at once, before the forward")
+    ap.add_argument("--cold", action="store_true", help="the host's caches evicted before each plan")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(time_plans(args.requests, args.blocks, args.repeat, args.device, args.shape, args.load,
-                                    args.at_once)))
+                                    args.at_once, args.cold)))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -392,7 +404,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, path in checkouts.items():
             got[name].append(run_in(path, args.requests, args.blocks, args.repeat, args.device, args.shape, args.load,
-                                    args.at_once))
+                                    args.at_once, args.cold))
             log.info("%s: %s", name, got[name][-1])
     figures: dict[str, float] = {}
     for name, runs in got.items():
