@@ -38,6 +38,11 @@ each timed call (one reading, ~0.7 us for ``time.thread_time`` on this box, agai
 microsecond) is measured in the same process and taken off per call (``clock_us``). With
 ``--baseline``: ``quiet_step_vs_baseline``.
 
+``--cold``: the host's caches evicted between steps (``save_plan.EVICT_BYTES`` written, untimed), as a
+GPU engine's forward, sampling and vLLM's own Python evict them; the harness's stand-in forward
+leaves them warm, which makes every hook look cheaper than on a GPU host (docs/performance-log.md,
+stop 64).
+
 Run: ``python benchmarks/batch_steps.py [--baseline /path/to/other/checkout]``.
 """
 
@@ -131,14 +136,16 @@ def _wait_for_slots(slots: Any, timeout_s: float = 1.0) -> None:
 
 
 def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: bool, skip: int,
-        async_scheduling: bool, thread_time: bool) -> dict[str, Any]:
+        async_scheduling: bool, thread_time: bool, cold: bool = False) -> dict[str, Any]:
     """Per hook, seconds over the batch's steps; ``hooks_ms``: all of them; ``worst_step_ms``:
     the step whose hooks took longest; with ``skip`` 0, the prompts' save host time
     (``save_host_ms``)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import numpy as np
     import ray
+    from save_plan import EVICT_BYTES  # this script's own folder (first on the path), whichever checkout is timed
 
     from ucm_ray.config import UcmRayConfig
     from ucm_ray.store.engine.client import StoreClient
@@ -173,6 +180,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                 for _ in range(skip):
                     engine.step()
                 targets = [(engine.connector, CONNECTOR_HOOKS, "scheduler"), (engine.worker, CONNECTOR_HOOKS, "worker")]
+                evictor = np.ones(EVICT_BYTES, dtype=np.uint8) if cold else None
                 gc.collect()
                 gc.freeze()
                 with timed_calls(targets, clock) as timed:
@@ -188,6 +196,8 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                         per_calls.append({name: len(calls) - counted[name] for name, calls in timed.items()})
                         per_step.append(sum(per_hook[-1].values()))
                         _wait_for_slots(part.slots)
+                        if evictor is not None:
+                            evictor += 1  # every cache line written: the next step's hooks find none of theirs
                         if not window and part.stats.totals.get("saved_blocks", 0) >= saved:
                             window = len(per_step) - 1
                 totals = {name: sum(calls) for name, calls in timed.items() if calls}
@@ -250,13 +260,14 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0, help="steps run untimed first (0: time the prompts' steps)")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--thread-time", action="store_true", help="the engine thread's CPU time, not wall time")
+    ap.add_argument("--cold", action="store_true", help="the host's caches evicted between steps")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
         print(json.dumps(run(args.requests, args.prompt, args.layers, args.steps, args.profile, args.skip,
-                             args.async_scheduling, args.thread_time)))
+                             args.async_scheduling, args.thread_time, args.cold)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"this": here, **({"baseline": args.baseline} if args.baseline else {})}
@@ -268,6 +279,7 @@ def main() -> None:
                    "--skip", str(args.skip)]
             cmd += ["--async-scheduling"] if args.async_scheduling else []
             cmd += ["--thread-time"] if args.thread_time else []
+            cmd += ["--cold"] if args.cold else []
             python_path = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)
             out = subprocess.run(cmd + (["--profile"] if args.profile else []),
                                  env={**os.environ, "PYTHONPATH": python_path}, capture_output=True, text=True)
