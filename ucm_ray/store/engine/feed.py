@@ -6,6 +6,12 @@ on its hot path) except an explicit ``fetch``. When the directory is missing (ne
 or killed for good) or its call fails (restarting), the client keeps the membership it has (or
 none: the cache is off) and looks the directory up again by name every ``RETRY_S``, so a
 directory restarted by Ray or created again by ``ucm-ray up`` is found without a restart.
+
+With ``relay_membership`` the long poll goes to the node's relay instead (``store.membership_relay``:
+the lowest shard id on this node in the membership held, so the node's engines agree), which
+answers as the directory would; a relay that answers None (not following, or behind) sends one
+poll to the directory, and one whose call fails is passed over until the membership names
+another incarnation of it (a dead shard leaves the membership: the next one on the node relays).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from ucm_ray.store.types import DIRECTORY_NAME, Membership
+from ucm_ray.store.types import DIRECTORY_NAME, Membership, ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +32,17 @@ RETRY_S = 2.0
 
 
 class MembershipFeed:
-    def __init__(self, ray_namespace: str, timeout_s: float, directory: ray.actor.ActorHandle | None = None) -> None:
+    def __init__(self, ray_namespace: str, timeout_s: float, directory: ray.actor.ActorHandle | None = None,
+                 relay_node: str | None = None) -> None:
+        """``relay_node``: this process's node, whose relay the long poll goes to (None: the directory)."""
         self._namespace = ray_namespace
+        self._relay_node = relay_node
+        self._relay: ShardRecord | None = None
+        """The relay the outstanding long poll went to (None: the directory)."""
+        self._passed_over: tuple[str, int] | None = None
+        """(shard id, incarnation) of a relay whose call failed: not asked again."""
+        self._direct_once = False
+        """The next long poll goes to the directory (the relay said it could not answer)."""
         self._timeout_s = timeout_s
         self._directory = directory
         self._pending: ray.ObjectRef | None = None
@@ -47,6 +62,8 @@ class MembershipFeed:
         """The version the outstanding long poll was posted with (its answer's ``shards_held`` means it)."""
         self.hot_deltas = 0
         """Long-poll answers whose hot-prefix table came as a delta (``Membership.hot_delta``)."""
+        self.relayed = 0
+        """Long-poll answers that came from a relay."""
 
     def fetch(self) -> Membership | None:
         """The membership now (waits up to ``timeout_s``); None when no directory answers. A long
@@ -67,10 +84,18 @@ class MembershipFeed:
         the shard list only when it changed since ``known``'s version (else ``known``'s is kept); an
         answer whose delta does not apply to ``known``'s table is dropped and the poll re-posted."""
         if self._pending is None:
-            if not self._find():
+            relay = self._relay_for(known)
+            if relay is None and not self._find():
                 return None
-            pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
-                known.version, known_hot=known.hot.revision if known.version else -1, shards_held=True)
+            known_hot = known.hot.revision if known.version else -1
+            if relay is not None:
+                pending = relay.handle.relay_wait_for_change.remote(known.version, known_hot=known_hot,
+                                                                    shards_held=True)
+            else:
+                pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
+                    known.version, known_hot=known_hot, shards_held=True)
+                self._direct_once = False
+            self._relay = relay
             self._pending = pending
             self._posted_for = known.version
             self._posted += 1
@@ -80,10 +105,20 @@ class MembershipFeed:
             return None
         ref, self._pending = self._pending, None
         try:
-            membership: Membership = ray.get(ref)
+            answer: Membership | None = ray.get(ref)
         except RayError as e:
-            self._lost(e)
+            if self._relay is not None:
+                log.warning("membership relay %s failed (%s); following the directory itself until the "
+                            "membership names another relay", self._relay.shard_id, type(e).__name__)
+                self._passed_over = (self._relay.shard_id, self._relay.pool.incarnation)
+            else:
+                self._lost(e)
             return None
+        if answer is None:  # the relay cannot say: one poll to the directory
+            self._direct_once = True
+            return None
+        membership = answer
+        self.relayed += self._relay is not None
         if membership.shards_held:
             if known.version != self._posted_for:
                 return None  # ``known`` moved since the poll was posted: ask again
@@ -95,6 +130,18 @@ class MembershipFeed:
             membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
             self.hot_deltas += 1
         return membership if membership.version != known.version else None
+
+    def _relay_for(self, known: Membership) -> ShardRecord | None:
+        """This node's relay in ``known`` (its lowest shard id here, passed over if its call
+        failed), or None: the long poll goes to the directory."""
+        if self._relay_node is None or self._direct_once:
+            return None
+        for shard in known.shards:  # sorted by shard id
+            if shard.pool.node_id == self._relay_node:
+                if (shard.shard_id, shard.pool.incarnation) == self._passed_over:
+                    continue
+                return shard
+        return None
 
     def _arrived(self, number: int) -> None:
         """The answer of long poll ``number`` is in (Ray's thread; the caller's, when it was in
