@@ -12,6 +12,7 @@ import time
 import ray
 
 from tests.support.store_helpers import shard_pid
+from ucm_ray.store.engine import feed as feed_module
 from ucm_ray.store.engine.feed import MembershipFeed
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
 
@@ -152,3 +153,22 @@ def test_a_restarted_directory_reaches_engines_behind_a_relay(fleet):
     later = engines.follow_to(push(cfg, pools[:1], 1))
     whole = ray.get(directory(cfg).membership.remote(), timeout=30)
     assert all(m.hot == whole.hot for m in later)
+
+
+def test_a_frozen_relay_is_passed_over_after_its_poll_is_overdue(fleet, monkeypatch):
+    monkeypatch.setattr(feed_module, "RELAY_POLL_S", 1.0)  # the relay answers by then; overdue 10 s later
+    cfg = fleet(num_shards=2, transport="shm")
+    engines = Engines(cfg)
+    pools = [s.key for s in engines.held[0].shards]
+    engines.follow_to(push(cfg, pools, 0))
+    engines.park()
+    pid = shard_pid(cfg, 0)
+    os.kill(pid, signal.SIGSTOP)  # alive to the directory, answering nothing
+    try:
+        started = time.monotonic()
+        held = engines.follow_to(push(cfg, pools[1:], 1), timeout_s=40)
+        assert time.monotonic() - started < feed_module.RELAY_POLL_S + feed_module.RELAY_GRACE_S + 15
+        whole = ray.get(directory(cfg).membership.remote(), timeout=30)
+        assert all(m.hot == whole.hot for m in held)
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -11,7 +11,9 @@ With ``relay_membership`` the long poll goes to the node's relay instead (``stor
 the lowest shard id on this node in the membership held, so the node's engines agree), which
 answers as the directory would; a relay that answers None (not following, or behind) sends one
 poll to the directory, and one whose call fails is passed over until the membership names
-another incarnation of it (a dead shard leaves the membership: the next one on the node relays).
+another incarnation of it (a dead shard leaves the membership: the next one on the node relays),
+as is one that does not answer within ``RELAY_POLL_S + RELAY_GRACE_S`` (a frozen process, which
+the directory does not see die).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from ucm_ray.store.types import DIRECTORY_NAME, Membership, ShardRecord
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
+RELAY_POLL_S = 30.0
+"""A relay answers a long poll by then, changed or not (the directory's ``LONG_POLL_S``)."""
+RELAY_GRACE_S = 10.0
+"""... and a relay that has not answered this long after is passed over."""
 
 
 class MembershipFeed:
@@ -43,6 +49,8 @@ class MembershipFeed:
         """(shard id, incarnation) of a relay whose call failed: not asked again."""
         self._direct_once = False
         """The next long poll goes to the directory (the relay said it could not answer)."""
+        self._relay_due = 0.0
+        """When the relay's outstanding long poll is overdue (``time.monotonic``)."""
         self._timeout_s = timeout_s
         self._directory = directory
         self._pending: ray.ObjectRef | None = None
@@ -83,34 +91,19 @@ class MembershipFeed:
         rows changed since (applied here: the membership returned carries the whole table), and
         the shard list only when it changed since ``known``'s version (else ``known``'s is kept); an
         answer whose delta does not apply to ``known``'s table is dropped and the poll re-posted."""
-        if self._pending is None:
-            relay = self._relay_for(known)
-            if relay is None and not self._find():
-                return None
-            known_hot = known.hot.revision if known.version else -1
-            if relay is not None:
-                pending = relay.handle.relay_wait_for_change.remote(known.version, known_hot=known_hot,
-                                                                    shards_held=True)
-            else:
-                pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
-                    known.version, known_hot=known_hot, shards_held=True)
-                self._direct_once = False
-            self._relay = relay
-            self._pending = pending
-            self._posted_for = known.version
-            self._posted += 1
-            number = self._posted
-            pending.future().add_done_callback(lambda _: self._arrived(number))
+        if self._pending is None and not self._post(known):
+            return None
         if self._answered < self._posted:
+            if self._relay is not None and time.monotonic() > self._relay_due:
+                self._pass_over(self._relay, "no answer")
+                self._pending = None  # its late answer is dropped (a later poll's number is higher)
             return None
         ref, self._pending = self._pending, None
         try:
             answer: Membership | None = ray.get(ref)
         except RayError as e:
             if self._relay is not None:
-                log.warning("membership relay %s failed (%s); following the directory itself until the "
-                            "membership names another relay", self._relay.shard_id, type(e).__name__)
-                self._passed_over = (self._relay.shard_id, self._relay.pool.incarnation)
+                self._pass_over(self._relay, type(e).__name__)
             else:
                 self._lost(e)
             return None
@@ -130,6 +123,33 @@ class MembershipFeed:
             membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
             self.hot_deltas += 1
         return membership if membership.version != known.version else None
+
+    def _post(self, known: Membership) -> bool:
+        """Posts the long poll, to the node's relay or the directory (False: neither is there)."""
+        relay = self._relay_for(known)
+        if relay is None and not self._find():
+            return False
+        known_hot = known.hot.revision if known.version else -1
+        if relay is not None:
+            pending = relay.handle.relay_wait_for_change.remote(known.version, RELAY_POLL_S,
+                                                                known_hot=known_hot, shards_held=True)
+            self._relay_due = time.monotonic() + RELAY_POLL_S + RELAY_GRACE_S
+        else:
+            pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
+                known.version, known_hot=known_hot, shards_held=True)
+            self._direct_once = False
+        self._relay = relay
+        self._pending = pending
+        self._posted_for = known.version
+        self._posted += 1
+        number = self._posted
+        pending.future().add_done_callback(lambda _: self._arrived(number))
+        return True
+
+    def _pass_over(self, relay: ShardRecord, why: str) -> None:
+        log.warning("membership relay %s failed (%s); following the directory itself until the membership names "
+                    "another relay", relay.shard_id, why)
+        self._passed_over = (relay.shard_id, relay.pool.incarnation)
 
     def _relay_for(self, known: Membership) -> ShardRecord | None:
         """This node's relay in ``known`` (its lowest shard id here, passed over if its call
