@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ucm_ray.store.hot_prefixes import HotPrefixDelta, HotPrefixTable
+from ucm_ray.store.hot_prefixes import HotPrefixDelta, HotPrefixTable, delta_between
 from ucm_ray.store.membership_relay import RelayedMembership
 from ucm_ray.store.types import Membership
 
@@ -77,3 +77,32 @@ def test_a_shard_list_change_is_sent_to_engines_that_hold_the_old_one() -> None:
     assert answer is not None and answer.shards == ("a",) and not answer.shards_held
     held = relay.answer(11, table.revision, True)
     assert held is not None and held.shards_held and held.shards == ()
+
+
+def test_an_engine_pushes_behind_the_relay_gets_a_delta_that_applies() -> None:
+    table = HotPrefixTable(start=100)
+    relay = RelayedMembership()
+    table.add({b"k1": [POOL], b"k2": [POOL]})
+    assert relay.take(directory_answer(10, table, -1), 0)
+    engine_held = table.snapshot()
+    for version, step in enumerate([lambda: table.add({b"k3": [POOL]}),
+                                    lambda: table.add_copies(("s1", 1), [b"k1"], 0),  # a row grows
+                                    lambda: table.remove_pool(POOL)], start=11):  # rows change otherwise
+        known = table.revision
+        step()
+        assert relay.take(directory_answer(version, table, known, shards_held=True), version - 1)
+    answer, hot = engine_table(relay, 10, engine_held)  # three pushes behind
+    assert answer.hot_delta is not None and answer.hot_delta.base == engine_held.revision
+    assert hot == table.snapshot()
+
+
+def test_delta_between_two_tables_turns_one_into_the_other() -> None:
+    table = HotPrefixTable(start=7)
+    table.add({b"a": [POOL], b"b": [POOL], b"c": [("s2", 1)]})
+    old = table.snapshot()
+    table.add_copies(("s1", 1), [b"a"], 0)  # grown
+    table.add({b"b": [("s3", 1)], b"d": [POOL]})  # replaced, new
+    table.remove_pool(("s2", 1))  # c's row empty
+    delta = delta_between(old, table.snapshot())
+    assert delta.apply(old) == table.snapshot()
+    assert b"a" in delta.appended and b"b" in delta.changed

@@ -10,11 +10,11 @@ directory with one long poll of its own and answers its engines from what it hol
 
 What a relay answers is what the directory would have: the same version, the shard list left out
 only when unchanged since the engine's version, and the hot-prefix table as a delta that applies
-to the engine's revision (the one the relay got, or an empty one) or else whole. It never answers
-with a version older than the engine's: a relay behind the engine, not following the directory
-(not yet, or its poll failed) or not heard from the directory within ``SILENT_S`` answers None,
-and the engine asks the directory itself for that round (``MembershipFeed``), as it does when the
-relay's call fails.
+to the engine's revision (the one the relay got, an empty one, or one built from the tables it
+held, ``HOT_TABLES_HELD``) or else whole. It never answers with a version older than the
+engine's: a relay behind the engine, not following the directory (not yet, or its poll failed) or
+not heard from the directory within ``SILENT_S`` answers None, and the engine asks the directory
+itself for that round (``MembershipFeed``), as it does when the relay's call fails.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta
+from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixes, delta_between
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ directory (a membership never stale for longer than this behind a stuck relay)."
 SYNC_WAIT_S = 2.0
 """How long an engine's poll waits for a relay not following the directory (just started, or its
 poll failed) to follow it, before it answers None."""
+HOT_TABLES_HELD = 8
+"""Hot tables of the last revisions a relay keeps (references to the tables it got: rows shared)
+to build a delta for an engine behind by more than one push (the directory would send one)."""
 RETRY_S = 2.0
 """A relay whose poll failed asks the directory again after this long (looked up by name)."""
 
@@ -57,6 +61,10 @@ class RelayedMembership:
         when it carried the list: the directory may have changed it earlier, never later)."""
         self._delta: HotPrefixDelta | None = None
         """The last non-empty hot-table delta taken: to the held table's revision."""
+        self._tables: OrderedDict[int, HotPrefixes] = OrderedDict()
+        """The last ``HOT_TABLES_HELD`` tables held, by revision (the held one last)."""
+        self._built: dict[int, HotPrefixDelta] = {}
+        """Deltas built to the held table, by base revision (an engine at that revision asks at each push)."""
 
     @property
     def following(self) -> bool:
@@ -95,10 +103,17 @@ class RelayedMembership:
         self._held = dataclasses.replace(answer, shards=shards, shards_held=False, hot=hot, hot_delta=None)
         self._shards_version = shards_version
         self._delta = delta
+        if hot.revision not in self._tables:
+            self._built.clear()
+            self._tables[hot.revision] = hot
+            while len(self._tables) > HOT_TABLES_HELD:
+                self._tables.popitem(last=False)
         return True
 
     def forget(self) -> bool:
         self._held, self._delta, self._shards_version = None, None, 0
+        self._tables.clear()
+        self._built.clear()
         return False
 
     def answer(self, known_version: int, known_hot: int, shards_held: bool) -> Membership | None:
@@ -115,9 +130,20 @@ class RelayedMembership:
         revision = held.hot.revision
         if known_hot == revision:
             return dataclasses.replace(answer, hot=NO_HOT_PREFIXES, hot_delta=HotPrefixDelta(revision, revision, {}))
-        if self._delta is not None and known_hot == self._delta.base:
-            return dataclasses.replace(answer, hot=NO_HOT_PREFIXES, hot_delta=self._delta)
-        return answer  # the whole table, as the directory sends an engine further behind
+        delta = self._delta_from(known_hot, held.hot)
+        if delta is None:
+            return answer  # the whole table, as the directory sends an engine it cannot diff
+        return dataclasses.replace(answer, hot=NO_HOT_PREFIXES, hot_delta=delta)
+
+    def _delta_from(self, base: int, hot: HotPrefixes) -> HotPrefixDelta | None:
+        """To ``hot`` (the held table) from revision ``base``: the delta the relay got, or one built
+        from the table it held at ``base``; None when it held none."""
+        if self._delta is not None and base == self._delta.base:
+            return self._delta
+        delta = self._built.get(base)
+        if delta is None and base in self._tables:
+            delta = self._built[base] = delta_between(self._tables[base], hot)
+        return delta
 
 
 class MembershipRelay:
