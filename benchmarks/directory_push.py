@@ -154,6 +154,9 @@ class RelayHost:
     async def polls_posted(self) -> int:
         return self.posted
 
+    async def cpu_s(self) -> float:
+        return time.process_time()
+
 
 @ray.remote(num_cpus=0)
 class PollClient:
@@ -223,6 +226,8 @@ class RunResult:
     directory_answers: int = 0
     """Long polls the directory answered for the pushes (engines', or relays'): one each a push."""
     directory_cpu_ms_per_push: float = 0.0
+    relays_cpu_share: float = 0.0
+    """The relays' processes' CPU over the push phase (all relays together; 0: direct)."""
 
 
 def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
@@ -282,6 +287,7 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     pings: list[float] = []
     push_calls: list[float] = []
     cpu0 = directory_process.cpu_times()
+    relays_cpu0 = sum(ray.get([h.cpu_s.remote() for h in hosts]))
     threads0 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
     start = time.monotonic()
     for i in range(pushes):
@@ -306,6 +312,7 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     # (it joined) is not the push's
     directory_answers = ray.get(directory.ping.remote())["served"]["wait_for_change"] - served_before - len(
         {relay for engines in engine_relays if engines for _, relay in engines})
+    relays_cpu_s = sum(ray.get([h.cpu_s.remote() for h in hosts])) - relays_cpu0
     for host in hosts:
         ray.kill(host)
     threads1 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
@@ -318,7 +325,8 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     sizes = [s for o in outcomes for s in o["sizes"].values()]
     result = RunResult(
         mode="relayed" if per_node else "direct", directory_answers=directory_answers,
-        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, clients=clients, rate_hz=rate_hz, pushes=pushes,
+        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, relays_cpu_share=relays_cpu_s / wall, clients=clients,
+        rate_hz=rate_hz, pushes=pushes,
         answers=answers, answers_per_s=answers / wall,
         directory_cpu_share=cpu_s / wall, directory_cpu_us_per_answer=cpu_s / max(answers, 1) * 1e6,
         busiest_thread_share=busiest_s / wall, clients_cpu_share=sum(o["cpu_s"] for o in outcomes) / wall,
@@ -326,8 +334,8 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
         answer_ms_max=float(lat_ms.max()), skipped=sum(o["skipped"] for o in outcomes),
         answer_bytes=int(np.median(sizes)) if sizes else 0, ping_ms_max=max(pings, default=0.0) * 1e3,
         push_call_ms_max=max(push_calls) * 1e3)
-    log.info("%s: %d directory answers, %.1f ms of its CPU a push", result.mode, directory_answers,
-             result.directory_cpu_ms_per_push)
+    log.info("%s: %d directory answers, %.1f ms of its CPU a push; relays' cpu %.3f core", result.mode,
+             directory_answers, result.directory_cpu_ms_per_push, result.relays_cpu_share)
     log.info("clients=%d rate=%.1f Hz: %d answers in %.1f s (%.0f/s), skipped %d; directory cpu %.3f core "
              "(%.0f us/answer, busiest thread %.3f), clients' cpu %.2f core; answer ms p50 %.1f p99 %.1f max %.1f; "
              "%d B an answer; ping ms max %.1f; push call ms max %.0f",
@@ -369,13 +377,13 @@ def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: 
 
 def table(results: list[RunResult]) -> str:
     lines = ["| mode | clients | Hz | directory answers | directory CPU ms / push | answers/s | directory CPU (cores) "
-             "| us/answer | busiest thread | clients' CPU | answer ms p50 / p99 / max | skipped | B/answer "
-             "| ping ms max | push call ms max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| us/answer | busiest thread | relays' CPU | clients' CPU | answer ms p50 / p99 / max | skipped "
+             "| B/answer | ping ms max | push call ms max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.mode} | {r.clients} | {r.rate_hz:g} | {r.directory_answers} "
                      f"| {r.directory_cpu_ms_per_push:.1f} | {r.answers_per_s:.0f} | {r.directory_cpu_share:.3f} "
-                     f"| {r.directory_cpu_us_per_answer:.0f} | {r.busiest_thread_share:.3f} "
+                     f"| {r.directory_cpu_us_per_answer:.0f} | {r.busiest_thread_share:.3f} | {r.relays_cpu_share:.2f} "
                      f"| {r.clients_cpu_share:.2f} "
                      f"| {r.answer_ms_p50:.1f} / {r.answer_ms_p99:.1f} / {r.answer_ms_max:.1f} | {r.skipped} "
                      f"| {r.answer_bytes} | {r.ping_ms_max:.1f} | {r.push_call_ms_max:.0f} |")
