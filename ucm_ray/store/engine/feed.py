@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from ucm_ray.store.types import DIRECTORY_NAME, Membership, ShardRecord
+from ucm_ray.transport.base import PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class MembershipFeed:
         self._relay_node = relay_node
         self._relay: ShardRecord | None = None
         """The relay the outstanding long poll went to (None: the directory)."""
-        self._passed_over: tuple[str, int] | None = None
-        """(shard id, incarnation) of a relay whose call failed: not asked again."""
+        self._passed_over: set[PoolKey] = set()
+        """Relays (shard id, incarnation) whose call failed: not asked again."""
+        self._node_shards: tuple[int, list[ShardRecord]] = (0, [])
+        """(membership version, this node's shards in it by shard id)."""
         self._direct_once = False
         """The next long poll goes to the directory (the relay said it could not answer)."""
         self._relay_due = 0.0
@@ -127,12 +130,15 @@ class MembershipFeed:
     def _post(self, known: Membership) -> bool:
         """Posts the long poll, to the node's relay or the directory (False: neither is there)."""
         relay = self._relay_for(known)
+        method = getattr(relay.handle, "relay_wait_for_change", None) if relay is not None else None
+        if relay is not None and method is None:  # a shard of an older package: it cannot relay
+            self._pass_over(relay, "no relay_wait_for_change")
+            relay = None
         if relay is None and not self._find():
             return False
         known_hot = known.hot.revision if known.version else -1
-        if relay is not None:
-            pending = relay.handle.relay_wait_for_change.remote(known.version, RELAY_POLL_S,
-                                                                known_hot=known_hot, shards_held=True)
+        if relay is not None and method is not None:
+            pending = method.remote(known.version, RELAY_POLL_S, known_hot=known_hot, shards_held=True)
             self._relay_due = time.monotonic() + RELAY_POLL_S + RELAY_GRACE_S
         else:
             pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
@@ -149,17 +155,18 @@ class MembershipFeed:
     def _pass_over(self, relay: ShardRecord, why: str) -> None:
         log.warning("membership relay %s failed (%s); following the directory itself until the membership names "
                     "another relay", relay.shard_id, why)
-        self._passed_over = (relay.shard_id, relay.pool.incarnation)
+        on_node = {shard.key for shard in self._node_shards[1]}
+        self._passed_over = {key for key in self._passed_over if key in on_node} | {relay.key}
 
     def _relay_for(self, known: Membership) -> ShardRecord | None:
-        """This node's relay in ``known`` (its lowest shard id here, passed over if its call
-        failed), or None: the long poll goes to the directory."""
+        """This node's relay in ``known`` (its lowest shard id here not passed over), or None: the
+        long poll goes to the directory."""
         if self._relay_node is None or self._direct_once:
             return None
-        for shard in known.shards:  # sorted by shard id
-            if shard.pool.node_id == self._relay_node:
-                if (shard.shard_id, shard.pool.incarnation) == self._passed_over:
-                    continue
+        if self._node_shards[0] != known.version:  # once a membership, not at every post
+            self._node_shards = (known.version, [s for s in known.shards if s.pool.node_id == self._relay_node])
+        for shard in self._node_shards[1]:  # sorted by shard id
+            if shard.key not in self._passed_over:
                 return shard
         return None
 
