@@ -11,6 +11,7 @@ import time
 
 import ray
 
+from tests.support.private_cluster import pinned_nodes, run_driver
 from tests.support.store_helpers import shard_pid
 from ucm_ray.store.engine import feed as feed_module
 from ucm_ray.store.engine.feed import MembershipFeed
@@ -172,3 +173,22 @@ def test_a_frozen_relay_is_passed_over_after_its_poll_is_overdue(fleet, monkeypa
         assert all(m.hot == whole.hot for m in held)
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_each_nodes_engines_follow_their_own_nodes_relay():
+    """Two raylets, two shards each, two engines each: each node's engines poll the lowest shard id
+    of their own node, and the directory answers one poll per node a push."""
+    result, _ = run_driver("membership_relay_driver.py", [], pinned_nodes(2), 300)
+    pushes = 3
+    assert all(set(node["versions"]) == {result["version"]} for node in result["last"])
+    assert all(set(node["hot_revisions"]) == {result["hot_revision"]} for node in result["last"])
+    assert all(min(node["relayed"]) >= pushes for node in result["last"])
+    by_node: dict[str, list[str]] = {}
+    for shard_id, node in sorted(result["shard_nodes"].items()):
+        by_node.setdefault(node, []).append(shard_id)
+    assert len(by_node) == 2
+    for shard_ids in by_node.values():
+        relay, other = shard_ids  # by shard id: the lowest relays
+        assert result["relayed_polls"][relay] >= 2 * pushes, result  # the node's two engines, every push
+        assert result["relayed_polls"][other] == 0, result
+    assert result["directory_polls"] <= 2 * (pushes + 1), result  # one per relay a push
