@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -150,13 +149,12 @@ class MembershipRelay:
     """A shard's relay: a thread follows the directory (started by the first engine's poll), and
     engines' long polls wait, each in a thread of the shard's relay group, for the version to move."""
 
-    def __init__(self, ray_namespace: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ray_namespace: str) -> None:
         self._namespace = ray_namespace
-        self._clock = clock
         self._state = RelayedMembership()
         self._moved = threading.Condition()
         self._heard = 0.0
-        """When the directory last answered this relay's poll (``clock``)."""
+        """When the directory last answered this relay's poll (``time.monotonic``)."""
         self._follower: threading.Thread | None = None
         self._stopped = threading.Event()
         self.served = 0
@@ -167,20 +165,20 @@ class MembershipRelay:
         """``ShardDirectory.wait_for_change``'s answer from what this relay holds, or None: ask the
         directory (this relay is not following it, or is behind the caller)."""
         self._start()
-        now = self._clock()
+        now = time.monotonic()
         deadline, sync_by = now + timeout_s, now + min(timeout_s, SYNC_WAIT_S)
         with self._moved:
             while True:
                 if self._state.following:
                     if self._state.version != known_version:
                         break
-                    left = deadline - self._clock()
+                    left = deadline - time.monotonic()
                 else:
-                    left = sync_by - self._clock()
+                    left = sync_by - time.monotonic()
                 if left <= 0:
                     break
                 self._moved.wait(left)
-            if self._clock() - self._heard > SILENT_S:
+            if time.monotonic() - self._heard > SILENT_S:
                 return None
             self.served += 1
             return self._state.answer(known_version, known_hot, shards_held)
@@ -216,7 +214,7 @@ class MembershipRelay:
                 self._stopped.wait(RETRY_S)
                 continue
             with self._moved:
-                self._heard = self._clock()
+                self._heard = time.monotonic()
                 if not self._state.take(answer, version):
                     log.warning("membership relay: an answer that does not apply to what it held; asking for all")
                 self._moved.notify_all()
