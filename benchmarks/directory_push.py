@@ -43,6 +43,17 @@ each. The package's own limit (no flag) lets more engines wait: ``--clients 2000
 
 The last line, ``directory_push: clients=<n> rate_hz=<r> directory_cpu_share=<x> answer_ms_p99=<y>``,
 is the largest run's.
+
+Stop 64 (helper relay18): ``--engines-per-node 8`` runs every (clients, rate) twice in one run, the
+engines polling the directory (``direct``) and then polling their node's relay (``relayed``: a
+relay per 8 engines, ``store.membership_relay.RelayedMembership`` as a shard holds it, each
+following the directory with one long poll), and prints the directory's CPU per push and the
+push-to-engine latency of both with their ratios. The relays run in ``--relay-procs`` async actors
+(many relays each; a shard serves its engines' polls from threads of its relay group instead):
+the relay hop is a Ray call, as on a node, but they share this box's cores with everything else::
+
+    ... nice .venv/bin/python benchmarks/directory_push.py --clients 800,2000 --rates 1 --seconds 5 \\
+        --engines-per-node 8
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
+from ucm_ray.store.membership_relay import LONG_POLL_S, RelayedMembership  # noqa: E402
 from ucm_ray.store.shard.directory import MAX_CALLS_AT_ONCE, ShardDirectory  # noqa: E402
 from ucm_ray.store.types import DIRECTORY_NAME, Membership  # noqa: E402
 from ucm_ray.transport.base import PoolDescriptor  # noqa: E402
@@ -97,26 +109,82 @@ class StandInPool:
         return None
 
 
+@ray.remote(num_cpus=0, max_concurrency=MAX_CALLS_AT_ONCE)
+class RelayHost:
+    """Many nodes' relays in one process: each follows the directory with one long poll (as a
+    shard's ``MembershipRelay`` thread does) and answers its engines' polls from its
+    ``RelayedMembership``, an asyncio wait in place of a shard's relay-group thread."""
+
+    def __init__(self) -> None:
+        self._relays: dict[int, RelayedMembership] = {}
+        self._moved: dict[int, asyncio.Event] = {}
+        self._followers: list[asyncio.Task] = []
+        self.posted = 0
+
+    async def follow(self, directory: ray.actor.ActorHandle, relay_ids: list[int], last_version: int) -> None:
+        """Start following; returns once every relay holds the directory's membership. Each stops
+        once it holds ``last_version`` (no poll left waiting at the directory after the run)."""
+        for relay_id in relay_ids:
+            self._relays[relay_id] = RelayedMembership()
+            self._moved[relay_id] = asyncio.Event()
+            self._followers.append(asyncio.create_task(self._follow(directory, relay_id, last_version)))
+        while not all(self._relays[r].following for r in relay_ids):
+            await asyncio.sleep(0.05)
+
+    async def _follow(self, directory: ray.actor.ActorHandle, relay_id: int, last_version: int) -> None:
+        state = self._relays[relay_id]
+        while state.version != last_version:
+            version, hot = state.poll_args()
+            answer = await directory.wait_for_change.remote(version, LONG_POLL_S, known_hot=hot, shards_held=True)
+            state.take(answer, version)
+            moved, self._moved[relay_id] = self._moved[relay_id], asyncio.Event()
+            moved.set()
+
+    async def wait_for_change(self, relay_id: int, known_version: int, timeout_s: float = LONG_POLL_S,
+                              known_hot: int = -1, shards_held: bool = False) -> Membership | None:
+        self.posted += 1
+        state = self._relays[relay_id]
+        if state.version == known_version:
+            try:
+                await asyncio.wait_for(self._moved[relay_id].wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return state.answer(known_version, known_hot, shards_held)
+
+    async def polls_posted(self) -> int:
+        return self.posted
+
+    async def cpu_s(self) -> float:
+        return time.process_time()
+
+
 @ray.remote(num_cpus=0)
 class PollClient:
     """Many simulated engines in one process: one outstanding long poll each, re-posted on every
     answer as ``MembershipFeed.poll`` does."""
 
     async def run(self, directory: ray.actor.ActorHandle, engines: int, version: int, hot_revision: int,
-                  last_version: int) -> dict[str, Any]:
+                  last_version: int, relays: list[tuple[ray.actor.ActorHandle, int]] | None = None) -> dict[str, Any]:
         """Returns, per version, the monotonic receipt times; the answers' pickled sizes (first
-        answer of each push); versions skipped; this process's CPU seconds meanwhile."""
+        answer of each push); versions skipped; this process's CPU seconds meanwhile. ``relays``:
+        per engine, its node's relay (host, relay id) to poll instead of the directory."""
         receipts: dict[int, list[float]] = {}
         sizes: dict[int, int] = {}
         skipped = 0
         cpu_start = time.process_time()
 
-        async def engine() -> None:
+        async def engine(relay: tuple[ray.actor.ActorHandle, int] | None) -> None:
             nonlocal skipped
             known, known_hot = version, hot_revision
             while known < last_version:
-                answer: Membership = await directory.wait_for_change.remote(
-                    known, known_hot=known_hot, shards_held=True)
+                if relay is not None:
+                    host, relay_id = relay
+                    answer: Membership | None = await host.wait_for_change.remote(
+                        relay_id, known, known_hot=known_hot, shards_held=True)
+                    if answer is None:
+                        raise RuntimeError(f"relay {relay_id} behind an engine at version {known}")
+                else:
+                    answer = await directory.wait_for_change.remote(known, known_hot=known_hot, shards_held=True)
                 now = time.monotonic()
                 if answer.version == known:
                     continue  # the long poll's timeout: re-posted
@@ -127,13 +195,15 @@ class PollClient:
                 known = answer.version
                 known_hot = answer.hot_delta.revision if answer.hot_delta is not None else answer.hot.revision
 
-        await asyncio.gather(*(engine() for _ in range(engines)))
+        await asyncio.gather(*(engine(relays[i] if relays else None) for i in range(engines)))
         return {"receipts": receipts, "sizes": sizes, "skipped": skipped,
                 "cpu_s": time.process_time() - cpu_start}
 
 
 @dataclass
 class RunResult:
+    mode: str
+    """``direct`` (engines poll the directory) or ``relayed`` (their node's relay)."""
     clients: int
     rate_hz: float
     pushes: int
@@ -153,6 +223,11 @@ class RunResult:
     is the busiest): what one actor's single loop can at most take is 1.0."""
     push_call_ms_max: float
     """``add_hot_prefix``'s round trip: past ``max_concurrency`` long polls it waits for a free slot."""
+    directory_answers: int = 0
+    """Long polls the directory answered for the pushes (engines', or relays'): one each a push."""
+    directory_cpu_ms_per_push: float = 0.0
+    relays_cpu_share: float = 0.0
+    """The relays' processes' CPU over the push phase (all relays together; 0: direct)."""
 
 
 def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
@@ -173,19 +248,35 @@ def push_rows(rows: int, pool: tuple[str, int]) -> dict[bytes, tuple[tuple[str, 
 
 def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process, pollers: list[ray.actor.ActorHandle],
             clients: int, rate_hz: float, pushes: int, rows: int, pool_keys: list[tuple[str, int]],
-            concurrency: int = MAX_CALLS_AT_ONCE) -> RunResult:
-    """``clients`` engines long-polling, ``pushes`` pushes at ``rate_hz``."""
+            concurrency: int = MAX_CALLS_AT_ONCE, per_node: int = 0, relay_procs: int = 2) -> RunResult:
+    """``clients`` engines long-polling, ``pushes`` pushes at ``rate_hz``; ``per_node``: that many
+    engines a node poll their node's relay (0: the directory)."""
     state = ray.get(directory.ping.remote())
     version, hot_revision = state["version"], state["hot_revision"]
-    served_before = state["served"]["wait_for_change"]
     last_version = version + pushes
     procs = len(pollers)
     per_proc = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    runs = [p.run.remote(directory, n, version, hot_revision, last_version) for p, n in zip(pollers, per_proc) if n]
+    served_before = state["served"]["wait_for_change"]
+    hosts: list[ray.actor.ActorHandle] = []
+    engine_relays: list[list[tuple[ray.actor.ActorHandle, int]] | None] = [None] * procs
+    if per_node:
+        relays = -(-clients // per_node)
+        hosts = [RelayHost.remote() for _ in range(min(relay_procs, relays))]  # type: ignore[attr-defined]
+        ray.get([h.follow.remote(directory, list(range(i, relays, len(hosts))), last_version)
+                 for i, h in enumerate(hosts)], timeout=120)
+        first = 0
+        for p, n in enumerate(per_proc):  # engine g of the fleet is on node g // per_node
+            engine_relays[p] = [(hosts[(g // per_node) % len(hosts)], g // per_node) for g in range(first, first + n)]
+            first += n
+    runs = [p.run.remote(directory, n, version, hot_revision, last_version, engine_relays[i])
+            for i, (p, n) in enumerate(zip(pollers, per_proc)) if n]
     deadline = time.monotonic() + 30.0
     waiting = 0
     while time.monotonic() < deadline:  # every engine's first poll in (at most max_concurrency inside)
-        waiting = ray.get(directory.ping.remote())["served"]["wait_for_change"] - served_before
+        if hosts:
+            waiting = sum(ray.get([h.polls_posted.remote() for h in hosts]))
+        else:
+            waiting = ray.get(directory.ping.remote())["served"]["wait_for_change"] - served_before
         if waiting >= min(clients, concurrency):
             break
         time.sleep(0.2)
@@ -196,6 +287,7 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     pings: list[float] = []
     push_calls: list[float] = []
     cpu0 = directory_process.cpu_times()
+    relays_cpu0 = sum(ray.get([h.cpu_s.remote() for h in hosts]))
     threads0 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
     start = time.monotonic()
     for i in range(pushes):
@@ -216,6 +308,13 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     outcomes = ray.get(runs, timeout=240)
     end = time.monotonic()
     cpu1 = directory_process.cpu_times()
+    # every poll posted was answered (each poller stops at the last version): a relay's first one
+    # (it joined) is not the push's
+    directory_answers = ray.get(directory.ping.remote())["served"]["wait_for_change"] - served_before - len(
+        {relay for engines in engine_relays if engines for _, relay in engines})
+    relays_cpu_s = sum(ray.get([h.cpu_s.remote() for h in hosts])) - relays_cpu0
+    for host in hosts:
+        ray.kill(host)
     threads1 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
     wall = end - start
     busiest_s = max(used - threads0.get(tid, 0.0) for tid, used in threads1.items())
@@ -225,13 +324,18 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     lat_ms = np.array(latencies) * 1e3
     sizes = [s for o in outcomes for s in o["sizes"].values()]
     result = RunResult(
-        clients=clients, rate_hz=rate_hz, pushes=pushes, answers=answers, answers_per_s=answers / wall,
+        mode="relayed" if per_node else "direct", directory_answers=directory_answers,
+        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, relays_cpu_share=relays_cpu_s / wall, clients=clients,
+        rate_hz=rate_hz, pushes=pushes,
+        answers=answers, answers_per_s=answers / wall,
         directory_cpu_share=cpu_s / wall, directory_cpu_us_per_answer=cpu_s / max(answers, 1) * 1e6,
         busiest_thread_share=busiest_s / wall, clients_cpu_share=sum(o["cpu_s"] for o in outcomes) / wall,
         answer_ms_p50=float(np.percentile(lat_ms, 50)), answer_ms_p99=float(np.percentile(lat_ms, 99)),
         answer_ms_max=float(lat_ms.max()), skipped=sum(o["skipped"] for o in outcomes),
         answer_bytes=int(np.median(sizes)) if sizes else 0, ping_ms_max=max(pings, default=0.0) * 1e3,
         push_call_ms_max=max(push_calls) * 1e3)
+    log.info("%s: %d directory answers, %.1f ms of its CPU a push; relays' cpu %.3f core", result.mode,
+             directory_answers, result.directory_cpu_ms_per_push, result.relays_cpu_share)
     log.info("clients=%d rate=%.1f Hz: %d answers in %.1f s (%.0f/s), skipped %d; directory cpu %.3f core "
              "(%.0f us/answer, busiest thread %.3f), clients' cpu %.2f core; answer ms p50 %.1f p99 %.1f max %.1f; "
              "%d B an answer; ping ms max %.1f; push call ms max %.0f",
@@ -244,8 +348,9 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
 
 
 def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: int, client_procs: int,
-            rows: int, max_concurrency: int | None = None) -> list[RunResult]:
-    """Every (clients, rate) on one directory (its version and table carry over between runs)."""
+            rows: int, max_concurrency: int | None = None, per_node: int = 0, relay_procs: int = 2) -> list[RunResult]:
+    """Every (clients, rate) on one directory (its version and table carry over between runs);
+    ``per_node``: each also relayed, that many engines to a relay, right after the direct run."""
     namespace = f"pushcost_{uuid.uuid4().hex[:8]}"
     directory = start_directory(namespace, max_concurrency)
     pools = [StandInPool.options(namespace=namespace).remote(name) for name in STAND_IN_POOLS]  # type: ignore[attr-defined]
@@ -260,8 +365,9 @@ def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: 
         for n in clients:
             for rate in rates:
                 pushes = max(min_pushes, int(round(seconds * rate)))
-                results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
-                                       max_concurrency or MAX_CALLS_AT_ONCE))
+                for mode_per_node in ([0, per_node] if per_node else [0]):
+                    results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
+                                           max_concurrency or MAX_CALLS_AT_ONCE, mode_per_node, relay_procs))
         return results
     finally:
         ray.kill(directory)
@@ -270,12 +376,14 @@ def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: 
 
 
 def table(results: list[RunResult]) -> str:
-    lines = ["| clients | Hz | answers/s | directory CPU (cores) | us/answer | busiest thread | clients' CPU "
-             "| answer ms p50 / p99 / max | skipped | B/answer | ping ms max | push call ms max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | clients | Hz | directory answers | directory CPU ms / push | answers/s | directory CPU (cores) "
+             "| us/answer | busiest thread | relays' CPU | clients' CPU | answer ms p50 / p99 / max | skipped "
+             "| B/answer | ping ms max | push call ms max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.clients} | {r.rate_hz:g} | {r.answers_per_s:.0f} | {r.directory_cpu_share:.3f} "
-                     f"| {r.directory_cpu_us_per_answer:.0f} | {r.busiest_thread_share:.3f} "
+        lines.append(f"| {r.mode} | {r.clients} | {r.rate_hz:g} | {r.directory_answers} "
+                     f"| {r.directory_cpu_ms_per_push:.1f} | {r.answers_per_s:.0f} | {r.directory_cpu_share:.3f} "
+                     f"| {r.directory_cpu_us_per_answer:.0f} | {r.busiest_thread_share:.3f} | {r.relays_cpu_share:.2f} "
                      f"| {r.clients_cpu_share:.2f} "
                      f"| {r.answer_ms_p50:.1f} / {r.answer_ms_p99:.1f} / {r.answer_ms_max:.1f} | {r.skipped} "
                      f"| {r.answer_bytes} | {r.ping_ms_max:.1f} | {r.push_call_ms_max:.0f} |")
@@ -292,6 +400,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="hot-table rows a push changes (payload)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="the directory's max_concurrency (default: the package's; 1000: Ray's default)")
+    parser.add_argument("--engines-per-node", type=int, default=0,
+                        help="also run each relayed: this many engines poll their node's relay (0: direct only)")
+    parser.add_argument("--relay-procs", type=int, default=2, help="Ray actors the relays are spread over")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     tmp = tempfile.mkdtemp(prefix="ucmp-", dir="/tmp")
@@ -299,11 +410,21 @@ def main() -> None:
              namespace="pushcost", logging_level="WARNING")
     try:
         results = run_all([int(c) for c in args.clients.split(",")], [float(r) for r in args.rates.split(",")],
-                          args.seconds, args.min_pushes, args.client_procs, args.rows, args.max_concurrency)
+                          args.seconds, args.min_pushes, args.client_procs, args.rows, args.max_concurrency,
+                          args.engines_per_node, args.relay_procs)
     finally:
         ray.shutdown()
     log.info("results (%d client processes, %d rows a push):\n%s", args.client_procs, args.rows, table(results))
-    largest = max(results, key=lambda r: (r.clients * r.rate_hz, r.clients))
+    direct = {(r.clients, r.rate_hz): r for r in results if r.mode == "direct"}
+    for r in results:
+        base = direct[(r.clients, r.rate_hz)]
+        if r.mode == "relayed":
+            log.info("relayed_vs_direct: clients=%d rate_hz=%g directory_answers=%.3f directory_cpu_per_push=%.3f "
+                     "answer_ms_p50=%.2f answer_ms_p99=%.2f", r.clients, r.rate_hz,
+                     r.directory_answers / max(base.directory_answers, 1),
+                     r.directory_cpu_ms_per_push / max(base.directory_cpu_ms_per_push, 1e-9),
+                     r.answer_ms_p50 / max(base.answer_ms_p50, 1e-9), r.answer_ms_p99 / max(base.answer_ms_p99, 1e-9))
+    largest = max(direct.values(), key=lambda r: (r.clients * r.rate_hz, r.clients))
     log.info("directory_push: clients=%d rate_hz=%g directory_cpu_share=%.3f answer_ms_p99=%.1f",
              largest.clients, largest.rate_hz, largest.directory_cpu_share, largest.answer_ms_p99)
 

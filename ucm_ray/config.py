@@ -149,6 +149,12 @@ class UcmRayConfig:
     simulation; docs/scaling.md, stop 58). A lost announcement (a steward that dies) leaves a copy unnamed by
     the table: other nodes load the block from the pools it names. One node never announces
     (an engine's own setting)."""
+    relay_membership: bool = False
+    """This engine follows the directory's long poll through its node's relay (the lowest shard id
+    on its node, ``store.membership_relay``), which follows the directory with one poll for the
+    node's engines: the directory answers a poll per node, not per engine, at each push. A relay
+    that fails or falls behind sends the engine to the directory. Off: every engine polls the
+    directory (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True
@@ -261,7 +267,7 @@ class UcmRayConfig:
              "copy_nodes_per_pool", "an integer between 0 (no bound) and 1000000")
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
-        for key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies"):
+        for key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership"):
             need(isinstance(getattr(self, key), bool), key, "true or false")
         for key, (lo, hi) in TIMEOUT_LIMITS.items():
             v = getattr(self, key)

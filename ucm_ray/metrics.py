@@ -51,6 +51,7 @@ COUNTERS = {
     "hot_blocks_learned": "Blocks this shard found shared by the many askers of a family root it owns (hot prefixes).",
     "relayed_copies": "Keys of readers' hot-prefix copies announced to this shard as their steward (relay_hot_copies).",
     "relay_forwards": "Forwards of those to the directory (one call each, at most one a second).",
+    "relayed_polls": "Engines' membership long polls this shard answered as its node's relay (relay_membership).",
     "relay_dropped": "Keys of announced copies dropped: more gathered than a forward holds (a lost announcement).",
     "evicted_dirty": "Evictions, with a disk tier, of entries not yet on disk (demotion fell behind).",
     "disk_demoted": "Entries written from the pool to the disk tier.",

@@ -14,3 +14,12 @@ def test_every_engine_gets_every_push(ray_cluster) -> None:
     assert result.skipped == 0
     assert result.answer_bytes > 800  # the rows ride on every answer
     assert result.answer_ms_max < 10_000
+
+
+def test_relayed_engines_get_every_push_and_the_directory_answers_one_poll_per_relay(ray_cluster) -> None:
+    direct, relayed = run_all([24], [4.0], seconds=0.5, min_pushes=2, client_procs=1, rows=57, per_node=8,
+                              relay_procs=1)
+    assert (direct.mode, relayed.mode) == ("direct", "relayed")
+    assert relayed.answers == 24 * 2 and relayed.skipped == 0  # every engine, every version, through its relay
+    assert relayed.directory_answers == 3 * 2  # three relays, one answer each a push
+    assert direct.directory_answers == 24 * 2  # one per engine a push

@@ -133,6 +133,24 @@ class HotPrefixDelta:
         return HotPrefixes(pools, self.revision)
 
 
+def delta_between(old: HotPrefixes, new: HotPrefixes) -> HotPrefixDelta:
+    """What turns table ``old`` into ``new`` (a row that only grew, as the pools added): a node's
+    membership relay builds it for an engine further behind than the delta it got
+    (``store.membership_relay``), where the directory reads it from its table's history."""
+    changed: dict[bytes, tuple[PoolKey, ...]] = {}
+    appended: dict[bytes, tuple[PoolKey, ...]] = {}
+    for key, pools in new.pools.items():
+        held = old.pools.get(key)
+        if held == pools:
+            continue
+        if held is not None and pools[:len(held)] == held:
+            appended[key] = pools[len(held):]
+        else:
+            changed[key] = pools
+    dropped = tuple(key for key in old.pools if key not in new.pools)
+    return HotPrefixDelta(old.revision, new.revision, changed, dropped, appended)
+
+
 HotPrefixPush = HotPrefixes | HotPrefixDelta
 """What a membership carries: the whole table, or what changed since the engine's revision."""
 

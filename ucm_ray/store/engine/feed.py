@@ -6,6 +6,14 @@ on its hot path) except an explicit ``fetch``. When the directory is missing (ne
 or killed for good) or its call fails (restarting), the client keeps the membership it has (or
 none: the cache is off) and looks the directory up again by name every ``RETRY_S``, so a
 directory restarted by Ray or created again by ``ucm-ray up`` is found without a restart.
+
+With ``relay_membership`` the long poll goes to the node's relay instead (``store.membership_relay``:
+the lowest shard id on this node in the membership held, so the node's engines agree), which
+answers as the directory would; a relay that answers None (not following, or behind) sends one
+poll to the directory, and one whose call fails is passed over until the membership names
+another incarnation of it (a dead shard leaves the membership: the next one on the node relays),
+as is one that does not answer within ``RELAY_POLL_S + RELAY_GRACE_S`` (a frozen process, which
+the directory does not see die).
 """
 
 from __future__ import annotations
@@ -18,16 +26,34 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from ucm_ray.store.types import DIRECTORY_NAME, Membership
+from ucm_ray.store.types import DIRECTORY_NAME, Membership, ShardRecord
+from ucm_ray.transport.base import PoolKey
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 2.0
+RELAY_POLL_S = 30.0
+"""A relay answers a long poll by then, changed or not (the directory's ``LONG_POLL_S``)."""
+RELAY_GRACE_S = 10.0
+"""... and a relay that has not answered this long after is passed over."""
 
 
 class MembershipFeed:
-    def __init__(self, ray_namespace: str, timeout_s: float, directory: ray.actor.ActorHandle | None = None) -> None:
+    def __init__(self, ray_namespace: str, timeout_s: float, directory: ray.actor.ActorHandle | None = None,
+                 relay_node: str | None = None) -> None:
+        """``relay_node``: this process's node, whose relay the long poll goes to (None: the directory)."""
         self._namespace = ray_namespace
+        self._relay_node = relay_node
+        self._relay: ShardRecord | None = None
+        """The relay the outstanding long poll went to (None: the directory)."""
+        self._passed_over: set[PoolKey] = set()
+        """Relays (shard id, incarnation) whose call failed: not asked again."""
+        self._node_shards: tuple[int, list[ShardRecord]] = (0, [])
+        """(membership version, this node's shards in it by shard id)."""
+        self._direct_once = False
+        """The next long poll goes to the directory (the relay said it could not answer)."""
+        self._relay_due = 0.0
+        """When the relay's outstanding long poll is overdue (``time.monotonic``)."""
         self._timeout_s = timeout_s
         self._directory = directory
         self._pending: ray.ObjectRef | None = None
@@ -47,6 +73,8 @@ class MembershipFeed:
         """The version the outstanding long poll was posted with (its answer's ``shards_held`` means it)."""
         self.hot_deltas = 0
         """Long-poll answers whose hot-prefix table came as a delta (``Membership.hot_delta``)."""
+        self.relayed = 0
+        """Long-poll answers that came from a relay."""
 
     def fetch(self) -> Membership | None:
         """The membership now (waits up to ``timeout_s``); None when no directory answers. A long
@@ -66,24 +94,27 @@ class MembershipFeed:
         rows changed since (applied here: the membership returned carries the whole table), and
         the shard list only when it changed since ``known``'s version (else ``known``'s is kept); an
         answer whose delta does not apply to ``known``'s table is dropped and the poll re-posted."""
-        if self._pending is None:
-            if not self._find():
-                return None
-            pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
-                known.version, known_hot=known.hot.revision if known.version else -1, shards_held=True)
-            self._pending = pending
-            self._posted_for = known.version
-            self._posted += 1
-            number = self._posted
-            pending.future().add_done_callback(lambda _: self._arrived(number))
+        if self._pending is None and not self._post(known):
+            return None
         if self._answered < self._posted:
+            if self._relay is not None and time.monotonic() > self._relay_due:
+                self._pass_over(self._relay, "no answer")
+                self._pending = None  # its late answer is dropped (a later poll's number is higher)
             return None
         ref, self._pending = self._pending, None
         try:
-            membership: Membership = ray.get(ref)
+            answer: Membership | None = ray.get(ref)
         except RayError as e:
-            self._lost(e)
+            if self._relay is not None:
+                self._pass_over(self._relay, type(e).__name__)
+            else:
+                self._lost(e)
             return None
+        if answer is None:  # the relay cannot say: one poll to the directory
+            self._direct_once = True
+            return None
+        membership = answer
+        self.relayed += self._relay is not None
         if membership.shards_held:
             if known.version != self._posted_for:
                 return None  # ``known`` moved since the poll was posted: ask again
@@ -95,6 +126,49 @@ class MembershipFeed:
             membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
             self.hot_deltas += 1
         return membership if membership.version != known.version else None
+
+    def _post(self, known: Membership) -> bool:
+        """Posts the long poll, to the node's relay or the directory (False: neither is there)."""
+        relay = self._relay_for(known)
+        method = getattr(relay.handle, "relay_wait_for_change", None) if relay is not None else None
+        if relay is not None and method is None:  # a shard of an older package: it cannot relay
+            self._pass_over(relay, "no relay_wait_for_change")
+            relay = None
+        if relay is None and not self._find():
+            return False
+        known_hot = known.hot.revision if known.version else -1
+        if relay is not None and method is not None:
+            pending = method.remote(known.version, RELAY_POLL_S, known_hot=known_hot, shards_held=True)
+            self._relay_due = time.monotonic() + RELAY_POLL_S + RELAY_GRACE_S
+        else:
+            pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
+                known.version, known_hot=known_hot, shards_held=True)
+            self._direct_once = False
+        self._relay = relay
+        self._pending = pending
+        self._posted_for = known.version
+        self._posted += 1
+        number = self._posted
+        pending.future().add_done_callback(lambda _: self._arrived(number))
+        return True
+
+    def _pass_over(self, relay: ShardRecord, why: str) -> None:
+        log.warning("membership relay %s failed (%s); following the directory itself until the membership names "
+                    "another relay", relay.shard_id, why)
+        on_node = {shard.key for shard in self._node_shards[1]}
+        self._passed_over = {key for key in self._passed_over if key in on_node} | {relay.key}
+
+    def _relay_for(self, known: Membership) -> ShardRecord | None:
+        """This node's relay in ``known`` (its lowest shard id here not passed over), or None: the
+        long poll goes to the directory."""
+        if self._relay_node is None or self._direct_once:
+            return None
+        if self._node_shards[0] != known.version:  # once a membership, not at every post
+            self._node_shards = (known.version, [s for s in known.shards if s.pool.node_id == self._relay_node])
+        for shard in self._node_shards[1]:  # sorted by shard id
+            if shard.key not in self._passed_over:
+                return shard
+        return None
 
     def _arrived(self, number: int) -> None:
         """The answer of long poll ``number`` is in (Ray's thread; the caller's, when it was in

@@ -87,7 +87,8 @@ class RayBlockStore(BlockStore):
         self._pools = Pools(0, {}, config.replication)
         """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
-        self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory)
+        self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory,
+                                    node_id if config.relay_membership else None)
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
             self._apply(first)
