@@ -56,9 +56,11 @@ answer's way back, and the clocks of two nodes (``answer_by``) a few millisecond
 ORDER_WAIT_S = 0.1
 """The least a disk-thread lookup waits for the default group's calls queued before it
 (``_after_calls_queued``), its asker's deadline passed or not."""
-RELAY_THREADS = 64
+RELAY_THREADS = 16
 """Engines' long polls a shard holds at once as its node's membership relay (one thread each while
-it waits): 8 engines on an 8-GPU node, with room. A poll past them queues until one is answered."""
+it waits): 8 engines on an 8-GPU node, with room. A poll past them queues until one is answered.
+Ray starts a group's threads with the actor, relay or not: 64 made a shard's process 90 threads
+instead of 26."""
 
 
 @ray.remote(concurrency_groups={"watch": 1, "disk": 1, "relay": RELAY_THREADS})
