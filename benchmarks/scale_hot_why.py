@@ -9,11 +9,15 @@ request's kind.
 
 ``--oracle`` makes each read take the least-loaded (bytes served so far) of the pools the reader is
 told of (``named``), of every registered one (``locs``), the same for hot rows only (``hotll``), or
-a random one of a hot row's per read (``hotrand``): what a load-aware pick would give, which the
-package cannot make (one-sided reads: a pool never sees its load). Figures: docs/scaling.md, stop 61.
+a random one of a hot row's per read (``hotrand``), or the least-loaded told for the blocks past the
+hot prefix only (``cold``: the most a family root's owner could do, its answers being those
+reads'): what a load-aware pick would give, which the package cannot make (one-sided reads: a
+pool never sees its load). Figures: docs/scaling.md, stop 61.
 ``--load-pick`` and the other ``--load-*`` flags make the pick by a load figure engines could be
 pushed (``DesignParams.load_pick``, ``LoadSignal``: stale by a push period, decayed, partial), and
-print what the signal carries (stop 63, loadpick17).
+print what the signal carries (stop 63, loadpick17). ``--owner-pick`` makes the family root's owner
+order a block's pools by the reads it directed itself (``DesignParams.owner_pick``; stop 64,
+ownerpick18: no push).
 
 Run: ``python benchmarks/scale_hot_why.py --nodes 100 --requests 2000 --router random``.
 """
@@ -31,7 +35,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.scale.cluster import Cluster, Placement, shard_ids  # noqa: E402
-from benchmarks.scale.designs import DesignParams, add_load_args, load_params  # noqa: E402
+from benchmarks.scale.designs import (  # noqa: E402
+    DesignParams,
+    add_load_args,
+    add_owner_pick_args,
+    load_params,
+    owner_pick_params,
+)
 from benchmarks.scale.metrics import RequestTally  # noqa: E402
 from benchmarks.scale.workload import BYTES_PER_TOKEN, Request, add_single_run_args, single_run  # noqa: E402
 from benchmarks.scale_hot_floor import SplitBytes  # noqa: E402
@@ -51,7 +61,7 @@ class WhyServed(SplitBytes):
 
     def _first_holding(self, key: bytes, order: list[int], tally: RequestTally) -> int | None:
         mode = self.oracle
-        if not mode or (mode.startswith("hot") and key not in self.table):
+        if not mode or (mode.startswith("hot") and key not in self.table) or (mode == "cold" and key in self.table):
             return super()._first_holding(key, order, tally)
         candidates = list(dict.fromkeys(order))
         if mode == "locs":
@@ -124,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_single_run_args(parser)
     parser.add_argument("--top", type=int, default=3, help="hottest nodes shown")
-    parser.add_argument("--oracle", default="", choices=["", "named", "locs", "hotll", "hotrand"])
+    parser.add_argument("--oracle", default="", choices=["", "named", "locs", "hotll", "hotrand", "cold"])
     parser.add_argument("--hot-copies-past-bound", action="store_true", help="DesignParams.hot_copies_past_bound")
     parser.add_argument("--hot-copies-past-bound-tokens", type=int, default=0,
                         help="DesignParams.hot_copies_past_bound_tokens")
@@ -133,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--popular-window", type=float, default=DesignParams.popular_window)
     parser.add_argument("--spread-pools", type=int, default=DesignParams.spread_pools)
     add_load_args(parser)
+    add_owner_pick_args(parser)
     args = parser.parse_args(argv)
     spec, requests, pool = single_run(args)
     cluster = Cluster(spec.nodes, pool * BYTES_PER_TOKEN, spec.block_bytes, Placement(shard_ids(spec.nodes)))
@@ -140,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                           hot_copies_past_bound_tokens=args.hot_copies_past_bound_tokens,
                           hot_copy_nodes_per_pool=args.hot_copy_nodes_per_pool,
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
-                          spread_pools=args.spread_pools, **load_params(args))
+                          spread_pools=args.spread_pools, **load_params(args),
+                          **owner_pick_params(args))
     design = WhyServed(cluster, params, args.oracle)
     design.run(requests)
     served = design.stats.bytes_served / cluster.block_bytes
@@ -150,8 +162,20 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"hot_spot {served.max() / mean:.2f}, calls {calls.max() / calls.mean():.2f}, copy bound "
           f"{design.copy_bound()}, hot copies past the bound {design.hot_copies_unannounced}, "
           f"evictions {cluster.evictions()}")
+    stats = design.stats
+    requests_served = max(len(stats.lookup_calls), 1)
+    print(f"hits {100 * stats.hit_tokens / max(stats.prompt_tokens, 1):.2f} %, load off node "
+          f"{np.mean(stats.load_off) / 2**20:.1f} MiB a request, lookup calls {sum(stats.lookup_calls)} "
+          f"({np.mean(stats.lookup_calls):.3f} a request), stale {stats.stale / requests_served:.2f} a request, "
+          f"remote pools touched {np.mean(stats.touched):.2f}")
+    past_hot = served - design.hot_served / cluster.block_bytes
+    print(f"past the hot prefix (what roots' owners answer for): {past_hot.sum() / served.sum():.2f} of the bytes; "
+          f"its hottest node {past_hot.max() / past_hot.mean():.2f}x its mean, {past_hot.max() / mean:.2f}x "
+          f"the mean of all bytes")
     if design.load is not None:
         print(design.load.summary())
+    if design.owner_directed is not None:
+        print(design.owner_directed.summary())
     fleet: Counter[str] = Counter()
     for counts in design.outcome.values():
         fleet.update(counts)

@@ -57,8 +57,10 @@ from benchmarks.scale.designs import (  # noqa: E402
     HandoverCopyOnSecondRead,
     add_learning_args,
     add_load_args,
+    add_owner_pick_args,
     learning_params,
     load_params,
+    owner_pick_params,
 )
 from benchmarks.scale.metrics import Row, format_table  # noqa: E402
 from benchmarks.scale.runner import ConfigResult, run_config  # noqa: E402
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                              "relay_hot_copies: false; before stop 58)")
     add_learning_args(parser)
     add_load_args(parser)
+    add_owner_pick_args(parser)
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
     parser.add_argument("--popular-readers", type=int, default=2,
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                           popular_readers=args.popular_readers, popular_window=args.popular_window,
                           learn_window=args.learn_window, relay_announcements=args.relay_announcements,
                           learn_scan_blocks=args.learn_scan_blocks, **learning_params(args), **load_params(args),
+                          **owner_pick_params(args),
                           spread_reads=args.spread_reads, bound_popular=not args.unbounded_popular,
                           popular_share=args.popular_share, popular_places=args.popular_places,
                           overload_copy=args.overload_copy,

@@ -280,6 +280,22 @@ class DesignParams:
     """(k), ``load_pick``: a pool's figure is pushed only when it moved by more than this share of
     the figure last pushed for it, or of the fleet's mean figure where that is larger (0: every
     push carries every pool's)."""
+    owner_pick: str = ""
+    """(k): how a family root's owner orders the pools it names for a block past the hot prefix
+    (stop 64, ownerpick18; no push, no new call). "": as built (most recent first; a reader starts
+    at the one its node's hash picks once four are named). ``least``: the owner keeps its own
+    decayed count of the blocks it directed to each pool (the first pool it named for each block it
+    answered) and names the least directed first; ``two``: two of the named pools drawn at random
+    (once per answer), the less directed first, then the rest as built. Either way the previous
+    block's first pool stays first where it is named (a run stays in one pool), and the reader
+    takes the owner's order (no hash of its node). Hot-prefix blocks are the directory's table's,
+    never asked of an owner: untouched."""
+    owner_pick_decay_s: float = 0.0
+    """(k), ``owner_pick``: the directed count's time constant in seconds, at ``SECONDS_PER_REQUEST``
+    a node (0: no decay, the count since the start)."""
+    owner_pick_from: int = 2
+    """(k), ``owner_pick``: only a block named by at least this many pools is reordered (fewer: as
+    built, most recent first; its first still counted)."""
     seed: int = 0
 
 
@@ -394,6 +410,29 @@ def load_params(args: argparse.Namespace) -> dict[str, Any]:
             "load_pair_per_request": args.load_pair_per_request, "load_keep_previous": args.load_keep_previous,
             "load_lag_pushes": args.load_lag_pushes,
             "load_top_pools": args.load_top_pools, "load_change_share": args.load_change_share}
+
+
+OWNER_PICKS = ("", "least", "two")
+"""``DesignParams.owner_pick``'s choices."""
+
+
+def add_owner_pick_args(parser: argparse.ArgumentParser) -> None:
+    """(k)'s order of a block's pools chosen by its family root's owner from the reads it directed
+    (``DesignParams.owner_pick``, stop 64, ownerpick18) as flags, off by default: ``owner_pick_params``
+    reads them."""
+    parser.add_argument("--owner-pick", default="", choices=list(OWNER_PICKS),
+                        help="(k): how the root's owner orders a block's pools (DesignParams.owner_pick; "
+                             "default: as built)")
+    parser.add_argument("--owner-pick-decay-s", type=float, default=0.0,
+                        help="(k), --owner-pick: the directed count's time constant in seconds (0: no decay)")
+    parser.add_argument("--owner-pick-from", type=int, default=2,
+                        help="(k), --owner-pick: reorder only blocks named by at least this many pools")
+
+
+def owner_pick_params(args: argparse.Namespace) -> dict[str, Any]:
+    """``DesignParams``' fields set by ``add_owner_pick_args``' flags."""
+    return {"owner_pick": args.owner_pick, "owner_pick_decay_s": args.owner_pick_decay_s,
+            "owner_pick_from": args.owner_pick_from}
 
 
 def _first_false(flags: np.ndarray) -> int:
@@ -924,6 +963,7 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
             if root_owner != req.node:
                 tally.touched.add(root_owner)
             self._learn(root, keys[hot:], req.node)
+            self.answer_where(root, keys[hot:], req.node)
         hit, sources = self.walk(req, tally)
         if self.copy_hot:
             remote = [keys[position] for position in range(min(hit, hot)) if sources[position] != req.node]
@@ -942,6 +982,11 @@ class BuiltHotRoots(BuiltFirstBlockRoot):
         for owner, count in per_owner.items():
             self.stats.message(owner, tally, count, req.node)
         return tally
+
+    def answer_where(self, root: bytes, family: Sequence[bytes], node: int) -> None:
+        """The root's owner answers ``node``'s lookup of ``family`` (its pools for each block):
+        only designs whose owner orders them care (``owner_pick``)."""
+        return None
 
     def _valid_copy(self, key: bytes, node: int, tally: RequestTally) -> int | None:
         """This node's pool, else (a hot-prefix block) any copy, else the copy the reader's root
@@ -1181,6 +1226,62 @@ class LoadSignal:
                 f"({self.entries_reported / pushes * LOAD_ENTRY_BYTES:.0f} B a period to the directory)")
 
 
+class OwnerDirected:
+    """``owner_pick``: per root owner, a decayed count of the blocks it directed readers to in each
+    pool (the first pool it named for each block it answered), and the order it names a block's
+    pools in from it. Sees only its own families' reads: a pool also serves other owners' families."""
+
+    def __init__(self, nodes: int, params: DesignParams) -> None:
+        self.params = params
+        self.counts: list[dict[int, tuple[float, float]]] = [{} for _ in range(nodes)]
+        """Per owner node, per pool: (count, when last added to, in seconds)."""
+        self._draw = random.Random(params.seed + 1)
+        self.answers = 0
+        self.reordered = 0
+        """Blocks whose first pool the owner's order changed (against the most recent first)."""
+
+    def _count(self, owner: int, pool: int, now: float) -> float:
+        count, at = self.counts[owner].get(pool, (0.0, now))
+        tau = self.params.owner_pick_decay_s
+        return count * math.exp(-(now - at) / tau) if tau else count
+
+    def answer(self, owner: int, named: Sequence[list[int]], now: float) -> list[list[int]]:
+        """Per block, its pools (most recent first, as the owner's hints name them) in the order the
+        owner names them; each block's first pool is counted as directed to."""
+        self.answers += 1
+        salt = self._draw.getrandbits(62)
+        previous: int | None = None
+        out = []
+        for pools in named:
+            if not pools:
+                out.append(pools)
+                continue
+            order = pools
+            if len(pools) >= self.params.owner_pick_from:
+                counts = {pool: self._count(owner, pool, now) for pool in pools}
+                if self.params.owner_pick == "two":
+                    first = salt % len(pools)
+                    second = (first + 1 + (salt // len(pools)) % (len(pools) - 1)) % len(pools)
+                    pair = sorted((pools[first], pools[second]), key=counts.__getitem__)
+                    order = pair + [pool for pool in pools if pool not in pair]
+                else:
+                    order = sorted(pools, key=counts.__getitem__)
+                if previous in pools:
+                    order = [previous] + [pool for pool in order if pool != previous]
+                self.reordered += order[0] != pools[0]
+            head = order[0]
+            self.counts[owner][head] = (self._count(owner, head, now) + 1.0, now)
+            previous = head
+            out.append(order)
+        return out
+
+    def summary(self) -> str:
+        """What the owners' orders did and the state they kept."""
+        tracked = [len(counts) for counts in self.counts]
+        return (f"owner pick ({self.params.owner_pick}): {self.answers} answers, {self.reordered} blocks' first pool "
+                f"moved; pools counted per owner: max {max(tracked)}, mean {sum(tracked) / len(tracked):.1f}")
+
+
 class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
     """(k) (j), and a reader keeps a copy in its own pool of a block it loaded from another node at
     its node's second read of that block (the root's owner counts each node's asks per block:
@@ -1225,6 +1326,11 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """``hot_copies_past_bound``: hot-prefix blocks copied past their row's bound (told to nobody)."""
         self.load = LoadSignal(cluster.nodes, params) if params.load_pick else None
         """``load_pick``: the pools' load as engines would know it."""
+        self.owner_directed = OwnerDirected(cluster.nodes, params) if params.owner_pick else None
+        """``owner_pick``: what each root's owner counted of the reads it directed."""
+        self._owner_order: dict[bytes, list[int]] = {}
+        """``owner_pick``: per block, the pools in the order this request's root owner named them."""
+        self._now = 0.0
         self._requests_served = 0
 
     def push_windows(self) -> int:
@@ -1251,6 +1357,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
     def serve(self, req: Request) -> RequestTally:
         self._hot_reader, self._hot_family = req.node, req.keys[0]
+        self._owner_order = {}
+        self._now = req.index * SECONDS_PER_REQUEST / self.cluster.nodes
         if self.load is not None:
             self.load.new_request()
         tally = super().serve(req)
@@ -1285,6 +1393,20 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         super().run(requests, progress)
         if self.load is not None and progress:
             logging.info("%s", self.load.summary())
+        if self.owner_directed is not None and progress:
+            logging.info("%s", self.owner_directed.summary())
+
+    def answer_where(self, root: bytes, family: Sequence[bytes], node: int) -> None:
+        """``owner_pick``: the root's owner names each block's pools (those it was told of under
+        this root, the most recent ``spread_pools``) in the order its directed counts give; the
+        blocks the reader's node holds are not asked."""
+        if self.owner_directed is None:
+            return
+        local = self.cluster.stored[node]
+        asked = [key for key in family if key not in local and self.hint_root.get(key) == root and self.locs.get(key)]
+        named = [list(dict.fromkeys(reversed(self.locs[key])))[:self.params.spread_pools] for key in asked]
+        owner = int(self.cluster.placement.primary([root])[0])
+        self._owner_order = dict(zip(asked, self.owner_directed.answer(owner, named, self._now)))
 
     def copy_loaded(self, req: Request, tally: RequestTally, hit: int, sources: list[int]) -> list[bytes]:
         again, hot_copies, unannounced = [], [], []
@@ -1494,8 +1616,13 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
             return None
         newest = list(reversed(listed))
         named, older = newest[:self.params.spread_pools], newest[self.params.spread_pools:]
-        start = (node * 0x9E3779B1) % len(named) if len(named) >= self.params.spread_from else 0
-        order = ([self._previous] if self._previous in listed else []) + named[start:] + named[:start] + older
+        told = self._owner_order.get(key)
+        if told is not None:
+            named = told
+        elif len(named) >= self.params.spread_from:
+            start = (node * 0x9E3779B1) % len(named)
+            named = named[start:] + named[:start]
+        order = ([self._previous] if self._previous in listed else []) + named + older
         found = self._first_holding(key, order, tally)
         if found is not None and found != node:
             self._previous = found
