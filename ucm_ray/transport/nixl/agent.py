@@ -83,7 +83,7 @@ def nixl_available() -> bool:
         return False
 
 
-def _rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
+def rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
     """UCX names (``mlx5_0:1``) of this host's RDMA ports."""
     try:
         devices = sorted(os.listdir(root))
@@ -123,7 +123,7 @@ def ucx_net_devices(bind_ip: str | None) -> str | None:
         for a in addrs:
             try:
                 if ipaddress.ip_address(a.address.split("%")[0]) == want:
-                    return ",".join([ifname] + _rdma_ports())
+                    return ",".join([ifname] + rdma_ports())
             except ValueError:  # MAC addresses and the like
                 continue
     return None
