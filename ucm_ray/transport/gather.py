@@ -441,9 +441,10 @@ def _one_stretch(pool_offsets: np.ndarray, sizes: np.ndarray, line: int, least: 
     bytes, with one temporary: the rows are made only for a plan that needs them."""
     if not len(sizes):
         return False
-    total = (int(pool_offsets[-1]) - int(pool_offsets[0]) + int(sizes[-1])) // line
-    if total <= 0 or least * -(-total // most) > total:
-        return False
+    span = int(pool_offsets[-1]) - int(pool_offsets[0]) + int(sizes[-1])
+    total = span // line
+    if total <= 0 or least * -(-total // most) > total or int(sizes.sum()) != span:
+        return False  # (ranges with gaps between, as a load's layer of entries: a reduction, not a pass)
     gaps = np.subtract(pool_offsets[1:], pool_offsets[:-1])
     gaps -= sizes[:-1]
     return not gaps.any()
