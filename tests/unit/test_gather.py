@@ -73,6 +73,10 @@ def test_line_is_the_largest_common_power_of_two():
     assert line_bytes(np.asarray([65536, 131072])) == 65536  # a 64 KiB page: one row per range
     assert line_bytes(np.asarray([64, 65536])) == 64
     assert line_bytes(np.asarray([65536, 12])) == 0  # not 8-byte aligned: copied one by one
+    rng = np.random.default_rng(2)
+    for count in (3, 5000):  # columns reduced concatenated, and each alone
+        columns = [rng.integers(1, 1 << 20, count) << int(rng.integers(0, 24)) for _ in range(3)]
+        assert line_bytes(*columns) == line_bytes(np.concatenate(columns))
 
 
 def _page_aligned(flat: torch.Tensor) -> torch.Tensor:

@@ -77,10 +77,17 @@ class DeviceView:
         self.tensor = torch.as_tensor(self, device=device)
 
 
+CONCAT_BELOW = 8192
+"""Values in all, below which ``line_bytes`` reduces its columns concatenated (one call's fixed
+cost, not one a column); from it on, each column alone (a prompt's save: no copy of its
+16k-131k ranges' columns)."""
+
+
 def line_bytes(*columns: np.ndarray) -> int:
     """The row size for these offsets and sizes: 0 when they are not all 8-byte aligned. (The
-    largest power of two dividing them all is the lowest bit set in any of them: one reduction
-    per column, none of them concatenated.)"""
+    largest power of two dividing them all is the lowest bit set in any of them.)"""
+    if len(columns) > 1 and sum(map(len, columns)) < CONCAT_BELOW:
+        columns = (np.concatenate(columns),)
     bits = 0
     for values in columns:
         bits |= int(np.bitwise_or.reduce(values)) if len(values) else 0
