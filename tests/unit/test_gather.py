@@ -73,6 +73,10 @@ def test_line_is_the_largest_common_power_of_two():
     assert line_bytes(np.asarray([65536, 131072])) == 65536  # a 64 KiB page: one row per range
     assert line_bytes(np.asarray([64, 65536])) == 64
     assert line_bytes(np.asarray([65536, 12])) == 0  # not 8-byte aligned: copied one by one
+    rng = np.random.default_rng(2)
+    for count in (3, 5000):  # columns reduced concatenated, and each alone
+        columns = [rng.integers(1, 1 << 20, count) << int(rng.integers(0, 24)) for _ in range(3)]
+        assert line_bytes(*columns) == line_bytes(np.concatenate(columns))
 
 
 def _page_aligned(flat: torch.Tensor) -> torch.Tensor:
@@ -282,10 +286,11 @@ def _plan_shape(plan: GatherPlan) -> list[tuple]:
 
 def test_the_one_stretch_shortcut_plans_what_the_general_planning_does(monkeypatch):
     """A part over one span whose ranges lie side by side in the pool, in pool order (a save of
-    entries in adjacent slots: a decode step's few blocks) is one staging batch and one copy,
-    planned without the general planning's ~40 numpy calls; wherever the shortcut answers, and
-    wherever it does not (gaps, another order, too few or too many rows for one batch, several
-    parts or spans), the plan is the general planning's, and it moves the same bytes."""
+    entries in adjacent slots: a decode step's few blocks, a prompt's many) is staging batches
+    of one copy each, planned without the general planning's ~40 numpy calls and passes over
+    every row; wherever the shortcut answers (one batch or several), and wherever it does not
+    (gaps, another order, too few rows a copy, several parts or spans), the plan is the general
+    planning's, and it moves the same bytes."""
     monkeypatch.setattr(gather, "DMA_COPY_BYTES", 3 * 4096)
     rng = np.random.default_rng(5)
     buffers = _layer_buffers(fill=True)
@@ -293,7 +298,7 @@ def test_the_one_stretch_shortcut_plans_what_the_general_planning_does(monkeypat
     pool = _page_aligned(torch.zeros(1 << 20, dtype=torch.uint8))
     cases = []
     for _ in range(300):
-        count = int(rng.integers(1, 24))
+        count = int(rng.integers(1, 24 if rng.random() < 0.7 else 48))
         sizes = 4096 * rng.integers(1, 3 if rng.random() < 0.5 else 2, count)
         pool_at = int(rng.integers(0, 64)) * 4096 + np.concatenate([[0], np.cumsum(sizes)[:-1]])
         if rng.random() < 0.2:  # a gap somewhere
@@ -308,12 +313,13 @@ def test_the_one_stretch_shortcut_plans_what_the_general_planning_does(monkeypat
         if mixed:
             rows[0] = (LAYERS, 0, rows[0][2], rows[0][3])
         ends = [len(rows)] if rng.random() < 0.8 else [len(rows) // 2, len(rows)]
-        run_bytes = int(rng.choice([64 << 20, 8 * 4096]))
+        run_bytes = int(rng.choice([64 << 20, 8 * 4096, 8 * 4096, 2 * 4096]))  # 2 rows: too few a copy
         cases.append((_ranges((*buffers, odd) if mixed else buffers, rows), ends, run_bytes))
 
     taken = []
     shortcut = GatherPlan._stage_one_stretch
-    monkeypatch.setattr(GatherPlan, "_stage_one_stretch", lambda *args: taken.append(1) or shortcut(*args))
+    monkeypatch.setattr(GatherPlan, "_stage_one_stretch",  # (self, pool, local rows, pool row, rows a batch)
+                        lambda *args: taken.append(len(args[2]) > args[4]) or shortcut(*args))
 
     def planned() -> list[tuple[list[tuple], torch.Tensor]]:
         out = []
@@ -329,6 +335,7 @@ def test_the_one_stretch_shortcut_plans_what_the_general_planning_does(monkeypat
     monkeypatch.setattr(gather, "_one_stretch", lambda *_: False)
     assert [shape for shape, _ in fast] == [shape for shape, _ in planned()]
     assert 50 < len(taken) < len(cases) - 50  # the shortcut answered often, and declined often
+    assert sum(taken) > 30  # often one stretch in several staging batches, as the general planning cuts it
     for (_, moved), (ranges, _, _) in zip(fast, cases):
         rows = list(zip(*(column.tolist() for column in (ranges.buffer_index, ranges.local_offsets,
                                                            ranges.pool_offsets, ranges.sizes))))
@@ -499,3 +506,45 @@ def test_repeated_ranges_in_more_than_one_buffer_or_of_negative_size_are_refused
                               repeated.buffer_index, repeated.local_shifts, repeated.pool_shifts)
     with pytest.raises(ValueError, match="size is negative"):
         negative.check(1 << 30, "the pool")
+
+
+def test_the_range_check_from_extremes_passes_and_refuses_what_the_check_of_every_range_does(monkeypatch):
+    """``Ranges.check`` passes ranges inside the pool and their buffers from each column's
+    extremes (``_inside``: a few reductions); wherever that decides nothing, every range is
+    checked. Over random ranges (inside, or one range past the pool, past its buffer, negative,
+    in no buffer; buffers of equal or unequal sizes, ranges of one size or not), it passes and refuses (naming the same
+    range) exactly what checking every range does."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for _ in range(400):
+        buffers = tuple(torch.zeros(int(n), dtype=torch.uint8) for n in
+                        (rng.integers(1, 4) * [4096] if rng.random() < 0.5 else rng.integers(1024, 8192, 3)))
+        count = int(rng.integers(1, 20))
+        sizes = rng.integers(0, 1024, count) if rng.random() < 0.5 else np.full(count, 512)  # segments alike
+        index = rng.integers(0, len(buffers), count)
+        local = np.asarray([int(rng.integers(0, buffers[b].numel() - s + 1)) for b, s in zip(index, sizes)])
+        pool = rng.integers(0, 65536 - sizes + 1)
+        columns = [index, local, pool, sizes]
+        if rng.random() < 0.5:  # one range broken somehow
+            at, column = int(rng.integers(0, count)), int(rng.integers(0, 4))
+            columns[column] = columns[column].copy()
+            columns[column][at] = [len(buffers), buffers[index[at]].numel(), 65536, -1][column] + \
+                int(rng.integers(0, 3)) * (-1 if column == 3 else 1)
+        cases.append(Ranges(buffers, *(np.asarray(c, dtype=np.int64) for c in columns)))
+
+    def outcomes() -> list[str]:
+        out = []
+        for ranges in cases:
+            try:
+                ranges.check(65536, "the pool")
+                out.append("passed")
+            except ValueError as e:
+                out.append(str(e))
+        return out
+
+    fast = outcomes()
+    inside = [Ranges._inside(ranges, 65536, np.asarray([b.numel() for b in ranges.buffers])) for ranges in cases]
+    monkeypatch.setattr(Ranges, "_inside", lambda *_: False)
+    assert fast == outcomes()
+    assert 60 < sum(inside) and 30 < fast.count("passed") - sum(inside)  # it decided often, and left some
+    assert 100 < len(fast) - fast.count("passed")

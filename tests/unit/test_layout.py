@@ -105,3 +105,36 @@ def test_repeated_ranges_are_the_layer_by_layer_ranges_or_none_where_layers_diff
     buffers = tuple(base_buffers(odd))
     assert layout.repeated_ranges([0, 1, 2], np.asarray([1]), np.asarray([0]), buffers, [0, 1, 2]) is None
     assert layout.repeated_ranges([0, 1], np.asarray([1]), np.asarray([0]), buffers, [0, 1]) is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranges_by_entry_are_the_layer_by_layer_ranges_entry_by_entry(seed):
+    """``by_entry`` (one outer product per column over [blocks, layers x segments]) lists
+    exactly the copies of the layer-by-layer ranges, transposed to entry order: for random
+    layers (K and V apart or side by side, a buffer each or one shared), layer orders and
+    blocks."""
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        layers, heads = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        shape = (2, N, 4, heads, 8) if rng.random() < 0.5 else (N, heads, 4, 16)
+        size = int(np.prod(shape))
+        if rng.random() < 0.5:
+            caches = {f"l{i}": torch.randn(*shape) for i in range(layers)}
+        else:
+            whole = torch.randn(layers * size)
+            caches = {f"l{i}": whole[i * size: (i + 1) * size].view(*shape) for i in range(layers)}
+        (layout,) = build_layouts(caches, [list(caches)], N)
+        buffers = tuple(base_buffers(caches))
+        index = [next(b for b, buf in enumerate(buffers) if buf.data_ptr() <= caches[f"l{i}"].data_ptr()
+                      < buf.data_ptr() + buf.numel()) for i in range(layers)]
+        chosen = rng.permutation(layers)[: int(rng.integers(1, layers + 1))].tolist()
+        count = int(rng.integers(1, N + 1))
+        block_ids = rng.permutation(N)[:count].astype(np.int64)
+        offsets = rng.permutation(3 * N)[:count].astype(np.int64) * layout.entry_bytes
+        homes = [index[i] for i in chosen]
+        by_layer = layout.ranges(chosen, block_ids, offsets, buffers, homes)
+        by_entry = layout.ranges(chosen, block_ids, offsets, buffers, homes, by_entry=True)
+        assert by_entry.buffers is buffers and len(by_entry) == len(by_layer)
+        for field in ("buffer_index", "local_offsets", "pool_offsets", "sizes"):
+            listed = getattr(by_layer, field).reshape(len(chosen), count, -1).transpose(1, 0, 2).ravel()
+            assert getattr(by_entry, field).tolist() == listed.tolist(), field

@@ -105,6 +105,8 @@ class Ranges:
     def check(self, pool_bytes: int, what: str) -> None:
         """ValueError naming the first range outside the pool or outside its local buffer."""
         limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
+        if self._inside(pool_bytes, limits):
+            return
         bad = ((self.sizes < 0) | (self.pool_offsets < 0) | (self.pool_offsets + self.sizes > pool_bytes)
                | (self.local_offsets < 0) | (self.buffer_index < 0) | (self.buffer_index >= len(limits)))
         if not bad.any():
@@ -113,6 +115,19 @@ class Ranges:
             i = int(np.argmax(bad))
             raise ValueError(f"copy {i}: pool range [{self.pool_offsets[i]}, +{self.sizes[i]}) or local range "
                              f"[{self.local_offsets[i]}, +{self.sizes[i]}) is outside {what} or its buffer")
+
+    def _inside(self, pool_bytes: int, limits: np.ndarray) -> bool:
+        """Whether every range lies inside the pool and inside the smallest buffer, from each
+        column's extremes (a few reductions; Python's sums cannot overflow): enough for ``check``
+        to pass without a pass over the ranges per condition (a 256-block 8B save's 16k-131k
+        ranges took ~16 passes, a third of its prepare's host time). False decides nothing."""
+        if not len(self) or not len(limits):
+            return not len(self)
+        high = int(self.sizes.max())
+        return (int(self.sizes.min()) >= 0 and int(self.pool_offsets.min()) >= 0 and int(self.local_offsets.min()) >= 0
+                and int(self.buffer_index.min()) >= 0 and int(self.buffer_index.max()) < len(limits)
+                and int(self.pool_offsets.max()) + high <= pool_bytes
+                and int(self.local_offsets.max()) + high <= int(limits.min()))
 
 
 EMPTY = Ranges((), *(np.zeros(0, dtype=np.int64) for _ in range(4)))

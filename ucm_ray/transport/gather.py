@@ -77,10 +77,20 @@ class DeviceView:
         self.tensor = torch.as_tensor(self, device=device)
 
 
-def line_bytes(values: np.ndarray) -> int:
+CONCAT_BELOW = 8192
+"""Values in all, below which ``line_bytes`` reduces its columns concatenated (one call's fixed
+cost, not one a column); from it on, each column alone (a prompt's save: no copy of its
+16k-131k ranges' columns)."""
+
+
+def line_bytes(*columns: np.ndarray) -> int:
     """The row size for these offsets and sizes: 0 when they are not all 8-byte aligned. (The
     largest power of two dividing them all is the lowest bit set in any of them.)"""
-    bits = int(np.bitwise_or.reduce(values)) if len(values) else 0
+    if len(columns) > 1 and sum(map(len, columns)) < CONCAT_BELOW:
+        columns = (np.concatenate(columns),)
+    bits = 0
+    for values in columns:
+        bits |= int(np.bitwise_or.reduce(values)) if len(values) else 0
     line = min(bits & -bits, MAX_LINE)
     return line if bits and line >= WORD else 0
 
@@ -203,21 +213,26 @@ class GatherPlan:
         """Per part (span, local row, pool row): where its rows start, when every part repeats
         the one part planned (whose rows then count from there)."""
         limit = max(1, run_bytes // line)
-        pool_at: np.ndarray = ranges.pool_offsets // line
-        counts: np.ndarray = ranges.sizes // line
-        span_of, local_at = self._local_rows(ranges)
+        shift = line.bit_length() - 1  # a line is a power of two: rows by a shift, not a division
+        local_at = self._local_rows(ranges)
         span_count = len(self._spans.views) if repeats is None else 1
         dma = host_pool is not None and self._dma_on(pool, ranges.device)
         per_strip = max(1, DMA_COPY_BYTES // line)  # rows a copy must move on average
-        if dma and len(ends) == 1 and span_count == 1 and _one_stretch(pool_at, counts, per_strip, limit):
-            self._stage_one_stretch(pool, _rows(local_at, counts, bool((counts == 1).all())), int(pool_at[0]))
+        if dma and len(ends) == 1 and span_count == 1 and \
+                _one_stretch(ranges.pool_offsets, ranges.sizes, line, per_strip, limit):
+            one_row = int(ranges.sizes.min()) == line == int(ranges.sizes.max())
+            self._stage_one_stretch(pool, local_at if one_row else _rows(local_at, ranges.sizes >> shift, False),
+                                    int(ranges.pool_offsets[0]) >> shift, limit)
             return
+        pool_at: np.ndarray = ranges.pool_offsets >> shift
+        counts: np.ndarray = ranges.sizes >> shift
         # ranges are grouped per part, per span (None: one part over one span, as a save, a
         # load of every layer at once or a repeated part is: the pool rows alone order them)
         group: np.ndarray | None = None
         if len(ends) > 1 or span_count > 1:
             bounds = np.concatenate([[0], np.asarray(ends, dtype=np.int64)])
             part_of: np.ndarray = np.repeat(np.arange(len(ends)), np.diff(bounds))
+            span_of = self._spans.span_of[ranges.buffer_index] if span_count > 1 else np.zeros(len(ranges), np.int64)
             group = part_of * span_count + span_of
         order = _pool_order(group, pool_at)  # per part, per span, in pool order
 
@@ -302,13 +317,14 @@ class GatherPlan:
                 (address + (row - at) * line, pool_row * line, pitch * line, rows * line, height)
                 for pool_row, row, rows, pitch, height in strip_rows[strip_bounds[batch]:strip_bounds[batch + 1]]]))
 
-    def _local_rows(self, ranges: Ranges) -> tuple[np.ndarray, np.ndarray]:
-        """(span, first local row) of each range: in its span's view, or, when the parts repeat
-        one part, from a part's own first rows (no span of their own)."""
+    def _local_rows(self, ranges: Ranges) -> np.ndarray:
+        """The first local row of each range: in its span's view, or, when the parts repeat one
+        part, from a part's own first rows (no span of their own)."""
+        rows = ranges.local_offsets >> (self._line.bit_length() - 1)
         if self._repeats is not None:
-            return np.zeros(len(ranges), dtype=np.int64), ranges.local_offsets // self._line
-        return (self._spans.span_of[ranges.buffer_index],
-                self._spans.first_row[ranges.buffer_index] + ranges.local_offsets // self._line)
+            return rows
+        rows += self._spans.first_row[ranges.buffer_index]
+        return rows
 
     def _dma_on(self, pool: torch.Tensor, device: torch.device) -> bool:
         """Set how the plan's DMA copies go (on CUDA, on the current stream), and tell whether
@@ -318,20 +334,31 @@ class GatherPlan:
         self._stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         return not on_gpu or has_copy_rows()
 
-    def _stage_one_stretch(self, pool: torch.Tensor, local: np.ndarray, pool_row: int) -> None:
+    def _stage_one_stretch(self, pool: torch.Tensor, local: np.ndarray, pool_row: int, limit: int) -> None:
         """The plan of one part over one span whose pool rows are one stretch from ``pool_row``
-        on (``_one_stretch``: a save of entries in adjacent slots): one staging batch, one copy.
-        What the general planning makes of it, without its ~40 numpy calls: a decode step's
-        save (4-8 entries of 64 ranges) spent most of its plan's host time in their fixed costs."""
+        on (``_one_stretch``: a save of entries in adjacent slots): staging batches of ``limit``
+        rows, each one copy. What the general planning makes of it, without its ~40 numpy calls
+        and its passes over every row (order, stretches, strips): a decode step's save (4-8
+        entries of 64 ranges) spent most of its plan's host time in their fixed costs, a
+        prompt's (256 entries, 16k ranges) in the passes."""
         total = len(local)
         index = torch.from_numpy(local)
         if pool.is_cuda:
             index = index.pin_memory().to(pool.device, non_blocking=True)
-        staging = self._spans.views[0].new_empty((total, self._line // WORD))
+        most = min(total, limit)
+        staging = self._spans.views[0].new_empty((most, self._line // WORD))
+        address = staging.data_ptr()
         self._pool = None
         self.indexed_rows = total
-        self._parts = [[_Staged(0, index, staging, [(staging.data_ptr(), pool_row * self._line,
-                                                      total * self._line, total * self._line, 1)])]]
+        firsts = range(0, total, limit)
+        cuts = torch.tensor_split(index, list(firsts[1:])) if total > limit else (index,)
+        steps: list[_Kernels | _Staged] = []
+        for first, rows in zip(firsts, cuts):
+            height = min(most, total - first)
+            steps.append(_Staged(0, rows, staging if height == most else staging[:height],
+                                 [(address, (pool_row + first) * self._line, height * self._line,
+                                   height * self._line, 1)]))
+        self._parts = [steps]
 
     @classmethod
     def build(cls, pool: torch.Tensor, ranges: Ranges, ends: Sequence[int], run_bytes: int = GATHER_BYTES,
@@ -405,7 +432,7 @@ def _line(pool: torch.Tensor, host_pool: torch.Tensor | None, ranges: Ranges, *v
     hosts = () if host_pool is None else (host_pool,)
     if any(t.data_ptr() % WORD for t in (pool, *hosts, *ranges.buffers)):
         return 0
-    return line_bytes(np.concatenate(values))
+    return line_bytes(*values)
 
 
 def _memmove_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
@@ -414,11 +441,20 @@ def _memmove_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int
         ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
 
 
-def _one_stretch(pool_row: np.ndarray, counts: np.ndarray, least: int, most: int) -> bool:
-    """Whether ranges at ``pool_row`` of ``counts`` rows each lie side by side in pool order, as
-    one stretch of ``least`` to ``most`` rows (one staging batch, worth its DMA copy)."""
-    total = int(pool_row[-1] - pool_row[0] + counts[-1]) if len(pool_row) else 0
-    return least <= total <= most and bool((pool_row[1:] == pool_row[:-1] + counts[:-1]).all())
+def _one_stretch(pool_offsets: np.ndarray, sizes: np.ndarray, line: int, least: int, most: int) -> bool:
+    """Whether ranges at ``pool_offsets`` of ``sizes`` bytes each (multiples of ``line``) lie
+    side by side in pool order, as one stretch whose staging batches of ``most`` rows (one copy
+    each) move ``least`` rows a copy on average, as the general planning stages a part. In
+    bytes, with one temporary: the rows are made only for a plan that needs them."""
+    if not len(sizes):
+        return False
+    span = int(pool_offsets[-1]) - int(pool_offsets[0]) + int(sizes[-1])
+    total = span // line
+    if total <= 0 or least * -(-total // most) > total or int(sizes.sum()) != span:
+        return False  # (ranges with gaps between, as a load's layer of entries: a reduction, not a pass)
+    gaps = np.subtract(pool_offsets[1:], pool_offsets[:-1])
+    gaps -= sizes[:-1]
+    return not gaps.any()
 
 
 def _batch_starts(group_first: np.ndarray, total: int, limit: int) -> np.ndarray:

@@ -92,16 +92,45 @@ class GroupLayout:
         if shape is None:
             return Ranges.concat([self.ranges([i], block_ids, entry_offsets, buffers, [b])
                                   for i, b in zip(indices, buffer_index)])
-        sizes, in_entry, strides, starts, homes = shape
-        if by_entry:  # [blocks, layers, segments]
-            local = block_ids[:, None, None] * strides[None, :, None] + starts[None, :, :]
-            pool = entry_offsets[:, None, None] + in_entry[None, :, :]
-            homes, sizes = homes[:, 0, :][None], sizes[None]
-        else:  # [layers, blocks, segments]
-            local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]
-            pool = entry_offsets[None, :, None] + in_entry[:, None, :]
-            sizes = sizes[:, None, :]
+        if by_entry:  # [blocks, layers x segments]
+            return self._ranges_by_entry(self._flat_shape(tuple(indices), tuple(buffer_index)), block_ids,
+                                         entry_offsets, buffers)
+        sizes, in_entry, strides, starts, homes = shape  # [layers, blocks, segments]
+        local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]
+        pool = entry_offsets[None, :, None] + in_entry[:, None, :]
+        sizes = sizes[:, None, :]
         return Ranges(buffers, _spread(homes, local.shape), local.ravel(), pool.ravel(), _spread(sizes, local.shape))
+
+    @staticmethod
+    def _ranges_by_entry(flat: _RangeShape, block_ids: np.ndarray, entry_offsets: np.ndarray,
+                         buffers: tuple[torch.Tensor, ...]) -> Ranges:
+        """``ranges(..., by_entry=True)``: a row per block, a column per (layer, segment), each
+        array one outer product and no other temporary (broadcasting over [blocks, layers,
+        segments] ran numpy's inner loops two segments long: a 256-block 8B save's 16k ranges
+        took several times the host time of the same sums over rows of 64)."""
+        sizes, in_entry, strides, starts, homes = flat
+        local = np.multiply.outer(np.asarray(block_ids, dtype=np.int64), strides)
+        local += starts
+        pool = np.add.outer(np.asarray(entry_offsets, dtype=np.int64), in_entry)
+        return Ranges(buffers, _spread(homes, local.shape), local.ravel(), pool.ravel(), _spread(sizes, local.shape))
+
+    def _flat_shape(self, indices: tuple[int, ...], buffer_index: tuple[int, ...]) -> _RangeShape:
+        """``_shape`` (not None) per (layer, segment), layer-major: each layer's block stride
+        and buffer repeated for its segments, made once per layer set."""
+        key = (indices, buffer_index)
+        flat = self._flat_shapes.get(key)
+        if flat is None:
+            shape = self._shape(indices, buffer_index)
+            assert shape is not None, "layers of unequal segment counts have no flat shape"
+            sizes, in_entry, strides, starts, homes = shape
+            segments = sizes.shape[1]
+            flat = self._flat_shapes[key] = (sizes.ravel(), in_entry.ravel(), np.repeat(strides, segments),
+                                             starts.ravel(), np.repeat(homes.ravel(), segments))
+        return flat
+
+    @cached_property
+    def _flat_shapes(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], _RangeShape]:
+        return {}
 
     def repeated_ranges(self, indices: Sequence[int], block_ids: np.ndarray, entry_offsets: np.ndarray,
                         buffers: tuple[torch.Tensor, ...], buffer_index: Sequence[int]) -> RepeatedRanges | None:
