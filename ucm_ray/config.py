@@ -149,12 +149,13 @@ class UcmRayConfig:
     simulation; docs/scaling.md, stop 58). A lost announcement (a steward that dies) leaves a copy unnamed by
     the table: other nodes load the block from the pools it names. One node never announces
     (an engine's own setting)."""
-    relay_membership: bool = False
+    relay_membership: bool = True
     """This engine follows the directory's long poll through its node's relay (the lowest shard id
     on its node, ``store.membership_relay``), which follows the directory with one poll for the
-    node's engines: the directory answers a poll per node, not per engine, at each push. A relay
-    that fails or falls behind sends the engine to the directory. Off: every engine polls the
-    directory (an engine's own setting)."""
+    node's engines: the directory answers a poll per node, not per engine, at each push (one actor
+    cannot answer 1,000 nodes x 8 engines a second; docs/scaling.md, stops 63-64). A relay that
+    fails or falls behind sends the engine to the directory. Off: every engine polls the directory
+    (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     layerwise: bool = True

@@ -7,7 +7,8 @@ without the connector, as on one node. A PD handoff across the nodes: A prefills
 B decodes it, finding A's saves the same way. B reads the document twice more: the second read
 from node 2 keeps a copy on node 1 (``remote_copy_reads``), which serves the next read locally,
 and still serves it once node 2's shard is killed; the PD prompt, read from node 2 once, is then
-a miss, and every answer equals the reference's."""
+a miss, and every answer equals the reference's. The engines follow the directory through their
+node's relay shard (``relay_membership``; the directory path is the integration tests')."""
 
 from __future__ import annotations
 
@@ -114,3 +115,14 @@ def test_a_decode_on_another_node_loads_its_prefills_prompt_over_nixl(result):
     assert scheduler["handoffs"] == 1 and scheduler.get("handoff_timeouts", 0) == 0
     assert worker.get("loaded_shm_bytes", 0) == 0 and worker["loaded_nixl_bytes"] == worker["loaded_copy_bytes"] > 0
     assert worker.get("load_failures", 0) == 0 and worker.get("stale_loads", 0) == 0
+
+
+def test_the_engines_follow_the_directory_through_their_nodes_relay(result):
+    """``relay_membership`` on: the reader's long poll waits at its own node's shard (its relay),
+    which answered it the kill's version; node 0's shard, with no engine of the store on its node,
+    relayed nothing. The reads after the kill (above) equal the reference's."""
+    relayed = result["relayed_polls"]
+    print(f"multinode relay: relayed_polls={relayed}")
+    assert relayed[result["reader_node"]] > 0, relayed
+    others = [node for node in result["node_ids"] if node not in (result["reader_node"], result["writer_node"])]
+    assert [relayed[node] for node in others] == [0], relayed

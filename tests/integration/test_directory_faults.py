@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 import ray
 import torch
 
@@ -83,8 +84,12 @@ def test_client_without_directory_runs_cache_off_then_joins(fleet_config):
         stop_fleet(cfg)
 
 
-def test_membership_changes_are_pushed_not_polled(fleet):
-    cfg = fleet(num_shards=3, transport="shm")
+@pytest.mark.parametrize("relay_on", [False, True], ids=["directory", "relayed"])
+def test_membership_changes_are_pushed_not_polled(fleet, relay_on):
+    """Off, the client's long poll is at the directory (the fallback path); on (the default), at
+    its node's relay shard, whose own polls are the directory's calls: its first (it holds nothing
+    yet, answered at once), then the one that waits."""
+    cfg = fleet(num_shards=3, transport="shm", relay_membership=relay_on)
     client = StoreClient(cfg)
     served = ray.get(directory(cfg).ping.remote())["served"]
     started = time.monotonic()
@@ -92,10 +97,13 @@ def test_membership_changes_are_pushed_not_polled(fleet):
         client.refresh()
         time.sleep(0.01)
     calls = ray.get(directory(cfg).ping.remote())["served"]
-    assert calls["membership"] == served["membership"] and calls["wait_for_change"] - served["wait_for_change"] <= 1
+    assert calls["membership"] == served["membership"]
+    assert calls["wait_for_change"] - served["wait_for_change"] <= 1 + relay_on
     os.kill(shard_pid(cfg, 1), signal.SIGKILL)
     assert until(lambda: (client.refresh(), len(client.membership.shards) == 2)[1], timeout_s=10), \
         "the shard's death never reached the client"
+    relay = client.membership.shards[0]  # the lowest shard id on the (one) node
+    assert (ray.get(relay.handle.stats.remote(), timeout=30)["relayed_polls"] > 0) == relay_on
 
 
 def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to_its_workers(fleet):

@@ -133,6 +133,42 @@ def test_a_killed_relay_leaves_its_engines_following_the_directory_and_the_next_
     assert relayed(cfg, next_relay) - before >= ENGINES
 
 
+def test_a_relay_shut_down_with_polls_waiting_returns_at_once_and_its_engines_move_on(fleet):
+    """``shutdown`` (what ``stop_fleet`` sends a shard before killing it) of the relay while every
+    engine's poll waits in its relay group: it returns without waiting for them, the directory drops
+    the shard and its engines get that version (the relay's own poll brings it) well within a long
+    poll, then follow the next relay on the node, the stopped one not yet killed."""
+    cfg = fleet(num_shards=3, transport="shm")
+    engines = Engines(cfg)
+    pools = [s.key for s in engines.held[0].shards]
+    relay_id = engines.held[0].shards[0].shard_id
+    engines.follow_to(push(cfg, pools, 0))
+    engines.park()
+    time.sleep(0.5)
+    handle = ray.get_actor(relay_id, namespace=cfg.ray_namespace)
+    try:
+        started = time.monotonic()
+        ray.get(handle.shutdown.remote(), timeout=30)
+        assert time.monotonic() - started < 5
+        deadline = time.monotonic() + 15
+        while relay_id in ray.get(directory(cfg).membership.remote(), timeout=30).shard_ids:
+            assert time.monotonic() < deadline, "the directory never saw the relay stop"
+            time.sleep(0.1)
+        held = engines.follow_to(ray.get(directory(cfg).version.remote(), timeout=30), timeout_s=10)
+        assert all(relay_id not in m.shard_ids for m in held)
+        assert time.monotonic() - started < 15  # not a long poll's 30 s, nor the overdue 40 s
+        engines.park()
+        time.sleep(0.5)
+        next_relay = held[0].shards[0].shard_id
+        before = relayed(cfg, next_relay)
+        later = engines.follow_to(push(cfg, pools[1:2], 1), timeout_s=10)
+        whole = ray.get(directory(cfg).membership.remote(), timeout=30)
+        assert all(m.hot == whole.hot for m in later)
+        assert relayed(cfg, next_relay) - before >= ENGINES
+    finally:
+        ray.kill(handle)
+
+
 def test_a_restarted_directory_reaches_engines_behind_a_relay(fleet):
     cfg = fleet(num_shards=2, transport="shm")
     engines = Engines(cfg)

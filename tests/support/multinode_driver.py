@@ -4,7 +4,9 @@ a document, engine B on node 1 serves the same document with another question, a
 reference engine without the connector serves B's prompts. Then A and B hand a new prompt off as
 a PD proxy does: A prefills it (one token, its saves not yet run when B is asked), B decodes it.
 Then node 2's shard is killed and B, its own prefix cache emptied, serves the document with a
-third question. Prints one JSON line."""
+third question. The engines follow the directory through their node's relay shard
+(``relay_membership``): the polls each live shard answered as a relay, once the kill's version
+reached the reader, are in the JSON. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -36,6 +38,22 @@ def kill_shard(config: UcmRayConfig, shard_id: str) -> None:
     while shard_id in ray.get(directory.membership.remote(), timeout=10).shard_ids:
         assert time.monotonic() < deadline, "the directory never noticed the kill"
         time.sleep(0.1)
+
+
+def node_of(resource: str) -> str:
+    return ray.get(ray.remote(num_cpus=0, resources={resource: 0.01})(
+        lambda: ray.get_runtime_context().get_node_id()).remote())
+
+
+def relayed_polls_after_the_kill(config: UcmRayConfig, reader_node: str) -> dict[str, int]:
+    """Per live shard's node, the engines' long polls it answered as its node's relay: the kill's
+    version answers the reader's poll parked at its node's relay (waits up to 20 s for it)."""
+    deadline = time.monotonic() + 20
+    while True:
+        relayed = {s["node_id"]: s["relayed_polls"] for s in fleet_status(config)["shards"]}
+        if relayed.get(reader_node, 0) > 0 or time.monotonic() > deadline:
+            return relayed
+        time.sleep(0.2)
 
 
 def pd_handoff(prefill: Any, decode: Any, reference: Any, prompt: list[int]) -> dict[str, Any]:
@@ -79,7 +97,7 @@ def main(address: str, model: str, document_tokens: int) -> None:
         # copy_nodes_per_pool 1: three nodes may each hold a copy (the default, 10, copies only
         # past 10 nodes: below that copies cost hits where pools evict, docs/scaling.md)
         kv = kv_transfer_config({"ray_namespace": config.ray_namespace, "lookup_timeout_s": 60, "lease_s": 120,
-                                 "copy_nodes_per_pool": 1})
+                                 "copy_nodes_per_pool": 1, "relay_membership": True})
         writer, reader, reference = (engine_on("node_2", model, kv), engine_on("node_1", model, kv),
                                      engine_on("node_0", model, None))
         document = synthetic_prompt(model, document_tokens, seed=21)
@@ -97,12 +115,12 @@ def main(address: str, model: str, document_tokens: int) -> None:
         copies = [read_again(reader, reference, document + synthetic_prompt(model, 40, seed=seed))
                   for seed in (26, 27)]
         copied_entries = {s["node_id"]: s["entries"] for s in fleet_status(config)["shards"]}
-        writer_node = ray.get(ray.remote(num_cpus=0, resources={"node_2": 0.01})(
-            lambda: ray.get_runtime_context().get_node_id()).remote())
+        writer_node, reader_node = node_of("node_2"), node_of("node_1")
         kill_shard(config, next(s for s, node in shards.items() if node == writer_node))
+        relayed = relayed_polls_after_the_kill(config, reader_node)
         after = read_again(reader, reference, third)
         after_pd = read_again(reader, reference, handoff_prompt)
-        print(json.dumps({"shard_nodes": shards, "writer_node": writer_node,
+        print(json.dumps({"shard_nodes": shards, "writer_node": writer_node, "reader_node": reader_node,
                           "entries": {s["node_id"]: s["entries"] for s in status},
                           "num_tokens": len(second), "tokens": answer["tokens"],
                           "cached": answer["cached"], "reference": expected["tokens"],
@@ -110,7 +128,7 @@ def main(address: str, model: str, document_tokens: int) -> None:
                           "lookups": totals["scheduler"].get("lookups", 0),
                           "lookup_calls": totals["scheduler"].get("lookup_calls", 0), "worker": totals["worker"],
                           "pd": handoff, "copies": copies, "copied_entries": copied_entries,
-                          "after_kill": after, "after_kill_pd": after_pd}),
+                          "after_kill": after, "after_kill_pd": after_pd, "relayed_polls": relayed}),
               flush=True)
     finally:
         stop_fleet(config)
