@@ -548,3 +548,38 @@ def test_the_range_check_from_extremes_passes_and_refuses_what_the_check_of_ever
     assert fast == outcomes()
     assert 60 < sum(inside) and 30 < fast.count("passed") - sum(inside)  # it decided often, and left some
     assert 100 < len(fast) - fast.count("passed")
+
+
+NEAR_INT64 = (1 << 63) - 4096
+"""An offset or shift whose sum with a range's size wraps around int64 (to a negative number)."""
+
+
+@pytest.mark.parametrize("column", ["pool_offsets", "local_offsets"])
+def test_a_range_whose_end_wraps_around_int64_is_refused(column):
+    """A range at an offset near int64's limit ends past the pool or its buffer, though the sum
+    of its offset and size, in int64, wraps to a negative number: the check refuses it, naming
+    it (it passed, and a plan would have copied past the pool or the buffer)."""
+    buffers = (torch.zeros(1 << 16, dtype=torch.uint8),)
+    rows = {"buffer_index": [0, 0], "local_offsets": [0, 4096], "pool_offsets": [0, 4096], "sizes": [4096, 8192]}
+    rows[column][1] = NEAR_INT64
+    ranges = Ranges(buffers, *(np.asarray(rows[f], dtype=np.int64)
+                               for f in ("buffer_index", "local_offsets", "pool_offsets", "sizes")))
+    with pytest.raises(ValueError, match="copy 1: .* outside the pool or its buffer"):
+        ranges.check(1 << 20, "the pool")
+
+
+@pytest.mark.parametrize("case", ["pool shift", "local shift", "negative shift", "template offset"])
+def test_repeated_ranges_whose_parts_wrap_around_int64_are_refused(case):
+    """As ``Ranges.check``: a part shifted (or a template range placed) so far that its end, in
+    int64, wraps to a negative number lies past the pool or its buffer, and is refused."""
+    buffers = (torch.zeros(1 << 16, dtype=torch.uint8),)
+    offsets = [0, 4096]
+    if case == "template offset":
+        offsets[1] = NEAR_INT64
+    template = Ranges(buffers, np.zeros(2, np.int64), np.asarray(offsets, np.int64), np.asarray(offsets, np.int64),
+                      np.full(2, 8192, np.int64))
+    shifts = {"pool shift": ([0, 0], [0, NEAR_INT64]), "local shift": ([0, NEAR_INT64], [0, 0]),
+              "negative shift": ([0, 0], [0, -(1 << 63) + 1]), "template offset": ([0, 0], [0, 0])}[case]
+    repeated = RepeatedRanges(template, np.zeros(2, np.int64), *(np.asarray(s, np.int64) for s in shifts))
+    with pytest.raises(ValueError):
+        repeated.check(1 << 20, "the pool")

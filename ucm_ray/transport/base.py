@@ -107,10 +107,12 @@ class Ranges:
         limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
         if self._inside(pool_bytes, limits):
             return
-        bad = ((self.sizes < 0) | (self.pool_offsets < 0) | (self.pool_offsets + self.sizes > pool_bytes)
+        # each end against its limit less the size, not the offset plus the size: that sum can
+        # wrap around int64 to a negative number, and a range far past the pool would pass
+        bad = ((self.sizes < 0) | (self.pool_offsets < 0) | (self.pool_offsets > pool_bytes - self.sizes)
                | (self.local_offsets < 0) | (self.buffer_index < 0) | (self.buffer_index >= len(limits)))
         if not bad.any():
-            bad = self.local_offsets + self.sizes > limits[self.buffer_index]
+            bad = self.local_offsets > limits[self.buffer_index] - self.sizes
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"copy {i}: pool range [{self.pool_offsets[i]}, +{self.sizes[i]}) or local range "
@@ -131,6 +133,11 @@ class Ranges:
 
 
 EMPTY = Ranges((), *(np.zeros(0, dtype=np.int64) for _ in range(4)))
+
+
+WRAP_FREE = 1 << 61
+"""A template's offsets and sizes less than this far from 0 in ``RepeatedRanges.check``: the
+sums and differences it computes of them never wrap around int64."""
 
 
 @dataclass(frozen=True)
@@ -184,10 +191,18 @@ class RepeatedRanges:
         if ((self.buffer_index < 0) | (self.buffer_index >= len(limits))).any() or int(t.sizes.min()) < 0:
             raise ValueError(f"a part's buffer is not one of the {len(limits)} buffers of {what}, "
                              "or a range's size is negative")
+        # each shift against its limits less the template's extremes, not added to them (a shift
+        # near int64's limit wrapped the sum to a negative number, and a part far past the pool
+        # passed); the template's values within +-2**61 (no buffer or pool comes near), so no
+        # difference wraps
+        if max(int(t.local_offsets.max()), int(t.pool_offsets.max()), int(t.sizes.max())) >= WRAP_FREE:
+            raise ValueError(f"a range of {what} lies past 2**61 bytes")
         local_low, local_high = int(t.local_offsets.min()), int((t.local_offsets + t.sizes).max())
         pool_low, pool_high = int(t.pool_offsets.min()), int((t.pool_offsets + t.sizes).max())
-        bad = ((local_low + self.local_shifts < 0) | (local_high + self.local_shifts > limits[self.buffer_index])
-               | (pool_low + self.pool_shifts < 0) | (pool_high + self.pool_shifts > pool_bytes))
+        if min(local_low, pool_low) <= -WRAP_FREE:
+            raise ValueError(f"a range of {what} lies before its buffer or the pool")
+        bad = ((self.local_shifts < -local_low) | (self.local_shifts > limits[self.buffer_index] - local_high)
+               | (self.pool_shifts < -pool_low) | (self.pool_shifts > pool_bytes - pool_high))
         if bad.any():
             k = int(np.argmax(bad))
             raise ValueError(f"part {k}: its ranges moved by {self.local_shifts[k]} bytes locally and "
