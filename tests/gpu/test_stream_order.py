@@ -426,13 +426,14 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
         expected = [entry_bytes(caches, i) for i in range(N)]
         w.bind(UcmRayConnectorMetadata(pools=pools, saves={0: saves}))
         w.start_load_kv()  # the NIXL part goes to the copy thread
+        # vLLM calls the step's hooks on its forward's stream: the shared-memory part queues behind it there
         with torch.cuda.stream(torch.cuda.Stream() if forward_stream == "side" else torch.cuda.default_stream()):
             torch.cuda._sleep(forward_cycles)  # the step's forward: at least ~0.3 s, 5x the NIXL part
             forward_done = torch.cuda.Event()
             forward_done.record()
-        w.wait_for_save()  # the step's end: the shared-memory part is queued now, after the forward
-        assert not forward_done.query(), \
-            f"the step's end waited for its forward (the job's shared-memory part; NIXL part alone {nixl_s:.3f} s)"
+            w.wait_for_save()  # the step's end: the shared-memory part is queued now, after the forward
+            assert not forward_done.query(), \
+                f"the step's end waited for its forward (the job's shared-memory part; NIXL part alone {nixl_s:.3f} s)"
         torch.cuda.synchronize()
         results = w.build_worker_meta()
         assert results is not None and 400 in results.saves, "the save job never landed"
