@@ -153,7 +153,8 @@ class SchedulerPart:
         started = self.timer.clock()
         self.results.collect()
         meta = self._next_meta
-        self.saves.announce_finished()  # before the tick that asks for their slots
+        if self.saves.finished:  # requests ended since the last plan (most steps: none)
+            self.saves.announce_finished()  # before the tick that asks for their slots
         self._sync_pools(meta)
         self._requests.take_block_ids(out)
         self.loads.dispatch(out, meta)

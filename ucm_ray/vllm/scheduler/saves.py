@@ -74,9 +74,9 @@ class SavePlanner:
         self._stats = stats
         self._clock = clock
         self._claims = StepClaims()
-        self._finished: list[TrackedRequest] = []
+        self.finished: list[TrackedRequest] = []
         """Requests finished since the last plan whose last blocks are still to be announced
-        (``expect_finished``)."""
+        (``expect_finished``; the plan asks this list, not a call, every step)."""
 
     # --- announcements to the slot supply ---------------------------------------------------
 
@@ -96,18 +96,17 @@ class SavePlanner:
 
     def expect_finished(self, tracked: TrackedRequest) -> None:
         """A finished request's generated blocks past its last announcement (an unfinished
-        decode batch), announced at the next plan's start (``announce_finished``), before the
-        tick that asks for their slots: requests end together (a batch's ``max_tokens``), and
-        announced one by one at vLLM's call each placed its few new keys in a call of its own
-        (a cold placement call costs about as much as placing a prompt's keys)."""
-        self._finished.append(tracked)
+        decode batch), announced at the next plan's start (``announce_finished``, where any
+        are queued), before the tick that asks for their slots: requests end together (a
+        batch's ``max_tokens``), and announced one by one at vLLM's call each placed its few
+        new keys in a call of its own (a cold placement call costs about as much as placing a
+        prompt's keys)."""
+        self.finished.append(tracked)
 
     def announce_finished(self) -> None:
         """The announcements ``expect_finished`` queued, their new blocks placed in one call;
         their slots asked for at this step's tick."""
-        if not self._finished:
-            return  # most steps
-        finished, self._finished = self._finished, []
+        finished, self.finished = self.finished, []
         geometry = self._geometry
         runs: list[tuple[TrackedRequest, int, int, range]] = []
         for tracked in finished:
