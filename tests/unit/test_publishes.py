@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ucm_ray.store.types import NO_CHECKSUM, Location, Publishes, grant_items
+from ucm_ray.store.types import NO_CHECKSUM, Location, Publishes, grant_items, rows_picker
 
 
 def test_joined_batches_group_their_rows_per_pool_and_grant_in_row_order():
@@ -28,3 +28,23 @@ def test_nothing_to_publish_has_no_grants():
     assert Publishes.of([]).grants == {}
     assert len(Publishes.join([])) == 0
     assert Publishes.join([]).tokens.dtype == np.int64
+
+
+def test_the_rows_picker_picks_what_a_loop_over_the_rows_does():
+    """``rows_picker``'s slice (rows of one run) and ``itemgetter`` against a loop, over random
+    ascending row sets: runs, gaps, one row, none."""
+    rng = np.random.default_rng(18)
+    for _ in range(500):
+        column = [bytes([i % 256, i // 256]) for i in range(int(rng.integers(1, 80)))]
+        n = len(column)
+        kind = rng.integers(4)
+        if kind == 0:  # one run
+            first = int(rng.integers(n))
+            rows = np.arange(first, int(rng.integers(first, n)) + 1)
+        elif kind == 1:
+            rows = np.asarray([int(rng.integers(n))])
+        elif kind == 2:
+            rows = np.zeros(0, dtype=np.int64)
+        else:  # any ascending subset
+            rows = np.flatnonzero(rng.random(n) < rng.random())
+        assert rows_picker(rows)(column) == [column[row] for row in rows.tolist()]

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ucm_ray.store.engine.slots import QUIET_TICK_S, SlotSupply
@@ -178,3 +179,20 @@ def test_asks_that_never_answer_do_not_stop_renewals_or_the_slots_held(shards, r
     gaps = [b - a for a, b in zip(renewals, renewals[1:])]
     assert len(renewals) >= 8 and max(gaps) < renew_after_s + supply.quiet_tick_s + 0.011
     assert supply.free_slots(slot_class) == 1, "the baseline's grant was renewed: still usable"
+
+
+def test_slots_taken_across_grants_are_each_grants_own_in_order(shards):
+    """A take that empties one grant and goes on into the next: per slot its grant's token and
+    one of that grant's offsets, none twice, the first grant's first."""
+    store, supply, slot_class = _supply(shards)
+    supply.expect({slot_class: 5})  # a second grant beside the baseline's
+    supply.tick(store.pools())
+    grants = list(supply._free[slot_class])
+    assert len(grants) >= 2
+    free = {grant.token: list(grant.free) for grant in grants}
+    wanted = len(free[grants[0].token]) + 1
+    taken = supply.take(*slot_class, wanted)
+    assert len(taken) == wanted and taken.tokens.dtype == taken.offsets.dtype == np.int64
+    pairs = list(zip(taken.tokens.tolist(), taken.offsets.tolist()))
+    assert pairs == [(grants[0].token, offset) for offset in free[grants[0].token]] + \
+        [(grants[1].token, free[grants[1].token][0])]

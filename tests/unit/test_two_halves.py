@@ -387,6 +387,51 @@ def test_generated_blocks_are_saved_in_batches_and_the_rest_when_the_request_end
     assert b.wrong_blocks == 0
 
 
+def test_requests_that_end_together_announce_their_last_blocks_placed_in_one_call(store, model_dir):
+    """Requests finished in one step with generated blocks short of a batch: their blocks are
+    announced at the next plan's start (before its tick asks for their slots), their new keys
+    placed in one call, not one per request at vLLM's ``request_finished``; each announces
+    what ``counts`` says of its own blocks, and every generated block is saved."""
+    a = make_engine(store.client(), model_dir, block_size=16, num_blocks=512)
+    part = a.connector.scheduler_part
+    saves = part.saves
+    announced: list[tuple[object, dict]] = []  # (request, the counts it announced)
+    placements: list[int] = []  # keys per placement call inside the announcement
+    place, expect, announce = part._store.placement, saves.expect, saves.announce_finished
+    inside = False
+
+    def placing(keys):
+        if inside:
+            placements.append(len(keys))
+        return place(keys)
+
+    def expecting(tracked, until, start=None, *, later=False):
+        wanted = saves.counts(tracked, tracked.expected_until if start is None else start, until)
+        got = expect(tracked, until, start, later=later)
+        if inside:
+            assert later and got == wanted
+            announced.append((tracked.request.request_id, got))
+        return got
+
+    def announcing():
+        nonlocal inside
+        inside = True
+        try:
+            announce()
+        finally:
+            inside = False
+
+    part._store.placement, saves.expect, saves.announce_finished = placing, expecting, announcing
+    requests = [a.add(f"R{i}", prompt(256, seed=80 + i), max_tokens=40) for i in range(4)]
+    a.run(*requests)
+    a.settle()
+    # 39 computed generated tokens: 2 blocks past each prompt's announcement, never a batch
+    assert sorted(req_id for req_id, _ in announced) == [f"R{i}" for i in range(4)]
+    assert all(sum(counts.values()) == 2 for _, counts in announced)
+    assert placements == [4 * 2]
+    assert a.stats()["saved_blocks"] == 4 * ((256 + 40 - 1) // 16)
+
+
 def test_a_prompt_the_free_stock_cannot_hold_is_saved_as_one_job_once_its_slots_came(store, model_dir):
     """A fresh engine keeps a slot or two per pool; a prompt's slots are asked for once its
     first token is out, and its save waits for them (at most PROMPT_SLOT_WAIT_S) rather than

@@ -54,6 +54,7 @@ from ucm_ray.store.types import (
     ShardRecord,
     SlotGrant,
     random_id,
+    rows_picker,
 )
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.transport.pools import PoolConnections
@@ -283,8 +284,9 @@ class RayBlockStore(BlockStore):
         rows_of: dict[PoolKey, list[np.ndarray]] = defaultdict(list)
         grants = publish.grants
         locations = publish.locations
+        keys = publish.keys if isinstance(publish.keys, list) else list(publish.keys)
         for (pool, token), rows in grants.items():
-            batches[pool].append((token, [publish.keys[row] for row in rows.tolist()], locations.offset[rows],
+            batches[pool].append((token, rows_picker(rows)(keys), locations.offset[rows],
                                   locations.checksum[rows], list(free.get((pool, token), ()))))
             rows_of[pool].append(rows)
         nothing: np.ndarray = np.zeros(0, dtype=np.int64)

@@ -33,13 +33,14 @@ by the shard, never reused while a late copy might land.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, KeysView, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.types import Pending, Pools, Publishes, SlotGrant
@@ -49,6 +50,19 @@ log = logging.getLogger(__name__)
 
 SlotClass = tuple[PoolKey, int]
 """(pool, entry size): slots of one size on one pool are interchangeable."""
+
+
+@dataclass
+class TakenSlots:
+    """Slots taken from the free stock, as columns (a prompt's save takes hundreds per class:
+    as (token, offset) pairs they were built, unzipped and listed again per row on the
+    scheduler's step): per slot, its grant's token and its offset."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets)
 
 
 @dataclass
@@ -352,35 +366,39 @@ class SlotSupply:
               and slot_class not in self._promises):  # not what announced saves count on (nor ever taken from)
             self._give_back(slot_class, self.free_slots(slot_class) - base)
 
-    def take(self, pool: PoolKey, size: int, count: int = 1) -> list[tuple[int, int]]:
-        """Up to ``count`` free slots (token, offset) of ``size`` on ``pool``; fewer (the rest of
-        the saves wait) when there are not as many."""
+    def take(self, pool: PoolKey, size: int, count: int = 1) -> TakenSlots:
+        """Up to ``count`` free slots of ``size`` on ``pool``; fewer (the rest of the saves wait)
+        when there are not as many."""
         slot_class = (pool, size)
         now = self._clock()
         self._last_take[slot_class] = now
         promised = self._promised(slot_class)
         queue = self._free[slot_class]
         oldest = now - self._usable_s
-        out: list[tuple[int, int]] = []
-        while queue and len(out) < count:
+        offsets: list[int] = []
+        tokens: list[int] = []
+        counts: list[int] = []  # per grant taken from, its slots taken
+        while queue and len(offsets) < count:
             grant = queue[0]
             if grant.confirmed < oldest:
                 self._drop(grant)  # may have lapsed: never write into it
             if not grant.free:
                 queue.popleft()
                 continue
-            taken = min(count - len(out), len(grant.free))
+            taken = min(count - len(offsets), len(grant.free))
             grant.in_use += taken
-            out.extend(zip(itertools.repeat(grant.token, taken), grant.free[:taken]))
+            tokens.append(grant.token)
+            counts.append(taken)
+            offsets += grant.free[:taken]
             del grant.free[:taken]
         if promised:
-            self._unpromise(slot_class, len(out), oldest_first=True)
+            self._unpromise(slot_class, len(offsets), oldest_first=True)
         # The baseline is for saves nobody announced (announced ones were asked for), and for
         # any that found the stock short: without a refill they would wait for one forever.
-        demand = max(count - promised, count - len(out))
+        demand = max(count - promised, count - len(offsets))
         if demand > 0:
             self._used[slot_class] += demand
-        return out
+        return TakenSlots(np.repeat(np.asarray(tokens, dtype=np.int64), counts), np.asarray(offsets, dtype=np.int64))
 
     def settled(self, pool: PoolKey, token: int, count: int = 1) -> None:
         """``count`` slots of a grant were published or freed at the shard: no longer ours."""

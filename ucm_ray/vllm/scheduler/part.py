@@ -153,6 +153,8 @@ class SchedulerPart:
         started = self.timer.clock()
         self.results.collect()
         meta = self._next_meta
+        if self.saves.finished:  # requests ended since the last plan (most steps: none)
+            self.saves.announce_finished()  # before the tick that asks for their slots
         self._sync_pools(meta)
         self._requests.take_block_ids(out)
         self.loads.dispatch(out, meta)
@@ -205,7 +207,7 @@ class SchedulerPart:
         if tracked.block_ids and tracked.unsaved() and self._store.pools().descriptors:
             self._requests.finish(tracked, self._clock())
             if tracked.prompt_expected:  # generated blocks of an unfinished batch: slots at the next step's tick
-                self.saves.expect(tracked, tracked.hashed_tokens(), later=True)
+                self.saves.expect_finished(tracked)
             return True, params
         self._requests.drop(request.request_id)
         return False, params

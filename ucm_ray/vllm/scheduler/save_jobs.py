@@ -11,7 +11,7 @@ import numpy as np
 
 from ucm_ray.store.blockstore import BlockStore
 from ucm_ray.store.engine.slots import SlotSupply
-from ucm_ray.store.types import NO_CHECKSUM, Locations
+from ucm_ray.store.types import NO_CHECKSUM, Locations, rows_picker
 from ucm_ray.transport.base import PoolKey
 from ucm_ray.vllm.metadata import BlockSaves
 from ucm_ray.vllm.scheduler.geometry import NULL_BLOCK_ID
@@ -101,26 +101,26 @@ class SaveRows:
     families: list[bytes] = field(default_factory=list)
     pools: list[PoolKey] = field(default_factory=list)
     """Per chunk, its pool."""
-    offsets: list[int] = field(default_factory=list)
+    offsets: list[np.ndarray] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     """Per chunk, its entries' size."""
     counts: list[int] = field(default_factory=list)
     """Per chunk, its rows."""
-    tokens: list[int] = field(default_factory=list)  # the grant of each row's slot
+    tokens: list[np.ndarray] = field(default_factory=list)  # per chunk, the grant of each row's slot
 
     def extend(self, groups: np.ndarray, block_ids: np.ndarray, keys: list[bytes], families: list[bytes],
-               pool: PoolKey, size: int, slots: list[tuple[int, int]]) -> None:
-        """Rows of one slot class (``pool``, ``size``), each bound to its slot (token, offset)."""
+               pool: PoolKey, size: int, tokens: np.ndarray, offsets: np.ndarray) -> None:
+        """Rows of one slot class (``pool``, ``size``), each bound to its slot (its grant's
+        token, its offset)."""
         self.groups.append(groups)
         self.block_ids.append(block_ids)
         self.keys += keys
         self.families += families
         self.pools.append(pool)
         self.sizes.append(size)
-        self.counts.append(len(slots))
-        tokens, offsets = zip(*slots)
-        self.tokens += tokens
-        self.offsets += offsets
+        self.counts.append(len(offsets))
+        self.tokens.append(tokens)
+        self.offsets.append(offsets)
 
 
 SaveRowsByRank = defaultdict[int, SaveRows]
@@ -197,11 +197,13 @@ class SaveJobs:
                 taken_ranks = ranks[taken]
                 for rank in dict.fromkeys(taken_ranks.tolist()):  # one rank, but under tensor parallelism
                     mine = np.flatnonzero(taken_ranks == rank)
-                    rows_of = taken[mine]
-                    at = rows_of.tolist()
-                    saves[rank].extend(groups[rows_of], block_ids[rows_of], [keys[i] for i in at],
-                                       [families[i] for i in at], pools[pool_at], int(sizes[size]),
-                                       [slots[i] for i in mine.tolist()])
+                    every = len(mine) == len(taken)
+                    rows_of = taken if every else taken[mine]
+                    pick = rows_picker(rows_of)
+                    saves[rank].extend(groups[rows_of], block_ids[rows_of], pick(keys), pick(families),
+                                       pools[pool_at], int(sizes[size]),
+                                       slots.tokens if every else slots.tokens[mine],
+                                       slots.offsets if every else slots.offsets[mine])
         return bound
 
     def dispatch(self, saves: SaveRowsByRank, requests: list[str]) -> dict[int, BlockSaves]:
@@ -215,13 +217,13 @@ class SaveJobs:
             counts = np.asarray(rows.counts, dtype=np.int64)
             pool_of: np.ndarray = np.repeat(np.asarray([at[pool] for pool in rows.pools], dtype=np.int32), counts)
             locations = Locations(pools, pool_of,
-                                  np.asarray(rows.offsets, dtype=np.int64),
+                                  np.concatenate(rows.offsets),
                                   np.repeat(np.asarray(rows.sizes, dtype=np.int64), counts),
                                   np.full(n, NO_CHECKSUM, dtype=np.int64), np.zeros(n, dtype=np.uint64))
             job = BlockSaves(next(self._job_ids), np.concatenate(rows.groups).astype(np.int64),
                              np.concatenate(rows.block_ids).astype(np.int64), locations)
             self.in_flight[job.job_id] = SaveInFlight(rows.keys, rows.families, locations,
-                                                      np.asarray(rows.tokens, dtype=np.int64), job.block_ids,
+                                                      np.concatenate(rows.tokens), job.block_ids,
                                                       requests, self._clock())
             for req_id in requests:
                 self._requests.by_id[req_id].save_jobs.add(job.job_id)

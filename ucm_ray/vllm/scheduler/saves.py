@@ -74,6 +74,9 @@ class SavePlanner:
         self._stats = stats
         self._clock = clock
         self._claims = StepClaims()
+        self.finished: list[TrackedRequest] = []
+        """Requests finished since the last plan whose last blocks are still to be announced
+        (``expect_finished``; the plan asks this list, not a call, every step)."""
 
     # --- announcements to the slot supply ---------------------------------------------------
 
@@ -90,6 +93,31 @@ class SavePlanner:
         counts = self.counts(tracked, start, until)
         self._slots.expect(counts, later=later)
         return counts
+
+    def expect_finished(self, tracked: TrackedRequest) -> None:
+        """A finished request's generated blocks past its last announcement (an unfinished
+        decode batch), announced at the next plan's start (``announce_finished``, where any
+        are queued), before the tick that asks for their slots: requests end together (a
+        batch's ``max_tokens``), and announced one by one at vLLM's call each placed its few
+        new keys in a call of its own (a cold placement call costs about as much as placing a
+        prompt's keys)."""
+        self.finished.append(tracked)
+
+    def announce_finished(self) -> None:
+        """The announcements ``expect_finished`` queued, their new blocks placed in one call;
+        their slots asked for at this step's tick."""
+        finished, self.finished = self.finished, []
+        geometry = self._geometry
+        runs: list[tuple[TrackedRequest, int, int, range]] = []
+        for tracked in finished:
+            start, until = tracked.expected_until, tracked.hashed_tokens()
+            for g in geometry.attn if until > start else ():
+                blocks = range(start // geometry.block_sizes[g], until // geometry.block_sizes[g])
+                runs += [(tracked, rank, g, blocks) for rank in range(len(geometry.namespaces)) if len(blocks)]
+        if len(runs) > 1:
+            place_together(runs, self._store)
+        for tracked in finished:
+            self.expect(tracked, tracked.hashed_tokens(), later=True)
 
     def counts(self, tracked: TrackedRequest, start: int, until: int) -> SlotCounts:
         """Per (pool, entry size), how many entries saving the prompt's ``[start, until)`` writes."""
