@@ -83,25 +83,15 @@ class RelayedMembership:
         """The directory's answer to a poll posted with ``posted_version``; False when it does not
         apply to what is held (a delta for another revision): nothing held any more, the next poll
         asks for everything."""
-        held = self._held
-        shards, shards_version = answer.shards, answer.version
-        if answer.shards_held:
-            if held is None or held.version != posted_version:
-                return self.forget()
-            shards, shards_version = held.shards, self._shards_version
-        hot, delta = answer.hot, None
-        if answer.hot_delta is not None:
-            if held is None:
-                return self.forget()
-            applied = answer.hot_delta.apply(held.hot)
-            if applied is None:
-                return self.forget()
-            hot = applied
-            empty = answer.hot_delta.base == answer.hot_delta.revision
-            delta = self._delta if empty else answer.hot_delta
-        self._held = dataclasses.replace(answer, shards=shards, shards_held=False, hot=hot, hot_delta=None)
-        self._shards_version = shards_version
-        self._delta = delta
+        whole = answer.completed(self._held, posted_version)
+        if whole is None:
+            return self.forget()
+        delta = answer.hot_delta
+        if delta is not None and delta.base == delta.revision:  # empty: the last one still leads here
+            delta = self._delta
+        if not answer.shards_held:
+            self._shards_version = answer.version
+        self._held, self._delta, hot = whole, delta, whole.hot
         if hot.revision not in self._tables:
             self._built.clear()
             self._tables[hot.revision] = hot

@@ -13,7 +13,7 @@ import operator
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
@@ -406,6 +406,23 @@ class Membership:
     """Set by a long poll whose caller holds the shard list of now (only the hot-prefix table moved
     since its version): ``shards`` is then empty, not re-sent (~1.4 KiB a shard with NIXL, to every
     engine on every push), and ``MembershipFeed`` puts back the caller's."""
+
+    def completed(self, known: Membership | None, posted_version: int) -> Membership | None:
+        """This long-poll answer made whole from ``known``, what its caller held when it posted
+        the poll with ``posted_version``: the shard list put back where it was held, the hot
+        delta applied. None when it does not apply to ``known`` (an engine's feed asks again, a
+        relay asks for everything)."""
+        answer = self
+        if answer.shards_held:
+            if known is None or known.version != posted_version:
+                return None
+            answer = replace(answer, shards=known.shards, shards_held=False)
+        if answer.hot_delta is not None:
+            hot = answer.hot_delta.apply(known.hot) if known is not None else None
+            if hot is None:
+                return None
+            answer = replace(answer, hot=hot, hot_delta=None)
+        return answer
 
     @property
     def shard_ids(self) -> list[str]:

@@ -18,7 +18,6 @@ the directory does not see die).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -115,17 +114,11 @@ class MembershipFeed:
             return None
         membership = answer
         self.relayed += self._relay is not None
-        if membership.shards_held:
-            if known.version != self._posted_for:
-                return None  # ``known`` moved since the poll was posted: ask again
-            membership = dataclasses.replace(membership, shards=known.shards, shards_held=False)
-        if membership.hot_delta is not None:
-            hot = membership.hot_delta.apply(known.hot)
-            if hot is None:
-                return None
-            membership = dataclasses.replace(membership, hot=hot, hot_delta=None)
-            self.hot_deltas += 1
-        return membership if membership.version != known.version else None
+        whole = membership.completed(known, self._posted_for)
+        if whole is None:
+            return None  # ``known`` moved since the poll was posted, or its delta is for another table: ask again
+        self.hot_deltas += membership.hot_delta is not None
+        return whole if whole.version != known.version else None
 
     def _post(self, known: Membership) -> bool:
         """Posts the long poll, to the node's relay or the directory (False: neither is there)."""
