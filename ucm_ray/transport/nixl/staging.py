@@ -12,15 +12,18 @@ queued after. The copies between the KV and a slab are those of a same-node pool
 (``shm.HostBufferTransport``: one gather plan on CUDA, plain copies on CPU).
 
 Slabs are made on demand, kept and reused (a transfer holds one from its post until its outcome
-is known), each a power of two from ``MIN_SLAB_BYTES``, all together at most ``MAX_STAGING_BYTES``:
-a batch that finds no room fails like a transfer that could not start (its blocks are misses
-or dropped saves), never waits for room.
+is known), each a power of two from ``MIN_SLAB_BYTES``, all together at most ``MAX_STAGING_BYTES``.
+A batch that finds no room takes back the slabs of transfers that are over and whose bytes
+nobody still has to take out of them (saves, failed or abandoned loads), and waits for the
+others' (the layers of a large load, read ahead of their hooks, come back as the hooks take
+them) at most ``ROOM_WAIT_S``; then it fails like a transfer that could not start.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +41,10 @@ MIN_SLAB_BYTES = 1 << 20
 MAX_STAGING_BYTES = 4 << 30
 """Staging one worker may hold at most: a prompt's save of 16k tokens of an 8B model (2 GiB)
 and a load beside it."""
+ROOM_WAIT_S = 1.0
+"""How long a batch waits at most for other transfers' slabs to come back: a hook takes a
+layer's bytes within milliseconds of the layers before it; a batch still without room after
+this is failed rather than holding up the copy thread's queue."""
 
 
 def stages_through_host(setting: str, device: torch.device, rdma: Sequence[str]) -> bool:
@@ -81,6 +88,7 @@ class StagingLayout:
 class _Slab:
     tensor: torch.Tensor
     copies: HostBufferTransport
+    holder: _StagedTransfer | None = None
     busy: bool = True
 
 
@@ -110,6 +118,7 @@ class _StagedTransfer(Transfer):
         self._scatter = scatter
         self._error: BaseException | None = None
         self._over = False
+        self._abandoned = False
         self._lock = threading.Lock()
 
     def _settle(self, timeout_s: float | None) -> None:
@@ -131,11 +140,34 @@ class _StagedTransfer(Transfer):
                 self._settle(0.0)
             return self._over
 
+    def abandon(self) -> None:
+        with self._lock:
+            self._scatter = None
+            self._abandoned = True
+        self._inner.abandon()
+
+    def reclaim(self) -> None:
+        """Give the slab back if the transfer is over and no bytes wait in it for a ``wait``
+        (a save; a load that failed or was abandoned): a slab is needed, and its owner may never
+        look again (an abandoned transfer's never does)."""
+        with self._lock:
+            if self._over or not self._inner.done():
+                return
+            if self._scatter is not None:
+                try:
+                    self._inner.wait(0.0)
+                    return  # landed: its consumer's ``wait`` scatters it
+                except Exception:  # noqa: BLE001 -- failed: nothing to scatter, ``wait`` raises it
+                    self._scatter = None
+            self._settle(0.0)
+
     def wait(self, timeout_s: float | None = None) -> None:
         with self._lock:
             self._settle(timeout_s)
         if self._error is not None:
             raise TransferError(f"staged NIXL transfer: {self._error}") from self._error
+        if self._abandoned:
+            raise TransferError("staged NIXL transfer: abandoned, nothing delivered")
 
 
 class HostStaging:
@@ -182,7 +214,7 @@ class HostStaging:
         layout = StagingLayout.of(ranges)
         if not layout.nbytes:
             return CompletedTransfer()
-        lease = _Lease(self, self._take(layout.nbytes))
+        lease = _Lease(self, self._take(layout.nbytes, ROOM_WAIT_S))
         copies = lease.slab.copies
         local = Ranges(ranges.buffers, ranges.buffer_index, ranges.local_offsets, layout.offsets, ranges.sizes)
         slab_at, pool_at, sizes = layout.runs
@@ -201,33 +233,63 @@ class HostStaging:
             with torch.inference_mode():
                 copies.copy(local, to_pool=False, follow_caller=False).wait()
 
-        return _StagedTransfer(inner, lease, None if to_pool else scatter)
+        transfer = _StagedTransfer(inner, lease, None if to_pool else scatter)
+        with self._lock:
+            if not lease.released:
+                lease.slab.holder = transfer
+        return transfer
 
-    def _take(self, nbytes: int) -> _Slab:
-        """The smallest free slab of at least ``nbytes``, or a new one within the bound."""
+    def _take(self, nbytes: int, wait_s: float) -> _Slab:
+        """A slab of at least ``nbytes``: a free one, a new one within the bound, or one given
+        back within ``wait_s`` (TransferError after that)."""
+        deadline = time.monotonic() + wait_s
+        spins = 0
+        while True:
+            slab = self._free_or_new(nbytes)
+            if slab is not None:
+                return slab
+            with self._lock:
+                holders = [slab.holder for slab in self._slabs if slab.busy and slab.holder is not None]
+            for holder in holders:
+                holder.reclaim()
+            with self._lock:
+                freed = any(not slab.busy and slab.tensor.numel() >= nbytes for slab in self._slabs)
+            if freed:
+                continue  # a slab that fits came back
+            if time.monotonic() >= deadline:
+                raise TransferError(f"NIXL staging is full: {nbytes} bytes asked, no slab that fits came "
+                                    f"back within {wait_s} s and no room for a new one (at most "
+                                    f"{self._max_bytes} bytes)")
+            spins += 1
+            time.sleep(0 if spins < 64 else min(1e-3, 1e-5 * (spins - 63)))
+
+    def _free_or_new(self, nbytes: int) -> _Slab | None:
+        """The smallest free slab of at least ``nbytes``, else a new one within the bound, else
+        None. (Slabs are never dropped: NIXL keeps a registered slab's memory until the
+        transports that registered it close.)"""
         with self._lock:
             free = [slab for slab in self._slabs if not slab.busy and slab.tensor.numel() >= nbytes]
             if free:
                 slab = min(free, key=lambda s: s.tensor.numel())
                 slab.busy = True
                 return slab
-            held = sum(slab.tensor.numel() for slab in self._slabs)
+            made = sum(slab.tensor.numel() for slab in self._slabs)
             size = max(MIN_SLAB_BYTES, 1 << (nbytes - 1).bit_length())
-            if held + size > self._max_bytes:
+            if made + size > self._max_bytes:
                 size = nbytes
-            if held + size > self._max_bytes:
-                raise TransferError(f"NIXL staging is full: {nbytes} bytes asked, {held} of "
-                                    f"{self._max_bytes} made and none free that fits")
+            if made + size > self._max_bytes:
+                return None
             tensor = torch.empty(size, dtype=torch.uint8)
             slab = _Slab(tensor, HostBufferTransport(tensor, "NIXL staging"))
             self._slabs.append(slab)
             self.allocations += 1
-            log.debug("NIXL staging: a %d-byte slab (%d in all)", size, held + size)
-            return slab
+        log.debug("NIXL staging: a %d-byte slab (%d made)", size, made + size)
+        return slab
 
     def give_back(self, slab: _Slab) -> None:
         with self._lock:
             slab.busy = False
+            slab.holder = None
 
     def close(self) -> None:
         """Unpin and drop every slab (after the transports that registered them closed)."""
