@@ -5,8 +5,9 @@ Baselines measured in the same run: single-thread memcpy into a preallocated
 buffer (numpy copyto) and moving the same bytes through Ray's object store to
 an actor. Clients: ``shm`` (same-node lookups in the shards' published
 indexes), ``shm_pinned`` (every lookup a pinning Ray call, as between nodes),
-``nixl``; each stores one key per block through ``put`` / ``get`` (a call per
-batch for each of lookup, reservation and commit).
+``nixl`` (``nixl_staged`` too with ``--staged``: through host staging, ``nixl_stage_through_host``
+on, what a GPU host without RDMA does, here over CPU memory); each stores one key per block
+through ``put`` / ``get`` (a call per batch for each of lookup, reservation and commit).
 
 The connector does not move a step's blocks that way: one key covers a block of every layer,
 slots are granted ahead and commits answered beside later steps. ``connector step`` rows
@@ -257,6 +258,8 @@ def main() -> None:
     ap.add_argument("--step-mib", type=int, default=128, help="KV bytes a connector step moves")
     ap.add_argument("--decode-requests", default="1,8,64", help="requests decoding together, per decode row")
     ap.add_argument("--decode-steps", type=int, default=256)
+    ap.add_argument("--staged", action="store_true", help="also a NIXL client whose transfers go through host "
+                    "staging (nixl_stage_through_host: on)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]
@@ -271,6 +274,8 @@ def main() -> None:
             # shm_pinned: every lookup a Ray call that pins (the path between nodes).
             variants = {"shm": {"transport": "shm"}, "shm_pinned": {"transport": "shm", "local_lookups": False},
                         "nixl": {"transport": "nixl"}}
+            if args.staged:
+                variants["nixl_staged"] = {"transport": "nixl", "nixl_stage_through_host": "on"}
             clients = {name: StoreClient(UcmRayConfig.from_dict({**cfg.to_dict(), **v}))
                        for name, v in variants.items()}
             rows = {}
@@ -316,6 +321,10 @@ def main() -> None:
     print(f"shm_load_vs_memcpy={r['shm_load'] / r['memcpy']:.2f} shm_save_vs_memcpy={r['shm_save'] / r['memcpy']:.2f} "
           f"nixl_load_vs_memcpy={r['nixl_load'] / r['memcpy']:.2f} "
           f"object_store_vs_memcpy={r['ray_object_store'] / r['memcpy']:.2f}")
+    if args.staged:
+        for s in sizes:
+            print(f"nixl_staged_vs_nixl_{s >> 10}KiB: load {rows[s]['nixl_staged_load'] / rows[s]['nixl_load']:.2f} "
+                  f"save {rows[s]['nixl_staged_save'] / rows[s]['nixl_save']:.2f}")
     print(f"data_plane_load_vs_memcpy={r['shm_load'] / r['memcpy']:.2f}")
 
 

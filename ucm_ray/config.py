@@ -30,6 +30,7 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 TRANSPORTS = ("auto", "shm", "nixl")
+NIXL_STAGING = ("auto", "on", "off")
 PLACEMENTS = ("writer_local", "per_block")
 DISK_WRITE_POLICIES = ("back", "through")
 DISK_IO = ("auto", "posix")
@@ -158,6 +159,12 @@ class UcmRayConfig:
     (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
+    nixl_stage_through_host: str = "auto"
+    """How a worker's NIXL transfers move GPU KV: on, through pinned host staging that the worker
+    copies on a CUDA stream of its own (NIXL then moves host memory only); off, NIXL moves the
+    GPU memory itself; auto: on where the KV caches are on CUDA and the host has no RDMA port.
+    Without RDMA, UCX moves GPU memory with CUDA copies of its own, which waited for vLLM's
+    forward on the legacy default stream: a step's end came after its forward (H100, stop 64)."""
     layerwise: bool = True
     load_at_once_ratio: int = 64
     """A step whose requests compute at most 1/N of the tokens their hits bring (a repeated prompt)
@@ -260,6 +267,7 @@ class UcmRayConfig:
              f"an integer between 1 and num_shards ({self.num_shards})")
         need(self.transport in TRANSPORTS, "transport", " | ".join(TRANSPORTS))
         need(self.placement in PLACEMENTS, "placement", " | ".join(PLACEMENTS))
+        need(self.nixl_stage_through_host in NIXL_STAGING, "nixl_stage_through_host", " | ".join(NIXL_STAGING))
         need(is_int(self.hot_prefix_asks) and 0 <= self.hot_prefix_asks <= 1_000_000, "hot_prefix_asks",
              "an integer between 0 (never) and 1000000")
         need(is_int(self.remote_copy_reads) and 0 <= self.remote_copy_reads <= 1_000_000, "remote_copy_reads",
@@ -443,5 +451,7 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
     """Turn a dict/YAML/CLI value into the field's type, or say which key is wrong."""
     if f.name in ("pool_bytes", "disk_bytes"):
         return parse_size(value, f.name)
+    if f.name == "nixl_stage_through_host" and isinstance(value, bool):
+        return "on" if value else "off"  # YAML reads a bare on / off as a boolean
     coerce = _COERCIONS.get(f.type)
     return coerce(f.name, value) if coerce else value

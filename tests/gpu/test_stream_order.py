@@ -355,14 +355,16 @@ NO_RDMA = not rdma_ports()
 """This host has no RDMA port: UCX moves a NIXL transfer's device memory with CUDA copies of its own."""
 
 
-@pytest.mark.parametrize("forward_stream", [
-    "side",
-    pytest.param("legacy_default", marks=pytest.mark.xfail(
-        NO_RDMA, strict=False, reason="no RDMA port here: UCX's own CUDA copies of the NIXL part wait for the "
-        "forward on the legacy default stream (H100, stop 64: the step's end at 0.303 s with it there, 0.030 s on "
-        "a side stream); staging through our own stream is not built")),
+@pytest.mark.parametrize(("forward_stream", "staging"), [
+    ("side", "auto"),
+    ("legacy_default", "auto"),
+    pytest.param("legacy_default", "off", marks=pytest.mark.xfail(
+        NO_RDMA, strict=False, reason="no RDMA port and no staging: UCX's own CUDA copies of the NIXL part wait "
+        "for the forward on the legacy default stream (H100, stop 64: the step's end at 0.303 s with it there, "
+        "0.030 s on a side stream)")),
 ])
-def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(pool, cycles_for_delay, forward_stream):
+def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(pool, cycles_for_delay, forward_stream,
+                                                                              staging):
     """A step's save job with a same-node pool (shared memory: queued after the forward, on the
     device) and another node's (NIXL: the copy thread's, waited for by the host at the step's end
     so that thread gets the GIL). The step's end waits for the NIXL part only: waiting for the
@@ -394,7 +396,7 @@ def test_a_save_to_a_shm_and_a_nixl_pool_lets_its_step_end_before_the_forward(po
     shm_desc = shm_descriptor(pool)
     nixl_desc = exporter.descriptor("shard-1", "other-node", incarnation=8)
     pools = {shm_desc.key: shm_desc, nixl_desc.key: nixl_desc}
-    w = make_worker(caches, transport="auto", transfer_timeout_s=30.0)
+    w = make_worker(caches, transport="auto", transfer_timeout_s=30.0, nixl_stage_through_host=staging)
     try:
         over_nixl = 2  # the last blocks go to the other node's pool
         shm_blocks = N - over_nixl
@@ -497,3 +499,54 @@ def test_a_few_blocks_move_one_range_at_a_time_in_stream_order(pool, worker, cyc
     for b, expected in zip(blocks, written):
         assert torch.equal(entry_bytes(caches, b), expected), f"block {b}: not loaded back exactly"
     assert not entry_bytes(caches, 6).any(), "a block outside the load was written"
+
+
+@pytest.mark.parametrize("stream", ["own", "default"])
+@pytest.mark.parametrize("at_once", [False, True], ids=["layers", "at_once"])
+def test_a_staged_nixl_load_lands_after_the_zeroing_and_before_its_layer(cycles_for_delay, stream, at_once):
+    """A load from another node's pool through host staging (``nixl_stage_through_host`` on):
+    the copy thread posts the NIXL read into a pinned slab once the compute stream's work queued
+    before ``start_load_kv`` (a long kernel, then vLLM zeroing the blocks) is done, and the
+    layer's wait scatters the slab into the blocks on the worker's own stream before it returns.
+    Unordered, the zeroing would wipe the landed bytes, or the compute stream's snapshot right
+    after ``wait_for_layer_load`` would hold zeros."""
+    import uuid
+
+    from ucm_ray.store.types import Location
+    from ucm_ray.transport.nixl import NixlPoolExporter
+    from ucm_ray.vllm.metadata import BlockLoads, LoadJob, UcmRayConnectorMetadata
+
+    caches = kv_caches()
+    stored = random_bytes(N * ENTRY, seed=70)
+    remote = stored.clone()  # another node's pool, reached over NIXL
+    exporter = NixlPoolExporter(remote, f"ucmr-gpu-staged-{uuid.uuid4().hex[:8]}")
+    desc = exporter.descriptor("shard-1", "other-node", incarnation=8)
+    w = make_worker(caches, transport="auto", transfer_timeout_s=30.0, nixl_stage_through_host="on")
+    try:
+        for t in caches.values():
+            t.view(torch.uint8).fill_(0x5A)
+        torch.cuda.synchronize()
+        snapshots = {}
+        job = LoadJob(1, "req", BlockLoads.of([(0, i, Location(desc.shard_id, desc.incarnation, i * ENTRY, ENTRY), b"")
+                                               for i in range(N)]), complete_in_start=at_once)
+        with torch.cuda.stream(compute_stream(stream)):
+            torch.cuda._sleep(cycles_for_delay)  # a long kernel queued before ...
+            for t in caches.values():
+                t.zero_()  # ... vLLM zeroing the fresh blocks the load is for
+            w.bind(UcmRayConnectorMetadata(pools={desc.key: desc}, loads={0: [job]}))
+            w.start_load_kv()
+            for name, t in caches.items():
+                w.wait_for_layer_load(name)
+                snapshots[name] = t.view(torch.uint8).clone()  # the layer's attention reading its KV
+            w.wait_for_save()
+        torch.cuda.synchronize()
+        assert not w.build_worker_meta().load_failures
+        for name, snap in snapshots.items():
+            assert torch.equal(snap, caches[name].view(torch.uint8)), \
+                f"{name}: the compute stream read blocks before the staged load was scattered into them"
+        for i in (0, N // 2, N - 1):
+            assert torch.equal(entry_bytes(caches, i), stored[i * ENTRY:(i + 1) * ENTRY]), \
+                f"block {i} differs from the stored entry (zeroed after the load landed?)"
+    finally:
+        w.shutdown()
+        exporter.close()

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from tests.support.nixl_pool_actor import pool_actor_class
 from tests.support.small_ray import own_or_session_ray
 from ucm_ray.transport.base import CopyOp, Ranges, TransferError
 
@@ -30,47 +31,6 @@ assert nixl.nixl_available(), "NIXL is a dependency of ucm-ray; `make test` inst
 POOL = 64 << 20
 LOCAL = 16 << 20
 WAIT_S = 30.0
-
-
-def _pool_actor_class():
-    """Defined in a function so Ray ships the class by value (tests/ is not a package)."""
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class PoolActor:
-        """A stand-in shard: a /dev/shm pool, exported once with NIXL."""
-
-        def __init__(self, nbytes: int) -> None:
-            import uuid
-
-            from ucm_ray.transport.nixl import NixlPoolExporter
-            from ucm_ray.transport.shm import SharedPool
-
-            self.shm = SharedPool(f"/dev/shm/ucmr-nixltest-{os.getpid()}-{uuid.uuid4().hex[:6]}", nbytes,
-                                  create=True)
-            self.path = self.shm.path
-            self.pool = self.shm.tensor
-            self.pool.zero_()  # fault the pages in now, not during the first transfer
-            self.exporter = NixlPoolExporter(self.pool, f"ucmr-test-{uuid.uuid4().hex[:8]}")
-
-        def descriptor(self):
-            return self.exporter.descriptor("s0", ray.get_runtime_context().get_node_id(), self.path)
-
-        def digests(self, ranges: list[tuple[int, int]]) -> list[str]:
-            return [hashlib.sha256(self.pool[o:o + n].numpy().tobytes()).hexdigest() for o, n in ranges]
-
-        def fill(self, offset: int, nbytes: int, seed: int) -> None:
-            g = torch.Generator().manual_seed(seed)  # same bytes as _random_bytes(nbytes, seed)
-            self.pool[offset:offset + nbytes] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                                                              generator=g)
-
-        def close(self) -> None:
-            self.exporter.close()
-            self.exporter = None
-            self.pool = None
-            self.shm.close()
-
-    return PoolActor
 
 
 def _random_bytes(n: int, seed: int) -> torch.Tensor:
@@ -91,7 +51,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def shard(cluster):
     ray = cluster
-    actor = _pool_actor_class().remote(POOL)
+    actor = pool_actor_class().remote(POOL)
     desc = ray.get(actor.descriptor.remote(), timeout=120)
     yield actor, desc
     try:
@@ -229,7 +189,7 @@ def test_empty_batch_is_done_at_once(client):
 def test_wait_after_shard_death_raises(cluster):
     """A transport whose shard died reports TransferError instead of hanging."""
     ray = cluster
-    actor = _pool_actor_class().remote(1 << 20)
+    actor = pool_actor_class().remote(1 << 20)
     desc = ray.get(actor.descriptor.remote(), timeout=120)
     transport = nixl.NixlPoolTransport(desc)
     buf = torch.zeros(4096, dtype=torch.uint8)

@@ -15,7 +15,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucm_ray.config import DISK_IO, DISK_WRITE_POLICIES, PLACEMENTS, TRANSPORTS, ConfigError, UcmRayConfig
+from ucm_ray.config import (
+    DISK_IO,
+    DISK_WRITE_POLICIES,
+    NIXL_STAGING,
+    PLACEMENTS,
+    TRANSPORTS,
+    ConfigError,
+    UcmRayConfig,
+)
 
 FAST = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -76,6 +84,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "pool_bytes": pool,
         "replication": draw(st.integers(1, num_shards)),
         "transport": draw(st.sampled_from(TRANSPORTS)),
+        "nixl_stage_through_host": draw(st.sampled_from(NIXL_STAGING)),
         "placement": draw(st.sampled_from(PLACEMENTS)),
         "hot_prefix_asks": draw(st.integers(0, 1_000_000)),
         "remote_copy_reads": draw(st.integers(0, 1_000_000)),
@@ -194,6 +203,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
         st.floats(4096, 1 << 40).filter(lambda f: not f.is_integer()), _GARBAGE, _NON_FINITE,
         st.just(True), st.none()),
     "transport": st.one_of(_GARBAGE.filter(lambda s: s not in TRANSPORTS), _NOT_A_STRING),
+    "nixl_stage_through_host": st.one_of(_GARBAGE.filter(lambda s: s not in NIXL_STAGING), _NOT_A_STRING),
     "placement": st.one_of(_GARBAGE.filter(lambda s: s not in PLACEMENTS), _NOT_A_STRING),
     "hot_prefix_asks": _bad_int(0, 1_000_000),
     "remote_copy_reads": _bad_int(0, 1_000_000),
@@ -269,7 +279,7 @@ def test_any_invalid_flag_is_one_line_naming_its_key(case):
     if isinstance(bad, bool) or not isinstance(bad, (str, int, float)) or (
             not isinstance(bad, str)
             and key in ("namespace", "ray_namespace", "ray_address", "transport", "placement", "shm_dir", "model_id",
-                        "disk_dir", "disk_write_policy", "disk_io")):
+                        "disk_dir", "disk_write_policy", "disk_io", "nixl_stage_through_host")):
         # what a flag can carry that is still invalid: "" for every key but model_id (where it
         # means "the model's path"), which refuses a tab
         bad = {"model_id": "\t", "disk_dir": "relative"}.get(key, "")

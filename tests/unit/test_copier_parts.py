@@ -8,13 +8,14 @@ out in full; the CUDA path plans them once: ``test_gather.py``, ``tests/gpu``.)"
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
 
-from ucm_ray.transport.base import PoolDescriptor, RepeatedRanges
+from ucm_ray.transport.base import PoolDescriptor, RepeatedRanges, Transfer
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.transport.shm import SharedPool
 from ucm_ray.vllm.layout import base_buffers, build_layouts
@@ -87,3 +88,53 @@ def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, how, monkeypatch
     finally:
         copier.shutdown()
         owner.close()
+
+
+class _Recorded(Transfer):
+    """A transfer that records whether its consumer abandoned it."""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        return None
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+class _LatePosts(PoolConnections):
+    """Every batch posted ``late_s`` after the copy thread took it (a host that left it no core)."""
+
+    def __init__(self, late_s: float) -> None:
+        super().__init__("shm", "here")
+        self.late_s = late_s
+        self.posted: list[_Recorded] = []
+
+    def post(self, by_pool, *, write):
+        time.sleep(self.late_s)
+        self.posted.append(_Recorded())
+        return [(("shard-0", 1), self.posted[-1])], set()
+
+
+def test_a_batch_posted_after_its_deadline_is_abandoned_as_it_is_posted():
+    """The step gave up on a copy task still running (its deadline passed): whatever the task
+    posts afterwards is abandoned (a staged NIXL load then scatters nothing into blocks that may
+    be another request's, and gives its slab back); one posted in time is not."""
+    pools = _LatePosts(late_s=0.3)
+    copier = Copier(pools, 10.0, UcmRayStats())
+    try:
+        batch = copies.Batch((), {})
+        late = copier.move_later(time.monotonic() + 5.0, batch, write=False)
+        assert copier.posted_by_deadline(late, time.monotonic() + 0.05) is None
+        late.result(timeout=10)
+        assert pools.posted[0].abandoned
+        pools.late_s = 0.0
+        on_time = copier.move_later(time.monotonic() + 5.0, batch, write=False)
+        posted = copier.posted_by_deadline(on_time, time.monotonic() + 5.0)
+        assert posted is not None and not pools.posted[1].abandoned
+    finally:
+        copier.shutdown()

@@ -255,6 +255,12 @@ class Transfer(ABC):
         then calls ``wait``); a failure still surfaces only through ``wait``."""
         return False
 
+    def abandon(self) -> None:
+        """Nobody will wait for this transfer (its step's deadline passed before it was
+        posted): it may still run, but must deliver nothing more (its destination may be
+        another request's by now), and give back what it holds once it is over."""
+        return None
+
 
 class CompletedTransfer(Transfer):
     """A transfer that finished (or failed) while it was posted, e.g. CPU memcpy."""

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from ucm_ray.transport.base import (
     RepeatedRanges,
     Transfer,
 )
+
+if TYPE_CHECKING:
+    from ucm_ray.transport.nixl.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,8 @@ def _not_started(write: bool, pool: PoolKey, error: Exception) -> None:
 class PoolConnections:
     """Transports to shard pools keyed by (shard id, incarnation). Thread-safe."""
 
-    def __init__(self, mode: str = "auto", node_id: str | None = None) -> None:
+    def __init__(self, mode: str = "auto", node_id: str | None = None, *, nixl_staging: str = "auto") -> None:
+        """``nixl_staging``: ``UcmRayConfig.nixl_stage_through_host`` (``nixl.staging``)."""
         if mode not in MODES:
             raise ValueError(f"transport mode {mode!r} is not one of {' | '.join(MODES)}")
         self._mode = mode
@@ -56,6 +61,14 @@ class PoolConnections:
         self._kinds: dict[PoolKey, str] = {}
         self._local: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._nixl_staging = nixl_staging
+        self._staging: HostStaging | None = None
+        """Made with the first NIXL transport (none where every pool is mapped)."""
+
+    @property
+    def staging(self) -> HostStaging | None:
+        """The host staging of this process's NIXL transfers (None until a NIXL pool is opened)."""
+        return self._staging
 
     def sync(self, descriptors: Mapping[PoolKey, PoolDescriptor]) -> None:
         """Make ``descriptors`` the current pools; close every transport of a pool that is
@@ -193,8 +206,11 @@ class PoolConnections:
     def close(self) -> None:
         with self._lock:
             closing, self._open = list(self._open.values()), {}
+            staging, self._staging = self._staging, None
         for t in closing:
             t.close()
+        if staging is not None:  # after the transports: they deregistered its slabs from NIXL
+            staging.close()
 
     def _transport(self, pool: PoolKey) -> PoolTransport:
         with self._lock:  # a copy thread and a control thread may both get here
@@ -226,5 +242,8 @@ class PoolConnections:
 
             return ShmPoolTransport(desc)
         from ucm_ray.transport.nixl import NixlPoolTransport
+        from ucm_ray.transport.nixl.staging import HostStaging
 
-        return NixlPoolTransport(desc)
+        if self._staging is None:  # (under the lock: ``_transport`` holds it)
+            self._staging = HostStaging(self._nixl_staging)
+        return NixlPoolTransport(desc, staging=self._staging)

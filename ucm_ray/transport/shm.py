@@ -177,7 +177,7 @@ class _CudaCopies(PreparedCopies):
     blocks zeroed, by then): the worker prepares a step's copies and posts all their parts at
     once, and a wait per post cost each layer's post three more CUDA calls."""
 
-    def __init__(self, transport: ShmPoolTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
+    def __init__(self, transport: HostBufferTransport, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
                  stream: torch.cuda.Stream, plan: GatherPlan | None) -> None:
         super().__init__(transport, ranges, ends, to_pool=to_pool)
         self._stream = stream
@@ -257,16 +257,18 @@ def _copy_one_by_one(pool: torch.Tensor, ranges: Ranges, *, to_pool: bool) -> No
         (pool_view if to_pool else local_view).copy_(local_view if to_pool else pool_view, non_blocking=True)
 
 
-class ShmPoolTransport(PoolTransport):
-    """Copies between local tensors and a same-node shard's mapped pool."""
+class HostBufferTransport(PoolTransport):
+    """Copies between local tensors and one host byte buffer (``host``): plain copies on CPU,
+    stream-ordered copies on CUDA (one gather plan a step, or range by range), the buffer
+    page-locked and mapped for the GPU once. A same-node shard's mapped pool is one
+    (``ShmPoolTransport``); the pinned staging of NIXL transfers another
+    (``nixl.staging``), so both move their bytes the one way. ``what`` names it in messages."""
 
-    name = "shm"
+    name = "host"
 
-    def __init__(self, desc: PoolDescriptor) -> None:
-        if not desc.shm_path or not os.path.exists(desc.shm_path):
-            raise TransferError(f"shard {desc.shard_id} pool {desc.shm_path!r} is not mapped on this node")
-        self._desc = desc
-        self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False, populate=True)
+    def __init__(self, host: torch.Tensor, what: str) -> None:
+        self._host = host
+        self._what = what
         self._host_registered = False
         self._streams: dict[bool, torch.cuda.Stream] = {}  # to_pool -> its stream: saves never queue behind loads
         self._uva: torch.Tensor | None = None
@@ -276,34 +278,38 @@ class ShmPoolTransport(PoolTransport):
             self._pin_for_cuda()
 
     def read(self, ranges: Ranges) -> Transfer:
-        return self._copy(ranges, to_pool=False)
+        return self.copy(ranges, to_pool=False)
 
     def write(self, ranges: Ranges) -> Transfer:
-        return self._copy(ranges, to_pool=True)
+        return self.copy(ranges, to_pool=True)
 
     def close(self) -> None:
         self._uva = None
         if self._host_registered:
-            torch.cuda.cudart().cudaHostUnregister(self._pool.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
             self._host_registered = False
-        self._pool.close()
 
     @property
     def pool_tensor(self) -> torch.Tensor:
-        return self._pool.tensor
+        return self._host
 
-    def prepare(self, ranges: Ranges, ends: Sequence[int], *, to_pool: bool) -> PreparedCopies:
+    def prepare(self, ranges: Ranges, ends: Sequence[int], *, to_pool: bool,
+                follow_caller: bool = True) -> PreparedCopies:
         """On CUDA, the step planned once (``_CudaCopies``); on CPU a post is the copy itself,
-        planned as it runs."""
+        planned as it runs. ``follow_caller``: the copies queue behind the caller's current
+        stream (the engine thread's compute stream); off where something else ordered them and
+        the caller's stream is one they must never wait for (the NIXL copy thread's current
+        stream is the legacy default one, where vLLM runs its forward)."""
         if ranges.device.type != "cuda" or not len(ranges):
             return super().prepare(ranges, ends, to_pool=to_pool)
-        ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        ranges.check(self._host.numel(), self._what)
         stream = self._stream_for(to_pool)
         with _queued_on(stream) as caller:
-            stream.wait_stream(caller)
+            if follow_caller:
+                stream.wait_stream(caller)
             plan = None
             if self._uva is not None and len(ranges) > FEW_RANGES:
-                plan = GatherPlan.build(self._uva, ranges, ends, host_pool=self._pool.tensor)
+                plan = GatherPlan.build(self._uva, ranges, ends, host_pool=self._host)
         return _CudaCopies(self, ranges, ends, to_pool=to_pool, stream=stream, plan=plan)
 
     def prepare_repeated(self, repeated: RepeatedRanges, *, to_pool: bool) -> PreparedCopies:
@@ -311,11 +317,11 @@ class ShmPoolTransport(PoolTransport):
         per part); otherwise, or where it cannot be planned so, as ``prepare`` of every range."""
         if repeated.device.type != "cuda" or len(repeated) <= FEW_RANGES:
             return super().prepare_repeated(repeated, to_pool=to_pool)
-        repeated.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+        repeated.check(self._host.numel(), self._what)
         stream = self._stream_for(to_pool)
         with _queued_on(stream) as caller:
             plan = None if self._uva is None else \
-                GatherPlan.build_repeated(self._uva, repeated, host_pool=self._pool.tensor)
+                GatherPlan.build_repeated(self._uva, repeated, host_pool=self._host)
             if plan is not None:
                 stream.wait_stream(caller)
         if plan is None:  # (outside: ``prepare`` waits for the caller's stream itself)
@@ -323,16 +329,18 @@ class ShmPoolTransport(PoolTransport):
         return _CudaCopies(self, EMPTY, repeated.ends(), to_pool=to_pool, stream=stream, plan=plan)
 
     def _stream_for(self, to_pool: bool) -> torch.cuda.Stream:
-        """The pool's stream for that direction (the pool page-locked and mapped first)."""
+        """The buffer's stream for that direction (the buffer page-locked and mapped first)."""
         self._pin_for_cuda()
         return self._streams[to_pool]
 
-    def _copy(self, ranges: Ranges, *, to_pool: bool) -> Transfer:
+    def copy(self, ranges: Ranges, *, to_pool: bool, follow_caller: bool = True) -> Transfer:
+        """``ranges`` copied to (``to_pool``) or from the buffer: on CUDA queued (``prepare``'s
+        ``follow_caller``), on CPU done before it returns."""
         if not len(ranges):
             return CompletedTransfer()
         if ranges.device.type == "cuda":
-            return self.prepare(ranges, [len(ranges)], to_pool=to_pool).post(0)
-        ranges.check(self._desc.pool_bytes, f"shard {self._desc.shard_id}'s pool")
+            return self.prepare(ranges, [len(ranges)], to_pool=to_pool, follow_caller=follow_caller).post(0)
+        ranges.check(self._host.numel(), self._what)
         try:
             self._copy_on_cpu(ranges, to_pool=to_pool)
         except RuntimeError as e:
@@ -342,7 +350,7 @@ class ShmPoolTransport(PoolTransport):
     def _copy_on_cpu(self, ranges: Ranges, *, to_pool: bool) -> None:
         """Small ranges by ``memmove`` (a C call, the GIL released: ~4x torch's per-copy cost
         at 64 KiB), large ones by torch (which splits a large copy over threads)."""
-        pool = self._pool.tensor
+        pool = self._host
         bases = np.asarray([b.data_ptr() for b in ranges.buffers], dtype=np.int64)
         local_addrs = (bases[ranges.buffer_index] + ranges.local_offsets).tolist()
         pool_addrs = (pool.data_ptr() + ranges.pool_offsets).tolist()
@@ -356,32 +364,51 @@ class ShmPoolTransport(PoolTransport):
             (pool_view if to_pool else local_view).copy_(local_view if to_pool else pool_view)
 
     def _pin_for_cuda(self) -> None:
-        """Page-lock the mapping once so CUDA copies run at PCIe speed, asynchronously, and map
+        """Page-lock the buffer once so CUDA copies run at PCIe speed, asynchronously, and map
         it into the GPU's address space for the gather path (checked once; off if it fails)."""
         if self._host_registered:
             return
         cudart = torch.cuda.cudart()
-        address = self._pool.tensor.data_ptr()
-        mapped = int(cudart.cudaHostRegister(address, self._desc.pool_bytes, HOST_REGISTER_PORTABLE_MAPPED)) == 0
+        address, nbytes = self._host.data_ptr(), self._host.numel()
+        mapped = int(cudart.cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE_MAPPED)) == 0
         if not mapped:
-            rc = cudart.cudaHostRegister(address, self._desc.pool_bytes, 0)
+            rc = cudart.cudaHostRegister(address, nbytes, 0)
             if int(rc) != 0:
-                raise TransferError(f"cudaHostRegister of shard pool {self._desc.shm_path} failed: {rc}")
+                raise TransferError(f"cudaHostRegister of {self._what} failed: {rc}")
         self._host_registered = True
         self._streams = {False: torch.cuda.Stream(), True: torch.cuda.Stream()}
         if mapped:
-            self._uva = self._mapped_view(address)
+            with _queued_on(self._streams[False]):  # the probe's copy waits for nothing of the caller's
+                self._uva = self._mapped_view(address)
 
     def _mapped_view(self, address: int) -> torch.Tensor | None:
         """The pool as a CUDA tensor (its host pointer used on the device, as unified addressing
         allows), if a read through it returns what the CPU sees; else None (copies one by one)."""
         try:
-            view = DeviceView(address, self._desc.pool_bytes, torch.device("cuda", torch.cuda.current_device())).tensor
-            probe = min(4096, self._desc.pool_bytes)
-            if torch.equal(view[:probe].cpu(), self._pool.tensor[:probe]):
+            nbytes = self._host.numel()
+            view = DeviceView(address, nbytes, torch.device("cuda", torch.cuda.current_device())).tensor
+            probe = min(4096, nbytes)
+            if torch.equal(view[:probe].cpu(), self._host[:probe]):
                 return view
-            log.warning("shard %s pool: the GPU reads other bytes through the mapped pointer; "
-                        "copying block by block", self._desc.shard_id)
+            log.warning("%s: the GPU reads other bytes through the mapped pointer; copying block by block",
+                        self._what)
         except (RuntimeError, TypeError, ValueError) as e:
-            log.warning("shard %s pool: no GPU-mapped view (%s); copying block by block", self._desc.shard_id, e)
+            log.warning("%s: no GPU-mapped view (%s); copying block by block", self._what, e)
         return None
+
+
+class ShmPoolTransport(HostBufferTransport):
+    """Copies between local tensors and a same-node shard's mapped pool."""
+
+    name = "shm"
+
+    def __init__(self, desc: PoolDescriptor) -> None:
+        if not desc.shm_path or not os.path.exists(desc.shm_path):
+            raise TransferError(f"shard {desc.shard_id} pool {desc.shm_path!r} is not mapped on this node")
+        self._desc = desc
+        self._pool = SharedPool(desc.shm_path, desc.pool_bytes, create=False, populate=True)
+        super().__init__(self._pool.tensor, f"shard {desc.shard_id}'s pool")
+
+    def close(self) -> None:
+        super().close()
+        self._pool.close()

@@ -126,7 +126,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     def pool_connections(self, config: UcmRayConfig, node_id: str) -> PoolConnections:
         """The worker's transports to the fleet's pools (the test harness may substitute a double)."""
-        return PoolConnections(config.transport, node_id)
+        return PoolConnections(config.transport, node_id, nixl_staging=config.nixl_stage_through_host)
 
     def index_readers(self, config: UcmRayConfig, node_id: str) -> IndexReaders:
         """The worker's readers of the pools' published indexes, which validate unpinned loads

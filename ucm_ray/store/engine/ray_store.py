@@ -71,7 +71,7 @@ class RayBlockStore(BlockStore):
         self.owner = random_id()
         node_id = ray.get_runtime_context().get_node_id()
         self._node_id = node_id
-        self.connections = PoolConnections(config.transport, node_id)
+        self.connections = PoolConnections(config.transport, node_id, nixl_staging=config.nixl_stage_through_host)
         """The data plane of ``put``/``get`` (public for benchmarks that time copies alone)."""
         self._readers = IndexReaders(node_id if config.local_lookups else None, remote=config.transport != "shm")
         self._suspects = Suspects()

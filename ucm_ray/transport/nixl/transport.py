@@ -12,6 +12,8 @@ as one NIXL request per local memory type; Ray never carries these bytes.
   onto them; page-granular lists would work for aligned ops only and would cost one
   descriptor per page of the pool, for a small saving per batch. So each batch uses
   ``initialize_xfer`` with descriptor lists built from plain tuples.
+* Where the worker's memory is staged (``staging``: GPU KV on a host without RDMA), a batch
+  goes through a pinned host slab the worker copies itself, and NIXL moves host memory only.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ucm_ray.transport.base import (
 )
 from ucm_ray.transport.nixl.agent import memory_of
 from ucm_ray.transport.nixl.client import NixlClientAgent, Region, client_agent
+from ucm_ray.transport.nixl.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,9 @@ class NixlPoolTransport(PoolTransport):
     name = "nixl"
 
     def __init__(self, desc: PoolDescriptor, agent: NixlClientAgent | None = None, *,
-                 default_timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+                 default_timeout_s: float | None = DEFAULT_TIMEOUT_S, staging: HostStaging | None = None) -> None:
+        """``staging``: the worker's host staging, through which batches of the memory it
+        applies to go (None: NIXL moves every batch's memory itself)."""
         if not desc.nixl_metadata or not desc.nixl_agent:
             raise ValueError(f"shard {desc.shard_id} publishes no NIXL agent (was it started "
                              "with transport='shm'?)")
@@ -149,6 +154,7 @@ class NixlPoolTransport(PoolTransport):
         self._client = agent if agent is not None else client_agent()
         self.desc = desc
         self.default_timeout_s = default_timeout_s
+        self._staging = staging
         self._remote = self._client.add_remote(desc.nixl_metadata, desc.nixl_agent)
         self._regions: dict[tuple[str, int, int, int], Region] = {}
         self._starts: dict[tuple[str, int], list[int]] = {}  # sorted region starts per memory
@@ -161,7 +167,12 @@ class NixlPoolTransport(PoolTransport):
     # -- registration ------------------------------------------------------------------
 
     def register_local(self, tensor: torch.Tensor) -> None:
-        """Register the storage under ``tensor`` with NIXL (idempotent per storage)."""
+        """Register the storage under ``tensor`` with NIXL (idempotent per storage); memory
+        whose batches are staged is not (NIXL never touches it)."""
+        if self._staging is None or not self._staging.applies(tensor.device):
+            self._register(tensor)
+
+    def _register(self, tensor: torch.Tensor) -> None:
         mem_type, dev = memory_of(tensor)
         storage = tensor.untyped_storage()
         key = (mem_type, dev, storage.data_ptr(), storage.nbytes())
@@ -185,10 +196,23 @@ class NixlPoolTransport(PoolTransport):
     # -- data movement -----------------------------------------------------------------
 
     def read(self, ranges: Ranges) -> Transfer:
-        return self._post("READ", ranges)
+        return self._staged("READ", ranges) if self._stages(ranges) else self._post("READ", ranges)
 
     def write(self, ranges: Ranges) -> Transfer:
-        return self._post("WRITE", ranges)
+        return self._staged("WRITE", ranges) if self._stages(ranges) else self._post("WRITE", ranges)
+
+    def _stages(self, ranges: Ranges) -> bool:
+        return self._staging is not None and len(ranges) > 0 and self._staging.applies(ranges.device)
+
+    def _staged(self, op_name: str, ranges: Ranges) -> Transfer:
+        """``ranges`` through a staging slab; checked against the pool first (nothing moves
+        if any op is wrong, the gather into the slab included)."""
+        assert self._staging is not None
+        with self._lock:
+            self._check_open()
+        ranges.check(self.desc.pool_bytes, f"{op_name}: shard {self.desc.shard_id}'s pool")
+        return self._staging.post(ranges, to_pool=op_name == "WRITE", post=lambda slab: self._post(op_name, slab),
+                                  register=self._register)
 
     def _check_ops(self, op_name: str, ranges: Ranges) -> dict[tuple[str, int], tuple[list, list]]:
         """NIXL descriptor rows (local, remote) per local memory; ValueError on any bad range

@@ -93,6 +93,12 @@ class PartPosts:
         return unposted
 
 
+def _abandon(future: Future[Posted]) -> None:
+    """A copy task's batch that nobody waits for: its transfers deliver nothing more."""
+    for _, transfer in future.result().transfers:
+        transfer.abandon()
+
+
 class Copier:
     """Posts batches and waits for them: stream-ordered pools from the calling thread, the
     others from one copy thread. Makes no control call. ``clock``: the worker's time, which its
@@ -304,7 +310,8 @@ class Copier:
         try:
             return future.result(timeout=self.left(deadline))
         except FutureTimeout:
-            future.cancel()
+            if not future.cancel():  # running: whatever it posts is abandoned as it is posted
+                future.add_done_callback(_abandon)
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed", self._timeout_s)
             self._stats.add(deadline_misses=1)
             return None

@@ -38,7 +38,8 @@ class WorkerPart:
         self._kv_cache_config = kv_cache_config
         self._rank = tp_rank
         self.stats = UcmRayStats()
-        self._pools = PoolConnections(config.transport, node_id) if pools is None else pools
+        self._pools = PoolConnections(config.transport, node_id, nixl_staging=config.nixl_stage_through_host) \
+            if pools is None else pools
         self._indexes = IndexReaders(node_id, remote=config.transport != "shm") if indexes is None else indexes
         self._results = WorkerResults(one_group=len(kv_cache_config.kv_cache_groups) == 1)
         self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats, clock=clock)

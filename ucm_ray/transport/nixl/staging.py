@@ -1,0 +1,301 @@
+"""Pinned host staging of NIXL transfers: the worker copies its KV to and from host memory itself.
+
+Without an RDMA port, UCX moves a NIXL transfer's GPU memory with CUDA copies of its own, and
+those waited for the work on the legacy default stream, where vLLM runs its forward: a step
+whose save had a part for another node's pool ended after its forward (0.303 s instead of
+0.030 s, H100 host, stop 64). Staged, NIXL moves host memory only. A save's rows are gathered
+into a staging slab (page-locked, registered with NIXL as DRAM) on a CUDA stream of ours, which
+never waits for the default stream; the copy thread waits for that stream's event, then posts
+the NIXL write from the slab. A load's NIXL read lands in a slab, and once it landed its bytes
+are scattered into the KV on our stream before ``wait`` returns, so the layer that reads them is
+queued after. The copies between the KV and a slab are those of a same-node pool
+(``shm.HostBufferTransport``: one gather plan on CUDA, plain copies on CPU).
+
+Slabs are made on demand, kept and reused (a transfer holds one from its post until its outcome
+is known), each a power of two from ``MIN_SLAB_BYTES``, all together at most ``MAX_STAGING_BYTES``.
+A batch that finds no room takes back the slabs of transfers that are over and whose bytes
+nobody still has to take out of them (saves, failed or abandoned loads), and waits for the
+others' (the layers of a large load, read ahead of their hooks, come back as the hooks take
+them) at most ``ROOM_WAIT_S``; then it fails like a transfer that could not start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ucm_ray.transport.base import CompletedTransfer, Ranges, Transfer, TransferError
+from ucm_ray.transport.nixl.agent import rdma_ports
+from ucm_ray.transport.shm import HostBufferTransport
+
+log = logging.getLogger(__name__)
+
+SETTINGS = ("auto", "on", "off")
+MIN_SLAB_BYTES = 1 << 20
+MAX_STAGING_BYTES = 4 << 30
+"""Staging one worker may hold at most: a prompt's save of 16k tokens of an 8B model (2 GiB)
+and a load beside it."""
+ROOM_WAIT_S = 1.0
+"""How long a batch waits at most for other transfers' slabs to come back: a hook takes a
+layer's bytes within milliseconds of the layers before it; a batch still without room after
+this is failed rather than holding up the copy thread's queue."""
+
+
+def stages_through_host(setting: str, device: torch.device, rdma: Sequence[str]) -> bool:
+    """Whether NIXL transfers of ``device`` memory go through host staging. ``auto``: exactly
+    where the memory is a GPU's and the host has no RDMA port (``rdma``: ``agent.rdma_ports()``):
+    with one, UCX reaches the GPU memory itself (GPUDirect RDMA) and staging would only add a
+    copy; without, UCX's own CUDA copies wait for the legacy default stream. ``on`` stages any
+    memory (CPU too: the same path, tested on a box without a GPU), ``off`` none."""
+    if setting not in SETTINGS:
+        raise ValueError(f"nixl_stage_through_host {setting!r} is not one of {' | '.join(SETTINGS)}")
+    if setting == "auto":
+        return device.type == "cuda" and not rdma
+    return setting == "on"
+
+
+@dataclass(frozen=True)
+class StagingLayout:
+    """A batch's ranges laid out in a slab: range i at ``offsets[i]``, packed in pool order (so a
+    gather plan finds entries side by side as one stretch); ``runs``: (slab offset, pool offset,
+    bytes) of the ranges adjacent in the pool merged, one NIXL descriptor each."""
+
+    offsets: np.ndarray
+    nbytes: int
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+    @classmethod
+    def of(cls, ranges: Ranges) -> StagingLayout:
+        sizes, pool = ranges.sizes, ranges.pool_offsets
+        order = None if bool((pool[1:] >= pool[:-1]).all()) else np.argsort(pool, kind="stable")
+        if order is not None:
+            sizes, pool = sizes[order], pool[order]
+        at = np.cumsum(sizes) - sizes
+        offsets = at if order is None else np.empty_like(at)
+        if order is not None:
+            offsets[order] = at
+        first = np.flatnonzero(np.concatenate([[True], pool[1:] != pool[:-1] + sizes[:-1]]))
+        return cls(offsets, int(sizes.sum()), (at[first], pool[first], np.add.reduceat(sizes, first)))
+
+
+@dataclass(eq=False)
+class _Slab:
+    tensor: torch.Tensor
+    copies: HostBufferTransport
+    holder: _StagedTransfer | None = None
+    busy: bool = True
+
+
+@dataclass(eq=False)
+class _Lease:
+    """A slab held by one transfer from its post until its outcome is known."""
+
+    staging: HostStaging
+    slab: _Slab
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.staging.give_back(self.slab)
+
+
+class _StagedTransfer(Transfer):
+    """A NIXL transfer of a slab. Once its outcome is known (landed, failed, timed out: NIXL has
+    released its requests by then) the slab is given back, a read's bytes scattered from it
+    into the batch's buffers first (waited for on our stream, never the default one). A read
+    that failed scatters nothing: its blocks keep what they held."""
+
+    def __init__(self, inner: Transfer, lease: _Lease, scatter: Callable[[], None] | None) -> None:
+        self._inner = inner
+        self._lease = lease
+        self._scatter = scatter
+        self._error: BaseException | None = None
+        self._over = False
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    def _settle(self, timeout_s: float | None) -> None:
+        if self._over:
+            return
+        try:
+            self._inner.wait(timeout_s)
+            if self._scatter is not None:
+                self._scatter()
+        except Exception as e:  # noqa: BLE001 -- kept, raised by every wait
+            self._error = e
+        finally:
+            self._over = True
+            self._lease.release()
+
+    def done(self) -> bool:
+        with self._lock:
+            if not self._over and self._inner.done():
+                self._settle(0.0)
+            return self._over
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._scatter = None
+            self._abandoned = True
+        self._inner.abandon()
+
+    def reclaim(self) -> None:
+        """Give the slab back if the transfer is over and no bytes wait in it for a ``wait``
+        (a save; a load that failed or was abandoned): a slab is needed, and its owner may never
+        look again (an abandoned transfer's never does)."""
+        with self._lock:
+            if self._over or not self._inner.done():
+                return
+            if self._scatter is not None:
+                try:
+                    self._inner.wait(0.0)
+                    return  # landed: its consumer's ``wait`` scatters it
+                except Exception:  # noqa: BLE001 -- failed: nothing to scatter, ``wait`` raises it
+                    self._scatter = None
+            self._settle(0.0)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        with self._lock:
+            self._settle(timeout_s)
+        if self._error is not None:
+            raise TransferError(f"staged NIXL transfer: {self._error}") from self._error
+        if self._abandoned:
+            raise TransferError("staged NIXL transfer: abandoned, nothing delivered")
+
+
+class HostStaging:
+    """One worker's staging slabs, shared by its NIXL transports (thread-safe)."""
+
+    def __init__(self, setting: str = "auto", *, max_bytes: int = MAX_STAGING_BYTES,
+                 rdma: Sequence[str] | None = None) -> None:
+        stages_through_host(setting, torch.device("cpu"), ())  # a bad setting fails here, not at a copy
+        self.setting = setting
+        self._max_bytes = max_bytes
+        self._rdma = rdma
+        self._applies: dict[str, bool] = {}
+        self._slabs: list[_Slab] = []
+        self._lock = threading.Lock()
+        self.allocations = 0
+        """Slabs made so far (a worker's steady state makes none)."""
+
+    def applies(self, device: torch.device) -> bool:
+        """Whether NIXL transfers of ``device`` memory are staged here (decided once per kind)."""
+        known = self._applies.get(device.type)
+        if known is None:
+            if self._rdma is None:
+                self._rdma = rdma_ports()
+            known = self._applies[device.type] = stages_through_host(self.setting, device, self._rdma)
+        return known
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of slabs held by transfers whose outcome is not known yet."""
+        with self._lock:
+            return sum(slab.tensor.numel() for slab in self._slabs if slab.busy)
+
+    @property
+    def slab_addresses(self) -> list[int]:
+        with self._lock:
+            return [slab.tensor.data_ptr() for slab in self._slabs]
+
+    def post(self, ranges: Ranges, *, to_pool: bool, post: Callable[[Ranges], Transfer],
+             register: Callable[[torch.Tensor], None]) -> Transfer:
+        """``ranges`` (the batch's buffers <-> the pool, checked by the caller) through a slab:
+        ``post`` moves the slab's ranges with the pool (registered by ``register`` first). A
+        save is gathered into the slab before it returns (on CUDA: on our stream, waited for
+        here, on the copy thread)."""
+        layout = StagingLayout.of(ranges)
+        if not layout.nbytes:
+            return CompletedTransfer()
+        lease = _Lease(self, self._take(layout.nbytes, ROOM_WAIT_S))
+        copies = lease.slab.copies
+        local = Ranges(ranges.buffers, ranges.buffer_index, ranges.local_offsets, layout.offsets, ranges.sizes)
+        slab_at, pool_at, sizes = layout.runs
+        remote = Ranges((lease.slab.tensor,), np.zeros(len(sizes), dtype=np.int64), slab_at, pool_at, sizes)
+        try:
+            register(lease.slab.tensor)
+            if to_pool:
+                with torch.inference_mode():  # vLLM's KV caches are inference tensors
+                    copies.copy(local, to_pool=True, follow_caller=False).wait()
+            inner = post(remote)
+        except BaseException:
+            lease.release()
+            raise
+
+        def scatter() -> None:  # on the thread that waits (the engine's, outside inference mode)
+            with torch.inference_mode():
+                copies.copy(local, to_pool=False, follow_caller=False).wait()
+
+        transfer = _StagedTransfer(inner, lease, None if to_pool else scatter)
+        with self._lock:
+            if not lease.released:
+                lease.slab.holder = transfer
+        return transfer
+
+    def _take(self, nbytes: int, wait_s: float) -> _Slab:
+        """A slab of at least ``nbytes``: a free one, a new one within the bound, or one given
+        back within ``wait_s`` (TransferError after that)."""
+        deadline = time.monotonic() + wait_s
+        spins = 0
+        while True:
+            slab = self._free_or_new(nbytes)
+            if slab is not None:
+                return slab
+            with self._lock:
+                holders = [slab.holder for slab in self._slabs if slab.busy and slab.holder is not None]
+            for holder in holders:
+                holder.reclaim()
+            with self._lock:
+                freed = any(not slab.busy and slab.tensor.numel() >= nbytes for slab in self._slabs)
+            if freed:
+                continue  # a slab that fits came back
+            if time.monotonic() >= deadline:
+                raise TransferError(f"NIXL staging is full: {nbytes} bytes asked, no slab that fits came "
+                                    f"back within {wait_s} s and no room for a new one (at most "
+                                    f"{self._max_bytes} bytes)")
+            spins += 1
+            time.sleep(0 if spins < 64 else min(1e-3, 1e-5 * (spins - 63)))
+
+    def _free_or_new(self, nbytes: int) -> _Slab | None:
+        """The smallest free slab of at least ``nbytes``, else a new one within the bound, else
+        None. (Slabs are never dropped: NIXL keeps a registered slab's memory until the
+        transports that registered it close.)"""
+        with self._lock:
+            free = [slab for slab in self._slabs if not slab.busy and slab.tensor.numel() >= nbytes]
+            if free:
+                slab = min(free, key=lambda s: s.tensor.numel())
+                slab.busy = True
+                return slab
+            made = sum(slab.tensor.numel() for slab in self._slabs)
+            size = max(MIN_SLAB_BYTES, 1 << (nbytes - 1).bit_length())
+            if made + size > self._max_bytes:
+                size = nbytes
+            if made + size > self._max_bytes:
+                return None
+            tensor = torch.empty(size, dtype=torch.uint8)
+            slab = _Slab(tensor, HostBufferTransport(tensor, "NIXL staging"))
+            self._slabs.append(slab)
+            self.allocations += 1
+        log.debug("NIXL staging: a %d-byte slab (%d made)", size, made + size)
+        return slab
+
+    def give_back(self, slab: _Slab) -> None:
+        with self._lock:
+            slab.busy = False
+            slab.holder = None
+
+    def close(self) -> None:
+        """Unpin and drop every slab (after the transports that registered them closed)."""
+        with self._lock:
+            slabs, self._slabs = self._slabs, []
+        for slab in slabs:
+            if slab.busy:
+                log.warning("NIXL staging: a slab was still held by a transfer at close")
+            slab.copies.close()
