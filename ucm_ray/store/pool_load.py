@@ -124,6 +124,11 @@ class PoolLoad:
                     self.moved = True
                     break
 
+    @property
+    def pools(self) -> int:
+        """Pools reported read from (a departed one's sum, reported after it left, until it decays)."""
+        return len(self._scaled)
+
     def figure(self, pool: PoolKey) -> float:
         """Bytes a second read from ``pool``, recent ones counting most."""
         return self._scaled.get(pool, 0.0) * self._scale(self._clock())

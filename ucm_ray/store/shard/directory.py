@@ -219,7 +219,8 @@ class ShardDirectory:
         return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
                 "served": dict(self._served), "hot_blocks": len(self._hot),
                 "hot_revision": self._hot.revision, "hot_pools_named": self._hot.pools_named,
-                "hot_copies_waiting": self._hot.copies_waiting, "load_figures": len(self._load_figures.at)}
+                "hot_copies_waiting": self._hot.copies_waiting, "load_pools": self._load.pools,
+                "load_figures": len(self._load_figures.at)}
 
     # --- internals -----------------------------------------------------------------------
 
