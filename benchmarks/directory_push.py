@@ -267,6 +267,7 @@ class RunResult:
     directory_cpu_ms_per_push: float = 0.0
     relays_cpu_share: float = 0.0
     """The relays' processes' CPU over the push phase (all relays together; 0: direct)."""
+    relays_cpu_ms_per_push: float = 0.0
 
 
 def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
@@ -372,7 +373,8 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     result = RunResult(
         mode=("relayed+load" if report_pools else "relayed") if per_node else "direct",
         directory_answers=directory_answers,
-        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, relays_cpu_share=relays_cpu_s / wall, clients=clients,
+        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, relays_cpu_share=relays_cpu_s / wall,
+        relays_cpu_ms_per_push=relays_cpu_s / pushes * 1e3, clients=clients,
         rate_hz=rate_hz, pushes=pushes,
         answers=answers, answers_per_s=answers / wall,
         directory_cpu_share=cpu_s / wall, directory_cpu_us_per_answer=cpu_s / max(answers, 1) * 1e6,
@@ -381,8 +383,9 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
         answer_ms_max=float(lat_ms.max()), skipped=sum(o["skipped"] for o in outcomes),
         answer_bytes=int(np.median(sizes)) if sizes else 0, ping_ms_max=max(pings, default=0.0) * 1e3,
         push_call_ms_max=max(push_calls, default=0.0) * 1e3)
-    log.info("%s: %d directory answers, %.1f ms of its CPU a push; relays' cpu %.3f core", result.mode,
-             directory_answers, result.directory_cpu_ms_per_push, result.relays_cpu_share)
+    log.info("%s: %d directory answers, %.1f ms of its CPU a push; relays' cpu %.3f core, %.1f ms a push", result.mode,
+             directory_answers, result.directory_cpu_ms_per_push, result.relays_cpu_share,
+             result.relays_cpu_ms_per_push)
     log.info("clients=%d rate=%.1f Hz: %d answers in %.1f s (%.0f/s), skipped %d; directory cpu %.3f core "
              "(%.0f us/answer, busiest thread %.3f), clients' cpu %.2f core; answer ms p50 %.1f p99 %.1f max %.1f; "
              "%d B an answer; ping ms max %.1f; push call ms max %.0f",
@@ -481,7 +484,7 @@ def main() -> None:
             log.info("load_vs_relayed: clients=%d rate_hz=%g directory_cpu_per_push=%.3f relays_cpu_per_push=%.3f "
                      "answer_bytes=%d/%d", r.clients, r.rate_hz,
                      r.directory_cpu_ms_per_push / max(relayed.directory_cpu_ms_per_push, 1e-9),
-                     (r.relays_cpu_share / r.pushes) / max(relayed.relays_cpu_share / relayed.pushes, 1e-9),
+                     r.relays_cpu_ms_per_push / max(relayed.relays_cpu_ms_per_push, 1e-9),
                      r.answer_bytes, relayed.answer_bytes)
         if r.mode == "relayed":
             log.info("relayed_vs_direct: clients=%d rate_hz=%g directory_answers=%.3f directory_cpu_per_push=%.3f "
