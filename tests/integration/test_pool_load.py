@@ -16,6 +16,7 @@ from tests.support.store_helpers import key
 from ucm_ray.store.engine.client import StoreClient
 from ucm_ray.store.engine.family import spread
 from ucm_ray.store.engine.feed import MembershipFeed
+from ucm_ray.store.hot_prefixes import COPIES_PUSH_S
 from ucm_ray.store.pool_load import DECAY_S, PoolReads
 from ucm_ray.store.types import DIRECTORY_NAME, Location, Publishes
 from ucm_ray.transport.base import CopyOp, Ranges
@@ -112,3 +113,43 @@ def test_reads_on_one_pool_reach_another_engine_through_the_relay_and_its_hot_re
     assert set(firsts) == set(row) - {busy}  # both others share the lookups
     for client in (reader, writer):
         client.close()
+
+
+def test_reads_reported_with_every_poll_push_the_figure_at_most_once_a_copies_push_period(fleet):
+    """An engine that polls the directory itself (no relay) and reports reads that move the figure
+    with every poll: each report asks for a push, and the pushes come at the pacer's pace (one a
+    ``COPIES_PUSH_S``, shared with the readers' copies), not once a poll; a report that moves no
+    pool by ``CHANGE_SHARE`` asks for none."""
+    cfg = fleet(num_shards=2, transport="shm")
+    pools = [s.key for s in ray.get(directory(cfg).membership.remote(), timeout=30).shards]
+    reads = PoolReads()
+    engine = MembershipFeed(cfg.ray_namespace, 20.0, reads=reads)
+    held = engine.fetch()
+    assert held is not None
+    start, versions, read = time.monotonic(), [held.version], READ_BYTES
+    reads.add({pools[0]: read})  # the first poll reports: nothing else would push (a quiet fleet)
+    while time.monotonic() - start < 4.0:
+        got = engine.poll(held)
+        if got is not None:
+            held = got
+            versions.append(got.version)
+            read *= 2  # each report doubles what was read: every one moves the figure
+            reads.add({pools[len(versions) % 2]: read})
+        time.sleep(0.01)
+    seconds = time.monotonic() - start
+    assert len(versions) - 1 <= seconds / COPIES_PUSH_S + 2, (versions, seconds)  # paced, not one a poll
+    assert len(versions) - 1 >= 2  # ... and pushed
+    settle = time.monotonic() + 3 * COPIES_PUSH_S  # the push the last report asked for
+    while time.monotonic() < settle and (got := engine.poll(held)) is None:
+        time.sleep(0.01)
+    held = got or held
+    assert held.pool_load.at  # the figure rides on them
+    # reads that keep every pool's share move nothing: no push for them
+    figures = held.pool_load.by_pool(held.shards)
+    reads.add({pool: int(figure * 0.01) for pool, figure in figures.items()})
+    engine.poll(held)
+    quiet = time.monotonic() + 3 * COPIES_PUSH_S
+    while time.monotonic() < quiet:
+        got = engine.poll(held)
+        assert got is None or got.version == held.version, "a push for reads that moved nothing"
+        time.sleep(0.05)
