@@ -54,6 +54,22 @@ the relay hop is a Ray call, as on a node, but they share this box's cores with 
 
     ... nice .venv/bin/python benchmarks/directory_push.py --clients 800,2000 --rates 1 --seconds 5 \\
         --engines-per-node 8
+
+Stop 65 (helper loadpush19): ``--load-figure`` adds a third run per (clients, rate), ``relayed+load``:
+the pools' load figure (``store.pool_load``) is what is pushed. ``--pools`` (100) pools are members
+(one stand-in actor registered under each name); every engine's poll carries its reads of
+``REPORT_POOLS`` pools (which three moves with the version it holds, so each period's reports move
+the figure), its relay sums its engines' and sends them with its own poll ``REPORTS_GATHER_S`` after
+an answer, as a shard's relay does; the directory's own pushes of the figure (paced, ~1 a second,
+``PushPacer``) are the pushes, each answer carrying the ``TOP_POOLS`` figures; no hot-table push.
+Compared with the ``relayed`` run's hot-table pushes (the same answers, without reports or
+figures): the directory's and the relays' CPU per push. The first push is a hot-table push (it
+answers the relays' polls, posted before any report: in a quiet fleet reports wait for the next
+version or ``LONG_POLL_S``); later pushes' latency is from the first engine's receipt of the version
+(the directory's bump is not timed from outside)::
+
+    ... nice .venv/bin/python benchmarks/directory_push.py --clients 800 --rates 1 --seconds 6 \\
+        --engines-per-node 8 --load-figure
 """
 
 from __future__ import annotations
@@ -77,7 +93,8 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ucm_ray.config import UcmRayConfig  # noqa: E402
-from ucm_ray.store.membership_relay import LONG_POLL_S, RelayedMembership  # noqa: E402
+from ucm_ray.store.membership_relay import LONG_POLL_S, REPORTS_GATHER_S, RelayedMembership  # noqa: E402
+from ucm_ray.store.pool_load import PoolReads  # noqa: E402
 from ucm_ray.store.shard.directory import MAX_CALLS_AT_ONCE, ShardDirectory  # noqa: E402
 from ucm_ray.store.types import DIRECTORY_NAME, Membership  # noqa: E402
 from ucm_ray.transport.base import PoolDescriptor  # noqa: E402
@@ -86,6 +103,9 @@ log = logging.getLogger("directory_push")
 
 STAND_IN_POOLS = ("pushcost_pool_a", "pushcost_pool_b")
 """Not ``SHARD_PREFIX``-named: the directory's rediscovery at its first call must not adopt them."""
+REPORT_POOLS = 3
+"""Pools an engine's report names (``--load-figure``; the simulation's 1,000-node reports: ~2.8)."""
+REPORT_BYTES = 1 << 20
 DEFAULT_ROWS = 57
 """Rows per push: ~14 B a row pickled, so an answer carries ~800 B more than a one-row push's (the
 load figure's size: 100 pools x 8 B)."""
@@ -93,13 +113,14 @@ load figure's size: 100 pools x 8 B)."""
 
 @ray.remote(num_cpus=0)
 class StandInPool:
-    """Answers the two calls the directory makes to a registering shard, and holds no pool."""
+    """Answers the two calls the directory makes to a registering shard, and holds no pool: its
+    ``describe`` names each of ``names`` in turn (one actor registered as many pools)."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, names: list[str]) -> None:
+        self._names = list(names)
 
     async def describe(self) -> PoolDescriptor:
-        return PoolDescriptor(shard_id=self._name, node_id="node", pool_bytes=0, shm_path=None,
+        return PoolDescriptor(shard_id=self._names.pop(0), node_id="node", pool_bytes=0, shm_path=None,
                               nixl_agent=None, nixl_metadata=None, pool_base_addr=0, incarnation=1)
 
     async def wait_until_death(self) -> None:
@@ -119,6 +140,8 @@ class RelayHost:
         self._relays: dict[int, RelayedMembership] = {}
         self._moved: dict[int, asyncio.Event] = {}
         self._followers: list[asyncio.Task] = []
+        self._reads: dict[int, PoolReads] = {}
+        """Per relay, its engines' reports since its last poll (``--load-figure``)."""
         self.posted = 0
 
     async def follow(self, directory: ray.actor.ActorHandle, relay_ids: list[int], last_version: int) -> None:
@@ -126,6 +149,7 @@ class RelayHost:
         once it holds ``last_version`` (no poll left waiting at the directory after the run)."""
         for relay_id in relay_ids:
             self._relays[relay_id] = RelayedMembership()
+            self._reads[relay_id] = PoolReads()
             self._moved[relay_id] = asyncio.Event()
             self._followers.append(asyncio.create_task(self._follow(directory, relay_id, last_version)))
         while not all(self._relays[r].following for r in relay_ids):
@@ -133,16 +157,25 @@ class RelayHost:
 
     async def _follow(self, directory: ray.actor.ActorHandle, relay_id: int, last_version: int) -> None:
         state = self._relays[relay_id]
+        reported = False
         while state.version != last_version:
+            if reported:
+                await asyncio.sleep(REPORTS_GATHER_S)  # as a shard's relay: its engines' reports of the push
             version, hot = state.poll_args()
-            answer = await directory.wait_for_change.remote(version, LONG_POLL_S, known_hot=hot, shards_held=True)
+            reads = self._reads[relay_id].drain()
+            reported = reported or reads is not None
+            answer = await directory.wait_for_change.remote(version, LONG_POLL_S, known_hot=hot, shards_held=True,
+                                                            pool_reads=reads)
             state.take(answer, version)
             moved, self._moved[relay_id] = self._moved[relay_id], asyncio.Event()
             moved.set()
 
     async def wait_for_change(self, relay_id: int, known_version: int, timeout_s: float = LONG_POLL_S,
-                              known_hot: int = -1, shards_held: bool = False) -> Membership | None:
+                              known_hot: int = -1, shards_held: bool = False,
+                              pool_reads: dict[tuple[str, int], int] | None = None) -> Membership | None:
         self.posted += 1
+        if pool_reads:
+            self._reads[relay_id].add(pool_reads)
         state = self._relays[relay_id]
         if state.version == known_version:
             try:
@@ -164,23 +197,29 @@ class PollClient:
     answer as ``MembershipFeed.poll`` does."""
 
     async def run(self, directory: ray.actor.ActorHandle, engines: int, version: int, hot_revision: int,
-                  last_version: int, relays: list[tuple[ray.actor.ActorHandle, int]] | None = None) -> dict[str, Any]:
+                  last_version: int, relays: list[tuple[ray.actor.ActorHandle, int]] | None = None,
+                  report_pools: list[tuple[str, int]] | None = None) -> dict[str, Any]:
         """Returns, per version, the monotonic receipt times; the answers' pickled sizes (first
         answer of each push); versions skipped; this process's CPU seconds meanwhile. ``relays``:
-        per engine, its node's relay (host, relay id) to poll instead of the directory."""
+        per engine, its node's relay (host, relay id) to poll instead of the directory;
+        ``report_pools``: each poll reports reads of ``REPORT_POOLS`` of them (``--load-figure``)."""
         receipts: dict[int, list[float]] = {}
         sizes: dict[int, int] = {}
         skipped = 0
         cpu_start = time.process_time()
 
-        async def engine(relay: tuple[ray.actor.ActorHandle, int] | None) -> None:
+        async def engine(number: int, relay: tuple[ray.actor.ActorHandle, int] | None) -> None:
             nonlocal skipped
             known, known_hot = version, hot_revision
             while known < last_version:
+                report = None
+                if report_pools:  # which pools moves with the version: each period's reports move the figure
+                    first = (known * 7 + number) % len(report_pools)
+                    report = {report_pools[(first + j) % len(report_pools)]: REPORT_BYTES for j in range(REPORT_POOLS)}
                 if relay is not None:
                     host, relay_id = relay
                     answer: Membership | None = await host.wait_for_change.remote(
-                        relay_id, known, known_hot=known_hot, shards_held=True)
+                        relay_id, known, known_hot=known_hot, shards_held=True, pool_reads=report)
                     if answer is None:
                         raise RuntimeError(f"relay {relay_id} behind an engine at version {known}")
                 else:
@@ -195,7 +234,7 @@ class PollClient:
                 known = answer.version
                 known_hot = answer.hot_delta.revision if answer.hot_delta is not None else answer.hot.revision
 
-        await asyncio.gather(*(engine(relays[i] if relays else None) for i in range(engines)))
+        await asyncio.gather(*(engine(i, relays[i] if relays else None) for i in range(engines)))
         return {"receipts": receipts, "sizes": sizes, "skipped": skipped,
                 "cpu_s": time.process_time() - cpu_start}
 
@@ -228,6 +267,7 @@ class RunResult:
     directory_cpu_ms_per_push: float = 0.0
     relays_cpu_share: float = 0.0
     """The relays' processes' CPU over the push phase (all relays together; 0: direct)."""
+    relays_cpu_ms_per_push: float = 0.0
 
 
 def start_directory(namespace: str, max_concurrency: int | None = None) -> ray.actor.ActorHandle:
@@ -248,9 +288,13 @@ def push_rows(rows: int, pool: tuple[str, int]) -> dict[bytes, tuple[tuple[str, 
 
 def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process, pollers: list[ray.actor.ActorHandle],
             clients: int, rate_hz: float, pushes: int, rows: int, pool_keys: list[tuple[str, int]],
-            concurrency: int = MAX_CALLS_AT_ONCE, per_node: int = 0, relay_procs: int = 2) -> RunResult:
+            concurrency: int = MAX_CALLS_AT_ONCE, per_node: int = 0, relay_procs: int = 2,
+            report_pools: list[tuple[str, int]] | None = None) -> RunResult:
     """``clients`` engines long-polling, ``pushes`` pushes at ``rate_hz``; ``per_node``: that many
-    engines a node poll their node's relay (0: the directory)."""
+    engines a node poll their node's relay (0: the directory); ``report_pools``: the engines report
+    reads of these pools with every poll and the pushes are the directory's own, of the load figure
+    (``rate_hz`` then only sets how many: its pacer's pace, ~1 a second; the first is a hot-table
+    push, which answers the relays' polls posted before any report)."""
     state = ray.get(directory.ping.remote())
     version, hot_revision = state["version"], state["hot_revision"]
     last_version = version + pushes
@@ -268,7 +312,7 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
         for p, n in enumerate(per_proc):  # engine g of the fleet is on node g // per_node
             engine_relays[p] = [(hosts[(g // per_node) % len(hosts)], g // per_node) for g in range(first, first + n)]
             first += n
-    runs = [p.run.remote(directory, n, version, hot_revision, last_version, engine_relays[i])
+    runs = [p.run.remote(directory, n, version, hot_revision, last_version, engine_relays[i], report_pools)
             for i, (p, n) in enumerate(zip(pollers, per_proc)) if n]
     deadline = time.monotonic() + 30.0
     waiting = 0
@@ -290,7 +334,7 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     relays_cpu0 = sum(ray.get([h.cpu_s.remote() for h in hosts]))
     threads0 = {t.id: t.user_time + t.system_time for t in directory_process.threads()}
     start = time.monotonic()
-    for i in range(pushes):
+    for i in range(1 if report_pools else pushes):  # the load figure: after one push the directory pushes it
         due = start + i / rate_hz
         time.sleep(max(0.0, due - time.monotonic()))
         t_sent = time.monotonic()
@@ -319,13 +363,18 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
     wall = end - start
     busiest_s = max(used - threads0.get(tid, 0.0) for tid, used in threads1.items())
     cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    if report_pools:  # from the first receipt of each version (the directory's bump is not seen)
+        for v in range(version + 2, last_version + 1):
+            sent[v] = min(t for o in outcomes for t in o["receipts"].get(v, ()))
     latencies = [t - sent[v] for o in outcomes for v, times in o["receipts"].items() for t in times]
     answers = len(latencies)
     lat_ms = np.array(latencies) * 1e3
     sizes = [s for o in outcomes for s in o["sizes"].values()]
     result = RunResult(
-        mode="relayed" if per_node else "direct", directory_answers=directory_answers,
-        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, relays_cpu_share=relays_cpu_s / wall, clients=clients,
+        mode=("relayed+load" if report_pools else "relayed") if per_node else "direct",
+        directory_answers=directory_answers,
+        directory_cpu_ms_per_push=cpu_s / pushes * 1e3, relays_cpu_share=relays_cpu_s / wall,
+        relays_cpu_ms_per_push=relays_cpu_s / pushes * 1e3, clients=clients,
         rate_hz=rate_hz, pushes=pushes,
         answers=answers, answers_per_s=answers / wall,
         directory_cpu_share=cpu_s / wall, directory_cpu_us_per_answer=cpu_s / max(answers, 1) * 1e6,
@@ -333,9 +382,10 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
         answer_ms_p50=float(np.percentile(lat_ms, 50)), answer_ms_p99=float(np.percentile(lat_ms, 99)),
         answer_ms_max=float(lat_ms.max()), skipped=sum(o["skipped"] for o in outcomes),
         answer_bytes=int(np.median(sizes)) if sizes else 0, ping_ms_max=max(pings, default=0.0) * 1e3,
-        push_call_ms_max=max(push_calls) * 1e3)
-    log.info("%s: %d directory answers, %.1f ms of its CPU a push; relays' cpu %.3f core", result.mode,
-             directory_answers, result.directory_cpu_ms_per_push, result.relays_cpu_share)
+        push_call_ms_max=max(push_calls, default=0.0) * 1e3)
+    log.info("%s: %d directory answers, %.1f ms of its CPU a push; relays' cpu %.3f core, %.1f ms a push", result.mode,
+             directory_answers, result.directory_cpu_ms_per_push, result.relays_cpu_share,
+             result.relays_cpu_ms_per_push)
     log.info("clients=%d rate=%.1f Hz: %d answers in %.1f s (%.0f/s), skipped %d; directory cpu %.3f core "
              "(%.0f us/answer, busiest thread %.3f), clients' cpu %.2f core; answer ms p50 %.1f p99 %.1f max %.1f; "
              "%d B an answer; ping ms max %.1f; push call ms max %.0f",
@@ -348,17 +398,21 @@ def one_run(directory: ray.actor.ActorHandle, directory_process: psutil.Process,
 
 
 def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: int, client_procs: int,
-            rows: int, max_concurrency: int | None = None, per_node: int = 0, relay_procs: int = 2) -> list[RunResult]:
+            rows: int, max_concurrency: int | None = None, per_node: int = 0, relay_procs: int = 2,
+            load_pools: int = 0) -> list[RunResult]:
     """Every (clients, rate) on one directory (its version and table carry over between runs);
-    ``per_node``: each also relayed, that many engines to a relay, right after the direct run."""
+    ``per_node``: each also relayed, that many engines to a relay, right after the direct run;
+    ``load_pools``: and relayed with the load figure (``--load-figure``) over that many member pools."""
     namespace = f"pushcost_{uuid.uuid4().hex[:8]}"
     directory = start_directory(namespace, max_concurrency)
-    pools = [StandInPool.options(namespace=namespace).remote(name) for name in STAND_IN_POOLS]  # type: ignore[attr-defined]
+    names = list(STAND_IN_POOLS) + [f"pushcost_pool_{i}" for i in range(max(0, load_pools - len(STAND_IN_POOLS)))]
+    pools = [StandInPool.options(namespace=namespace).remote(names)]  # type: ignore[attr-defined]
     pollers = [PollClient.remote() for _ in range(client_procs)]  # type: ignore[attr-defined]
     try:
-        for name, pool in zip(STAND_IN_POOLS, pools):
-            ray.get(directory.register.remote(name, pool))
+        for name in names:
+            ray.get(directory.register.remote(name, pools[0]))
         pool_keys = [(name, 1) for name in STAND_IN_POOLS]
+        report_pools = [(name, 1) for name in names] if load_pools else None
         ray.get(directory.add_hot_prefix.remote(push_rows(rows, pool_keys[0])))  # the next push names the other
         directory_process = psutil.Process(ray.get(directory.ping.remote())["pid"])
         results = []
@@ -368,6 +422,9 @@ def run_all(clients: list[int], rates: list[float], seconds: float, min_pushes: 
                 for mode_per_node in ([0, per_node] if per_node else [0]):
                     results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
                                            max_concurrency or MAX_CALLS_AT_ONCE, mode_per_node, relay_procs))
+                if per_node and report_pools:  # last: the figure it leaves rides on later answers
+                    results.append(one_run(directory, directory_process, pollers, n, rate, pushes, rows, pool_keys,
+                                           max_concurrency or MAX_CALLS_AT_ONCE, per_node, relay_procs, report_pools))
         return results
     finally:
         ray.kill(directory)
@@ -403,6 +460,9 @@ def main() -> None:
     parser.add_argument("--engines-per-node", type=int, default=0,
                         help="also run each relayed: this many engines poll their node's relay (0: direct only)")
     parser.add_argument("--relay-procs", type=int, default=2, help="Ray actors the relays are spread over")
+    parser.add_argument("--load-figure", action="store_true",
+                        help="with --engines-per-node: also relayed with the engines' reports, the load figure pushed")
+    parser.add_argument("--pools", type=int, default=100, help="--load-figure: member pools (stand-ins)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     tmp = tempfile.mkdtemp(prefix="ucmp-", dir="/tmp")
@@ -411,13 +471,21 @@ def main() -> None:
     try:
         results = run_all([int(c) for c in args.clients.split(",")], [float(r) for r in args.rates.split(",")],
                           args.seconds, args.min_pushes, args.client_procs, args.rows, args.max_concurrency,
-                          args.engines_per_node, args.relay_procs)
+                          args.engines_per_node, args.relay_procs, args.pools if args.load_figure else 0)
     finally:
         ray.shutdown()
     log.info("results (%d client processes, %d rows a push):\n%s", args.client_procs, args.rows, table(results))
     direct = {(r.clients, r.rate_hz): r for r in results if r.mode == "direct"}
     for r in results:
         base = direct[(r.clients, r.rate_hz)]
+        if r.mode == "relayed+load":
+            relayed = next(x for x in results
+                           if x.mode == "relayed" and (x.clients, x.rate_hz) == (r.clients, r.rate_hz))
+            log.info("load_vs_relayed: clients=%d rate_hz=%g directory_cpu_per_push=%.3f relays_cpu_per_push=%.3f "
+                     "answer_bytes=%d/%d", r.clients, r.rate_hz,
+                     r.directory_cpu_ms_per_push / max(relayed.directory_cpu_ms_per_push, 1e-9),
+                     r.relays_cpu_ms_per_push / max(relayed.relays_cpu_ms_per_push, 1e-9),
+                     r.answer_bytes, relayed.answer_bytes)
         if r.mode == "relayed":
             log.info("relayed_vs_direct: clients=%d rate_hz=%g directory_answers=%.3f directory_cpu_per_push=%.3f "
                      "answer_ms_p50=%.2f answer_ms_p99=%.2f", r.clients, r.rate_hz,

@@ -157,6 +157,13 @@ class UcmRayConfig:
     cannot answer 1,000 nodes x 8 engines a second; docs/scaling.md, stops 63-64). A relay that
     fails or falls behind sends the engine to the directory. Off: every engine polls the directory
     (an engine's own setting)."""
+    pick_by_load: bool = True
+    """writer_local across nodes: this engine reports the bytes it loaded from each other node's
+    pool with its membership long poll, and reads a hot prefix's blocks from the less loaded of two
+    of the pools the fleet's table names, by the figure the directory pushes (``store.pool_load``):
+    a hot row's readers no longer all start where a hash of their node points (the hottest node's
+    bytes over the mean in the simulation: 100 nodes random / sticky and 1,000 nodes; docs/scaling.md,
+    stop 65). Off: no report, today's order (an engine's own setting)."""
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     nixl_stage_through_host: str = "auto"
@@ -276,7 +283,7 @@ class UcmRayConfig:
              "copy_nodes_per_pool", "an integer between 0 (no bound) and 1000000")
         need(is_int(self.load_at_once_ratio) and 0 <= self.load_at_once_ratio <= MAX_LOAD_AT_ONCE_RATIO,
              "load_at_once_ratio", f"an integer between 0 (never) and {MAX_LOAD_AT_ONCE_RATIO}")
-        for key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership"):
+        for key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership", "pick_by_load"):
             need(isinstance(getattr(self, key), bool), key, "true or false")
         for key, (lo, hi) in TIMEOUT_LIMITS.items():
             v = getattr(self, key)

@@ -42,6 +42,7 @@ from ucm_ray.store.hot_prefixes import (
     copies_due,
     shared_prefix,
 )
+from ucm_ray.store.pool_load import DECAY_S, TOP_POOLS
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
 from ucm_ray.store.shard.remote_reads import MAX_READERS
 
@@ -245,35 +246,41 @@ class DesignParams:
     learn_scan_blocks: int = SCAN_BLOCKS
     """(h)-(k): blocks past its root a lookup shows the root's owner (the package's ``SCAN_BLOCKS``;
     the simulation used 8,192 tokens through stop 57: 64 blocks at block 128, 512 at 16)."""
-    load_pick: str = ""
-    """(k): how a reader picks among the pools it is told hold a block (stop 63, loadpick17; not
-    built: the package has no load signal, NIXL reads are one-sided). "": as built (the order the
-    hints and the node's hash give, the first that holds it); ``fleet``: the least loaded by the
-    fleet's figure pushed to every engine (each engine counts the bytes it read per pool and sends
-    them to the directory, which sums them and pushes a figure per pool every ``load_push_requests``:
-    stale by up to a push period, ``load_lag_pushes`` more); ``fleet_local``: the same figure plus
-    this node's own reads per pool since that push; ``two``: two of the pools told, drawn at random
-    per read, the less loaded by the fleet's figure first (power of two choices); ``two_local``:
-    ``two`` with the local correction; ``local``: the least read by this node itself (no fleet
-    signal; decayed as the fleet's is). Ties and pools that hold no copy: the built order."""
-    load_decay_pushes: float = 0.0
+    load_pick: str = "two"
+    """(k): how a reader picks among the pools it is told hold a block (stop 63, loadpick17; built
+    as ``two`` for hot rows since stop 65, ``store.pool_load``). ``off``: the order the hints and
+    the node's hash give, the first that holds it (the package before stop 65); ``fleet``: the least
+    loaded by the fleet's figure pushed to every engine (each engine counts the bytes it read per
+    pool and sends them to the directory, which sums them and pushes a figure per pool every
+    ``load_push_requests``: stale by up to a push period, ``load_lag_pushes`` more); ``fleet_local``:
+    the same figure plus this node's own reads per pool since that push; ``two``: two of the pools
+    told, drawn at random per read, the less loaded by the fleet's figure first (power of two
+    choices); ``two_local``: ``two`` with the local correction; ``local``: the least read by this
+    node itself (no fleet signal; decayed as the fleet's is). Ties and pools that hold no copy: the
+    built order. The defaults of the ``load_*`` fields are the package's rule."""
+    load_hot_only: bool = True
+    """(k), ``load_pick``: only a hot-prefix row's pools are picked among (the package: the table's
+    rows, ``family.spread`` then ``pool_load.pick_two``); False: also the pools a root's owner names."""
+    load_decay_pushes: float = DECAY_S / COPIES_PUSH_S
     """(k), ``load_pick``: the figure's time constant in push periods (each push multiplies what was
-    summed before by exp(-1 / this) and adds the period's bytes; 0: no decay, bytes since the start)."""
-    load_push_requests: int = 0
+    summed before by exp(-1 / this) and adds the period's bytes; 0: no decay, bytes since the start).
+    Default: the package's ``DECAY_S`` at its push pace."""
+    load_push_requests: int = -1
     """(k), ``load_pick``: the fleet's requests between load pushes (0: with the hot table's pushes,
     ``push_windows`` windows of ``window`` requests: 5 s at 100 nodes, 1 s at 1,000, at
-    ``SECONDS_PER_REQUEST``; the package's pushes come at most once per ``COPIES_PUSH_S``, 1 s)."""
-    load_pair_per_request: bool = False
+    ``SECONDS_PER_REQUEST``; -1: the package's pace, a push every ``COPIES_PUSH_S`` while reads
+    move the figure: 20 requests at 100 nodes, 200 at 1,000)."""
+    load_pair_per_request: bool = True
     """(k), ``load_pick`` ``two``: a request's pair of pools is drawn once (per count of pools
     told), not per block read: its blocks are read from fewer pools."""
     load_keep_previous: bool = False
     """(k), ``load_pick`` ``two``: where the previous block's source is one of the pair, it is tried
     first (a run stays in one pool: the less loaded's copy may stop short, evicted, and trying it
     first for every later block costs a wasted index read each)."""
-    load_lag_pushes: int = 0
+    load_lag_pushes: int = 1
     """(k), ``load_pick``: pushes more by which the figure lags (the engines' reports riding on the
-    long poll re-posted after a push reach the directory for the next one: 1)."""
-    load_top_pools: int = 0
+    long poll re-posted after a push reach the directory for the next one: 1, the package)."""
+    load_top_pools: int = TOP_POOLS
     """(k), ``load_pick``: a push carries only the figures of this many most loaded pools (the rest
     read as 0 by the engines; 0: every pool's)."""
     load_change_share: float = 0.0
@@ -378,36 +385,41 @@ def learning_params(args: argparse.Namespace) -> dict[str, Any]:
             "push_every": args.push_every}
 
 
-LOAD_PICKS = ("", "fleet", "fleet_local", "two", "two_local", "local")
+LOAD_PICKS = ("off", "fleet", "fleet_local", "two", "two_local", "local")
 """``DesignParams.load_pick``'s choices."""
 
 
 def add_load_args(parser: argparse.ArgumentParser) -> None:
     """(k)'s load-aware pick among the pools a reader is told of (``DesignParams.load_pick``, stop 63,
-    loadpick17; not built) as flags, off by default: ``load_params`` reads them."""
-    parser.add_argument("--load-pick", default="", choices=list(LOAD_PICKS),
+    loadpick17; built for hot rows, stop 65) as flags, the package's rule by default: ``load_params``
+    reads them (``--load-pick off``: the pick before stop 65)."""
+    built = DesignParams()
+    parser.add_argument("--load-pick", default=built.load_pick, choices=list(LOAD_PICKS),
                         help="(k): how a reader picks among the pools told (DesignParams.load_pick; default: as built)")
-    parser.add_argument("--load-decay-pushes", type=float, default=0.0,
+    parser.add_argument("--load-all-rows", action="store_true",
+                        help="(k), --load-pick: also the pools a root's owner names, not only hot rows'")
+    parser.add_argument("--load-decay-pushes", type=float, default=built.load_decay_pushes,
                         help="(k), --load-pick: the figure's time constant in push periods (0: no decay)")
-    parser.add_argument("--load-push-requests", type=int, default=0,
-                        help="(k), --load-pick: fleet requests between load pushes (0: the hot table's pace)")
-    parser.add_argument("--load-pair-per-request", action="store_true",
-                        help="(k), --load-pick two: one pair drawn per request, not per block read")
+    parser.add_argument("--load-push-requests", type=int, default=built.load_push_requests,
+                        help="(k), --load-pick: fleet requests between load pushes (0: the hot table's "
+                             "pace; -1: the package's, every COPIES_PUSH_S)")
+    parser.add_argument("--load-pair-per-read", action="store_true",
+                        help="(k), --load-pick two: a pair drawn per block read, not once per request")
     parser.add_argument("--load-keep-previous", action="store_true",
                         help="(k), --load-pick two: the previous block's source first when one of the pair")
-    parser.add_argument("--load-lag-pushes", type=int, default=0,
+    parser.add_argument("--load-lag-pushes", type=int, default=built.load_lag_pushes,
                         help="(k), --load-pick: pushes more by which the figure lags")
-    parser.add_argument("--load-top-pools", type=int, default=0,
+    parser.add_argument("--load-top-pools", type=int, default=built.load_top_pools,
                         help="(k), --load-pick: a push carries the figures of this many most loaded pools (0: all)")
-    parser.add_argument("--load-change-share", type=float, default=0.0,
+    parser.add_argument("--load-change-share", type=float, default=built.load_change_share,
                         help="(k), --load-pick: a pool's figure is pushed when it moved by more than this share")
 
 
 def load_params(args: argparse.Namespace) -> dict[str, Any]:
     """``DesignParams``' fields set by ``add_load_args``' flags."""
-    return {"load_pick": args.load_pick, "load_decay_pushes": args.load_decay_pushes,
-            "load_push_requests": args.load_push_requests,
-            "load_pair_per_request": args.load_pair_per_request, "load_keep_previous": args.load_keep_previous,
+    return {"load_pick": args.load_pick, "load_hot_only": not args.load_all_rows,
+            "load_decay_pushes": args.load_decay_pushes, "load_push_requests": args.load_push_requests,
+            "load_pair_per_request": not args.load_pair_per_read, "load_keep_previous": args.load_keep_previous,
             "load_lag_pushes": args.load_lag_pushes,
             "load_top_pools": args.load_top_pools, "load_change_share": args.load_change_share}
 
@@ -1119,6 +1131,9 @@ class LoadSignal:
         """Per pool, the figure last pushed (``load_change_share``)."""
         self.seen: list[float] = [0.0] * nodes
         """Per pool, the figure every engine holds now (a list: read per block)."""
+        self.holding = False
+        """Whether engines hold any figure (``two`` keeps the built order until they do, as the
+        package's ``pool_load.pick_two``)."""
         self.period_reads: list[dict[int, float]] = [{} for _ in range(nodes)]
         """Per reader node, bytes it read per pool since the last push (its next report)."""
         self.own_reads: list[dict[int, float]] = [{} for _ in range(nodes)]
@@ -1164,6 +1179,7 @@ class LoadSignal:
         else:
             view, entries = figure, self.nodes
         self.seen = view.tolist()
+        self.holding = bool(view.any())
         self.pushes += 1
         self.entries_pushed += entries
         self.entries_pushed_max = max(self.entries_pushed_max, entries)
@@ -1195,6 +1211,8 @@ class LoadSignal:
             def load(pool: int) -> float:
                 return seen[pool]
         if mode.startswith("two"):
+            if not self.holding:
+                return candidates
             first, second = self._pair(node, len(candidates))
             pair = sorted((candidates[first], candidates[second]), key=load)
             if self.params.load_keep_previous and previous == pair[1]:
@@ -1324,7 +1342,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
         """... rows sent as the pools added (``HotPrefixDelta.appended``, the package since stop 60)."""
         self.hot_copies_unannounced = 0
         """``hot_copies_past_bound``: hot-prefix blocks copied past their row's bound (told to nobody)."""
-        self.load = LoadSignal(cluster.nodes, params) if params.load_pick else None
+        self.load = LoadSignal(cluster.nodes, params) if params.load_pick != "off" else None
         """``load_pick``: the pools' load as engines would know it."""
         self.owner_directed = OwnerDirected(cluster.nodes, params) if params.owner_pick else None
         """``owner_pick``: what each root's owner counted of the reads it directed."""
@@ -1369,6 +1387,8 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
     def load_push_requests(self) -> int:
         """The fleet's requests between load pushes (``load_push_requests``; 0: the hot table's pace)."""
+        if self.params.load_push_requests < 0:
+            return max(1, round(COPIES_PUSH_S * self.cluster.nodes / SECONDS_PER_REQUEST))
         return self.params.load_push_requests or self.push_windows() * self.params.window
 
     def walk(self, req: Request, tally: RequestTally) -> tuple[int, list[int]]:
@@ -1381,7 +1401,7 @@ class HandoverCopyOnSecondRead(BuiltHotRootsHandover):
 
     def _first_holding(self, key: bytes, order: list[int], tally: RequestTally) -> int | None:
         """``load_pick``: the pools told of, in the order the load signal gives, this node's first."""
-        if self.load is None:
+        if self.load is None or (self.params.load_hot_only and key not in self.table):
             return super()._first_holding(key, order, tally)
         candidates = [node for node in dict.fromkeys(order) if node != self._hot_reader]
         ordered = self.load.order(self._hot_reader, candidates, self._previous)

@@ -126,3 +126,15 @@ def test_the_engines_follow_the_directory_through_their_nodes_relay(result):
     assert relayed[result["reader_node"]] > 0, relayed
     others = [node for node in result["node_ids"] if node not in (result["reader_node"], result["writer_node"])]
     assert [relayed[node] for node in others] == [0], relayed
+
+
+def test_the_readers_loads_from_another_node_reach_the_directorys_load_figure(result):
+    """``pick_by_load`` on: the reader's engine counted what it loaded from the writer's node (the
+    scheduler, as the worker reports a load over) and sent it with its long poll to its node's relay,
+    which sent it on with its own; the directory's pushed figure names the writer's node's pool (the
+    only one read from another node before the kill), and no other."""
+    load = result["load"]
+    print(f"multinode load figure: {load}")
+    assert load["pools_reported"] >= 1, load
+    assert list(load["figures"]) == [result["writer_node"]], load
+    assert load["figures"][result["writer_node"]] > 0

@@ -56,6 +56,26 @@ def relayed_polls_after_the_kill(config: UcmRayConfig, reader_node: str) -> dict
         time.sleep(0.2)
 
 
+def reads_reported(config: UcmRayConfig, reader: Any, reference: Any, model: str, pool: tuple) -> dict[str, Any]:
+    """The reader's loads from other nodes (``pick_by_load``) reach the directory: a push answers the
+    reader's poll, its next step re-posts it with the bytes it loaded per pool (a generate), a
+    second push answers its relay's poll, whose next one carries them; the directory then pushes
+    the figure. Pushes are probe rows of the hot table naming ``pool``."""
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace)
+    ray.get(directory.add_hot_prefix.remote({b"ucm-ray-e2e-probe-0": (pool,)}), timeout=30)
+    read_again(reader, reference, synthetic_prompt(model, 200, seed=31))
+    ray.get(directory.add_hot_prefix.remote({b"ucm-ray-e2e-probe-1": (pool,)}), timeout=30)
+    deadline = time.monotonic() + 20
+    while True:
+        state = ray.get(directory.ping.remote(), timeout=30)
+        if state["load_figures"] or time.monotonic() > deadline:
+            figures = ray.get(directory.membership.remote(), timeout=30)
+            named = figures.pool_load.by_pool(figures.shards)
+            return {"pools_reported": state["load_pools"],
+                    "figures": {s.pool.node_id: named[s.key] for s in figures.shards if s.key in named}}
+        time.sleep(0.2)
+
+
 def pd_handoff(prefill: Any, decode: Any, reference: Any, prompt: list[int]) -> dict[str, Any]:
     """A PD proxy's two calls: the prefill (one token) returns before the step that saves its
     prompt, which it runs only once the decode was sent (as a serving engine would, at once);
@@ -116,6 +136,10 @@ def main(address: str, model: str, document_tokens: int) -> None:
                   for seed in (26, 27)]
         copied_entries = {s["node_id"]: s["entries"] for s in fleet_status(config)["shards"]}
         writer_node, reader_node = node_of("node_2"), node_of("node_1")
+        reader_pool = next(s["shard_id"] for s in status if s["node_id"] == reader_node)
+        live = ray.get(ray.get_actor(DIRECTORY_NAME, namespace=config.ray_namespace).membership.remote(), timeout=30)
+        load = reads_reported(config, reader, reference, model,
+                              next(s.key for s in live.shards if s.shard_id == reader_pool))
         kill_shard(config, next(s for s, node in shards.items() if node == writer_node))
         relayed = relayed_polls_after_the_kill(config, reader_node)
         after = read_again(reader, reference, third)
@@ -128,7 +152,8 @@ def main(address: str, model: str, document_tokens: int) -> None:
                           "lookups": totals["scheduler"].get("lookups", 0),
                           "lookup_calls": totals["scheduler"].get("lookup_calls", 0), "worker": totals["worker"],
                           "pd": handoff, "copies": copies, "copied_entries": copied_entries,
-                          "after_kill": after, "after_kill_pd": after_pd, "relayed_polls": relayed}),
+                          "after_kill": after, "after_kill_pd": after_pd, "relayed_polls": relayed,
+                          "load": load}),
               flush=True)
     finally:
         stop_fleet(config)

@@ -99,6 +99,7 @@ def valid_settings(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object
         "local_lookups": draw(st.booleans()),
         "relay_hot_copies": draw(st.booleans()),
         "relay_membership": draw(st.booleans()),
+        "pick_by_load": draw(st.booleans()),
         "shm_dir": draw(st.sampled_from(["/dev/shm", _EXISTING_DIR])),
         "shard_cpus": draw(st.one_of(st.just(0.0), _seconds(0.0001, 1024))),
         "pd_wait_s": draw(st.one_of(st.just(0.0), _seconds(0.0001, 600))),
@@ -138,7 +139,8 @@ def _argv(settings_: dict[str, object]) -> list[str]:
     argv = []
     for key, value in settings_.items():
         flag = "--" + key.replace("_", "-")
-        if key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership"):
+        if key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership",
+                   "pick_by_load"):
             on = value is True or str(value).lower() in ("true", "1", "yes", "on")
             argv.append(flag if on else "--no-" + flag[2:])
         else:
@@ -217,6 +219,7 @@ INVALID: dict[str, st.SearchStrategy[object]] = {
                                   st.none()),
     "relay_membership": st.one_of(st.sampled_from(["rarely", "-1", "", "onn"]), st.integers(min_value=2),
                                   st.none()),
+    "pick_by_load": st.one_of(st.sampled_from(["mostly", "-1", "", "offf"]), st.integers(min_value=2), st.none()),
     "load_at_once_ratio": _bad_int(0, 1 << 20),
     "lookup_timeout_s": _bad_seconds(0.01, 3600),
     "transfer_timeout_s": _bad_seconds(0.01, 3600),
@@ -283,7 +286,8 @@ def test_any_invalid_flag_is_one_line_naming_its_key(case):
         # what a flag can carry that is still invalid: "" for every key but model_id (where it
         # means "the model's path"), which refuses a tab
         bad = {"model_id": "\t", "disk_dir": "relative"}.get(key, "")
-    if key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership"):
+    if key in ("layerwise", "checksum", "local_lookups", "relay_hot_copies", "relay_membership",
+                   "pick_by_load"):
         written.pop(key)  # on/off flags take no value: argparse itself refuses anything else
         bad_yaml = {key: bad}
     else:

@@ -77,6 +77,11 @@ class BlockStore(ABC):
         where every pool is on one node."""
         return []
 
+    def loaded(self, locations: Locations) -> None:
+        """A load of these entries landed: counted per pool on another node for the fleet's load
+        figure (``store.pool_load``; nothing where every pool is on one node)."""
+        return None
+
     @abstractmethod
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         """Whether some of ``keys`` is surely not stored, as the published index of its owner on

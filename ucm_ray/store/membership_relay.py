@@ -15,6 +15,11 @@ held, ``HOT_TABLES_HELD``) or else whole. It never answers with a version older 
 engine's: a relay behind the engine, not following the directory (not yet, or its poll failed) or
 not heard from the directory within ``SILENT_S`` answers None, and the engine asks the directory
 itself for that round (``MembershipFeed``), as it does when the relay's call fails.
+
+An engine's poll carries the bytes it read per pool since its last one (``store.pool_load``): the
+relay sums them and sends the sum with its own next poll, which it posts ``REPORTS_GATHER_S`` after
+an answer once its engines report, so their reports of the period just pushed reach the directory
+before its next push, not one push later.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixes, delta_between
+from ucm_ray.store.pool_load import PoolReads
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
+from ucm_ray.transport.base import PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,11 @@ HOT_TABLES_HELD = 8
 to build a delta for an engine behind by more than one push (the directory would send one)."""
 RETRY_S = 2.0
 """A relay whose poll failed asks the directory again after this long (looked up by name)."""
+REPORTS_GATHER_S = 0.2
+"""Once its engines report reads, a relay posts its poll this long after an answer: its engines,
+answered at once, re-post within it with their reads of the period the answer ended, which then
+reach the directory for its next push (at most one a ``COPIES_PUSH_S``, 1 s). A change meanwhile
+reaches the node's engines at most this much later."""
 
 
 class RelayedMembership:
@@ -147,13 +160,22 @@ class MembershipRelay:
         """When the directory last answered this relay's poll (``time.monotonic``)."""
         self._follower: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._reads = PoolReads()
+        """The node's engines' reads per pool since the relay's last poll."""
+        self._reported = False
+        """Whether an engine reported reads (the relay then gathers before each poll)."""
         self.served = 0
         """Engines' long polls answered (stats)."""
 
     def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S, known_hot: int = -1,
-                        shards_held: bool = False) -> Membership | None:
+                        shards_held: bool = False,
+                        pool_reads: Mapping[PoolKey, int] | None = None) -> Membership | None:
         """``ShardDirectory.wait_for_change``'s answer from what this relay holds, or None: ask the
-        directory (this relay is not following it, or is behind the caller)."""
+        directory (this relay is not following it, or is behind the caller). ``pool_reads``: the
+        engine's reads per pool since its last poll, sent on with the relay's next poll."""
+        if pool_reads:
+            self._reads.add(pool_reads)
+            self._reported = True
         self._start()
         now = time.monotonic()
         deadline, sync_by = now + timeout_s, now + min(timeout_s, SYNC_WAIT_S)
@@ -189,10 +211,13 @@ class MembershipRelay:
             try:
                 if directory is None:
                     directory = ray.get_actor(DIRECTORY_NAME, namespace=self._namespace)
+                if self._reported:
+                    self._stopped.wait(REPORTS_GATHER_S)
                 with self._moved:
                     version, hot = self._state.poll_args()
+                reads = self._reads.drain()
                 answer = ray.get(directory.wait_for_change.remote(version, LONG_POLL_S, known_hot=hot,
-                                                                  shards_held=True),
+                                                                  shards_held=True, pool_reads=reads),
                                  timeout=SILENT_S)
             except (RayError, GetTimeoutError, ValueError) as e:  # ValueError: no directory by that name
                 log.warning("membership relay: the directory did not answer (%s); its engines ask it "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 import numpy as np
 
 from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixes
+from ucm_ray.store.pool_load import NO_LOAD, LoadFigures
 from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 if TYPE_CHECKING:
@@ -402,6 +403,9 @@ class Membership:
     hot_delta: HotPrefixDelta | None = None
     """Set instead of ``hot`` by a long poll that knew the table revision its caller holds: what
     changed since (``MembershipFeed`` applies it, so a client's membership always has ``hot``)."""
+    pool_load: LoadFigures = NO_LOAD
+    """The most loaded pools' figures, places in ``shards`` (``store.pool_load``): what a hot
+    row's reader picks between."""
     shards_held: bool = False
     """Set by a long poll whose caller holds the shard list of now (only the hot-prefix table moved
     since its version): ``shards`` is then empty, not re-sent (~1.4 KiB a shard with NIXL, to every

@@ -12,6 +12,7 @@ without waiting.
 
 from __future__ import annotations
 
+import random
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 from ucm_ray.store.engine.acquire import Acquire
 from ucm_ray.store.engine.calls import Fanout, ShardAccess
 from ucm_ray.store.hot_copy_relay import HotCopies, steward_key
+from ucm_ray.store.pool_load import pick_two
 from ucm_ray.store.types import Pending, Publishes, ReadLease, ShardRecord
 from ucm_ray.transport.base import PoolKey
 
@@ -73,7 +75,8 @@ class FamilyAcquire(Pending[ReadLease]):
     def __init__(self, access: ShardAccess, keys: list[bytes], pin: Collection[PoolKey],
                  shards: tuple[ShardRecord, ...], local: Acquire, root_owners: list[ShardRecord],
                  hot_pools: Sequence[tuple[PoolKey, ...]] = (), family: Sequence[bytes] = (),
-                 reader: str = "", copy_bound: int = 0, recompute_bytes_s: float = 0.0, nodes: int = 0) -> None:
+                 reader: str = "", copy_bound: int = 0, recompute_bytes_s: float = 0.0, nodes: int = 0,
+                 load: Mapping[PoolKey, float] | None = None) -> None:
         """``hot_pools``: per leading row that is a hot prefix (``store.hot_prefixes``), the pools
         the table names for it (those rows are never asked about); ``family``: the chain from the
         family root on, shown to the root's owner (what its hot-prefix learner counts);
@@ -83,7 +86,9 @@ class FamilyAcquire(Pending[ReadLease]):
         tells a block is popular (``shard.remote_reads``); ``recompute_bytes_s``: the asker's
         prefill rate (``BlockStore.acquire``), sent to the pools it names too; ``nodes``: the
         fleet's nodes as this engine's membership has them (the root's owner's hot-prefix learner
-        counts distinct askers against a share of them, ``hot_prefixes.askers_needed``)."""
+        counts distinct askers against a share of them, ``hot_prefixes.askers_needed``); ``load``:
+        the most loaded pools' figures the directory pushed (``store.pool_load``; none: a hot row's
+        pools in ``spread``'s order), by which a hot row's reader picks the less loaded of two."""
         self._access = access
         self._keys = keys
         self._pin = pin
@@ -96,6 +101,7 @@ class FamilyAcquire(Pending[ReadLease]):
         self._copy_bound = copy_bound
         self._nodes = nodes
         self._recompute_bytes_s = recompute_bytes_s
+        self._load = load or {}
         self._missing: np.ndarray | None = None  # rows the local step did not find
         self._asked: np.ndarray = np.zeros(0, dtype=np.int64)  # of those, the rows the root's owner is asked about
         self._where: Fanout[tuple[list[tuple[PoolKey, ...]], list[int]] | None] | None = None
@@ -144,8 +150,16 @@ class FamilyAcquire(Pending[ReadLease]):
         root owner's answer) that are still members."""
         assert self._missing is not None
         self._remote_rows = np.zeros(0, dtype=np.int64)
-        named = {row: spread(self._hot_pools[row], self._reader)
-                 for row in self._missing.tolist() if row < len(self._hot_pools)}
+        draw = random.getrandbits(62)  # one pair per lookup: a prefix's rows read from one pool
+        ordered: dict[int, Sequence[PoolKey]] = {}  # per row object: a prefix's rows mostly share theirs
+
+        def order(pools: Sequence[PoolKey]) -> Sequence[PoolKey]:
+            got = ordered.get(id(pools))
+            if got is None:
+                got = ordered[id(pools)] = pick_two(spread(pools, self._reader), self._load, draw)
+            return got
+
+        named = {row: order(self._hot_pools[row]) for row in self._missing.tolist() if row < len(self._hot_pools)}
         earlier: np.ndarray = np.zeros(len(self._keys), dtype=np.int64)
         earlier[:len(self._hot_pools)] = HOT_READS
         at = {rec.key: i for i, rec in enumerate(self._shards)}

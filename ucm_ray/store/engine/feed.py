@@ -14,6 +14,9 @@ poll to the directory, and one whose call fails is passed over until the members
 another incarnation of it (a dead shard leaves the membership: the next one on the node relays),
 as is one that does not answer within ``RELAY_POLL_S + RELAY_GRACE_S`` (a frozen process, which
 the directory does not see die).
+
+Each long poll carries the bytes this engine read per pool since the last one (``store.pool_load``:
+what the directory's load figure is summed from), so reporting costs no call of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from ucm_ray.store.pool_load import PoolReads
 from ucm_ray.store.types import DIRECTORY_NAME, Membership, ShardRecord
 from ucm_ray.transport.base import PoolKey
 
@@ -39,9 +43,11 @@ RELAY_GRACE_S = 10.0
 
 class MembershipFeed:
     def __init__(self, ray_namespace: str, timeout_s: float, directory: ray.actor.ActorHandle | None = None,
-                 relay_node: str | None = None) -> None:
-        """``relay_node``: this process's node, whose relay the long poll goes to (None: the directory)."""
+                 relay_node: str | None = None, reads: PoolReads | None = None) -> None:
+        """``relay_node``: this process's node, whose relay the long poll goes to (None: the directory);
+        ``reads``: this engine's reads per pool, drained into each poll (None: none reported)."""
         self._namespace = ray_namespace
+        self._reads = reads
         self._relay_node = relay_node
         self._relay: ShardRecord | None = None
         """The relay the outstanding long poll went to (None: the directory)."""
@@ -130,12 +136,14 @@ class MembershipFeed:
         if relay is None and not self._find():
             return False
         known_hot = known.hot.revision if known.version else -1
+        reads = self._reads.drain() if self._reads is not None else None
+        report = {"pool_reads": reads} if reads else {}  # a poll without reads is as before
         if relay is not None and method is not None:
-            pending = method.remote(known.version, RELAY_POLL_S, known_hot=known_hot, shards_held=True)
+            pending = method.remote(known.version, RELAY_POLL_S, known_hot=known_hot, shards_held=True, **report)
             self._relay_due = time.monotonic() + RELAY_POLL_S + RELAY_GRACE_S
         else:
             pending = self._directory.wait_for_change.remote(  # type: ignore[union-attr]
-                known.version, known_hot=known_hot, shards_held=True)
+                known.version, known_hot=known_hot, shards_held=True, **report)
             self._direct_once = False
         self._relay = relay
         self._pending = pending

@@ -41,6 +41,7 @@ from ucm_ray.store.engine.touches import TouchSender
 from ucm_ray.store.hot_prefixes import SCAN_BLOCKS
 from ucm_ray.store.placement import copy_bound, writer_owners
 from ucm_ray.store.placement import owners as place
+from ucm_ray.store.pool_load import PoolReads
 from ucm_ray.store.types import (
     Done,
     GrantCommit,
@@ -88,8 +89,12 @@ class RayBlockStore(BlockStore):
         self._pools = Pools(0, {}, config.replication)
         """``pools()``'s answer, made once per membership: the scheduler asks every step."""
         self._replication_warned = False
+        self._reads = PoolReads() if config.pick_by_load else None
+        """Bytes loaded per pool on another node since the last long poll, which reports them (``pick_by_load``)."""
+        self._load: dict[PoolKey, float] = {}
+        """The most loaded pools' figures, as the directory last pushed them (``pick_by_load``)."""
         self._feed = MembershipFeed(config.ray_namespace, config.lookup_timeout_s, directory,
-                                    node_id if config.relay_membership else None)
+                                    node_id if config.relay_membership else None, self._reads)
         first = self._feed.fetch()  # None: no directory yet; every key misses until it appears
         if first is not None:
             self._apply(first)
@@ -137,6 +142,8 @@ class RayBlockStore(BlockStore):
                         self.config.replication)
         held = self._membership
         self._membership = membership
+        if self._reads is not None:
+            self._load = membership.pool_load.by_pool(membership.shards)
         if (held.version and membership.replication == held.replication and membership.placement == held.placement
                 and [s.key for s in membership.shards] == list(self._records)):
             # the hot-prefix table moved, no shard did: ``pools()`` stays as it was, or every push
@@ -198,7 +205,7 @@ class RayBlockStore(BlockStore):
         root = hot.root_position(chain_keys) if chain_keys else 0
         return FamilyAcquire(self.access, keys, pin, shards, local, self._root_owners([keys[root]])[0],
                              [hot.pools[key] for key in keys[:hot_rows]], chain_keys[root:root + SCAN_BLOCKS],
-                             self._node_id, self._copy_bound, recompute_bytes_s, self._nodes)
+                             self._node_id, self._copy_bound, recompute_bytes_s, self._nodes, self._load)
 
     def hot_prefix(self, chain: Sequence[bytes]) -> int:
         return self._membership.hot.leading(chain) if self._families else 0
@@ -209,6 +216,16 @@ class RayBlockStore(BlockStore):
         remote = [at for at, pool in enumerate(locations.pools)
                   if (rec := self._records.get(pool)) is not None and rec.pool.node_id != self._node_id]
         return np.flatnonzero(np.isin(locations.pool, remote)).tolist() if remote else []
+
+    def loaded(self, locations: Locations) -> None:
+        if self._reads is None or not self._families or not len(locations):
+            return
+        found = locations.pool >= 0
+        per_pool = np.bincount(locations.pool[found], weights=locations.size[found], minlength=len(locations.pools))
+        remote = {pool: int(size) for pool, size in zip(locations.pools, per_pool.tolist())
+                  if size and (rec := self._records.get(pool)) is not None and rec.pool.node_id != self._node_id}
+        if remote:
+            self._reads.add(remote)
 
     def surely_absent(self, keys: Sequence[bytes]) -> bool:
         if self._families:

@@ -10,6 +10,10 @@ The directory holds no state that cannot be rebuilt: Ray restarts it when its pr
 namespace. Its version starts at a random value, so the membership of one directory start is
 never mistaken for another's (a client that saw version 7 of a dead directory must not take
 version 7 of its successor as "unchanged").
+
+Engines' (or their relays') long polls carry the bytes they read per pool since their last one: the
+directory sums them into a decayed figure per pool (``store.pool_load``) and, when it moved, pushes
+the most loaded pools' figures with a new version, paced with the readers' copies of hot prefixes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -28,9 +33,10 @@ from ucm_ray.store.hot_copy_relay import HotCopies
 from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixTable, PushPacer
 from ucm_ray.store.placement import copy_bound
 from ucm_ray.store.placement import owners as place
+from ucm_ray.store.pool_load import PoolLoad
 from ucm_ray.store.shard.hints import HintPools
 from ucm_ray.store.types import Membership, ShardRecord, random_id
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +78,14 @@ class ShardDirectory:
                                      else UcmRayConfig().copy_nodes_per_pool)
         self._hot = HotPrefixTable(start=random_id() >> 16)
         """Hot prefixes the shards learned (``store.hot_prefixes``), pushed with the membership."""
-        self._copies_pacer = PushPacer()
+        self._pacer = PushPacer()
+        """Paces the pushes that may wait: readers' copies of hot prefixes, the pools' load figure."""
         self._pushed_revision = self._hot.revision
         """The hot table's revision the last version carried (a paced push past it says nothing new)."""
+        self._load = PoolLoad()
+        """The engines' reads per pool, decayed (``store.pool_load``)."""
+        self._load_figures = self._load.publish(())
+        """The figures the last version carried."""
 
     async def register(self, shard_id: str, handle: ActorHandle) -> int:
         """Add (or replace) a shard; returns the new membership version."""
@@ -90,6 +101,7 @@ class ShardDirectory:
             if task is not None:
                 task.cancel()
             self._hot.remove_pool(record.key)
+            self._load.remove(record.key)
             self._bump(f"shard {shard_id} left", shards=True)
         return self._version
 
@@ -106,16 +118,23 @@ class ShardDirectory:
         return self._snapshot()
 
     async def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S,
-                              known_hot: int = -1, shards_held: bool = False) -> Membership:
+                              known_hot: int = -1, shards_held: bool = False,
+                              pool_reads: Mapping[PoolKey, int] | None = None) -> Membership:
         """The membership as soon as it differs from ``known_version`` (at once if it does
         already), else after ``timeout_s``: the caller re-posts the call either way.
         ``known_hot``: the hot-prefix table revision the caller holds (-1: none); the answer then
         carries what changed since (``Membership.hot_delta``), not the whole table. ``shards_held``:
         the caller puts back the shard list it holds, so when no shard joined or left since
         ``known_version`` the answer carries none (``Membership.shards_held``; an engine of an
-        older package, which does not, gets the list)."""
+        older package, which does not, gets the list). ``pool_reads``: the bytes the caller (an
+        engine, or a relay for its node's engines) read per pool since its last poll: summed into
+        the pools' load figure, pushed with a later version once it moved (``Membership.pool_load``)."""
         await self._rediscovered()
         self._served["wait_for_change"] += 1
+        if pool_reads:
+            self._load.report(pool_reads)
+            if self._load.moved:
+                self._pace()
         if self._version == known_version:
             changed = self._changed
             try:
@@ -148,16 +167,22 @@ class ShardDirectory:
             if (pool[0], pool[1]) in members:
                 changed = self._hot.add_copies(pool, keys, bound) or changed
         if changed:
-            delay = self._copies_pacer.due()
-            if delay is not None:
-                asyncio.get_running_loop().call_later(delay, self._push_copies)
+            self._pace()
         return self._version
 
-    def _push_copies(self) -> None:
-        self._copies_pacer.pushed()
-        if self._hot.revision == self._pushed_revision:
-            return  # another change's version carried these copies meanwhile
-        self._bump(f"readers' copies of hot prefixes ({self._hot.pools_named} pools named)")
+    def _pace(self) -> None:
+        """A change that may wait (readers' copies, the load figure) is pushed at the pacer's time."""
+        delay = self._pacer.due()
+        if delay is not None:
+            asyncio.get_running_loop().call_later(delay, self._paced_push)
+
+    def _paced_push(self) -> None:
+        self._pacer.pushed()
+        copies = self._hot.revision != self._pushed_revision
+        if not copies and not self._load.moved:
+            return  # another change's version carried them meanwhile
+        self._bump(f"readers' copies of hot prefixes ({self._hot.pools_named} pools named)" if copies
+                   else "the pools' load figure")
 
     async def add_hot_prefix(self, entries: dict[bytes, HintPools],
                              handover: dict[bytes, dict[bytes, HintPools]] | None = None) -> int:
@@ -177,7 +202,7 @@ class ShardDirectory:
     def _hand_over(self, handover: dict[bytes, dict[bytes, HintPools]]) -> None:
         """One ``adopt_hints`` per owner of the new roots (rendezvous over the membership engines
         hold, as their hint posts and lookups place a root)."""
-        shards = self._snapshot().shards
+        shards = self._list()
         if not shards:
             return
         roots = list(handover)
@@ -194,7 +219,8 @@ class ShardDirectory:
         return {"version": self._version, "shards": sorted(self._shards), "pid": os.getpid(),
                 "served": dict(self._served), "hot_blocks": len(self._hot),
                 "hot_revision": self._hot.revision, "hot_pools_named": self._hot.pools_named,
-                "hot_copies_waiting": self._hot.copies_waiting}
+                "hot_copies_waiting": self._hot.copies_waiting, "load_pools": self._load.pools,
+                "load_figures": len(self._load_figures.at)}
 
     # --- internals -----------------------------------------------------------------------
 
@@ -203,11 +229,14 @@ class ShardDirectory:
         departed pool named would hold one of a row's ``copy_bound`` places forever)."""
         return {record.key for record in self._shards.values()}
 
-    def _snapshot(self) -> Membership:
+    def _list(self) -> tuple[ShardRecord, ...]:
         if self._listed is None:
             self._listed = tuple(self._shards[k] for k in sorted(self._shards))
-        return Membership(self._version, self._listed, self._replication,
-                          self._placement, self._hot.snapshot())
+        return self._listed
+
+    def _snapshot(self) -> Membership:
+        return Membership(self._version, self._list(), self._replication,
+                          self._placement, self._hot.snapshot(), pool_load=self._load_figures)
 
     def _bump(self, why: str, *, shards: bool = False) -> None:
         """A new version (``shards``: the shard list changed, not only the hot-prefix table)."""
@@ -216,6 +245,7 @@ class ShardDirectory:
         if shards:
             self._shards_version = self._version
             self._listed = None
+        self._load_figures = self._load.publish(self._list())
         self._changed.set()  # wakes every waiting long poll
         self._changed = asyncio.Event()
         log.info("%s (version %d)", why, self._version)

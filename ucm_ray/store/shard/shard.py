@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -42,7 +42,7 @@ from ucm_ray.store.shard.published_writer import PublishedIndex
 from ucm_ray.store.shard.remote_reads import RemoteReads
 from ucm_ray.store.types import DIRECTORY_NAME, GrantCommit, Membership, Slot, WrongIncarnation, grant_items, random_id
 from ucm_ray.testing.disk_faults import ops_from_env
-from ucm_ray.transport.base import PoolDescriptor
+from ucm_ray.transport.base import PoolDescriptor, PoolKey
 from ucm_ray.transport.reaper import PoolReaper
 from ucm_ray.transport.shm import SharedPool, pool_prefix, remove_stale_pools
 
@@ -438,10 +438,13 @@ class CacheShard:
 
     @ray.method(concurrency_group="relay")
     def relay_wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S, known_hot: int = -1,
-                              shards_held: bool = False) -> Membership | None:
+                              shards_held: bool = False,
+                              pool_reads: Mapping[PoolKey, int] | None = None) -> Membership | None:
         """As this node's membership relay: the directory's ``wait_for_change`` answer, or None
-        (ask the directory: this shard does not follow it yet, or is behind the caller)."""
-        return self._membership_relay.wait_for_change(known_version, timeout_s, known_hot, shards_held)
+        (ask the directory: this shard does not follow it yet, or is behind the caller).
+        ``pool_reads``: the engine's bytes read per pool since its last poll (``store.pool_load``),
+        sent on with the relay's own poll."""
+        return self._membership_relay.wait_for_change(known_version, timeout_s, known_hot, shards_held, pool_reads)
 
     @ray.method(concurrency_group="watch")
     def wait_until_death(self) -> None:

@@ -106,6 +106,7 @@ class Results:
                 removals.extend(Removal(key, loc) for key, loc in zip(load.blocks.keys, load.blocks.locations)
                                 if loc in corrupt)
             failed = results.load_failures.get(job_id, [])
+            self._store.loaded(load.blocks.locations)
             self._save_again(load, failed)
             if not failed:
                 self._keep_copies(load)
