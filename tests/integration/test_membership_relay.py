@@ -2,7 +2,8 @@
 they get every pushed version and hot-table change as the directory would have sent it, the
 directory answers one poll per relay instead of one per engine, and a relay that dies (or a
 directory that restarts) leaves them following the directory, never on an old membership; a
-relay whose follower meets an unexpected error says it cannot answer and follows again."""
+relay whose follower meets an unexpected error says it cannot answer and follows again, and one
+passed over after a pause is asked again later."""
 
 from __future__ import annotations
 
@@ -46,11 +47,14 @@ class Engines:
         assert all(m is not None for m in self.held)
 
     def follow_to(self, version: int, timeout_s: float = 60.0) -> list[Membership]:
-        """Poll (as the scheduler does every step) until every engine holds ``version``."""
+        """Poll (as the scheduler does every step) until every engine holds ``version``; an engine
+        that holds it posts its next poll at ``park``."""
         deadline = time.monotonic() + timeout_s
         while any(m.version != version for m in self.held):
             assert time.monotonic() < deadline, [m.version for m in self.held]
             for i, feed in enumerate(self.feeds):
+                if self.held[i].version == version:
+                    continue
                 got = feed.poll(self.held[i])
                 if got is not None:
                     assert got.version != self.held[i].version
@@ -232,6 +236,50 @@ def test_each_nodes_engines_follow_their_own_nodes_relay():
         assert result["relayed_polls"][relay] >= 2 * pushes, result  # the node's two engines, every push
         assert result["relayed_polls"][other] == 0, result
     assert result["directory_polls"] <= 2 * (pushes + 1), result  # one per relay a push
+
+
+def relay_holds(cfg, relay_id: str, version: int, timeout_s: float = 10.0) -> None:
+    """Until relay ``relay_id`` follows the directory at ``version`` (an engine posting there
+    behind it is sent to the directory for a round)."""
+    handle = ray.get_actor(relay_id, namespace=cfg.ray_namespace)
+    deadline = time.monotonic() + timeout_s
+    while (held := ray.get(handle.relay_wait_for_change.remote(0, 0.0), timeout=30)) is None or \
+            held.version != version:
+        assert time.monotonic() < deadline, "the relay never followed the directory to that version"
+        time.sleep(0.05)
+
+
+def test_a_relay_passed_over_after_a_pause_is_asked_again_later(fleet, monkeypatch):
+    """The node's one shard paused past the grace (a long GC pause) is passed over: its engines
+    follow the directory; ``RELAY_READMIT_S`` later, at their next poll, they are back on it
+    (before, they stayed on the directory for that shard's lifetime)."""
+    monkeypatch.setattr(feed_module, "RELAY_POLL_S", 1.0)
+    monkeypatch.setattr(feed_module, "RELAY_GRACE_S", 1.0)  # a relay's poll overdue 2 s after it was posted
+    monkeypatch.setattr(feed_module, "RELAY_READMIT_S", 5.0)
+    cfg = fleet(num_shards=1, transport="shm")
+    engines = Engines(cfg)
+    pools = [s.key for s in engines.held[0].shards]
+    relay_id = engines.held[0].shards[0].shard_id
+    engines.follow_to(push(cfg, pools, 0))
+    engines.park()
+    pid = shard_pid(cfg, 0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        engines.follow_to(push(cfg, pools, 1), timeout_s=20)  # passed over: the directory answers
+        engines.park()
+        direct = [feed.relayed for feed in engines.feeds]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(feed_module.RELAY_READMIT_S + 1)
+    version = push(cfg, pools, 2)
+    engines.follow_to(version, timeout_s=20)  # from the directory's poll; the next goes to the relay
+    relay_holds(cfg, relay_id, version)
+    engines.park()
+    time.sleep(0.5)
+    before = relayed(cfg, relay_id)
+    engines.follow_to(push(cfg, pools, 3), timeout_s=20)
+    assert relayed(cfg, relay_id) - before >= ENGINES
+    assert all(feed.relayed > was for feed, was in zip(engines.feeds, direct))
 
 
 class FailsOnce:
