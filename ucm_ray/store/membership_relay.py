@@ -158,7 +158,9 @@ class MembershipRelay:
         self._ended = False
         """The follower returned (stopped, or killed by a BaseException): nothing will be held again."""
         self.served = 0
-        """Engines' long polls answered (stats)."""
+        """Engines' long polls answered with a membership (stats)."""
+        self.cannot_say = 0
+        """Engines' long polls answered None (stats): each sends that engine's next poll to the directory."""
 
     def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S, known_hot: int = -1,
                         shards_held: bool = False) -> Membership | None:
@@ -180,10 +182,13 @@ class MembershipRelay:
                 if left <= 0:
                     break
                 self._moved.wait(left)
-            if time.monotonic() - self._heard > SILENT_S:
-                return None
-            self.served += 1
-            return self._state.answer(known_version, known_hot, shards_held)
+            answer = None if time.monotonic() - self._heard > SILENT_S else \
+                self._state.answer(known_version, known_hot, shards_held)
+            if answer is None:
+                self.cannot_say += 1
+            else:
+                self.served += 1
+            return answer
 
     def stop(self) -> None:
         self._stopped.set()
