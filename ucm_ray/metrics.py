@@ -52,6 +52,8 @@ COUNTERS = {
     "relayed_copies": "Keys of readers' hot-prefix copies announced to this shard as their steward (relay_hot_copies).",
     "relay_forwards": "Forwards of those to the directory (one call each, at most one a second).",
     "relayed_polls": "Engines' membership long polls this shard answered as its node's relay (relay_membership).",
+    "relay_cannot_say": "Engines' long polls it answered None as their relay (not following the directory, yet or "
+                        "any more, or behind the engine): each sends that engine's next poll to the directory.",
     "relay_dropped": "Keys of announced copies dropped: more gathered than a forward holds (a lost announcement).",
     "evicted_dirty": "Evictions, with a disk tier, of entries not yet on disk (demotion fell behind).",
     "disk_demoted": "Entries written from the pool to the disk tier.",

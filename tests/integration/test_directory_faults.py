@@ -84,26 +84,55 @@ def test_client_without_directory_runs_cache_off_then_joins(fleet_config):
         stop_fleet(cfg)
 
 
-@pytest.mark.parametrize("relay_on", [False, True], ids=["directory", "relayed"])
-def test_membership_changes_are_pushed_not_polled(fleet, relay_on):
+def served_calls(cfg) -> dict[str, int]:
+    return ray.get(directory(cfg).ping.remote(), timeout=30)["served"]
+
+
+def relay_figure(shard, name: str) -> int:
+    return ray.get(shard.handle.stats.remote(), timeout=30)[name]
+
+
+@pytest.mark.parametrize("relay_on, directory_paused", [(False, False), (True, False), (True, True)],
+                         ids=["directory", "relayed", "relayed-directory-paused"])
+def test_membership_changes_are_pushed_not_polled(fleet, relay_on, directory_paused):
     """Off, the client's long poll is at the directory (the fallback path); on (the default), at
     its node's relay shard, whose own polls are the directory's calls: its first (it holds nothing
-    yet, answered at once), then the one that waits."""
+    yet, answered at once), then the one that waits. Paused: the directory stopped (a busy or
+    paused process) until the relay, not following it ``SYNC_WAIT_S`` after the client's first
+    poll, answered that it cannot say, so the client sent one poll to the directory itself."""
     cfg = fleet(num_shards=3, transport="shm", relay_membership=relay_on)
     client = StoreClient(cfg)
-    served = ray.get(directory(cfg).ping.remote())["served"]
+    relay = client.membership.shards[0]  # the lowest shard id on the (one) node
+    before = ray.get(directory(cfg).ping.remote(), timeout=30)  # its pid, too
+    served, cannot_say = before["served"], relay_figure(relay, "relay_cannot_say")
+    if directory_paused:
+        os.kill(before["pid"], signal.SIGSTOP)
+        try:
+            said = until(lambda: (client.refresh(), relay_figure(relay, "relay_cannot_say") > cannot_say)[1],
+                         timeout_s=20)
+        finally:
+            os.kill(before["pid"], signal.SIGCONT)
+        assert said, "the relay never said it could not answer"
     started = time.monotonic()
     while time.monotonic() - started < 4.0:  # a busy scheduler: refresh on every step
         client.refresh()
         time.sleep(0.01)
-    calls = ray.get(directory(cfg).ping.remote())["served"]
+    # Every long poll the directory got has its reason, and nothing changed, so each one waits: the
+    # client's own (off) or the relay's two, and one of the client's for each time the relay could
+    # not say (at most once: that poll waits at the directory for a change). Counted once they
+    # reach it (under load one may be under way when the refreshes stop); none polls the membership.
+    said_none = relay_figure(relay, "relay_cannot_say") - cannot_say
+    assert (said_none == 1) if directory_paused else (said_none <= relay_on), said_none
+    expected = (2 if relay_on else 1) + said_none
+    assert until(lambda: served_calls(cfg)["wait_for_change"] - served["wait_for_change"] >= expected, timeout_s=10)
+    calls = served_calls(cfg)
+    assert calls["wait_for_change"] - served["wait_for_change"] == expected
     assert calls["membership"] == served["membership"]
-    assert calls["wait_for_change"] - served["wait_for_change"] <= 1 + relay_on
     os.kill(shard_pid(cfg, 1), signal.SIGKILL)
     assert until(lambda: (client.refresh(), len(client.membership.shards) == 2)[1], timeout_s=10), \
         "the shard's death never reached the client"
-    relay = client.membership.shards[0]  # the lowest shard id on the (one) node
-    assert (ray.get(relay.handle.stats.remote(), timeout=30)["relayed_polls"] > 0) == relay_on
+    relay = client.membership.shards[0]  # the death's version answered the client's poll where it waited
+    assert (relay_figure(relay, "relayed_polls") > 0) == (relay_on and not directory_paused)
 
 
 def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to_its_workers(fleet):

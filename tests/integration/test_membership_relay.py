@@ -1,20 +1,25 @@
 """A node's engines follow the directory through their node's relay shard (``relay_membership``):
 they get every pushed version and hot-table change as the directory would have sent it, the
 directory answers one poll per relay instead of one per engine, and a relay that dies (or a
-directory that restarts) leaves them following the directory, never on an old membership."""
+directory that restarts) leaves them following the directory, never on an old membership; a
+relay whose follower meets an unexpected error says it cannot answer and follows again, and one
+passed over after a pause is asked again later."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import ray
 
 from tests.support.private_cluster import pinned_nodes, run_driver
 from tests.support.store_helpers import shard_pid
+from ucm_ray.store import membership_relay as relay_module
 from ucm_ray.store.engine import feed as feed_module
 from ucm_ray.store.engine.feed import MembershipFeed
+from ucm_ray.store.membership_relay import MembershipRelay, RelayedMembership
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
 
 ENGINES = 4
@@ -42,11 +47,14 @@ class Engines:
         assert all(m is not None for m in self.held)
 
     def follow_to(self, version: int, timeout_s: float = 60.0) -> list[Membership]:
-        """Poll (as the scheduler does every step) until every engine holds ``version``."""
+        """Poll (as the scheduler does every step) until every engine holds ``version``; an engine
+        that holds it posts its next poll at ``park``."""
         deadline = time.monotonic() + timeout_s
         while any(m.version != version for m in self.held):
             assert time.monotonic() < deadline, [m.version for m in self.held]
             for i, feed in enumerate(self.feeds):
+                if self.held[i].version == version:
+                    continue
                 got = feed.poll(self.held[i])
                 if got is not None:
                     assert got.version != self.held[i].version
@@ -228,3 +236,94 @@ def test_each_nodes_engines_follow_their_own_nodes_relay():
         assert result["relayed_polls"][relay] >= 2 * pushes, result  # the node's two engines, every push
         assert result["relayed_polls"][other] == 0, result
     assert result["directory_polls"] <= 2 * (pushes + 1), result  # one per relay a push
+
+
+def relay_holds(cfg, relay_id: str, version: int, timeout_s: float = 10.0) -> None:
+    """Until relay ``relay_id`` follows the directory at ``version`` (an engine posting there
+    behind it is sent to the directory for a round)."""
+    handle = ray.get_actor(relay_id, namespace=cfg.ray_namespace)
+    deadline = time.monotonic() + timeout_s
+    while (held := ray.get(handle.relay_wait_for_change.remote(0, 0.0), timeout=30)) is None or \
+            held.version != version:
+        assert time.monotonic() < deadline, "the relay never followed the directory to that version"
+        time.sleep(0.05)
+
+
+def test_a_relay_passed_over_after_a_pause_is_asked_again_later(fleet, monkeypatch):
+    """The node's one shard paused past the grace (a long GC pause) is passed over: its engines
+    follow the directory; ``RELAY_READMIT_S`` later, at their next poll, they are back on it
+    (before, they stayed on the directory for that shard's lifetime)."""
+    monkeypatch.setattr(feed_module, "RELAY_POLL_S", 1.0)
+    monkeypatch.setattr(feed_module, "RELAY_GRACE_S", 1.0)  # a relay's poll overdue 2 s after it was posted
+    monkeypatch.setattr(feed_module, "RELAY_READMIT_S", 5.0)
+    cfg = fleet(num_shards=1, transport="shm")
+    engines = Engines(cfg)
+    pools = [s.key for s in engines.held[0].shards]
+    relay_id = engines.held[0].shards[0].shard_id
+    engines.follow_to(push(cfg, pools, 0))
+    engines.park()
+    pid = shard_pid(cfg, 0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        engines.follow_to(push(cfg, pools, 1), timeout_s=20)  # passed over: the directory answers
+        engines.park()
+        direct = [feed.relayed for feed in engines.feeds]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(feed_module.RELAY_READMIT_S + 1)
+    version = push(cfg, pools, 2)
+    engines.follow_to(version, timeout_s=20)  # from the directory's poll; the next goes to the relay
+    relay_holds(cfg, relay_id, version)
+    engines.park()
+    time.sleep(0.5)
+    before = relayed(cfg, relay_id)
+    engines.follow_to(push(cfg, pools, 3), timeout_s=20)
+    assert relayed(cfg, relay_id) - before >= ENGINES
+    assert all(feed.relayed > was for feed, was in zip(engines.feeds, direct))
+
+
+class FailsOnce:
+    """``RelayedMembership.take`` raising once, when armed: a defect the relay's follower meets
+    (an answer it cannot take), of no kind it expects."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.raised = threading.Event()
+        self._take = RelayedMembership.take
+
+    def __call__(self, state: RelayedMembership, answer: Membership, posted_version: int) -> bool:
+        if self.armed and not self.raised.is_set():
+            self.raised.set()
+            raise RuntimeError("an answer the relay cannot take")
+        return self._take(state, answer, posted_version)
+
+
+def test_a_relay_whose_follower_meets_an_unexpected_error_cannot_say_then_follows_again(fleet, monkeypatch):
+    """A relay (this process's, on the fleet's directory) whose follower raises what it does not
+    expect: an engine's poll is answered None within ``SYNC_WAIT_S`` (it asks the directory), not
+    after its long poll with the old membership (the follower had died: every engine on the node
+    got pushes only once the relay fell silent, ~30-60 s late), and it follows the next pushes."""
+    fails = FailsOnce()
+    monkeypatch.setattr(RelayedMembership, "take", lambda state, answer, posted: fails(state, answer, posted))
+    cfg = fleet(num_shards=1, transport="shm")
+    pools = [s.key for s in ray.get(directory(cfg).membership.remote(), timeout=30).shards]
+    relay = MembershipRelay(cfg.ray_namespace)
+    try:
+        held = relay.wait_for_change(0, 10.0)
+        assert held is not None
+        fails.armed = True
+        pushed = push(cfg, pools, 0)
+        assert fails.raised.wait(10)
+        started = time.monotonic()
+        answer = relay.wait_for_change(held.version, 10.0)
+        assert time.monotonic() - started < relay_module.SYNC_WAIT_S + 1
+        assert answer is None or answer.version == pushed, (answer, held.version, pushed)
+        deadline = time.monotonic() + relay_module.RETRY_S + 10
+        while (answer := relay.wait_for_change(held.version, 1.0)) is None:  # following again
+            assert time.monotonic() < deadline, "the relay never followed the directory again"
+        assert answer.version == pushed
+        later = push(cfg, pools, 1)
+        answer = relay.wait_for_change(pushed, 10.0)
+        assert answer is not None and answer.version == later
+    finally:
+        relay.stop()

@@ -14,7 +14,11 @@ to the engine's revision (the one the relay got, an empty one, or one built from
 held, ``HOT_TABLES_HELD``) or else whole. It never answers with a version older than the
 engine's: a relay behind the engine, not following the directory (not yet, or its poll failed) or
 not heard from the directory within ``SILENT_S`` answers None, and the engine asks the directory
-itself for that round (``MembershipFeed``), as it does when the relay's call fails.
+itself for that round (``MembershipFeed``), as it does when the relay's call fails. Whatever stops
+the relay following (the directory missing or restarting, or a defect: an answer it cannot take)
+leaves it holding nothing, so it answers None, and it tries again after a backoff; a follower
+that died of an unexpected error had left its engines waiting out their long polls for a
+membership it no longer followed (review, stop 65).
 
 An engine's poll carries the bytes it read per pool since its last one (``store.pool_load``): the
 relay sums them and sends the sum with its own next poll, which it posts ``REPORTS_GATHER_S`` after
@@ -53,7 +57,11 @@ HOT_TABLES_HELD = 8
 """Hot tables of the last revisions a relay keeps (references to the tables it got: rows shared)
 to build a delta for an engine behind by more than one push (the directory would send one)."""
 RETRY_S = 2.0
-"""A relay whose poll failed asks the directory again after this long (looked up by name)."""
+"""A relay whose poll failed asks the directory again after this long (looked up by name), doubled
+at each failure in a row up to ``RETRY_MAX_S``: a restarting directory is followed again within
+seconds, and a failure that repeats (a defect) is not retried, nor logged, twice a second."""
+RETRY_MAX_S = LONG_POLL_S
+"""The longest wait between a relay's tries: its engines ask the directory themselves meanwhile."""
 REPORTS_GATHER_S = 0.2
 """Once its engines report reads, a relay posts its poll this long after an answer: its engines,
 answered at once, re-post within it with their reads of the period the answer ended, which then
@@ -164,8 +172,12 @@ class MembershipRelay:
         """The node's engines' reads per pool since the relay's last poll."""
         self._reported = False
         """Whether an engine reported reads (the relay then gathers before each poll)."""
+        self._ended = False
+        """The follower returned (stopped, or killed by a BaseException): nothing will be held again."""
         self.served = 0
-        """Engines' long polls answered (stats)."""
+        """Engines' long polls answered with a membership (stats)."""
+        self.cannot_say = 0
+        """Engines' long polls answered None (stats): each sends that engine's next poll to the directory."""
 
     def wait_for_change(self, known_version: int, timeout_s: float = LONG_POLL_S, known_hot: int = -1,
                         shards_held: bool = False,
@@ -185,15 +197,20 @@ class MembershipRelay:
                     if self._state.version != known_version:
                         break
                     left = deadline - time.monotonic()
+                elif self._ended:  # no follower will ever hold one: not worth waiting for
+                    break
                 else:
                     left = sync_by - time.monotonic()
                 if left <= 0:
                     break
                 self._moved.wait(left)
-            if time.monotonic() - self._heard > SILENT_S:
-                return None
-            self.served += 1
-            return self._state.answer(known_version, known_hot, shards_held)
+            answer = None if time.monotonic() - self._heard > SILENT_S else \
+                self._state.answer(known_version, known_hot, shards_held)
+            if answer is None:
+                self.cannot_say += 1
+            else:
+                self.served += 1
+            return answer
 
     def stop(self) -> None:
         self._stopped.set()
@@ -206,30 +223,54 @@ class MembershipRelay:
         self._follower.start()
 
     def _follow(self) -> None:
+        """Follows the directory until stopped. A failed try (``_lose``) and then a wait,
+        ``RETRY_S`` doubled at each failure in a row; any exception, not only the directory's
+        expected ones: a follower that dies leaves no one to take the directory's answers."""
         directory = None
-        while not self._stopped.is_set():
-            try:
-                if directory is None:
-                    directory = ray.get_actor(DIRECTORY_NAME, namespace=self._namespace)
-                if self._reported:
-                    self._stopped.wait(REPORTS_GATHER_S)
-                with self._moved:
-                    version, hot = self._state.poll_args()
-                reads = self._reads.drain()
-                answer = ray.get(directory.wait_for_change.remote(version, LONG_POLL_S, known_hot=hot,
-                                                                  shards_held=True, pool_reads=reads),
-                                 timeout=SILENT_S)
-            except (RayError, GetTimeoutError, ValueError) as e:  # ValueError: no directory by that name
-                log.warning("membership relay: the directory did not answer (%s); its engines ask it "
-                            "themselves until it does", type(e).__name__)
-                directory = None
-                with self._moved:
-                    self._state.forget()
-                    self._moved.notify_all()
-                self._stopped.wait(RETRY_S)
-                continue
+        failures = 0
+        try:
+            while not self._stopped.is_set():
+                try:
+                    if directory is None:
+                        directory = ray.get_actor(DIRECTORY_NAME, namespace=self._namespace)
+                    self._take_next(directory)
+                except Exception as e:  # noqa: BLE001 -- see the docstring
+                    directory = None
+                    self._lose(e)
+                    self._stopped.wait(min(RETRY_S * 2 ** failures, RETRY_MAX_S))
+                    failures += 1
+                    continue
+                failures = 0
+        finally:  # stopped, or a BaseException: its engines are answered None at once from now on
             with self._moved:
-                self._heard = time.monotonic()
-                if not self._state.take(answer, version):
-                    log.warning("membership relay: an answer that does not apply to what it held; asking for all")
+                self._ended = True
+                self._state.forget()
                 self._moved.notify_all()
+
+    def _take_next(self, directory: ray.actor.ActorHandle) -> None:
+        """One long poll at the directory, its answer taken (engines waiting for it woken)."""
+        if self._reported:
+            self._stopped.wait(REPORTS_GATHER_S)
+        with self._moved:
+            version, hot = self._state.poll_args()
+        reads = self._reads.drain()
+        answer = ray.get(directory.wait_for_change.remote(version, LONG_POLL_S, known_hot=hot, shards_held=True,
+                                                          pool_reads=reads),
+                         timeout=SILENT_S)
+        with self._moved:
+            self._heard = time.monotonic()
+            if not self._state.take(answer, version):
+                log.warning("membership relay: an answer that does not apply to what it held; asking for all")
+            self._moved.notify_all()
+
+    def _lose(self, error: Exception) -> None:
+        """What is held is dropped: engines waiting are answered None (they ask the directory)."""
+        if isinstance(error, (RayError, GetTimeoutError, ValueError)):  # ValueError: no directory by that name
+            log.warning("membership relay: the directory did not answer (%s); its engines ask it themselves "
+                        "until it does", type(error).__name__)
+        else:
+            log.error("membership relay: following the directory failed; its engines ask it themselves "
+                      "until the relay follows again", exc_info=error)
+        with self._moved:
+            self._state.forget()
+            self._moved.notify_all()

@@ -10,10 +10,10 @@ directory restarted by Ray or created again by ``ucm-ray up`` is found without a
 With ``relay_membership`` the long poll goes to the node's relay instead (``store.membership_relay``:
 the lowest shard id on this node in the membership held, so the node's engines agree), which
 answers as the directory would; a relay that answers None (not following, or behind) sends one
-poll to the directory, and one whose call fails is passed over until the membership names
-another incarnation of it (a dead shard leaves the membership: the next one on the node relays),
-as is one that does not answer within ``RELAY_POLL_S + RELAY_GRACE_S`` (a frozen process, which
-the directory does not see die).
+poll to the directory, and one whose call fails is passed over (a dead shard leaves the
+membership: the next one on the node relays), as is one that does not answer within
+``RELAY_POLL_S + RELAY_GRACE_S`` (a frozen process, which the directory does not see die), until
+``RELAY_READMIT_S`` later (``PassedOver``).
 
 Each long poll carries the bytes this engine read per pool since the last one (``store.pool_load``:
 what the directory's load figure is summed from), so reporting costs no call of its own.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -39,6 +40,24 @@ RELAY_POLL_S = 30.0
 """A relay answers a long poll by then, changed or not (the directory's ``LONG_POLL_S``)."""
 RELAY_GRACE_S = 10.0
 """... and a relay that has not answered this long after is passed over."""
+RELAY_READMIT_S = 60.0
+"""A relay passed over is asked again this long after, doubled at each pass-over since it last
+answered, up to ``RELAY_READMIT_MAX_S``. Passed over for good (until its incarnation changed), one
+transient failure (a GC pause past the grace, a call lost while its node was busy) sent the node's
+engines to the directory for the relay's lifetime; asked again at once, or at the next membership
+version (a hot-table push moves it up to once a second), a relay that keeps failing would cost
+its engines a failed call, or a frozen one ``RELAY_POLL_S + RELAY_GRACE_S`` of no news, each time."""
+RELAY_READMIT_MAX_S = 16 * RELAY_READMIT_S
+"""The longest a relay that keeps failing is passed over before it is asked again."""
+
+
+@dataclass
+class PassedOver:
+    """A relay passed over: asked again from ``until`` (``time.monotonic``); ``times`` passed over
+    since it last answered (each doubles the wait)."""
+
+    until: float
+    times: int
 
 
 class MembershipFeed:
@@ -51,8 +70,9 @@ class MembershipFeed:
         self._relay_node = relay_node
         self._relay: ShardRecord | None = None
         """The relay the outstanding long poll went to (None: the directory)."""
-        self._passed_over: set[PoolKey] = set()
-        """Relays (shard id, incarnation) whose call failed: not asked again."""
+        self._passed_over: dict[PoolKey, PassedOver] = {}
+        """Relays (shard id, incarnation) whose call failed, or that did not answer in time, since
+        they last answered."""
         self._node_shards: tuple[int, list[ShardRecord]] = (0, [])
         """(membership version, this node's shards in it by shard id)."""
         self._direct_once = False
@@ -115,6 +135,8 @@ class MembershipFeed:
             else:
                 self._lost(e)
             return None
+        if self._relay is not None and self._passed_over:
+            self._passed_over.pop(self._relay.key, None)  # it answers: a later failure waits RELAY_READMIT_S again
         if answer is None:  # the relay cannot say: one poll to the directory
             self._direct_once = True
             return None
@@ -154,20 +176,25 @@ class MembershipFeed:
         return True
 
     def _pass_over(self, relay: ShardRecord, why: str) -> None:
-        log.warning("membership relay %s failed (%s); following the directory itself until the membership names "
-                    "another relay", relay.shard_id, why)
         on_node = {shard.key for shard in self._node_shards[1]}
-        self._passed_over = {key for key in self._passed_over if key in on_node} | {relay.key}
+        self._passed_over = {key: passed for key, passed in self._passed_over.items() if key in on_node}
+        times = self._passed_over[relay.key].times + 1 if relay.key in self._passed_over else 1
+        wait_s = min(RELAY_READMIT_S * 2 ** (times - 1), RELAY_READMIT_MAX_S)
+        self._passed_over[relay.key] = PassedOver(time.monotonic() + wait_s, times)
+        log.warning("membership relay %s failed (%s); following the directory itself, or the node's next relay, "
+                    "for %.0f s", relay.shard_id, why, wait_s)
 
     def _relay_for(self, known: Membership) -> ShardRecord | None:
-        """This node's relay in ``known`` (its lowest shard id here not passed over), or None: the
-        long poll goes to the directory."""
+        """This node's relay in ``known`` (its lowest shard id here not passed over, or whose pass-over
+        ended), or None: the long poll goes to the directory."""
         if self._relay_node is None or self._direct_once:
             return None
         if self._node_shards[0] != known.version:  # once a membership, not at every post
             self._node_shards = (known.version, [s for s in known.shards if s.pool.node_id == self._relay_node])
+        now = time.monotonic()
         for shard in self._node_shards[1]:  # sorted by shard id
-            if shard.key not in self._passed_over:
+            passed = self._passed_over.get(shard.key)
+            if passed is None or passed.until <= now:
                 return shard
         return None
 

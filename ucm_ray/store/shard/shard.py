@@ -410,6 +410,7 @@ class CacheShard:
             figures.update(self._remote_reads.stats())
             figures["hot_blocks_learned"] = self._hot.learned
             figures["relayed_polls"] = self._membership_relay.served
+            figures["relay_cannot_say"] = self._membership_relay.cannot_say
             counts = self._relay.counts
             figures.update(relayed_copies=counts.gathered, relay_forwards=counts.forwarded,
                            relay_dropped=counts.dropped, relay_held=len(self._relay))
