@@ -179,6 +179,32 @@ def test_a_batch_without_room_takes_back_the_slabs_nobody_waits_on(shards, monke
         staging.close()
 
 
+def test_a_larger_batch_gets_room_from_free_slabs_too_small_for_it(shards):
+    """Staging made up to its bound of small slabs, every one free again: a larger batch drops
+    free slabs to make its own rather than failing (slabs are never merged: kept, a worker that
+    once held many small transfers would fail every larger one for good)."""
+    shard = shards[0]
+    staging = HostStaging("on", rdma=[], max_bytes=2 * MIN_SLAB_BYTES)
+    transport = NixlPoolTransport(shard.desc, staging=staging)
+    src, dst = _random(2 << 20, seed=13), torch.zeros(2 << 20, dtype=torch.uint8)
+    transport.register_local(src)
+    transport.register_local(dst)
+    try:
+        transport.write(Ranges.of([CopyOp(0, src[:MIN_SLAB_BYTES])])).wait(WAIT_S)
+        landed = transport.read(Ranges.of([CopyOp(0, dst[:4096])]))  # holds the first slab for its wait
+        transport.write(Ranges.of([CopyOp(MIN_SLAB_BYTES, src[MIN_SLAB_BYTES:])])).wait(WAIT_S)  # a second
+        landed.wait(WAIT_S)
+        assert staging.allocations == 2 and staging.held_bytes == 0
+        larger = MIN_SLAB_BYTES + (MIN_SLAB_BYTES >> 1)
+        transport.read(Ranges.of([CopyOp(0, dst[:larger])])).wait(WAIT_S)
+        assert torch.equal(dst[:larger], src[:larger])
+        assert len(staging.slab_addresses) == 1 and staging.held_bytes == 0
+        transport.write(Ranges.of([CopyOp(0, src[:4096])])).wait(WAIT_S)  # the slab made after the drops works
+    finally:
+        transport.close()
+        staging.close()
+
+
 def test_a_killed_shard_fails_the_staged_transfer_and_gives_its_slab_back(cluster):
     shard = Shard(cluster, "k", 3)
     staging = HostStaging("on", rdma=[])

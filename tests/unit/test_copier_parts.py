@@ -131,6 +131,9 @@ def test_a_batch_posted_after_its_deadline_is_abandoned_as_it_is_posted():
         late = copier.move_later(time.monotonic() + 5.0, batch, write=False)
         assert copier.posted_by_deadline(late, time.monotonic() + 0.05) is None
         late.result(timeout=10)
+        settled = time.monotonic() + 10  # a future's callbacks run after ``result`` returns
+        while not pools.posted[0].abandoned and time.monotonic() < settled:
+            time.sleep(0.001)
         assert pools.posted[0].abandoned
         pools.late_s = 0.0
         on_time = copier.move_later(time.monotonic() + 5.0, batch, write=False)

@@ -12,7 +12,9 @@ queued after. The copies between the KV and a slab are those of a same-node pool
 (``shm.HostBufferTransport``: one gather plan on CUDA, plain copies on CPU).
 
 Slabs are made on demand, kept and reused (a transfer holds one from its post until its outcome
-is known), each a power of two from ``MIN_SLAB_BYTES``, all together at most ``MAX_STAGING_BYTES``.
+is known), each a power of two from ``MIN_SLAB_BYTES``, all together at most ``MAX_STAGING_BYTES``;
+a batch that no free slab fits and no room is left for drops free slabs (deregistered from NIXL)
+to make its own: kept, small slabs would fail every larger batch for good once they filled the bound.
 A batch that finds no room takes back the slabs of transfers that are over and whose bytes
 nobody still has to take out of them (saves, failed or abandoned loads), and waits for the
 others' (the layers of a large load, read ahead of their hooks, come back as the hooks take
@@ -90,6 +92,8 @@ class _Slab:
     copies: HostBufferTransport
     holder: _StagedTransfer | None = None
     busy: bool = True
+    deregisters: set[Callable[[torch.Tensor], None]] = field(default_factory=set)
+    """Of the transports that registered it with NIXL: called before it is dropped."""
 
 
 @dataclass(eq=False)
@@ -206,9 +210,10 @@ class HostStaging:
             return [slab.tensor.data_ptr() for slab in self._slabs]
 
     def post(self, ranges: Ranges, *, to_pool: bool, post: Callable[[Ranges], Transfer],
-             register: Callable[[torch.Tensor], None]) -> Transfer:
+             register: Callable[[torch.Tensor], None], deregister: Callable[[torch.Tensor], None]) -> Transfer:
         """``ranges`` (the batch's buffers <-> the pool, checked by the caller) through a slab:
-        ``post`` moves the slab's ranges with the pool (registered by ``register`` first). A
+        ``post`` moves the slab's ranges with the pool (registered by ``register`` first;
+        ``deregister`` undoes that where the slab is dropped). A
         save is gathered into the slab before it returns (on CUDA: on our stream, waited for
         here, on the copy thread)."""
         layout = StagingLayout.of(ranges)
@@ -221,6 +226,8 @@ class HostStaging:
         remote = Ranges((lease.slab.tensor,), np.zeros(len(sizes), dtype=np.int64), slab_at, pool_at, sizes)
         try:
             register(lease.slab.tensor)
+            with self._lock:  # (the slab is busy: nothing drops it meanwhile)
+                lease.slab.deregisters.add(deregister)
             if to_pool:
                 with torch.inference_mode():  # vLLM's KV caches are inference tensors
                     copies.copy(local, to_pool=True, follow_caller=False).wait()
@@ -264,9 +271,9 @@ class HostStaging:
             time.sleep(0 if spins < 64 else min(1e-3, 1e-5 * (spins - 63)))
 
     def _free_or_new(self, nbytes: int) -> _Slab | None:
-        """The smallest free slab of at least ``nbytes``, else a new one within the bound, else
-        None. (Slabs are never dropped: NIXL keeps a registered slab's memory until the
-        transports that registered it close.)"""
+        """The smallest free slab of at least ``nbytes``, else a new one within the bound (free
+        slabs, all too small, dropped for room, largest first), else None."""
+        dropped: list[_Slab] = []
         with self._lock:
             free = [slab for slab in self._slabs if not slab.busy and slab.tensor.numel() >= nbytes]
             if free:
@@ -274,17 +281,31 @@ class HostStaging:
                 slab.busy = True
                 return slab
             made = sum(slab.tensor.numel() for slab in self._slabs)
-            size = max(MIN_SLAB_BYTES, 1 << (nbytes - 1).bit_length())
-            if made + size > self._max_bytes:
-                size = nbytes
-            if made + size > self._max_bytes:
+            idle = sorted((slab for slab in self._slabs if not slab.busy), key=lambda s: -s.tensor.numel())
+            room = self._max_bytes - made  # without drops; with every idle slab dropped:
+            most = room + sum(slab.tensor.numel() for slab in idle)
+            rounded = max(MIN_SLAB_BYTES, 1 << (nbytes - 1).bit_length())
+            size = next((n for n in (rounded, nbytes) if n <= room), rounded if rounded <= most else nbytes)
+            if size > most:
                 return None
+            while made + size > self._max_bytes:
+                dropped.append(idle.pop(0))
+                made -= dropped[-1].tensor.numel()
+            self._slabs = [slab for slab in self._slabs if all(slab is not d for d in dropped)]
             tensor = torch.empty(size, dtype=torch.uint8)
             slab = _Slab(tensor, HostBufferTransport(tensor, "NIXL staging"))
             self._slabs.append(slab)
             self.allocations += 1
-        log.debug("NIXL staging: a %d-byte slab (%d made)", size, made + size)
+        for old in dropped:  # free: no transfer uses it (NIXL holds its memory until deregistered)
+            self._drop(old)
+        log.debug("NIXL staging: a %d-byte slab (%d made, %d dropped for it)", size, made + size, len(dropped))
         return slab
+
+    @staticmethod
+    def _drop(slab: _Slab) -> None:
+        for deregister in slab.deregisters:
+            deregister(slab.tensor)
+        slab.copies.close()
 
     def give_back(self, slab: _Slab) -> None:
         with self._lock:

@@ -183,6 +183,18 @@ class NixlPoolTransport(PoolTransport):
             self._regions[key] = self._client.acquire_region(tensor)
             self._reindex()
 
+    def _deregister(self, tensor: torch.Tensor) -> None:
+        """Undo ``_register`` of ``tensor``'s storage (nothing if this transport never registered
+        it, or closed): host staging drops a slab no transfer uses."""
+        mem_type, dev = memory_of(tensor)
+        storage = tensor.untyped_storage()
+        with self._lock:
+            region = self._regions.pop((mem_type, dev, storage.data_ptr(), storage.nbytes()), None)
+            if region is not None:
+                self._reindex()
+        if region is not None:
+            self._client.release_region(region)
+
     def _reindex(self) -> None:
         by_mem: dict[tuple[str, int], list[Region]] = {}
         for r in self._regions.values():
@@ -212,7 +224,7 @@ class NixlPoolTransport(PoolTransport):
             self._check_open()
         ranges.check(self.desc.pool_bytes, f"{op_name}: shard {self.desc.shard_id}'s pool")
         return self._staging.post(ranges, to_pool=op_name == "WRITE", post=lambda slab: self._post(op_name, slab),
-                                  register=self._register)
+                                  register=self._register, deregister=self._deregister)
 
     def _check_ops(self, op_name: str, ranges: Ranges) -> dict[tuple[str, int], tuple[list, list]]:
         """NIXL descriptor rows (local, remote) per local memory; ValueError on any bad range
