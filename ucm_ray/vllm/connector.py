@@ -125,8 +125,10 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         # quiet decode step makes costs it, with the host's caches cold, several times what it
         # costs in a loop (docs/performance-log.md, stop 65). The other role's is a stand-in
         # that refuses any use.
-        self.scheduler_part: SchedulerPart = self._scheduler or cast(SchedulerPart, _OtherRole("scheduler"))
-        self.worker_part: WorkerPart = self._worker or cast(WorkerPart, _OtherRole("worker"))
+        self.scheduler_part: SchedulerPart = self._scheduler if self._scheduler is not None else \
+            cast(SchedulerPart, _OtherRole("scheduler"))
+        self.worker_part: WorkerPart = self._worker if self._worker is not None else \
+            cast(WorkerPart, _OtherRole("worker"))
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
