@@ -321,6 +321,20 @@ def test_decode_steps_without_connector_work_hand_vllm_no_stats(store, model_dir
     assert a.stats()["schedule_seconds_count"] <= 5
 
 
+def test_each_role_refuses_the_other_halfs_calls_by_name(store, model_dir):
+    """The hooks reach their half through a plain attribute (no property call a step); on a
+    connector of the other role that attribute refuses any use, naming the call."""
+    a = make_engine(store.client(), model_dir)
+    try:
+        with pytest.raises(AssertionError, match=r"worker-side call \(wait_for_save\)"):
+            a.connector.wait_for_save()
+        with pytest.raises(AssertionError, match=r"scheduler-side call \(build_connector_meta\)"):
+            a.worker.build_connector_meta(None)
+        a.serve("A", prompt(512), max_tokens=4)  # the engine's own calls go to its halves
+    finally:
+        a.shutdown()
+
+
 def test_a_decode_step_plans_only_the_requests_whose_blocks_filled(store, model_dir):
     """With many requests decoding, the scheduler hook's largest cost was examining each one
     every step. A request whose blocks waited at the last plan is passed over until another of

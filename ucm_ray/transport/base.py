@@ -8,7 +8,7 @@ bytes: the control plane hands out pool offsets, the transport copies.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +34,32 @@ class CopyOp:
 def flat_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """The whole allocation behind ``tensor`` as one flat uint8 tensor (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+class LocalBuffers(tuple[torch.Tensor, ...]):
+    """Local buffers (flat uint8 tensors, never resized: a worker's KV caches) with each one's
+    address and size read once. Every plan checks its ranges against the sizes and aligns to
+    the addresses: read from an 8B model's 32 layer buffers at each plan, with the host's caches
+    cold, they cost a decode step's save ~80 us of its ~0.3 ms plan on the CPU box
+    (docs/performance-log.md, stop 65)."""
+
+    addresses: tuple[int, ...]
+    numels: tuple[int, ...]
+    sizes: np.ndarray
+    """``numels`` as an int64 array (read-only)."""
+
+    def __new__(cls, buffers: Iterable[torch.Tensor]) -> LocalBuffers:
+        self = super().__new__(cls, buffers)
+        self.addresses = tuple(buffer.data_ptr() for buffer in self)
+        self.numels = tuple(buffer.numel() for buffer in self)
+        self.sizes = np.asarray(self.numels, dtype=np.int64)
+        self.sizes.flags.writeable = False
+        return self
+
+
+def local_buffers(buffers: Sequence[torch.Tensor]) -> LocalBuffers:
+    """``buffers`` with their addresses and sizes: read now unless they were already."""
+    return buffers if isinstance(buffers, LocalBuffers) else LocalBuffers(buffers)
 
 
 @dataclass(frozen=True)
@@ -104,7 +130,7 @@ class Ranges:
 
     def check(self, pool_bytes: int, what: str) -> None:
         """ValueError naming the first range outside the pool or outside its local buffer."""
-        limits = np.asarray([b.numel() for b in self.buffers], dtype=np.int64)
+        limits = local_buffers(self.buffers).sizes
         if self._inside(pool_bytes, limits):
             return
         # each end against its limit less the size, not the offset plus the size: that sum can

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import Ranges, RepeatedRanges
+from ucm_ray.transport.base import Ranges, RepeatedRanges, local_buffers
 from ucm_ray.transport.cudart import copy_rows, has_copy_rows
 
 WORD = 8
@@ -157,8 +157,8 @@ def _spans_of(buffers: Sequence[torch.Tensor], line: int) -> _Spans:
     """``_Spans(buffers, line)``, made once per buffer set (by device, address and size: a view
     of a span owns nothing, so equal keys are the same memory). Safe beside another thread
     doing the same: the worst is a set's spans made twice."""
-    key = (line, buffers[0].device if buffers else None, tuple(map(torch.Tensor.data_ptr, buffers)),
-           tuple(map(torch.Tensor.numel, buffers)))
+    known = local_buffers(buffers)
+    key = (line, known[0].device if known else None, known.addresses, known.numels)
     spans = _recent_spans.pop(key, None)
     if spans is None:
         spans = _Spans(buffers, line)
@@ -430,7 +430,8 @@ def _line(pool: torch.Tensor, host_pool: torch.Tensor | None, ranges: Ranges, *v
     """The plan's row size (``line_bytes`` of ``values``), or 0 when a tensor's start or a value
     shares no 8-byte alignment."""
     hosts = () if host_pool is None else (host_pool,)
-    if any(t.data_ptr() % WORD for t in (pool, *hosts, *ranges.buffers)):
+    if any(t.data_ptr() % WORD for t in (pool, *hosts)) or \
+            any(address % WORD for address in local_buffers(ranges.buffers).addresses):
         return 0
     return line_bytes(*values)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 import torch
@@ -86,6 +86,18 @@ def _tp_rank() -> int:
         return 0
 
 
+class _OtherRole:
+    """What a connector holds for the half it does not run: any use is refused by name."""
+
+    def __init__(self, half: str) -> None:
+        self._half = half
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy's and pickle's lookups: this has none
+            raise AttributeError(name)
+        raise AssertionError(f"{self.__dict__.get('_half')}-side call ({name}) on a connector of the other role")
+
+
 class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     subclass_extra_keys: tuple[str, ...] = ()
     """Keys of the extra config that a subclass reads itself (the test harness hands its store
@@ -109,6 +121,14 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerPart(kv_cache_config, self.ucm_config, _tp_rank(), node,
                                       pools=self.pool_connections(self.ucm_config, node),
                                       indexes=self.index_readers(self.ucm_config, node), clock=self.clock())
+        # The hooks reach their half through plain attributes, not properties: every call a
+        # quiet decode step makes costs it, with the host's caches cold, several times what it
+        # costs in a loop (docs/performance-log.md, stop 65). The other role's is a stand-in
+        # that refuses any use.
+        self.scheduler_part: SchedulerPart = self._scheduler if self._scheduler is not None else \
+            cast(SchedulerPart, _OtherRole("scheduler"))
+        self.worker_part: WorkerPart = self._worker if self._worker is not None else \
+            cast(WorkerPart, _OtherRole("worker"))
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -136,16 +156,6 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss, nothing more
-
-    @property
-    def scheduler_part(self) -> SchedulerPart:
-        assert self._scheduler is not None, "scheduler-side call on a worker connector"
-        return self._scheduler
-
-    @property
-    def worker_part(self) -> WorkerPart:
-        assert self._worker is not None, "worker-side call on a scheduler connector"
-        return self._worker
 
     # --- scheduler role ------------------------------------------------------------------
 
@@ -205,15 +215,16 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         (``has_connector_metadata``), so it is bound only for a step whose layer hooks may have
         loads to wait for: most steps make none of those calls."""
         assert isinstance(connector_metadata, UcmRayConnectorMetadata)
-        worker = self.worker_part
-        worker.bind(connector_metadata)
-        super().bind_connector_metadata(connector_metadata if worker.waits_by_layer else None)
+        waits = self.worker_part.bind(connector_metadata)
+        super().bind_connector_metadata(connector_metadata if waits else None)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before vLLM writes this step's new blocks (zeroing, copy-on-write, loads, the
-        forward): wait for saves still reading any of them (``fences``)."""
+        forward): wait for saves still reading any of them (``fences``). A step without work
+        for the workers (``QUIET_STEP``) fences nothing."""
         assert isinstance(kv_connector_metadata, UcmRayConnectorMetadata)
-        self.worker_part.fence(kv_connector_metadata)
+        if kv_connector_metadata.work:
+            self.worker_part.fence(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker = self.worker_part

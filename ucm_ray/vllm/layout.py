@@ -88,13 +88,15 @@ class GroupLayout:
         needs no sort). ``buffers[buffer_index[k]]`` is layer ``indices[k]``'s storage. One
         array pass for all the layers when they have as many segments each (always, within a
         group of one backend): a step plans every layer at once."""
-        shape = self._shape(tuple(indices), tuple(buffer_index))
+        indices, buffer_index = tuple(indices), tuple(buffer_index)  # (no copy of tuples)
+        if by_entry:  # [blocks, layers x segments]
+            flat = self._flat_shape(indices, buffer_index)
+            if flat is not None:
+                return self._ranges_by_entry(flat, block_ids, entry_offsets, buffers)
+        shape = self._shape(indices, buffer_index)
         if shape is None:
             return Ranges.concat([self.ranges([i], block_ids, entry_offsets, buffers, [b])
                                   for i, b in zip(indices, buffer_index)])
-        if by_entry:  # [blocks, layers x segments]
-            return self._ranges_by_entry(self._flat_shape(tuple(indices), tuple(buffer_index)), block_ids,
-                                         entry_offsets, buffers)
         sizes, in_entry, strides, starts, homes = shape  # [layers, blocks, segments]
         local = block_ids[None, :, None] * strides[:, None, None] + starts[:, None, :]
         pool = entry_offsets[None, :, None] + in_entry[:, None, :]
@@ -102,34 +104,36 @@ class GroupLayout:
         return Ranges(buffers, _spread(homes, local.shape), local.ravel(), pool.ravel(), _spread(sizes, local.shape))
 
     @staticmethod
-    def _ranges_by_entry(flat: _RangeShape, block_ids: np.ndarray, entry_offsets: np.ndarray,
+    def _ranges_by_entry(flat: _FlatShape, block_ids: np.ndarray, entry_offsets: np.ndarray,
                          buffers: tuple[torch.Tensor, ...]) -> Ranges:
         """``ranges(..., by_entry=True)``: a row per block, a column per (layer, segment), each
         array one outer product and no other temporary (broadcasting over [blocks, layers,
         segments] ran numpy's inner loops two segments long: a 256-block 8B save's 16k ranges
         took several times the host time of the same sums over rows of 64)."""
-        sizes, in_entry, strides, starts, homes = flat
-        local = np.multiply.outer(np.asarray(block_ids, dtype=np.int64), strides)
-        local += starts
-        pool = np.add.outer(np.asarray(entry_offsets, dtype=np.int64), in_entry)
-        return Ranges(buffers, _spread(homes, local.shape), local.ravel(), pool.ravel(), _spread(sizes, local.shape))
+        local = np.multiply.outer(np.asarray(block_ids, dtype=np.int64), flat.strides)
+        local += flat.starts
+        pool = np.add.outer(np.asarray(entry_offsets, dtype=np.int64), flat.in_entry)
+        homes, sizes = flat.constant_columns(len(local))
+        return Ranges(buffers, homes, local.ravel(), pool.ravel(), sizes)
 
-    def _flat_shape(self, indices: tuple[int, ...], buffer_index: tuple[int, ...]) -> _RangeShape:
-        """``_shape`` (not None) per (layer, segment), layer-major: each layer's block stride
-        and buffer repeated for its segments, made once per layer set."""
+    def _flat_shape(self, indices: tuple[int, ...], buffer_index: tuple[int, ...]) -> _FlatShape | None:
+        """``_shape`` per (layer, segment), layer-major: each layer's block stride and buffer
+        repeated for its segments, made once per layer set (None where ``_shape`` is)."""
         key = (indices, buffer_index)
-        flat = self._flat_shapes.get(key)
-        if flat is None:
-            shape = self._shape(indices, buffer_index)
-            assert shape is not None, "layers of unequal segment counts have no flat shape"
+        if key in self._flat_shapes:
+            return self._flat_shapes[key]
+        shape = self._shape(indices, buffer_index)
+        flat = None
+        if shape is not None:
             sizes, in_entry, strides, starts, homes = shape
             segments = sizes.shape[1]
-            flat = self._flat_shapes[key] = (sizes.ravel(), in_entry.ravel(), np.repeat(strides, segments),
-                                             starts.ravel(), np.repeat(homes.ravel(), segments))
+            flat = _FlatShape(sizes.ravel(), in_entry.ravel(), np.repeat(strides, segments), starts.ravel(),
+                              np.repeat(homes.ravel(), segments))
+        self._flat_shapes[key] = flat
         return flat
 
     @cached_property
-    def _flat_shapes(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], _RangeShape]:
+    def _flat_shapes(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], _FlatShape | None]:
         return {}
 
     def repeated_ranges(self, indices: Sequence[int], block_ids: np.ndarray, entry_offsets: np.ndarray,
@@ -202,6 +206,40 @@ def _spread(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 _RangeShape = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """Per layer: segment sizes, offsets in an entry, block stride, segment offsets in a block,
 buffer index (see ``GroupLayout.ranges``)."""
+
+KEPT_COLUMN_BLOCKS = 32
+"""Entries up to which ``_FlatShape.constant_columns`` keeps the columns it made, per count: a
+decode step's save has a few entries a pool, and the same counts come back step after step."""
+
+
+@dataclass(frozen=True)
+class _FlatShape:
+    """``_RangeShape`` per (layer, segment), layer-major (each layer's block stride and buffer
+    repeated for its segments), and the columns that are the same for every entry."""
+
+    sizes: np.ndarray
+    in_entry: np.ndarray
+    strides: np.ndarray
+    starts: np.ndarray
+    homes: np.ndarray
+    kept: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """Entries -> ``constant_columns`` for that many, read-only."""
+
+    def constant_columns(self, entries: int) -> tuple[np.ndarray, np.ndarray]:
+        """(buffer index, size) of each range of ``entries`` entries, entry by entry: made once
+        per count up to ``KEPT_COLUMN_BLOCKS`` and shared read-only (no array may be written in
+        place after it is planned), so a decode step's save allocates and fills two arrays
+        fewer per pool (with the host's caches cold each numpy call costs ~10 us:
+        docs/performance-log.md, stop 65)."""
+        columns = self.kept.get(entries)
+        if columns is None:
+            shape = (entries, len(self.sizes))
+            columns = (_spread(self.homes, shape), _spread(self.sizes, shape))
+            if entries <= KEPT_COLUMN_BLOCKS:
+                for column in columns:
+                    column.flags.writeable = False
+                self.kept[entries] = columns
+        return columns
 
 
 def layer_layout(name: str, tensor: torch.Tensor, num_blocks: int) -> LayerLayout:

@@ -159,7 +159,7 @@ class UcmRayStats(KVConnectorStats):
 
     def take(self) -> UcmRayStats | None:
         """This interval's counters (or None), leaving an empty object behind."""
-        if self.is_empty():
+        if not self.data or self.is_empty():  # most decode steps: nothing since the last take, no call
             return None
         out = UcmRayStats(data=dict(self.data))
         self.reset()

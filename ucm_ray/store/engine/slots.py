@@ -279,7 +279,16 @@ class SlotSupply:
         tick)."""
         now = self._clock()
         self._steps += 1
-        if self._quiet(pools, now):
+        # Nothing changed since a full tick less than ``quiet_tick_s`` ago, over the same pools:
+        # asks may be out, but none was answered (a full tick would find nothing to take and
+        # nothing else to do; one on every step while a cold prompt's asks were out was ~0.1 ms
+        # of each of those steps' host time here). Tested here, not in a call of its own: every
+        # call a quiet decode step makes costs it several times over with the host's caches cold
+        # (docs/performance-log.md, stop 65).
+        if (not (self._used or self._excess or self._returning or self._renewing or self._later)
+                and self._ticked is not None and self._ticked[0] == pools.version
+                and now - self._ticked[1] < self._quiet_tick_s
+                and not (self._asks and any(ask.answer.poll() for ask in self._asks))):  # no generator for none
             return
         fade, self._steps = DEMAND_DECAY ** self._steps, 0
         self._ticked = (pools.version, now)
@@ -298,16 +307,6 @@ class SlotSupply:
         self._used.clear()  # takes from pools no longer live: nothing to remember them for
         self._renew(now)
         self._returning = [answer for answer in self._returning if not answer.poll()]
-
-    def _quiet(self, pools: Pools, now: float) -> bool:
-        """Nothing changed since a full tick less than ``quiet_tick_s`` ago, over the same pools:
-        asks may be out, but none was answered (a full tick would find nothing to take and
-        nothing else to do; one on every step while a cold prompt's asks were out was ~0.1 ms
-        of each of those steps' host time here)."""
-        return (not (self._used or self._excess or self._returning or self._renewing or self._later)
-                and self._ticked is not None and self._ticked[0] == pools.version
-                and now - self._ticked[1] < self._quiet_tick_s
-                and not (self._asks and any(ask.answer.poll() for ask in self._asks)))  # no generator made for none
 
     def _expire_promises(self, live: KeysView[PoolKey], now: float) -> None:
         for slot_class, promises in list(self._promises.items()):

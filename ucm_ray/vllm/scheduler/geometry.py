@@ -9,7 +9,7 @@ cannot serve before the engine takes a request.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -111,6 +111,13 @@ class CacheGeometry:
     under synchronous scheduling (``compat.loads_land_before_scheduling``)."""
     recompute: int
     """Prompt tokens vLLM computes itself after a dense hit (``policy.recompute_tokens``)."""
+    hybrid: bool = field(init=False)
+    """Some group holds mamba states. An attribute, not a property: the scheduler's hooks ask it
+    several times a step, and each call costs a quiet step, its caches cold, several times what
+    it costs warm (docs/performance-log.md, stop 65)."""
+
+    def __post_init__(self) -> None:
+        self.hybrid = bool(self.states)
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: UcmRayConfig) -> CacheGeometry:
@@ -139,10 +146,6 @@ class CacheGeometry:
                    chunk_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                    async_loads=len(groups) > 1 or loads_land_before_scheduling(vllm_config),
                    recompute=policy.recompute_tokens(config.layerwise, speculative))
-
-    @property
-    def hybrid(self) -> bool:
-        return bool(self.states)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -151,6 +151,8 @@ class LoadPlanner:
         """The load jobs planned since the last plan, into ``meta``: whole (before the forward)
         where the step computes little beside its hits (``policy.loads_at_once``) or runs no
         layer hook, else layer by layer."""
+        if not self._loading:
+            return  # most steps: no call below
         loading = self._loading_now()
         if not loading:
             return
@@ -168,8 +170,6 @@ class LoadPlanner:
     def _loading_now(self) -> list[tuple[TrackedRequest, list[LoadJob]]]:
         """The requests still loading that were given load jobs since the last plan (most steps
         none: with many requests decoding, looking at each for jobs cost every step's plan)."""
-        if not self._loading:
-            return []
         loading, self._loading = self._loading, {}
         return [(tracked, jobs) for req_id, (tracked, jobs) in loading.items()
                 if self._requests.get(req_id) is tracked and tracked.phase is Phase.LOADING]

@@ -330,6 +330,16 @@ class Copier:
         for batch in batches:
             for pool, nbytes in batch.nbytes_by_pool(self.caches.layouts).items():
                 by_pool[pool] += nbytes
+        self._count(by_pool, what)
+
+    def count_entries(self, entries: ByPool, what: str) -> None:
+        """``count_bytes`` of whole entries (every layer of their groups: a save job), an entry's
+        bytes each, not a sum over its layers per pool."""
+        layouts = self.caches.layouts
+        self._count({pool: sum(len(held.block_ids) * layouts[group].entry_bytes for group, held in by_group.items())
+                     for pool, by_group in entries.items()}, what)
+
+    def _count(self, by_pool: Mapping[PoolKey, int], what: str) -> None:
         self._stats.add(**{f"{what}_copy_bytes": sum(by_pool.values())})
         for pool, nbytes in by_pool.items():
             self._stats.add(**{f"{what}_{self._pools.kind(pool)}_bytes": nbytes})

@@ -76,12 +76,13 @@ class WorkerPart:
 
     # --- per step ------------------------------------------------------------------------
 
-    def bind(self, meta: UcmRayConnectorMetadata) -> None:
-        """The step's jobs (``meta``). A step whose metadata carries nothing for the workers,
-        while no step's loads or save jobs are left here (most decode steps), does nothing else:
-        no clock, no state, no call below."""
-        if not meta.work and self._step is self._idle_step and not self._saves.pending:
-            return
+    def bind(self, meta: UcmRayConnectorMetadata) -> bool:
+        """The step's jobs (``meta``); whether this step's layer hooks have anything to do
+        (``waits_by_layer``). A step whose metadata carries nothing for the workers, while no
+        step's loads or save jobs are left here (most decode steps), does nothing else: no
+        clock, no state, no call below."""
+        if not meta.work and self._step is self._idle_step and not self._saves.jobs:
+            return False
         if self._step.phase is LoadPhase.POSTED:
             # No results were asked for since the last step posted them: its execution failed,
             # and its output with it. Land them (their blocks may be reused now); their block
@@ -100,7 +101,7 @@ class WorkerPart:
         loads, state_saves = meta.loads.get(self._rank), states if states is not None and len(states) else None
         if not (loads or state_saves is not None or saves is not None and len(saves)):
             self._step = self._idle_step
-            return
+            return False
         deadline = self._copies.clock() + self._config.transfer_timeout_s
         # A step that loads nothing and saves no state (most decode steps) never writes into its
         # state: they share one, made once.
@@ -108,6 +109,7 @@ class WorkerPart:
             if loads or state_saves is not None else self._idle_step
         if saves is not None and len(saves):
             self._saves.post(saves, deadline)
+        return self.waits_by_layer
 
     @property
     def waits_by_layer(self) -> bool:
@@ -131,7 +133,7 @@ class WorkerPart:
     def start_load_kv(self) -> None:
         if self._step.phase is LoadPhase.PLANNED:
             self._loads.start(self._step)
-        if self._saves.pending:
+        if self._saves.jobs:
             self._saves.loads_queued()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -142,7 +144,7 @@ class WorkerPart:
 
     def wait_for_save(self) -> None:
         step = self._step
-        if step is self._idle_step and not self._saves.pending:
+        if step is self._idle_step and not self._saves.jobs:
             return  # most decode steps: no load, no state, no save job
         self._saves.forward_queued()
         self._loads.finish_posted(step)
@@ -153,20 +155,22 @@ class WorkerPart:
         self._saves.poll(step_end=True)
 
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
-        if self._saves.pending:
+        if self._saves.jobs:
             self._saves.poll(step_end=True)
         return self._results.take_meta()
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
         """(finished sending: their saves landed, finished receiving, of which failed); None
         when there are none."""
-        self._loads_over()
-        if self._saves.pending:
+        if self._step is not self._idle_step:  # most steps: no load to check
+            self._loads_over()
+        if self._saves.jobs:
             self._saves.poll(step_end=True)
         return self._results.take_transfers()
 
     def load_errors(self) -> set[int]:
-        self._loads_over()
+        if self._step is not self._idle_step:  # most steps: no load to check
+            self._loads_over()
         return self._results.take_load_errors()
 
     def _loads_over(self) -> None:
@@ -175,10 +179,9 @@ class WorkerPart:
         ``start_load_kv`` are checked, and where no layer hook ran at all (a FULL CUDA graph
         replay) the layer loads are failed now, so their blocks reach vLLM in the step that
         loaded them (``to_vllm``). Once some hook ran, the layers still waiting are a draft
-        model's, whose forward (and hooks) come after this call: ``wait_for_save`` settles them."""
+        model's, whose forward (and hooks) come after this call: ``wait_for_save`` settles them.
+        (Called only for a step that is not the idle one: a quiet step's hooks make no call.)"""
         step = self._step
-        if step is self._idle_step:
-            return  # most steps: no load to check
         if step.phase is LoadPhase.POSTED:
             self._loads.finish_posted(step)
         elif step.phase is LoadPhase.BY_LAYER and not step.hooked:

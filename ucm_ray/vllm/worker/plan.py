@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import groupby, repeat
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ucm_ray.store.types import NO_CHECKSUM
-from ucm_ray.transport.base import PoolKey, Ranges, RepeatedRanges
+from ucm_ray.transport.base import PoolKey, Ranges, RepeatedRanges, local_buffers
 from ucm_ray.vllm.layout import GroupLayout, base_buffers, build_layouts, entry_bytes
 from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob
 
@@ -140,6 +141,10 @@ class KvCaches:
     """Layer name -> its index in ``buffers``."""
     device: torch.device
 
+    def __post_init__(self) -> None:
+        # their addresses and sizes read once, not at every plan's check (``LocalBuffers``)
+        object.__setattr__(self, "buffers", local_buffers(self.buffers))
+
     @classmethod
     def unregistered(cls) -> KvCaches:
         return cls([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), (), {}, torch.device("cpu"))
@@ -163,6 +168,11 @@ class KvCaches:
                    next(iter(kv_caches.values())).device)
 
     def every_layer(self) -> tuple[Layer, ...]:
+        """Every layer, group after group: one tuple, made once."""
+        return self._every_layer
+
+    @cached_property
+    def _every_layer(self) -> tuple[Layer, ...]:
         return tuple((layout.group, index) for layout in self.layouts for index in range(len(layout.layers)))
 
     def layers_of(self, *entries: ByPool) -> list[tuple[int, int, str]]:
@@ -171,19 +181,37 @@ class KvCaches:
                 if any(layout.group in by_group for some in entries for by_group in some.values())
                 for index, layer in enumerate(layout.layers)]
 
+    def saved_layers(self, entries: ByPool) -> tuple[Layer, ...]:
+        """Every layer of the groups ``entries`` hold, in layer order (a save job's): where they
+        hold every group that has layers (a dense model's saves), ``every_layer``'s own tuple,
+        whose runs ``ranges`` made once, so a job makes no tuple per layer and ``ranges`` no
+        list of them per pool (32 layers: a pass over 32 layer objects each, with the host's
+        caches cold: docs/performance-log.md, stop 65)."""
+        held = {group for by_group in entries.values() for group in by_group}
+        if all(layout.group in held for layout in self.layouts if layout.layers):
+            return self._every_layer
+        return tuple((group, index) for group, index, _ in self.layers_of(entries))
+
+    def _runs(self, layers: tuple[Layer, ...]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """(group, its layers' indices, their buffers) of each run of one group's layers."""
+        runs = [(group, tuple(index for _, index in run)) for group, run in groupby(layers, key=lambda layer: layer[0])]
+        return [(group, indices, tuple(self.buffer_of[self.layouts[group].layers[i].name] for i in indices))
+                for group, indices in runs]
+
+    @cached_property
+    def _every_layer_runs(self) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        return self._runs(self._every_layer)
+
     def ranges(self, batch: Batch, *, by_entry: bool = False) -> dict[PoolKey, Ranges]:
         """The batch's copies per pool: per layer (in the batch's order), every entry's segments,
         as arrays; each run of one group's layers in one pass (``by_entry``: the run's layers
         entry by entry, for a batch moved as one part)."""
-        runs = [(group, [index for _, index in run])
-                for group, run in groupby(batch.layers, key=lambda layer: layer[0])]
+        runs = self._every_layer_runs if batch.layers is self._every_layer else self._runs(batch.layers)
         out = {}
         for pool, by_group in batch.entries.items():
             parts = [self.layouts[group].ranges(indices, by_group[group].block_ids, by_group[group].pool_offsets,
-                                                self.buffers,
-                                                [self.buffer_of[self.layouts[group].layers[i].name] for i in indices],
-                                                by_entry=by_entry)
-                     for group, indices in runs if group in by_group]
+                                                self.buffers, homes, by_entry=by_entry)
+                     for group, indices, homes in runs if group in by_group]
             if parts:
                 out[pool] = Ranges.concat(parts)
         return out

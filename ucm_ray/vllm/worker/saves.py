@@ -76,16 +76,14 @@ class SavesInFlight:
         self._results = results
         self._stats = stats
         self._checksums = checksums
-        self._jobs: list[SaveJob] = []
-
-    @property
-    def pending(self) -> bool:
-        """Whether any job is posted and not yet seen landed (most decode steps: none)."""
-        return bool(self._jobs)
+        self.jobs: list[SaveJob] = []
+        """Posted, not yet seen landed (most decode steps: none). A list the worker's hooks test
+        as it is, not a property: each call a quiet step makes costs it, with the host's caches
+        cold, several times what it costs in a loop (docs/performance-log.md, stop 65)."""
 
     def post(self, saves: BlockSaves, deadline: float) -> None:
         """A step's save job (``bind``): its stream-ordered part waits for ``forward_queued``."""
-        self._jobs.append(self._job(saves, deadline, ordered_later=True))
+        self.jobs.append(self._job(saves, deadline, ordered_later=True))
 
     def save_now(self, saves: BlockSaves, deadline: float) -> None:
         """Save and wait for it (mamba states, which the next step overwrites)."""
@@ -93,12 +91,12 @@ class SavesInFlight:
 
     def loads_queued(self) -> None:
         """The step's loads are queued: the copy thread may take the saves' part now."""
-        for job in self._jobs:
+        for job in self.jobs:
             self._hand_to_copier(job)
 
     def forward_queued(self) -> None:
         """The forward is queued: the host plans the stream-ordered part while it runs."""
-        for job in self._jobs:
+        for job in self.jobs:
             self._post_ordered(job)
 
     def poll(self, *, step_end: bool) -> None:
@@ -110,27 +108,27 @@ class SavesInFlight:
         waiting, the host lets it run. In paranoid mode (``checksum``) every job lands before
         its step ends: its checksum is taken from vLLM's blocks, which must still hold what was
         saved."""
-        if not self._jobs:
+        if not self.jobs:
             return  # most decode steps
-        for job in self._jobs:  # a step without ``start_load_kv`` (one that runs no tokens)
+        for job in self.jobs:  # a step without ``start_load_kv`` (one that runs no tokens)
             self._hand_to_copier(job)
             self._post_ordered(job)  # this step's forward is queued (or, at ``bind``, the last one's)
         if step_end and not self._checksums:
-            for job in self._jobs:
+            for job in self.jobs:
                 self._wait_threaded(job)
         now = self._copies.clock()
-        landing = [job for job in self._jobs
+        landing = [job for job in self.jobs
                    if (step_end and self._checksums) or now >= job.deadline or job.done()]
         for job in landing:
             self._land(job)
         if landing:
-            self._jobs = [job for job in self._jobs if job not in landing]
+            self.jobs = [job for job in self.jobs if job not in landing]
 
     def fence(self, job_ids: Collection[int]) -> None:
         """Whatever writes the blocks these jobs may still read comes after their copies: the
         current stream waits for stream-ordered copies on the device, the host for the copy
         thread's."""
-        fenced = [job for job in self._jobs if job.saves.job_id in job_ids]
+        fenced = [job for job in self.jobs if job.saves.job_id in job_ids]
         if not fenced:
             return
         self._stats.add(save_fences=len(fenced))
@@ -140,13 +138,13 @@ class SavesInFlight:
                 if job.futures or job.threaded or not all([self._copies.order_compute(p) for p in job.posted])]
         for job in host:
             self._land(job)
-        self._jobs = [job for job in self._jobs if job not in host]
+        self.jobs = [job for job in self.jobs if job not in host]
 
     def land_all(self) -> None:
         """Wait for every job still copying (the pools' mappings are about to change)."""
-        for job in self._jobs:
+        for job in self.jobs:
             self._land(job)
-        self._jobs = []
+        self.jobs = []
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -155,12 +153,12 @@ class SavesInFlight:
         compute stream's work so far (which wrote the blocks); ``ordered_later``: its
         stream-ordered pools' batches wait for ``_post_ordered`` (after the step's forward)."""
         entries = save_entries(saves)
-        layers = tuple((group, index) for group, index, _ in self._copies.caches.layers_of(entries))
+        layers = self._copies.caches.saved_layers(entries)
         ordered, threaded = self._copies.split(entries)
         job = SaveJob(saves, layers, deadline, ordered, threaded)
         if not ordered_later:
             self._post_ordered(job)
-        self._copies.count_bytes([Batch(layers, entries)], "saved")
+        self._copies.count_entries(entries, "saved")
         return job
 
     def _post_ordered(self, job: SaveJob) -> None:
