@@ -327,3 +327,42 @@ def test_a_relay_whose_follower_meets_an_unexpected_error_cannot_say_then_follow
         assert answer is not None and answer.version == later
     finally:
         relay.stop()
+
+
+class FailsWhileArmed:
+    """``RelayedMembership.take`` raising while armed, counting its raises (each a follower's try)."""
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.raised = 0
+        self._take = RelayedMembership.take
+
+    def __call__(self, state: RelayedMembership, answer: Membership, posted_version: int) -> bool:
+        if self.armed:
+            self.raised += 1
+            raise RuntimeError("an answer the relay cannot take")
+        return self._take(state, answer, posted_version)
+
+
+def test_a_relay_follows_again_after_more_failures_in_a_row_than_a_float_doubles(fleet, monkeypatch):
+    """The follower's wait was ``RETRY_S * 2 ** failures``: at the 1,024th failure in a row (~8.5 h
+    of a directory gone, or of an answer it cannot take, at ``RETRY_MAX_S``) the int did not
+    convert to a float, and the OverflowError ended the follower for good: its engines were told
+    'cannot say' for the relay's lifetime (review65b). Here the tries come without a wait."""
+    fails = FailsWhileArmed()
+    monkeypatch.setattr(RelayedMembership, "take", lambda state, answer, posted: fails(state, answer, posted))
+    monkeypatch.setattr(relay_module, "RETRY_S", 0.0)
+    cfg = fleet(num_shards=1, transport="shm")
+    relay = MembershipRelay(cfg.ray_namespace)
+    try:
+        assert relay.wait_for_change(0, 0.0) is None  # starts the follower
+        deadline = time.monotonic() + 120
+        while fails.raised < 1100:
+            assert time.monotonic() < deadline, f"the follower stopped trying after {fails.raised} failures"
+            time.sleep(0.1)
+        fails.armed = False
+        deadline = time.monotonic() + 30
+        while relay.wait_for_change(0, 1.0) is None:
+            assert time.monotonic() < deadline, "the relay never followed the directory again"
+    finally:
+        relay.stop()

@@ -101,6 +101,29 @@ def test_a_report_asks_for_a_push_only_when_it_moved_a_pool_by_more_than_the_cha
     assert load.moved
 
 
+def test_steady_reads_over_more_pools_than_a_push_carries_push_nothing_once_settled():
+    """A pool left out of the push (below the top) reads as 0, but it only matters once it would
+    enter the top: steady reads over more pools than ``top`` (1,000 nodes, ``TOP_POOLS`` 100) used
+    to move the figure at every report (a left-out pool measured against 0), a push each pacer
+    period forever (review65b)."""
+    clock = Clock()
+    shards = records(9)
+    load = PoolLoad(decay_s=10.0, top=3, clock=clock)
+    pushes = []
+    for second in range(200):
+        clock.now += 1.0
+        load.report({pool(i): 1000 for i in range(9)})
+        if load.moved:
+            load.publish(shards)
+            pushes.append(second)
+    assert pushes and pushes[-1] < 100  # the figures rose to their level, then nothing moved
+    load.report({pool(8): 100})  # a left-out pool: not yet past the least pushed by the share
+    assert not load.moved
+    load.report({pool(8): 10_000})  # now it is: it would enter the top
+    assert load.moved
+    assert pool(8) in load.publish(shards).by_pool(shards)
+
+
 def test_the_reader_tries_the_less_loaded_of_two_drawn_pools_then_the_rest_in_order():
     pools = [pool(i) for i in range(5)]
     assert pick_two(pools, {}, 7) == pools  # no figure held: exactly the order given

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from ucm_ray.store.backoff import doubled
 from ucm_ray.store.hot_prefixes import NO_HOT_PREFIXES, HotPrefixDelta, HotPrefixes, delta_between
 from ucm_ray.store.pool_load import PoolReads
 from ucm_ray.store.types import DIRECTORY_NAME, Membership
@@ -237,7 +238,7 @@ class MembershipRelay:
                 except Exception as e:  # noqa: BLE001 -- see the docstring
                     directory = None
                     self._lose(e)
-                    self._stopped.wait(min(RETRY_S * 2 ** failures, RETRY_MAX_S))
+                    self._stopped.wait(doubled(RETRY_S, failures, RETRY_MAX_S))
                     failures += 1
                     continue
                 failures = 0

@@ -41,7 +41,10 @@ the gain, 5 s chased last second's quiet pools (4.12 against 3.44 at 1,000 nodes
 CHANGE_SHARE = 0.2
 """A report moves the figure enough to push when a pool it names moved by more than this share of
 the figure last pushed for it, or of the mean figure where that is larger (the simulation's
-``load_change_share``): reads that keep the pools' shares push nothing new."""
+``load_change_share``): reads that keep the pools' shares push nothing new. A pool the push left
+out (below the top ``TOP_POOLS``) is measured against the least figure it carried, upwards only: it
+matters once it would enter the top (against 0, steady reads over more pools than a push carries
+moved the figure at every report, a push each pacer period for good, review65b)."""
 REBASE_AFTER = 20.0
 """Time constants after which ``PoolLoad`` rescales its sums (they grow by e per time constant)."""
 
@@ -103,6 +106,8 @@ class PoolLoad:
         """The sum of ``_scaled``."""
         self._pushed: dict[PoolKey, float] = {}
         """The figures the last push carried (a pool not in it: 0)."""
+        self._floor = 0.0
+        """The least figure the last push carried when it left pools out (it carried ``top``), else 0."""
         self.moved = False
         """A report moved some pool's figure by more than ``CHANGE_SHARE`` since the last push."""
 
@@ -119,8 +124,13 @@ class PoolLoad:
             scale = self._scale(now)
             mean = self._total * scale / len(self._scaled)
             for pool in counts:
-                before = self._pushed.get(pool, 0.0)
-                if abs(self._scaled[pool] * scale - before) > self._change_share * max(before, mean):
+                figure = self._scaled[pool] * scale
+                before = self._pushed.get(pool)
+                if before is None:  # left out: moved once it would enter the top
+                    moved = figure - self._floor > self._change_share * max(self._floor, mean)
+                else:
+                    moved = abs(figure - before) > self._change_share * max(before, mean)
+                if moved:
                     self.moved = True
                     break
 
@@ -143,6 +153,7 @@ class PoolLoad:
         top = heapq.nlargest(self._top, (item for item in self._scaled.items() if item[0] in place),
                              key=lambda item: item[1])
         self._pushed = {pool: scaled * scale for pool, scaled in top}
+        self._floor = top[-1][1] * scale if len(top) == self._top else 0.0
         self.moved = False
         return LoadFigures(tuple(place[pool] for pool, _ in top), tuple(self._pushed.values()))
 

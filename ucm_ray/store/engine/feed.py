@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from ucm_ray.store.backoff import doubled
 from ucm_ray.store.pool_load import PoolReads
 from ucm_ray.store.types import DIRECTORY_NAME, Membership, ShardRecord
 from ucm_ray.transport.base import PoolKey
@@ -179,7 +180,7 @@ class MembershipFeed:
         on_node = {shard.key for shard in self._node_shards[1]}
         self._passed_over = {key: passed for key, passed in self._passed_over.items() if key in on_node}
         times = self._passed_over[relay.key].times + 1 if relay.key in self._passed_over else 1
-        wait_s = min(RELAY_READMIT_S * 2 ** (times - 1), RELAY_READMIT_MAX_S)
+        wait_s = doubled(RELAY_READMIT_S, times - 1, RELAY_READMIT_MAX_S)
         self._passed_over[relay.key] = PassedOver(time.monotonic() + wait_s, times)
         log.warning("membership relay %s failed (%s); following the directory itself, or the node's next relay, "
                     "for %.0f s", relay.shard_id, why, wait_s)
