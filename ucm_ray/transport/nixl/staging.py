@@ -192,7 +192,7 @@ def pieces(ranges: Ranges, layout: StagingLayout, piece_bytes: int) -> list[Rang
     out = []
     for begin in range(0, layout.nbytes, piece_bytes):
         end = begin + piece_bytes
-        mine = np.flatnonzero((starts < end) & (ends > begin))
+        mine = np.flatnonzero((starts < end) & (ends > begin) & (ranges.sizes > 0))
         first, last = np.maximum(starts[mine], begin), np.minimum(ends[mine], end)
         skip = first - starts[mine]
         out.append(Ranges(ranges.buffers, ranges.buffer_index[mine], ranges.local_offsets[mine] + skip,
@@ -263,9 +263,10 @@ class _PiecewiseTransfer(Transfer):
             return self._current is None or self._current.done()
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Until every piece is over (an abandoned one's in flight too: its slab comes back)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            while self._error is None and not self._abandoned and (self._current is not None or self._rest):
+            while self._current is not None or (self._rest and self._error is None):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if self._current is not None:
                     self._land_current(left)
@@ -273,18 +274,19 @@ class _PiecewiseTransfer(Transfer):
                     self._error = TransferError(f"timed out after {timeout_s} s, {len(self._rest)} pieces not posted")
                 else:
                     self._post_next(ROOM_WAIT_S if left is None else min(ROOM_WAIT_S, left))
-        if self._error is not None:
-            raise _failure(self._error)
         if self._abandoned:
             raise TransferError("staged NIXL transfer: abandoned, nothing delivered")
+        if isinstance(self._error, TransferError):  # a piece's, or staging's own: as it is
+            raise self._error
+        if self._error is not None:
+            raise _failure(self._error)
 
     def abandon(self) -> None:
-        with self._lock:
+        with self._lock:  # held: no ``done`` may scatter the piece in flight meanwhile
             self._abandoned = True
             self._rest = []
-            current = self._current
-        if current is not None:
-            current.abandon()
+            if self._current is not None:
+                self._current.abandon()
 
 
 class HostStaging:
@@ -345,8 +347,7 @@ class HostStaging:
             first, *rest = pieces(ranges, layout, piece_bytes)
             log.debug("NIXL staging: a %d-byte batch in %d pieces", layout.nbytes, 1 + len(rest))
             return _PiecewiseTransfer(post_piece(first, ROOM_WAIT_S), rest, post_piece)
-        except LocalTransferError as e:
-            log.warning("%s", e)
+        except LocalTransferError as e:  # logged where it is waited for, as a pool's failure is
             return CompletedTransfer(e)
 
     def _post_piece(self, ranges: Ranges, layout: StagingLayout, to_pool: bool, post: Callable[[Ranges], Transfer],
