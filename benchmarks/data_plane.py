@@ -128,7 +128,7 @@ def move(client: StoreClient, locations, tensors, *, write: bool) -> None:
     for loc, t in zip(locations, tensors):
         by_pool.setdefault(loc.pool, []).append(CopyOp(loc.offset, t))
     failed = client.connections.transfer({pool: Ranges.of(ops) for pool, ops in by_pool.items()}, write=write,
-                                         timeout_s=client.config.transfer_timeout_s)
+                                         timeout_s=client.config.transfer_timeout_s).pools
     assert not failed, f"transfer with {sorted(failed)} failed"
 
 

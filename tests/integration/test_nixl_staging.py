@@ -23,12 +23,12 @@ from tests.support.nixl_pool_actor import pool_actor_class
 from tests.support.small_ray import own_or_session_ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.types import Location, Locations
-from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges, TransferError
+from ucm_ray.transport.base import CopyOp, LocalTransferError, PoolDescriptor, Ranges, TransferError
 from ucm_ray.transport.nixl import NixlPoolTransport, shutdown_client_agent
 from ucm_ray.transport.nixl import staging as staging_module
 from ucm_ray.transport.nixl.staging import MIN_SLAB_BYTES, HostStaging
 from ucm_ray.transport.pools import PoolConnections
-from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob, UcmRayConnectorMetadata
+from ucm_ray.vllm.metadata import BlockLoads, BlockSaves, LoadJob, UcmRayConnectorMetadata, UcmRayWorkerMetadata
 from ucm_ray.vllm.worker import WorkerPart
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -164,8 +164,8 @@ def test_a_batch_without_room_takes_back_the_slabs_nobody_waits_on(shards, monke
         second.wait(WAIT_S)
         assert torch.equal(shard.read(0, 4096), src[:4096]) and torch.equal(shard.read(8192, 4096), src[4096:8192])
         landed = transport.read(Ranges.of([CopyOp(0, dst[:4096])]))  # its bytes wait in its slab
-        with pytest.raises(TransferError, match="staging is full"):
-            transport.write(Ranges.of([CopyOp(0, src[:4096])]))
+        with pytest.raises(LocalTransferError, match="staging is full"):  # posted failed: not raised by the post
+            transport.write(Ranges.of([CopyOp(0, src[:4096])])).wait(WAIT_S)
         landed.abandon()
         other = transport.read(Ranges.of([CopyOp(8192, dst[4096:8192])]))  # takes the abandoned one's slab
         other.wait(WAIT_S)
@@ -184,30 +184,82 @@ def test_a_larger_batch_gets_room_from_free_slabs_too_small_for_it(shards):
     free slabs to make its own rather than failing (slabs are never merged: kept, a worker that
     once held many small transfers would fail every larger one for good)."""
     shard = shards[0]
-    staging = HostStaging("on", rdma=[], max_bytes=2 * MIN_SLAB_BYTES)
+    staging = HostStaging("on", rdma=[], max_bytes=4 * MIN_SLAB_BYTES)
     transport = NixlPoolTransport(shard.desc, staging=staging)
     src, dst = _random(2 << 20, seed=13), torch.zeros(2 << 20, dtype=torch.uint8)
     transport.register_local(src)
     transport.register_local(dst)
     try:
         transport.write(Ranges.of([CopyOp(0, src[:MIN_SLAB_BYTES])])).wait(WAIT_S)
-        landed = transport.read(Ranges.of([CopyOp(0, dst[:4096])]))  # holds the first slab for its wait
-        transport.write(Ranges.of([CopyOp(MIN_SLAB_BYTES, src[MIN_SLAB_BYTES:])])).wait(WAIT_S)  # a second
-        landed.wait(WAIT_S)
-        assert staging.allocations == 2 and staging.held_bytes == 0
-        larger = MIN_SLAB_BYTES + (MIN_SLAB_BYTES >> 1)
+        landed = [transport.read(Ranges.of([CopyOp(0, dst[k * 4096:(k + 1) * 4096])])) for k in range(3)]
+        transport.write(Ranges.of([CopyOp(MIN_SLAB_BYTES, src[MIN_SLAB_BYTES:])])).wait(WAIT_S)  # a fourth
+        for each in landed:  # each held a slab for its wait
+            each.wait(WAIT_S)
+        assert staging.allocations == 4 and len(staging.slab_addresses) == 4 and staging.held_bytes == 0
+        larger = MIN_SLAB_BYTES + (MIN_SLAB_BYTES >> 1)  # at most half the bound: one slab, not pieces
         transport.read(Ranges.of([CopyOp(0, dst[:larger])])).wait(WAIT_S)
         assert torch.equal(dst[:larger], src[:larger])
-        assert len(staging.slab_addresses) == 1 and staging.held_bytes == 0
+        assert len(staging.slab_addresses) == 3 and staging.held_bytes == 0  # two dropped for a 2 MiB one
         transport.write(Ranges.of([CopyOp(0, src[:4096])])).wait(WAIT_S)  # the slab made after the drops works
     finally:
         transport.close()
         staging.close()
 
 
-def test_a_killed_shard_fails_the_staged_transfer_and_gives_its_slab_back(cluster):
+def test_a_batch_larger_than_the_bound_moves_in_pieces_through_one_slab(shards):
+    """A 3.5 MiB batch through staging bounded at 1 MiB (a single slab for it could never be
+    made): pieces of half the bound, one after another through one slab, as one transfer. Odd
+    sizes, ranges across the cuts, out of pool order and side by side: every byte both ways,
+    by ``wait`` and by ``done`` polls alone; never more held than the bound; an abandoned one
+    scatters nothing."""
+    shard = shards[0]
+    staging = HostStaging("on", rdma=[], max_bytes=MIN_SLAB_BYTES)
+    transport = NixlPoolTransport(shard.desc, staging=staging)
+    sizes = [1_300_001, 4097, 3, 700_000, 999_999, 12345, 654_321]  # 3.5 MiB; the first crosses two cuts
+    order = [3, 0, 6, 1, 2, 5, 4]  # pool order: 1 and 2 side by side, the rest 7 bytes apart
+    pool_at = dict(zip(order, np.cumsum([0] + [sizes[i] + (0 if i == 1 else 7) for i in order[:-1]]).tolist()))
+    local_at = np.cumsum([0] + [n + 13 for n in sizes[:-1]]).tolist()
+    room = local_at[-1] + sizes[-1] + 64
+    src, dst = _random(room, seed=17), torch.zeros(room, dtype=torch.uint8)
+    transport.register_local(src)
+    transport.register_local(dst)
+    held = []
+    try:
+        ops = [CopyOp(pool_at[i], src[local_at[i]:local_at[i] + n]) for i, n in enumerate(sizes)]
+        back = [CopyOp(pool_at[i], dst[local_at[i] + 5:local_at[i] + 5 + n]) for i, n in enumerate(sizes)]
+        assert sum(sizes) > 3 * MIN_SLAB_BYTES
+        transport.write(Ranges.of(ops)).wait(WAIT_S)
+        for op in ops:
+            assert torch.equal(shard.read(op.pool_offset, op.local.numel()), op.local), op.pool_offset
+        for by_polls in (False, True):
+            dst.fill_(0xAB)
+            transfer = transport.read(Ranges.of(back))
+            while by_polls and not transfer.done():
+                held.append(staging.held_bytes)
+            transfer.wait(WAIT_S)
+            for op, got in zip(ops, back):
+                assert torch.equal(got.local, op.local), f"polled {by_polls}: range at {op.pool_offset} read wrong"
+            assert bool(dst[:5].eq(0xAB).all()), "a byte before the first range was written"
+        assert max(held, default=0) <= MIN_SLAB_BYTES and staging.held_bytes == 0
+        assert staging.allocations == 1, "a piece did not reuse the slab the first one made"
+        dst.fill_(0xAB)
+        abandoned = transport.read(Ranges.of(back))
+        abandoned.abandon()
+        with pytest.raises(TransferError, match="abandoned"):
+            abandoned.wait(WAIT_S)
+        assert bool(dst.eq(0xAB).all()), "an abandoned batch scattered a piece"
+        transport.write(Ranges.of(ops[1:2])).wait(WAIT_S)  # takes the abandoned piece's slab back
+        assert staging.held_bytes == 0 and staging.allocations == 1
+    finally:
+        transport.close()
+        staging.close()
+
+
+@pytest.mark.parametrize("bound", [None, MIN_SLAB_BYTES], ids=["whole", "pieces"])
+def test_a_killed_shard_fails_the_staged_transfer_and_gives_its_slab_back(cluster, bound):
+    """``pieces``: the 1 MiB batch goes in two (a failed piece fails it whole)."""
     shard = Shard(cluster, "k", 3)
-    staging = HostStaging("on", rdma=[])
+    staging = HostStaging("on", rdma=[], max_bytes=bound)
     transport = NixlPoolTransport(shard.desc, staging=staging, default_timeout_s=5.0)
     buf = _random(1 << 20, seed=9)
     transport.register_local(buf)
@@ -219,10 +271,11 @@ def test_a_killed_shard_fails_the_staged_transfer_and_gives_its_slab_back(cluste
         for _ in range(20):  # the kill is asynchronous to UCX: retry until the peer is gone
             try:
                 transport.read(Ranges.of([CopyOp(0, buf)])).wait(5)
-            except TransferError:
-                failures += 1
+            except TransferError as e:
+                failures, error = failures + 1, e
                 break
         assert failures, "reads from a killed shard kept succeeding"
+        assert not isinstance(error, LocalTransferError), "a pool's failure was taken for a local one"
         assert torch.equal(buf, kept), "a failed read scattered bytes into its buffer"
         with pytest.raises(TransferError):
             transport.write(Ranges.of([CopyOp(0, buf)])).wait(5)
@@ -268,6 +321,10 @@ def _pools(shards: list[Shard]) -> dict:
 
 
 def _save(w: WorkerPart, shards: list[Shard], job_id: int) -> np.ndarray:
+    return _save_results(w, shards, job_id).saves[job_id].landed
+
+
+def _save_results(w: WorkerPart, shards: list[Shard], job_id: int) -> UcmRayWorkerMetadata:
     saves = BlockSaves(job_id, np.zeros(N, dtype=np.int64), np.arange(N, dtype=np.int64), Locations.of(_placed(shards)))
     w.bind(UcmRayConnectorMetadata(pools=_pools(shards), saves={0: saves}))
     w.start_load_kv()
@@ -276,13 +333,18 @@ def _save(w: WorkerPart, shards: list[Shard], job_id: int) -> np.ndarray:
     while time.monotonic() < deadline:
         results = w.build_worker_meta()
         if results is not None and job_id in results.saves:
-            return results.saves[job_id].landed
+            return results
         w.bind(UcmRayConnectorMetadata())
         w.wait_for_save()
     raise AssertionError(f"save job {job_id} never reported")
 
 
 def _load(w: WorkerPart, shards: list[Shard], job_id: int, *, at_once: bool) -> list[int]:
+    results = _load_results(w, shards, job_id, at_once=at_once)
+    return sorted(results.load_failures.get(job_id, [])) if results is not None else []
+
+
+def _load_results(w: WorkerPart, shards: list[Shard], job_id: int, *, at_once: bool) -> UcmRayWorkerMetadata | None:
     rows = [(0, i, location, b"") for i, location in enumerate(_placed(shards))]
     job = LoadJob(job_id, f"req{job_id}", BlockLoads.of(rows), complete_in_start=at_once)
     w.bind(UcmRayConnectorMetadata(pools=_pools(shards), loads={0: [job]}))
@@ -290,8 +352,7 @@ def _load(w: WorkerPart, shards: list[Shard], job_id: int, *, at_once: bool) -> 
     for name in _names():
         w.wait_for_layer_load(name)
     w.wait_for_save()
-    results = w.build_worker_meta()
-    return sorted(results.load_failures.get(job_id, [])) if results is not None else []
+    return w.build_worker_meta()
 
 
 @pytest.mark.parametrize("staging", ["on", "off"])
@@ -354,3 +415,43 @@ def test_a_killed_shard_fails_exactly_its_blocks(cluster, staging):
         w.shutdown()
         for shard in shards:
             shard.close()
+
+
+def test_a_local_staging_failure_fails_its_blocks_and_suspects_no_shard(shards, monkeypatch):
+    """The worker's staging full (its bound, two 1 MiB slabs here, held by loads nobody has taken
+    yet, past ``ROOM_WAIT_S``): its save lands no row and its load fails every block (vLLM
+    recomputes them), but no pool is reported failed (the scheduler would suspect a healthy shard
+    for a worker's own memory limit). Once the slabs are back, both land exactly."""
+    monkeypatch.setattr(staging_module, "MAX_STAGING_BYTES", 2 * MIN_SLAB_BYTES)
+    monkeypatch.setattr(staging_module, "ROOM_WAIT_S", 0.1)
+    w, caches, pools = _worker("on")
+    hog = None
+    try:
+        for i, t in enumerate(caches.values()):
+            t.view(torch.uint8).view(-1).copy_(_random(N * PAGE, seed=60 + i))
+        written = [_entry(caches, i) for i in range(N)]
+        assert _save(w, shards, 1).all()  # the pools opened, the staging made
+        assert pools.staging is not None
+        hog = NixlPoolTransport(shards[0].desc, staging=pools.staging)
+        held = torch.zeros(MIN_SLAB_BYTES, dtype=torch.uint8)
+        hog.register_local(held)
+        holding = [hog.read(Ranges.of([CopyOp(0, held)])) for _ in range(2)]  # landed, each in a slab
+        saved = _save_results(w, shards, 2)
+        assert not saved.saves[2].landed.any() and saved.failed_pools == set(), saved.failed_pools
+        for t in caches.values():
+            t.view(torch.uint8).fill_(0x5A)
+        loaded = _load_results(w, shards, 3, at_once=True)
+        assert loaded is not None and sorted(loaded.load_failures.get(3, [])) == list(range(N))
+        assert loaded.failed_pools == set(), f"a local staging failure suspected {loaded.failed_pools}"
+        for each in holding:
+            each.wait(WAIT_S)
+        monkeypatch.setattr(staging_module, "ROOM_WAIT_S", 1.0)  # a layer read ahead waits for its hook
+        assert pools.staging.allocations == 2
+        assert _load(w, shards, 4, at_once=False) == []
+        for i in range(N):
+            assert torch.equal(_entry(caches, i), written[i]), f"block {i} loaded wrong once the slab came back"
+        assert _save(w, shards, 5).all() and pools.staging.held_bytes == 0
+    finally:
+        if hog is not None:
+            hog.close()
+        w.shutdown()

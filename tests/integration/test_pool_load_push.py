@@ -41,7 +41,7 @@ def write_everywhere(client: StoreClient, pools: list, keys: list[bytes]) -> Non
         grant = client.reserve(pool, size, len(keys)).result()
         assert grant is not None
         ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
-        assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
+        assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10).pools == set()
         rows = [(k, Location(pool[0], pool[1], offset, size), grant.token) for k, offset in zip(keys, grant.offsets)]
         assert client.commit(Publishes.of(rows)).result() == [True] * len(keys)
 

@@ -94,13 +94,13 @@ def test_slow_writer_never_overwrites_a_committed_block(fleet):
     g2 = fast.reserve(pool, size, 1).result()
     assert g2.offsets[0] != g1.offsets[0], "an expired writer's slot was handed to another writer"
     copy = {pool: Ranges.of([CopyOp(g2.offsets[0], theirs)])}
-    assert fast.connections.transfer(copy, write=True, timeout_s=10) == set()
+    assert fast.connections.transfer(copy, write=True, timeout_s=10).pools == set()
     loc2 = Location(pool[0], pool[1], g2.offsets[0], size)
     assert fast.commit(Publishes.of([(k, loc2, g2.token)])).result() == [True]
 
     # the late copy lands in its own (quarantined) slot, and its commit is refused
     late = {pool: Ranges.of([CopyOp(g1.offsets[0], mine)])}
-    assert slow.connections.transfer(late, write=True, timeout_s=10) == set()
+    assert slow.connections.transfer(late, write=True, timeout_s=10).pools == set()
     loc1 = Location(pool[0], pool[1], g1.offsets[0], size)
     assert slow.commit(Publishes.of([(k, loc1, g1.token)])).result() == [False]
 
@@ -125,7 +125,8 @@ def test_renewed_reservation_outlives_its_timeout(fleet):
     for _ in range(3):  # 1.8 s of copying in all, renewed as it goes
         time.sleep(0.6)
         assert w.renew({pool: [g.token]}).result() == set()
-    assert w.connections.transfer({pool: Ranges.of([CopyOp(g.offsets[0], data)])}, write=True, timeout_s=10) == set()
+    copy = {pool: Ranges.of([CopyOp(g.offsets[0], data)])}
+    assert w.connections.transfer(copy, write=True, timeout_s=10).pools == set()
     loc = Location(pool[0], pool[1], g.offsets[0], data.numel())
     assert w.commit(Publishes.of([(key(1), loc, g.token)])).result() == [True]
     time.sleep(1.2)

@@ -58,7 +58,7 @@ def written_slots(client, count: int, size: int):
     grant = client.reserve(pool, size, count).result()
     assert grant is not None and len(grant.offsets) == count
     ops = [CopyOp(offset, data[i * size:(i + 1) * size]) for i, offset in enumerate(grant.offsets)]
-    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10) == set()
+    assert client.connections.transfer({pool: Ranges.of(ops)}, write=True, timeout_s=10).pools == set()
     return pool, grant
 
 
@@ -129,7 +129,7 @@ class ClientProcess:
         for i, pool, _, off in placed:
             ops.setdefault(pool, []).append(CopyOp(off, views[i]))
         failed = client.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=True,
-                                             timeout_s=client.config.transfer_timeout_s)
+                                             timeout_s=client.config.transfer_timeout_s).pools
         rows = [(keys[i], Location(pool[0], pool[1], off, views[i].numel(), None), token)
                 for i, pool, token, off in placed if pool not in failed]
         publish = replace(Publishes.of(rows), families=[NO_HINT] * len(rows))
@@ -229,7 +229,7 @@ class ClientProcess:
             for i, pool, _, off in placed:
                 ops.setdefault(pool, []).append(CopyOp(off, views[i]))
             failed = client.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()},
-                                                 write=True, timeout_s=client.config.transfer_timeout_s)
+                                                 write=True, timeout_s=client.config.transfer_timeout_s).pools
             rows = [(keys[i], Location(pool[0], pool[1], off, views[i].numel(), None), token)
                     for i, pool, token, off in placed if pool not in failed]
             kept = sum(client.commit(Publishes.of(rows, family=keys[0])).result())

@@ -76,7 +76,7 @@ def test_a_load_layer_by_layer_lands_every_layer_exactly(alike, how, monkeypatch
         assert isinstance(seen[0], RepeatedRanges) == (alike and how != "at_once_few")
         assert len(posted) == (LAYERS if how == "layers" else 1)
         for out in posted:
-            assert not copier.wait(out, deadline=float("inf")) and not out.failed
+            assert not copier.wait(out, deadline=float("inf")).pools and not out.failed
         for layer in range(LAYERS):
             for block, offset in zip(blocks.tolist(), offsets.tolist()):
                 at = offset + layout.layer_offset(layer)

@@ -9,7 +9,7 @@ import torch
 
 from ucm_ray.config import ConfigError, UcmRayConfig
 from ucm_ray.transport.base import Ranges
-from ucm_ray.transport.nixl.staging import HostStaging, StagingLayout, stages_through_host
+from ucm_ray.transport.nixl.staging import HostStaging, StagingLayout, pieces, stages_through_host
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -67,3 +67,18 @@ def test_a_layout_keeps_the_ranges_alignment():
     layout = StagingLayout.of(_ranges([5 * 16384, 0, 3 * 16384, 16384, 9 * 16384], sizes))
     assert all(offset % 16384 == 0 for offset in layout.offsets.tolist())
     assert layout.runs[2].tolist() == [16384 * 2, 16384, 16384, 16384]
+
+
+def test_a_batch_is_cut_into_pieces_that_cover_each_byte_once():
+    """Pieces of at most 50 bytes over the packed layout, in pool order: a range across a cut is
+    cut, zero-byte ranges go nowhere, every (local, pool) byte pair lands in exactly one piece."""
+    ranges = _ranges([100, 40, 500, 160, 300], [60, 60, 8, 24, 0])
+    cut = pieces(ranges, StagingLayout.of(ranges), 50)
+    assert [int(piece.sizes.sum()) for piece in cut] == [50, 50, 50, 2]
+    pairs = [(int(local) + k, int(pool) + k) for piece in cut
+             for local, pool, size in zip(piece.local_offsets, piece.pool_offsets, piece.sizes) for k in range(size)]
+    expected = [(int(local) + k, int(pool) + k) for local, pool, size in
+                zip(ranges.local_offsets, ranges.pool_offsets, ranges.sizes) for k in range(size)]
+    assert sorted(pairs) == sorted(expected) and len(pairs) == len(set(pairs))
+    assert [sorted(zip(piece.pool_offsets.tolist(), piece.sizes.tolist())) for piece in cut] == [
+        [(40, 50)], [(90, 10), (100, 40)], [(140, 20), (160, 24), (500, 6)], [(506, 2)]]

@@ -22,6 +22,12 @@ class TransferError(RuntimeError):
     """A transfer failed or timed out; its destination bytes must not be trusted."""
 
 
+class LocalTransferError(TransferError):
+    """A transfer this process could not carry out for a reason of its own (no host staging
+    room, a slab it could not allocate): its bytes are failed as any others, but the pool is
+    not to blame (a worker's memory limit must not make a healthy shard suspect)."""
+
+
 @dataclass(frozen=True)
 class CopyOp:
     """One contiguous byte range: ``pool[pool_offset : pool_offset + local.nbytes]`` <-> ``local``
@@ -298,6 +304,8 @@ class CompletedTransfer(Transfer):
         return True
 
     def wait(self, timeout_s: float | None = None) -> None:
+        if isinstance(self._error, TransferError):
+            raise self._error  # as it is: a ``LocalTransferError`` stays one
         if self._error is not None:
             raise TransferError(str(self._error)) from self._error
 

@@ -7,7 +7,8 @@ through the mapping of its predecessor: ``sync`` closes every transport whose
 pool is no longer current before anything else uses this object.
 
 Transfers never raise: a pool whose batch cannot be posted or fails is reported
-back, and the caller treats its keys as misses (loads) or dropped saves.
+back, and the caller treats its keys as misses (loads) or dropped saves; it suspects the pool
+only where the failure was not this process's own (``Failures.blamed``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from ucm_ray.transport.base import (
+    LocalTransferError,
     PoolDescriptor,
     PoolKey,
     PoolTransport,
@@ -37,6 +40,30 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "shm", "nixl")
+
+
+@dataclass
+class Failures:
+    """The pools whose batches failed: their keys are misses, their rows not saved. ``blamed``,
+    those of them whose failure was not this process's own (``LocalTransferError``: no host
+    staging room, a slab not allocated): only those may be suspected."""
+
+    pools: set[PoolKey] = field(default_factory=set)
+    blamed: set[PoolKey] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, pools: set[PoolKey]) -> Failures:
+        """Failures of ``pools``, every one blamed (a batch the pool never took)."""
+        return cls(set(pools), set(pools))
+
+    def add(self, pool: PoolKey, error: BaseException) -> None:
+        self.pools.add(pool)
+        if not isinstance(error, LocalTransferError):
+            self.blamed.add(pool)
+
+    def update(self, other: Failures) -> None:
+        self.pools |= other.pools
+        self.blamed |= other.blamed
 
 
 def _what(write: bool) -> str:
@@ -104,10 +131,12 @@ class PoolConnections:
             t.register_local(tensor)
 
     def transfer(self, by_pool: Mapping[PoolKey, Ranges], *, write: bool,
-                 timeout_s: float) -> set[PoolKey]:
-        """``post`` then ``wait``: returns the pools whose batch failed. Never raises."""
+                 timeout_s: float) -> Failures:
+        """``post`` then ``wait``: the pools whose batch failed. Never raises."""
         posted, failed = self.post(by_pool, write=write)
-        return failed | self.wait(posted, write=write, timeout_s=timeout_s)
+        failures = Failures.of(failed)
+        failures.update(self.wait(posted, write=write, timeout_s=timeout_s))
+        return failures
 
     def post(self, by_pool: Mapping[PoolKey, Ranges], *,
              write: bool) -> tuple[list[tuple[PoolKey, Transfer]], set[PoolKey]]:
@@ -180,17 +209,17 @@ class PoolConnections:
 
     @staticmethod
     def wait(posted: list[tuple[PoolKey, Transfer]], *, write: bool, timeout_s: float,
-             clock: Callable[[], float] = time.monotonic) -> set[PoolKey]:
+             clock: Callable[[], float] = time.monotonic) -> Failures:
         """Wait for posted batches within one overall ``timeout_s`` (on ``clock``: the worker's,
         whose step deadline it is); the pools whose batch failed."""
-        failed: set[PoolKey] = set()
+        failed = Failures()
         deadline = clock() + timeout_s
         for pool, transfer in posted:
             try:
                 transfer.wait(max(0.0, deadline - clock()))
             except Exception as e:  # noqa: BLE001 -- as above: never raise into a copy thread
                 log.warning("%s with shard %s failed: %s: %s", _what(write), pool[0], type(e).__name__, e)
-                failed.add(pool)
+                failed.add(pool, e)
         return failed
 
     def kind(self, pool: PoolKey) -> str:

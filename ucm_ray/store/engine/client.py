@@ -96,9 +96,9 @@ class StoreClient(RayBlockStore):
             ops[pool].append(CopyOp(off, views[i]))
         failed = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=True,
                                            timeout_s=self.config.transfer_timeout_s)
-        for pool in failed:
+        for pool in failed.blamed:
             self.access.failed(pool, "save failed")
-        for i, ok in self._commit_landed(keys, views, placed, failed):
+        for i, ok in self._commit_landed(keys, views, placed, failed.pools):
             visible[i] = visible[i] or ok
         # A key another writer stored first (a race) is present too.
         missing = [i for i, v in enumerate(visible) if not v]
@@ -175,9 +175,10 @@ class StoreClient(RayBlockStore):
         for i, loc in enumerate(locs):
             if loc is not None and ok[i]:
                 ops[loc.pool].append(CopyOp(loc.offset, views[i]))
-        failed = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=False,
-                                           timeout_s=self.config.transfer_timeout_s)
-        for pool in failed:
+        failures = self.connections.transfer({pool: Ranges.of(batch) for pool, batch in ops.items()}, write=False,
+                                             timeout_s=self.config.transfer_timeout_s)
+        failed = failures.pools
+        for pool in failures.blamed:
             self.access.failed(pool, "load failed")
         lost = [loc is not None and ok[i] and loc.pool in failed for i, loc in enumerate(locs)]
         untrusted = failed | self.release(lease.lease_ids).result()

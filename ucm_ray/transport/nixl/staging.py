@@ -19,6 +19,12 @@ A batch that finds no room takes back the slabs of transfers that are over and w
 nobody still has to take out of them (saves, failed or abandoned loads), and waits for the
 others' (the layers of a large load, read ahead of their hooks, come back as the hooks take
 them) at most ``ROOM_WAIT_S``; then it fails like a transfer that could not start.
+
+A batch larger than half the bound (a load at once of >13k tokens of a 70B model is 4 GiB) goes
+in pieces of half the bound, one after another through one slab at a time, as one ``Transfer``
+(``_PiecewiseTransfer``): a single slab for it might never fit, and two such batches fit side by
+side. A failure of staging itself (no room, a slab not allocated) is a ``LocalTransferError``:
+the batch's blocks fail, its pool is not made suspect.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import CompletedTransfer, Ranges, Transfer, TransferError
+from ucm_ray.transport.base import CompletedTransfer, LocalTransferError, Ranges, Transfer, TransferError
 from ucm_ray.transport.nixl.agent import rdma_ports
 from ucm_ray.transport.shm import HostBufferTransport
 
@@ -42,11 +48,15 @@ SETTINGS = ("auto", "on", "off")
 MIN_SLAB_BYTES = 1 << 20
 MAX_STAGING_BYTES = 4 << 30
 """Staging one worker may hold at most: a prompt's save of 16k tokens of an 8B model (2 GiB)
-and a load beside it."""
+and a load beside it. A batch larger than half of it goes in pieces of half of it."""
 ROOM_WAIT_S = 1.0
 """How long a batch waits at most for other transfers' slabs to come back: a hook takes a
 layer's bytes within milliseconds of the layers before it; a batch still without room after
 this is failed rather than holding up the copy thread's queue."""
+
+
+class StagingFull(LocalTransferError):
+    """No slab that fits came back in time and there is no room for a new one."""
 
 
 def stages_through_host(setting: str, device: torch.device, rdma: Sequence[str]) -> bool:
@@ -169,19 +179,125 @@ class _StagedTransfer(Transfer):
         with self._lock:
             self._settle(timeout_s)
         if self._error is not None:
-            raise TransferError(f"staged NIXL transfer: {self._error}") from self._error
+            raise _failure(self._error)
         if self._abandoned:
             raise TransferError("staged NIXL transfer: abandoned, nothing delivered")
+
+
+def pieces(ranges: Ranges, layout: StagingLayout, piece_bytes: int) -> list[Ranges]:
+    """``ranges`` cut into batches of at most ``piece_bytes`` each, consecutive stretches of
+    ``layout`` (pool order); a range across a cut is cut too. Zero-byte ranges are left out."""
+    starts = layout.offsets
+    ends = starts + ranges.sizes
+    out = []
+    for begin in range(0, layout.nbytes, piece_bytes):
+        end = begin + piece_bytes
+        mine = np.flatnonzero((starts < end) & (ends > begin) & (ranges.sizes > 0))
+        first, last = np.maximum(starts[mine], begin), np.minimum(ends[mine], end)
+        skip = first - starts[mine]
+        out.append(Ranges(ranges.buffers, ranges.buffer_index[mine], ranges.local_offsets[mine] + skip,
+                          ranges.pool_offsets[mine] + skip, last - first))
+    return out
+
+
+def _failure(error: BaseException) -> TransferError:
+    """What ``wait`` raises for a staged transfer that failed with ``error`` (a staging failure
+    stays local: no pool is to blame for it)."""
+    kind = LocalTransferError if isinstance(error, LocalTransferError) else TransferError
+    failure = kind(f"staged NIXL transfer: {error}")
+    failure.__cause__ = error
+    return failure
+
+
+class _PiecewiseTransfer(Transfer):
+    """A batch moved in pieces, each a ``_StagedTransfer`` posted once the one before is over
+    (its bytes scattered, its slab given back): by ``wait``, or by ``done`` as it polls. To its
+    caller one transfer: done once every piece is over or one failed (no later piece is posted
+    then; a load's earlier pieces were scattered into blocks that are failed with the batch),
+    ``abandon`` abandons the piece in flight and posts none after it."""
+
+    def __init__(self, first: Transfer, rest: list[Ranges],
+                 post_piece: Callable[[Ranges, float], _StagedTransfer]) -> None:
+        self._current: Transfer | None = first
+        self._rest = rest
+        self._post_piece = post_piece
+        self._error: BaseException | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    def _post_next(self, wait_s: float) -> None:
+        """Post the next piece (a slab waited for at most ``wait_s``); StagingFull passes through
+        when ``wait_s`` is 0 (``done`` tries again at its next poll), any other error fails the batch."""
+        try:
+            self._current = self._post_piece(self._rest[0], wait_s)
+        except StagingFull as e:
+            if not wait_s:
+                raise
+            self._error = e
+        except Exception as e:  # noqa: BLE001 -- kept, raised by every wait
+            self._error = e
+        del self._rest[0]
+
+    def _land_current(self, timeout_s: float | None) -> None:
+        assert self._current is not None
+        try:
+            self._current.wait(timeout_s)
+        except TransferError as e:
+            self._error = e
+        self._current = None
+
+    def done(self) -> bool:
+        with self._lock:
+            while self._error is None and not self._abandoned:
+                if self._current is None:
+                    if not self._rest:
+                        return True
+                    try:
+                        self._post_next(0.0)
+                    except StagingFull:
+                        return False
+                elif self._current.done():
+                    self._land_current(0.0)
+                else:
+                    return False
+            return self._current is None or self._current.done()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until every piece is over (an abandoned one's in flight too: its slab comes back)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._current is not None or (self._rest and self._error is None):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if self._current is not None:
+                    self._land_current(left)
+                elif left == 0.0:
+                    self._error = TransferError(f"timed out after {timeout_s} s, {len(self._rest)} pieces not posted")
+                else:
+                    self._post_next(ROOM_WAIT_S if left is None else min(ROOM_WAIT_S, left))
+        if self._abandoned:
+            raise TransferError("staged NIXL transfer: abandoned, nothing delivered")
+        if isinstance(self._error, TransferError):  # a piece's, or staging's own: as it is
+            raise self._error
+        if self._error is not None:
+            raise _failure(self._error)
+
+    def abandon(self) -> None:
+        with self._lock:  # held: no ``done`` may scatter the piece in flight meanwhile
+            self._abandoned = True
+            self._rest = []
+            if self._current is not None:
+                self._current.abandon()
 
 
 class HostStaging:
     """One worker's staging slabs, shared by its NIXL transports (thread-safe)."""
 
-    def __init__(self, setting: str = "auto", *, max_bytes: int = MAX_STAGING_BYTES,
+    def __init__(self, setting: str = "auto", *, max_bytes: int | None = None,
                  rdma: Sequence[str] | None = None) -> None:
+        """``max_bytes``: the bound (None: ``MAX_STAGING_BYTES`` as it is now)."""
         stages_through_host(setting, torch.device("cpu"), ())  # a bad setting fails here, not at a copy
         self.setting = setting
-        self._max_bytes = max_bytes
+        self._max_bytes = MAX_STAGING_BYTES if max_bytes is None else max_bytes
         self._rdma = rdma
         self._applies: dict[str, bool] = {}
         self._slabs: list[_Slab] = []
@@ -211,15 +327,34 @@ class HostStaging:
 
     def post(self, ranges: Ranges, *, to_pool: bool, post: Callable[[Ranges], Transfer],
              register: Callable[[torch.Tensor], None], deregister: Callable[[torch.Tensor], None]) -> Transfer:
-        """``ranges`` (the batch's buffers <-> the pool, checked by the caller) through a slab:
-        ``post`` moves the slab's ranges with the pool (registered by ``register`` first;
-        ``deregister`` undoes that where the slab is dropped). A
-        save is gathered into the slab before it returns (on CUDA: on our stream, waited for
-        here, on the copy thread)."""
+        """``ranges`` (the batch's buffers <-> the pool, checked by the caller) through a slab, or
+        slab after slab in pieces of half the bound: ``post`` moves a slab's ranges with the pool
+        (registered by ``register`` first; ``deregister`` undoes that where the slab is dropped).
+        A save's (first) piece is gathered into its slab before it returns (on CUDA: on our
+        stream, waited for here, on the copy thread). A staging failure is not raised: the
+        transfer returned fails with it (``LocalTransferError``), as a pool's failure would."""
         layout = StagingLayout.of(ranges)
         if not layout.nbytes:
             return CompletedTransfer()
-        lease = _Lease(self, self._take(layout.nbytes, ROOM_WAIT_S))
+
+        def post_piece(piece: Ranges, wait_s: float) -> _StagedTransfer:
+            return self._post_piece(piece, StagingLayout.of(piece), to_pool, post, register, deregister, wait_s)
+
+        piece_bytes = max(1, self._max_bytes // 2)
+        try:
+            if layout.nbytes <= piece_bytes:
+                return self._post_piece(ranges, layout, to_pool, post, register, deregister, ROOM_WAIT_S)
+            first, *rest = pieces(ranges, layout, piece_bytes)
+            log.debug("NIXL staging: a %d-byte batch in %d pieces", layout.nbytes, 1 + len(rest))
+            return _PiecewiseTransfer(post_piece(first, ROOM_WAIT_S), rest, post_piece)
+        except LocalTransferError as e:  # logged where it is waited for, as a pool's failure is
+            return CompletedTransfer(e)
+
+    def _post_piece(self, ranges: Ranges, layout: StagingLayout, to_pool: bool, post: Callable[[Ranges], Transfer],
+                    register: Callable[[torch.Tensor], None], deregister: Callable[[torch.Tensor], None],
+                    wait_s: float) -> _StagedTransfer:
+        """``post`` of a batch that one slab holds (waited for at most ``wait_s``)."""
+        lease = _Lease(self, self._take(layout.nbytes, wait_s))
         copies = lease.slab.copies
         local = Ranges(ranges.buffers, ranges.buffer_index, ranges.local_offsets, layout.offsets, ranges.sizes)
         slab_at, pool_at, sizes = layout.runs
@@ -248,7 +383,7 @@ class HostStaging:
 
     def _take(self, nbytes: int, wait_s: float) -> _Slab:
         """A slab of at least ``nbytes``: a free one, a new one within the bound, or one given
-        back within ``wait_s`` (TransferError after that)."""
+        back within ``wait_s`` (StagingFull after that)."""
         deadline = time.monotonic() + wait_s
         spins = 0
         while True:
@@ -264,7 +399,7 @@ class HostStaging:
             if freed:
                 continue  # a slab that fits came back
             if time.monotonic() >= deadline:
-                raise TransferError(f"NIXL staging is full: {nbytes} bytes asked, no slab that fits came "
+                raise StagingFull(f"NIXL staging is full: {nbytes} bytes asked, no slab that fits came "
                                     f"back within {wait_s} s and no room for a new one (at most "
                                     f"{self._max_bytes} bytes)")
             spins += 1
@@ -292,12 +427,20 @@ class HostStaging:
                 dropped.append(idle.pop(0))
                 made -= dropped[-1].tensor.numel()
             self._slabs = [slab for slab in self._slabs if all(slab is not d for d in dropped)]
-            tensor = torch.empty(size, dtype=torch.uint8)
-            slab = _Slab(tensor, HostBufferTransport(tensor, "NIXL staging"))
-            self._slabs.append(slab)
-            self.allocations += 1
+            try:
+                tensor = torch.empty(size, dtype=torch.uint8)
+                slab = _Slab(tensor, HostBufferTransport(tensor, "NIXL staging"))
+            except Exception as e:  # noqa: BLE001 -- host memory this process could not have or pin
+                failed: BaseException | None = e
+            else:
+                failed = None
+                self._slabs.append(slab)
+                self.allocations += 1
         for old in dropped:  # free: no transfer uses it (NIXL holds its memory until deregistered)
             self._drop(old)
+        if failed is not None:
+            raise LocalTransferError(f"NIXL staging: a {size}-byte slab could not be made "
+                                     f"({type(failed).__name__}: {failed})") from failed
         log.debug("NIXL staging: a %d-byte slab (%d made, %d dropped for it)", size, made + size, len(dropped))
         return slab
 

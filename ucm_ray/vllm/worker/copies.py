@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ucm_ray.transport.base import EMPTY, PoolDescriptor, PoolKey, PreparedCopies, Ranges, RepeatedRanges, Transfer
-from ucm_ray.transport.pools import PoolConnections
+from ucm_ray.transport.pools import Failures, PoolConnections
 from ucm_ray.vllm.stats import UcmRayStats
 from ucm_ray.vllm.worker.plan import Batch, ByPool, Entries, KvCaches, Layer, Tag, split_entries
 
@@ -316,10 +316,13 @@ class Copier:
             self._stats.add(deadline_misses=1)
             return None
 
-    def wait(self, posted: Posted, deadline: float) -> set[PoolKey]:
-        """Wait on the host (until ``deadline``) for a posted batch to land: the pools that failed it."""
-        return posted.failed_pools | self._pools.wait(
-            posted.transfers, write=posted.write, timeout_s=self.left(deadline), clock=self.clock)
+    def wait(self, posted: Posted, deadline: float) -> Failures:
+        """Wait on the host (until ``deadline``) for a posted batch to land: the pools that failed
+        it (those it could not be posted to blamed)."""
+        failures = Failures.of(posted.failed_pools)
+        failures.update(self._pools.wait(posted.transfers, write=posted.write, timeout_s=self.left(deadline),
+                                         clock=self.clock))
+        return failures
 
     # --- counters ------------------------------------------------------------------------
 

@@ -177,10 +177,10 @@ class StepLoads:
         """Wait on the host for a posted batch to land and take its failures (``since``: when
         the wait began, if it began before its post was in)."""
         started = time.perf_counter() if since is None else since
-        failed_pools = self._copies.wait(posted, step.deadline)
+        failures = self._copies.wait(posted, step.deadline)
         seconds = posted.post_s + time.perf_counter() - started
-        self._results.pools_failed(failed_pools)
-        step.landed(posted, failed_pools, seconds, self._copies.caches.layouts)
+        self._results.pools_failed(failures.blamed)
+        step.landed(posted, failures.pools, seconds, self._copies.caches.layouts)
 
     # --- checks and results --------------------------------------------------------------
 

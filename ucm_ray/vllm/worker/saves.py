@@ -29,6 +29,7 @@ import numpy as np
 from ucm_ray.store.checksum import Checksum
 from ucm_ray.store.types import NO_CHECKSUM
 from ucm_ray.transport.base import PoolKey
+from ucm_ray.transport.pools import Failures
 from ucm_ray.vllm.metadata import BlockSaves, SaveResult
 from ucm_ray.vllm.stats import UcmRayStats
 from ucm_ray.vllm.worker.copies import Copier, Posted
@@ -201,12 +202,12 @@ class SavesInFlight:
                 uncertain = uncertain or not future.cancelled()  # running: it may still land later
             else:
                 posted.append(batch)
-        failed_pools: set[PoolKey] = set()
+        failures = Failures()
         for batch in posted:
             failed = failed or batch.failed
-            failed_pools |= self._copies.wait(batch, job.deadline)
-        self._results.pools_failed(failed_pools)
-        self._report(job, failed, failed_pools, uncertain)
+            failures.update(self._copies.wait(batch, job.deadline))
+        self._results.pools_failed(failures.blamed)
+        self._report(job, failed, failures.pools, uncertain)
 
     def _report(self, job: SaveJob, failed: bool, failed_pools: set[PoolKey], uncertain: bool) -> None:
         saves, locations = job.saves, job.saves.locations
