@@ -23,12 +23,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ucm_ray.transport.base import PoolKey
 
-if TYPE_CHECKING:
-    from ucm_ray.store.types import ShardRecord  # types' ``Membership`` carries ``LoadFigures``
+
+class _Keyed(Protocol):
+    """A member of the shard list (``store.types.ShardRecord``), by what the figures need of it: not
+    imported, as ``store.types``' ``Membership`` carries ``LoadFigures`` (no import circle)."""
+
+    @property
+    def key(self) -> PoolKey: ...
 
 TOP_POOLS = 100
 """Pools whose figures a push carries (the most loaded; every other pool reads as 0, "not busy").
@@ -80,7 +85,7 @@ class LoadFigures:
     at: tuple[int, ...] = ()
     figure: tuple[float, ...] = ()
 
-    def by_pool(self, shards: Sequence[ShardRecord]) -> dict[PoolKey, float]:
+    def by_pool(self, shards: Sequence[_Keyed]) -> dict[PoolKey, float]:
         return {shards[i].key: figure for i, figure in zip(self.at, self.figure) if i < len(shards)}
 
 
@@ -143,7 +148,7 @@ class PoolLoad:
         """Bytes a second read from ``pool``, recent ones counting most."""
         return self._scaled.get(pool, 0.0) * self._scale(self._clock())
 
-    def publish(self, shards: Sequence[ShardRecord]) -> LoadFigures:
+    def publish(self, shards: Sequence[_Keyed]) -> LoadFigures:
         """The ``TOP_POOLS`` most loaded of ``shards``' pools, as the next push carries them (and
         what later reports are measured against)."""
         if not self._scaled:
