@@ -143,9 +143,8 @@ def test_a_chain_longer_than_the_window_is_unknown_not_a_miss(cluster, shard, re
 
 def test_a_chain_that_runs_past_the_tables_end_is_read_from_its_start(cluster, shard, readers):
     """Keys whose home is the last bucket: the table's first buckets hold the rest of their chain,
-    and the window read goes on there (a key's home is in the last ``WINDOW - 1`` buckets for
-    about 1 key in 2,300 of a 16,384-bucket table: a prompt of 24 blocks, one lookup in 100,
-    paid a pin call on the shard for it, the multinode test's flake)."""
+    and the window read goes on there (before, such keys were unknown and their lookup paid a pin
+    call on the shard: the multinode test's flake, docs/performance-log.md, stop 66)."""
     actor, _ = shard
     remote, local = readers
     last = (remote.buckets - 1).to_bytes(8, "little")
