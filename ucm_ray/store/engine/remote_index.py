@@ -2,7 +2,8 @@
 
 A shard exports its published index (``store.published_layout``) with its pool's NIXL agent.
 A reader on another node reads, per key, the window of buckets its probe chain starts with
-(``WINDOW``) and the table's header, in one transfer, and answers as a same-node reader does:
+(``WINDOW``; one that runs past the table's end goes on at its start, as the chain does) and the
+table's header, in one transfer, and answers as a same-node reader does:
 an entry's location and generation, read unpinned. The copy of its bytes is then validated by
 reading the key's window again: the copy counts only if the entry is listed with the same
 generation, offset and size afterwards (a slot is unlisted before the shard can hand it to a
@@ -13,8 +14,8 @@ then the fields, then the sequence again), so a bucket read while the shard rewr
 two versions. That costs a miss, never wrong bytes: the validation compares every field the
 copy relied on with a second read made after the copy, and a torn first read differs from the
 entry's settled state in some field it read wrong. What the window cannot settle (a chain
-longer than the window, a wrap past the table's end, a table that is not complete, a rebuild
-or a torn bucket) is left unknown, and the lookup asks the shard through Ray as before.
+longer than the window, a table that is not complete, a rebuild or a torn bucket) is left
+unknown, and the lookup asks the shard through Ray as before.
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ class RemoteIndexReader:
         found.known[hit] = True
         found.known[miss] = bool(header["complete"])
         found.on_disk[on_disk] = True
-        found.known[self._wraps(words)] = False
         return found
 
     def generation_of(self, key: bytes) -> int | None:
@@ -114,11 +114,11 @@ class RemoteIndexReader:
     def close(self) -> None:
         self._transport.close()
 
-    def _wraps(self, words: np.ndarray) -> np.ndarray:
-        return (words[:, 0] & self._mask).astype(np.int64) + WINDOW > self.buckets
-
     def _read(self, keys: Sequence[bytes]) -> tuple[np.void, np.ndarray] | None:
-        """The header and each key's window (zeros where it would wrap), read in one transfer."""
+        """The header and each key's window, read in one transfer. A window that runs past the
+        table's end is read in two pieces, its tail from the table's start: its chain goes on
+        there (before, such a key was unknown, and a prompt with one key whose home was in a
+        table's last ``WINDOW - 1`` buckets paid a pin call on the shard for it)."""
         words = key_halves(keys)
         home = (words[:, 0] & self._mask).astype(np.int64)
         span = WINDOW * BUCKET.itemsize
@@ -127,12 +127,13 @@ class RemoteIndexReader:
             self._buffer = torch.zeros(max(need, 2 * self._buffer.numel()), dtype=torch.uint8)
             self._transport.register_local(self._buffer)
         buffer = self._buffer
-        buffer[:need].zero_()
         ops = [CopyOp(0, buffer[:HEADER.itemsize])]
-        reachable = ~self._wraps(words)
-        for i in np.flatnonzero(reachable).tolist():
+        for i, at in enumerate(home.tolist()):
             start = HEADER.itemsize + i * span
-            ops.append(CopyOp(HEADER.itemsize + int(home[i]) * BUCKET.itemsize, buffer[start:start + span]))
+            head = min(WINDOW, self.buckets - at) * BUCKET.itemsize  # the part before the table's end
+            ops.append(CopyOp(HEADER.itemsize + at * BUCKET.itemsize, buffer[start:start + head]))
+            if head < span:
+                ops.append(CopyOp(HEADER.itemsize, buffer[start + head:start + span]))
         try:
             self._transport.read(Ranges.of(ops)).wait(READ_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 -- a dead or slow node: the lookup asks the shard
