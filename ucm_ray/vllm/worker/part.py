@@ -81,6 +81,8 @@ class WorkerPart:
         (``waits_by_layer``). A step whose metadata carries nothing for the workers, while no
         step's loads or save jobs are left here (most decode steps), does nothing else: no
         clock, no state, no call below."""
+        if self._copies.late_reads or self._copies.given_up:
+            self._copies.fence_late_reads()  # before anything of this step, and its forward, runs
         if not meta.work and self._step is self._idle_step and not self._saves.jobs:
             return False
         if self._step.phase is LoadPhase.POSTED:
@@ -119,11 +121,18 @@ class WorkerPart:
         metadata unbound, and vLLM calls neither layer hook (two calls a layer, every step)."""
         return self._step.phase is LoadPhase.BY_LAYER or self._step.phase is LoadPhase.PLANNED
 
+    @property
+    def late_reads(self) -> bool:
+        """Whether a failed read may still land in its KV blocks (``fence`` waits for them)."""
+        return bool(self._copies.late_reads or self._copies.given_up)
+
     def fence(self, meta: UcmRayConnectorMetadata) -> None:
         """This step reuses blocks that these save jobs may still be reading (freed and
         allocated again, say to a preempted request's successor): whatever writes them must
         come after the copies. vLLM calls ``handle_preemptions`` (this) before it zeroes or
         copies into the step's new blocks, and before the forward and the step's loads."""
+        if self._copies.late_reads or self._copies.given_up:
+            self._copies.fence_late_reads()  # blocks a failed read may still land in are reused from here on
         if meta is self._fenced:
             return  # ``handle_preemptions`` did, before ``bind``
         self._fenced = meta
