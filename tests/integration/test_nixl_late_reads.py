@@ -74,6 +74,10 @@ class Shard:
         self.bytes = _random(POOL, seed)
         self.stopped = False
 
+    def pool(self, offset: int, nbytes: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self.ray.get(self.actor.read.remote(offset, nbytes), timeout=60)),
+                                dtype=torch.uint8)
+
     def stop(self) -> None:
         """Stopped once this returns (a signal is delivered asynchronously: a read posted right
         after ``kill`` could still be served)."""
@@ -301,3 +305,27 @@ def test_a_read_still_late_after_the_fence_s_bound_stops_the_worker(stalled):
     finally:
         stalled.resume()
         w.shutdown()
+
+
+def test_a_staged_write_that_timed_out_is_late_until_its_request_is_over(stalled):
+    """A save through staging to the stalled shard times out: its bytes may still land in the
+    pool's slots (the save then reports its rows uncertain, and the scheduler quarantines the
+    slots rather than free them for another key), until the request is over."""
+    staging = HostStaging("on", rdma=[])
+    transport = NixlPoolTransport(stalled.desc, staging=staging)
+    src = _random(NBYTES, seed=9)
+    transport.register_local(src)
+    try:
+        _connected(transport, src.clone())
+        stalled.stop()
+        transfer = transport.write(Ranges.of([CopyOp(0, src)]))
+        with pytest.raises(TransferError, match="timed out"):
+            transfer.wait(TIMEOUT_S)
+        assert transfer.late(), "a timed-out staged write in flight is not late"
+        stalled.resume()
+        assert _until(lambda: not transfer.late()), "the late write never finished"
+        assert torch.equal(stalled.pool(0, NBYTES), src)
+    finally:
+        stalled.resume()
+        transport.close()
+        staging.close()

@@ -129,6 +129,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             cast(SchedulerPart, _OtherRole("scheduler"))
         self.worker_part: WorkerPart = self._worker if self._worker is not None else \
             cast(WorkerPart, _OtherRole("worker"))
+        self.late_reads: list = self._worker.late_reads if self._worker is not None else []
+        """The worker's failed reads still in flight (``WorkerPart.late_reads``)."""
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -224,7 +226,7 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         still in flight (``Copier.fence_late_reads``). A step without work for the workers
         (``QUIET_STEP``) fences nothing unless a read is late."""
         assert isinstance(kv_connector_metadata, UcmRayConnectorMetadata)
-        if kv_connector_metadata.work or self.worker_part.late_reads:
+        if kv_connector_metadata.work or self.late_reads:
             self.worker_part.fence(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

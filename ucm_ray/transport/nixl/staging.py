@@ -133,6 +133,7 @@ class _StagedTransfer(Transfer):
         self._inner = inner
         self._lease = lease
         self._scatter = scatter
+        self._writes = scatter is None
         self._error: BaseException | None = None
         self._over = False
         self._abandoned = False
@@ -153,6 +154,11 @@ class _StagedTransfer(Transfer):
                 self._lease.release()
             else:
                 self._lease.staging.quarantined_one(self._lease.slab)
+
+    def late(self) -> bool:
+        """A write's NIXL request in flight may still land in the pool; a read's never reaches
+        its destination after a failure (its slab is quarantined instead)."""
+        return self._writes and self._inner.late()
 
     @property
     def quarantined(self) -> bool:
@@ -239,7 +245,11 @@ class _PiecewiseTransfer(Transfer):
         self._post_piece = post_piece
         self._error: BaseException | None = None
         self._abandoned = False
+        self._failed_piece: Transfer | None = None
         self._lock = threading.Lock()
+
+    def late(self) -> bool:
+        return self._failed_piece is not None and self._failed_piece.late()
 
     def _post_next(self, wait_s: float) -> None:
         """Post the next piece (a slab waited for at most ``wait_s``); StagingFull passes through
@@ -260,6 +270,7 @@ class _PiecewiseTransfer(Transfer):
             self._current.wait(timeout_s)
         except TransferError as e:
             self._error = e
+            self._failed_piece = self._current
         self._current = None
 
     def done(self) -> bool:

@@ -120,10 +120,10 @@ class Copier:
         self.clock = clock
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self.caches = KvCaches.unregistered()
-        self.late_reads: list[Transfer] = []
-        """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``)."""
-        self.given_up: list[Future[Posted]] = []
-        """Copy tasks a step gave up on while they ran: what they posted may still land."""
+        self.late_reads: list[Transfer | Future[Posted]] = []
+        """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``), and copy
+        tasks a step gave up on while they ran (what they post may): ``fence_late_reads`` empties
+        it. One list, never replaced: the hooks test it as it is, a quiet step pays nothing more."""
         self._quarantines = 0
         """``HostStaging.quarantines`` as last counted in the stats."""
 
@@ -325,7 +325,7 @@ class Copier:
         except FutureTimeout:
             if not future.cancel():  # running: whatever it posts is abandoned as it is posted
                 future.add_done_callback(_abandon)
-                self.given_up.append(future)
+                self.late_reads.append(future)
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed", self._timeout_s)
             self._stats.add(deadline_misses=1)
             return None
@@ -344,7 +344,7 @@ class Copier:
         """Keep a failed batch's late reads for ``fence_late_reads``; count them and the staging
         slabs quarantined since the last failure."""
         if failures.late and not write:
-            self.late_reads += failures.late
+            self.late_reads.extend(failures.late)
             self._stats.add(late_reads=len(failures.late))
         staging = self._pools.staging
         if staging is not None and staging.quarantines > self._quarantines:
@@ -352,32 +352,37 @@ class Copier:
             self._quarantines = staging.quarantines
 
     def fence_late_reads(self) -> None:
-        """Before a step's forward (and only where ``late_reads`` or ``given_up`` hold any: a step
-        without a failed load pays nothing): wait until no failed read can land any more, at most
+        """Before a step's forward (and only where ``late_reads`` holds any: a step without a
+        failed load pays nothing): wait until no failed read can land any more, at most
         ``transfer_timeout_s``, else ``LateReadError``. Their blocks were reported failed, and
         vLLM recomputes them (or gives them to another request) in a later step: a read landing
         after that would leave another key's bytes in them. Only a read in flight waits here (a
         staged one never: it lands in a quarantined slab, scattered nowhere); on RDMA a read
         needs no work of the shard's process, so one is late only while the network fails it."""
         deadline = time.monotonic() + self._timeout_s
-        for future in self.given_up:
+        transfers: list[Transfer] = []
+        for late in self.late_reads:
+            if not isinstance(late, Future):
+                transfers.append(late)
+                continue
             try:
-                posted = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                posted = late.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise LateReadError("ucm-ray: a copy task given up on is still posting after "
                                     f"{self._timeout_s} s more; its reads may land in reused KV blocks") from None
             if not posted.write:
-                self.late_reads += [transfer for _, transfer in posted.transfers if transfer.late()]
-        self.given_up = []
+                transfers += [transfer for _, transfer in posted.transfers]
         spins = 0
-        while self.late_reads:
-            self.late_reads = [transfer for transfer in self.late_reads if transfer.late()]
-            if self.late_reads and time.monotonic() >= deadline:
-                raise LateReadError(f"ucm-ray: {len(self.late_reads)} failed NIXL reads still in flight "
+        while transfers:
+            transfers = [transfer for transfer in transfers if transfer.late()]
+            if transfers and time.monotonic() >= deadline:
+                self.late_reads[:] = transfers
+                raise LateReadError(f"ucm-ray: {len(transfers)} failed NIXL reads still in flight "
                                     f"{self._timeout_s} s after their step: NIXL cannot cancel them, and "
                                     "their bytes may land in KV blocks vLLM reuses; stopping instead")
             spins += 1
             time.sleep(0 if spins < 64 else 1e-3)
+        self.late_reads.clear()
 
     # --- counters ------------------------------------------------------------------------
 
