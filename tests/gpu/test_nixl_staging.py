@@ -75,3 +75,39 @@ def test_staged_cuda_ranges_round_trip_exactly_and_reuse_their_slab(remote, shap
     finally:
         transport.close()
         staging.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs: the KV on one, the thread's device the other")
+def test_a_batch_in_pieces_of_kv_on_another_device_than_the_thread_s_lands_exactly(remote):
+    """A worker's KV on cuda:1 and a thread whose current device is cuda:0 (a thread of the
+    process's own starts there): a batch over the staging bound goes in pieces, each later one
+    posted or scattered by whichever thread polls or waits. Each slab's streams and mapped view
+    must be the KV's device's, not the thread's, or the gather kernel runs on the wrong GPU."""
+    from ucm_ray.transport.nixl import NixlPoolTransport
+    from ucm_ray.transport.nixl.staging import MIN_SLAB_BYTES, HostStaging
+
+    pool, desc = remote
+    staging = HostStaging("on", rdma=[], max_bytes=MIN_SLAB_BYTES)
+    transport = NixlPoolTransport(desc, staging=staging)
+    kv = torch.device("cuda", 1)
+    src = _random(8 << 20, seed=3).to(kv)
+    dst = torch.zeros_like(src)
+    transport.register_local(src)
+    transport.register_local(dst)
+    count = 6 * FEW_RANGES  # 3 MiB of aligned ranges: pieces of half a MiB, each a gather plan
+    pool_at = [(7 * k % count) * RANGE + (1 << 20) for k in range(count)]
+    ops = [CopyOp(p, src[k * 2 * RANGE:k * 2 * RANGE + RANGE]) for k, p in enumerate(pool_at)]
+    back = [CopyOp(op.pool_offset, dst[op.local.data_ptr() - src.data_ptr():][:RANGE]) for op in ops]
+    try:
+        with torch.cuda.device(0):
+            transport.write(Ranges.of(ops)).wait(30)
+            transport.read(Ranges.of(back)).wait(30)
+        torch.cuda.synchronize(kv)
+        for op in ops:
+            assert torch.equal(pool[op.pool_offset:op.pool_offset + RANGE], op.local.cpu()), "a range saved wrong"
+        for op, got in zip(ops, back):
+            assert torch.equal(got.local, op.local), f"the range at {op.pool_offset} came back wrong"
+        assert staging.held_bytes == 0 and staging.allocations == 1
+    finally:
+        transport.close()
+        staging.close()

@@ -293,6 +293,13 @@ class Transfer(ABC):
         another request's by now), and give back what it holds once it is over."""
         return None
 
+    def late(self) -> bool:
+        """Whether bytes may still land in this read's destination although ``wait`` failed or
+        was never called: a NIXL request in flight, which NIXL cannot cancel (releasing it
+        frees it but the read lands whenever the shard answers; docs/performance-log.md, stop
+        66). Its destination must not be used until this is False."""
+        return False
+
 
 class CompletedTransfer(Transfer):
     """A transfer that finished (or failed) while it was posted, e.g. CPU memcpy."""

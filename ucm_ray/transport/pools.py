@@ -50,6 +50,9 @@ class Failures:
 
     pools: set[PoolKey] = field(default_factory=set)
     blamed: set[PoolKey] = field(default_factory=set)
+    late: list[Transfer] = field(default_factory=list)
+    """Of the failed transfers, those whose bytes may still land (``Transfer.late``): a read's
+    destination blocks, a write's pool slots must not be used again until they are not."""
 
     @classmethod
     def of(cls, pools: set[PoolKey]) -> Failures:
@@ -64,6 +67,7 @@ class Failures:
     def update(self, other: Failures) -> None:
         self.pools |= other.pools
         self.blamed |= other.blamed
+        self.late += other.late
 
 
 def _what(write: bool) -> str:
@@ -220,6 +224,8 @@ class PoolConnections:
             except Exception as e:  # noqa: BLE001 -- as above: never raise into a copy thread
                 log.warning("%s with shard %s failed: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool, e)
+                if transfer.late():
+                    failed.late.append(transfer)
         return failed
 
     def kind(self, pool: PoolKey) -> str:

@@ -275,7 +275,7 @@ class HostBufferTransport(PoolTransport):
 
     def register_local(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:
-            self._pin_for_cuda()
+            self._pin_for_cuda(tensor.device)
 
     def read(self, ranges: Ranges) -> Transfer:
         return self.copy(ranges, to_pool=False)
@@ -303,7 +303,7 @@ class HostBufferTransport(PoolTransport):
         if ranges.device.type != "cuda" or not len(ranges):
             return super().prepare(ranges, ends, to_pool=to_pool)
         ranges.check(self._host.numel(), self._what)
-        stream = self._stream_for(to_pool)
+        stream = self._stream_for(to_pool, ranges.device)
         with _queued_on(stream) as caller:
             if follow_caller:
                 stream.wait_stream(caller)
@@ -318,7 +318,7 @@ class HostBufferTransport(PoolTransport):
         if repeated.device.type != "cuda" or len(repeated) <= FEW_RANGES:
             return super().prepare_repeated(repeated, to_pool=to_pool)
         repeated.check(self._host.numel(), self._what)
-        stream = self._stream_for(to_pool)
+        stream = self._stream_for(to_pool, repeated.device)
         with _queued_on(stream) as caller:
             plan = None if self._uva is None else \
                 GatherPlan.build_repeated(self._uva, repeated, host_pool=self._host)
@@ -328,9 +328,10 @@ class HostBufferTransport(PoolTransport):
             return super().prepare_repeated(repeated, to_pool=to_pool)
         return _CudaCopies(self, EMPTY, repeated.ends(), to_pool=to_pool, stream=stream, plan=plan)
 
-    def _stream_for(self, to_pool: bool) -> torch.cuda.Stream:
-        """The buffer's stream for that direction (the buffer page-locked and mapped first)."""
-        self._pin_for_cuda()
+    def _stream_for(self, to_pool: bool, device: torch.device) -> torch.cuda.Stream:
+        """The buffer's stream for that direction (the buffer page-locked and mapped first, for
+        ``device``: the local memory's)."""
+        self._pin_for_cuda(device)
         return self._streams[to_pool]
 
     def copy(self, ranges: Ranges, *, to_pool: bool, follow_caller: bool = True) -> Transfer:
@@ -363,9 +364,12 @@ class HostBufferTransport(PoolTransport):
             pool_view = pool[ranges.pool_offsets[i]: ranges.pool_offsets[i] + size]
             (pool_view if to_pool else local_view).copy_(local_view if to_pool else pool_view)
 
-    def _pin_for_cuda(self) -> None:
+    def _pin_for_cuda(self, device: torch.device) -> None:
         """Page-lock the buffer once so CUDA copies run at PCIe speed, asynchronously, and map
-        it into the GPU's address space for the gather path (checked once; off if it fails)."""
+        it into the GPU's address space for the gather path (checked once; off if it fails).
+        Its streams and mapped view are ``device``'s (the KV's), whichever device is current on
+        the thread that first uses it: a staging slab is first used where a transfer's later
+        piece is posted or scattered, on the thread that polls or waits for it."""
         if self._host_registered:
             return
         cudart = torch.cuda.cudart()
@@ -376,7 +380,7 @@ class HostBufferTransport(PoolTransport):
             if int(rc) != 0:
                 raise TransferError(f"cudaHostRegister of {self._what} failed: {rc}")
         self._host_registered = True
-        self._streams = {False: torch.cuda.Stream(), True: torch.cuda.Stream()}
+        self._streams = {False: torch.cuda.Stream(device), True: torch.cuda.Stream(device)}
         if mapped:
             with _queued_on(self._streams[False]):  # the probe's copy waits for nothing of the caller's
                 self._uva = self._mapped_view(address)

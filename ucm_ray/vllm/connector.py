@@ -129,6 +129,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             cast(SchedulerPart, _OtherRole("scheduler"))
         self.worker_part: WorkerPart = self._worker if self._worker is not None else \
             cast(WorkerPart, _OtherRole("worker"))
+        self.late_reads: list = self._worker.late_reads if self._worker is not None else []
+        """The worker's failed reads still in flight (``WorkerPart.late_reads``)."""
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -220,10 +222,11 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before vLLM writes this step's new blocks (zeroing, copy-on-write, loads, the
-        forward): wait for saves still reading any of them (``fences``). A step without work
-        for the workers (``QUIET_STEP``) fences nothing."""
+        forward): wait for saves still reading any of them (``fences``), and for failed reads
+        still in flight (``Copier.fence_late_reads``). A step without work for the workers
+        (``QUIET_STEP``) fences nothing unless a read is late."""
         assert isinstance(kv_connector_metadata, UcmRayConnectorMetadata)
-        if kv_connector_metadata.work:
+        if kv_connector_metadata.work or self.late_reads:
             self.worker_part.fence(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -68,6 +68,10 @@ COUNTERS: dict[str, str] = {
                      "stale unpinned entry.",
     "save_failures": "Block copies into a shard that did not land (never committed).",
     "deadline_misses": "Worker steps whose copies missed transfer_timeout_s.",
+    "late_reads": "Failed loads whose NIXL read was still in flight (NIXL cannot cancel one): the next step "
+                  "waited for it before its forward (at most transfer_timeout_s, else the worker stops).",
+    "staging_quarantines": "NIXL staging slabs kept after a staged read timed out with its request in flight, "
+                           "until it was over (they count against the staging bound).",
     "save_fences": "Save jobs a step had to wait for before its forward: it reuses blocks they were still "
                    "copying (freed and allocated again). The compute stream waits on the device (shared "
                    "memory on CUDA); elsewhere the host waits.",

@@ -121,15 +121,19 @@ class _Lease:
 
 
 class _StagedTransfer(Transfer):
-    """A NIXL transfer of a slab. Once its outcome is known (landed, failed, timed out: NIXL has
-    released its requests by then) the slab is given back, a read's bytes scattered from it
-    into the batch's buffers first (waited for on our stream, never the default one). A read
-    that failed scatters nothing: its blocks keep what they held."""
+    """A NIXL transfer of a slab. Once its outcome is known (landed, failed) the slab is given
+    back, a read's bytes scattered from it into the batch's buffers first (waited for on our
+    stream, never the default one). A read that failed scatters nothing: its blocks keep what
+    they held. One that timed out with its NIXL request still in flight (NIXL cannot cancel it:
+    it lands whenever the shard answers) keeps its slab, quarantined, until the request is over
+    (``reclaim``): given back at once, another batch's bytes in it could be overwritten by the
+    late ones before that batch scattered them (docs/performance-log.md, stop 66)."""
 
     def __init__(self, inner: Transfer, lease: _Lease, scatter: Callable[[], None] | None) -> None:
         self._inner = inner
         self._lease = lease
         self._scatter = scatter
+        self._writes = scatter is None
         self._error: BaseException | None = None
         self._over = False
         self._abandoned = False
@@ -146,7 +150,20 @@ class _StagedTransfer(Transfer):
             self._error = e
         finally:
             self._over = True
-            self._lease.release()
+            if self._error is None or not self._inner.late():
+                self._lease.release()
+            else:
+                self._lease.staging.quarantined_one(self._lease.slab)
+
+    def late(self) -> bool:
+        """A write's NIXL request in flight may still land in the pool; a read's never reaches
+        its destination after a failure (its slab is quarantined instead)."""
+        return self._writes and self._inner.late()
+
+    @property
+    def quarantined(self) -> bool:
+        """Over, but its slab kept: its NIXL request may still write into it."""
+        return self._over and not self._lease.released
 
     def done(self) -> bool:
         with self._lock:
@@ -162,10 +179,15 @@ class _StagedTransfer(Transfer):
 
     def reclaim(self) -> None:
         """Give the slab back if the transfer is over and no bytes wait in it for a ``wait``
-        (a save; a load that failed or was abandoned): a slab is needed, and its owner may never
-        look again (an abandoned transfer's never does)."""
+        (a save; a load that failed or was abandoned), nor can still land in it (a quarantined
+        one's request is over): a slab is needed, and its owner may never look again (an
+        abandoned or quarantined transfer's never does)."""
         with self._lock:
-            if self._over or not self._inner.done():
+            if self._over:
+                if not self._lease.released and not self._inner.late():
+                    self._lease.release()  # quarantine over: its request can no longer land
+                return
+            if not self._inner.done():
                 return
             if self._scatter is not None:
                 try:
@@ -223,7 +245,11 @@ class _PiecewiseTransfer(Transfer):
         self._post_piece = post_piece
         self._error: BaseException | None = None
         self._abandoned = False
+        self._failed_piece: Transfer | None = None
         self._lock = threading.Lock()
+
+    def late(self) -> bool:
+        return self._failed_piece is not None and self._failed_piece.late()
 
     def _post_next(self, wait_s: float) -> None:
         """Post the next piece (a slab waited for at most ``wait_s``); StagingFull passes through
@@ -244,6 +270,7 @@ class _PiecewiseTransfer(Transfer):
             self._current.wait(timeout_s)
         except TransferError as e:
             self._error = e
+            self._failed_piece = self._current
         self._current = None
 
     def done(self) -> bool:
@@ -304,6 +331,9 @@ class HostStaging:
         self._lock = threading.Lock()
         self.allocations = 0
         """Slabs made so far (a worker's steady state makes none)."""
+        self.quarantines = 0
+        """Slabs quarantined so far: kept by a transfer that timed out with its NIXL request in
+        flight, until the request was over."""
 
     def applies(self, device: torch.device) -> bool:
         """Whether NIXL transfers of ``device`` memory are staged here (decided once per kind)."""
@@ -319,6 +349,27 @@ class HostStaging:
         """Bytes of slabs held by transfers whose outcome is not known yet."""
         with self._lock:
             return sum(slab.tensor.numel() for slab in self._slabs if slab.busy)
+
+    @property
+    def quarantined(self) -> int:
+        """Slabs quarantined now (``quarantines``): they count against the bound, so a shard that
+        never answers can hold at most the bound, and this worker's staged batches fail, not
+        blamed on their pools, while it does."""
+        with self._lock:
+            return sum(1 for slab in self._slabs if slab.holder is not None and slab.holder.quarantined)
+
+    def quarantined_one(self, slab: _Slab) -> None:
+        with self._lock:
+            self.quarantines += 1
+        log.warning("NIXL staging: a %d-byte slab quarantined: its timed-out read may still land in it",
+                    slab.tensor.numel())
+
+    def reclaim(self) -> None:
+        """Take back the slabs of transfers that are over (``_StagedTransfer.reclaim``)."""
+        with self._lock:
+            holders = [slab.holder for slab in self._slabs if slab.busy and slab.holder is not None]
+        for holder in holders:
+            holder.reclaim()
 
     @property
     def slab_addresses(self) -> list[int]:
@@ -390,10 +441,7 @@ class HostStaging:
             slab = self._free_or_new(nbytes)
             if slab is not None:
                 return slab
-            with self._lock:
-                holders = [slab.holder for slab in self._slabs if slab.busy and slab.holder is not None]
-            for holder in holders:
-                holder.reclaim()
+            self.reclaim()
             with self._lock:
                 freed = any(not slab.busy and slab.tensor.numel() >= nbytes for slab in self._slabs)
             if freed:

@@ -48,8 +48,11 @@ DEFAULT_TIMEOUT_S = 60.0
 class _NixlTransfer(Transfer):
     """One or two posted NIXL requests (one per local memory type) for one batch.
 
-    Handles are released as soon as the outcome is known, on success and on
-    failure, so neither UCX requests nor memory pins leak.
+    Handles are released as soon as each request's outcome is known, on success and on
+    failure, so neither UCX requests nor memory pins leak; never while a request is in
+    flight: NIXL takes that release as a cancel, which UCX cannot do for a read or write
+    (``ucp_request_cancel`` cancels receives only), so the request would still land later,
+    unseen. A timed-out transfer keeps its requests until they are over (``late``).
     """
 
     def __init__(self, agent: Any, what: tuple[str, int, str], default_timeout_s: float | None) -> None:
@@ -103,13 +106,15 @@ class _NixlTransfer(Transfer):
         with self._lock:
             return self._poll()
 
+    def late(self) -> bool:
+        return not self.done()
+
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every request finished; ``None`` means the transport's default timeout.
 
-        Raises TransferError on failure or timeout. On timeout the requests are
-        released, which makes NIXL drain them (up to NIXL_UCX_REQUEST_DRAIN_TIMEOUT,
-        10 s) so that no late completion touches deregistered memory; the
-        destination bytes are garbage either way.
+        Raises TransferError on failure or timeout. On timeout the requests in flight are
+        kept, not released: the destination's bytes are garbage, and until ``late`` is False
+        may still change (``done`` polls them and releases each one that is over).
         """
         if timeout_s is None:
             timeout_s = self._default_timeout_s
@@ -120,9 +125,6 @@ class _NixlTransfer(Transfer):
                 if self._poll():
                     break
                 if deadline is not None and time.monotonic() >= deadline:
-                    for h in self._pending:
-                        self._release(h)
-                    self._pending = []
                     self._fail(f"timed out after {timeout_s} s")
                     break
             spins += 1

@@ -93,6 +93,13 @@ class PartPosts:
         return unposted
 
 
+class LateReadError(RuntimeError):
+    """A load's read that failed (timed out, or posted after its step gave up on it) was still in
+    flight a whole ``transfer_timeout_s`` later, at a later step: NIXL cannot cancel it, so its
+    bytes may land in KV blocks that vLLM recomputes or hands to another request. The worker
+    stops rather than let any forward read such a block."""
+
+
 def _abandon(future: Future[Posted]) -> None:
     """A copy task's batch that nobody waits for: its transfers deliver nothing more."""
     for _, transfer in future.result().transfers:
@@ -113,6 +120,12 @@ class Copier:
         self.clock = clock
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self.caches = KvCaches.unregistered()
+        self.late_reads: list[Transfer | Future[Posted]] = []
+        """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``), and copy
+        tasks a step gave up on while they ran (what they post may): ``fence_late_reads`` empties
+        it. One list, never replaced: the hooks test it as it is, a quiet step pays nothing more."""
+        self._quarantines = 0
+        """``HostStaging.quarantines`` as last counted in the stats."""
 
     # --- set-up --------------------------------------------------------------------------
 
@@ -312,6 +325,7 @@ class Copier:
         except FutureTimeout:
             if not future.cancel():  # running: whatever it posts is abandoned as it is posted
                 future.add_done_callback(_abandon)
+                self.late_reads.append(future)
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed", self._timeout_s)
             self._stats.add(deadline_misses=1)
             return None
@@ -322,7 +336,53 @@ class Copier:
         failures = Failures.of(posted.failed_pools)
         failures.update(self._pools.wait(posted.transfers, write=posted.write, timeout_s=self.left(deadline),
                                          clock=self.clock))
+        if failures.pools:
+            self._count_late(failures, posted.write)
         return failures
+
+    def _count_late(self, failures: Failures, write: bool) -> None:
+        """Keep a failed batch's late reads for ``fence_late_reads``; count them and the staging
+        slabs quarantined since the last failure."""
+        if failures.late and not write:
+            self.late_reads.extend(failures.late)
+            self._stats.add(late_reads=len(failures.late))
+        staging = self._pools.staging
+        if staging is not None and staging.quarantines > self._quarantines:
+            self._stats.add(staging_quarantines=staging.quarantines - self._quarantines)
+            self._quarantines = staging.quarantines
+
+    def fence_late_reads(self) -> None:
+        """Before a step's forward (and only where ``late_reads`` holds any: a step without a
+        failed load pays nothing): wait until no failed read can land any more, at most
+        ``transfer_timeout_s``, else ``LateReadError``. Their blocks were reported failed, and
+        vLLM recomputes them (or gives them to another request) in a later step: a read landing
+        after that would leave another key's bytes in them. Only a read in flight waits here (a
+        staged one never: it lands in a quarantined slab, scattered nowhere); on RDMA a read
+        needs no work of the shard's process, so one is late only while the network fails it."""
+        deadline = time.monotonic() + self._timeout_s
+        transfers: list[Transfer] = []
+        for late in self.late_reads:
+            if not isinstance(late, Future):
+                transfers.append(late)
+                continue
+            try:
+                posted = late.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise LateReadError("ucm-ray: a copy task given up on is still posting after "
+                                    f"{self._timeout_s} s more; its reads may land in reused KV blocks") from None
+            if not posted.write:
+                transfers += [transfer for _, transfer in posted.transfers]
+        spins = 0
+        while transfers:
+            transfers = [transfer for transfer in transfers if transfer.late()]
+            if transfers and time.monotonic() >= deadline:
+                self.late_reads[:] = transfers
+                raise LateReadError(f"ucm-ray: {len(transfers)} failed NIXL reads still in flight "
+                                    f"{self._timeout_s} s after their step: NIXL cannot cancel them, and "
+                                    "their bytes may land in KV blocks vLLM reuses; stopping instead")
+            spins += 1
+            time.sleep(0 if spins < 64 else 1e-3)
+        self.late_reads.clear()
 
     # --- counters ------------------------------------------------------------------------
 

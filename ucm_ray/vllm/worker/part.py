@@ -43,6 +43,9 @@ class WorkerPart:
         self._indexes = IndexReaders(node_id, remote=config.transport != "shm") if indexes is None else indexes
         self._results = WorkerResults(one_group=len(kv_cache_config.kv_cache_groups) == 1)
         self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats, clock=clock)
+        self.late_reads = self._copies.late_reads
+        """Failed reads that may still land in their KV blocks (``fence`` waits for them; the
+        connector tests it on every step: a plain list, no call)."""
         self._loads = StepLoads(self._copies, self._indexes, self._results, self.stats, layerwise=config.layerwise)
         self._saves = SavesInFlight(self._copies, self._results, self.stats, checksums=config.checksum)
         self._idle_step = StepState()  # the state of every step without loads or state saves
@@ -81,6 +84,8 @@ class WorkerPart:
         (``waits_by_layer``). A step whose metadata carries nothing for the workers, while no
         step's loads or save jobs are left here (most decode steps), does nothing else: no
         clock, no state, no call below."""
+        if self.late_reads:
+            self._copies.fence_late_reads()  # before anything of this step, and its forward, runs
         if not meta.work and self._step is self._idle_step and not self._saves.jobs:
             return False
         if self._step.phase is LoadPhase.POSTED:
@@ -124,6 +129,8 @@ class WorkerPart:
         allocated again, say to a preempted request's successor): whatever writes them must
         come after the copies. vLLM calls ``handle_preemptions`` (this) before it zeroes or
         copies into the step's new blocks, and before the forward and the step's loads."""
+        if self.late_reads:
+            self._copies.fence_late_reads()  # blocks a failed read may still land in are reused from here on
         if meta is self._fenced:
             return  # ``handle_preemptions`` did, before ``bind``
         self._fenced = meta

@@ -207,7 +207,7 @@ class SavesInFlight:
             failed = failed or batch.failed
             failures.update(self._copies.wait(batch, job.deadline))
         self._results.pools_failed(failures.blamed)
-        self._report(job, failed, failures.pools, uncertain)
+        self._report(job, failed, failures.pools, uncertain or bool(failures.late))
 
     def _report(self, job: SaveJob, failed: bool, failed_pools: set[PoolKey], uncertain: bool) -> None:
         saves, locations = job.saves, job.saves.locations
