@@ -141,3 +141,37 @@ def test_a_batch_posted_after_its_deadline_is_abandoned_as_it_is_posted():
         assert posted is not None and not pools.posted[1].abandoned
     finally:
         copier.shutdown()
+
+
+def test_a_save_given_up_on_while_it_posts_stops_no_step():
+    """A save's copy task still posting when its job's deadline passed (a host that left the copy
+    thread no core, staging waiting for room) writes into no KV block: the next step neither
+    waits for it nor stops the worker. Before: it was kept with the late reads, and the next
+    step's fence waited up to ``transfer_timeout_s`` for its post, then raised ``LateReadError``
+    (an engine stopped by a slow save)."""
+    pools = _LatePosts(late_s=1.5)
+    copier = Copier(pools, 0.2, UcmRayStats())
+    try:
+        save = copier.move_later(time.monotonic() + 5.0, copies.Batch((), {}), write=True)
+        assert copier.posted_by_deadline(save, time.monotonic() + 0.05) is None
+        started = time.monotonic()
+        copier.fence_late_reads()
+        assert time.monotonic() - started < 0.1, "the next step waited for a save's post"
+        assert not copier.late_reads
+    finally:
+        copier.shutdown()
+
+
+def test_a_load_given_up_on_while_it_posts_is_fenced_until_posted():
+    """A load's copy task still posting at its step's deadline may post a read into blocks vLLM
+    reuses: the next step's fence waits for the post (and its reads), within ``transfer_timeout_s``."""
+    pools = _LatePosts(late_s=0.5)
+    copier = Copier(pools, 5.0, UcmRayStats())
+    try:
+        load = copier.move_later(time.monotonic() + 5.0, copies.Batch((), {}), write=False)
+        assert copier.load_by_deadline(load, time.monotonic() + 0.05) is None
+        assert copier.late_reads == [load]
+        copier.fence_late_reads()
+        assert load.done() and not copier.late_reads
+    finally:
+        copier.shutdown()

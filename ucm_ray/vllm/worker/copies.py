@@ -121,9 +121,10 @@ class Copier:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self.caches = KvCaches.unregistered()
         self.late_reads: list[Transfer | Future[Posted]] = []
-        """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``), and copy
-        tasks a step gave up on while they ran (what they post may): ``fence_late_reads`` empties
-        it. One list, never replaced: the hooks test it as it is, a quiet step pays nothing more."""
+        """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``), and loads'
+        copy tasks a step gave up on while they ran (what they post may; ``load_by_deadline``):
+        ``fence_late_reads`` empties it. One list, never replaced: the hooks test it as it is, a
+        quiet step pays nothing more."""
         self._quarantines = 0
         """``HostStaging.quarantines`` as last counted in the stats."""
 
@@ -325,10 +326,19 @@ class Copier:
         except FutureTimeout:
             if not future.cancel():  # running: whatever it posts is abandoned as it is posted
                 future.add_done_callback(_abandon)
-                self.late_reads.append(future)
             log.error("ucm-ray: copies of step missed the %.1f s deadline; treated as failed", self._timeout_s)
             self._stats.add(deadline_misses=1)
             return None
+
+    def load_by_deadline(self, future: Future[Posted], deadline: float) -> Posted | None:
+        """``posted_by_deadline`` of a load's copy task: one given up on while it runs is kept
+        with the late reads (what it posts may land in blocks vLLM reuses). A save's is not: it
+        writes no KV block (its rows are reported uncertain instead), and the next step's fence
+        waited for its post, then stopped the worker (``LateReadError``) for a slow save."""
+        posted = self.posted_by_deadline(future, deadline)
+        if posted is None and not future.cancelled():
+            self.late_reads.append(future)
+        return posted
 
     def wait(self, posted: Posted, deadline: float) -> Failures:
         """Wait on the host (until ``deadline``) for a posted batch to land: the pools that failed
@@ -370,8 +380,7 @@ class Copier:
             except FutureTimeout:
                 raise LateReadError("ucm-ray: a copy task given up on is still posting after "
                                     f"{self._timeout_s} s more; its reads may land in reused KV blocks") from None
-            if not posted.write:
-                transfers += [transfer for _, transfer in posted.transfers]
+            transfers += [transfer for _, transfer in posted.transfers]
         spins = 0
         while transfers:
             transfers = [transfer for transfer in transfers if transfer.late()]

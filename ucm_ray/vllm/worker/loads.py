@@ -167,7 +167,7 @@ class StepLoads:
         """Wait for a copy task's batch to be posted, then to land, within what is left of the
         step's deadline."""
         started = time.perf_counter()
-        posted = self._copies.posted_by_deadline(future, step.deadline)
+        posted = self._copies.load_by_deadline(future, step.deadline)
         if posted is None:
             step.failed |= tags
             return
