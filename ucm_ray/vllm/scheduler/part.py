@@ -181,18 +181,17 @@ class SchedulerPart:
             meta.pools = dict(pools.descriptors)
             self._pools_sent = pools.version
             self.lookups.keep_pools(set(pools.descriptors))
-        # the requests whose last plan does not stand: asked here only when quiet (no block ids
-        # to take, no load to dispatch: nothing that could move a plan), else after those
-        to_plan = self._requests.to_plan() if quiet else None
-        if quiet and not to_plan:
-            self.prefill_rate.planned(out.total_num_scheduled_tokens, now)
-            return QUIET_STEP  # nothing for the timer to record: no hook's time since the last plan
-        self._requests.take_block_ids(out)
-        self.loads.dispatch(out, meta)
-        if self.saves.jobs.in_flight:  # none: nothing to fence
-            meta.fences = self.loads.fences(out, meta.loads)
-        if to_plan is None:
-            to_plan = self._requests.to_plan()
+        if quiet:  # no block ids to take, no load to dispatch, no save to fence
+            to_plan = self._requests.to_plan()  # the requests whose last plan does not stand
+            if not to_plan:
+                self.prefill_rate.planned(out.total_num_scheduled_tokens, now)
+                return QUIET_STEP  # nothing for the timer to record: no hook's time since the last plan
+        else:
+            self._requests.take_block_ids(out)
+            self.loads.dispatch(out, meta)
+            if self.saves.jobs.in_flight:  # none: nothing to fence
+                meta.fences = self.loads.fences(out, meta.loads)
+            to_plan = self._requests.to_plan()  # after those, which may move a request's plan
         self.saves.plan_step(out, meta, to_plan)  # its slot asks batched, one per class
         now = self._clock()  # one reading for the holds and the prefill rate (a test's clock is a call)
         released = self._requests.release_held(now)
