@@ -52,7 +52,7 @@ SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "bu
                    "get_kv_connector_stats", "take_events")
 """The scheduler half's hooks (the ones vLLM's scheduler calls)."""
 
-PARTS = (("part", ("_sync_pools", "_take_results")), ("results", ("collect", "take")),
+PARTS = (("part", ("_take_results",)), ("results", ("collect", "take")),
          ("lookups", ("matched",)), ("loads", ("dispatch",)), ("requests", ("take_block_ids", "release_held")),
          ("saves", ("plan_step", "_announce_prompt", "_plan_saves", "_wanted", "expect", "skip")),
          ("jobs", ("bind", "dispatch")),

@@ -139,7 +139,7 @@ def test_a_hot_prefix_table_change_alone_leaves_the_pools_the_scheduler_sends_to
     """A change of the hot-prefix table only (a prefix learned, readers' copies named: up to once a
     second at scale) moves the membership's version but no shard: the client's ``pools()`` must
     stay the same (same version), or every such push makes the scheduler send every pool's
-    descriptor to its workers again and re-run its slot supply's full tick (``part._sync_pools``)."""
+    descriptor to its workers again and re-run its slot supply's full tick (``SchedulerPart.build_connector_meta``)."""
     cfg = fleet(num_shards=3, transport="shm", copy_nodes_per_pool=0)
     client = StoreClient(cfg)
     before = client.pools()

@@ -1351,3 +1351,32 @@ def test_a_shard_joining_while_a_prompt_is_placed_neither_fails_the_step_nor_los
         assert b.wrong_blocks == 0 and b.failed_loads == 0
     finally:
         store.shutdown()
+
+
+def test_a_pool_change_in_a_quiet_decode_window_reaches_the_workers_at_the_next_step(store, model_dir):
+    """A quiet decode step's plan ends early (nothing new since the last plan: no call to the
+    parts that would find nothing, docs/performance-log.md stop 66), but looks at the pools
+    first: a shard restarted while a request decodes quietly reaches the workers in the very
+    next step's metadata, and the request's decode batch is then saved, the new pool too."""
+    engine = make_engine(store.client(), model_dir, block_size=16)
+    metas: list[UcmRayConnectorMetadata] = []
+    build = engine.connector.build_connector_meta
+
+    def built(out):
+        metas.append(build(out))
+        return metas[-1]
+
+    engine.connector.build_connector_meta = built  # type: ignore[method-assign]
+    request = engine.add("D", prompt(160, seed=80), max_tokens=300)
+    for _ in range(40):
+        engine.step()
+    assert all(meta is QUIET_STEP for meta in metas[-8:])  # a quiet window
+    saved = engine.stats()["saved_blocks"]
+    restarted = store.restart("local_shard_0")
+    engine.step()
+    assert metas[-1].pools is not None and restarted in metas[-1].pools
+    while not request.is_finished():
+        engine.step()
+    engine.settle()
+    assert engine.wrong_blocks == 0 and engine.stats()["saved_blocks"] - saved == (160 + 300) // 16 - 160 // 16
+    assert store.index("local_shard_0").stats().entries > 0

@@ -89,6 +89,10 @@ def _tp_rank() -> int:
 class _OtherRole:
     """What a connector holds for the half it does not run: any use is refused by name."""
 
+    idle = False
+    """What the worker hooks test before calling their part (``WorkerPart.idle``): False, so
+    the call that follows is the one refused, by its name."""
+
     def __init__(self, half: str) -> None:
         self._half = half
 
@@ -131,6 +135,9 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
             cast(WorkerPart, _OtherRole("worker"))
         self.late_reads: list = self._worker.late_reads if self._worker is not None else []
         """The worker's failed reads still in flight (``WorkerPart.late_reads``)."""
+        part = self._scheduler if self._scheduler is not None else self._worker
+        assert part is not None
+        self._stats = part.stats  # one object for the part's life (``UcmRayStats.take`` empties it)
 
     def open_store(self, config: UcmRayConfig) -> BlockStore:
         """The scheduler's way to the shards (the test harness substitutes an in-process store)."""
@@ -182,8 +189,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_part.request_finished(request)
 
     def get_kv_connector_stats(self) -> UcmRayStats | None:
-        part = self._scheduler or self._worker
-        return part.stats.take() if part is not None else None
+        stats = self._stats
+        return stats.take() if stats.data else None  # most steps: nothing since the last take, no call
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UcmRayStats:
@@ -217,8 +224,14 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         (``has_connector_metadata``), so it is bound only for a step whose layer hooks may have
         loads to wait for: most steps make none of those calls."""
         assert isinstance(connector_metadata, UcmRayConnectorMetadata)
-        waits = self.worker_part.bind(connector_metadata)
-        super().bind_connector_metadata(connector_metadata if waits else None)
+        worker = self.worker_part
+        # a quiet step after a quiet one (most decode steps): no call below (the base class's
+        # ``bind_connector_metadata`` sets what this sets), as in every hook here that tests
+        # ``idle``: with the host's caches cold, each call costs such a step (stop 66)
+        if not connector_metadata.work and worker.idle and not self.late_reads:
+            self._connector_metadata = None
+            return
+        self._connector_metadata = connector_metadata if worker.bind(connector_metadata) else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before vLLM writes this step's new blocks (zeroing, copy-on-write, loads, the
@@ -231,6 +244,8 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker = self.worker_part
+        if worker.idle:
+            return  # nothing bound (``bind_connector_metadata``), nothing to post
         worker.start_load_kv()
         if self._connector_metadata is not None and not worker.waits_by_layer:
             self.clear_connector_metadata()  # every load posted at once: no layer hook waits
@@ -243,7 +258,9 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         token is out (``SchedulerPart``, ``WorkerPart``)."""
 
     def wait_for_save(self) -> None:
-        self.worker_part.wait_for_save()
+        worker = self.worker_part
+        if not worker.idle:
+            worker.wait_for_save()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_part.build_worker_meta()

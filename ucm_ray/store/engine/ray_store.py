@@ -148,7 +148,7 @@ class RayBlockStore(BlockStore):
                 and [s.key for s in membership.shards] == list(self._records)):
             # the hot-prefix table moved, no shard did: ``pools()`` stays as it was, or every push
             # of readers' copies (once a second at scale) would send every pool's descriptor to the
-            # workers again and re-run the slot supply's full tick (``part._sync_pools``)
+            # workers again and re-run the slot supply's full tick (``SchedulerPart.build_connector_meta``)
             return
         self._local = [s.pool.node_id == self._node_id for s in membership.shards]
         self._families = self.placement_mode == "writer_local" and not all(self._local)
@@ -186,7 +186,11 @@ class RayBlockStore(BlockStore):
     # --- BlockStore ----------------------------------------------------------------------
 
     def pools(self) -> Pools:
-        self.refresh()
+        # ``refresh`` without its call: the scheduler asks at every step's plan, where with the
+        # host's caches cold each call costs (docs/performance-log.md, stop 66)
+        membership = self._feed.poll(self._membership)
+        if membership is not None and membership.version != self._membership.version:
+            self._apply(membership)
         return self._pools
 
     def placement(self, keys: Sequence[bytes]) -> tuple[list[PoolKey], np.ndarray]:

@@ -268,7 +268,7 @@ class SlotSupply:
 
     # --- per step ------------------------------------------------------------------------
 
-    def tick(self, pools: Pools) -> None:
+    def tick(self, pools: Pools, now: float | None = None) -> None:
         """Collect grants that arrived, keep baselines, renew what we hold, give back what
         sat idle. Never blocks. ``pools``: the caller's view of the fleet this step; call it
         once a step. When nothing changed (no slot taken, no ask answered, no return or renewal
@@ -276,8 +276,9 @@ class SlotSupply:
         fades by the steps since the last full tick, so a skipped tick only delays what a
         fading demand could cause: a give-back, which waits ``idle_s`` anyway (a full tick on
         every step while demand faded, ~10 steps after each slot taken, was most decode steps'
-        tick)."""
-        now = self._clock()
+        tick). ``now``: the supply's clock read by the caller (None: read here)."""
+        if now is None:
+            now = self._clock()
         self._steps += 1
         # Nothing changed since a full tick less than ``quiet_tick_s`` ago, over the same pools:
         # asks may be out, but none was answered (a full tick would find nothing to take and

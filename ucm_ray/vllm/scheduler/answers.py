@@ -30,33 +30,37 @@ class StoreAnswers:
         self._stats = stats
         self._posted: list[tuple[str, Pending[Any]]] = []  # commits, releases, removals in flight
         self._orphans: list[Pending[ReadLease]] = []  # lookups of aborted requests, released on arrival
+        self.idle = True
+        """Whether nothing is in flight: no call unanswered, no orphaned lookup (an attribute, not
+        a property: every step's plan asks, docs/performance-log.md, stop 66)."""
 
     @property
     def waiting(self) -> bool:
         """Whether a commit, release or removal is still unanswered."""
         return bool(self._posted)
 
-    @property
-    def idle(self) -> bool:
-        """Whether nothing is in flight: no call unanswered, no orphaned lookup."""
-        return not (self._posted or self._orphans)
+    def _post(self, kind: str, answer: Pending[Any]) -> None:
+        self._posted.append((kind, answer))
+        self.idle = False
 
     def commit(self, publish: Publishes, free: dict[tuple[PoolKey, int], list[int]]) -> None:
-        self._posted.append(("commit", self._store.commit(publish, free)))
+        self._post("commit", self._store.commit(publish, free))
 
     def remove(self, removals: list[Removal]) -> None:
-        self._posted.append(("remove", self._store.remove(removals)))
+        self._post("remove", self._store.remove(removals))
 
     def release(self, pins: Pins) -> None:
         by_pool: dict[PoolKey, list[int]] = defaultdict(list)
         for pool, ids in pins:
             by_pool[pool].extend(ids)
         if by_pool:
-            self._posted.append(("release", self._store.release(dict(by_pool))))
+            self._post("release", self._store.release(dict(by_pool)))
 
     def orphan(self, lookups: list[Pending[ReadLease]]) -> None:
         """Lookups still in flight that no request waits for: released once their pins are in."""
         self._orphans.extend(lookups)
+        if lookups:
+            self.idle = False
 
     def collect(self) -> None:
         """Check what the shards said (never waits); release the pins of orphans that arrived."""
@@ -70,6 +74,7 @@ class StoreAnswers:
         arrived = [lookup for lookup in self._orphans if lookup.poll()]
         self._orphans = [lookup for lookup in self._orphans if lookup not in arrived]
         self.release([pin for lookup in arrived for pin in lookup.result().lease_ids.items()])
+        self.idle = not (self._posted or self._orphans)
 
     def _count(self, kind: str, result: Any) -> None:
         if kind == "commit":

@@ -81,7 +81,8 @@ class LoadPlanner:
         self._job_ids = job_ids
         self._clock = clock
         self.in_flight: dict[int, LoadInFlight] = {}
-        self._loading: dict[str, tuple[TrackedRequest, list[LoadJob]]] = {}  # given jobs since the last plan
+        self.to_dispatch: dict[str, tuple[TrackedRequest, list[LoadJob]]] = {}
+        """Requests given load jobs since the last plan (most steps none)."""
 
     def plan(self, tracked: TrackedRequest, lookup: Lookup, block_ids: tuple[list[int], ...], start: int,
              end: int) -> list[LoadJob]:
@@ -99,7 +100,7 @@ class LoadPlanner:
             self.in_flight[job.job_id] = LoadInFlight(request_id, rank, lease.lease_ids, blocks, self._clock(), start,
                                                       earlier, from_disk)
             loads.append(job)
-        self._loading[request_id] = (tracked, loads)
+        self.to_dispatch[request_id] = (tracked, loads)
         return loads
 
     def _blocks(self, tracked: TrackedRequest, lookup: Lookup, lease: ReadLease, rank: int,
@@ -151,7 +152,7 @@ class LoadPlanner:
         """The load jobs planned since the last plan, into ``meta``: whole (before the forward)
         where the step computes little beside its hits (``policy.loads_at_once``) or runs no
         layer hook, else layer by layer."""
-        if not self._loading:
+        if not self.to_dispatch:
             return  # most steps: no call below
         loading = self._loading_now()
         if not loading:
@@ -170,7 +171,7 @@ class LoadPlanner:
     def _loading_now(self) -> list[tuple[TrackedRequest, list[LoadJob]]]:
         """The requests still loading that were given load jobs since the last plan (most steps
         none: with many requests decoding, looking at each for jobs cost every step's plan)."""
-        loading, self._loading = self._loading, {}
+        loading, self.to_dispatch = self.to_dispatch, {}
         return [(tracked, jobs) for req_id, (tracked, jobs) in loading.items()
                 if self._requests.get(req_id) is tracked and tracked.phase is Phase.LOADING]
 

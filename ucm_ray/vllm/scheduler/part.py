@@ -149,18 +149,50 @@ class SchedulerPart:
         output hands out, the loads and their fences, the saves (one slot ask per pool and size
         for the step's expected saves), and the finished requests whose blocks vLLM may free.
         Planned into a metadata object that is handed out only when the step has work for the
-        workers; a step without (most decode steps) gets ``QUIET_STEP`` and makes none."""
+        workers; a step without (most decode steps) gets ``QUIET_STEP`` and makes none.
+
+        A quiet step (nothing new since the last plan, the same pools, no request whose last
+        plan moved) ends after the slot tick and the requests' pass: every part it skips would
+        find nothing, and with the host's caches cold each cost it a few microseconds
+        (docs/performance-log.md, stop 66)."""
         started = self.timer.clock()
-        self.results.collect()
+        # Nothing before the slot tick and the requests' pass: no store answer or worker result
+        # awaited, no request finished, loading, new, resumed or given a block, no hook time for
+        # the timer to record (a quiet step's own is recorded nowhere), and tokens run (a step
+        # without adds its time to the idle time); a hybrid plans its states every step. Read
+        # here, attributes only: each call costs a quiet step with the host's caches cold.
+        timer, cached = self.timer, out.scheduled_cached_reqs
+        quiet = not (timer.host_s or timer.idle_s or timer.request_waits or out.total_num_scheduled_tokens <= 0
+                     or self.geometry.hybrid or out.scheduled_new_reqs or self.saves.finished
+                     or self.saves.jobs.in_flight or self.loads.in_flight or self.loads.to_dispatch
+                     or self._requests.finishing or not self._answers.idle
+                     or cached.resumed_req_ids or any(cached.new_block_ids))
+        if not quiet:
+            self.results.collect()
+            if self.saves.finished:  # requests ended since the last plan (most steps: none)
+                self.saves.announce_finished()  # before the tick that asks for their slots
         meta = self._next_meta
-        if self.saves.finished:  # requests ended since the last plan (most steps: none)
-            self.saves.announce_finished()  # before the tick that asks for their slots
-        self._sync_pools(meta)
-        self._requests.take_block_ids(out)
-        self.loads.dispatch(out, meta)
-        if self.saves.jobs.in_flight:  # none: nothing to fence
-            meta.fences = self.loads.fences(out, meta.loads)
-        self.saves.plan_step(out, meta)  # its slot asks batched, one per class
+        # the slot supply's tick, and the fleet's pools to the workers when they changed
+        pools = self._store.pools()
+        now = self._clock()
+        self.slots.tick(pools, now)  # (whatever it does, it puts nothing into the step's metadata)
+        if pools.version != self._pools_sent:
+            quiet = False
+            meta.pools = dict(pools.descriptors)
+            self._pools_sent = pools.version
+            self.lookups.keep_pools(set(pools.descriptors))
+        if quiet:  # no block ids to take, no load to dispatch, no save to fence
+            to_plan = self._requests.to_plan()  # the requests whose last plan does not stand
+            if not to_plan:
+                self.prefill_rate.planned(out.total_num_scheduled_tokens, now)
+                return QUIET_STEP  # nothing for the timer to record: no hook's time since the last plan
+        else:
+            self._requests.take_block_ids(out)
+            self.loads.dispatch(out, meta)
+            if self.saves.jobs.in_flight:  # none: nothing to fence
+                meta.fences = self.loads.fences(out, meta.loads)
+            to_plan = self._requests.to_plan()  # after those, which may move a request's plan
+        self.saves.plan_step(out, meta, to_plan)  # its slot asks batched, one per class
         now = self._clock()  # one reading for the holds and the prefill rate (a test's clock is a call)
         released = self._requests.release_held(now)
         if released:
@@ -172,15 +204,6 @@ class SchedulerPart:
             return QUIET_STEP  # ``_next_meta`` is still empty: the next step plans into it
         self._next_meta = UcmRayConnectorMetadata()
         return meta
-
-    def _sync_pools(self, meta: UcmRayConnectorMetadata) -> None:
-        """The slot supply's tick, and the fleet's pools to the workers when they changed."""
-        pools = self._store.pools()
-        self.slots.tick(pools)
-        if pools.version != self._pools_sent:
-            meta.pools = dict(pools.descriptors)
-            self._pools_sent = pools.version
-            self.lookups.keep_pools(set(pools.descriptors))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.prefill_rate.answered(self._clock())

@@ -428,7 +428,8 @@ class TrackedRequests:
         self._geometry = geometry
         self._stats = stats
         self.by_id: dict[str, TrackedRequest] = {}
-        self._finishing: set[str] = set()  # ids of requests that were finishing when last seen
+        self.finishing: set[str] = set()
+        """Ids of requests that were finishing when last seen (most steps none)."""
 
     def track(self, request: Request) -> TrackedRequest:
         """The request's record: a new one for a request not seen before under its id."""
@@ -442,25 +443,25 @@ class TrackedRequests:
 
     def finish(self, tracked: TrackedRequest, now: float) -> None:
         tracked.finish(now)
-        self._finishing.add(tracked.request.request_id)
+        self.finishing.add(tracked.request.request_id)
 
     def drop(self, req_id: str) -> None:
         """Forget a request; blocks of it still unsaved are never saved."""
         tracked = self.by_id.pop(req_id)
-        self._finishing.discard(req_id)
+        self.finishing.discard(req_id)
         dropped = tracked.dropped_saves()
         if dropped:
             self._stats.add(saves_dropped=dropped)
 
     def release_held(self, now: float) -> Sequence[str]:
         """The finishing requests whose blocks vLLM may free now (``hold_over``), forgotten."""
-        if not self._finishing:
+        if not self.finishing:
             return ()  # most steps
         released = []
-        for req_id in list(self._finishing):
+        for req_id in list(self.finishing):
             tracked = self.by_id.get(req_id)
             if tracked is None or not tracked.finishing:  # tracked anew under its id
-                self._finishing.discard(req_id)
+                self.finishing.discard(req_id)
             elif tracked.hold_over(now):
                 released.append(req_id)
                 unplanned = tracked.unplanned_saves()

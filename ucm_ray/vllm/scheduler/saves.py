@@ -201,15 +201,15 @@ class SavePlanner:
 
     # --- the step's plan --------------------------------------------------------------------
 
-    def plan_step(self, out: SchedulerOutput, meta: UcmRayConnectorMetadata) -> None:
+    def plan_step(self, out: SchedulerOutput, meta: UcmRayConnectorMetadata, to_plan: list[TrackedRequest]) -> None:
         """This step's saves (of blocks filled before it), into ``meta``; slots expected for the
         prompts whose first token is out and for decode batches as their blocks fill. Every
         request's blocks are bound to slots together: bound request by request, a decode batch
         whose blocks filled in the same step paid the binding's fixed cost (its columns, the
         slot classes, a slot take per class) once per request (0.1-0.26 ms each under the
         profiler on an H100 host, 8B). Slots expected here are asked for once the step is
-        planned, one ask per class (``SlotSupply.batched``)."""
-        to_plan = self._requests.to_plan()  # the others' plans stand
+        planned, one ask per class (``SlotSupply.batched``). ``to_plan``: the requests whose
+        last plan does not stand (``TrackedRequests.to_plan``, asked by the caller)."""
         if not to_plan and not self._geometry.hybrid:
             return  # most decode steps: nothing to plan, nothing to announce
         with self._slots.batched():

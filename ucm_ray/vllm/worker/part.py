@@ -51,6 +51,12 @@ class WorkerPart:
         self._idle_step = StepState()  # the state of every step without loads or state saves
         self._step = self._idle_step
         self._fenced: UcmRayConnectorMetadata | None = None  # the step whose fences are in place
+        self.idle = True
+        """Whether the step bound last left this worker nothing to do: no load or state save of
+        its own and no save job in flight (only ``bind`` posts any), so this step's hooks but those
+        that take results (``load_errors``, ``transfer_results``, ``build_worker_meta``) have
+        nothing to do. Set by ``bind``; False may be stale (jobs landed since), never True: the
+        connector's hooks test it before any call (docs/performance-log.md, stop 66)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         caches = KvCaches.build(kv_caches, self._kv_cache_config)
@@ -87,7 +93,9 @@ class WorkerPart:
         if self.late_reads:
             self._copies.fence_late_reads()  # before anything of this step, and its forward, runs
         if not meta.work and self._step is self._idle_step and not self._saves.jobs:
+            self.idle = True
             return False
+        self.idle = False
         if self._step.phase is LoadPhase.POSTED:
             # No results were asked for since the last step posted them: its execution failed,
             # and its output with it. Land them (their blocks may be reused now); their block
@@ -106,6 +114,7 @@ class WorkerPart:
         loads, state_saves = meta.loads.get(self._rank), states if states is not None and len(states) else None
         if not (loads or state_saves is not None or saves is not None and len(saves)):
             self._step = self._idle_step
+            self.idle = not self._saves.jobs
             return False
         deadline = self._copies.clock() + self._config.transfer_timeout_s
         # A step that loads nothing and saves no state (most decode steps) never writes into its
