@@ -10,8 +10,8 @@ the original. Counted per node, not per engine (a node's engines share its pool,
 own repeat reads mostly hit vLLM's prefix cache), and per block, not per family (a system prompt
 not yet hot is the root of every document after it).
 
-A block that ``POPULAR_READERS`` other nodes began reading within ``POPULAR_WINDOW_S`` is
-popular: the next node copies it at its first read. With a random router a popular document is
+A block that ``POPULAR_READERS`` other nodes (one) began reading within ``POPULAR_WINDOW_S``
+(50 s) is popular: the next node copies it at its first read. With a random router a popular document is
 read about once per node in a large fleet, so a node's second read rarely comes and every reader
 loaded it from its writer's pool (44.8 of the hottest node's 45.3x the mean bytes at 1,000 nodes,
 docs/scaling.md, stop 55). At most the asker's copy bound (``copy_nodes_per_pool``: one pool per
@@ -49,14 +49,20 @@ one reader node a block, ~363 MiB were every block read by ``MAX_READERS`` nodes
 block: the places; measured with ``tracemalloc``: docs/performance-log.md, stop 56)."""
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
-POPULAR_READERS = 2
-"""Other nodes whose read of a block began within ``POPULAR_WINDOW_S`` that make it popular."""
-POPULAR_WINDOW_S = 10.0
+POPULAR_READERS = 1
+"""Other nodes whose read of a block began within ``POPULAR_WINDOW_S`` that make it popular: one,
+so a document's second reader node keeps a copy and its writer serves one read of it, not three
+(2 through stop 65: at 1,000 nodes random the hottest node was a document's writer serving its
+first two readers and the third's copying read, 2.1x the mean bytes on their own;
+docs/scaling.md, stop 66)."""
+POPULAR_WINDOW_S = 50.0
 """How recent those reads must be: a popular document's readers come together, while a chat's
 turns on other nodes (one user's history, read by whichever node the router picked) come a
-user's reply apart; the hot-prefix learner's window too. In the simulation a window of 1,000
-requests counted chats and cost 1.4 points of hits at 100 nodes, 200 requests 0.8 (as
-without popular copies); the seconds are not calibrated by it."""
+user's reply apart. 10 s through stop 65 (the hot-prefix learner's window): at 1,000 nodes a
+document read by a few nodes a minute was never popular and its writer served every read
+(3.56x the mean, 1,000 nodes random); 50 s with one other reader took that to 2.95 for 0.2
+points of hits at 100 nodes (docs/scaling.md, stop 66). The readers remembered per block
+(``MAX_READERS``) bound the walk, not the window."""
 POPULAR = 1 << 30
 """What a popular block counts as read before: past any ``remote_copy_reads``."""
 CONFIRM_S = 10.0
