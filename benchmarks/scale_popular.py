@@ -36,8 +36,8 @@ from benchmarks.scale.workload import BYTES_PER_TOKEN, ROUTERS, Workload, Worklo
 from benchmarks.scale_sim import result_line  # noqa: E402
 
 RULES = ("2/10", "1/50", "2/50")
-"""Stop 65's rule (two other nodes within 10 s), stop 66's first (one within 50 s), the other
-candidate (two within 50 s): ``readers/seconds``."""
+"""Stop 65's rule (two other nodes within 10 s), stop 66's first (one within 50 s) and the one
+built after comparing the two (two within 50 s): ``readers/seconds``."""
 
 
 def parse_rule(rule: str) -> tuple[int, float]:

@@ -149,8 +149,8 @@ class DesignParams:
     """(k): a block past the hot prefix that this many other nodes read within ``popular_window``
     requests is popular: the next reader keeps a copy at its first read, not its
     ``copy_session``-th (0: off, the package through stop 54; since stop 55 the package's
-    ``shard.remote_reads.POPULAR_READERS``: 2 through stop 65, 1 since stop 66). The root's owner
-    sees every node's asks, so it can tell."""
+    ``shard.remote_reads.POPULAR_READERS``: 2, within 10 s through stop 65 and 50 s since stop
+    66). The root's owner sees every node's asks, so it can tell."""
     popular_window: float = POPULAR_WINDOW_S / SECONDS_PER_REQUEST
     """(k): requests per node (``popular_window`` x nodes requests of the whole fleet) within
     which distinct readers count towards ``popular_readers``: a popular document's readers come

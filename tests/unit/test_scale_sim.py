@@ -643,11 +643,10 @@ def test_the_root_owner_names_the_least_directed_pool_first_keeps_a_run_and_forg
     assert sorted(first) == [5, 6, 7] and first[0] != 5  # any pair's less directed is 6 or 7
 
 
-def test_one_other_reader_within_50_s_makes_a_block_popular_and_unloads_the_documents_writers() -> None:
+def test_two_other_readers_within_50_s_make_a_block_popular_and_unload_the_documents_writers() -> None:
     """Stop 66: with the load pick spreading hot rows, (k)'s hottest node at 1,000 nodes random was a
-    document's writer serving readers that came more than 10 s apart (or its first two readers
-    and the third's copying read: three reads from the writer at least). The package's popular
-    rule since (``DesignParams``' defaults: one other node within 50 s, ``POPULAR_READERS`` and
+    document's writer serving readers that came more than 10 s apart. The package's popular rule
+    since (``DesignParams``' defaults: two other nodes within 50 s, ``POPULAR_READERS`` and
     ``POPULAR_WINDOW_S``) against stop 65's (two within 10 s: 2 requests a node): the bytes served
     by the blocks' writers past the hot prefix fall, and the hottest node's with them, for more bytes
     copied and hits within a point."""
@@ -663,9 +662,9 @@ def test_one_other_reader_within_50_s_makes_a_block_popular_and_unloads_the_docu
         design.run(requests)
         rows[name] = summarise(name, design.stats, Movement(0, 0, 0), None)
         writers[name] = design.writer_served.sum()
-    assert DesignParams().popular_readers == 1 and DesignParams().popular_window == 10.0
+    assert DesignParams().popular_readers == 2 and DesignParams().popular_window == 10.0
     before, built = rows["before"], rows["built"]
-    assert writers["built"] < 0.8 * writers["before"], writers
-    assert built.hot_bytes < 0.95 * before.hot_bytes, rows
+    assert writers["built"] < 0.97 * writers["before"], writers  # 0.94x (one other reader: 0.73x)
+    assert built.hot_bytes < 0.95 * before.hot_bytes, rows  # 3.61 -> 3.22
     assert abs(built.hit_rate - before.hit_rate) < 0.01
     assert built.copy_mib > before.copy_mib
