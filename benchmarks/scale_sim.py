@@ -157,9 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     add_owner_pick_args(parser)
     parser.add_argument("--no-spread-hot-reads", dest="spread_hot_reads", action="store_false",
                         help="(k): a hot block's reader starts at the table's first pool (before stop 54)")
-    parser.add_argument("--popular-readers", type=int, default=2,
+    parser.add_argument("--popular-readers", type=int, default=DesignParams.popular_readers,
                         help="(k): a block this many other nodes read within --popular-window requests a node is "
-                             "copied at a reader's first read (0: off, before stop 55)")
+                             "copied at a reader's first read (default: the package's POPULAR_READERS, 2; 0: off, "
+                             "before stop 55)")
     parser.add_argument("--learn-window", type=float, default=DesignParams.learn_window,
                         help="(h)-(k): requests a node over which a root's asks count towards a hot prefix "
                              "(default: the package's 10 s; 0: one window of 100 requests of the fleet, through "

@@ -44,7 +44,7 @@ from ucm_ray.store.hot_prefixes import (
 )
 from ucm_ray.store.pool_load import DECAY_S, TOP_POOLS
 from ucm_ray.store.shard.hints import MAX_POOLS_PER_KEY
-from ucm_ray.store.shard.remote_reads import MAX_READERS
+from ucm_ray.store.shard.remote_reads import MAX_READERS, POPULAR_READERS, POPULAR_WINDOW_S
 
 DIRECTORY_NODE = 0
 """The node the directory actor runs on (``hot_copies="pushed"``: copies are announced to it)."""
@@ -145,13 +145,13 @@ class DesignParams:
     in their published index; the row stays at the bound, so no announcement or push more): a hot
     prefix is read from another node about once per node, not at every request of the nodes past
     the bound (stop 61)."""
-    popular_readers: int = 2
+    popular_readers: int = POPULAR_READERS
     """(k): a block past the hot prefix that this many other nodes read within ``popular_window``
     requests is popular: the next reader keeps a copy at its first read, not its
     ``copy_session``-th (0: off, the package through stop 54; since stop 55 the package's
-    ``shard.remote_reads.POPULAR_READERS``). The root's owner sees every node's asks, so it
-    can tell."""
-    popular_window: float = 2.0
+    ``shard.remote_reads.POPULAR_READERS``: 2, within 10 s through stop 65 and 50 s since stop
+    66). The root's owner sees every node's asks, so it can tell."""
+    popular_window: float = POPULAR_WINDOW_S / SECONDS_PER_REQUEST
     """(k): requests per node (``popular_window`` x nodes requests of the whole fleet) within
     which distinct readers count towards ``popular_readers``: a popular document's readers come
     together, a chat's turns (one user) come apart. Per node since stop 56: the package's window
@@ -160,7 +160,9 @@ class DesignParams:
     at 1,000, where documents read 11-18 times in 4,000 requests never became popular and their
     writers served every read (16.4x the mean; 11.0 per node). At 100 nodes random: 10 a node
     cost 1.4 points of hits below per-block (chat histories copied into evicting pools), 2: 0.8
-    (stop 55)."""
+    (stop 55). The package's ``POPULAR_WINDOW_S`` at ``SECONDS_PER_REQUEST`` since stop 66 (2 a
+    node, 10 s, through stop 65; 10 a node, 50 s, since: with the load pick the writers of
+    documents read a few times a minute were the hottest nodes, docs/scaling.md)."""
     overload_copy: float = 0.0
     """(k): a reader keeps a copy at its first read of a block it loaded from a node that served
     more than this many times the fleet's mean bytes so far (load-aware; a place of the block's,

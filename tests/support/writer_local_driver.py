@@ -242,14 +242,19 @@ def relay_scenario() -> dict:
 
 POPULAR_DOC = 6
 """Blocks of the popular document (``popular`` scenario)."""
+POPULAR_GAP_S = 12.0
+"""Between the first two readers' reads (``popular`` scenario): past stop 65's 10 s popular
+window, within the package's ``POPULAR_WINDOW_S`` (50 s)."""
 
 
 def popular_scenario() -> dict:
     """A document written on node 0 and read once by each of nodes 1-4 in turn (a random
-    router in a large fleet): nodes 1 and 2 read it for the first time and keep no copy; node 3's
-    first read comes after two other nodes' (``POPULAR_READERS``), so the root's owner counts it
-    popular and node 3 keeps a copy; node 4 then loads it from node 3's copy, not the writer's
-    pool. ``copy_nodes_per_pool: 1``: the bound (5 pools a block) does not stop the copy."""
+    router in a large fleet), node 2 ``POPULAR_GAP_S`` after node 1: nodes 1 and 2 read it for
+    the first time and keep no copy; node 3's first read comes after two other nodes' within the
+    window (``POPULAR_READERS``, ``POPULAR_WINDOW_S``: stop 65's 10 s saw node 2's only), so the
+    root's owner counts it popular and node 3 keeps a copy; node 4, told so too, loads it from
+    node 3's copy, not the writer's pool. ``copy_nodes_per_pool: 1``: the bound (5 pools a
+    block) does not stop the copies."""
     config = start_fleet_per_node(UcmRayConfig(ray_namespace="wlocal_popular", pool_bytes=32 << 20, shard_cpus=0,
                                                lookup_timeout_s=30, copy_nodes_per_pool=1), 1)
     try:
@@ -259,7 +264,9 @@ def popular_scenario() -> dict:
         written = ray.get(clients[0].write_keys.remote(doc, 13))
         registered = lambda: sum(s["hints_registered"] for s in fleet_status(config)["shards"])  # noqa: E731
         before = _settled(registered, lambda count: count >= POPULAR_DOC)
-        reads = [ray.get(clients[i].read_and_keep.remote(doc, 13)) for i in (1, 2, 3)]
+        reads = [ray.get(clients[1].read_and_keep.remote(doc, 13))]
+        time.sleep(POPULAR_GAP_S)
+        reads += [ray.get(clients[i].read_and_keep.remote(doc, 13)) for i in (2, 3)]
         after_copy = _settled(registered, lambda count: count >= before + reads[-1]["kept"])
         shards = fleet_status(config)["shards"]  # node 3's registration confirmed its places
         places = {name: sum(s[name] for s in shards) for name in ("popular_told", "popular_confirmed")}

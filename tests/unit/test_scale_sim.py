@@ -641,3 +641,30 @@ def test_the_root_owner_names_the_least_directed_pool_first_keeps_a_run_and_forg
     two.answer(0, [[5], [5]], now=0.0)  # a block named by one pool still counts
     first = two.answer(0, [[5, 6, 7]], now=0.0)[0]
     assert sorted(first) == [5, 6, 7] and first[0] != 5  # any pair's less directed is 6 or 7
+
+
+def test_two_other_readers_within_50_s_make_a_block_popular_and_unload_the_documents_writers() -> None:
+    """Stop 66: with the load pick spreading hot rows, (k)'s hottest node at 1,000 nodes random was a
+    document's writer serving readers that came more than 10 s apart. The package's popular rule
+    since (``DesignParams``' defaults: two other nodes within 50 s, ``POPULAR_READERS`` and
+    ``POPULAR_WINDOW_S``) against stop 65's (two within 10 s: 2 requests a node): the bytes served
+    by the blocks' writers past the hot prefix fall, and the hottest node's with them, for more bytes
+    copied and hits within a point."""
+    from benchmarks.scale_hot_floor import SplitBytes
+
+    spec = WorkloadSpec(nodes=100, block_size=128, requests=1000, router="random", seed=0)
+    requests = Workload(spec).requests()
+    placement = Placement(shard_ids(spec.nodes))
+    rows, writers = {}, {}
+    for name, params in (("before", DesignParams(popular_readers=2, popular_window=2.0)), ("built", DesignParams())):
+        cluster = Cluster(spec.nodes, (1 << 22) * BYTES_PER_TOKEN, spec.block_bytes, placement)
+        design = SplitBytes(cluster, params)
+        design.run(requests)
+        rows[name] = summarise(name, design.stats, Movement(0, 0, 0), None)
+        writers[name] = design.writer_served.sum()
+    assert DesignParams().popular_readers == 2 and DesignParams().popular_window == 10.0
+    before, built = rows["before"], rows["built"]
+    assert writers["built"] < 0.97 * writers["before"], writers  # 0.94x (one other reader: 0.73x)
+    assert built.hot_bytes < 0.95 * before.hot_bytes, rows  # 3.61 -> 3.22
+    assert abs(built.hit_rate - before.hit_rate) < 0.01
+    assert built.copy_mib > before.copy_mib

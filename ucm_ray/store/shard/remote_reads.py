@@ -10,8 +10,8 @@ the original. Counted per node, not per engine (a node's engines share its pool,
 own repeat reads mostly hit vLLM's prefix cache), and per block, not per family (a system prompt
 not yet hot is the root of every document after it).
 
-A block that ``POPULAR_READERS`` other nodes began reading within ``POPULAR_WINDOW_S`` is
-popular: the next node copies it at its first read. With a random router a popular document is
+A block that ``POPULAR_READERS`` other nodes (two) began reading within ``POPULAR_WINDOW_S``
+(50 s) is popular: the next node copies it at its first read. With a random router a popular document is
 read about once per node in a large fleet, so a node's second read rarely comes and every reader
 loaded it from its writer's pool (44.8 of the hottest node's 45.3x the mean bytes at 1,000 nodes,
 docs/scaling.md, stop 55). At most the asker's copy bound (``copy_nodes_per_pool``: one pool per
@@ -50,13 +50,20 @@ block: the places; measured with ``tracemalloc``: docs/performance-log.md, stop 
 MAX_READERS = 64
 """Reader nodes remembered per block, the least recent out first."""
 POPULAR_READERS = 2
-"""Other nodes whose read of a block began within ``POPULAR_WINDOW_S`` that make it popular."""
-POPULAR_WINDOW_S = 10.0
+"""Other nodes whose read of a block began within ``POPULAR_WINDOW_S`` that make it popular: two,
+so a document's third reader node keeps a copy. One (stop 66's first try: the second reader
+copies) took the hottest node's bytes from 3.34 to 2.95x the mean at 1,000 nodes random for 112
+MiB more copied a request (1,304 -> 1,416: 3.6 points of that ratio a GiB) and left the summary
+line's hot spot, which the calls set, at 4.16 against 4.22; at 100 nodes it copied 182 MiB more
+for a hotter node (2.62 against 2.55; docs/scaling.md, stop 66, helper hotwriter20b)."""
+POPULAR_WINDOW_S = 50.0
 """How recent those reads must be: a popular document's readers come together, while a chat's
 turns on other nodes (one user's history, read by whichever node the router picked) come a
-user's reply apart; the hot-prefix learner's window too. In the simulation a window of 1,000
-requests counted chats and cost 1.4 points of hits at 100 nodes, 200 requests 0.8 (as
-without popular copies); the seconds are not calibrated by it."""
+user's reply apart. 10 s through stop 65 (the hot-prefix learner's window): at 1,000 nodes a
+document read by a few nodes a minute was never popular and its writer served every read
+(3.56x the mean, 1,000 nodes random); 50 s took that to 3.34 (30 s: 3.48) and 100 nodes random
+from 2.80 to 2.55, for 0.26 points of hits at 100 nodes, 0.02 at 1,000 (docs/scaling.md,
+stop 66). The readers remembered per block (``MAX_READERS``) bound the walk, not the window."""
 POPULAR = 1 << 30
 """What a popular block counts as read before: past any ``remote_copy_reads``."""
 CONFIRM_S = 10.0
