@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from tests.support.nixl_index_actor import INCARNATION, index_actor_class
 from tests.support.small_ray import own_or_session_ray
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.engine.remote_index import WINDOW, RemoteIndexReader
@@ -24,9 +25,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ucm_ray.transport.nixl as nixl  # noqa: E402  (a dependency: missing NIXL fails, never skips)
 
-POOL = 16 << 20
-INCARNATION = 0x5EED
-
 
 def key(i: int) -> bytes:
     return hashlib.blake2b(f"remote-{i}".encode(), digest_size=16).digest()
@@ -35,51 +33,6 @@ def key(i: int) -> bytes:
 def same_home(i: int, home: bytes = b"\x07" * 8) -> bytes:
     """Keys whose first word (their home bucket) is the same: one probe chain."""
     return home + hashlib.blake2b(f"chain-{i}".encode(), digest_size=8).digest()
-
-
-def _index_actor_class():
-    """Defined in a function so Ray ships the class by value (tests/ is not a package)."""
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class IndexActor:
-        """A stand-in shard: a pool and its published index, exported with NIXL."""
-
-        def __init__(self, path: str) -> None:
-            import uuid
-
-            import torch
-
-            from ucm_ray.store.shard.published_writer import PublishedIndex
-            from ucm_ray.transport.nixl import NixlPoolExporter
-            from ucm_ray.transport.shm import SharedPool
-
-            self.shm = SharedPool(path, POOL, create=True)
-            self.table = PublishedIndex(path + "-index", POOL, INCARNATION)
-            self.exporter = NixlPoolExporter(self.shm.tensor, f"ucmr-idx-{uuid.uuid4().hex[:8]}",
-                                             index=torch.frombuffer(self.table.memory(), dtype=torch.uint8))
-
-        def descriptor(self):
-            import dataclasses
-
-            desc = self.exporter.descriptor("s0", "another-node", self.shm.path, incarnation=INCARNATION)
-            return dataclasses.replace(desc, index_path=self.table.path, index_base_addr=self.exporter.index_base_addr,
-                                       index_bytes=self.exporter.index_bytes)
-
-        def publish(self, keys: list[bytes], offsets: list[int]) -> list[int]:
-            return [self.table.publish(k, off, 4096, None) for k, off in zip(keys, offsets)]
-
-        def unpublish(self, keys: list[bytes]) -> None:
-            for k in keys:
-                self.table.unpublish(k)
-
-        def close(self) -> None:
-            self.exporter.close()
-            self.exporter = None
-            self.table.close()
-            self.shm.close()
-
-    return IndexActor
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +46,7 @@ def shard(cluster):
     import uuid
 
     ray = cluster
-    actor = _index_actor_class().remote(f"/dev/shm/ucmr-idxtest-{uuid.uuid4().hex[:8]}")
+    actor = index_actor_class().remote(f"/dev/shm/ucmr-idxtest-{uuid.uuid4().hex[:8]}")
     desc = ray.get(actor.descriptor.remote(), timeout=120)
     yield actor, desc
     try:

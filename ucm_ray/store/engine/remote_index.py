@@ -16,13 +16,24 @@ copy relied on with a second read made after the copy, and a torn first read dif
 entry's settled state in some field it read wrong. What the window cannot settle (a chain
 longer than the window, a table that is not complete, a rebuild or a torn bucket) is left
 unknown, and the lookup asks the shard through Ray as before.
+
+A read that times out may still land: NIXL cannot cancel an RMA read (releasing its request
+frees the handle, not the read; docs/performance-log.md, stop 66). Its buffer is quarantined:
+kept registered and used by no other read until the read is over (``Transfer.late``), then
+deregistered and freed. A reader keeps at most ``MAX_QUARANTINED`` of them (a stalled node that
+keeps timing out costs a bounded ``MAX_QUARANTINED`` buffers, not one per timeout); past that its
+lookups answer "unknown" without posting, and ask the shard through Ray. A reader closed while a
+read of it may still land hands its transport and buffers to ``_closed_late``, and ``close_finished_readers``
+(at every reader's open and close) closes them once every such read is over.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,7 +49,10 @@ from ucm_ray.store.published_layout import (
     key_halves,
 )
 from ucm_ray.store.types import NO_CHECKSUM, Found
-from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges
+from ucm_ray.transport.base import CopyOp, PoolDescriptor, Ranges, Transfer
+
+if TYPE_CHECKING:
+    from ucm_ray.transport.nixl import NixlPoolTransport
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +60,30 @@ WINDOW = 8
 """Buckets read per key: at the table's load bound (half full) nearly every chain ends within it."""
 READ_TIMEOUT_S = 0.25
 """How long a lookup waits for another node's index: past it the lookup asks the shard instead."""
+MAX_QUARANTINED = 4
+"""Buffers a reader keeps whose read timed out and may still land (each ``64 + 512 x keys`` bytes,
+registered): past it the reader reads nothing more from that node until one of them is over."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Quarantined:
+    """A buffer a timed-out read may still land in: neither reused nor freed until it is over."""
+
+    transfer: Transfer
+    buffer: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class _ClosedLate:
+    """A closed reader's transport, kept open (its buffers registered and alive) until its late
+    reads are over."""
+
+    transport: NixlPoolTransport
+    quarantined: list[_Quarantined]
+
+
+_closed_late: list[_ClosedLate] = []
+_closed_late_lock = threading.Lock()
 
 
 class RemoteIndexReader:
@@ -54,6 +92,7 @@ class RemoteIndexReader:
     def __init__(self, desc: PoolDescriptor) -> None:
         from ucm_ray.transport.nixl import NixlPoolTransport
 
+        close_finished_readers()
         if not desc.index_bytes:
             raise ValueError(f"shard {desc.shard_id} exports no index")
         region = dataclasses.replace(desc, pool_base_addr=desc.index_base_addr, pool_bytes=desc.index_bytes)
@@ -61,7 +100,13 @@ class RemoteIndexReader:
         self._incarnation = desc.incarnation
         self.buckets = buckets_of(desc.index_bytes)  # sized for the pool and the shard's disk tier
         self._mask = np.uint64(self.buckets - 1)
-        self._buffer = torch.zeros(0, dtype=torch.uint8)
+        self._buffer: torch.Tensor | None = None
+        self._quarantined: list[_Quarantined] = []
+
+    @property
+    def quarantined(self) -> int:
+        """Buffers whose timed-out read may still land in them."""
+        return len(self._quarantined)
 
     def lookup(self, keys: Sequence[bytes]) -> Found | None:
         """Per key, the listed entry as the window read shows it (``known`` False where it
@@ -112,21 +157,56 @@ class RemoteIndexReader:
                 & (found.size == sizes))
 
     def close(self) -> None:
-        self._transport.close()
+        """Close the transport, unless a read may still land in one of its buffers: then the
+        transport (so the buffers' registrations and memory) is kept until that read is over,
+        not freed under it (``close_finished_readers``)."""
+        self._release_finished()
+        if self._quarantined:
+            log.info("remote index reader of shard %s closed with %d reads still in flight: its buffers "
+                     "are kept until they are over", self._transport.desc.shard_id, len(self._quarantined))
+            with _closed_late_lock:
+                _closed_late.append(_ClosedLate(self._transport, self._quarantined))
+            self._quarantined = []
+        else:
+            self._transport.close()
+        self._buffer = None
+        close_finished_readers()
+
+    def _release_finished(self) -> None:
+        """Deregister and free each quarantined buffer whose read is over."""
+        still = []
+        for q in self._quarantined:
+            if q.transfer.late():
+                still.append(q)
+            else:
+                self._transport.deregister_local(q.buffer)
+        self._quarantined = still
+
+    def _buffer_for(self, need: int) -> torch.Tensor:
+        """The buffer for a read of ``need`` bytes; one outgrown is deregistered (no read of
+        it is in flight: one that timed out took its buffer to quarantine)."""
+        if self._buffer is not None and self._buffer.numel() >= need:
+            return self._buffer
+        size = max(need, 2 * (self._buffer.numel() if self._buffer is not None else 0))
+        if self._buffer is not None:
+            self._transport.deregister_local(self._buffer)
+        self._buffer = torch.zeros(size, dtype=torch.uint8)
+        self._transport.register_local(self._buffer)
+        return self._buffer
 
     def _read(self, keys: Sequence[bytes]) -> tuple[np.void, np.ndarray] | None:
         """The header and each key's window, read in one transfer. A window that runs past the
         table's end is read in two pieces, its tail from the table's start: its chain goes on
         there (before, such a key was unknown, and a prompt with one key whose home was in a
         table's last ``WINDOW - 1`` buckets paid a pin call on the shard for it)."""
+        self._release_finished()
+        if len(self._quarantined) >= MAX_QUARANTINED:
+            return None  # that many reads of this node may still land: ask its shard instead
         words = key_halves(keys)
         home = (words[:, 0] & self._mask).astype(np.int64)
         span = WINDOW * BUCKET.itemsize
         need = HEADER.itemsize + len(keys) * span
-        if self._buffer.numel() < need:
-            self._buffer = torch.zeros(max(need, 2 * self._buffer.numel()), dtype=torch.uint8)
-            self._transport.register_local(self._buffer)
-        buffer = self._buffer
+        buffer = self._buffer_for(need)
         ops = [CopyOp(0, buffer[:HEADER.itemsize])]
         for i, at in enumerate(home.tolist()):
             start = HEADER.itemsize + i * span
@@ -134,12 +214,15 @@ class RemoteIndexReader:
             ops.append(CopyOp(HEADER.itemsize + at * BUCKET.itemsize, buffer[start:start + head]))
             if head < span:
                 ops.append(CopyOp(HEADER.itemsize, buffer[start + head:start + span]))
+        transfer: Transfer | None = None
         try:
-            self._transport.read(Ranges.of(ops)).wait(READ_TIMEOUT_S)
+            transfer = self._transport.read(Ranges.of(ops))
+            transfer.wait(READ_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 -- a dead or slow node: the lookup asks the shard
             log.debug("remote index of %s unreadable: %s", self._transport.desc.shard_id, e)
-            # a late completion may still write into this buffer: never reuse it
-            self._buffer = torch.zeros(0, dtype=torch.uint8)
+            if transfer is not None and transfer.late():  # it may still land: no read uses it until over
+                self._quarantined.append(_Quarantined(transfer, buffer))
+                self._buffer = None
             return None
         raw = buffer[:need].numpy()
         header = np.frombuffer(raw[:HEADER.itemsize].tobytes(), dtype=HEADER)[0]
@@ -148,3 +231,15 @@ class RemoteIndexReader:
             return None
         windows = np.frombuffer(raw[HEADER.itemsize:].tobytes(), dtype=BUCKET).reshape(len(keys), WINDOW)
         return header, windows
+
+
+def close_finished_readers() -> None:
+    """Close the transports of closed readers whose late reads are all over."""
+    finished = []
+    with _closed_late_lock:
+        for c in list(_closed_late):
+            if not any(q.transfer.late() for q in c.quarantined):
+                _closed_late.remove(c)
+                finished.append(c)
+    for c in finished:
+        c.transport.close()

@@ -174,6 +174,12 @@ class NixlPoolTransport(PoolTransport):
         if self._staging is None or not self._staging.applies(tensor.device):
             self._register(tensor)
 
+    def deregister_local(self, tensor: torch.Tensor) -> None:
+        """Undo ``register_local``: the caller is about to free memory no transfer can still
+        land in (a timed-out read's buffer once it is no longer ``late``)."""
+        if self._staging is None or not self._staging.applies(tensor.device):
+            self._deregister(tensor)
+
     def _register(self, tensor: torch.Tensor) -> None:
         mem_type, dev = memory_of(tensor)
         storage = tensor.untyped_storage()
