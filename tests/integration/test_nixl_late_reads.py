@@ -27,6 +27,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from tests.support.nixl_pool_actor import pool_actor_class
+from tests.support.polling import until
 from tests.support.small_ray import own_or_session_ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.types import Location
@@ -83,7 +84,7 @@ class Shard:
         after ``kill`` could still be served)."""
         os.kill(self.pid, signal.SIGSTOP)
         self.stopped = True
-        assert _until(lambda: psutil.Process(self.pid).status() == psutil.STATUS_STOPPED, 10.0), "never stopped"
+        assert until(lambda: psutil.Process(self.pid).status() == psutil.STATUS_STOPPED, 10.0), "never stopped"
 
     def resume(self) -> None:
         if self.stopped:
@@ -115,14 +116,6 @@ def healthy(cluster) -> Iterator[Shard]:
     shard.close()
 
 
-def _until(check, seconds: float = LANDS_S) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
 
 def _connected(transport: NixlPoolTransport, buf: torch.Tensor) -> None:
     """One read that lands: UCX's connection to the shard is up before it stops."""
@@ -149,7 +142,7 @@ def test_nixl_releasing_an_in_flight_read_does_not_cancel_it(stalled):
         handle.release()  # no exception: NIXL took the release as a cancel
         assert not bool(dst.any())
         stalled.resume()
-        assert _until(lambda: torch.equal(dst, stalled.bytes[:NBYTES])), "the released read never landed"
+        assert until(lambda: torch.equal(dst, stalled.bytes[:NBYTES]), LANDS_S), "the released read never landed"
     finally:
         stalled.resume()
         transport.close()
@@ -171,7 +164,7 @@ def test_a_timed_out_read_is_not_done_until_its_bytes_can_no_longer_land(stalled
         assert not transfer.done(), "a timed-out read said done while its bytes could still land"
         assert transfer.late(), "a timed-out read in flight is not marked late"
         stalled.resume()
-        assert _until(transfer.done), "the late read never finished"
+        assert until(transfer.done, LANDS_S), "the late read never finished"
         assert torch.equal(dst, stalled.bytes[:NBYTES])
         assert not transfer.late()
         with pytest.raises(TransferError, match="timed out"):  # still a failure: its step gave up on it
@@ -210,7 +203,7 @@ def test_a_staged_read_that_timed_out_keeps_its_slab_until_it_can_no_longer_land
         transfer.wait(LANDS_S)
         assert torch.equal(second, healthy.bytes[:NBYTES]), "another shard's late bytes were scattered"
         assert not bool(first.any()), "a failed staged read scattered its late bytes"
-        assert _until(lambda: (staging.reclaim(), staging.quarantined == 0)[1]), \
+        assert until(lambda: (staging.reclaim(), staging.quarantined == 0)[1], LANDS_S), \
             "the quarantined slab never came back once its read was over"
         assert staging.held_bytes == 0 and staging.quarantines == 1
     finally:
@@ -323,7 +316,7 @@ def test_a_staged_write_that_timed_out_is_late_until_its_request_is_over(stalled
             transfer.wait(TIMEOUT_S)
         assert transfer.late(), "a timed-out staged write in flight is not late"
         stalled.resume()
-        assert _until(lambda: not transfer.late()), "the late write never finished"
+        assert until(lambda: not transfer.late(), LANDS_S), "the late write never finished"
         assert torch.equal(stalled.pool(0, NBYTES), src)
     finally:
         stalled.resume()

@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import os
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tests.support.nixl_index_actor import INCARNATION, index_actor_class
+from tests.support.polling import until
 from tests.support.small_ray import own_or_session_ray
 from ucm_ray.store.engine.published_reader import IndexReader
 from ucm_ray.store.engine.remote_index import MAX_QUARANTINED, RemoteIndexReader, close_finished_readers
@@ -42,14 +42,6 @@ def key(i: int) -> bytes:
     return hashlib.blake2b(f"late-{i}".encode(), digest_size=16).digest()
 
 
-def _until(check, seconds: float = LANDS_S) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -66,7 +58,7 @@ class StalledIndex:
 
     def stop(self) -> None:
         os.kill(self.pid, signal.SIGSTOP)
-        assert _until(lambda: psutil.Process(self.pid).status() == psutil.STATUS_STOPPED, 10.0), "never stopped"
+        assert until(lambda: psutil.Process(self.pid).status() == psutil.STATUS_STOPPED, 10.0), "never stopped"
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
@@ -129,7 +121,7 @@ def test_timed_out_reads_keep_a_bounded_number_of_buffers_out_of_use_until_they_
         freed = [StorageWeakRef(s) for s in held]
         del held
         shard.resume()
-        assert _until(lambda: reader.lookup(keys) is not None and reader.quarantined == 0), \
+        assert until(lambda: reader.lookup(keys) is not None and reader.quarantined == 0, LANDS_S), \
             "the quarantined buffers never came back once their reads were over"
         assert len(_registered(reader)) == 1
         assert sum(ref.expired() for ref in freed) >= MAX_QUARANTINED, "a finished read's buffer was kept"
@@ -160,7 +152,7 @@ def test_a_reader_closed_while_its_read_may_land_keeps_the_buffer_until_it_is_ov
         close_finished_readers()
         assert not any(ref.expired() for ref in buffers), "a buffer a read may still land in was freed"
         shard.resume()
-        assert _until(lambda: (close_finished_readers(), all(ref.expired() for ref in buffers))[1]), \
+        assert until(lambda: (close_finished_readers(), all(ref.expired() for ref in buffers))[1], LANDS_S), \
             "the closed reader's buffer was never freed once its read was over"
     finally:
         shard.resume()
