@@ -175,11 +175,11 @@ class RemoteIndexReader:
     def _release_finished(self) -> None:
         """Deregister and free each quarantined buffer whose read is over."""
         still = []
-        for q in self._quarantined:
-            if q.transfer.late():
-                still.append(q)
+        for held in self._quarantined:
+            if held.transfer.late():
+                still.append(held)
             else:
-                self._transport.deregister_local(q.buffer)
+                self._transport.deregister_local(held.buffer)
         self._quarantined = still
 
     def _buffer_for(self, need: int) -> torch.Tensor:
@@ -237,9 +237,9 @@ def close_finished_readers() -> None:
     """Close the transports of closed readers whose late reads are all over."""
     finished = []
     with _closed_late_lock:
-        for c in list(_closed_late):
-            if not any(q.transfer.late() for q in c.quarantined):
-                _closed_late.remove(c)
-                finished.append(c)
-    for c in finished:
-        c.transport.close()
+        for closed in list(_closed_late):
+            if not any(held.transfer.late() for held in closed.quarantined):
+                _closed_late.remove(closed)
+                finished.append(closed)
+    for closed in finished:
+        closed.transport.close()
