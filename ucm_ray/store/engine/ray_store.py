@@ -113,7 +113,10 @@ class RayBlockStore(BlockStore):
     def refresh(self, *, force: bool = False) -> None:
         """Adopt a membership change if one was pushed (never blocks: the scheduler calls this
         on its hot path); ``force`` asks the directory now and waits for the answer."""
-        membership = self._feed.fetch() if force else self._feed.poll(self._membership)
+        if not force:
+            self.pools()  # adopts a pushed change
+            return
+        membership = self._feed.fetch()
         if membership is not None and membership.version != self._membership.version:
             self._apply(membership)
 
@@ -186,8 +189,9 @@ class RayBlockStore(BlockStore):
     # --- BlockStore ----------------------------------------------------------------------
 
     def pools(self) -> Pools:
-        # ``refresh`` without its call: the scheduler asks at every step's plan, where with the
-        # host's caches cold each call costs (docs/performance-log.md, stop 66)
+        # A pushed membership change adopted here, not through another call: the scheduler asks
+        # at every step's plan, where with the host's caches cold each call costs
+        # (docs/performance-log.md, stop 66); ``refresh`` comes here too.
         membership = self._feed.poll(self._membership)
         if membership is not None and membership.version != self._membership.version:
             self._apply(membership)
