@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 
 import pytest
 
+from tests.support.temp_dirs import count_report, make_temp_dir
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    count_report(report)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,11 +33,12 @@ def ray_cluster():
     """A local Ray head with its own temp dir; shut down (never `ray stop`) at the end."""
     import ray
 
-    tmp = tempfile.mkdtemp(prefix="ucmr-", dir="/tmp")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
+    tmp = make_temp_dir()
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp.path, _node_ip_address="127.0.0.1",
              namespace="ucm_ray_tests", logging_level="WARNING")
     yield ray
     ray.shutdown()
+    tmp.release()
 
 
 @pytest.fixture

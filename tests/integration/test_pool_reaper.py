@@ -10,11 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
 from tests.support.store_helpers import shard_pid
+from tests.support.temp_dirs import make_temp_dir
 
 
 def _gone(paths: list[str], timeout_s: float = 10.0) -> list[str]:
@@ -51,8 +51,10 @@ SCRIPT = textwrap.dedent("""
 def test_pools_go_with_the_cluster_that_ends_without_down(tmp_path):
     namespace = f"reap{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never the session's cluster
-    done = subprocess.run([sys.executable, "-c", SCRIPT, tempfile.mkdtemp(prefix="ucmr-", dir="/tmp"), namespace],
+    ray_tmp = make_temp_dir()
+    done = subprocess.run([sys.executable, "-c", SCRIPT, ray_tmp.path, namespace],
                           capture_output=True, text=True, timeout=180, env=env)
+    ray_tmp.release(failed=done.returncode != 0)
     assert done.returncode == 0, done.stderr[-3000:]
     pools = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(pools) == 4, pools  # two shards' pools and published indexes
@@ -70,7 +72,8 @@ def test_pools_go_when_the_driver_of_their_cluster_is_killed(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     script = SCRIPT.replace("ray.shutdown()  # no `ucm-ray down`: the cluster ends with its shards",
                             "import time; time.sleep(600)")
-    driver = subprocess.Popen([sys.executable, "-c", script, tempfile.mkdtemp(prefix="ucmr-", dir="/tmp"), namespace],
+    ray_tmp = make_temp_dir()
+    driver = subprocess.Popen([sys.executable, "-c", script, ray_tmp.path, namespace],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                               start_new_session=True)
     try:
@@ -80,6 +83,7 @@ def test_pools_go_when_the_driver_of_their_cluster_is_killed(tmp_path):
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and the cluster processes it started
         driver.wait(30)
+        ray_tmp.release()
     left = _gone(pools, timeout_s=30)
     for path in left:
         os.unlink(path)

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +44,10 @@ class PrivateCluster:
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="ucmr-", dir="/tmp")
+        from tests.support.temp_dirs import make_temp_dir  # not at the top: this file is also the cluster's script
+
+        self.temp = make_temp_dir()
+        self.temp_dir = self.temp.path
         spec = json.dumps({"nodes": self.nodes, "temp_dir": self.temp_dir,
                            "metrics_ports": [free_port() for _ in self.nodes]})
         self.proc = subprocess.Popen([sys.executable, __file__, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -64,7 +66,8 @@ class PrivateCluster:
         with open(os.path.join(self.temp_dir, "cluster.err")) as f:
             return f.read()[-3000:]
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float = 60.0, failed: bool = False) -> None:
+        """Shut the cluster down; its temp dir goes unless ``failed`` or a test failed meanwhile."""
         family = psutil.Process(self.proc.pid).children(recursive=True)
         if self.proc.stdin:
             self.proc.stdin.close()
@@ -80,6 +83,7 @@ class PrivateCluster:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        self.temp.release(failed)
 
 
 def run_driver(driver: str, args: list[str], nodes: list[dict[str, Any]],
@@ -90,12 +94,13 @@ def run_driver(driver: str, args: list[str], nodes: list[dict[str, Any]],
     from tests.support import ROOT
 
     cluster = PrivateCluster(nodes)
+    done = None
     try:
         done = subprocess.run([sys.executable, str(ROOT / "tests/support" / driver), cluster.address, *args],
                               capture_output=True, text=True, timeout=timeout_s, env=cluster_env(), cwd=ROOT)
     finally:
-        cluster.close()
-    assert done.returncode == 0, done.stderr[-4000:]
+        cluster.close(failed=done is None or done.returncode != 0)
+    assert done.returncode == 0, f"{done.stderr[-4000:]}\n(Ray logs kept in {cluster.temp_dir})"
     return json.loads(done.stdout.strip().splitlines()[-1]), cluster.info
 
 
