@@ -31,14 +31,13 @@ from tests.support.polling import until
 from tests.support.small_ray import own_or_session_ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.types import Location
-from ucm_ray.transport.base import CopyOp, Ranges, TransferError
+from ucm_ray.transport.base import CopyOp, LateReadError, Ranges, TransferError
 from ucm_ray.transport.nixl import NixlPoolTransport, shutdown_client_agent
 from ucm_ray.transport.nixl.client import client_agent
 from ucm_ray.transport.nixl.staging import HostStaging
 from ucm_ray.transport.pools import PoolConnections
 from ucm_ray.vllm.metadata import BlockLoads, LoadJob, UcmRayConnectorMetadata
 from ucm_ray.vllm.worker import WorkerPart
-from ucm_ray.vllm.worker.copies import LateReadError
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

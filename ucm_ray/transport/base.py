@@ -7,6 +7,7 @@ bytes: the control plane hands out pool offsets, the transport copies.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,15 @@ class LocalTransferError(TransferError):
     """A transfer this process could not carry out for a reason of its own (no host staging
     room, a slab it could not allocate): its bytes are failed as any others, but the pool is
     not to blame (a worker's memory limit must not make a healthy shard suspect)."""
+
+
+class LateReadError(RuntimeError):
+    """A read that failed (timed out, or posted after its caller gave up on it) was still in
+    flight a whole ``transfer_timeout_s`` later: NIXL cannot cancel it (``Transfer.late``), so its
+    bytes may land in its destination whenever the shard answers. Raised rather than let the
+    destination be used: the connector's worker stops (vLLM would recompute those KV blocks or
+    hand them to another request), ``StoreClient.get`` fails (the caller's tensors may still
+    change: they must not be read or reused while the shard may answer)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +309,19 @@ class Transfer(ABC):
         frees it but the read lands whenever the shard answers; docs/performance-log.md, stop
         66). Its destination must not be used until this is False."""
         return False
+
+
+def still_late(transfers: Iterable[Transfer], deadline: float) -> list[Transfer]:
+    """Wait until none of ``transfers`` is ``late``, or until ``deadline`` (``time.monotonic``):
+    those still late then. Polled, as ``late`` must be (NIXL posts no completion anyone could
+    wait on): spins first, a request that is landing ends within microseconds, then every 1 ms."""
+    late = [transfer for transfer in transfers if transfer.late()]
+    spins = 0
+    while late and time.monotonic() < deadline:
+        spins += 1
+        time.sleep(0 if spins < 64 else 1e-3)
+        late = [transfer for transfer in late if transfer.late()]
+    return late
 
 
 class CompletedTransfer(Transfer):

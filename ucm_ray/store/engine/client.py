@@ -3,6 +3,12 @@
 The whole-tensor calls serve tests, benchmarks and engines without a connector:
 each reserves or pins slots, copies through ``PoolConnections``, then commits or
 releases, as the connector's two halves do step by step.
+
+A NIXL transfer that timed out may still land (NIXL cannot cancel one in flight:
+``Transfer.late``), and these calls guard against it as the connector does: ``get``
+returns only once no read of its can land in the caller's tensors (else ``LateReadError``),
+``put`` leaves a late write's slots to lapse at the shard, which quarantines them,
+rather than free them for the next writer.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ucm_ray.store.checksum import checksum
 from ucm_ray.store.engine.calls import Fanout
 from ucm_ray.store.engine.ray_store import RayBlockStore
 from ucm_ray.store.types import Done, Location, Pending, Publishes, Removal, ShardRecord
-from ucm_ray.transport.base import CopyOp, PoolKey, Ranges, as_bytes
+from ucm_ray.transport.base import CopyOp, LateReadError, PoolKey, Ranges, Transfer, as_bytes, still_late
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +90,8 @@ class StoreClient(RayBlockStore):
         rewritten. Tensors must lie in buffers registered with ``register_local``. The keys are
         one family, as a prompt's blocks are (rooted at ``keys[0]``, or past the fleet's hot
         prefix: ``hot_prefix``): ``get`` and ``lookup`` find them on other nodes when asked
-        with the same leading keys."""
+        with the same leading keys. A pool whose write timed out in flight stores none of its
+        keys, and its slots are not freed (``_commit_landed``): the write may still land there."""
         if len(keys) != len(tensors):
             raise ValueError(f"put: {len(keys)} keys but {len(tensors)} tensors")
         views = [as_bytes(t) for t in tensors]
@@ -98,7 +105,7 @@ class StoreClient(RayBlockStore):
                                            timeout_s=self.config.transfer_timeout_s)
         for pool in failed.blamed:
             self.access.failed(pool, "save failed")
-        for i, ok in self._commit_landed(keys, views, placed, failed.pools):
+        for i, ok in self._commit_landed(keys, views, placed, failed.pools, {pool for pool, _ in failed.late}):
             visible[i] = visible[i] or ok
         # A key another writer stored first (a race) is present too.
         missing = [i for i, v in enumerate(visible) if not v]
@@ -127,13 +134,20 @@ class StoreClient(RayBlockStore):
         return placed
 
     def _commit_landed(self, keys: Sequence[bytes], views: list[torch.Tensor],
-                       placed: list[tuple[int, PoolKey, int, int]], failed: set[PoolKey]) -> list[tuple[int, bool]]:
+                       placed: list[tuple[int, PoolKey, int, int]], failed: set[PoolKey],
+                       late: set[PoolKey]) -> list[tuple[int, bool]]:
         """Publish the slots whose copy landed, free those of ``failed`` pools; per key index
-        published, whether the key is now visible from this write."""
+        published, whether the key is now visible from this write. The slots of ``late`` pools
+        (their write timed out in flight, and may land whenever the shard answers) are neither:
+        freed, the next writer could be handed them before the late bytes land over its own.
+        Left alone, the grant lapses at the shard after ``reserve_timeout_s`` and is quarantined
+        for as long again (``BlockIndex``), as the connector's uncertain saves' grants are."""
         sums = {i: checksum(views[i]) for i, _, _, _ in placed} if self.config.checksum else {}
         publish: list[tuple[bytes, Location, int]] = []
         landed, free = [], defaultdict(list)
         for i, pool, token, off in placed:
+            if pool in late:
+                continue
             if pool in failed:
                 free[(pool, token)].append(off)
                 continue
@@ -150,7 +164,15 @@ class StoreClient(RayBlockStore):
         checksum is verified whatever this client's ``checksum`` setting (the writer chose);
         a mismatch is a miss and removes the entry. Keys whose copy failed (a shard died: its
         published index still lists them) are read again from a replica, the failed pool now
-        suspect."""
+        suspect.
+
+        A read that timed out in flight may still land in its tensors (NIXL cannot cancel it):
+        before they are read again from a replica, or returned, ``get`` waits until it cannot,
+        at most ``transfer_timeout_s`` more, else raises ``LateReadError`` (the tensors may
+        still change: the caller must not use them while the shard may answer). Returning a
+        miss at the timeout let the late bytes land later over the replica's, or over whatever
+        the caller had put in the tensor since. Reading into a private buffer instead would
+        cost every read a copy; the wait costs only reads that already timed out."""
         if len(keys) != len(tensors):
             raise ValueError(f"get: {len(keys)} keys but {len(tensors)} tensors")
         self.refresh()
@@ -158,7 +180,9 @@ class StoreClient(RayBlockStore):
         ok = [False] * len(keys)
         todo = list(range(len(keys)))
         for _ in range(max(1, self.replication)):
-            got, failed = self._get_once([keys[i] for i in todo], [views[i] for i in todo])
+            got, failed, late = self._get_once([keys[i] for i in todo], [views[i] for i in todo])
+            if late:
+                self._await_late(late)
             for i, hit in zip(todo, got):
                 ok[i] = hit
             todo = [i for i, lost in zip(todo, failed) if lost]
@@ -166,8 +190,19 @@ class StoreClient(RayBlockStore):
                 break
         return ok
 
-    def _get_once(self, keys: list[bytes], views: list[torch.Tensor]) -> tuple[list[bool], list[bool]]:
-        """One pass of ``get``: per key, whether it is valid, and whether its copy failed."""
+    def _await_late(self, late: list[Transfer]) -> None:
+        """Wait until none of ``late`` (reads that timed out in flight) can land any more, at
+        most ``transfer_timeout_s``; ``LateReadError`` when one still can."""
+        still = still_late(late, time.monotonic() + self.config.transfer_timeout_s)
+        if still:
+            raise LateReadError(f"ucm-ray: {len(still)} failed NIXL reads of get still in flight "
+                                f"{self.config.transfer_timeout_s} s after their timeout: NIXL cannot cancel "
+                                "them, and their bytes may still land in the tensors given to get")
+
+    def _get_once(self, keys: list[bytes],
+                  views: list[torch.Tensor]) -> tuple[list[bool], list[bool], list[Transfer]]:
+        """One pass of ``get``: per key, whether it is valid, and whether its copy failed; and
+        the failed reads that may still land (``Failures.late``)."""
         lease = self.acquire(keys).result()
         locs = list(lease.locations)
         ok = [loc is not None and loc.size == views[i].numel() for i, loc in enumerate(locs)]
@@ -197,4 +232,4 @@ class StoreClient(RayBlockStore):
                 corrupt.append(Removal(keys[i], loc))
         if corrupt:
             self.remove(corrupt).result()
-        return ok, lost
+        return ok, lost, [transfer for _, transfer in failures.late]

@@ -26,7 +26,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ucm_ray.transport.base import EMPTY, PoolDescriptor, PoolKey, PreparedCopies, Ranges, RepeatedRanges, Transfer
+from ucm_ray.transport.base import (
+    EMPTY,
+    LateReadError,
+    PoolDescriptor,
+    PoolKey,
+    PreparedCopies,
+    Ranges,
+    RepeatedRanges,
+    Transfer,
+    still_late,
+)
 from ucm_ray.transport.pools import Failures, PoolConnections
 from ucm_ray.vllm.stats import UcmRayStats
 from ucm_ray.vllm.worker.plan import Batch, ByPool, Entries, KvCaches, Layer, Tag, split_entries
@@ -91,13 +101,6 @@ class PartPosts:
         unposted, self.next = self.posted[self.next:], len(self.posted)
         self.prepared = {}
         return unposted
-
-
-class LateReadError(RuntimeError):
-    """A load's read that failed (timed out, or posted after its step gave up on it) was still in
-    flight a whole ``transfer_timeout_s`` later, at a later step: NIXL cannot cancel it, so its
-    bytes may land in KV blocks that vLLM recomputes or hands to another request. The worker
-    stops rather than let any forward read such a block."""
 
 
 def _abandon(future: Future[Posted]) -> None:
@@ -354,7 +357,7 @@ class Copier:
         """Keep a failed batch's late reads for ``fence_late_reads``; count them and the staging
         slabs quarantined since the last failure."""
         if failures.late and not write:
-            self.late_reads.extend(failures.late)
+            self.late_reads.extend(transfer for _, transfer in failures.late)
             self._stats.add(late_reads=len(failures.late))
         staging = self._pools.staging
         if staging is not None and staging.quarantines > self._quarantines:
@@ -381,16 +384,12 @@ class Copier:
                 raise LateReadError("ucm-ray: a copy task given up on is still posting after "
                                     f"{self._timeout_s} s more; its reads may land in reused KV blocks") from None
             transfers += [transfer for _, transfer in posted.transfers]
-        spins = 0
-        while transfers:
-            transfers = [transfer for transfer in transfers if transfer.late()]
-            if transfers and time.monotonic() >= deadline:
-                self.late_reads[:] = transfers
-                raise LateReadError(f"ucm-ray: {len(transfers)} failed NIXL reads still in flight "
-                                    f"{self._timeout_s} s after their step: NIXL cannot cancel them, and "
-                                    "their bytes may land in KV blocks vLLM reuses; stopping instead")
-            spins += 1
-            time.sleep(0 if spins < 64 else 1e-3)
+        transfers = still_late(transfers, deadline)
+        if transfers:
+            self.late_reads[:] = transfers
+            raise LateReadError(f"ucm-ray: {len(transfers)} failed NIXL reads still in flight "
+                                f"{self._timeout_s} s after their step: NIXL cannot cancel them, and "
+                                "their bytes may land in KV blocks vLLM reuses; stopping instead")
         self.late_reads.clear()
 
     # --- counters ------------------------------------------------------------------------
