@@ -292,9 +292,12 @@ def test_a_read_still_late_after_the_fence_s_bound_stops_the_worker(stalled):
         stalled.stop()
         assert _load(w, stalled, 2) == list(range(BLOCKS))
         started = time.monotonic()
-        with pytest.raises(LateReadError, match="still in flight"):
+        with pytest.raises(LateReadError, match="still in flight") as stopped:
             w.bind(UcmRayConnectorMetadata())
         assert time.monotonic() - started >= STEP_TIMEOUT_S * 0.9
+        # one line that names the shard and what to do (vLLM's client sees only a 500)
+        assert "\n" not in str(stopped.value) and f"from shard {stalled.desc.shard_id} " in str(stopped.value)
+        assert "restart the engine" in str(stopped.value)
     finally:
         stalled.resume()
         w.shutdown()

@@ -50,9 +50,10 @@ class Failures:
 
     pools: set[PoolKey] = field(default_factory=set)
     blamed: set[PoolKey] = field(default_factory=set)
-    late: list[Transfer] = field(default_factory=list)
-    """Of the failed transfers, those whose bytes may still land (``Transfer.late``): a read's
-    destination blocks, a write's pool slots must not be used again until they are not."""
+    late: list[tuple[PoolKey, Transfer]] = field(default_factory=list)
+    """Of the failed transfers, those whose bytes may still land (``Transfer.late``), with their
+    pool: a read's destination blocks, a write's pool slots must not be used again until they
+    are not."""
 
     @classmethod
     def of(cls, pools: set[PoolKey]) -> Failures:
@@ -225,7 +226,7 @@ class PoolConnections:
                 log.warning("%s with shard %s failed: %s: %s", _what(write), pool[0], type(e).__name__, e)
                 failed.add(pool, e)
                 if transfer.late():
-                    failed.late.append(transfer)
+                    failed.late.append((pool, transfer))
         return failed
 
     def kind(self, pool: PoolKey) -> str:

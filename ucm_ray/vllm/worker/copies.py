@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -97,7 +98,17 @@ class LateReadError(RuntimeError):
     """A load's read that failed (timed out, or posted after its step gave up on it) was still in
     flight a whole ``transfer_timeout_s`` later, at a later step: NIXL cannot cancel it, so its
     bytes may land in KV blocks that vLLM recomputes or hands to another request. The worker
-    stops rather than let any forward read such a block."""
+    stops rather than let any forward read such a block. Its message is one line that names the
+    shards and what to do: vLLM ends the engine on it, and its client and operator see little
+    else (vLLM's OpenAI server answers 500 "EngineCore encountered an issue" and exits 0)."""
+
+    @classmethod
+    def of(cls, what: str, timeout_s: float) -> LateReadError:
+        """``what``: the reads still in flight, and from which shards."""
+        return cls(f"ucm-ray: stopping this engine: {what} still in flight {timeout_s:g} s after its step gave "
+                   "up on it (a shard paused or unreachable); NIXL cannot cancel a read, and it would write KV "
+                   "blocks vLLM reuses. Check the shard (ucm-ray status) and restart the engine; "
+                   "nixl_stage_through_host: on lands such reads in a host buffer instead")
 
 
 def _abandon(future: Future[Posted]) -> None:
@@ -120,7 +131,7 @@ class Copier:
         self.clock = clock
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self.caches = KvCaches.unregistered()
-        self.late_reads: list[Transfer | Future[Posted]] = []
+        self.late_reads: list[tuple[PoolKey, Transfer] | Future[Posted]] = []
         """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``), and loads'
         copy tasks a step gave up on while they ran (what they post may; ``load_by_deadline``):
         ``fence_late_reads`` empties it. One list, never replaced: the hooks test it as it is, a
@@ -370,7 +381,7 @@ class Copier:
         staged one never: it lands in a quarantined slab, scattered nowhere); on RDMA a read
         needs no work of the shard's process, so one is late only while the network fails it."""
         deadline = time.monotonic() + self._timeout_s
-        transfers: list[Transfer] = []
+        transfers: list[tuple[PoolKey, Transfer]] = []
         for late in self.late_reads:
             if not isinstance(late, Future):
                 transfers.append(late)
@@ -378,20 +389,25 @@ class Copier:
             try:
                 posted = late.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                raise LateReadError("ucm-ray: a copy task given up on is still posting after "
-                                    f"{self._timeout_s} s more; its reads may land in reused KV blocks") from None
-            transfers += [transfer for _, transfer in posted.transfers]
+                self._stop(LateReadError.of("a load's copy task, still posting its NIXL reads,", self._timeout_s))
+            transfers += posted.transfers
         spins = 0
         while transfers:
-            transfers = [transfer for transfer in transfers if transfer.late()]
+            transfers = [(pool, transfer) for pool, transfer in transfers if transfer.late()]
             if transfers and time.monotonic() >= deadline:
                 self.late_reads[:] = transfers
-                raise LateReadError(f"ucm-ray: {len(transfers)} failed NIXL reads still in flight "
-                                    f"{self._timeout_s} s after their step: NIXL cannot cancel them, and "
-                                    "their bytes may land in KV blocks vLLM reuses; stopping instead")
+                shards = ", ".join(sorted({pool[0] for pool, _ in transfers}))
+                self._stop(LateReadError.of(f"{len(transfers)} NIXL read(s) from shard {shards}", self._timeout_s))
             spins += 1
             time.sleep(0 if spins < 64 else 1e-3)
         self.late_reads.clear()
+
+    @staticmethod
+    def _stop(error: LateReadError) -> NoReturn:
+        """Log ``error`` as one line of ours, then raise it: vLLM's own report of a worker's
+        exception is three tracebacks (worker, engine core, API server) with the reason inside."""
+        log.error("%s", error)
+        raise error
 
     # --- counters ------------------------------------------------------------------------
 
