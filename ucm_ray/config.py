@@ -167,11 +167,15 @@ class UcmRayConfig:
     transport: str = "auto"
     """auto: shared memory for same-node shards, NIXL for others; shm / nixl force one."""
     nixl_stage_through_host: str = "auto"
-    """How a worker's NIXL transfers move GPU KV: on, through pinned host staging that the worker
-    copies on a CUDA stream of its own (NIXL then moves host memory only); off, NIXL moves the
-    GPU memory itself; auto: on where the KV caches are on CUDA and the host has no RDMA port.
+    """How a worker's NIXL transfers move KV: on, through host staging slabs that the worker
+    copies (GPU KV on a CUDA stream of its own; NIXL then moves host memory only); off, NIXL
+    moves the KV itself; auto, on a host without an RDMA port: GPU KV both ways, CPU KV's reads.
     Without RDMA, UCX moves GPU memory with CUDA copies of its own, which waited for vLLM's
-    forward on the legacy default stream: a step's end came after its forward (H100, stop 64)."""
+    forward on the legacy default stream: a step's end came after its forward (H100, stop 64);
+    and a read needs the shard's process (TCP), so one from a paused shard lands late, which
+    NIXL cannot cancel: staged, in a quarantined slab; unstaged, in KV blocks vLLM reuses, so
+    the worker stops the engine (``LateReadError``) once such a read outlives the next step's
+    wait (stop 67)."""
     layerwise: bool = True
     load_at_once_ratio: int = 64
     """A step whose requests compute at most 1/N of the tokens their hits bring (a repeated prompt)

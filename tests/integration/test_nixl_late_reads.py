@@ -224,16 +224,17 @@ def _names() -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def _worker() -> tuple[WorkerPart, dict[str, torch.Tensor]]:
-    """A worker whose NIXL reads land in its KV directly (staging off: a host with RDMA, or CPU KV)."""
+def _worker(staging: str = "off") -> tuple[WorkerPart, dict[str, torch.Tensor]]:
+    """A worker with CPU KV; ``staging`` off: its NIXL reads land in its KV directly (a host with
+    RDMA, or an operator's choice); auto: on this host without RDMA, they land in host slabs."""
     caches = {name: torch.zeros(BLOCKS * PAGE, dtype=torch.uint8).view(torch.bfloat16)
               .view(BLOCKS, HEADS, BLOCK, 2 * HEAD) for name in _names()}
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
     config = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(layer_names=_names(), kv_cache_spec=spec)])
-    w = WorkerPart(config, UcmRayConfig(transport="nixl", nixl_stage_through_host="off",
+    w = WorkerPart(config, UcmRayConfig(transport="nixl", nixl_stage_through_host=staging,
                                         transfer_timeout_s=STEP_TIMEOUT_S, lease_s=10.0, reserve_timeout_s=10.0),
-                   0, "this-node", pools=PoolConnections("nixl", "this-node", nixl_staging="off"))
+                   0, "this-node", pools=PoolConnections("nixl", "this-node", nixl_staging=staging))
     w.register_kv_caches(caches)
     return w, caches
 
@@ -291,9 +292,40 @@ def test_a_read_still_late_after_the_fence_s_bound_stops_the_worker(stalled):
         stalled.stop()
         assert _load(w, stalled, 2) == list(range(BLOCKS))
         started = time.monotonic()
-        with pytest.raises(LateReadError, match="still in flight"):
+        with pytest.raises(LateReadError, match="still in flight") as stopped:
             w.bind(UcmRayConnectorMetadata())
         assert time.monotonic() - started >= STEP_TIMEOUT_S * 0.9
+        # one line that names the shard and what to do (vLLM's client sees only a 500)
+        assert "\n" not in str(stopped.value) and f"from shard {stalled.desc.shard_id} " in str(stopped.value)
+        assert "restart the engine" in str(stopped.value)
+    finally:
+        stalled.resume()
+        w.shutdown()
+
+
+def test_cpu_kv_s_reads_are_staged_by_default_so_a_shard_stalled_for_good_stops_nothing(stalled):
+    """The default (``auto``) on a host without RDMA: a CPU worker's NIXL reads land in host slabs.
+    The shard stalls for good; the load fails, and the next steps run at once (no fence, no
+    ``LateReadError``: before, ``auto`` read into the KV and the next step stopped the worker, a
+    CPU engine's death, ``tests/e2e/test_late_read_engine.py``); once the shard runs again its
+    late bytes land in the quarantined slab, never in the KV."""
+    w, caches = _worker("auto")
+    try:
+        assert _load(w, stalled, 1) == []
+        for t in caches.values():
+            t.view(torch.uint8).fill_(0x5A)
+        stalled.stop()
+        assert _load(w, stalled, 2) == list(range(BLOCKS)), "a load from a stalled shard did not fail"
+        assert not w.late_reads and w.stats.totals.get("staging_quarantines", 0) >= 1
+        started = time.monotonic()
+        w.bind(UcmRayConnectorMetadata())
+        w.fence(UcmRayConnectorMetadata())
+        assert time.monotonic() - started < STEP_TIMEOUT_S / 2, "the next step waited for the late read"
+        before = _kv(caches).clone()
+        stalled.resume()
+        time.sleep(1.0)  # the late read lands meanwhile (milliseconds)
+        assert torch.equal(_kv(caches), before), "a failed read's late bytes landed in the KV"
+        assert _load(w, stalled, 3) == [], "the shard does not serve loads once it runs again"
     finally:
         stalled.resume()
         w.shutdown()

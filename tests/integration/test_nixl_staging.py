@@ -382,7 +382,7 @@ def test_a_worker_saves_and_loads_every_byte_and_reuses_its_slabs(shards, stagin
                 assert pools.staging.allocations <= 2 * LAYERS, f"step {step}: slabs were not reused"
                 made = made or pools.staging.slab_addresses
                 assert pools.staging.slab_addresses[:len(made)] == made, f"step {step} dropped a slab"
-        assert pools.staging is not None and pools.staging.applies(torch.device("cpu")) == (staging == "on")
+        assert pools.staging is not None and pools.staging.applies(torch.device("cpu"), write=True) == (staging == "on")
     finally:
         w.shutdown()
 

@@ -59,16 +59,22 @@ class StagingFull(LocalTransferError):
     """No slab that fits came back in time and there is no room for a new one."""
 
 
-def stages_through_host(setting: str, device: torch.device, rdma: Sequence[str]) -> bool:
-    """Whether NIXL transfers of ``device`` memory go through host staging. ``auto``: exactly
-    where the memory is a GPU's and the host has no RDMA port (``rdma``: ``agent.rdma_ports()``):
-    with one, UCX reaches the GPU memory itself (GPUDirect RDMA) and staging would only add a
-    copy; without, UCX's own CUDA copies wait for the legacy default stream. ``on`` stages any
-    memory (CPU too: the same path, tested on a box without a GPU), ``off`` none."""
+def stages_through_host(setting: str, device: torch.device, rdma: Sequence[str], *, write: bool) -> bool:
+    """Whether NIXL writes (``write``) or reads of ``device`` memory go through host staging.
+    ``auto``: on a host without an RDMA port (``rdma``: ``agent.rdma_ports()``), a GPU's memory
+    both ways (UCX's own CUDA copies wait for the legacy default stream) and host memory's reads:
+    such a read needs the shard's process (UCX over TCP), so one from a shard that pauses stays
+    in flight past its timeout, and NIXL cannot cancel it; staged, it lands in a quarantined slab,
+    where unstaged it would land in KV blocks vLLM reuses, and the worker stops instead
+    (``LateReadError``; a CPU engine's death, ``tests/e2e/test_late_read_engine.py``). Host
+    memory's writes stay unstaged (a late write is reported, its slots quarantined: staging would
+    only add a copy). With an RDMA port nothing: the NIC reaches the memory itself (GPUDirect
+    RDMA), without the shard's process. ``on`` stages any memory both ways (CPU too: the same
+    path, tested on a box without a GPU), ``off`` none."""
     if setting not in SETTINGS:
         raise ValueError(f"nixl_stage_through_host {setting!r} is not one of {' | '.join(SETTINGS)}")
     if setting == "auto":
-        return device.type == "cuda" and not rdma
+        return not rdma and (device.type == "cuda" or not write)
     return setting == "on"
 
 
@@ -322,11 +328,11 @@ class HostStaging:
     def __init__(self, setting: str = "auto", *, max_bytes: int | None = None,
                  rdma: Sequence[str] | None = None) -> None:
         """``max_bytes``: the bound (None: ``MAX_STAGING_BYTES`` as it is now)."""
-        stages_through_host(setting, torch.device("cpu"), ())  # a bad setting fails here, not at a copy
+        stages_through_host(setting, torch.device("cpu"), (), write=True)  # a bad setting fails here, not at a copy
         self.setting = setting
         self._max_bytes = MAX_STAGING_BYTES if max_bytes is None else max_bytes
         self._rdma = rdma
-        self._applies: dict[str, bool] = {}
+        self._applies: dict[tuple[str, bool], bool] = {}
         self._slabs: list[_Slab] = []
         self._lock = threading.Lock()
         self.allocations = 0
@@ -335,13 +341,15 @@ class HostStaging:
         """Slabs quarantined so far: kept by a transfer that timed out with its NIXL request in
         flight, until the request was over."""
 
-    def applies(self, device: torch.device) -> bool:
-        """Whether NIXL transfers of ``device`` memory are staged here (decided once per kind)."""
-        known = self._applies.get(device.type)
+    def applies(self, device: torch.device, *, write: bool) -> bool:
+        """Whether NIXL writes (``write``) or reads of ``device`` memory are staged here (decided
+        once per kind and direction)."""
+        known = self._applies.get((device.type, write))
         if known is None:
             if self._rdma is None:
                 self._rdma = rdma_ports()
-            known = self._applies[device.type] = stages_through_host(self.setting, device, self._rdma)
+            known = self._applies[device.type, write] = stages_through_host(self.setting, device, self._rdma,
+                                                                            write=write)
         return known
 
     @property

@@ -170,14 +170,15 @@ class NixlPoolTransport(PoolTransport):
 
     def register_local(self, tensor: torch.Tensor) -> None:
         """Register the storage under ``tensor`` with NIXL (idempotent per storage); memory
-        whose batches are staged is not (NIXL never touches it)."""
-        if self._staging is None or not self._staging.applies(tensor.device):
+        whose batches are staged both ways is not (NIXL never touches it; where only its reads
+        are, its writes still move it)."""
+        if not self._stages(tensor.device, write=True):
             self._register(tensor)
 
     def deregister_local(self, tensor: torch.Tensor) -> None:
         """Undo ``register_local``: the caller is about to free memory no transfer can still
         land in (a timed-out read's buffer once it is no longer ``late``)."""
-        if self._staging is None or not self._staging.applies(tensor.device):
+        if not self._stages(tensor.device, write=True):
             self._deregister(tensor)
 
     def _register(self, tensor: torch.Tensor) -> None:
@@ -216,13 +217,15 @@ class NixlPoolTransport(PoolTransport):
     # -- data movement -----------------------------------------------------------------
 
     def read(self, ranges: Ranges) -> Transfer:
-        return self._staged("READ", ranges) if self._stages(ranges) else self._post("READ", ranges)
+        staged = len(ranges) > 0 and self._stages(ranges.device, write=False)
+        return self._staged("READ", ranges) if staged else self._post("READ", ranges)
 
     def write(self, ranges: Ranges) -> Transfer:
-        return self._staged("WRITE", ranges) if self._stages(ranges) else self._post("WRITE", ranges)
+        staged = len(ranges) > 0 and self._stages(ranges.device, write=True)
+        return self._staged("WRITE", ranges) if staged else self._post("WRITE", ranges)
 
-    def _stages(self, ranges: Ranges) -> bool:
-        return self._staging is not None and len(ranges) > 0 and self._staging.applies(ranges.device)
+    def _stages(self, device: torch.device, *, write: bool) -> bool:
+        return self._staging is not None and self._staging.applies(device, write=write)
 
     def _staged(self, op_name: str, ranges: Ranges) -> Transfer:
         """``ranges`` through a staging slab; checked against the pool first (nothing moves

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -103,6 +104,17 @@ class PartPosts:
         return unposted
 
 
+def _late_read_stop(what: str, timeout_s: float) -> LateReadError:
+    """The worker's ``LateReadError``, one line that names the shards and what to do: vLLM ends
+    the engine on it, and its client and operator see little else (vLLM's OpenAI server answers
+    500 "EngineCore encountered an issue" and exits 0). ``what``: the reads still in flight, and
+    from which shards."""
+    return LateReadError(f"ucm-ray: stopping this engine: {what} still in flight {timeout_s:g} s after its step "
+                         "gave up on it (a shard paused or unreachable); NIXL cannot cancel a read, and it would "
+                         "write KV blocks vLLM reuses. Check the shard (ucm-ray status) and restart the engine; "
+                         "nixl_stage_through_host: on lands such reads in a host buffer instead")
+
+
 def _abandon(future: Future[Posted]) -> None:
     """A copy task's batch that nobody waits for: its transfers deliver nothing more."""
     for _, transfer in future.result().transfers:
@@ -123,7 +135,7 @@ class Copier:
         self.clock = clock
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ucm-ray-copy")
         self.caches = KvCaches.unregistered()
-        self.late_reads: list[Transfer | Future[Posted]] = []
+        self.late_reads: list[tuple[PoolKey, Transfer] | Future[Posted]] = []
         """Failed reads whose bytes may still land in their KV blocks (``Transfer.late``), and loads'
         copy tasks a step gave up on while they ran (what they post may; ``load_by_deadline``):
         ``fence_late_reads`` empties it. One list, never replaced: the hooks test it as it is, a
@@ -357,7 +369,7 @@ class Copier:
         """Keep a failed batch's late reads for ``fence_late_reads``; count them and the staging
         slabs quarantined since the last failure."""
         if failures.late and not write:
-            self.late_reads.extend(transfer for _, transfer in failures.late)
+            self.late_reads.extend(failures.late)
             self._stats.add(late_reads=len(failures.late))
         staging = self._pools.staging
         if staging is not None and staging.quarantines > self._quarantines:
@@ -373,7 +385,7 @@ class Copier:
         staged one never: it lands in a quarantined slab, scattered nowhere); on RDMA a read
         needs no work of the shard's process, so one is late only while the network fails it."""
         deadline = time.monotonic() + self._timeout_s
-        transfers: list[Transfer] = []
+        transfers: list[tuple[PoolKey, Transfer]] = []
         for late in self.late_reads:
             if not isinstance(late, Future):
                 transfers.append(late)
@@ -381,16 +393,22 @@ class Copier:
             try:
                 posted = late.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                raise LateReadError("ucm-ray: a copy task given up on is still posting after "
-                                    f"{self._timeout_s} s more; its reads may land in reused KV blocks") from None
-            transfers += [transfer for _, transfer in posted.transfers]
-        transfers = still_late(transfers, deadline)
-        if transfers:
-            self.late_reads[:] = transfers
-            raise LateReadError(f"ucm-ray: {len(transfers)} failed NIXL reads still in flight "
-                                f"{self._timeout_s} s after their step: NIXL cannot cancel them, and "
-                                "their bytes may land in KV blocks vLLM reuses; stopping instead")
+                self._stop(_late_read_stop("a load's copy task, still posting its NIXL reads,", self._timeout_s))
+            transfers += posted.transfers
+        pool_of = {id(transfer): pool for pool, transfer in transfers}
+        still = still_late([transfer for _, transfer in transfers], deadline)
+        if still:
+            self.late_reads[:] = [(pool_of[id(transfer)], transfer) for transfer in still]
+            shards = ", ".join(sorted({pool_of[id(transfer)][0] for transfer in still}))
+            self._stop(_late_read_stop(f"{len(still)} NIXL read(s) from shard {shards}", self._timeout_s))
         self.late_reads.clear()
+
+    @staticmethod
+    def _stop(error: LateReadError) -> NoReturn:
+        """Log ``error`` as one line of ours, then raise it: vLLM's own report of a worker's
+        exception is three tracebacks (worker, engine core, API server) with the reason inside."""
+        log.error("%s", error)
+        raise error
 
     # --- counters ------------------------------------------------------------------------
 
