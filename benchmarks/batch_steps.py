@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,8 +154,10 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
     from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
     from ucm_ray.testing.timing import CONNECTOR_HOOKS, timed_calls
 
+    # Not benchmarks.measure.local_ray: a --baseline child finds the other checkout's benchmarks.
+    ray_temp_dir = tempfile.mkdtemp(prefix="ucmb-", dir="/tmp")
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmb-", dir="/tmp"))
+             _temp_dir=ray_temp_dir)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=256 << 20, ray_namespace="ucm_ray_batch_steps")
     per_step: list[float] = []
     per_hook: list[dict[str, float]] = []  # per step, seconds per hook
@@ -209,6 +212,7 @@ def run(requests: int, prompt_tokens: int, layers: int, steps: int, profile: boo
                 engine.shutdown()
     finally:
         ray.shutdown()
+    shutil.rmtree(ray_temp_dir, ignore_errors=True)  # its Ray logs (~13 MB): kept when the run failed
     if profiler is not None:
         stats = pstats.Stats(profiler, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats("ucm_ray", 40)  # our functions' own time, largest first

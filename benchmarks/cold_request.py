@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,8 +87,10 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
     from ucm_ray.testing.harness import make_engine, prompt, write_model_dir
     from ucm_ray.testing.timing import CONNECTOR_HOOKS, Target, timed_calls
 
+    # Not benchmarks.measure.local_ray: a --baseline child finds the other checkout's benchmarks.
+    ray_temp_dir = tempfile.mkdtemp(prefix="ucmc-", dir="/tmp")
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmc-", dir="/tmp"))
+             _temp_dir=ray_temp_dir)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=(1 << 30) if prompt_tokens > 8192 else (512 << 20),
                        ray_namespace="ucm_ray_cold_request")
     clock = time.thread_time if thread_time else time.perf_counter
@@ -144,6 +147,7 @@ def run(prompt_tokens: int, requests: int, layers: int, max_tokens: int, profile
                 engine.shutdown()
     finally:
         ray.shutdown()
+    shutil.rmtree(ray_temp_dir, ignore_errors=True)  # its Ray logs (~13 MB): kept when the run failed
     if profiler is not None:
         stats = pstats.Stats(profiler, stream=sys.stderr)
         stats.sort_stats("cumulative").print_stats("ucm_ray", 45)

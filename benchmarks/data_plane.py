@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.measure import best, keys_for  # noqa: E402
+from benchmarks.measure import best, keys_for, local_ray  # noqa: E402
 from ucm_ray.config import UcmRayConfig, parse_size  # noqa: E402
 from ucm_ray.store.engine.client import StoreClient  # noqa: E402
 from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
@@ -265,8 +265,7 @@ def main() -> None:
     sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]
     step_sizes = [parse_size(s, "--step-sizes") for s in args.step_sizes.split(",")] if args.step_sizes else []
     pool = max(BATCH * max(sizes) // 4 * 3, 64 << 20, 3 * args.step_mib << 20)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmb-", dir="/tmp"))
+    local_ray("ucmb-", num_cpus=4, logging_level="WARNING")
     cfg = UcmRayConfig(num_shards=4, pool_bytes=pool, ray_namespace="ucm_ray_bench")
     try:
         with running_fleet(cfg):

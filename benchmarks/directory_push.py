@@ -80,7 +80,6 @@ import logging
 import os
 import pickle
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -92,6 +91,7 @@ import ray
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.measure import local_ray  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.membership_relay import LONG_POLL_S, REPORTS_GATHER_S, RelayedMembership  # noqa: E402
 from ucm_ray.store.pool_load import PoolReads  # noqa: E402
@@ -465,9 +465,7 @@ def main() -> None:
     parser.add_argument("--pools", type=int, default=100, help="--load-figure: member pools (stand-ins)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    tmp = tempfile.mkdtemp(prefix="ucmp-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, _node_ip_address="127.0.0.1",
-             namespace="pushcost", logging_level="WARNING")
+    local_ray("ucmp-", num_cpus=2, namespace="pushcost", logging_level="WARNING")
     try:
         results = run_all([int(c) for c in args.clients.split(",")], [float(r) for r in args.rates.split(",")],
                           args.seconds, args.min_pushes, args.client_procs, args.rows, args.max_concurrency,

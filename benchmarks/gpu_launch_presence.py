@@ -25,7 +25,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.measure import local_ray  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.store.engine.client import StoreClient  # noqa: E402
 from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
@@ -84,8 +84,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmp-", dir="/tmp"), namespace="ucm_ray_launch_presence")
+    local_ray("ucmp-", num_cpus=4, logging_level="WARNING", namespace="ucm_ray_launch_presence")
     cfg = UcmRayConfig(num_shards=2, transport="shm", pool_bytes=int(args.pool_gib * (1 << 30)),
                        ray_namespace="ucm_ray_launch_presence_tier")
     figures: dict[str, list[float]] = {}

@@ -31,14 +31,13 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
-from benchmarks.measure import in_turn  # noqa: E402
+from benchmarks.measure import in_turn, local_ray  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.demo import ENGINE_ENV, kv_transfer_config  # noqa: E402
 from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
@@ -135,8 +134,7 @@ def main() -> None:
     for k, v in {**ENGINE_ENV, "RAY_USAGE_STATS_ENABLED": "0"}.items():
         os.environ.setdefault(k, v)
     model = str(make_tiny_model(os.path.join(".models", "tiny")))
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmpd-", dir="/tmp"), log_to_driver=False)
+    local_ray("ucmpd-", num_cpus=4, logging_level="WARNING", log_to_driver=False)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=512 << 20, ray_namespace="ucm_ray_pd_bench")
     try:
         with running_fleet(cfg):

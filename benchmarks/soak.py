@@ -19,6 +19,7 @@ import glob
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import tempfile
@@ -131,9 +132,10 @@ def main() -> None:
     model = str(make_tiny_model(ROOT / ".models" / "tiny"))
     tier_args, reference_args = app_args(model)
     metrics_port, http_port = free_port(), free_port()
+    ray_temp_dir = tempfile.mkdtemp(prefix="ucms-", dir="/tmp")
     ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              log_to_driver=False, _metrics_export_port=metrics_port,
-             _temp_dir=tempfile.mkdtemp(prefix="ucms-", dir="/tmp"))
+             _temp_dir=ray_temp_dir)
     tier = Tier.from_dict(tier_args["tier"])
     config = UcmRayConfig.from_dict({**tier.config.to_dict(), "num_shards": 3})
     try:
@@ -184,6 +186,7 @@ def main() -> None:
         serve.shutdown()
         stop_fleet(config)
         ray.shutdown()
+    shutil.rmtree(ray_temp_dir, ignore_errors=True)  # its Ray logs (~13 MB): kept when the run failed
     time.sleep(2)
     left = glob.glob(f"/dev/shm/ucmray-{NAMESPACE}-*")
     print(f"leftover pool files: {len(left)}")

@@ -48,7 +48,7 @@ from typing import Any
 import ray
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: benchmarks.*
-from benchmarks.measure import in_turn  # noqa: E402
+from benchmarks.measure import in_turn, local_ray  # noqa: E402
 from ucm_ray.config import UcmRayConfig  # noqa: E402
 from ucm_ray.demo import ENGINE_ENV, Engine, kv_transfer_config  # noqa: E402
 from ucm_ray.store.shard.fleet import running_fleet  # noqa: E402
@@ -156,8 +156,7 @@ def main() -> None:
     decode = ([synthetic_prompt(model, args.tokens, seed=2000 + i) for i in range(args.prompts)],
               [synthetic_prompt(model, args.tokens, seed=3000 + i) for i in range(args.prompts)],
               args.decode_tokens)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmt-", dir="/tmp"), log_to_driver=False)
+    local_ray("ucmt-", num_cpus=4, logging_level="WARNING", log_to_driver=False)
     cfg = UcmRayConfig(num_shards=2, pool_bytes=512 << 20, ray_namespace="ucm_ray_ttft")
     systems: dict[str, dict | None] = {"none": None}
     try:

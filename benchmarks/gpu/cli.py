@@ -12,7 +12,6 @@ import argparse
 import glob
 import logging
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ from benchmarks.gpu.data_plane import data_plane
 from benchmarks.gpu.decode import decode_only
 from benchmarks.gpu.ttft import ttft
 from benchmarks.gpu.worker_bench import FULL, QUICK, Profile
+from benchmarks.measure import local_ray
 from ucm_ray.transport.shm import cluster_tag, pool_prefix
 
 log = logging.getLogger("bench.gpu")
@@ -111,9 +111,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    ray.init(num_cpus=8, num_gpus=gpus, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False,
-             namespace="ucm_ray_gpu_bench")
+    local_ray("ucmg-", num_cpus=8, num_gpus=gpus, logging_level="WARNING", log_to_driver=False,
+              namespace="ucm_ray_gpu_bench")
     cluster = cluster_tag()
     try:
         results = run_parts(args, device)

@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ import ray.cloudpickle
 import torch
 
 from benchmarks.gpu.engine import ProfiledEngine
+from benchmarks.measure import local_ray
 from ucm_ray.config import UcmRayConfig
 
 log = logging.getLogger("bench.gpu")
@@ -244,7 +244,6 @@ def probe_start(namespace: str) -> tuple[torch.device, TtftProfile, str]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device("cuda:0")
     torch.cuda.set_device(device)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False, namespace=namespace)
+    local_ray("ucmg-", num_cpus=8, num_gpus=1, logging_level="WARNING", log_to_driver=False, namespace=namespace)
     prof = replace(ttft_profile(device, False), sizes={"4k": 4096 + 8})
     return device, prof, bench_model(prof, None)

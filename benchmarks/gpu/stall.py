@@ -67,6 +67,7 @@ from benchmarks.gpu.common import (
 )
 from benchmarks.gpu.engine import ProfiledEngine
 from benchmarks.gpu.step_timing import parts_table, step_spread
+from benchmarks.measure import local_ray
 from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.shard.fleet import running_fleet
 
@@ -324,10 +325,8 @@ def main() -> None:
         prof = replace(prof, engine={**prof.engine, "async_scheduling": True})
     model = bench_model(prof, None)
     long = max(prof.sizes.values())
-    ray.init(num_cpus=8, num_gpus=int(device.type == "cuda"), include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level="WARNING",
-             _temp_dir=tempfile.mkdtemp(prefix="ucmg-", dir="/tmp"), log_to_driver=False,
-             namespace="ucm_ray_gpu_stall")
+    local_ray("ucmg-", num_cpus=8, num_gpus=int(device.type == "cuda"),
+              logging_level="WARNING", log_to_driver=False, namespace="ucm_ray_gpu_stall")
     # three turns' saves (older ones are evicted): an engine maps and page-locks every pool at
     # start, which took minutes for what keeping every turn's 8B batch would need
     per_turn = max(1, args.batch) * (long + args.decode) * prof.kv_bytes_per_token
