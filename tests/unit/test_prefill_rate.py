@@ -63,7 +63,7 @@ def test_the_median_of_recent_steps_ignores_one_slow_step_and_follows_a_change()
         nonlocal t
         rate.planned(tokens, t)
         t += seconds
-        rate.answered(t)
+        rate.answered(lambda: t)
 
     step(16384, 0.122)  # the H100 crossover's 16k-token prefill of a ~1B model: 4.4 GB/s of KV
     assert rate.bytes_per_s == pytest.approx(16384 * KV_PER_TOKEN / 0.122)
@@ -85,10 +85,10 @@ def test_two_steps_in_flight_are_matched_in_order():
     rate = PrefillRate(KV_PER_TOKEN)
     rate.planned(4096, 0.0)
     rate.planned(1, 0.05)  # a decode step planned while the prefill runs
-    rate.answered(0.10)  # the prefill's output: 4096 tokens in 0.1 s
+    rate.answered(lambda: 0.10)  # the prefill's output: 4096 tokens in 0.1 s
     rate.planned(2048, 0.11)
-    rate.answered(0.12)  # the decode step's: not timed
-    rate.answered(0.21)  # 2048 tokens in 0.1 s
+    rate.answered(lambda: 0.12)  # the decode step's: not timed
+    rate.answered(lambda: 0.21)  # 2048 tokens in 0.1 s
     assert sorted(rate.rates) == pytest.approx([2048 * KV_PER_TOKEN / 0.1, 4096 * KV_PER_TOKEN / 0.1])
 
 
@@ -98,7 +98,7 @@ def test_an_answer_that_never_comes_only_makes_later_steps_look_slower():
     rate = PrefillRate(KV_PER_TOKEN)
     rate.planned(4096, 0.0)  # its answer is lost
     rate.planned(4096, 0.1)
-    rate.answered(0.2)  # matched to the first plan: 0.2 s, not 0.1 s
+    rate.answered(lambda: 0.2)  # matched to the first plan: 0.2 s, not 0.1 s
     assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.2)
 
 
@@ -113,12 +113,12 @@ def test_steps_without_a_forward_that_report_nothing_shift_no_timing():
         rate.planned(0, t)
         t += 0.002
     rate.planned(4096, t)
-    rate.answered(t + 0.1)
+    rate.answered(lambda: t + 0.1)
     assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.1)
     rate.planned(0, t + 0.2)  # one that reports (a save landed): its answer has no step of tokens to match
-    rate.answered(t + 0.21)
+    rate.answered(lambda: t + 0.21)
     rate.planned(4096, t + 0.3)
-    rate.answered(t + 0.4)
+    rate.answered(lambda: t + 0.4)
     assert rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.1)
 
 
@@ -144,3 +144,21 @@ def test_the_harness_hands_back_what_vllms_runner_does_for_a_step_without_tokens
         assert part.prefill_rate.bytes_per_s == pytest.approx(1024 * part.prefill_rate.kv_bytes_per_token / STEP_S)
     finally:
         store.shutdown()  # its pool and index in /dev/shm
+
+
+def test_a_decode_steps_answer_reads_no_clock():
+    """Most steps' answers are an untimed step's: the clock (a call where a test hands in its own)
+    is read only for a timed one's."""
+    rate = PrefillRate(KV_PER_TOKEN)
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(0.5)
+        return 0.5
+
+    rate.planned(1, 0.0)  # a decode step
+    rate.answered(clock)
+    assert not reads
+    rate.planned(4096, 0.25)
+    rate.answered(clock)
+    assert reads == [0.5] and rate.bytes_per_s == pytest.approx(4096 * KV_PER_TOKEN / 0.25)

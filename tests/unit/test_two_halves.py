@@ -23,6 +23,7 @@ from ucm_ray.config import UcmRayConfig
 from ucm_ray.store.engine.published_reader import IndexReaders
 from ucm_ray.store.local import LocalBlockStore
 from ucm_ray.store.types import Location, random_id
+from ucm_ray.testing import harness
 from ucm_ray.testing.clock import AdvancingClock
 from ucm_ray.testing.harness import MAX_LAYERS, block_value, make_engine, prompt
 from ucm_ray.testing.timing import timed_calls
@@ -1380,3 +1381,33 @@ def test_a_pool_change_in_a_quiet_decode_window_reaches_the_workers_at_the_next_
     engine.settle()
     assert engine.wrong_blocks == 0 and engine.stats()["saved_blocks"] - saved == (160 + 300) // 16 - 160 // 16
     assert store.index("local_shard_0").stats().entries > 0
+
+
+def test_a_finished_send_told_in_a_quiet_decode_window_reaches_vllm_at_once(store, model_dir, monkeypatch):
+    """A quiet decode step's result hooks answer without a call where the worker has nothing in
+    flight and nothing gathered (docs/performance-log.md, stop 67). A finished request whose last
+    blocks were saved is told to the workers in a step that posts nothing else (its metadata's
+    ``saved_requests``), leaving the worker idle: its ``finished_sending`` must still reach vLLM in
+    that step's output (else vLLM never frees the request's blocks), while another request decodes
+    quietly around it."""
+    engine = make_engine(store.client(), model_dir, block_size=16)
+    worker = engine.worker.worker_part
+    told: list[tuple[set[str], bool]] = []  # per step: (finished sending, the worker idle)
+
+    def transfers(connector, finished_req_ids):  # as this vLLM's runner asks
+        sending, recving, failed = compat.transfer_results(connector, finished_req_ids)
+        told.append((sending, worker.idle))
+        return sending, recving, failed
+
+    monkeypatch.setattr(harness, "transfer_results", transfers)
+    engine.add("Q", prompt(160, seed=81), max_tokens=300)  # decodes quietly throughout
+    short = engine.add("D", prompt(160, seed=82), max_tokens=24)  # its last blocks are kept for their save
+    while not short.is_finished():
+        engine.step()
+    assert "D" in engine.sched.requests  # finished, its blocks kept for their save
+    for _ in range(12):
+        engine.step()
+    assert "D" not in engine.sched.requests  # vLLM freed them
+    assert ({"D"}, True) in told  # told in a step that left the worker idle
+    assert sum("D" in sending for sending, _ in told) == 1
+    assert engine.wrong_blocks == 0

@@ -42,6 +42,7 @@ from ucm_ray.vllm.metadata import UcmRayConnectorMetadata
 from ucm_ray.vllm.scheduler import SchedulerPart
 from ucm_ray.vllm.stats import UcmRayStats
 from ucm_ray.vllm.worker import WorkerPart
+from ucm_ray.vllm.worker.results import NO_LOAD_ERRORS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -262,27 +263,48 @@ class UcmRayConnector(KVConnectorBase_V1, SupportsHMA):
         if not worker.idle:
             worker.wait_for_save()
 
+    # The result hooks: a worker with nothing in flight (``idle``) and nothing gathered since the
+    # last takes (``results.empty``) has nothing to report, and says so without a call (a quiet
+    # decode step's three result hooks; docs/performance-log.md, stop 67). A result gathered
+    # while the worker is idle (a finished send told by a step's metadata that posts nothing
+    # else, a load's failure seen after one of the takes) leaves ``empty`` False until taken.
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self.worker_part.build_worker_meta()
+        worker = self.worker_part
+        if worker.idle and worker.results.empty:
+            return None
+        return worker.build_worker_meta()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.worker_part.transfer_results()
+        worker = self.worker_part
+        if worker.idle and worker.results.empty:
+            return None, None
+        results = worker.transfer_results()
         if results is None:
             return None, None
         sending, done, _ = results
         return sending or None, done or None
 
     if KVConnectorTransferResults is not None:
+        _NO_TRANSFERS = KVConnectorTransferResults()
+        """The results of a step without any: one object, its sets never filled (vLLM reads
+        them: the scheduler iterates them, the output aggregator unions them into its own)."""
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-            results = self.worker_part.transfer_results()
+            worker = self.worker_part
+            if worker.idle and worker.results.empty:
+                return self._NO_TRANSFERS
+            results = worker.transfer_results()
             if results is None:
-                return KVConnectorTransferResults()  # fresh: its sets are mutable and become vLLM's
+                return self._NO_TRANSFERS
             sending, done, failed = results
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_part.load_errors()
+        worker = self.worker_part
+        if worker.idle and worker.results.empty:
+            return NO_LOAD_ERRORS
+        return worker.load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:

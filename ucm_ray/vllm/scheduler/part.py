@@ -206,7 +206,7 @@ class SchedulerPart:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.prefill_rate.answered(self._clock())
+        self.prefill_rate.answered(self._clock)
         results = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(results, UcmRayWorkerMetadata):  # None: a step whose workers had nothing to say
             self._take_results(results)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MIN_TOKENS = 512
@@ -70,13 +71,16 @@ class PrefillRate:
         timed = tokens >= self.min_tokens and self.kv_bytes_per_token > 0
         self._in_flight.append((now, tokens) if timed else _UNTIMED)
 
-    def answered(self, now: float) -> None:
-        """A step's output came back at ``now``: the oldest step with tokens in flight, if any."""
+    def answered(self, clock: Callable[[], float]) -> None:
+        """A step's output came back (now, by ``clock``): the oldest step with tokens in flight, if
+        any. The clock is read only for a timed step's: a decode step's answer reads none (the
+        scheduler's clock is a call where a test hands in its own; docs/performance-log.md, stop 67)."""
         if not self._in_flight:
             return  # a step without tokens that had something to report
         planned = self._in_flight.popleft()
         if planned is _UNTIMED:
             return
+        now = clock()
         started, tokens = planned
         if now <= started:
             return

@@ -41,22 +41,25 @@ class WorkerPart:
         self._pools = PoolConnections(config.transport, node_id, nixl_staging=config.nixl_stage_through_host) \
             if pools is None else pools
         self._indexes = IndexReaders(node_id, remote=config.transport != "shm") if indexes is None else indexes
-        self._results = WorkerResults(one_group=len(kv_cache_config.kv_cache_groups) == 1)
+        self.results = WorkerResults(one_group=len(kv_cache_config.kv_cache_groups) == 1)
+        """What this worker reports; the connector's result hooks test its ``empty``."""
         self._copies = Copier(self._pools, config.transfer_timeout_s, self.stats, clock=clock)
         self.late_reads = self._copies.late_reads
         """Failed reads that may still land in their KV blocks (``fence`` waits for them; the
         connector tests it on every step: a plain list, no call)."""
-        self._loads = StepLoads(self._copies, self._indexes, self._results, self.stats, layerwise=config.layerwise)
-        self._saves = SavesInFlight(self._copies, self._results, self.stats, checksums=config.checksum)
+        self._loads = StepLoads(self._copies, self._indexes, self.results, self.stats, layerwise=config.layerwise)
+        self._saves = SavesInFlight(self._copies, self.results, self.stats, checksums=config.checksum)
         self._idle_step = StepState()  # the state of every step without loads or state saves
         self._step = self._idle_step
         self._fenced: UcmRayConnectorMetadata | None = None  # the step whose fences are in place
         self.idle = True
         """Whether the step bound last left this worker nothing to do: no load or state save of
-        its own and no save job in flight (only ``bind`` posts any), so this step's hooks but those
-        that take results (``load_errors``, ``transfer_results``, ``build_worker_meta``) have
-        nothing to do. Set by ``bind``; False may be stale (jobs landed since), never True: the
-        connector's hooks test it before any call (docs/performance-log.md, stop 66)."""
+        its own and no save job in flight (only ``bind`` posts any), so this step's hooks have
+        nothing to do, and those that take results (``load_errors``, ``transfer_results``,
+        ``build_worker_meta``) nothing to check: what they would take is only what was gathered
+        before (``results.empty`` says whether there is any). Set by ``bind``; False may be stale
+        (jobs landed since), never True: the connector's hooks test it before any call
+        (docs/performance-log.md, stops 66 and 67)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         caches = KvCaches.build(kv_caches, self._kv_cache_config)
@@ -108,7 +111,7 @@ class WorkerPart:
             self._adopt_pools(meta.pools)
             self._copies.open_pools_later()  # ahead of this step's copies, on their thread
         # the scheduler learned that their saves landed: vLLM may free their blocks now
-        self._results.saved_requests(meta.saved_requests)
+        self.results.saved_requests(meta.saved_requests)
         self.fence(meta)  # where vLLM did not call ``handle_preemptions`` first
         saves, states = meta.saves.get(self._rank), meta.state_saves.get(self._rank)
         loads, state_saves = meta.loads.get(self._rank), states if states is not None and len(states) else None
@@ -173,7 +176,7 @@ class WorkerPart:
     def build_worker_meta(self) -> UcmRayWorkerMetadata | None:
         if self._saves.jobs:
             self._saves.poll(step_end=True)
-        return self._results.take_meta()
+        return self.results.take_meta()
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]] | None:
         """(finished sending: their saves landed, finished receiving, of which failed); None
@@ -182,12 +185,12 @@ class WorkerPart:
             self._loads_over()
         if self._saves.jobs:
             self._saves.poll(step_end=True)
-        return self._results.take_transfers()
+        return self.results.take_transfers()
 
     def load_errors(self) -> set[int]:
         if self._step is not self._idle_step:  # most steps: no load to check
             self._loads_over()
-        return self._results.take_load_errors()
+        return self.results.take_load_errors()
 
     def _loads_over(self) -> None:
         """vLLM asks for the step's results once its forward is queued, before ``wait_for_save``
