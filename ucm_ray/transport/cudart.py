@@ -56,6 +56,14 @@ def _runtime() -> ctypes.CDLL | None:
         return None
 
 
+def clear_last_error() -> None:
+    """Reset the calling thread's last CUDA error (``cudaGetLastError``): an API call that failed
+    and was handled leaves it set, and torch checks it after its next kernel launch."""
+    runtime = _runtime()
+    if runtime is not None:
+        runtime.cudaGetLastError()
+
+
 @functools.cache
 def _memcpy() -> Any:
     """``cudaMemcpyAsync`` with its argument types declared (plain ints pass straight through),

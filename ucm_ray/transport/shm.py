@@ -33,12 +33,13 @@ from ucm_ray.transport.base import (
     Transfer,
     TransferError,
 )
-from ucm_ray.transport.cudart import copy_ranges, has_copy_ranges
+from ucm_ray.transport.cudart import clear_last_error, copy_ranges, has_copy_ranges
 from ucm_ray.transport.gather import DeviceView, GatherPlan
 
 log = logging.getLogger(__name__)
 
 HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
+HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 TORCH_COPY_BYTES = 1 << 20
 """CPU ranges from this size up are copied by torch (over threads), smaller ones by memmove."""
 
@@ -269,7 +270,8 @@ class HostBufferTransport(PoolTransport):
     def __init__(self, host: torch.Tensor, what: str) -> None:
         self._host = host
         self._what = what
-        self._host_registered = False
+        self._pinned = False
+        self._unpin_at_close = False  # False where another library page-locked it (and unpins it)
         self._streams: dict[bool, torch.cuda.Stream] = {}  # to_pool -> its stream: saves never queue behind loads
         self._uva: torch.Tensor | None = None
 
@@ -285,9 +287,9 @@ class HostBufferTransport(PoolTransport):
 
     def close(self) -> None:
         self._uva = None
-        if self._host_registered:
+        if self._unpin_at_close:
             torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
-            self._host_registered = False
+        self._pinned = self._unpin_at_close = False
 
     @property
     def pool_tensor(self) -> torch.Tensor:
@@ -370,16 +372,29 @@ class HostBufferTransport(PoolTransport):
         Its streams and mapped view are ``device``'s (the KV's), whichever device is current on
         the thread that first uses it: a staging slab is first used where a transfer's later
         piece is posted or scattered, on the thread that polls or waits for it."""
-        if self._host_registered:
+        if self._pinned:
             return
         cudart = torch.cuda.cudart()
         address, nbytes = self._host.data_ptr(), self._host.numel()
-        mapped = int(cudart.cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE_MAPPED)) == 0
+        # A call that fails also stays the thread's last CUDA error, which torch's next kernel
+        # launch check on this thread would raise as its own: cleared after each.
+        rc = int(cudart.cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE_MAPPED))
+        mapped = rc == 0
         if not mapped:
-            rc = cudart.cudaHostRegister(address, nbytes, 0)
-            if int(rc) != 0:
-                raise TransferError(f"cudaHostRegister of {self._what} failed: {rc}")
-        self._host_registered = True
+            clear_last_error()
+            rc = int(cudart.cudaHostRegister(address, nbytes, 0))
+            if rc != 0:
+                clear_last_error()
+        if rc == HOST_MEMORY_ALREADY_REGISTERED:
+            # Page-locked already by another library: UCX pins host memory NIXL registers where
+            # it can move GPU memory itself (a staging slab is registered with NIXL before its
+            # first copy; H100, stop 67). Copies run at PCIe speed all the same, one by one (no
+            # mapped view: how it was mapped is not ours to know), and it unpins it.
+            log.debug("%s: page-locked by another library already", self._what)
+        elif rc != 0:
+            raise TransferError(f"cudaHostRegister of {self._what} failed: CUDA error {rc}")
+        self._pinned = True
+        self._unpin_at_close = rc == 0
         self._streams = {False: torch.cuda.Stream(device), True: torch.cuda.Stream(device)}
         if mapped:
             with _queued_on(self._streams[False]):  # the probe's copy waits for nothing of the caller's
