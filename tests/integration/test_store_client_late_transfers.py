@@ -15,6 +15,8 @@ it, and a read would never stall.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import signal
 import threading
@@ -183,3 +185,44 @@ def test_a_put_whose_write_timed_out_leaves_its_slots_to_no_other_writer(fleet, 
         stalled.resume()
         client.close()
         other.close()
+
+
+def test_closing_a_client_frees_no_staging_slab_a_timed_out_read_may_still_land_in(fleet, tcp_only):
+    """Staged reads (``nixl_stage_through_host``: ``on``; ``auto`` for host memory on a host
+    without RDMA): ``get`` times out reading a stalled shard, its slab is quarantined, then the
+    client is closed while the shard is still stopped. This process then allocates host memory
+    of the slab's size, filled with 0x5A, until it is handed the slab's address (at most 128
+    tensors); once the shard runs again, none of it changes. Before: ``close`` dropped the
+    quarantined slab with the rest, the allocator handed its memory to a new tensor, and the
+    late read landed there."""
+    cfg = fleet(num_shards=1, transport="nixl", nixl_stage_through_host="on", pool_bytes=POOL_BYTES,
+                transfer_timeout_s=TIMEOUT_S, lookup_timeout_s=TIMEOUT_S)
+    client = StoreClient(cfg)
+    data, buf = _random(NBYTES, seed=10), torch.zeros(NBYTES, dtype=torch.uint8)
+    k = key(0, "closed-staged")
+    stalled = None
+    try:
+        assert client.put([k], [data]) == [True]
+        stalled = Stalled(cfg, client.owners([k])[0][0])
+        stalled.stop()
+        logging.disable(logging.WARNING)  # pytest keeps log records: their exceptions' frames hold the slab
+        try:
+            assert client.get([k], [buf]) == [False]
+        finally:
+            logging.disable(logging.NOTSET)
+        staging = client.connections.staging
+        assert staging is not None and staging.quarantined == 1
+        (slab,) = staging.slab_addresses
+    finally:
+        client.close()
+    try:
+        gc.collect()  # a slab and its transfer refer to each other
+        after: list[torch.Tensor] = []
+        while len(after) < 128 and not any(t.data_ptr() <= slab < t.data_ptr() + NBYTES for t in after):
+            after.append(torch.full((NBYTES,), 0x5A, dtype=torch.uint8))
+        stalled.resume()
+        time.sleep(SETTLE_S)
+        assert all(bool((t == 0x5A).all()) for t in after), \
+            "a timed-out read landed in memory that close freed and this process allocated again"
+    finally:
+        stalled.resume()
