@@ -127,7 +127,9 @@ class UcmRayConfig:
     hot_prefix_asks: int = 64
     """writer_local across nodes: a family root asked this often within 10 s becomes a hot prefix
     (what its askers share joins a table every engine holds, and their lookups and hints move to
-    the block after it: no single shard answers for a system prompt); so does one asked by
+    the block after it: no single shard answers for a system prompt); an ask is a lookup that
+    calls the root's owner, whatever its keys (a writer's hints are not asks, nor is a lookup this
+    node's shards answer whole). So does one asked by
     ``hot_prefixes.askers_needed`` distinct nodes (2 % of the fleet, at least 4, at most 64). 0: never."""
     remote_copy_reads: int = 2
     """writer_local across nodes: at a node's this many'th read of a block from another node's

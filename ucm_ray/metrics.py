@@ -48,6 +48,8 @@ COUNTERS = {
     "popular_confirmed": "Of those, places whose copy the reader's node registered here.",
     "popular_unconfirmed": "Places given back: no copy registered within 10 s of the tell (a hybrid engine, "
                            "remote_copy_reads 0, a failed load).",
+    "hot_asks": "Asks of family roots this shard owns, as hot_prefix_asks counts them: one per lookup that asked "
+                "where a root's blocks are, whatever its keys (hints are not asks).",
     "hot_blocks_learned": "Blocks this shard found shared by the many askers of a family root it owns (hot prefixes).",
     "relayed_copies": "Keys of readers' hot-prefix copies announced to this shard as their steward (relay_hot_copies).",
     "relay_forwards": "Forwards of those to the directory (one call each, at most one a second).",

@@ -57,6 +57,23 @@ def test_a_root_asked_less_often_than_the_threshold_within_a_window_never_become
             clock.advance(WINDOW_S + 1)  # three asks per window
 
 
+def test_asks_that_straddle_the_windows_end_are_split_and_every_lookup_shown_is_counted_once():
+    """The window starts with the learner and again at the first ask after it ends: the 6 asks
+    of a threshold of 6 that straddle an end do not learn (one of stop 67's runs at 64), 6 after
+    it do. ``asks`` counts each lookup shown once, the announced root's too (the shard's
+    ``hot_asks`` figure)."""
+    clock = AdvancingClock()
+    clock.freeze()
+    learner = HotPrefixLearner(asks=6, clock=clock)
+    clock.advance(WINDOW_S - 1)
+    assert [learner.observe(chat(j)) for j in range(3)] == [[]] * 3
+    clock.advance(2)
+    assert [learner.observe(chat(j)) for j in range(3, 8)] == [[]] * 5
+    assert learner.observe(chat(8)) == chain("system", 0, 8)
+    assert learner.observe(chat(9)) == []
+    assert learner.asks == 10
+
+
 def test_one_prompt_asked_again_and_again_is_hot_whole_and_the_scan_bounds_it():
     learner = HotPrefixLearner(asks=SESSIONS, clock=AdvancingClock())
     document = chain("doc", 0, SCAN_BLOCKS + 100)

@@ -35,7 +35,8 @@ MAX_HOT_BLOCKS = 4096
 readers' copies a row names up to the copy bound, so at 1,000 nodes (100 pools a row) the whole
 table pickles to ~12 MiB (review54, measured), ~150 KiB with one pool a row."""
 WINDOW_S = 10.0
-"""A root's asks are counted over this long."""
+"""A root's asks are counted over this long: one window for all roots, from the learner's start,
+then from the first ask after it ends (asks that straddle its end are split between two)."""
 SESSIONS = 4
 """A root's most recent askers whose shared blocks become hot."""
 RECORDED_KEYS = 1 << 17
@@ -162,7 +163,9 @@ def askers_needed(nodes: int) -> int:
 
 
 class HotPrefixLearner:
-    """At a root's owner: counts the lookups that ask it and the distinct nodes that ask; once
+    """At a root's owner: counts the lookups that ask it (one ask a ``where`` call, whatever its
+    keys; ``register_hints`` is not counted; a request looked up again, its pins lapsed or its
+    prefill's saves awaited, asks again) and the distinct nodes that ask; once
     ``asks`` came within a window, or ``askers_needed`` nodes asked (at least ``SESSIONS`` asks
     either way), the blocks the last ``SESSIONS`` askers share from the root on are hot
     (``shared_prefix``) (a root announced is not counted again for ``REANNOUNCE_S``). The asks
@@ -180,6 +183,8 @@ class HotPrefixLearner:
         self._recent: dict[bytes, deque[tuple[bytes, ...]]] = {}
         self._announced: OrderedDict[bytes, float] = OrderedDict()
         self.learned = 0
+        self.asks = 0
+        """Lookups shown to ``observe`` (hot prefixes on), those of a root announced lately too."""
 
     def observe(self, family: Sequence[bytes], asker: str = "", nodes: int = 0) -> list[bytes]:
         """A lookup asked about ``family`` (its root first, at most ``SCAN_BLOCKS`` blocks) from
@@ -187,6 +192,7 @@ class HotPrefixLearner:
         only): the blocks that became hot with it, in chain order (usually none)."""
         if not self._asks or not family:
             return []
+        self.asks += 1
         now = self._clock()
         if now - self._window_start > WINDOW_S:
             self._window_start, self._counts, self._askers, self._recent = now, {}, {}, {}

@@ -409,6 +409,7 @@ class CacheShard:
             figures.update(self._hints.stats())
             figures.update(self._remote_reads.stats())
             figures["hot_blocks_learned"] = self._hot.learned
+            figures["hot_asks"] = self._hot.asks
             figures["relayed_polls"] = self._membership_relay.served
             figures["relay_cannot_say"] = self._membership_relay.cannot_say
             counts = self._relay.counts
