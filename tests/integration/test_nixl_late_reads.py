@@ -173,17 +173,15 @@ def test_a_timed_out_read_is_not_done_until_its_bytes_can_no_longer_land(stalled
         transport.close()
 
 
-@pytest.mark.xfail(strict=True, reason="review67: NIXL 1.5.1 reports a request of a removed remote agent over "
-                   "('invalidated ... during transfer') while UCX still lands it; not fixed (see the test)")
 def test_a_timed_out_read_stays_late_after_its_transport_is_closed(stalled):
     """A read times out on a stalled shard, then its transport is closed while the shard is still
     stopped, as ``PoolConnections.sync`` closes a pool's when the membership drops it (Ray saw its
     actor die; a partitioned node): ``late`` turns False at once, yet the read lands once the
     shard runs again. The fence (``Copier.fence_late_reads``), ``StoreClient.get``'s wait and
-    a quarantined staging slab's ``reclaim`` all trust ``late``. Not fixed: reading an unknown
-    state as late would make a shard that died with a read in flight stop an unstaged engine at
-    its next step (its request errors, but its state can no longer be read once the pool is
-    dropped)."""
+    a quarantined staging slab's ``reclaim`` all trust ``late``. Now the transport keeps its
+    remote agent until its last transfer is over (NIXL 1.5.1 reported a request of a removed
+    remote agent over while UCX still landed it: review67, stop 67; this test was its strict
+    xfail)."""
     transport = NixlPoolTransport(stalled.desc)
     dst = torch.zeros(NBYTES, dtype=torch.uint8)
     transport.register_local(dst)
@@ -200,6 +198,7 @@ def test_a_timed_out_read_stays_late_after_its_transport_is_closed(stalled):
         stalled.resume()
         assert until(lambda: torch.equal(dst, stalled.bytes[:NBYTES]), LANDS_S), "the read never landed"
         assert late_after_close, "late was False after the transport closed, and the read landed after"
+        assert until(lambda: not transfer.late(), LANDS_S), "the landed read never read as over"
     finally:
         stalled.resume()
         transport.close()

@@ -531,6 +531,6 @@ _LENT_AT_CLOSE: list[_Slab] = []
 flight, held by a transfer whose outcome is unknown): NIXL may still land a request in one, so
 its memory is kept, never freed. Freed, the allocator handed it to the next tensor of its size,
 and the late read landed there (``tests/integration/test_store_client_late_transfers.py``).
-Never freed: once its transports closed (the remote agent removed), NIXL reports such a request
-over (``late`` False) while UCX still lands it."""
+Never freed rather than freed once over: nothing polls a closed client's transfers (a closed
+transport keeps its remote agent until they are over, ``NixlPoolTransport.close``)."""
 _LENT_LOCK = threading.Lock()

@@ -22,6 +22,7 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
@@ -55,10 +56,13 @@ class _NixlTransfer(Transfer):
     unseen. A timed-out transfer keeps its requests until they are over (``late``).
     """
 
-    def __init__(self, agent: Any, what: tuple[str, int, str], default_timeout_s: float | None) -> None:
+    def __init__(self, agent: Any, what: tuple[str, int, str], default_timeout_s: float | None,
+                 over: Callable[[_NixlTransfer], None]) -> None:
+        """``over``: called once no request of this transfer is in flight any more, if one was."""
         self._agent = agent
         self._what = what
         self._default_timeout_s = default_timeout_s
+        self._over = over
         self._pending: list[Any] = []
         self._error: str | None = None
         self._lock = threading.Lock()
@@ -99,6 +103,8 @@ class _NixlTransfer(Transfer):
                 if state != "DONE":
                     self._fail("NIXL reported an error")
                 self._release(h)
+        if self._pending and not still:
+            self._over(self)
         self._pending = still
         return not still
 
@@ -163,6 +169,9 @@ class NixlPoolTransport(PoolTransport):
         self._ends: dict[tuple[str, int], list[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._in_flight: set[_NixlTransfer] = set()
+        """Transfers with a request in flight: ``close`` leaves the remote agent and registrations
+        to the last of them (``_transfer_over``)."""
         log.debug("NIXL transport to shard %s (agent %s, %d bytes)", desc.shard_id, self._remote,
                   desc.pool_bytes)
 
@@ -275,7 +284,8 @@ class NixlPoolTransport(PoolTransport):
         if not groups:
             return CompletedTransfer()
         agent = self._client.agent
-        xfer = _NixlTransfer(agent, (op_name, len(ranges), self.desc.shard_id), self.default_timeout_s)
+        xfer = _NixlTransfer(agent, (op_name, len(ranges), self.desc.shard_id), self.default_timeout_s,
+                             self._transfer_over)
         for (mem_type, _dev), (local, remote) in groups.items():
             try:
                 handle = agent.initialize_xfer(op_name, agent.get_xfer_descs(local, mem_type),
@@ -290,6 +300,9 @@ class NixlPoolTransport(PoolTransport):
                 xfer._fail(f"could not post ({type(e).__name__}: {e})")
                 break
             xfer._add(handle, state)
+        if xfer._pending:
+            with self._lock:
+                self._in_flight.add(xfer)
         return xfer
 
     # -- teardown ----------------------------------------------------------------------
@@ -301,15 +314,34 @@ class NixlPoolTransport(PoolTransport):
             raise RuntimeError(f"NIXL client agent {self._client.name} is closed")
 
     def close(self) -> None:
-        """Drop our references to the remote agent and our registrations.
+        """Drop our references to the remote agent and our registrations: now, or once no
+        transfer of this transport has a request in flight.
 
-        Wait for (or abandon) this transport's transfers first: their memory is
-        deregistered here once no other transport of the process uses it.
+        NIXL 1.5.1 reports a request whose remote agent was removed as over ("invalidated"),
+        while UCX still lands it: a read that timed out on a paused shard, whose pool the
+        membership then dropped, read as no longer ``late`` and landed later in memory the fence,
+        ``StoreClient.get`` or a staging slab had handed on (review67, stop 67). Its transfer
+        stays late until it is over; the last one over finishes the close.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if self._in_flight:
+                log.info("NIXL transport to shard %s closed with %d transfers in flight: kept until they are over",
+                         self.desc.shard_id, len(self._in_flight))
+                return
+        self._release_remote()
+
+    def _transfer_over(self, transfer: _NixlTransfer) -> None:
+        with self._lock:
+            self._in_flight.discard(transfer)
+            last = self._closed and not self._in_flight
+        if last:
+            self._release_remote()
+
+    def _release_remote(self) -> None:
+        with self._lock:
             regions, self._regions = list(self._regions.values()), {}
             self._starts, self._ends = {}, {}
         self._client.remove_remote(self._remote)
