@@ -1,23 +1,27 @@
-"""A NIXL read into CPU KV that stays in flight past the fence (its shard paused, not dead), as a
+"""A NIXL read into CPU KV that stays in flight past its step (its shard paused, not dead), as a
 user of vLLM's OpenAI server meets it. Two nodes (``PrivateCluster``); engine A on node 1 saved a
 document on node 1's shard; vLLM's OpenAI server (engine B, the connector on, ``transport: nixl``,
 ``transfer_timeout_s`` 1 s, UCX over TCP only) serves the document with the same question. Its
 lookup is answered; as its first step that loads posts its reads, node 1's shard is stopped
 (SIGSTOP, ``tests/support/stalling_connector.py``): the reads time out in flight and stay late,
-and NIXL cannot cancel them. The engine must not run a forward over blocks those reads may still
-write; what the user sees of that is the test's subject."""
+and NIXL cannot cancel them.
+
+With the default ``nixl_stage_through_host: auto`` they land in a quarantined host slab and the
+engine goes on. Staging ``off`` (the reads land in the KV) stops the engine with one line of ours
+naming the shard; that case was run on the same harness at stop 67 (a 500 for the client, the
+server exited, nothing of it left: docs/performance-log.md) and is pinned below the server by
+``tests/integration/test_nixl_late_reads.py``, not here: ~65 s of CI for a setting that is not
+the default."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from tests.support import ROOT
@@ -59,35 +63,13 @@ def _up(server: subprocess.Popen, log: Path, base: str, timeout_s: float = 240) 
     raise AssertionError(f"api_server never came up:\n{log.read_text()[-4000:]}")
 
 
-def _shm_mapped(processes: list[psutil.Process]) -> set[str]:
-    """The /dev/shm files ``processes`` map, but the fleet's pools (the store's, not the engine's)."""
-    mapped = set()
-    for p in processes:
-        try:
-            mapped |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-        except psutil.Error:
-            continue
-    return {path for path in mapped if "-lateread-" not in path}
-
-
-def _family_left(family: list[psutil.Process], wait_s: float) -> list[str]:
-    """The processes of ``family`` still running ``wait_s`` after the server exited."""
-    deadline = time.monotonic() + wait_s
-    left = family
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.2)
-    return [f"{p.pid} {' '.join(p.cmdline()[:3])}" for p in left if p.is_running()]
-
-
-@pytest.fixture(scope="module", params=["auto", "off"])
-def seen(request, model, tmp_path_factory):
-    """What a user of engine B sees with ``nixl_stage_through_host`` ``param``: the client's answers
-    or error, the server's exit and log, what is left of its processes and in /dev/shm."""
+@pytest.fixture(scope="module")
+def seen(model, tmp_path_factory):
+    """What a user of engine B sees: the client's answers or error, whether the server still runs,
+    and its log."""
     from openai import OpenAI
 
-    staging = request.param
-    tmp = tmp_path_factory.mktemp(f"late-{staging}")
+    tmp = tmp_path_factory.mktemp("late")
     cluster = PrivateCluster(pinned_nodes(2))
     driver = subprocess.Popen([sys.executable, str(ROOT / "tests/support/late_read_driver.py"), cluster.address,
                                model, str(DOCUMENT)], cwd=ROOT, env=cluster_env(), stdin=subprocess.PIPE,
@@ -102,13 +84,11 @@ def seen(request, model, tmp_path_factory):
         kv = {"kv_connector": "UcmRayConnector", "kv_connector_module_path": "tests.support.stalling_connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"ray_namespace": "lateread", "ray_address": cluster.address,
-                                            "transport": "nixl", "nixl_stage_through_host": staging,
+                                            "transport": "nixl",
                                             "transfer_timeout_s": 1.0, "lookup_timeout_s": 60, "lease_s": 120}}
         server = _server(model, port, kv, log, setup["pid"])
         base = f"http://127.0.0.1:{port}"
         _up(server, log, base)
-        family = psutil.Process(server.pid).children(recursive=True)
-        engine_shm = _shm_mapped([psutil.Process(server.pid), *family])
         client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
         answers: list[dict[str, Any]] = []
         for _ in range(2):  # the load that fails, then the same prompt again
@@ -123,10 +103,7 @@ def seen(request, model, tmp_path_factory):
             rc = server.wait(timeout=60 if answers[-1]["error"] else 3)
         except subprocess.TimeoutExpired:
             rc = None
-        left = _family_left(family, 10) if rc is not None else []
-        shm_left = sorted(path for path in engine_shm if os.path.exists(path)) if rc is not None else []
-        yield {"staging": staging, "setup": setup, "answers": answers, "rc": rc, "log": log.read_text(), "left": left,
-               "engine_shm": sorted(engine_shm), "shm_left": shm_left}
+        yield {"setup": setup, "answers": answers, "rc": rc, "log": log.read_text()}
     finally:
         if server is not None and server.poll() is None:
             server.terminate()
@@ -145,32 +122,18 @@ def seen(request, model, tmp_path_factory):
 
 def _summary(seen: dict[str, Any]) -> str:
     log = seen["log"]
-    ours = [line for line in log.splitlines() if "stopping this engine" in line and "[copies.py" in line]
     return (f"answers={seen['answers']} rc={seen['rc']} log_lines={len(log.splitlines())} "
-            f"tracebacks={log.count('Traceback')} our_lines={ours} left={seen['left']} "
-            f"engine_shm={len(seen['engine_shm'])} shm_left={seen['shm_left']}")
+            f"tracebacks={log.count('Traceback')}")
 
 
-def test_the_user_gets_the_right_answer_or_one_line_that_says_why_not(seen):
-    """Default staging (``auto``: CPU KV's reads through host slabs on a host without RDMA): the
-    failed load is recomputed, the answer is the writer's (greedy, same prompt), the server keeps
-    serving, and its log holds no traceback. Staging off (the reads land in the KV): the engine
-    stops (a late read may write blocks vLLM reuses): the client gets a 500, the server exits,
-    its log says why in one line of ours naming the shard and what to do, and nothing of it is
-    left (processes, /dev/shm). Before: the default was the second case, with vLLM's tracebacks
-    around a reason that named no shard."""
+def test_the_user_gets_the_writers_answer_and_the_server_keeps_serving(seen):
+    """The failed load is recomputed, the answer is the writer's (greedy, same prompt) twice, the
+    server keeps serving, and its log holds no traceback. Before (stop 66's code, where ``auto``
+    staged only GPU KV): the engine died at the next step (``LateReadError``), the client got a
+    500 and the server exited."""
     print(f"late read engine [{seen['setup']['shard_id']}]: {_summary(seen)}")
     setup, log = seen["setup"], seen["log"]
-    answers = seen["answers"]
-    if seen["staging"] == "auto":
-        assert [a.get("tokens") for a in answers] == [setup["reference"]] * 2, _summary(seen)
-        assert seen["rc"] is None, "the server stopped"
-        assert "Traceback" not in log and "LateReadError" not in log, _summary(seen)
-        assert "NIXL READ" in log, "no read timed out: the shard was not stopped in time"
-        return
-    assert "Error code: 500" in answers[0]["error"], _summary(seen)
-    assert seen["rc"] is not None, "the engine died but its server kept running"
-    ours = [line for line in log.splitlines() if "stopping this engine" in line and "[copies.py" in line]
-    assert len(ours) == 1 and f"from shard {setup['shard_id']} " in ours[0] and "restart the engine" in ours[0], \
-        _summary(seen)
-    assert seen["left"] == [] and seen["shm_left"] == [], _summary(seen)
+    assert [a.get("tokens") for a in seen["answers"]] == [setup["reference"]] * 2, _summary(seen)
+    assert seen["rc"] is None, "the server stopped"
+    assert "Traceback" not in log and "LateReadError" not in log, _summary(seen)
+    assert "NIXL READ" in log, "no read timed out: the shard was not stopped in time"
