@@ -1,6 +1,6 @@
 """What every benchmark here measures with: the best-of-N timer, engines taking items in turn,
-and the keys of the entries a benchmark stores. One module, so that the scripts import it rather
-than each other."""
+the keys of the entries a benchmark stores, and the local Ray cluster it runs on. One module, so
+that the scripts import it rather than each other."""
 
 from __future__ import annotations
 
