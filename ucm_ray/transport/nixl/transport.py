@@ -335,6 +335,8 @@ class NixlPoolTransport(PoolTransport):
 
     def _transfer_over(self, transfer: _NixlTransfer) -> None:
         with self._lock:
+            if transfer not in self._in_flight:
+                return
             self._in_flight.discard(transfer)
             last = self._closed and not self._in_flight
         if last:
